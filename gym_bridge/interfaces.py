@@ -1,0 +1,200 @@
+"""Abstract interfaces: generation, environments, policies, and the rollout-backend hook.
+
+A rollout backend is found through the ``gym_bridge.rollout_backends`` entry-point
+group and must satisfy :class:`RolloutBackend`.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import AsyncIterator
+from typing import Any, Protocol, runtime_checkable
+
+from gym_bridge.batched import BatchedDataDict
+from gym_bridge.types import (
+    DatumSpec,
+    EnvironmentReturn,
+    GenerationDatumSpec,
+    GenerationOutputSpec,
+    LLMMessageLogType,
+    PromptGroupRecord,
+)
+
+
+class GenerationInterface(abc.ABC):
+    """A generation engine: batched ``generate`` and per-sample streaming ``generate_async``."""
+
+    @abc.abstractmethod
+    def generate(
+        self, data: BatchedDataDict[GenerationDatumSpec], greedy: bool = False
+    ) -> BatchedDataDict[GenerationOutputSpec]:
+        """Generate for a right-padded batch; see :class:`GenerationOutputSpec` for the output."""
+
+    @abc.abstractmethod
+    def generate_async(
+        self, data: BatchedDataDict[GenerationDatumSpec], greedy: bool = False
+    ) -> AsyncIterator[tuple[int, BatchedDataDict[GenerationOutputSpec]]]:
+        """Yield ``(row index, single-row output)`` as each row of ``data`` finishes.
+
+        Must not block the event loop.
+        """
+
+    def init_collective(self, ip: str, port: int, world_size: int, *, train_world_size: int) -> list[Any]:
+        raise NotImplementedError(f"{type(self).__name__} does not join a weight-sync collective")
+
+    def prepare_for_generation(self, *args: Any, **kwargs: Any) -> bool:
+        """Wake the engine; idempotent."""
+        return True
+
+    def finish_generation(self, *args: Any, release_gpu: bool = True, **kwargs: Any) -> bool:
+        """Let the engine sleep; idempotent."""
+        return True
+
+    def shutdown(self) -> bool:
+        """Release resources; safe to call more than once."""
+        return True
+
+    def get_logger_metrics(self) -> dict[str, Any]:
+        return {}
+
+    def clear_logger_metrics(self) -> None:
+        return None
+
+
+class EnvironmentInterface(abc.ABC):
+    """An environment, normally run as a Ray actor and called with ``.step.remote``."""
+
+    @abc.abstractmethod
+    def step(self, message_log_batch: list[LLMMessageLogType], metadata: list[Any]) -> EnvironmentReturn:
+        """Score one turn for a batch of role/content-only logs and their metadata."""
+
+    @abc.abstractmethod
+    def global_post_process_and_metrics(
+        self, batch: BatchedDataDict[Any]
+    ) -> tuple[BatchedDataDict[Any], dict[str, Any]]:
+        """Post-process a finished batch and return it with environment metrics."""
+
+    def shutdown(self) -> None:
+        return None
+
+
+class PolicyInterface(abc.ABC):
+    """A trainable policy, as a training loop drives it."""
+
+    @abc.abstractmethod
+    def get_logprobs(self, data: BatchedDataDict[Any], timer: Any = None) -> BatchedDataDict[Any]:
+        """Return ``{"logprobs": Tensor}`` for the token batch."""
+
+    @abc.abstractmethod
+    def get_reference_policy_logprobs(
+        self, data: BatchedDataDict[Any], micro_batch_size: int | None = None, timer: Any = None
+    ) -> BatchedDataDict[Any]:
+        """Return ``{"reference_logprobs": Tensor}``."""
+
+    @abc.abstractmethod
+    def get_topk_logits(
+        self, data: BatchedDataDict[Any], k: int, micro_batch_size: int | None = None, timer: Any = None
+    ) -> BatchedDataDict[Any]:
+        """Return ``{"topk_logits", "topk_indices"}`` aligned to next-token positions."""
+
+    @abc.abstractmethod
+    def train(
+        self,
+        data: BatchedDataDict[Any],
+        loss_fn: Any,
+        eval_mode: bool = False,
+        *,
+        gbs: int | None = None,
+        mbs: int | None = None,
+        timer: Any = None,
+    ) -> dict[str, Any]:
+        """One optimisation step (no update when ``eval_mode``); returns metrics."""
+
+    @abc.abstractmethod
+    def calibrate_qkv_fp8_scales(
+        self,
+        data: BatchedDataDict[Any],
+        micro_batch_size: int | None = None,
+        percentile: float = 99.9,
+        margin: float = 1.05,
+        include_q: bool = False,
+    ) -> dict[str, Any]:
+        """Return FP8 KV scales calibrated on ``data``."""
+
+    @abc.abstractmethod
+    def prepare_for_training(self, *args: Any, **kwargs: Any) -> None: ...
+
+    @abc.abstractmethod
+    def finish_training(self, *args: Any, **kwargs: Any) -> None: ...
+
+    @abc.abstractmethod
+    def save_checkpoint(self, *args: Any, **kwargs: Any) -> None: ...
+
+    @abc.abstractmethod
+    def shutdown(self) -> bool: ...
+
+
+class ColocatablePolicyInterface(PolicyInterface):
+    """A policy that shares GPUs with generation and pushes weights to it."""
+
+    @abc.abstractmethod
+    def init_collective(
+        self, ip: str, port: int, world_size: int, *, train_world_size: int, nccl_peer: str = "nemo"
+    ) -> list[Any]: ...
+
+    @abc.abstractmethod
+    def offload_before_refit(self) -> None: ...
+
+    @abc.abstractmethod
+    def offload_after_refit(self) -> None: ...
+
+    @abc.abstractmethod
+    def prepare_refit_info(self) -> dict[str, Any] | None: ...
+
+    @abc.abstractmethod
+    def stream_weights_via_ipc_zmq(self, buffer_size_bytes: int, kv_scales: dict[str, Any] | None = None) -> list[Any]: ...
+
+    @abc.abstractmethod
+    def broadcast_weights_for_collective(
+        self,
+        kv_scales: dict[str, Any] | None = None,
+        *,
+        buffer_size_bytes: int | None = None,
+        num_buffers: int | None = None,
+    ) -> list[Any]: ...
+
+    @abc.abstractmethod
+    def prepare_for_lp_inference(self, keep_train_buffers: bool = False) -> None: ...
+
+    def offload_to_cpu(self) -> None:
+        return None
+
+    def stream_weights_via_http(self, urls: list[str], buffer_size_bytes: int) -> list[Any]:
+        raise NotImplementedError(f"{type(self).__name__} cannot stream weights over HTTP")
+
+    def set_rollout_num_gpus_per_engine(self, n: int) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not set GPUs per engine")
+
+    def prepare_nccl_reshard_refit_info(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} does not support NCCL reshard refit")
+
+    def nccl_reshard_refit(self, kv_scales: dict[str, Any] | None = None) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} does not support NCCL reshard refit")
+
+
+@runtime_checkable
+class RolloutBackend(Protocol):
+    """The hook contract for a rollout backend (entry-point group ``gym_bridge.rollout_backends``).
+
+    ``RolloutManager`` constructs the class with keyword arguments only:
+    ``tokenizer``, ``task_to_env``, ``num_generations_per_prompt``, ``max_seq_len``,
+    ``max_rollout_turns``, ``policy_generation``, ``generation_config``, ``timeouts``,
+    plus any extra keywords the caller passed. A backend must accept (and may
+    ignore) keywords it does not use, so it should take ``**kwargs``.
+
+    ``run_rollout`` rolls out one prompt and returns a complete group of
+    ``num_generations_per_prompt`` completions in generation order, or raises a
+    :mod:`gym_bridge.failures` error. It never returns a partial group.
+    """
+
+    async def run_rollout(self, datum: DatumSpec) -> PromptGroupRecord: ...

@@ -1,0 +1,168 @@
+"""Data contracts shared by every rollout path.
+
+Field names, shapes and dtypes follow NeMo-RL's bridge so that a training loop
+written against NeMo-RL consumes these records unchanged. One deliberate
+difference: every ``token_ids`` tensor is int64, including empty ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, NotRequired, TypedDict
+
+import torch
+
+NEMO_GYM_TASK_INDEX_KEY = "_ng_task_index"
+NEXT_NEMO_GYM_TASK_INDEX_KEY = "next_ng_task_index"
+
+TOKEN_DTYPE = torch.int64
+LOGPROB_DTYPE = torch.float32
+
+
+class MessageEntry(TypedDict, total=False):
+    """One message of a message log; ``token_ids`` is always a 1-D int64 tensor."""
+
+    role: str
+    content: str
+    token_ids: torch.Tensor
+    generation_logprobs: torch.Tensor
+    is_invalid_tool_call: bool
+    has_malformed_thinking: bool
+    token_loss_mask: torch.Tensor
+
+
+LLMMessageLogType = list[MessageEntry]
+
+
+class DatumSpec(TypedDict, total=False):
+    """One prompt as the dataset hands it to a rollout backend.
+
+    For the NeMo-Gym path ``extra_env_info`` is the Gym input row.
+    Extra keys are allowed and carried through.
+    """
+
+    message_log: LLMMessageLogType
+    length: int
+    extra_env_info: dict[str, Any] | None
+    loss_multiplier: float
+    idx: int
+    task_name: NotRequired[str]
+    stop_strings: NotRequired[list[str] | None]
+
+
+@dataclass
+class Completion:
+    """One finished trajectory: the full message log (prompt included) and its reward."""
+
+    message_log: LLMMessageLogType
+    env_extras: dict[str, Any] | None
+    truncated: bool
+    reward: float
+
+
+@dataclass
+class PromptGroupRecord:
+    """The N completions of one prompt, in generation-index order, with group metrics."""
+
+    prompt_idx: int
+    prompt: LLMMessageLogType
+    extra_env_info: dict[str, Any] | None
+    metadata: dict[str, Any]
+    completions: list[Completion]
+    rollout_metrics: dict[str, Any] = field(default_factory=dict)
+
+
+class ColocationResources(TypedDict, total=False):
+    gpus_per_node: int | None
+    num_nodes: int | None
+
+
+class ColocationConfig(TypedDict, total=False):
+    enabled: bool
+    resources: ColocationResources
+
+
+class GenerationConfig(TypedDict, total=False):
+    """Sampling and engine settings; the ``val_*`` fields are the validation profile."""
+
+    backend: str
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int | None
+    val_temperature: float
+    val_top_p: float
+    val_top_k: int | None
+    stop_token_ids: list[int] | None
+    stop_strings: list[str] | None
+    model_name: str
+    bad_words: list[str] | None
+    colocated: ColocationConfig
+    port_range_low: int
+    port_range_high: int
+    use_async_rollouts: bool
+    vllm_cfg: dict[str, Any]
+    _pad_token_id: int
+
+
+@dataclass(frozen=True)
+class GenerationSamplingParams:
+    """One sampling profile (train or validation) taken from a GenerationConfig."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+
+    @classmethod
+    def from_generation_config(cls, cfg: GenerationConfig, *, validation: bool = False) -> GenerationSamplingParams:
+        prefix = "val_" if validation else ""
+        return cls(
+            temperature=float(cfg.get(f"{prefix}temperature", cfg.get("temperature", 1.0))),
+            top_p=float(cfg.get(f"{prefix}top_p", cfg.get("top_p", 1.0))),
+            top_k=cfg.get(f"{prefix}top_k", cfg.get("top_k")),
+        )
+
+
+class GenerationDatumSpec(TypedDict):
+    """Generation input: ``input_ids`` [B, S] right-padded, ``input_lengths`` [B]."""
+
+    input_ids: torch.Tensor
+    input_lengths: torch.Tensor
+    stop_strings: NotRequired[list[list[str] | None] | None]
+
+
+class GenerationOutputSpec(TypedDict):
+    """Generation output.
+
+    ``output_ids`` [B, S'] holds the input followed by generated tokens, right-padded;
+    ``logprobs`` [B, S'] is zero on prompt and padding positions;
+    ``unpadded_sequence_lengths`` = input length + ``generation_lengths``;
+    ``truncated`` [B] is True where the token cap was hit without a stop.
+    """
+
+    output_ids: torch.Tensor
+    generation_lengths: torch.Tensor
+    unpadded_sequence_lengths: torch.Tensor
+    logprobs: torch.Tensor
+    truncated: NotRequired[torch.Tensor]
+
+
+class EnvironmentReturn(NamedTuple):
+    """What ``EnvironmentInterface.step`` returns; the positional order is part of the contract."""
+
+    observations: list[dict[str, str]]
+    metadata: list[Any]
+    next_stop_strings: list[list[str] | None] | None
+    rewards: torch.Tensor
+    terminateds: torch.Tensor
+    answers: list[str | None] | None
+
+
+def token_tensor(ids: Any) -> torch.Tensor:
+    """A 1-D int64 token tensor, also for an empty list (``torch.tensor([])`` is float32)."""
+    return torch.as_tensor(ids, dtype=TOKEN_DTYPE).reshape(-1)
+
+
+def logprob_tensor(values: Any) -> torch.Tensor:
+    """A 1-D float32 logprob tensor."""
+    return torch.as_tensor(values, dtype=LOGPROB_DTYPE).reshape(-1)

@@ -1,0 +1,34 @@
+"""Building a DatumSpec from chat messages with a tokenizer's chat template."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gym_bridge.types import DatumSpec, MessageEntry, token_tensor
+
+
+def datum_from_chat(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    *,
+    idx: int,
+    task_name: str | None = None,
+    extra_env_info: dict[str, Any] | None = None,
+    stop_strings: list[str] | None = None,
+    tools: list[dict[str, Any]] | None = None,
+) -> DatumSpec:
+    """One prompt: the rendered chat (generation prompt included) as a single tokenised user message."""
+    text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+    token_ids = token_tensor(tokenizer(text, add_special_tokens=False)["input_ids"])
+    datum = DatumSpec(
+        message_log=[MessageEntry(role="user", content=text, token_ids=token_ids)],
+        length=int(token_ids.numel()),
+        extra_env_info=extra_env_info,
+        loss_multiplier=1.0,
+        idx=idx,
+    )
+    if task_name is not None:
+        datum["task_name"] = task_name
+    if stop_strings is not None:
+        datum["stop_strings"] = stop_strings
+    return datum

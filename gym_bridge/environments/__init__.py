@@ -1,0 +1,1 @@
+"""Built-in environments (Ray actors implementing EnvironmentInterface)."""

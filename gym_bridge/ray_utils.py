@@ -1,0 +1,38 @@
+"""Starting Ray the way these machines need it: local, loopback, small, no dashboard."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import ray
+
+_RAY_ENV_DEFAULTS = {
+    # Under `uv run`, Ray would otherwise try to ship the working directory to workers.
+    "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",
+    "RAY_USAGE_STATS_ENABLED": "0",
+}
+
+
+def init_ray(*, num_cpus: int | None = None, object_store_memory: int = 256 * 1024**2, **kwargs: Any) -> None:
+    """Connect to a running Ray (``RAY_ADDRESS``) or start a local one bound to 127.0.0.1."""
+    for key, value in _RAY_ENV_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+    # Ray reads this flag once, at import; honour the environment even if ray was imported first.
+    from ray._private import ray_constants
+
+    ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV = os.environ["RAY_ENABLE_UV_RUN_RUNTIME_ENV"] not in ("0", "false", "False")
+    if ray.is_initialized():
+        return
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(ignore_reinit_error=True, **kwargs)
+        return
+    ray.init(
+        num_cpus=num_cpus,
+        object_store_memory=object_store_memory,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        ignore_reinit_error=True,
+        logging_level="WARNING",
+        **kwargs,
+    )

@@ -1,0 +1,1 @@
+"""Rollout components: the manager, its backend registry, and the rollout backends."""

@@ -1,0 +1,105 @@
+"""Stepping environments: group samples by task, step every group at once, restore input order."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import ray
+import torch
+
+from gym_bridge.batched import get_keys_from_message_log
+from gym_bridge.types import EnvironmentReturn, LLMMessageLogType
+
+
+class UnknownTaskError(KeyError):
+    """A sample names a ``task_name`` that has no environment in ``task_to_env``."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+def environment_for(task_name: str | None, task_to_env: Mapping[str, Any]) -> Any:
+    """The environment registered for ``task_name``, or an error that names it and the known tasks."""
+    try:
+        return task_to_env[task_name]  # type: ignore[index]
+    except KeyError:
+        known = ", ".join(sorted(task_to_env)) or "(none)"
+        raise UnknownTaskError(f"no environment for task_name={task_name!r}; known tasks: {known}") from None
+
+
+def _dispatch(
+    message_logs: Sequence[LLMMessageLogType],
+    metadata: Sequence[Any],
+    task_names: Sequence[str | None],
+    task_to_env: Mapping[str, Any],
+) -> list[tuple[list[int], Any]]:
+    groups: dict[str | None, list[int]] = {}
+    for i, name in enumerate(task_names):
+        groups.setdefault(name, []).append(i)
+    calls = []
+    for name, indices in groups.items():
+        env = environment_for(name, task_to_env)
+        logs = [get_keys_from_message_log(message_logs[i], ["role", "content"]) for i in indices]
+        calls.append((indices, env.step.remote(logs, [metadata[i] for i in indices])))
+    return calls
+
+
+def _stack_rewards(values: list[Any]) -> torch.Tensor | dict[str, torch.Tensor]:
+    if all(isinstance(v, dict) for v in values):
+        names = sorted(values[0])
+        return {name: torch.stack([torch.as_tensor(v[name], dtype=torch.float32) for v in values]) for name in names}
+    if any(isinstance(v, dict) for v in values):
+        raise TypeError("environments returned a mix of dict and scalar rewards in one batch")
+    return torch.stack([torch.as_tensor(v, dtype=torch.float32).reshape(()) for v in values])
+
+
+def _merge(batch_size: int, calls: list[tuple[list[int], Any]], returns: list[EnvironmentReturn]) -> EnvironmentReturn:
+    observations: list[Any] = [None] * batch_size
+    metadata: list[Any] = [None] * batch_size
+    stops: list[Any] = [None] * batch_size
+    rewards: list[Any] = [None] * batch_size
+    terminateds: list[bool] = [False] * batch_size
+    answers: list[Any] = [None] * batch_size
+    for (indices, _), ret in zip(calls, returns, strict=True):
+        obs, meta, next_stops, rew, term, ans = ret
+        if len(obs) != len(indices):
+            raise ValueError(f"environment returned {len(obs)} observations for {len(indices)} samples")
+        for j, i in enumerate(indices):
+            observations[i] = obs[j]
+            metadata[i] = meta[j] if meta is not None else None
+            stops[i] = next_stops[j] if next_stops is not None else None
+            rewards[i] = {k: v[j] for k, v in rew.items()} if isinstance(rew, dict) else rew[j]
+            terminateds[i] = bool(term[j])
+            answers[i] = ans[j] if ans is not None else None
+    return EnvironmentReturn(
+        observations=observations,
+        metadata=metadata,
+        next_stop_strings=stops,
+        rewards=_stack_rewards(rewards) if batch_size else torch.zeros(0),
+        terminateds=torch.tensor(terminateds, dtype=torch.bool),
+        answers=answers,
+    )
+
+
+def calculate_rewards(
+    message_logs: Sequence[LLMMessageLogType],
+    metadata: Sequence[Any],
+    task_names: Sequence[str | None],
+    task_to_env: Mapping[str, Any],
+) -> EnvironmentReturn:
+    """Step every sample's environment (Ray actors, all groups in flight at once); blocks."""
+    calls = _dispatch(message_logs, metadata, task_names, task_to_env)
+    return _merge(len(message_logs), calls, ray.get([ref for _, ref in calls]))
+
+
+async def calculate_rewards_async(
+    message_logs: Sequence[LLMMessageLogType],
+    metadata: Sequence[Any],
+    task_names: Sequence[str | None],
+    task_to_env: Mapping[str, Any],
+) -> EnvironmentReturn:
+    """As :func:`calculate_rewards`, awaiting the actors instead of blocking a thread."""
+    calls = _dispatch(message_logs, metadata, task_names, task_to_env)
+    returns = [await ref for _, ref in calls]
+    return _merge(len(message_logs), calls, returns)

@@ -27,7 +27,7 @@ from gym_bridge.failures import (
     gather_cancel_siblings,
 )
 from gym_bridge.interfaces import GenerationInterface
-from gym_bridge.metrics import calculate_single_metric, pct
+from gym_bridge.metrics import calculate_single_metric, pct, summarize
 from gym_bridge.rollout.env_step import calculate_rewards_async, environment_for
 from gym_bridge.types import (
     Completion,
@@ -229,9 +229,7 @@ def aggregate_trajectory_metrics(samples: list[TrajectoryStats]) -> dict[str, An
     metrics: dict[str, Any] = {}
     metrics.update(calculate_single_metric([s.total_reward for s in samples], "total_reward"))
     metrics["total_turns"] = sum(turns)
-    metrics.update(calculate_single_metric(turns, "turns_per_sample"))
-    metrics["turns_per_sample/p95"] = pct(turns, 95)
-    metrics["turns_per_sample/p99"] = pct(turns, 99)
+    metrics.update(summarize(turns, "turns_per_sample"))
     metrics.update(calculate_single_metric([s.total_tokens for s in samples], "total_tokens_per_sample"))
     metrics.update(calculate_single_metric([s.assistant_tokens for s in samples], "gen_tokens_per_sample"))
     metrics.update(calculate_single_metric([s.env_tokens for s in samples], "env_tokens_per_sample"))

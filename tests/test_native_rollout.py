@@ -32,13 +32,19 @@ def arithmetic_env(ray_session):
     ray.kill(env)
 
 
-def make_datum(tokenizer, idx=0, attempts_left=0, ground_truth="19"):
+# The random tiny model rarely ends a turn by itself; stop strings that almost every token
+# contains end each turn after a few tokens, so episodes can run for several turns.
+SHORT_TURNS = [" ", "e", "a", "o", "t", "\n"]
+
+
+def make_datum(tokenizer, idx=0, attempts_left=0, ground_truth="19", stop_strings=None):
     return datum_from_chat(
         tokenizer,
         [{"role": "user", "content": "What is 12 + 7?"}],
         idx=idx,
         task_name="arithmetic",
         extra_env_info={"ground_truth": ground_truth, "attempts_left": attempts_left},
+        stop_strings=stop_strings,
     )
 
 
@@ -94,13 +100,16 @@ async def test_single_turn_group(generation, arithmetic_env):
 
 async def test_multi_turn_retries_until_attempts_run_out(generation, arithmetic_env):
     # A ground truth the random model cannot produce makes every answer wrong: 1 + 2 retries = 3 turns.
-    datum = make_datum(generation.tokenizer, attempts_left=2, ground_truth="-987654321")
+    datum = make_datum(generation.tokenizer, attempts_left=2, ground_truth="-987654321", stop_strings=SHORT_TURNS)
     record = await make_manager(generation, arithmetic_env, num_generations_per_prompt=2, max_rollout_turns=5,
                                 max_seq_len=1024).run_rollout(datum)
     for completion in record.completions:
         roles = [m["role"] for m in completion.message_log]
         assert roles == ["user", "assistant", "user", "assistant", "user", "assistant", "environment"]
         assert completion.reward == 0.0 and not completion.truncated
+        for reply in completion.message_log[1::2]:
+            if reply["role"] == "assistant":
+                assert any(stop in reply["content"] for stop in SHORT_TURNS)
         retry = completion.message_log[2]
         assert "is wrong. Try again." in retry["content"]
         assert retry["token_ids"].tolist() == generation.tokenizer(retry["content"], add_special_tokens=False)["input_ids"]
@@ -112,7 +121,7 @@ async def test_multi_turn_retries_until_attempts_run_out(generation, arithmetic_
 
 
 async def test_max_turns_cuts_the_episode(generation, arithmetic_env):
-    datum = make_datum(generation.tokenizer, attempts_left=5, ground_truth="-987654321")
+    datum = make_datum(generation.tokenizer, attempts_left=5, ground_truth="-987654321", stop_strings=SHORT_TURNS)
     record = await make_manager(generation, arithmetic_env, num_generations_per_prompt=2, max_rollout_turns=2,
                                 max_seq_len=1024).run_rollout(datum)
     m = record.rollout_metrics

@@ -1,0 +1,1 @@
+"""Models gym-bridge can build locally (no downloads): see :mod:`gym_bridge.models.tiny`."""

@@ -1,0 +1,382 @@
+"""HFGeneration on the real tiny model: output contract, logprob fidelity, stops, caps, async batching."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from gym_bridge.batched import BatchedDataDict
+from gym_bridge.generation.hf import EngineShutDownError, HFGeneration, HFGenerationConfig
+
+PROMPTS = [
+    "Hello there",
+    "The final answer is 12 + 7 = 19 and then some more words follow here",
+    "x",
+    '{"name": "add", "arguments": {"a": 2}}',
+]
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir: Path):
+    """(tokenizer, model) loaded once for the module; engines share them."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    model.eval()
+    return tok, model
+
+
+def engine(tiny, **cfg) -> HFGeneration:
+    tok, model = tiny
+    cfg.setdefault("max_new_tokens", 12)
+    return HFGeneration(HFGenerationConfig(**cfg), model=model, tokenizer=tok)
+
+
+def batch(tok, prompts: list[str], **extra) -> BatchedDataDict:
+    enc = [tok.encode(p, add_special_tokens=False) for p in prompts]
+    width = max(len(e) for e in enc) + 2  # extra right padding beyond the longest row
+    ids = torch.full((len(enc), width), tok.pad_token_id, dtype=torch.int64)
+    for i, e in enumerate(enc):
+        ids[i, : len(e)] = torch.tensor(e)
+    return BatchedDataDict({"input_ids": ids, "input_lengths": torch.tensor([len(e) for e in enc]), **extra})
+
+
+def unpadded(out: BatchedDataDict, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    n = int(out["unpadded_sequence_lengths"][i])
+    return out["output_ids"][i, :n], out["logprobs"][i, :n]
+
+
+def generated(out: BatchedDataDict, data: BatchedDataDict, i: int) -> list[int]:
+    n_in = int(data["input_lengths"][i])
+    return out["output_ids"][i, n_in : int(out["unpadded_sequence_lengths"][i])].tolist()
+
+
+def recompute(model, seq: torch.Tensor, n_in: int, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One full forward pass: (logprobs of the generated tokens, logits that predicted them)."""
+    with torch.inference_mode():
+        logits = model(seq[None]).logits[0].float()
+    pred = logits[n_in - 1 : seq.shape[0] - 1]
+    lp = torch.log_softmax(pred / temperature, dim=-1).gather(-1, seq[n_in:, None]).squeeze(-1)
+    return lp, pred
+
+
+def test_output_contract(tiny) -> None:
+    tok, _ = tiny
+    gen = engine(tiny)
+    data = batch(tok, PROMPTS)
+    out = gen.generate(data, greedy=True)
+    assert set(out.keys()) == {"output_ids", "logprobs", "generation_lengths", "unpadded_sequence_lengths", "truncated"}
+    bsz, width = data["input_ids"].shape
+    assert out["output_ids"].dtype == torch.int64 and out["logprobs"].dtype == torch.float32
+    assert out["generation_lengths"].dtype == torch.int64 and out["unpadded_sequence_lengths"].dtype == torch.int64
+    assert out["truncated"].dtype == torch.bool
+    gen_lens = out["generation_lengths"]
+    assert out["output_ids"].shape == out["logprobs"].shape == (bsz, width + int(gen_lens.max()))
+    assert torch.equal(out["unpadded_sequence_lengths"], data["input_lengths"] + gen_lens)
+    for i in range(bsz):
+        n_in, n = int(data["input_lengths"][i]), int(out["unpadded_sequence_lengths"][i])
+        assert torch.equal(out["output_ids"][i, :n_in], data["input_ids"][i, :n_in])
+        assert (out["output_ids"][i, n:] == tok.pad_token_id).all()  # right padded with the pad id
+        assert (out["logprobs"][i, :n_in] == 0).all() and (out["logprobs"][i, n:] == 0).all()
+        assert (out["logprobs"][i, n_in:n] < 0).all()  # real logprobs on generated positions
+    # Nothing stops the random model within 12 tokens, so every row hit the cap.
+    assert (gen_lens == 12).all() and out["truncated"].all()
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_logprobs_match_full_forward(tiny, greedy: bool) -> None:
+    tok, model = tiny
+    temperature = 1.0 if greedy else 0.7
+    gen = engine(tiny, temperature=temperature, seed=123)
+    data = batch(tok, PROMPTS)
+    out = gen.generate(data, greedy=greedy)
+    for i in range(len(PROMPTS)):
+        seq, lps = unpadded(out, i)
+        n_in = int(data["input_lengths"][i])
+        ref_lp, pred_logits = recompute(model, seq, n_in, temperature)
+        torch.testing.assert_close(lps[n_in:], ref_lp, atol=1e-4, rtol=0)
+        if greedy:
+            assert torch.equal(pred_logits.argmax(-1), seq[n_in:])
+
+
+def test_greedy_is_deterministic_and_independent_of_batching(tiny) -> None:
+    tok, _ = tiny
+    gen = engine(tiny, max_batch_size=3)
+    data = batch(tok, PROMPTS)
+    before = gen.stats.batches_run
+    a = gen.generate(data, greedy=True)
+    assert gen.stats.batches_run - before == 2  # 4 rows, max_batch_size 3
+    b = gen.generate(data, greedy=True)
+    assert torch.equal(a["output_ids"], b["output_ids"]) and torch.equal(a["logprobs"], b["logprobs"])
+    for i in range(len(PROMPTS)):  # left padding inside the batch does not change a row
+        single = gen.generate(data.slice(i, i + 1), greedy=True)
+        assert torch.equal(unpadded(single, 0)[0], unpadded(a, i)[0])
+        torch.testing.assert_close(unpadded(single, 0)[1], unpadded(a, i)[1], atol=1e-5, rtol=0)
+
+
+def test_sampling_is_seeded_and_filters_only_restrict_choice(tiny) -> None:
+    tok, model = tiny
+    data = batch(tok, PROMPTS)
+    kw = {"temperature": 0.9, "top_k": 20, "top_p": 0.5, "max_new_tokens": 10}
+    a = engine(tiny, seed=7, **kw).generate(data)
+    b = engine(tiny, seed=7, **kw).generate(data)
+    c = engine(tiny, seed=8, **kw).generate(data)
+    assert torch.equal(a["output_ids"], b["output_ids"])
+    assert not torch.equal(a["output_ids"], c["output_ids"])
+    greedy = engine(tiny, **kw).generate(data, greedy=True)
+    assert not torch.equal(a["output_ids"], greedy["output_ids"])
+    for i in range(len(PROMPTS)):
+        seq, lps = unpadded(a, i)
+        n_in = int(data["input_lengths"][i])
+        ref_lp, pred_logits = recompute(model, seq, n_in, 0.9)
+        # Reported logprobs are from the unrestricted log_softmax(logits / T) ...
+        torch.testing.assert_close(lps[n_in:], ref_lp, atol=1e-4, rtol=0)
+        # ... while the sampled tokens respect top-k (ties aside, rank < 20).
+        rank = (pred_logits > pred_logits.gather(-1, seq[n_in:, None])).sum(-1)
+        assert (rank < 20).all()
+
+
+def test_stop_strings(tiny) -> None:
+    tok, _ = tiny
+    gen = engine(tiny, max_new_tokens=12)
+    data = batch(tok, PROMPTS)
+    base = gen.generate(data, greedy=True)
+    # A row whose text is valid UTF-8 throughout (random byte tokens need not be).
+    row = next(i for i in (1, 0, 3, 2) if "\ufffd" not in tok.decode(generated(base, data, i)))
+    tokens = generated(base, data, row)
+    full_text = tok.decode(tokens, skip_special_tokens=False)
+    stop = full_text[len(full_text) // 3 : len(full_text) // 2 + 1]
+    assert stop
+    # Expected: the shortest greedy prefix whose text contains the stop string.
+    n_expected = next(n for n in range(1, len(tokens) + 1) if stop in tok.decode(tokens[:n], skip_special_tokens=False))
+    assert n_expected < len(tokens)
+
+    stops = [None] * len(PROMPTS)
+    stops[row] = [stop]
+    out = gen.generate(batch(tok, PROMPTS, stop_strings=stops), greedy=True)
+    assert generated(out, data, row) == tokens[:n_expected]
+    assert not bool(out["truncated"][row])
+    assert tok.decode(generated(out, data, row), skip_special_tokens=False).find(stop) >= 0
+    for i in range(len(PROMPTS)):  # other rows are unaffected
+        if i != row:
+            assert generated(out, data, i) == generated(base, data, i)
+
+    # The same stop string from the config applies to every row and merges with row ones.
+    cfg_gen = engine(tiny, max_new_tokens=12, stop_strings=[stop])
+    out2 = cfg_gen.generate(batch(tok, PROMPTS, stop_strings=[["zzzz-never"]] * len(PROMPTS)), greedy=True)
+    assert generated(out2, data, row) == tokens[:n_expected]
+    assert not bool(out2["truncated"][row])
+
+
+def test_stop_token_ids(tiny) -> None:
+    tok, _ = tiny
+    data = batch(tok, PROMPTS)
+    base = engine(tiny).generate(data, greedy=True)
+    row = 1
+    tokens = generated(base, data, row)
+    stop_tok = tokens[4]
+    first = tokens.index(stop_tok)
+    out = engine(tiny, stop_token_ids=[stop_tok]).generate(data, greedy=True)
+    assert generated(out, data, row) == tokens[: first + 1]  # the stop token is included
+    assert int(out["generation_lengths"][row]) == first + 1
+    assert not bool(out["truncated"][row])
+
+
+def test_default_stop_ids_are_eos(tiny) -> None:
+    tok, _ = tiny
+    gen = engine(tiny)
+    assert tok.eos_token_id in gen.stop_token_ids
+    assert engine(tiny, stop_token_ids=[]).stop_token_ids == frozenset()
+
+
+def test_max_model_len_cap(tiny) -> None:
+    tok, _ = tiny
+    data = batch(tok, ["Hello there", "The final answer is 12 + 7 = 19 and then some more words"])
+    lens = data["input_lengths"].tolist()
+    limit = lens[0] + 5
+    assert lens[1] >= limit
+    out = engine(tiny, max_new_tokens=12, max_model_len=limit).generate(data, greedy=True)
+    assert out["generation_lengths"].tolist() == [5, 0]
+    assert out["truncated"].tolist() == [True, True]
+    assert out["unpadded_sequence_lengths"].tolist() == [limit, lens[1]]
+    ref = engine(tiny, max_new_tokens=12).generate(data, greedy=True)
+    assert generated(out, data, 0) == generated(ref, data, 0)[:5]
+    assert torch.equal(out["output_ids"][1, : lens[1]], data["input_ids"][1, : lens[1]])
+
+
+def test_invalid_inputs(tiny) -> None:
+    tok, _ = tiny
+    gen = engine(tiny)
+    data = batch(tok, PROMPTS)
+    with pytest.raises(ValueError):
+        gen.generate(BatchedDataDict({"input_ids": data["input_ids"], "input_lengths": torch.tensor([0, 1, 1, 1])}))
+    with pytest.raises(ValueError):
+        gen.generate(BatchedDataDict({"input_ids": data["input_ids"], "input_lengths": torch.tensor([1, 2])}))
+    with pytest.raises(ValueError):
+        gen.generate(BatchedDataDict({"input_ids": torch.tensor([[10**6]]), "input_lengths": torch.tensor([1])}))
+
+
+async def test_generate_async_yields_every_row_once(tiny) -> None:
+    tok, _ = tiny
+    gen = engine(tiny)
+    try:
+        data = batch(tok, PROMPTS)
+        ref = gen.generate(data, greedy=True)
+        seen: list[int] = []
+        async for i, out in gen.generate_async(data, greedy=True):
+            seen.append(i)
+            assert out["output_ids"].shape == (1, data["input_ids"].shape[1] + int(out["generation_lengths"][0]))
+            assert out["output_ids"].dtype == torch.int64 and out["logprobs"].dtype == torch.float32
+            assert torch.equal(unpadded(out, 0)[0], unpadded(ref, i)[0])
+            torch.testing.assert_close(unpadded(out, 0)[1], unpadded(ref, i)[1], atol=1e-5, rtol=0)
+            assert bool(out["truncated"][0]) == bool(ref["truncated"][i])
+        assert sorted(seen) == list(range(len(PROMPTS)))
+    finally:
+        gen.shutdown()
+
+
+async def test_concurrent_requests_are_batched(tiny) -> None:
+    tok, _ = tiny
+    gen = engine(tiny, max_new_tokens=8)
+    try:
+        prompts = [f"Request number {i}: what is {i} + {i}?" for i in range(16)]
+        expected = [gen.generate(batch(tok, [p]), greedy=True) for p in prompts]
+        assert gen.stats.async_batches_run == 0
+
+        async def one(p: str):
+            results = [item async for item in gen.generate_async(batch(tok, [p]), greedy=True)]
+            assert len(results) == 1 and results[0][0] == 0
+            return results[0][1]
+
+        outs = await asyncio.wait_for(asyncio.gather(*(one(p) for p in prompts)), timeout=120)
+        for out, exp in zip(outs, expected):
+            assert torch.equal(unpadded(out, 0)[0], unpadded(exp, 0)[0])
+            torch.testing.assert_close(unpadded(out, 0)[1], unpadded(exp, 0)[1], atol=1e-4, rtol=0)
+        assert 1 <= gen.stats.async_batches_run < 16
+        assert gen.stats.max_rows_in_batch > 1
+    finally:
+        gen.shutdown()
+
+
+async def test_event_loop_stays_responsive(tiny) -> None:
+    tok, _ = tiny
+    gen = engine(tiny, max_new_tokens=96, stop_token_ids=[], max_batch_size=8)
+    try:
+        data = batch(tok, PROMPTS * 2)
+        ticks = 0
+        running = True
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while running:
+                await asyncio.sleep(0.005)
+                ticks += 1
+
+        task = asyncio.create_task(ticker())
+        await asyncio.sleep(0)
+        ticks = 0
+        rows = [i async for i, _ in gen.generate_async(data, greedy=True)]
+        running = False
+        await task
+        assert sorted(rows) == list(range(8))
+        # 8 rows x 96 tokens take a good fraction of a second; a blocked loop would barely tick.
+        assert ticks >= 5, ticks
+    finally:
+        gen.shutdown()
+
+
+async def test_cancellation_does_not_break_worker(tiny) -> None:
+    tok, _ = tiny
+    gen = engine(tiny, max_new_tokens=300, stop_token_ids=[])
+    try:
+        data = batch(tok, PROMPTS)
+
+        async def consume():
+            return [i async for i, _ in gen.generate_async(data, greedy=True)]
+
+        task = asyncio.create_task(consume())
+        await asyncio.sleep(0.05)
+        assert gen.stats.forward_passes > 0  # the batch is running
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        # The worker keeps serving: a new request completes and matches the blocking path.
+        short = batch(tok, ["Hello there"])
+        got = await asyncio.wait_for(_collect(gen, short), timeout=120)
+        assert gen._worker is not None and gen._worker.is_alive()
+        # The cancelled rows were dropped mid-batch, never finished.
+        assert gen.stats.rows_generated == 1
+        ref = gen.generate(short, greedy=True)
+        assert torch.equal(unpadded(got[0], 0)[0], unpadded(ref, 0)[0])
+        assert int(got[0]["generation_lengths"][0]) == 300
+    finally:
+        gen.shutdown()
+
+
+async def _collect(gen: HFGeneration, data: BatchedDataDict) -> dict[int, BatchedDataDict]:
+    return {i: out async for i, out in gen.generate_async(data, greedy=True)}
+
+
+async def test_shutdown_is_idempotent_and_fails_waiters(tiny) -> None:
+    tok, _ = tiny
+    gen = engine(tiny, max_new_tokens=2000, max_model_len=2048, stop_token_ids=[])
+    data = batch(tok, PROMPTS)
+
+    async def consume():
+        return [i async for i, _ in gen.generate_async(data, greedy=True)]
+
+    task = asyncio.create_task(consume())
+    await asyncio.sleep(0.1)
+    worker = gen._worker
+    assert worker is not None and worker.is_alive()
+    done = threading.Event()
+    await asyncio.to_thread(lambda: (gen.shutdown(), done.set()))
+    assert done.is_set() and not worker.is_alive()
+    with pytest.raises(EngineShutDownError):
+        await asyncio.wait_for(task, timeout=30)  # the waiter is failed, not left hanging
+    assert gen.shutdown() is True and gen.shutdown() is True
+    with pytest.raises(EngineShutDownError):
+        gen.generate(data, greedy=True)
+    with pytest.raises(EngineShutDownError):
+        async for _ in gen.generate_async(data):
+            pass
+
+
+def test_loads_from_config_path(tiny_model_dir: Path, tiny) -> None:
+    tok, _ = tiny
+    gen = HFGeneration({"model": str(tiny_model_dir), "max_new_tokens": 4})
+    try:
+        assert gen.tokenizer.pad_token_id == tok.pad_token_id
+        assert gen.max_model_len == 2048
+        data = batch(tok, ["Hello there"])
+        a = gen.generate(data, greedy=True)
+        b = engine(tiny, max_new_tokens=4).generate(data, greedy=True)
+        assert torch.equal(a["output_ids"], b["output_ids"])
+    finally:
+        assert gen.shutdown() and gen.shutdown()
+
+
+def test_config_from_generation_config() -> None:
+    gen_cfg = {
+        "backend": "hf",
+        "model_name": "tiny",
+        "max_new_tokens": 33,
+        "temperature": 0.8,
+        "top_p": 0.9,
+        "top_k": 5,
+        "val_temperature": 0.0,
+        "stop_token_ids": None,
+        "stop_strings": ["</answer>"],
+    }
+    cfg = HFGenerationConfig.from_generation_config(gen_cfg, max_batch_size=4)
+    assert (cfg.model, cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k) == ("tiny", 33, 0.8, 0.9, 5)
+    assert cfg.stop_token_ids is None and cfg.stop_strings == ["</answer>"] and cfg.max_batch_size == 4
+    val = HFGenerationConfig.from_generation_config(gen_cfg, validation=True)
+    assert val.temperature == 0.0 and val.top_p == 0.9
+    with pytest.raises(ValueError):
+        HFGenerationConfig(temperature=-1.0)

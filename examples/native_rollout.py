@@ -50,6 +50,8 @@ async def main() -> None:
         keys = ("total_reward/mean", "turns_per_sample/mean", "gen_tokens_per_sample/mean", "truncation_rate",
                 "natural_termination_rate", "max_turns_reached_rate", "timing/rollout/total")
         print("  metrics: " + ", ".join(f"{k}={record.rollout_metrics[k]:.3g}" for k in keys))
+    print("\nThe tiny model is random-initialised, so rewards of 0 are expected: the point is the pipeline.")
+    print("Pass any GenerationInterface as policy_generation (a real model) for meaningful rewards.")
     generation.shutdown()
 
 

@@ -8,7 +8,7 @@ export TOKENIZERS_PARALLELISM := false
 # uv from PATH when it runs, else the one `make setup` installs for this Python.
 UV := $(shell uv --version >/dev/null 2>&1 && echo uv || echo "$(PYTHON) -m uv")
 
-.PHONY: setup demo test clean
+.PHONY: setup demo test clean bench-serve
 
 setup:
 	@$(UV) --version >/dev/null 2>&1 || $(PYTHON) -m pip install --quiet --disable-pip-version-check uv
@@ -23,3 +23,6 @@ test: setup
 
 clean:
 	rm -rf .venv .pytest_cache
+
+bench-serve: setup
+	$(UV) run python benchmarks/serve_throughput.py

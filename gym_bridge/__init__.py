@@ -1,19 +1,14 @@
-"""gym-bridge: rollouts for LLM RL training loops and agent evaluations, over NeMo-Gym or natively."""
+"""gym-bridge: rollouts for LLM RL training loops and agent evaluations, over NeMo-Gym or natively.
 
-from gym_bridge.types import (
-    Completion,
-    DatumSpec,
-    EnvironmentReturn,
-    GenerationConfig,
-    GenerationDatumSpec,
-    GenerationOutputSpec,
-    MessageEntry,
-    PromptGroupRecord,
-)
+The contract types are re-exported here lazily, so that ``import gym_bridge``
+(and the CLI) does not pay for importing torch until a type is used.
+"""
+
+from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = [
+_TYPES = (
     "Completion",
     "DatumSpec",
     "EnvironmentReturn",
@@ -22,5 +17,14 @@ __all__ = [
     "GenerationOutputSpec",
     "MessageEntry",
     "PromptGroupRecord",
-    "__version__",
-]
+)
+
+__all__ = [*_TYPES, "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _TYPES:
+        from gym_bridge import types
+
+        return getattr(types, name)
+    raise AttributeError(f"module 'gym_bridge' has no attribute {name!r}")

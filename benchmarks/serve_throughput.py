@@ -1,0 +1,98 @@
+"""Server throughput: our OpenAI-compatible server against raw batched generation of the same model.
+
+For each concurrency C in (1, 8, 32): C clients send chat requests in a loop for a fixed
+number of rounds; we report requests/s and generated tokens/s, next to the raw
+``HFGeneration.generate`` of batches of C prompts of the same length, and the ratio
+(server / raw). Results are appended to ``benchmarks/RESULTS.md``.
+
+Run: ``make bench-serve`` (or ``uv run python benchmarks/serve_throughput.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import platform
+import time
+from datetime import date
+from pathlib import Path
+
+import httpx
+import torch
+
+from gym_bridge.batched import BatchedDataDict
+from gym_bridge.generation.hf import HFGeneration, HFGenerationConfig
+from gym_bridge.serving import OpenAIServer
+
+RESULTS = Path(__file__).with_name("RESULTS.md")
+MESSAGES = [{"role": "user", "content": "Tell me about the weather in Paris today."}]
+
+
+def raw_generate(generation: HFGeneration, prompt_ids: list[int], batch: int, rounds: int) -> tuple[float, int]:
+    ids = torch.tensor([prompt_ids] * batch, dtype=torch.int64)
+    data = BatchedDataDict({"input_ids": ids, "input_lengths": torch.full((batch,), len(prompt_ids))})
+    start, tokens = time.perf_counter(), 0
+    for _ in range(rounds):
+        tokens += int(generation.generate(data)["generation_lengths"].sum())
+    return time.perf_counter() - start, tokens
+
+
+async def served(base_url: str, concurrency: int, rounds: int, max_tokens: int) -> tuple[float, int]:
+    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": max_tokens, "temperature": 1.0, "top_p": 1.0}
+    tokens = 0
+    limits = httpx.Limits(max_connections=concurrency)
+    async with httpx.AsyncClient(base_url=base_url, timeout=120, limits=limits) as client:
+
+        async def worker() -> None:
+            nonlocal tokens
+            for _ in range(rounds):
+                response = await client.post("/chat/completions", json=body)
+                response.raise_for_status()
+                tokens += response.json()["usage"]["completion_tokens"]
+
+        start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return time.perf_counter() - start, tokens
+
+
+async def main(max_tokens: int, rounds: int) -> str:
+    cfg = HFGenerationConfig(model="tiny", max_new_tokens=max_tokens, temperature=1.0, seed=0, stop_token_ids=[])
+    generation = HFGeneration(cfg)
+    tokenizer = generation.tokenizer
+    prompt_ids = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
+    prompt_ids = tokenizer(prompt_ids, add_special_tokens=False)["input_ids"]
+    rows = []
+    async with OpenAIServer(generation, tokenizer, served_model_name="tiny") as base_url:
+        await served(base_url, 1, 1, max_tokens)  # warm-up
+        for concurrency in (1, 8, 32):
+            s_time, s_tokens = await served(base_url, concurrency, rounds, max_tokens)
+            r_time, r_tokens = await asyncio.to_thread(raw_generate, generation, prompt_ids, concurrency, rounds)
+            requests = concurrency * rounds
+            rows.append(
+                f"| {concurrency} | {requests / s_time:.1f} | {s_tokens / s_time:.0f} | "
+                f"{requests / r_time:.1f} | {r_tokens / r_time:.0f} | {(s_tokens / s_time) / (r_tokens / r_time):.2f} |"
+            )
+    generation.shutdown()
+    mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1024**3
+    header = (
+        f"\n## Server throughput, {date.today()} ({os.cpu_count()} cores, {mem_gib:.0f} GiB, "
+        f"{platform.processor() or platform.machine()}, tiny model, {max_tokens} tokens per request, "
+        f"prompt {len(prompt_ids)} tokens, {rounds} rounds per client)\n\n"
+        "| concurrent requests | server req/s | server tok/s | raw generate rows/s | raw tok/s | ratio (server/raw tok/s) |\n"
+        "|---|---|---|---|---|---|\n"
+    )
+    return header + "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=4)
+    args = parser.parse_args()
+    table = asyncio.run(main(args.max_tokens, args.rounds))
+    print(table)
+    if not RESULTS.exists():
+        RESULTS.write_text("# Benchmark results\n\nEach section is one run, newest last.\n")
+    with RESULTS.open("a") as f:
+        f.write(table)

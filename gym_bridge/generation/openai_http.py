@@ -1,0 +1,502 @@
+"""A :class:`GenerationInterface` over OpenAI-compatible ``/v1/completions`` endpoints (ours or vLLM).
+
+Token in, token out: each row is one ``POST {base_url}/completions`` whose ``prompt``
+is the row's token ids, in vLLM's completions dialect (``return_token_ids``,
+``return_tokens_as_token_ids``, ``logprobs``). The output follows the local backend
+(:mod:`gym_bridge.generation.hf`) exactly: ``output_ids`` = input + generated,
+right-padded with ``pad_token_id``; ``logprobs`` zero on prompt and padding;
+``truncated`` = ``finish_reason == "length"``; plus ``gen_leader_worker_idx``, the
+index of the base URL that served each row. Requests are routed across base URLs
+by :class:`~gym_bridge.generation.routing.SessionRouter` (sticky per session,
+least-loaded otherwise); the data dict's optional ``session_ids`` list names each
+row's session.
+
+Failures, per row:
+
+- connection errors, timeouts, HTTP 5xx/408/429: retried up to ``max_retries``
+  times with capped exponential backoff; a connection error also takes its URL out
+  of rotation for ``unhealthy_cooldown_s``, so the retry (and the row's session)
+  moves to another URL. Exhausted → :class:`~gym_bridge.failures.GenerationUnavailable`.
+- any other 4xx: :class:`~gym_bridge.failures.RolloutDataFailure`, not retried.
+- a response without the fields we need: ``RolloutDataFailure`` naming the field.
+
+Every attempt is bounded by ``request_timeout_s`` (time spent waiting for one of the
+``max_connections`` pooled connections per URL is not counted: it is bounded by the
+requests ahead of it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator, Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import torch
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+
+from gym_bridge.batched import BatchedDataDict
+from gym_bridge.failures import GenerationUnavailable, RolloutDataFailure, http_status_is_infra
+from gym_bridge.generation.routing import SessionRouter
+from gym_bridge.interfaces import GenerationInterface
+from gym_bridge.types import LOGPROB_DTYPE, TOKEN_DTYPE, GenerationDatumSpec, GenerationOutputSpec
+
+logger = logging.getLogger(__name__)
+
+_BODY_LIMIT = 200
+_NO_SERVER = -1  # gen_leader_worker_idx of a row answered without a request (max_new_tokens == 0)
+
+
+class OpenAIHTTPGenerationConfig(BaseModel):
+    """Settings of :class:`OpenAIHTTPGeneration`; ``api_key`` never appears in repr or logs."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    base_urls: list[str] = Field(min_length=1, description="Each including the /v1 suffix.")
+    model: str = Field(description="The served model name.")
+    max_new_tokens: int = Field(256, ge=0)
+    temperature: float = Field(1.0, ge=0.0, description="0 means greedy.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, description="None: not sent.")
+    stop_token_ids: list[int] | None = Field(None, description="None: not sent (the server's default).")
+    stop_strings: list[str] | None = None
+    pad_token_id: int = 0
+    request_timeout_s: float = Field(300.0, gt=0.0, description="Bound on one attempt of one request.")
+    connect_timeout_s: float = Field(5.0, gt=0.0)
+    max_connections: int = Field(64, ge=1, description="Concurrent requests per base URL.")
+    max_retries: int = Field(3, ge=0, description="Retries after the first attempt, infra failures only.")
+    backoff_base_s: float = Field(0.5, ge=0.0)
+    max_backoff_s: float = Field(10.0, ge=0.0)
+    unhealthy_cooldown_s: float = Field(10.0, ge=0.0, description="How long a URL that refused connections is avoided.")
+    max_sessions: int = Field(100_000, ge=1, description="Size of the LRU session table.")
+    api_key: SecretStr | None = None
+
+    @field_validator("base_urls")
+    @classmethod
+    def _strip_slash(cls, urls: list[str]) -> list[str]:
+        return [u.rstrip("/") for u in urls]
+
+    def backoff_for(self, retry: int) -> float:
+        """Sleep before retry number ``retry`` (1-based): ``min(base * 2**(retry-1), max)``."""
+        return min(self.backoff_base_s * 2 ** (retry - 1), self.max_backoff_s)
+
+
+@dataclass
+class OpenAIHTTPStats:
+    """Counters (reset by :meth:`OpenAIHTTPGeneration.clear_logger_metrics`)."""
+
+    requests_per_url: dict[str, int] = field(default_factory=dict)
+    """HTTP attempts sent to each base URL."""
+    retries: int = 0
+    failovers: int = 0
+    """Retries that went to a different URL than the failed attempt, plus sessions re-pinned."""
+    rows_completed: int = 0
+    infra_errors: int = 0
+    data_errors: int = 0
+
+
+@dataclass
+class _RowResult:
+    tokens: list[int]
+    logprobs: list[float]
+    truncated: bool
+    url_idx: int
+
+
+class _Retryable(Exception):
+    """One attempt failed in a way worth retrying; ``connection`` marks the URL unhealthy."""
+
+    def __init__(self, message: str, *, connection: bool) -> None:
+        super().__init__(message)
+        self.connection = connection
+
+
+class _LoopResources:
+    """httpx clients and connection semaphores for one event loop (httpx clients are loop-bound)."""
+
+    def __init__(self, cfg: OpenAIHTTPGenerationConfig, transport: httpx.AsyncBaseTransport | None) -> None:
+        headers = {}
+        if cfg.api_key is not None:
+            headers["Authorization"] = f"Bearer {cfg.api_key.get_secret_value()}"
+        # Pool waits are bounded by our semaphore; the attempt itself by request_timeout_s.
+        timeout = httpx.Timeout(cfg.request_timeout_s, connect=cfg.connect_timeout_s, pool=None)
+        limits = httpx.Limits(max_connections=cfg.max_connections, max_keepalive_connections=cfg.max_connections)
+        self.clients = [
+            httpx.AsyncClient(base_url=url, headers=headers, timeout=timeout, limits=limits, transport=transport)
+            for url in cfg.base_urls
+        ]
+        self.slots = [asyncio.Semaphore(cfg.max_connections) for _ in cfg.base_urls]
+
+    async def aclose(self) -> None:
+        await asyncio.gather(*(c.aclose() for c in self.clients), return_exceptions=True)
+
+
+class OpenAIHTTPGeneration(GenerationInterface):
+    """Generation over OpenAI-compatible HTTP endpoints; see the module docstring."""
+
+    def __init__(
+        self,
+        cfg: OpenAIHTTPGenerationConfig | Mapping[str, Any],
+        *,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        """``transport`` replaces the network for every URL (tests: ``httpx.MockTransport``)."""
+        if not isinstance(cfg, OpenAIHTTPGenerationConfig):
+            cfg = OpenAIHTTPGenerationConfig(**dict(cfg))
+        self.cfg = cfg
+        self._transport = transport
+        self.router = SessionRouter(
+            len(cfg.base_urls), max_sessions=cfg.max_sessions, cooldown_s=cfg.unhealthy_cooldown_s
+        )
+        self.stats = OpenAIHTTPStats(requests_per_url={u: 0 for u in cfg.base_urls})
+        self._lock = threading.Lock()
+        self._resources: dict[asyncio.AbstractEventLoop, _LoopResources] = {}
+        self._private_loop: asyncio.AbstractEventLoop | None = None
+        self._private_thread: threading.Thread | None = None
+        self._closing: set[asyncio.Task[None]] = set()
+        self._closed = False
+
+    # ------------------------------------------------------------------ public API
+
+    def generate(
+        self, data: BatchedDataDict[GenerationDatumSpec], greedy: bool = False
+    ) -> BatchedDataDict[GenerationOutputSpec]:
+        """Generate every row concurrently on a private event loop thread (blocking).
+
+        Raises:
+            RuntimeError: called from inside a running event loop (use :meth:`generate_async`).
+        """
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            pass
+        else:
+            raise RuntimeError("OpenAIHTTPGeneration.generate blocks; inside an event loop use generate_async")
+        self._check_open()
+        input_ids, lengths = _check_batch(data)
+        future = asyncio.run_coroutine_threadsafe(self._generate_all(data, greedy), self._ensure_private_loop())
+        results = future.result()
+        out = _assemble(input_ids, lengths, results, self.cfg.pad_token_id)
+        out["gen_leader_worker_idx"] = [r.url_idx for r in results]
+        return out
+
+    async def generate_async(
+        self, data: BatchedDataDict[GenerationDatumSpec], greedy: bool = False
+    ) -> AsyncIterator[tuple[int, BatchedDataDict[GenerationOutputSpec]]]:
+        """Yield ``(row index, single-row output)`` as each row's request finishes.
+
+        The first failing row cancels the others and its typed error propagates;
+        cancelling (or closing) the iteration cancels the requests still in flight.
+        """
+        self._check_open()
+        input_ids, lengths = _check_batch(data)
+        tasks = {asyncio.ensure_future(self._generate_row(data, i, greedy)): i for i in range(input_ids.shape[0])}
+        try:
+            while tasks:
+                done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+                for task in sorted(done, key=tasks.__getitem__):
+                    i = tasks.pop(task)
+                    res = task.result()
+                    out = _assemble(input_ids[i : i + 1], lengths[i : i + 1], [res], self.cfg.pad_token_id)
+                    out["gen_leader_worker_idx"] = [res.url_idx]
+                    yield i, out
+        finally:
+            for task in tasks:
+                task.cancel()
+            if tasks:
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+    def shutdown(self) -> bool:
+        """Close every httpx client and stop the private loop; idempotent."""
+        with self._lock:
+            if self._closed:
+                return True
+            self._closed = True
+            resources = list(self._resources.items())
+            self._resources.clear()
+            private_loop, private_thread = self._private_loop, self._private_thread
+        try:
+            current: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            current = None
+        for loop, res in resources:
+            if loop.is_closed():
+                continue
+            if loop is current:
+                self._closing.add(task := loop.create_task(res.aclose()))
+                task.add_done_callback(self._closing.discard)
+            elif loop.is_running():
+                try:
+                    asyncio.run_coroutine_threadsafe(res.aclose(), loop).result(timeout=self.cfg.connect_timeout_s)
+                except (TimeoutError, RuntimeError):  # a loop that cannot close them in time drops them
+                    logger.warning("could not close HTTP clients on a foreign event loop")
+            else:
+                loop.run_until_complete(res.aclose())
+        if private_loop is not None and private_thread is not None:
+            private_loop.call_soon_threadsafe(private_loop.stop)
+            private_thread.join(timeout=self.cfg.connect_timeout_s)
+            if not private_thread.is_alive():
+                private_loop.close()
+        return True
+
+    async def aclose(self) -> None:
+        """Close the clients of the running loop (awaited), then everything else as :meth:`shutdown`."""
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            res = self._resources.pop(loop, None)
+        if res is not None:
+            await res.aclose()
+        await asyncio.to_thread(self.shutdown)
+
+    def get_logger_metrics(self) -> dict[str, Any]:
+        metrics: dict[str, Any] = {
+            "openai_http/retries": self.stats.retries,
+            "openai_http/failovers": self.stats.failovers,
+            "openai_http/rows_completed": self.stats.rows_completed,
+            "openai_http/infra_errors": self.stats.infra_errors,
+            "openai_http/data_errors": self.stats.data_errors,
+        }
+        for i, url in enumerate(self.cfg.base_urls):
+            metrics[f"openai_http/requests/{i}"] = self.stats.requests_per_url[url]
+        return metrics
+
+    def clear_logger_metrics(self) -> None:
+        self.stats = OpenAIHTTPStats(requests_per_url={u: 0 for u in self.cfg.base_urls})
+
+    # ------------------------------------------------------------------ per-row request
+
+    async def _generate_all(self, data: Mapping[str, Any], greedy: bool) -> list[_RowResult]:
+        n = int(torch.as_tensor(data["input_lengths"]).shape[0])
+        tasks = [asyncio.ensure_future(self._generate_row(data, i, greedy)) for i in range(n)]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+
+    async def _generate_row(self, data: Mapping[str, Any], i: int, greedy: bool) -> _RowResult:
+        cfg = self.cfg
+        n_in = int(torch.as_tensor(data["input_lengths"])[i])
+        prompt = torch.as_tensor(data["input_ids"])[i, :n_in].tolist()
+        session = _row_value(data.get("session_ids"), i)
+        body = self._request_body(prompt, _row_value(data.get("stop_strings"), i), greedy)
+        if cfg.max_new_tokens == 0:
+            return _RowResult([], [], True, _NO_SERVER)
+        res = self._loop_resources()
+        prev_idx: int | None = None
+        last_error = ""
+        for attempt in range(cfg.max_retries + 1):
+            if attempt:
+                self.stats.retries += 1
+                await asyncio.sleep(cfg.backoff_for(attempt))
+            failovers_before = self.router.stats.failovers
+            idx = self.router.acquire(session)
+            self.stats.failovers += self.router.stats.failovers - failovers_before
+            if prev_idx is not None and idx != prev_idx and session is None:
+                self.stats.failovers += 1
+            prev_idx = idx
+            url = cfg.base_urls[idx]
+            try:
+                async with res.slots[idx]:
+                    self.stats.requests_per_url[url] += 1
+                    payload = await self._post(res.clients[idx], url, body)
+            except _Retryable as exc:
+                if exc.connection:
+                    self.router.mark_unhealthy(idx)
+                last_error = str(exc)
+                logger.warning("attempt %d/%d failed: %s", attempt + 1, cfg.max_retries + 1, last_error)
+                continue
+            except RolloutDataFailure:
+                self.stats.data_errors += 1
+                raise
+            finally:
+                self.router.release(idx)
+            try:
+                tokens, logprobs, truncated = _parse_completion(payload, url)
+            except RolloutDataFailure:
+                self.stats.data_errors += 1
+                raise
+            self.stats.rows_completed += 1
+            return _RowResult(tokens, logprobs, truncated, idx)
+        self.stats.infra_errors += 1
+        raise GenerationUnavailable(f"generation unavailable after {cfg.max_retries + 1} attempts: {last_error}")
+
+    def _request_body(self, prompt: list[int], row_stops: Any, greedy: bool) -> dict[str, Any]:
+        cfg = self.cfg
+        stops = list(cfg.stop_strings or [])
+        if isinstance(row_stops, str):
+            row_stops = [row_stops]
+        for s in row_stops or []:
+            if s and s not in stops:
+                stops.append(s)
+        body: dict[str, Any] = {
+            "model": cfg.model,
+            "prompt": prompt,
+            "max_tokens": cfg.max_new_tokens,
+            "temperature": 0.0 if greedy else cfg.temperature,
+            "top_p": cfg.top_p,
+            "logprobs": 1,
+            "return_token_ids": True,
+            "return_tokens_as_token_ids": True,
+            "skip_special_tokens": False,
+            "include_stop_str_in_output": True,
+        }
+        if cfg.top_k is not None:
+            body["top_k"] = cfg.top_k
+        if stops:
+            body["stop"] = stops
+        if cfg.stop_token_ids is not None:
+            body["stop_token_ids"] = list(cfg.stop_token_ids)
+        return body
+
+    async def _post(self, client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> Any:
+        """One attempt: the decoded JSON body, or :class:`_Retryable` / ``RolloutDataFailure``."""
+        where = f"{url}/completions"
+        try:
+            async with asyncio.timeout(self.cfg.request_timeout_s):
+                response = await client.post("/completions", json=body)
+        except TimeoutError:
+            raise _Retryable(f"{where}: no response within {self.cfg.request_timeout_s}s", connection=False) from None
+        except httpx.ConnectTimeout:
+            raise _Retryable(f"{where}: connect timed out", connection=True) from None
+        except httpx.TimeoutException as exc:
+            raise _Retryable(f"{where}: {type(exc).__name__}", connection=False) from None
+        except (httpx.NetworkError, httpx.RemoteProtocolError, httpx.ProxyError) as exc:
+            raise _Retryable(f"{where}: {type(exc).__name__}: {exc}", connection=True) from None
+        except httpx.HTTPError as exc:  # our own mistake (bad URL scheme, invalid request)
+            raise RolloutDataFailure(f"{where}: {type(exc).__name__}: {exc}") from None
+        status = response.status_code
+        if status >= 400:
+            detail = f"{where} returned HTTP {status}: {_short(response.text)}"
+            if http_status_is_infra(status):
+                raise _Retryable(detail, connection=False)
+            raise RolloutDataFailure(detail)
+        try:
+            return response.json()
+        except ValueError:
+            raise RolloutDataFailure(f"{where} returned a body that is not JSON: {_short(response.text)}") from None
+
+    # ------------------------------------------------------------------ loops and clients
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("OpenAIHTTPGeneration was shut down")
+
+    def _loop_resources(self) -> _LoopResources:
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("OpenAIHTTPGeneration was shut down")
+            res = self._resources.get(loop)
+            if res is None:
+                res = self._resources[loop] = _LoopResources(self.cfg, self._transport)
+            return res
+
+    def _ensure_private_loop(self) -> asyncio.AbstractEventLoop:
+        with self._lock:
+            if self._private_loop is None:
+                loop = asyncio.new_event_loop()
+                thread = threading.Thread(target=loop.run_forever, name="openai-http-generation", daemon=True)
+                thread.start()
+                self._private_loop, self._private_thread = loop, thread
+            return self._private_loop
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _row_value(column: Sequence[Any] | None, i: int) -> Any:
+    return None if column is None else column[i]
+
+
+def _short(text: str) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= _BODY_LIMIT else text[: _BODY_LIMIT - 3] + "..."
+
+
+def _check_batch(data: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    input_ids = torch.as_tensor(data["input_ids"]).cpu()
+    lengths = torch.as_tensor(data["input_lengths"]).cpu().to(torch.int64).reshape(-1)
+    if input_ids.ndim != 2:
+        raise ValueError(f"input_ids must be [B, S], got shape {tuple(input_ids.shape)}")
+    if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
+        raise TypeError(f"input_ids must be an integer tensor, got {input_ids.dtype}")
+    batch, width = input_ids.shape
+    if lengths.shape[0] != batch:
+        raise ValueError(f"input_lengths has {lengths.shape[0]} rows, input_ids {batch}")
+    if batch and (int(lengths.min()) < 1 or int(lengths.max()) > width):
+        raise ValueError(f"every input length must be in [1, {width}], got {lengths.tolist()}")
+    for key in ("stop_strings", "session_ids"):
+        column = data.get(key)
+        if column is not None and len(column) != batch:
+            raise ValueError(f"{key} has {len(column)} rows, input_ids {batch}")
+    sessions = data.get("session_ids")
+    if sessions is not None and not all(s is None or isinstance(s, Hashable) for s in sessions):
+        raise TypeError("session_ids must hold hashable keys or None")
+    return input_ids.to(TOKEN_DTYPE), lengths
+
+
+def _parse_completion(payload: Any, url: str) -> tuple[list[int], list[float], bool]:
+    """(generated ids, their logprobs, truncated) from a completions response."""
+    where = f"{url}/completions response"
+    try:
+        choice = payload["choices"][0]
+    except (KeyError, IndexError, TypeError):
+        raise RolloutDataFailure(f"{where} has no choices[0]") from None
+    if not isinstance(choice, Mapping):
+        raise RolloutDataFailure(f"{where}: choices[0] is not an object")
+    lp = choice.get("logprobs")
+    token_ids = choice.get("token_ids")
+    if token_ids is None:
+        tokens = lp.get("tokens") if isinstance(lp, Mapping) else None
+        if tokens is None:
+            raise RolloutDataFailure(f"{where} has neither choices[0].token_ids nor choices[0].logprobs.tokens")
+        try:
+            token_ids = [int(str(t).removeprefix("token_id:")) for t in tokens]
+        except ValueError:
+            raise RolloutDataFailure(f"{where}: logprobs.tokens are not 'token_id:<int>' strings") from None
+    if not isinstance(token_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in token_ids):
+        raise RolloutDataFailure(f"{where}: choices[0].token_ids is not a list of ints")
+    logprobs = lp.get("token_logprobs") if isinstance(lp, Mapping) else None
+    if logprobs is None:
+        raise RolloutDataFailure(f"{where} has no choices[0].logprobs.token_logprobs")
+    if len(logprobs) != len(token_ids):
+        raise RolloutDataFailure(f"{where}: {len(logprobs)} token_logprobs for {len(token_ids)} generated tokens")
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in logprobs):
+        raise RolloutDataFailure(f"{where}: choices[0].logprobs.token_logprobs holds non-numbers")
+    finish = choice.get("finish_reason")
+    if finish is None:
+        raise RolloutDataFailure(f"{where} has no choices[0].finish_reason")
+    return token_ids, [float(v) for v in logprobs], finish == "length"
+
+
+def _assemble(
+    input_ids: torch.Tensor, lengths: torch.Tensor, results: Sequence[_RowResult], pad_id: int
+) -> BatchedDataDict[GenerationOutputSpec]:
+    """The local backend's layout: input, then generated tokens, then ``pad_id``; logprobs zero elsewhere."""
+    batch, width = input_ids.shape
+    gen_lens = [len(r.tokens) for r in results]
+    total = width + (max(gen_lens) if gen_lens else 0)
+    output_ids = torch.full((batch, total), pad_id, dtype=TOKEN_DTYPE)
+    logprobs = torch.zeros((batch, total), dtype=LOGPROB_DTYPE)
+    for i, res in enumerate(results):
+        n_in = int(lengths[i])
+        output_ids[i, :n_in] = input_ids[i, :n_in]
+        if res.tokens:
+            output_ids[i, n_in : n_in + len(res.tokens)] = torch.tensor(res.tokens, dtype=TOKEN_DTYPE)
+            logprobs[i, n_in : n_in + len(res.tokens)] = torch.tensor(res.logprobs, dtype=LOGPROB_DTYPE)
+    generation_lengths = torch.tensor(gen_lens, dtype=torch.int64)
+    return BatchedDataDict(
+        {
+            "output_ids": output_ids,
+            "logprobs": logprobs,
+            "generation_lengths": generation_lengths,
+            "unpadded_sequence_lengths": lengths.to(torch.int64) + generation_lengths,
+            "truncated": torch.tensor([r.truncated for r in results], dtype=torch.bool),
+        }
+    )

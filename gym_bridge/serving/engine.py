@@ -1,0 +1,147 @@
+"""The bridge from a request's sampling fields to one ``generate_async`` call.
+
+Engines such as :class:`~gym_bridge.generation.hf.HFGeneration` sample with the
+temperature / top-p / top-k of their config. A request is served only when its
+sampling matches that profile (NeMo-RL's off-policy guard); a mismatch is a 400
+naming both values. ``temperature == 0`` asks for greedy decoding, which every
+engine supports per call. An engine that sets ``supports_per_request_sampling =
+True`` skips the guard (it either honours or ignores the values, e.g. a scripted
+policy). ``seed`` is accepted and ignored: the engine owns its generator.
+
+``max_tokens`` below the engine's ``max_new_tokens`` is honoured by cutting the
+generated ids after the fact (finish ``length``); above it, the engine's cap wins.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gym_bridge.batched import BatchedDataDict
+from gym_bridge.interfaces import GenerationInterface
+from gym_bridge.serving.errors import ServingError
+from gym_bridge.serving.protocol import SamplingFields
+
+#: Logprobs are floored here so that -inf never reaches JSON (NeMo-RL uses the same floor).
+LOGPROB_FLOOR = -9999.0
+
+
+@dataclass(frozen=True)
+class EngineProfile:
+    """What the server knows about an engine's sampling and limits."""
+
+    temperature: float
+    top_p: float
+    top_k: int | None
+    max_new_tokens: int
+    max_model_len: int
+    per_request_sampling: bool
+
+    @classmethod
+    def of(cls, generation: Any, tokenizer: Any, max_model_len: int | None = None) -> EngineProfile:
+        cfg = getattr(generation, "cfg", None)
+
+        def pick(name: str, default: Any) -> Any:
+            value = getattr(generation, name, None)
+            if value is None and cfg is not None:
+                value = getattr(cfg, name, None)
+            return default if value is None else value
+
+        length = max_model_len or pick("max_model_len", None) or getattr(tokenizer, "model_max_length", None)
+        if not isinstance(length, int) or length <= 0 or length > 2**31:
+            length = 2**31 - 1
+        top_k = pick("top_k", None)
+        return cls(
+            temperature=float(pick("temperature", 1.0)),
+            top_p=float(pick("top_p", 1.0)),
+            top_k=None if top_k in (None, 0, -1) else int(top_k),
+            max_new_tokens=int(pick("max_new_tokens", 2**31 - 1)),
+            max_model_len=int(length),
+            per_request_sampling=bool(getattr(generation, "supports_per_request_sampling", False)),
+        )
+
+
+@dataclass
+class Sample:
+    """One generated row: ids, logprobs, and why it ended."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" or "length"
+
+
+def resolve_greedy(req: SamplingFields, profile: EngineProfile) -> bool:
+    """Check the request's sampling against the engine profile; return whether to decode greedily."""
+    if req.temperature == 0.0:
+        return True
+    if profile.per_request_sampling:
+        return False
+    if profile.temperature == 0.0:
+        if req.temperature is not None:
+            raise ServingError(
+                f"temperature {req.temperature} differs from the engine's (0, greedy); send 0 or omit it",
+                param="temperature",
+            )
+        return True
+    if req.temperature is not None and not math.isclose(req.temperature, profile.temperature, abs_tol=1e-6):
+        raise ServingError(
+            f"temperature {req.temperature} differs from the engine's temperature {profile.temperature}; "
+            "this server samples only with its configured profile",
+            param="temperature",
+        )
+    if req.top_p is not None and not math.isclose(req.top_p, profile.top_p, abs_tol=1e-6):
+        raise ServingError(f"top_p {req.top_p} differs from the engine's top_p {profile.top_p}", param="top_p")
+    top_k = None if req.top_k in (None, 0, -1) else req.top_k
+    if req.top_k is not None and top_k != profile.top_k:
+        raise ServingError(f"top_k {req.top_k} differs from the engine's top_k {profile.top_k}", param="top_k")
+    return False
+
+
+def max_tokens_for(requested: int | None, prompt_len: int, profile: EngineProfile) -> int:
+    """The generation budget; a prompt that leaves no room is a 400 mentioning the context length."""
+    room = profile.max_model_len - prompt_len
+    if room <= 0:
+        raise ServingError(
+            f"This model's maximum context length is {profile.max_model_len} tokens. However, your request has "
+            f"{prompt_len} input tokens, which leaves no room for generation (context length exceeded).",
+            param="messages",
+        )
+    budget = min(room, profile.max_new_tokens)
+    return budget if requested is None else min(budget, requested)
+
+
+async def generate_rows(
+    generation: GenerationInterface,
+    prompt_ids: list[int],
+    n: int,
+    *,
+    greedy: bool,
+    stop: list[str],
+    max_tokens: int,
+) -> list[Sample]:
+    """Submit ``n`` copies of one prompt in one ``generate_async`` call; return them in row order."""
+    input_ids = torch.tensor([prompt_ids] * n, dtype=torch.int64)
+    data = BatchedDataDict(
+        {
+            "input_ids": input_ids,
+            "input_lengths": torch.full((n,), len(prompt_ids), dtype=torch.int64),
+            "stop_strings": [list(stop) or None for _ in range(n)],
+        }
+    )
+    samples: list[Sample | None] = [None] * n
+    start = len(prompt_ids)
+    async for i, out in generation.generate_async(data, greedy=greedy):
+        length = int(out["generation_lengths"][0])
+        ids = out["output_ids"][0, start : start + length].tolist()
+        lps = [max(float(v), LOGPROB_FLOOR) for v in out["logprobs"][0, start : start + length].tolist()]
+        truncated = bool(out["truncated"][0]) if "truncated" in out else False
+        if len(ids) > max_tokens:
+            ids, lps, truncated = ids[:max_tokens], lps[:max_tokens], True
+        samples[i] = Sample(ids, lps, "length" if truncated else "stop")
+    missing = [i for i, s in enumerate(samples) if s is None]
+    if missing:
+        raise RuntimeError(f"generation returned no output for rows {missing}")
+    return samples  # type: ignore[return-value]

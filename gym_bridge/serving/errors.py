@@ -1,0 +1,30 @@
+"""The one error type the serving layer raises on purpose, and its OpenAI-style JSON body.
+
+    ServingError            a request the server refuses; ``status`` is the HTTP status
+     ├── 400  invalid_request_error   bad fields, context length, off-policy sampling, splice failure
+     ├── 404  model not served
+     ├── 413  body too large
+     └── 503  the generation engine is shut down
+
+Anything else escaping a route is a bug and becomes a 500 with the same body shape.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class ServingError(Exception):
+    """A refused request: ``message`` is shown to the client, ``status`` is the HTTP status."""
+
+    def __init__(self, message: str, status: int = 400, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+
+
+def error_body(message: str, status: int, *, param: str | None = None) -> dict[str, Any]:
+    """The body vLLM (and OpenAI) return for an error."""
+    kind = "invalid_request_error" if status < 500 else "internal_server_error"
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}

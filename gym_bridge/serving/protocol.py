@@ -1,0 +1,80 @@
+"""Request models of the OpenAI-compatible endpoints (vLLM's dialect).
+
+Every model accepts unknown fields (``extra="allow"``) like vLLM does, so clients
+that send vendor fields (Gym's ``extra_body``, ``mm_processor_kwargs`` …) are not
+refused. Responses are plain dicts built in :mod:`gym_bridge.serving.app`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+#: Extra fields Gym puts on assistant messages of earlier turns; stripped before rendering.
+TOKEN_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs", "routed_experts")
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class SamplingFields(_Request):
+    """Sampling fields shared by chat and text completions."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=100.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = Field(1, ge=1)
+    stream: bool = False
+    return_tokens_as_token_ids: bool | None = None
+    return_token_ids: bool = False
+
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        return [s for s in stops if s]
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    chat_template_kwargs: dict[str, Any] | None = None
+    required_prefix_token_ids: list[int] | None = None
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+    add_special_tokens: bool = True
+
+
+class TokenizeRequest(_Request):
+    """Either ``prompt`` (text) or ``messages`` (a chat, rendered like chat completions)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    required_prefix_token_ids: list[int] | None = None
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]

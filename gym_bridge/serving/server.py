@@ -1,0 +1,186 @@
+"""``OpenAIServer``: start and stop the OpenAI-compatible server over a generation engine.
+
+The listening socket is bound before uvicorn starts, so the URL (and port, with
+``port=0``) is known at once and there is no rebind gap. Either run it on the
+caller's event loop (``await start()`` / ``await stop()``, or ``async with``) or on
+a private thread with its own loop (``start_in_thread()`` / ``stop_thread()``),
+which suits tests, scripts and Ray actors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import threading
+from typing import Any
+
+import uvicorn
+
+from gym_bridge.interfaces import GenerationInterface
+from gym_bridge.serving.app import ServerLimits, ServingState, build_app
+from gym_bridge.serving.engine import EngineProfile
+
+logger = logging.getLogger(__name__)
+
+
+class _AccessFilter(logging.Filter):
+    """Drop access-log lines of successful requests (as NeMo-RL's server does)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        return not (isinstance(args, tuple) and len(args) >= 5 and isinstance(args[4], int) and 200 <= args[4] < 300)
+
+
+class OpenAIServer:
+    """An OpenAI-compatible HTTP server (vLLM dialect) over ``generation`` + ``tokenizer``."""
+
+    def __init__(
+        self,
+        generation: GenerationInterface,
+        tokenizer: Any,
+        served_model_name: str = "tiny",
+        host: str = "127.0.0.1",
+        port: int = 0,
+        reasoning_parser: bool = False,
+        *,
+        model_path: str | None = None,
+        max_model_len: int | None = None,
+        limits: ServerLimits | None = None,
+        stop_timeout_s: float = 10.0,
+    ) -> None:
+        self.host = host
+        self.port = port
+        self.stop_timeout_s = stop_timeout_s
+        self.state = ServingState(
+            generation=generation,
+            tokenizer=tokenizer,
+            served_model_name=served_model_name,
+            model_path=model_path or str(getattr(tokenizer, "name_or_path", "") or served_model_name),
+            reasoning_parser=reasoning_parser,
+            profile=EngineProfile.of(generation, tokenizer, max_model_len),
+            limits=limits or ServerLimits(),
+            vocab_size=int(getattr(generation, "vocab_size", None) or len(tokenizer)),
+        )
+        self.app = build_app(self.state)
+        self._server: uvicorn.Server | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._sock: socket.socket | None = None
+        self._thread: threading.Thread | None = None
+        self._thread_loop: asyncio.AbstractEventLoop | None = None
+        self.base_url: str | None = None
+
+    @property
+    def root_url(self) -> str:
+        """The URL without ``/v1`` (where ``/tokenize`` lives)."""
+        if self.base_url is None:
+            raise RuntimeError("the server is not started")
+        return self.base_url.removesuffix("/v1")
+
+    async def start(self) -> str:
+        """Bind, start serving on the running loop, and return the base URL (``http://host:port/v1``)."""
+        if self._task is not None:
+            raise RuntimeError("the server is already started")
+        sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.host, self.port))
+        sock.listen(2048)
+        sock.setblocking(False)
+        self._sock = sock
+        port = sock.getsockname()[1]
+        config = uvicorn.Config(self.app, log_config=None, timeout_keep_alive=120, lifespan="off", access_log=True)
+        logging.getLogger("uvicorn.access").addFilter(_AccessFilter())
+        self._server = uvicorn.Server(config)
+        self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="openai-server")
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()  # raises the start-up failure
+                raise RuntimeError("the server exited during start-up")
+            await asyncio.sleep(0.01)
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        self.base_url = f"http://{host}:{port}/v1"
+        logger.info("OpenAI-compatible server for %r listening on %s", self.state.served_model_name, self.base_url)
+        return self.base_url
+
+    async def stop(self) -> None:
+        """Stop serving; waits at most ``stop_timeout_s`` for open requests, then cancels."""
+        if self._server is None or self._task is None:
+            return
+        self._server.should_exit = True
+        try:
+            await asyncio.wait_for(asyncio.shield(self._task), self.stop_timeout_s)
+        except TimeoutError:
+            logger.warning("server did not stop within %.1f s; forcing it", self.stop_timeout_s)
+            self._server.force_exit = True
+            self._task.cancel()
+            try:
+                await asyncio.wait_for(self._task, 2.0)
+            except BaseException:  # noqa: BLE001 - we are shutting down; nothing to hand back
+                pass
+        finally:
+            if self._sock is not None:
+                self._sock.close()
+            self._server = self._task = self._sock = None
+            logger.info("OpenAI-compatible server stopped")
+
+    async def __aenter__(self) -> OpenAIServer:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    # ------------------------------------------------------------------ thread variant
+
+    def start_in_thread(self, timeout_s: float = 30.0) -> str:
+        """Serve on a daemon thread with its own event loop; return the base URL."""
+        if self._thread is not None:
+            raise RuntimeError("the server is already started")
+        ready = threading.Event()
+        failure: list[BaseException] = []
+
+        def run() -> None:
+            loop = asyncio.new_event_loop()
+            self._thread_loop = loop
+            asyncio.set_event_loop(loop)
+            try:
+                loop.run_until_complete(self.start())
+            except BaseException as exc:  # noqa: BLE001 - handed to the starting thread
+                failure.append(exc)
+                ready.set()
+                loop.close()
+                return
+            ready.set()
+            loop.run_until_complete(self._task_done())
+            loop.close()
+
+        self._thread = threading.Thread(target=run, name="openai-server", daemon=True)
+        self._thread.start()
+        if not ready.wait(timeout_s):
+            raise TimeoutError(f"the server did not start within {timeout_s} s")
+        if failure:
+            self._thread = None
+            raise failure[0]
+        assert self.base_url is not None
+        return self.base_url
+
+    async def _task_done(self) -> None:
+        if self._task is not None:
+            try:
+                await asyncio.shield(self._task)
+            except BaseException:  # noqa: BLE001 - stop() handles and logs
+                pass
+        while self._server is not None:  # stop() is still tidying up on this loop
+            await asyncio.sleep(0.01)
+
+    def stop_thread(self) -> None:
+        """Stop a server started with :meth:`start_in_thread` (bounded wait)."""
+        thread, loop = self._thread, self._thread_loop
+        if thread is None or loop is None:
+            return
+        future = asyncio.run_coroutine_threadsafe(self.stop(), loop)
+        try:
+            future.result(self.stop_timeout_s + 5.0)
+        finally:
+            thread.join(self.stop_timeout_s + 5.0)
+            self._thread = self._thread_loop = None

@@ -104,6 +104,32 @@ def test_logprobs_match_full_forward(tiny, greedy: bool) -> None:
             assert torch.equal(pred_logits.argmax(-1), seq[n_in:])
 
 
+def test_per_row_sampling_overrides(tiny) -> None:
+    """Rows of one batch may carry their own temperature, top_k and max_new_tokens."""
+    tok, model = tiny
+    gen = engine(tiny, temperature=0.7, seed=7)
+    data = batch(
+        tok,
+        PROMPTS[:3],
+        temperature=[None, 1.5, 0.0],
+        top_k=[None, 1, None],
+        max_new_tokens=[5, None, 3],
+    )
+    out = gen.generate(data)
+    assert out["generation_lengths"].tolist() == [5, 12, 3]
+    for i, temperature in enumerate([0.7, 1.5, 1.0]):
+        seq, lps = unpadded(out, i)
+        n_in = int(data["input_lengths"][i])
+        ref_lp, pred_logits = recompute(model, seq, n_in, temperature)
+        torch.testing.assert_close(lps[n_in:], ref_lp, atol=1e-4, rtol=0)
+        if i > 0:  # top_k=1 and temperature 0 both pick the argmax
+            assert torch.equal(pred_logits.argmax(-1), seq[n_in:])
+    with pytest.raises(ValueError, match="max_new_tokens has 1 rows"):
+        gen.generate(batch(tok, PROMPTS[:2], max_new_tokens=[3]))
+    with pytest.raises(ValueError, match="row 0: invalid sampling"):
+        gen.generate(batch(tok, PROMPTS[:1], top_p=[0.0]))
+
+
 def test_greedy_is_deterministic_and_independent_of_batching(tiny) -> None:
     tok, _ = tiny
     gen = engine(tiny, max_batch_size=3)

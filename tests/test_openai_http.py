@@ -308,11 +308,12 @@ def test_dead_fleet_raises_generation_unavailable_quickly(tiny) -> None:
 
 def test_4xx_from_real_server_is_data_failure_without_retry(pair, tiny) -> None:
     tok, _ = tiny
-    # The servers sample at temperature 1; asking for 0.5 is rejected by the off-policy guard.
-    gen = client([pair[0].base_url], tok, temperature=0.5)
+    # A token id outside the vocabulary is a request error the server answers with a 400.
+    gen = client([pair[0].base_url], tok)
+    bad = BatchedDataDict({"input_ids": torch.tensor([[len(tok) + 5]]), "input_lengths": torch.tensor([1])})
     try:
         with pytest.raises(RolloutDataFailure, match="HTTP 4"):
-            gen.generate(batch(tok, ["Hello"]), greedy=False)
+            gen.generate(bad, greedy=False)
         assert gen.stats.retries == 0 and sum(gen.stats.requests_per_url.values()) == 1
     finally:
         gen.shutdown()

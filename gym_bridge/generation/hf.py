@@ -31,6 +31,10 @@ sampled from. Semantics, row by row:
   the same seed and the same sequence of calls give the same samples. (Batch
   composition matters: rows drawn in one batch share the generator stream.)
 
+Per-row sampling: a batch may carry lists under ``temperature``, ``top_p``, ``top_k``
+and ``max_new_tokens`` (one value per row, None = the config's), so that requests
+with different sampling share one decode batch. A row with temperature 0 is greedy.
+
 Batching: :meth:`generate` runs in the calling thread, ``max_batch_size`` rows at a
 time. :meth:`generate_async` never runs the model on the event loop: every row is
 queued for one worker thread, which takes everything pending (after a short
@@ -135,6 +139,20 @@ class _RowResult:
     truncated: bool
 
 
+@dataclass(frozen=True)
+class RowSampling:
+    """The sampling of one row: the engine's config unless the batch overrides it per row."""
+
+    temperature: float
+    top_p: float
+    top_k: int | None
+    max_new_tokens: int
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
 @dataclass(eq=False)
 class _Row:
     """One row to decode; ``deliver`` (worker path) receives a _RowResult or an exception."""
@@ -142,11 +160,16 @@ class _Row:
     prompt: list[int]
     stop_strings: tuple[str, ...]
     greedy: bool
+    sampling: RowSampling
     deliver: Callable[[_RowResult | BaseException], None] | None = None
     cancelled: bool = False
 
 
 _STOP = object()
+
+#: Optional per-row keys of a generation batch that override the config's sampling for that row
+#: (a list with one value per row; None in a slot means "use the config").
+PER_ROW_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_new_tokens")
 
 
 class EngineShutDownError(RuntimeError):
@@ -155,6 +178,9 @@ class EngineShutDownError(RuntimeError):
 
 class HFGeneration(GenerationInterface):
     """Generation with a local transformers causal LM; see the module docstring for semantics."""
+
+    #: Rows may carry their own temperature / top_p / top_k / max_new_tokens (PER_ROW_SAMPLING_KEYS).
+    supports_per_request_sampling = True
 
     def __init__(
         self,
@@ -314,6 +340,10 @@ class HFGeneration(GenerationInterface):
                 real = input_ids[i, : int(lengths[i])]
                 if int(real.min()) < 0 or int(real.max()) >= self.vocab_size:
                     raise ValueError(f"row {i} holds token ids outside [0, {self.vocab_size})")
+        overrides = {key: data[key] for key in PER_ROW_SAMPLING_KEYS if data.get(key) is not None}
+        for key, values in overrides.items():
+            if len(values) != batch:
+                raise ValueError(f"{key} has {len(values)} rows, input_ids {batch}")
         rows = []
         for i in range(batch):
             stops = list(self.cfg.stop_strings or [])
@@ -323,8 +353,38 @@ class HFGeneration(GenerationInterface):
             for s in extra or []:
                 if s and s not in stops:
                     stops.append(s)
-            rows.append(_Row(prompt=input_ids[i, : int(lengths[i])].tolist(), stop_strings=tuple(stops), greedy=greedy))
+            sampling = self._row_sampling({key: values[i] for key, values in overrides.items()}, row=i)
+            rows.append(
+                _Row(
+                    prompt=input_ids[i, : int(lengths[i])].tolist(),
+                    stop_strings=tuple(stops),
+                    greedy=greedy or sampling.greedy,
+                    sampling=sampling,
+                )
+            )
         return input_ids, lengths, rows
+
+    def _row_sampling(self, override: Mapping[str, Any], *, row: int) -> RowSampling:
+        """The config's sampling with this row's overrides (None means "use the config")."""
+
+        def value(key: str, default: Any) -> Any:
+            given = override.get(key)
+            return default if given is None else given
+
+        temperature = float(value("temperature", self.cfg.temperature))
+        top_p = float(value("top_p", self.cfg.top_p))
+        top_k = value("top_k", self.cfg.top_k)
+        max_new_tokens = int(value("max_new_tokens", self.cfg.max_new_tokens))
+        if temperature < 0 or not 0 < top_p <= 1 or max_new_tokens < 0:
+            raise ValueError(
+                f"row {row}: invalid sampling temperature={temperature} top_p={top_p} max_new_tokens={max_new_tokens}"
+            )
+        return RowSampling(
+            temperature=temperature,
+            top_p=top_p,
+            top_k=None if top_k in (None, 0, -1) else int(top_k),
+            max_new_tokens=max_new_tokens,
+        )
 
     def _assemble(
         self, input_ids: torch.Tensor, lengths: torch.Tensor, results: Sequence[_RowResult]
@@ -369,7 +429,7 @@ class HFGeneration(GenerationInterface):
         the results in row order (``None`` for rows withdrawn by cancellation).
         """
         results: list[_RowResult | None] = [None] * len(rows)
-        caps = [max(0, min(self.cfg.max_new_tokens, self.max_model_len - len(r.prompt))) for r in rows]
+        caps = [max(0, min(r.sampling.max_new_tokens, self.max_model_len - len(r.prompt))) for r in rows]
         gen_tokens: list[list[int]] = [[] for _ in rows]
         gen_logprobs: list[list[float]] = [[] for _ in rows]
         windows = [4 * max((len(s) for s in r.stop_strings), default=0) + 4 for r in rows]
@@ -408,7 +468,7 @@ class HFGeneration(GenerationInterface):
         logits = self._forward(input_ids, attention, positions, cache)
 
         while True:
-            tokens, logprobs = self._pick(logits, greedy)
+            tokens, logprobs = self._pick(logits, [rows[i] for i in active])
             token_list, lp_list = tokens.tolist(), logprobs.tolist()
             keep: list[int] = []
             for j, i in enumerate(active):
@@ -452,29 +512,34 @@ class HFGeneration(GenerationInterface):
         self.stats.forward_passes += 1
         return out.logits[:, -1, :].float()
 
-    def _pick(self, logits: torch.Tensor, greedy: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Choose the next tokens; return them with ``log_softmax(logits / T)[token]``."""
-        temperature = self.cfg.temperature
-        if greedy or temperature == 0.0:
-            logp = torch.log_softmax(logits, dim=-1)
-            tokens = torch.argmax(logits, dim=-1)
-        else:
-            scaled = logits / temperature
-            logp = torch.log_softmax(scaled, dim=-1)
+    def _pick(self, logits: torch.Tensor, rows: Sequence[_Row]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Choose the next token of every row; return them with ``log_softmax(logits / T)[token]``.
+
+        ``T`` is the row's temperature (1 for greedy rows); top-k, then top-p, only
+        restrict which tokens a sampled row may draw.
+        """
+        greedy = torch.tensor([r.greedy for r in rows], device=logits.device)
+        temps = torch.tensor([1.0 if r.greedy else r.sampling.temperature for r in rows], device=logits.device)
+        scaled = logits / temps[:, None]
+        logp = torch.log_softmax(scaled, dim=-1)
+        tokens = torch.argmax(logits, dim=-1)
+        if not bool(greedy.all()):
             allowed = scaled
-            top_k = self.cfg.top_k
-            if top_k is not None and 0 < top_k < allowed.shape[-1]:
-                kth = torch.topk(allowed, top_k, dim=-1).values[:, -1:]
+            vocab = allowed.shape[-1]
+            top_k = torch.tensor([r.sampling.top_k or vocab for r in rows], device=logits.device).clamp(max=vocab)
+            if bool((top_k < vocab).any()):
+                kth = torch.sort(allowed, dim=-1, descending=True).values.gather(-1, (top_k - 1)[:, None])
                 allowed = allowed.masked_fill(allowed < kth, float("-inf"))
-            if self.cfg.top_p < 1.0:
+            top_p = torch.tensor([r.sampling.top_p for r in rows], device=logits.device)
+            if bool((top_p < 1.0).any()):
                 sorted_logits, order = torch.sort(allowed, dim=-1, descending=True)
                 probs = torch.softmax(sorted_logits, dim=-1)
                 before = probs.cumsum(-1) - probs  # mass of the more likely tokens
-                drop_sorted = before >= self.cfg.top_p  # never drops the most likely token
+                drop_sorted = before >= top_p[:, None]  # never drops the most likely token
                 drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
                 allowed = allowed.masked_fill(drop, float("-inf"))
-            probs = torch.softmax(allowed, dim=-1)
-            tokens = torch.multinomial(probs, 1, generator=self._generator).squeeze(-1)
+            sampled = torch.multinomial(torch.softmax(allowed, dim=-1), 1, generator=self._generator).squeeze(-1)
+            tokens = torch.where(greedy, tokens, sampled)
         return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 
     def _hit_stop_string(self, row: _Row, tokens: list[int], window: int) -> bool:

@@ -73,19 +73,28 @@ class ScriptedGeneration(GenerationInterface):
         self, data: BatchedDataDict[GenerationDatumSpec], greedy: bool = False
     ) -> BatchedDataDict[GenerationOutputSpec]:
         input_ids, lengths, stops = _unpack(data)
+        caps = self._caps(data, input_ids.shape[0])
         self.calls += 1
-        rows = [self._row(input_ids[i, : int(lengths[i])].tolist(), stops[i]) for i in range(input_ids.shape[0])]
+        rows = [
+            self._row(input_ids[i, : int(lengths[i])].tolist(), stops[i], caps[i]) for i in range(input_ids.shape[0])
+        ]
         return self._assemble(input_ids, lengths, rows)
 
     async def generate_async(
         self, data: BatchedDataDict[GenerationDatumSpec], greedy: bool = False
     ) -> AsyncIterator[tuple[int, BatchedDataDict[GenerationOutputSpec]]]:
         input_ids, lengths, stops = _unpack(data)
+        caps = self._caps(data, input_ids.shape[0])
         self.calls += 1
         for i in range(input_ids.shape[0]):
             await asyncio.sleep(0)
-            row = self._row(input_ids[i, : int(lengths[i])].tolist(), stops[i])
+            row = self._row(input_ids[i, : int(lengths[i])].tolist(), stops[i], caps[i])
             yield i, self._assemble(input_ids[i : i + 1], lengths[i : i + 1], [row])
+
+    def _caps(self, data: Mapping[str, Any], batch: int) -> list[int]:
+        """Per-row ``max_new_tokens`` when the batch carries it, else the configured one."""
+        given = data.get("max_new_tokens") or [None] * batch
+        return [self.max_new_tokens if cap is None else int(cap) for cap in given]
 
     # ------------------------------------------------------------------ the script
 
@@ -108,7 +117,7 @@ class ScriptedGeneration(GenerationInterface):
             reply = "<think>\nI follow my script.\n</think>\n" + reply
         return reply
 
-    def _row(self, prompt: list[int], row_stops: list[str]) -> tuple[list[int], bool]:
+    def _row(self, prompt: list[int], row_stops: list[str], max_new_tokens: int) -> tuple[list[int], bool]:
         text = self.tokenizer.decode(prompt, skip_special_tokens=False)
         tokens = list(self.tokenizer.encode(self.reply_text(text), add_special_tokens=False))
         tokens.append(self.tokenizer.eos_token_id)
@@ -118,7 +127,7 @@ class ScriptedGeneration(GenerationInterface):
                 if any(s in self.tokenizer.decode(tokens[:end], skip_special_tokens=False) for s in stops):
                     tokens = tokens[:end]
                     break
-        cap = max(0, min(self.max_new_tokens, self.max_model_len - len(prompt)))
+        cap = max(0, min(max_new_tokens, self.max_model_len - len(prompt)))
         if len(tokens) > cap:
             return tokens[:cap], True
         return tokens, False

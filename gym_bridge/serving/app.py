@@ -289,9 +289,20 @@ async def _generate(
 ) -> list[Sample]:
     greedy = resolve_greedy(req, state.profile)
     max_tokens = max_tokens_for(requested, len(prompt_ids), state.profile)
+    sampling = (
+        {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k}
+        if state.profile.per_request_sampling
+        else None
+    )
     try:
         return await generate_rows(
-            state.generation, prompt_ids, req.n, greedy=greedy, stop=req.stop_strings(), max_tokens=max_tokens
+            state.generation,
+            prompt_ids,
+            req.n,
+            greedy=greedy,
+            stop=req.stop_strings(),
+            max_tokens=max_tokens,
+            sampling=sampling,
         )
     except RuntimeError as exc:
         if "shut down" in str(exc):

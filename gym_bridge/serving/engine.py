@@ -1,15 +1,17 @@
 """The bridge from a request's sampling fields to one ``generate_async`` call.
 
-Engines such as :class:`~gym_bridge.generation.hf.HFGeneration` sample with the
-temperature / top-p / top-k of their config. A request is served only when its
+An engine that sets ``supports_per_request_sampling = True`` (such as
+:class:`~gym_bridge.generation.hf.HFGeneration`) receives the request's
+temperature / top-p / top-k / max_tokens per row, as vLLM does. Any other engine
+samples with the profile of its config, and a request is served only when its
 sampling matches that profile (NeMo-RL's off-policy guard); a mismatch is a 400
 naming both values. ``temperature == 0`` asks for greedy decoding, which every
-engine supports per call. An engine that sets ``supports_per_request_sampling =
-True`` skips the guard (it either honours or ignores the values, e.g. a scripted
-policy). ``seed`` is accepted and ignored: the engine owns its generator.
+engine supports per call. ``seed`` is accepted and ignored: the engine owns its
+generator.
 
-``max_tokens`` below the engine's ``max_new_tokens`` is honoured by cutting the
-generated ids after the fact (finish ``length``); above it, the engine's cap wins.
+``max_tokens`` is sent to the engine per row; for an engine that ignores it, a
+longer generation is cut after the fact (finish ``length``). Without per-request
+sampling the engine's ``max_new_tokens`` also caps it.
 """
 
 from __future__ import annotations
@@ -109,6 +111,8 @@ def max_tokens_for(requested: int | None, prompt_len: int, profile: EngineProfil
             f"{prompt_len} input tokens, which leaves no room for generation (context length exceeded).",
             param="messages",
         )
+    if requested is not None and profile.per_request_sampling:
+        return min(room, requested)
     budget = min(room, profile.max_new_tokens)
     return budget if requested is None else min(budget, requested)
 
@@ -121,14 +125,21 @@ async def generate_rows(
     greedy: bool,
     stop: list[str],
     max_tokens: int,
+    sampling: dict[str, Any] | None = None,
 ) -> list[Sample]:
-    """Submit ``n`` copies of one prompt in one ``generate_async`` call; return them in row order."""
+    """Submit ``n`` copies of one prompt in one ``generate_async`` call; return them in row order.
+
+    ``sampling`` (temperature / top_p / top_k) goes to the engine per row; send it
+    only to an engine that supports per-request sampling.
+    """
     input_ids = torch.tensor([prompt_ids] * n, dtype=torch.int64)
+    per_row = {key: [value] * n for key, value in {**(sampling or {}), "max_new_tokens": max_tokens}.items()}
     data = BatchedDataDict(
         {
             "input_ids": input_ids,
             "input_lengths": torch.full((n,), len(prompt_ids), dtype=torch.int64),
             "stop_strings": [list(stop) or None for _ in range(n)],
+            **per_row,
         }
     )
     samples: list[Sample | None] = [None] * n

@@ -1,0 +1,152 @@
+"""The process that runs NeMo-Gym's ``RunHelper`` for one :class:`~gym_bridge.gym.servers.GymServers`.
+
+Run as ``python -m gym_bridge.gym._launcher <launch.json>`` in a session of its
+own. Gym keeps its config, head server and aiohttp client process-wide, so one
+launcher per ``GymServers`` keeps two of them apart, and the launcher's process
+group holds every server, so killing the group leaves nothing behind.
+
+It changes two things in Gym: each server's output goes to its own log file
+(Gym's ``tee`` wrapper would orphan the servers), and a server whose start
+command would create a venv or install packages is refused. It reports to the
+parent through a JSON status file: ``phase`` (parsing, spawning, ready, failed),
+``servers`` (name -> host, port, pid, log) and ``error``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from subprocess import DEVNULL, STDOUT, Popen
+from typing import Any
+
+_INSTALL_MARKERS = ("uv venv", "uv pip install")
+
+
+class _Status:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.data: dict[str, Any] = {"phase": "parsing", "servers": {}, "error": None}
+
+    def update(self, **fields: Any) -> None:
+        self.data.update(fields)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.data))
+        os.replace(tmp, self.path)
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """Kill this process group once the parent is gone (it cannot clean up any more)."""
+    while os.getppid() == parent_pid:
+        time.sleep(1.0)
+    os.killpg(0, signal.SIGKILL)
+
+
+def _server_instances(global_config_dict: Any) -> dict[str, dict[str, Any]]:
+    """The ``<name>: {<type>: {<impl>: {entrypoint: ...}}}`` entries, walked as RunHelper walks them."""
+    from omegaconf import DictConfig
+
+    from nemo_gym.global_config import NEMO_GYM_RESERVED_TOP_LEVEL_KEYS
+
+    servers: dict[str, dict[str, Any]] = {}
+    for name, value in global_config_dict.items():
+        if name in NEMO_GYM_RESERVED_TOP_LEVEL_KEYS or not isinstance(value, DictConfig) or not value:
+            continue
+        server_type = next(iter(value))
+        if not isinstance(value[server_type], DictConfig) or not value[server_type]:
+            continue
+        impl = next(iter(value[server_type]))
+        inner = value[server_type][impl]
+        if not isinstance(inner, DictConfig) or "entrypoint" not in inner:
+            continue
+        servers[str(name)] = {
+            "server_type": str(server_type),
+            "impl": str(impl),
+            "host": inner.get("host"),
+            "port": inner.get("port"),
+            "pid": None,
+        }
+    return servers
+
+
+def _link_venvs(servers: dict[str, dict[str, Any]], venv_dir: Path) -> None:
+    """``<venv_dir>/<type>/<impl>/.venv`` -> this interpreter's environment, so Gym skips its venv setup."""
+    for server in servers.values():
+        link = venv_dir / server["server_type"] / server["impl"] / ".venv"
+        link.parent.mkdir(parents=True, exist_ok=True)
+        if not link.is_symlink():
+            link.symlink_to(sys.prefix, target_is_directory=True)
+
+
+def _make_run_command(status: _Status, log_dir: Path):
+    """A stand-in for ``nemo_gym.cli.setup_command.run_command``: one log file per server, no installs."""
+    from nemo_gym.global_config import UV_CACHE_DIR_KEY_NAME, get_global_config_dict
+
+    def run_command(command: str, working_dir_path: Path, server_name: str = "", project_root: Path | None = None):
+        name = server_name or working_dir_path.name
+        if any(marker in command for marker in _INSTALL_MARKERS):
+            raise RuntimeError(f"refusing to create a venv or install packages for server {name!r}: {command[:300]}")
+        env = os.environ.copy()
+        entries = [str(working_dir_path.absolute())]
+        if project_root is not None:
+            entries.append(str(project_root.absolute()))
+        if env.get("PYTHONPATH"):
+            entries.append(env["PYTHONPATH"])
+        env["PYTHONPATH"] = ":".join(entries)
+        env["UV_CACHE_DIR"] = str(get_global_config_dict()[UV_CACHE_DIR_KEY_NAME])
+        log_path = log_dir / f"{name.replace('/', '_')}.log"
+        with open(log_path, "ab") as log:
+            log.write(f"$ {shlex.quote(name)} starting\n".encode())
+            log.flush()
+            process = Popen(
+                command, executable="/bin/bash", shell=True, env=env, stdin=DEVNULL, stdout=log, stderr=STDOUT
+            )
+        servers = status.data["servers"]
+        servers.setdefault(name, {})["pid"] = process.pid
+        status.update(servers=servers)
+        return process
+
+    return run_command
+
+
+def main(argv: list[str]) -> int:
+    spec = json.loads(Path(argv[1]).read_text())
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    status = _Status(Path(spec["status_file"]))
+    threading.Thread(target=_watch_parent, args=(spec["parent_pid"],), daemon=True).start()
+    try:
+        from omegaconf import OmegaConf
+
+        import nemo_gym.cli.env as gym_env
+        from nemo_gym.global_config import GlobalConfigDictParserConfig, get_global_config_dict
+
+        parser_config = GlobalConfigDictParserConfig(
+            initial_global_config_dict=OmegaConf.create(spec["global_config"]),
+            skip_load_from_cli=True,
+            skip_load_from_dotenv=spec["skip_load_from_dotenv"],
+        )
+        global_config_dict = get_global_config_dict(global_config_dict_parser_config=parser_config)
+        servers = _server_instances(global_config_dict)
+        _link_venvs(servers, Path(spec["venv_dir"]))
+        head = global_config_dict["head_server"]
+        status.update(phase="spawning", servers=servers, head={"host": head["host"], "port": head["port"]})
+        gym_env.run_command = _make_run_command(status, Path(spec["log_dir"]))
+        gym_env.RunHelper().start(global_config_dict_parser_config=parser_config)
+    except BaseException as exc:
+        summary = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
+        status.update(phase="failed", error=traceback.format_exc(), summary=summary)
+        return 1
+    status.update(phase="ready")
+    while True:
+        time.sleep(3600)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

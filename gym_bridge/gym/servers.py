@@ -1,0 +1,530 @@
+"""Start and stop real NeMo-Gym servers, with a deadline, logs per server and no leftovers.
+
+Exception tree::
+
+    GymServersError(RuntimeError)
+     ├── GymStartupError    a server died or was not answering by the start-up deadline
+     └── GymServerDied      a server of a started GymServers is no longer running
+
+Each :class:`GymServers` runs Gym's own ``RunHelper`` in a launcher process of
+its own session (see :mod:`gym_bridge.gym._launcher`); every Gym server is a
+child of it, so the whole set is one process group that :meth:`GymServers.stop`
+signals, SIGTERM then SIGKILL. The servers run on this interpreter's
+environment: Gym's per-server venvs are prepared as links to ``sys.prefix`` and
+nothing is installed.
+"""
+
+from __future__ import annotations
+
+import atexit
+import http.client
+import importlib.util
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import Any, NamedTuple
+
+import psutil
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
+
+__all__ = [
+    "GymServerDied",
+    "GymServers",
+    "GymServersConfig",
+    "GymServersError",
+    "GymStartupError",
+    "HeadServerAddress",
+    "wheel_config_path",
+]
+
+logger = logging.getLogger(__name__)
+
+# Gym's default range (10001-20000) overlaps Ray's worker ports; stay below Linux's ephemeral range.
+_PORT_SPACE = (20_000, 32_000)
+_PORT_WINDOW = 200
+_POLL_INTERVAL_S = 0.25
+_LOG_TAIL_BYTES = 3000
+_KILL_WAIT_S = 5.0
+
+
+class GymServersError(RuntimeError):
+    """A NeMo-Gym server set failed."""
+
+
+class GymStartupError(GymServersError):
+    """A server died during start-up, or was not answering when the deadline expired."""
+
+
+class GymServerDied(GymServersError):
+    """A server of a started ``GymServers`` is no longer running."""
+
+
+class HeadServerAddress(NamedTuple):
+    host: str
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+def wheel_config_path(relative: str | Path) -> Path:
+    """The absolute path of ``relative`` inside the installed nemo-gym wheel's site-packages.
+
+    Example: ``wheel_config_path("responses_api_models/vllm_model/configs/vllm_model_for_training.yaml")``.
+    """
+    spec = importlib.util.find_spec("nemo_gym")
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError("nemo_gym is not installed")
+    path = Path(spec.origin).parent.parent / relative
+    if not path.exists():
+        raise FileNotFoundError(f"{relative} is not in the installed nemo-gym wheel ({path})")
+    return path
+
+
+class GymServersConfig(BaseModel):
+    """What to start. ``overrides`` is merged last, over everything this class sets."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    config_paths: list[str] = Field(default_factory=list)
+    """Gym YAML configs; a relative path is tried in the cwd, then in the wheel (as Gym does)."""
+    overrides: dict[str, Any] = Field(default_factory=dict)
+    """Merged into Gym's global config, like ``initial_global_config_dict``."""
+    policy_base_urls: list[str] = Field(default_factory=list)
+    """OpenAI-compatible endpoints, each ending in ``/v1``; Gym's ``policy_base_url``."""
+    policy_model_name: str = ""
+    policy_api_key: SecretStr = SecretStr("dummy_key")
+    host: str = "127.0.0.1"
+    """Gym's ``default_host`` and the head server's host."""
+    startup_timeout_s: float = Field(120.0, gt=0)
+    shutdown_timeout_s: float = Field(30.0, gt=0)
+    """How long SIGTERM may take before SIGKILL."""
+    log_dir: Path | None = None
+    """Per-server log files; default ``./gym-logs/<timestamp>-<pid>-<n>``."""
+    ray_address: str | None = None
+    """Ray GCS address the servers join; None: the running Ray's, else the servers skip Ray."""
+    use_ray: bool = True
+    """False: the servers neither start nor join a Ray cluster (fine for servers that never use Ray)."""
+    load_env_yaml: bool = False
+    """Whether Gym also reads ``env.yaml`` from the cwd or the wheel."""
+
+
+_instances_lock = threading.Lock()
+_live: set[GymServers] = set()
+_used_windows: set[int] = set()
+_instance_count = 0
+_handlers_installed = False
+
+
+def _stop_all_live() -> None:
+    for servers in list(_live):
+        try:
+            servers.stop()
+        except Exception:
+            logger.exception("stopping NeMo-Gym servers failed")
+
+
+def _install_cleanup_handlers() -> None:
+    """atexit, plus SIGTERM/SIGHUP handlers that stop every live GymServers, then chain."""
+    global _handlers_installed
+    with _instances_lock:
+        if _handlers_installed:
+            return
+        _handlers_installed = True
+    atexit.register(_stop_all_live)
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        previous = signal.getsignal(signum)
+        if previous is signal.SIG_IGN or previous is None:
+            continue
+
+        def handler(num: int, frame: Any, previous: Any = previous) -> None:
+            _stop_all_live()
+            if callable(previous):
+                previous(num, frame)
+            else:
+                signal.signal(num, signal.SIG_DFL)
+                os.kill(os.getpid(), num)
+
+        signal.signal(signum, handler)
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def _reserve_port_window() -> int:
+    low, high = _PORT_SPACE
+    with _instances_lock:
+        free = [w for w in range(low, high - _PORT_WINDOW + 1, _PORT_WINDOW) if w not in _used_windows]
+        window = random.choice(free)
+        _used_windows.add(window)
+    return window
+
+
+def _deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _running_ray_address() -> str | None:
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return None
+    return ray.get_runtime_context().gcs_address
+
+
+def _is_alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _answers(host: str, port: int) -> bool:
+    conn = http.client.HTTPConnection(host, port, timeout=1.0)
+    try:
+        conn.request("GET", "/")
+        return conn.getresponse().status == 200
+    except (OSError, http.client.HTTPException):
+        return False
+    finally:
+        conn.close()
+
+
+def _tail(path: Path, limit: int = _LOG_TAIL_BYTES) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - limit))
+            return f.read().decode("utf-8", errors="replace")
+    except OSError as exc:
+        return f"<no log: {exc}>"
+
+
+_NO_RAY_SITECUSTOMIZE = """\
+import os
+if os.environ.get("GYM_BRIDGE_NO_RAY") == "1":
+    import ray
+    ray.is_initialized = lambda: True  # Gym's initialize_ray() then neither starts nor joins a cluster
+"""
+
+
+class GymServers:
+    """One set of NeMo-Gym servers (head server, models, agents, resources servers).
+
+    ``start()`` returns the head server's address once every server answers
+    ``GET /``; ``stop()`` is idempotent and leaves no process behind. Usable as a
+    context manager.
+    """
+
+    def __init__(self, config: GymServersConfig) -> None:
+        global _instance_count
+        self.config = config
+        with _instances_lock:
+            _instance_count += 1
+            self._index = _instance_count
+        self._launcher: subprocess.Popen[bytes] | None = None
+        self._launcher_proc: psutil.Process | None = None
+        self._private_dir: Path | None = None
+        self._window: int | None = None
+        self._status: dict[str, Any] = {}
+        self._procs: dict[str, psutil.Process] = {}
+        self.log_dir: Path = config.log_dir or Path.cwd() / "gym-logs" / (
+            f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{self._index}"
+        )
+        self.head: HeadServerAddress | None = None
+
+    # ---- public surface -------------------------------------------------------------------
+
+    @property
+    def log_files(self) -> dict[str, Path]:
+        """Server name -> its log file (the head server's is ``launcher_log``)."""
+        return {name: self.log_dir / f"{name.replace('/', '_')}.log" for name in self._status.get("servers", {})}
+
+    @property
+    def launcher_log(self) -> Path:
+        return self.log_dir / "_launcher.log"
+
+    @property
+    def venv_dir(self) -> Path | None:
+        """Gym's ``uv_venv_dir``: only ``.venv`` links to ``sys.prefix``."""
+        return self._private_dir / "venvs" if self._private_dir else None
+
+    @property
+    def server_pids(self) -> dict[str, int]:
+        return {name: proc.pid for name, proc in self._procs.items()}
+
+    @property
+    def server_urls(self) -> dict[str, str]:
+        return {name: f"http://{s['host']}:{s['port']}" for name, s in self._status.get("servers", {}).items()}
+
+    def pids(self) -> set[int]:
+        """Every process of this set still running: the launcher, the servers and their children."""
+        return {p.pid for p in self._processes() if _is_alive(p)}
+
+    def start(self) -> HeadServerAddress:
+        if self._launcher is not None:
+            raise RuntimeError("GymServers.start() was already called")
+        started = time.monotonic()
+        _install_cleanup_handlers()
+        with _instances_lock:
+            _live.add(self)
+        try:
+            self._spawn_launcher()
+            self._wait_until_ready(started + self.config.startup_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        logger.info(
+            "NeMo-Gym servers ready at %s after %.1fs: %s",
+            self.head.url if self.head else "?",
+            time.monotonic() - started,
+            ", ".join(f"{n}={u}" for n, u in self.server_urls.items()),
+        )
+        assert self.head is not None
+        return self.head
+
+    def poll(self) -> None:
+        """Raise :class:`GymServerDied` naming a server (or the head server) that is no longer running."""
+        if self._launcher is None:
+            raise GymServersError("GymServers is not started")
+        for name, proc in self._procs.items():
+            if not _is_alive(proc):
+                raise GymServerDied(self._describe_failure(name, "is no longer running"))
+        if not (self._launcher_proc and _is_alive(self._launcher_proc)):
+            raise GymServerDied(self._describe_failure("head_server", "is no longer running (launcher exited)"))
+
+    def stop(self) -> None:
+        """Stop every process of this set: SIGTERM to the group, SIGKILL after ``shutdown_timeout_s``."""
+        if self._launcher is None and self._private_dir is None:
+            return
+        started = time.monotonic()
+        launcher = self._launcher
+        if launcher is not None:
+            procs = self._processes()
+            self._signal(procs, signal.SIGTERM)
+            alive = self._wait_gone(procs, self.config.shutdown_timeout_s)
+            if alive:
+                logger.warning("NeMo-Gym processes %s ignored SIGTERM; killing them", sorted(p.pid for p in alive))
+                self._signal(procs, signal.SIGKILL)
+                alive = self._wait_gone(alive, _KILL_WAIT_S)
+            if alive:
+                logger.error("NeMo-Gym processes %s survived SIGKILL", sorted(p.pid for p in alive))
+            try:
+                launcher.wait(timeout=_KILL_WAIT_S)
+            except subprocess.TimeoutExpired:
+                pass
+            logger.info("NeMo-Gym servers stopped in %.1fs (logs: %s)", time.monotonic() - started, self.log_dir)
+        self._launcher = None
+        if self._private_dir is not None:
+            shutil.rmtree(self._private_dir, ignore_errors=True)
+            self._private_dir = None
+        with _instances_lock:
+            _live.discard(self)
+            if self._window is not None:
+                _used_windows.discard(self._window)
+                self._window = None
+
+    def __enter__(self) -> GymServers:
+        self.start()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    # ---- start-up ---------------------------------------------------------------------------
+
+    def _global_config(self, head_port: int) -> dict[str, Any]:
+        cfg = self.config
+        assert self._private_dir is not None and self._window is not None
+        config_paths = [str(Path(p).absolute()) if Path(p).exists() else p for p in cfg.config_paths]
+        base: dict[str, Any] = {
+            "config_paths": config_paths,
+            "policy_api_key": cfg.policy_api_key.get_secret_value(),
+            "default_host": cfg.host,
+            "head_server": {"host": cfg.host, "port": head_port},
+            "port_range_low": self._window,
+            "port_range_high": self._window + _PORT_WINDOW - 1,
+            "skip_venv_if_present": True,
+            "uv_venv_dir": str(self._private_dir / "venvs"),
+            "uv_cache_dir": str(self._private_dir / "uv-cache"),
+        }
+        if cfg.policy_base_urls:
+            base["policy_base_url"] = list(cfg.policy_base_urls)
+        if cfg.policy_model_name:
+            base["policy_model_name"] = cfg.policy_model_name
+        ray_address = (cfg.ray_address or _running_ray_address()) if cfg.use_ray else None
+        if ray_address:
+            base["ray_head_node_address"] = ray_address
+        merged = _deep_merge(base, cfg.overrides)
+        merged.pop("nemo_gym_log_dir", None)  # Gym's tee wrapper orphans servers; logs are ours
+        return merged
+
+    def _spawn_launcher(self) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._private_dir = Path(tempfile.mkdtemp(prefix="gym-bridge-servers-"))
+        self._window = _reserve_port_window()
+        global_config = self._global_config(_free_port(self.config.host))
+        uses_ray = "ray_head_node_address" in global_config
+        spec = {
+            "global_config": global_config,
+            "status_file": str(self._private_dir / "status.json"),
+            "venv_dir": str(self._private_dir / "venvs"),
+            "log_dir": str(self.log_dir),
+            "parent_pid": os.getpid(),
+            "skip_load_from_dotenv": not self.config.load_env_yaml,
+        }
+        spec_path = self._private_dir / "launch.json"
+        spec_path.touch(mode=0o600)
+        spec_path.write_text(json.dumps(spec))
+
+        env = dict(os.environ)
+        for key in ("NEMO_GYM_CONFIG_DICT", "NEMO_GYM_CONFIG_PATH"):
+            env.pop(key, None)
+        env.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+        env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        env["PYTHONUNBUFFERED"] = "1"
+        if not uses_ray:
+            shim = self._private_dir / "no_ray"
+            shim.mkdir()
+            (shim / "sitecustomize.py").write_text(_NO_RAY_SITECUSTOMIZE)
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(shim), env.get("PYTHONPATH")]))
+            env["GYM_BRIDGE_NO_RAY"] = "1"
+
+        logger.info("NeMo-Gym server logs: %s", self.log_dir)
+        with open(self.launcher_log, "ab") as log:
+            self._launcher = subprocess.Popen(
+                [sys.executable, "-m", "gym_bridge.gym._launcher", str(spec_path)],
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        self._launcher_proc = psutil.Process(self._launcher.pid)
+
+    def _read_status(self) -> None:
+        assert self._private_dir is not None
+        try:
+            self._status = json.loads((self._private_dir / "status.json").read_text())
+        except (OSError, ValueError):
+            return
+        head = self._status.get("head")
+        if head and self.head is None:
+            self.head = HeadServerAddress(head["host"], int(head["port"]))
+        for name, server in self._status.get("servers", {}).items():
+            if server.get("pid") and name not in self._procs:
+                try:
+                    self._procs[name] = psutil.Process(server["pid"])
+                except psutil.NoSuchProcess:
+                    raise GymStartupError(self._describe_failure(name, "exited during start-up")) from None
+
+    def _wait_until_ready(self, deadline: float) -> None:
+        ready: set[str] = set()
+        while True:
+            self._read_status()
+            for name, proc in self._procs.items():
+                if not _is_alive(proc):
+                    raise GymStartupError(self._describe_failure(name, "exited during start-up"))
+            if self._status.get("phase") == "failed" or not _is_alive(self._launcher_proc):  # type: ignore[arg-type]
+                raise GymStartupError(self._launcher_failure())
+            servers = self._status.get("servers", {})
+            if self._status.get("phase") in ("spawning", "ready") and all(s.get("pid") for s in servers.values()):
+                for name, s in servers.items():
+                    if name not in ready and _answers(s["host"], s["port"]):
+                        ready.add(name)
+                if len(ready) == len(servers) and self.head and _answers(self.head.host, self.head.port):
+                    return
+            if time.monotonic() >= deadline:
+                waiting = [n for n in servers if n not in ready] or ["head_server"]
+                raise GymStartupError(
+                    "\n".join(
+                        self._describe_failure(
+                            name, f"was not answering after the {self.config.startup_timeout_s}s start-up deadline"
+                        )
+                        for name in waiting
+                    )
+                )
+            time.sleep(_POLL_INTERVAL_S)
+
+    # ---- diagnostics and teardown -----------------------------------------------------------
+
+    def _describe_failure(self, name: str, what: str) -> str:
+        log = self.log_files.get(name, self.launcher_log)
+        return f"NeMo-Gym server {name!r} {what}; last lines of {log}:\n{_tail(log)}"
+
+    def _launcher_failure(self) -> str:
+        error = self._status.get("error") or ""
+        match = re.search(r"Process `([^`]+)` finished unexpectedly", error)
+        if match and match.group(1) in self.log_files:
+            return self._describe_failure(match.group(1), "exited during start-up")
+        summary = self._status.get("summary") or "the launcher exited"
+        return (
+            f"NeMo-Gym failed before the servers were up: {summary}; "
+            f"last lines of {self.launcher_log}:\n{_tail(self.launcher_log)}"
+        )
+
+    def _processes(self) -> list[psutil.Process]:
+        """The launcher, its descendants, the known servers and anything left in its process group."""
+        found: dict[int, psutil.Process] = {}
+        roots = [p for p in [self._launcher_proc, *self._procs.values()] if p is not None]
+        for root in roots:
+            if _is_alive(root):
+                found[root.pid] = root
+                try:
+                    found.update((c.pid, c) for c in root.children(recursive=True))
+                except psutil.Error:
+                    pass
+        if self._launcher is not None:
+            for proc in psutil.process_iter():
+                try:
+                    if proc.pid not in found and os.getpgid(proc.pid) == self._launcher.pid:
+                        found[proc.pid] = proc
+                except (OSError, psutil.Error):
+                    continue
+        return list(found.values())
+
+    def _signal(self, procs: list[psutil.Process], signum: int) -> None:
+        if self._launcher is not None:
+            try:
+                os.killpg(self._launcher.pid, signum)
+            except OSError:
+                pass
+        for proc in procs:
+            try:
+                proc.send_signal(signum)
+            except psutil.Error:
+                pass
+
+    @staticmethod
+    def _wait_gone(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
+        deadline = time.monotonic() + timeout
+        alive = [p for p in procs if _is_alive(p)]
+        while alive and time.monotonic() < deadline:
+            time.sleep(0.1)
+            alive = [p for p in alive if _is_alive(p)]
+        return alive

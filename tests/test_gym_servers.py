@@ -1,0 +1,264 @@
+"""Real NeMo-Gym servers from the installed wheel: start, inspect, fail, stop. No mocks."""
+
+from __future__ import annotations
+
+import http.client
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from gym_bridge.gym.servers import (
+    GymServerDied,
+    GymServers,
+    GymServersConfig,
+    GymStartupError,
+    wheel_config_path,
+)
+
+pytestmark = pytest.mark.timeout(240)
+
+_CONFIGS = [
+    "responses_api_models/vllm_model/configs/vllm_model_for_training.yaml",
+    "resources_servers/example_single_tool_call/configs/example_single_tool_call.yaml",
+]
+_SERVERS = {"policy_model", "example_single_tool_call", "example_single_tool_call_simple_agent"}
+# Set B: the tool resources server alone, to keep the module's start-up short on 2 cores.
+_TOOL_SERVER = {
+    "example_single_tool_call": {
+        "resources_servers": {
+            "example_single_tool_call": {"entrypoint": "app.py", "domain": "agent", "verified": False}
+        }
+    }
+}
+_INSTALL_MARKERS = ("Installed ", "Resolved ", "uv venv", "uv pip", "Creating virtual environment")
+
+
+def _unused_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _config(log_dir: Path, **kwargs) -> GymServersConfig:
+    return GymServersConfig(
+        config_paths=[str(wheel_config_path(p)) for p in _CONFIGS],
+        policy_base_urls=[f"http://127.0.0.1:{_unused_port()}/v1"],
+        policy_model_name="test-model",
+        log_dir=log_dir,
+        startup_timeout_s=150,
+        shutdown_timeout_s=15,
+        **kwargs,
+    )
+
+
+def _get(host: str, port: int, path: str = "/") -> tuple[int, str]:
+    conn = http.client.HTTPConnection(host, port, timeout=5)
+    try:
+        conn.request("GET", path)
+        response = conn.getresponse()
+        return response.status, response.read().decode()
+    finally:
+        conn.close()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _listening(pid: int) -> set[tuple[str, int]]:
+    """(ip, port) of every TCP socket ``pid`` or its children listen on."""
+    proc = psutil.Process(pid)
+    found = set()
+    for p in [proc, *proc.children(recursive=True)]:
+        found |= {(c.laddr.ip, c.laddr.port) for c in p.net_connections("tcp") if c.status == psutil.CONN_LISTEN}
+    return found
+
+
+@pytest.fixture(scope="module")
+def two_sets(ray_session, tmp_path_factory):
+    """Two server sets started at once: A (model, agent, tools) joins the session's Ray; B (tools) skips Ray."""
+    root = tmp_path_factory.mktemp("gym-servers")
+    a = GymServers(_config(root / "a"))
+    b = GymServers(
+        GymServersConfig(overrides=_TOOL_SERVER, log_dir=root / "b", startup_timeout_s=150, use_ray=False)
+    )
+    errors: list[BaseException] = []
+    timings: dict[str, float] = {}
+
+    def start(name: str, servers: GymServers) -> None:
+        t0 = time.monotonic()
+        try:
+            servers.start()
+        except BaseException as exc:  # reported in the main thread
+            errors.append(exc)
+        timings[name] = time.monotonic() - t0
+
+    threads = [threading.Thread(target=start, args=(n, s)) for n, s in (("a", a), ("b", b))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    print(f"start-up (concurrent): {timings}")
+    try:
+        if errors:
+            raise errors[0]
+        yield a, b
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_head_servers_answer_on_loopback_not_11000(two_sets):
+    for servers in two_sets:
+        head = servers.head
+        assert head is not None and head.host == "127.0.0.1" and head.port != 11000
+        status, body = _get(head.host, head.port, "/server_instances")
+        assert status == 200
+        for name in _names(servers):
+            assert name in body
+    assert two_sets[0].head.port != two_sets[1].head.port
+
+
+def _names(servers: GymServers) -> set[str]:
+    return _SERVERS if "policy_model" in servers.server_urls else {"example_single_tool_call"}
+
+
+def test_every_server_alive_and_listening_on_loopback(two_sets):
+    a, b = two_sets
+    for servers in two_sets:
+        assert set(servers.server_pids) == _names(servers)
+        servers.poll()
+        for name, pid in servers.server_pids.items():
+            assert _alive(pid), name
+            url_port = int(servers.server_urls[name].rsplit(":", 1)[1])
+            listening = _listening(pid)
+            assert ("127.0.0.1", url_port) in listening, (name, listening)
+            assert [ip for ip, port in listening if port == url_port] == ["127.0.0.1"]
+            if servers is b:  # a Ray driver's own gRPC port (set A) listens on all interfaces
+                assert {ip for ip, _ in listening} == {"127.0.0.1"}, (name, listening)
+            assert _get("127.0.0.1", url_port)[0] == 200
+        head_listeners = {(ip, port) for ip, port in _listening(servers._launcher.pid) if port == servers.head.port}
+        assert head_listeners == {("127.0.0.1", servers.head.port)}
+
+
+def test_two_sets_use_disjoint_ports(two_sets):
+    a, b = two_sets
+    ports = [{int(u.rsplit(":", 1)[1]) for u in s.server_urls.values()} | {s.head.port} for s in (a, b)]
+    assert len(ports[0]) == len(_SERVERS) + 1 and len(ports[1]) == 2
+    assert not ports[0] & ports[1]
+
+
+def test_logs_per_server_and_no_installs(two_sets):
+    site_packages = wheel_config_path("nemo_gym").parent
+    for servers in two_sets:
+        assert set(servers.log_files) == _names(servers)
+        for name, log in servers.log_files.items():
+            assert log.parent == servers.log_dir
+            text = log.read_text()
+            assert "Uvicorn running on http://127.0.0.1" in text, (name, text)
+            assert not [m for m in _INSTALL_MARKERS if m in text], (name, text)
+        links = list(servers.venv_dir.glob("*/*/.venv"))
+        assert len(links) == len(_names(servers))
+        for link in links:
+            assert link.is_symlink() and link.resolve() == Path(sys.prefix).resolve()
+    for rel in ("responses_api_models/vllm_model", "responses_api_agents/simple_agent"):
+        assert not (site_packages / rel / ".venv").exists()
+        assert not (Path.cwd() / rel / ".venv").exists()
+
+
+def test_ray_joined_not_started(two_sets):
+    import ray
+
+    gcs = ray.get_runtime_context().gcs_address
+    a, b = two_sets
+    assert f"Connecting to Ray cluster at specified address: {gcs}" in a.launcher_log.read_text()
+    for log in a.log_files.values():
+        assert "NeMo Gym is starting a new Ray cluster" not in log.read_text()
+    for log in [b.launcher_log, *b.log_files.values()]:
+        assert "Ray already initialized" in log.read_text()
+
+
+def test_poll_names_a_dead_server_then_stop_leaves_nothing(two_sets):
+    a, b = two_sets
+    victim = b.server_pids["example_single_tool_call"]
+    os.kill(victim, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while _alive(victim) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    with pytest.raises(GymServerDied, match="'example_single_tool_call' is no longer running"):
+        b.poll()
+    a.poll()
+
+    pids = a.pids() | b.pids()
+    ports = [(s.head.port, [int(u.rsplit(":", 1)[1]) for u in s.server_urls.values()]) for s in (a, b)]
+    assert len(pids) >= len(_SERVERS) + 2
+    t0 = time.monotonic()
+    a.stop()
+    b.stop()
+    print(f"stop both: {time.monotonic() - t0:.1f}s")
+    assert not [pid for pid in pids if _alive(pid)]
+    for head_port, server_ports in ports:
+        for port in [head_port, *server_ports]:
+            with pytest.raises(OSError):
+                _get("127.0.0.1", port)
+    a.stop()  # idempotent
+
+
+def _assert_nothing_left(servers: GymServers, launcher_pid: int | None) -> None:
+    assert servers.pids() == set()
+    if launcher_pid is not None:
+        assert not _alive(launcher_pid)
+    for pid in servers.server_pids.values():
+        assert not _alive(pid)
+
+
+def test_server_that_dies_at_startup(tmp_path):
+    broken = {"entrypoint": "app.py", "domain": "agent"}
+    config = GymServersConfig(
+        overrides={"broken_server": {"resources_servers": {"no_such_server_module": broken}}},
+        log_dir=tmp_path / "logs",
+        startup_timeout_s=60,
+        use_ray=False,
+    )
+    servers = GymServers(config)
+    t0 = time.monotonic()
+    with pytest.raises(GymStartupError, match="'broken_server' exited during start-up") as info:
+        servers.start()
+    print(f"dead server reported after {time.monotonic() - t0:.1f}s")
+    assert time.monotonic() - t0 < 60
+    # the log tail: bash's "cd: .../no_such_server_module: No such file or directory"
+    assert "no_such_server_module: No such file or directory" in str(info.value)
+    _assert_nothing_left(servers, servers._launcher_proc.pid)
+
+
+def test_server_that_hangs_hits_the_deadline(tmp_path, monkeypatch):
+    server_dir = tmp_path / "resources_servers" / "hanging_server"
+    server_dir.mkdir(parents=True)
+    (server_dir / "requirements.txt").write_text("")
+    (server_dir / "app.py").write_text("import time\nprint('hanging on purpose', flush=True)\ntime.sleep(3600)\n")
+    monkeypatch.chdir(tmp_path)  # Gym looks for servers in the cwd first
+    config = GymServersConfig(
+        overrides={"stuck": {"resources_servers": {"hanging_server": {"entrypoint": "app.py", "domain": "agent"}}}},
+        log_dir=tmp_path / "logs",
+        startup_timeout_s=15,
+        use_ray=False,
+    )
+    servers = GymServers(config)
+    t0 = time.monotonic()
+    with pytest.raises(GymStartupError, match="'stuck' was not answering after the 15") as info:
+        servers.start()
+    elapsed = time.monotonic() - t0
+    assert 15 <= elapsed < 15 + 10
+    assert "hanging on purpose" in str(info.value)
+    _assert_nothing_left(servers, servers._launcher_proc.pid)

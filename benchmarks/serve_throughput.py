@@ -63,17 +63,22 @@ async def main(max_tokens: int, rounds: int) -> str:
     prompt_ids = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
     prompt_ids = tokenizer(prompt_ids, add_special_tokens=False)["input_ids"]
     rows = []
-    async with OpenAIServer(generation, tokenizer, served_model_name="tiny") as base_url:
+    # The server gets its own thread and event loop, as it would have its own process in production.
+    server = OpenAIServer(generation, tokenizer, served_model_name="tiny")
+    base_url = server.start_in_thread()
+    try:
         await served(base_url, 1, 1, max_tokens)  # warm-up
         for concurrency in (1, 8, 32):
             s_time, s_tokens = await served(base_url, concurrency, rounds, max_tokens)
-            r_time, r_tokens = await asyncio.to_thread(raw_generate, generation, prompt_ids, concurrency, rounds)
+            r_time, r_tokens = raw_generate(generation, prompt_ids, concurrency, rounds)
             requests = concurrency * rounds
             rows.append(
                 f"| {concurrency} | {requests / s_time:.1f} | {s_tokens / s_time:.0f} | "
                 f"{requests / r_time:.1f} | {r_tokens / r_time:.0f} | {(s_tokens / s_time) / (r_tokens / r_time):.2f} |"
             )
-    generation.shutdown()
+    finally:
+        server.stop_thread()
+        generation.shutdown()
     mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1024**3
     header = (
         f"\n## Server throughput, {date.today()} ({os.cpu_count()} cores, {mem_gib:.0f} GiB, "

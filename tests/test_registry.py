@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from gym_bridge.rollout.manager import RolloutManager, backend_name_for
-from gym_bridge.rollout.nemo_gym import BackendNotAvailableError
+from gym_bridge.rollout.nemo_gym import AsyncNemoGymRolloutImpl
 from gym_bridge.rollout.registry import (
     BackendLoadError,
     BackendNotFoundError,
@@ -95,8 +95,9 @@ def test_backend_name_resolution():
         backend_name_for(True, "native")
 
 
-def test_nemo_gym_is_listed_but_says_it_is_not_available_yet():
-    with pytest.raises(BackendNotAvailableError, match="not available yet"):
+def test_use_nemo_gym_selects_the_nemo_gym_backend():
+    assert load_backend("nemo_gym") is AsyncNemoGymRolloutImpl
+    with pytest.raises(ValueError, match="needs a NemoGym actor"):
         RolloutManager(None, {}, 2, 128, use_nemo_gym=True, generation_config={})
 
 

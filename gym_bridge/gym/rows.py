@@ -1,0 +1,89 @@
+"""Gym input rows: validation before anything is sent, and building N rows per prompt.
+
+A row is what NeMo-Gym's agent ``/run`` endpoint takes: ``responses_create_params``
+(OpenAI Responses "create" parameters, ``input`` required), ``agent_ref`` naming the
+agent server, and any verifier fields, which are passed through untouched.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from gym_bridge.failures import RolloutDataFailure
+from gym_bridge.types import GenerationSamplingParams
+
+ROW_INDEX_KEY = "_rowidx"
+
+
+class InvalidGymRow(RolloutDataFailure):
+    """A Gym row that cannot be dispatched; the message names the prompt, the field and the reason."""
+
+
+class AgentRef(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["responses_api_agents"] = "responses_api_agents"
+    name: str
+
+
+class ResponsesCreateParams(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    input: str | list[Any]
+    tools: list[dict[str, Any]] | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+
+
+class GymRow(BaseModel):
+    """The fields of a Gym row that gym-bridge relies on; everything else passes through."""
+
+    model_config = ConfigDict(extra="allow")
+
+    responses_create_params: ResponsesCreateParams
+    agent_ref: AgentRef
+
+
+def validate_row(row: Any, *, prompt_idx: int, known_agents: list[str] | None = None) -> GymRow:
+    """Check one row before dispatch; raise :class:`InvalidGymRow` naming the prompt, field and reason."""
+    if not isinstance(row, dict):
+        raise InvalidGymRow(f"prompt_idx={prompt_idx}: the Gym row (extra_env_info) must be a dict, got {type(row).__name__}")
+    try:
+        parsed = GymRow.model_validate(row)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or '(row)'}: {err['msg']}" for err in exc.errors()
+        )
+        raise InvalidGymRow(f"prompt_idx={prompt_idx}: invalid Gym row: {problems}") from None
+    if known_agents is not None and parsed.agent_ref.name not in known_agents:
+        raise InvalidGymRow(
+            f"prompt_idx={prompt_idx}: agent_ref.name {parsed.agent_ref.name!r} is not a running agent; "
+            f"known agents: {', '.join(sorted(known_agents)) or '(none)'}"
+        )
+    return parsed
+
+
+def build_rows(
+    template: dict[str, Any], n: int, sampling: GenerationSamplingParams, max_new_tokens: int | None
+) -> list[dict[str, Any]]:
+    """N deep copies of ``template``, stamped with the sampling profile, the token cap and ``_rowidx``.
+
+    ``max_output_tokens`` becomes ``min(row value, max_new_tokens)``; the sequence
+    budget (``max_seq_len``) is deliberately not translated into it.
+    """
+    rows = []
+    for i in range(n):
+        row = copy.deepcopy(template)
+        params = row["responses_create_params"]
+        params["temperature"] = sampling.temperature
+        params["top_p"] = sampling.top_p
+        if max_new_tokens is not None:
+            given = params.get("max_output_tokens")
+            params["max_output_tokens"] = max_new_tokens if given is None else min(int(given), max_new_tokens)
+        row[ROW_INDEX_KEY] = i
+        rows.append(row)
+    return rows

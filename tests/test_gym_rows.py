@@ -1,0 +1,65 @@
+"""Gym rows: validation that names the prompt and field, and building N stamped rows."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+from gym_bridge.failures import FailureClass, classify_rollout_failure
+from gym_bridge.gym.rows import InvalidGymRow, build_rows, validate_row
+from gym_bridge.types import GenerationSamplingParams
+
+ROW = {
+    "responses_create_params": {"input": [{"role": "user", "content": "hi"}], "max_output_tokens": 100},
+    "agent_ref": {"type": "responses_api_agents", "name": "simple_agent"},
+    "expected_answer": "42",
+}
+
+
+def test_a_good_row_passes_and_keeps_extra_fields():
+    parsed = validate_row(ROW, prompt_idx=0, known_agents=["simple_agent"])
+    assert parsed.agent_ref.name == "simple_agent"
+    assert parsed.model_extra == {"expected_answer": "42"}
+
+
+@pytest.mark.parametrize(
+    ("row", "needle"),
+    [
+        ({"agent_ref": ROW["agent_ref"]}, "responses_create_params: Field required"),
+        ({"responses_create_params": {"input": "x"}}, "agent_ref: Field required"),
+        ({**ROW, "responses_create_params": {"tools": []}}, "responses_create_params.input: Field required"),
+        ({**ROW, "responses_create_params": {"input": 5}}, "responses_create_params.input"),
+        ({**ROW, "agent_ref": {"name": 3}}, "agent_ref.name: Input should be a valid string"),
+        ({**ROW, "agent_ref": {"type": "other", "name": "a"}}, "agent_ref.type"),
+        ("not a dict", "must be a dict, got str"),
+    ],
+)
+def test_bad_rows_name_the_prompt_and_field(row, needle):
+    with pytest.raises(InvalidGymRow) as info:
+        validate_row(row, prompt_idx=17)
+    assert "prompt_idx=17" in str(info.value) and needle in str(info.value)
+    assert classify_rollout_failure(info.value) is FailureClass.DATA
+    assert isinstance(pickle.loads(pickle.dumps(info.value)), InvalidGymRow)
+
+
+def test_unknown_agent_lists_the_known_ones():
+    with pytest.raises(InvalidGymRow, match="'simple_agent' is not a running agent; known agents: a, b"):
+        validate_row(ROW, prompt_idx=1, known_agents=["b", "a"])
+
+
+def test_build_rows_stamps_sampling_cap_and_index_on_copies():
+    rows = build_rows(ROW, 3, GenerationSamplingParams(temperature=0.6, top_p=0.9), max_new_tokens=64)
+    assert [r["_rowidx"] for r in rows] == [0, 1, 2]
+    for r in rows:
+        params = r["responses_create_params"]
+        assert params["temperature"] == 0.6 and params["top_p"] == 0.9
+        assert params["max_output_tokens"] == 64  # min(100, 64)
+        assert r["expected_answer"] == "42"
+    rows[0]["responses_create_params"]["input"].append("mutated")
+    assert len(rows[1]["responses_create_params"]["input"]) == 1
+    assert "_rowidx" not in ROW and ROW["responses_create_params"]["max_output_tokens"] == 100
+    larger = build_rows(ROW, 1, GenerationSamplingParams(), max_new_tokens=1000)
+    assert larger[0]["responses_create_params"]["max_output_tokens"] == 100
+    uncapped = build_rows({**ROW, "responses_create_params": {"input": "x"}}, 1, GenerationSamplingParams(), 32)
+    assert uncapped[0]["responses_create_params"]["max_output_tokens"] == 32

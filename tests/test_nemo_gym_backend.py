@@ -1,0 +1,193 @@
+"""AsyncNemoGymRolloutImpl's stream handling, against a scripted streaming Ray actor.
+
+The scripted actor stands in for the NemoGym actor only to drive the edge cases of
+the stream (lost rows, stale and duplicate indices, hangs); the real actor and real
+Gym servers are exercised by the integration tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+import pytest
+import ray
+import torch
+
+from gym_bridge.failures import GymTransportError, RolloutDataFailure, RolloutTimeout, RolloutTimeouts
+from gym_bridge.rollout.manager import RolloutManager
+from gym_bridge.rollout.nemo_gym import AsyncNemoGymRolloutImpl, GymRowIndexError
+from gym_bridge.types import token_tensor
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+
+# Ray workers cannot import this test module: ship its helpers by value.
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+GEN_CFG = {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": 8}
+ROW = {
+    "responses_create_params": {"input": [{"role": "user", "content": "hi"}]},
+    "agent_ref": {"type": "responses_api_agents", "name": "agent_a"},
+}
+
+
+def fake_result(rowidx: int, reward: float = 1.0) -> dict:
+    user = {"role": "user", "content": "", "token_ids": token_tensor([1, 2, 3])}
+    asst = {
+        "role": "assistant",
+        "content": "",
+        "token_ids": token_tensor([4, 5 + rowidx]),
+        "generation_logprobs": torch.tensor([-0.5, -0.25]),
+    }
+    return {
+        "message_log": [user, asst],
+        "input_message_log": [user],
+        "full_result": {"reward": reward, "solved": reward > 0, "response": {}, "label": "text"},
+    }
+
+
+@ray.remote
+class ScriptedStreamActor:
+    """Streams rows back per a script: each call pops one plan (drop / duplicate / stale / fail / hang)."""
+
+    def __init__(self):
+        self.reset([])
+
+    def reset(self, plans: list[str]):
+        self.plans = list(plans)
+        self.calls: list[list[int]] = []
+
+    def agent_names(self):
+        return ["agent_a"]
+
+    def dispatched(self):
+        return self.calls
+
+    async def run_rollouts(self, rows, timer_prefix):
+        plan = self.plans.pop(0) if self.plans else "ok"
+        indices = [r["_rowidx"] for r in rows]
+        self.calls.append(indices)
+        if plan == "hang":
+            await asyncio.sleep(60)
+        for k, i in enumerate(indices):
+            if plan == "drop_last_then_fail" and k == len(indices) - 1:
+                raise GymTransportError("NeMo-Gym /run failed with HTTP 502: bad gateway")
+            if plan == "data_failure":
+                raise RolloutDataFailure("NeMo-Gym /run failed with HTTP 422: bad row")
+            timing = {f"{timer_prefix}/await_results": 0.1} if k == len(indices) - 1 else None
+            yield (i, fake_result(i, reward=float(i)), timing)
+            if plan == "duplicate":
+                yield (i, fake_result(i), None)
+        if plan == "stale":
+            yield (99, fake_result(0), None)
+        if plan == "short":
+            return
+
+
+@pytest.fixture(scope="module")
+def stream_actor(ray_session):
+    actor = ScriptedStreamActor.remote()
+    yield actor
+    ray.kill(actor)
+
+
+@pytest.fixture
+def make(stream_actor):
+    """Build the backend over the shared scripted actor, reset to ``plans``."""
+
+    def build(plans, **kwargs):
+        ray.get(stream_actor.reset.remote(plans))
+        impl = AsyncNemoGymRolloutImpl(
+            tokenizer=None, num_generations_per_prompt=4, max_seq_len=100, generation_config=GEN_CFG,
+            nemo_gym_actor=stream_actor, **kwargs,
+        )
+        return impl, stream_actor
+
+    return build
+
+
+def datum(row=ROW, idx=3):
+    return {"message_log": [], "length": 0, "extra_env_info": row, "loss_multiplier": 1.0, "idx": idx}
+
+
+async def test_group_in_generation_order_with_metrics(make):
+    impl, _ = make(["ok"])
+    record = await impl.run_rollout(datum())
+    assert record.prompt_idx == 3 and record.metadata == {"task_name": "nemo_gym"}
+    assert [c.reward for c in record.completions] == [0.0, 1.0, 2.0, 3.0]
+    assert [c.message_log[1]["token_ids"][-1].item() for c in record.completions] == [5, 6, 7, 8]
+    m = record.rollout_metrics
+    assert m["total_reward/mean"] == 1.5 and m["turns_per_sample/mean"] == 1
+    assert m["agent_a/reward/mean"] == 1.5 and m["agent_a/solved/mean"] == 0.75
+    assert "agent_a/label/mean" not in m
+    assert m["timing/rollout/await_results"] == 0.1
+    assert m["truncation_rate"] == 0.0 and m["token_drift_rate"] == 0.0
+    for key in ("timing/rollout/total", "timing/rollout/run_rollouts", "timing/rollout/compute_metrics"):
+        assert m[key] >= 0
+
+
+async def test_only_missing_rows_are_redispatched(make):
+    impl, actor = make(["drop_last_then_fail", "ok"])
+    record = await impl.run_rollout(datum())
+    assert await actor.dispatched.remote() == [[0, 1, 2, 3], [3]]
+    assert [c.reward for c in record.completions] == [0.0, 1.0, 2.0, 3.0]
+    assert impl.row_redispatches == 1
+
+
+async def test_row_budget_exhaustion_reraises_the_transport_error(make):
+    impl, actor = make(["drop_last_then_fail"] * 3, max_gym_row_attempts=2)
+    with pytest.raises(GymTransportError, match="HTTP 502"):
+        await impl.run_rollout(datum())
+    assert len(await actor.dispatched.remote()) == 2
+
+
+async def test_data_failure_is_not_redispatched(make):
+    impl, actor = make(["data_failure", "ok"])
+    with pytest.raises(RolloutDataFailure, match="HTTP 422"):
+        await impl.run_rollout(datum())
+    assert len(await actor.dispatched.remote()) == 1
+
+
+@pytest.mark.parametrize(
+    ("plan", "needle"),
+    [("duplicate", "duplicate row index 0"), ("stale", "outside the expected range")],
+)
+async def test_bad_row_indices_are_rejected(make, plan, needle):
+    impl, _ = make([plan] * 3, max_gym_row_attempts=1)
+    with pytest.raises(GymRowIndexError, match=needle):
+        await impl.run_rollout(datum())
+
+
+async def test_hung_stream_hits_the_group_deadline(make):
+    impl, _ = make(["hang"], timeouts=RolloutTimeouts(rollout_s=1.0))
+    with pytest.raises(RolloutTimeout, match="NeMo-Gym prompt group exceeded 1.0s"):
+        await impl.run_rollout(datum())
+
+
+async def test_invalid_row_fails_before_dispatch(make):
+    impl, actor = make(["ok"])
+    with pytest.raises(RolloutDataFailure, match="prompt_idx=3: agent_ref.name 'nope' is not a running agent"):
+        await impl.run_rollout(datum({**ROW, "agent_ref": {"name": "nope"}}))
+    assert await actor.dispatched.remote() == []
+
+
+def test_construction_rejects_what_gym_cannot_honour():
+    actor = object()
+    base = dict(tokenizer=None, num_generations_per_prompt=2, max_seq_len=10, nemo_gym_actor=actor)
+    with pytest.raises(ValueError, match="stop_strings"):
+        AsyncNemoGymRolloutImpl(generation_config={**GEN_CFG, "stop_strings": ["x"]}, **base)
+    with pytest.raises(ValueError, match="top_k"):
+        AsyncNemoGymRolloutImpl(generation_config={**GEN_CFG, "top_k": 5}, **base)
+    with pytest.raises(ValueError, match="max_rollout_turns=1"):
+        AsyncNemoGymRolloutImpl(generation_config=GEN_CFG, max_rollout_turns=3, **base)
+    with pytest.raises(ValueError, match="greedy"):
+        AsyncNemoGymRolloutImpl(generation_config=GEN_CFG, greedy=True, **base)
+    with pytest.raises(ValueError, match="generation_config"):
+        AsyncNemoGymRolloutImpl(**base)
+
+
+async def test_manager_routes_use_nemo_gym_and_task_to_env_actor(make):
+    _, actor = make(["ok"])
+    manager = RolloutManager(None, {"nemo_gym": actor}, 4, 100, use_nemo_gym=True, generation_config=GEN_CFG)
+    record = await manager.run_rollout(datum())
+    assert len(record.completions) == 4

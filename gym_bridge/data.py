@@ -32,3 +32,19 @@ def datum_from_chat(
     if stop_strings is not None:
         datum["stop_strings"] = stop_strings
     return datum
+
+
+def datum_from_gym_row(row: dict[str, Any], *, idx: int, task_name: str = "nemo_gym") -> DatumSpec:
+    """One Gym prompt: the row goes to ``extra_env_info``; the real prompt comes back from Gym.
+
+    The placeholder message log holds one empty user message with an empty int64
+    token tensor (NeMo-RL's placeholder is float32; ours is not).
+    """
+    return DatumSpec(
+        message_log=[MessageEntry(role="user", content="", token_ids=token_tensor([]))],
+        length=0,
+        extra_env_info=row,
+        loss_multiplier=1.0,
+        idx=idx,
+        task_name=task_name,
+    )

@@ -1,0 +1,72 @@
+"""Roll out a Gym dataset through NeMo-Gym from a NeMo-RL-style config.
+
+    uv run python examples/nemo_gym_rollout.py examples/nemo_gym_grpo.yaml
+    uv run python examples/nemo_gym_rollout.py examples/nemo_gym_grpo.yaml --base-url http://gpu-0:8000/v1
+
+Without ``--base-url`` (and with no ``env.nemo_gym.base_urls``) it serves the
+embedded tiny tokenizer with the scripted policy on 127.0.0.1, so everything runs
+offline on a CPU: real Ray, real Gym servers, real HTTP.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+from pathlib import Path
+
+import yaml
+
+from gym_bridge.data import datum_from_gym_row
+from gym_bridge.ray_utils import init_ray
+from gym_bridge.rollout.training_config import build_nemo_gym_rollouts
+
+
+def load_tokenizer(name: str):
+    from transformers import AutoTokenizer
+
+    from gym_bridge.models.tiny import resolve_model_path
+
+    return AutoTokenizer.from_pretrained(resolve_model_path(name))
+
+
+async def run(config: dict, base_urls: list[str]) -> None:
+    tokenizer = load_tokenizer(config["policy"]["model_name"])
+    rows = [json.loads(line) for line in Path(config["data"]["path"]).read_text().splitlines() if line.strip()]
+    server = None
+    if not base_urls and not config["env"]["nemo_gym"].get("base_urls"):
+        from gym_bridge.generation.scripted import ScriptedGeneration
+        from gym_bridge.serving import OpenAIServer
+
+        server = OpenAIServer(ScriptedGeneration(tokenizer), tokenizer, served_model_name=config["policy"]["model_name"])
+        base_urls = [server.start_in_thread()]
+        print(f"serving the scripted policy at {base_urls[0]}")
+    rollouts = build_nemo_gym_rollouts(config, tokenizer, base_urls=base_urls or None)
+    try:
+        data = [datum_from_gym_row(row, idx=i) for i, row in enumerate(rows)]
+        records = await asyncio.gather(*(rollouts.manager.run_rollout(datum) for datum in data))
+        for record in records:
+            agent = record.extra_env_info["agent_ref"]["name"]
+            rewards = [c.reward for c in record.completions]
+            turns = [sum(m["role"] == "assistant" for m in c.message_log) for c in record.completions]
+            print(f"prompt {record.prompt_idx} ({agent}): rewards={rewards} model calls={turns}")
+        print(json.dumps({k: v for k, v in records[0].rollout_metrics.items() if not isinstance(v, list)}, indent=1))
+    finally:
+        rollouts.shutdown()
+        if server is not None:
+            server.stop_thread()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("config")
+    parser.add_argument("--base-url", action="append", default=[], help="an OpenAI-compatible endpoint (repeatable)")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    init_ray(num_cpus=2)
+    asyncio.run(run(yaml.safe_load(Path(args.config).read_text()), args.base_url))
+
+
+if __name__ == "__main__":
+    main()

@@ -280,6 +280,11 @@ class GymServers:
     def server_urls(self) -> dict[str, str]:
         return {name: f"http://{s['host']}:{s['port']}" for name, s in self._status.get("servers", {}).items()}
 
+    @property
+    def server_types(self) -> dict[str, str | None]:
+        """Each server's Gym type: ``responses_api_agents``, ``resources_servers`` or ``responses_api_models``."""
+        return {name: s.get("server_type") for name, s in self._status.get("servers", {}).items()}
+
     def pids(self) -> set[int]:
         """Every process of this set still running: the launcher, the servers and their children."""
         return {p.pid for p in self._processes() if _is_alive(p)}

@@ -1,0 +1,345 @@
+"""The NeMo-Gym Ray actor: owns one set of Gym servers and streams converted rollouts.
+
+Lifecycle: ``NemoGym(cfg)`` is cheap (a restarted actor is "unspun");
+``spinup()`` starts the servers; ``set_tokenizer(tok)`` installs the tokenizer once
+(shipping it per call would stall the actor's event loop on deserialization);
+``run_rollouts(rows, prefix)`` is an async generator consumed with
+``num_returns="streaming"``; ``shutdown()`` is idempotent and never raises.
+
+Errors raised inside the actor are typed and picklable (see
+:mod:`gym_bridge.failures`): an HTTP error from ``/run`` becomes
+``GymTransportError`` (infra status) or ``RolloutDataFailure``; a connection
+error ``GymTransportError``; an expired ``request_timeout_s`` ``RolloutTimeout``;
+bad rows and bad results ``RolloutDataFailure`` subclasses.
+
+Rows go straight to each agent's ``POST {agent_url}/run`` over our own httpx
+client, which is what Gym's ``RolloutCollectionHelper.run_examples`` does with
+its aiohttp client (JSON body, ``Content-Type: application/json``, no cookie
+jar), plus a bounded wait and no retry loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.cookiejar
+import json
+import logging
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from pathlib import Path
+from typing import Any, Literal
+
+import httpx
+from pydantic import BaseModel, ConfigDict, Field
+
+from gym_bridge.failures import (
+    GymTransportError,
+    RolloutDataFailure,
+    RolloutTimeout,
+    deadline,
+    typed_gym_failure,
+)
+from gym_bridge.gym.convert import (
+    DEFAULT_INVALID_TOOL_CALL_PATTERNS,
+    DEFAULT_THINKING_TAGS,
+    GymResultError,
+    convert_gym_result,
+)
+from gym_bridge.gym.servers import GymServers, GymServersConfig
+
+__all__ = ["NemoGym", "NemoGymConfig", "spinup_nemo_gym_actor"]
+
+logger = logging.getLogger(__name__)
+
+_AGENT_SERVER_TYPE = "responses_api_agents"
+# NeMo-RL's defaults for Gym's own aiohttp pools (Gym's agents fan out to models and tools).
+_GYM_CONNECTOR_DEFAULTS = {
+    "global_aiohttp_connector_limit_per_host": 16384,
+    "global_aiohttp_connector_limit": 65536,
+}
+_BODY_LIMIT = 500
+_PROGRESS_EVERY = 10
+
+
+class NemoGymConfig(BaseModel):
+    """What the NeMo-Gym actor starts and how it talks to it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model_name: str
+    """The served model name; Gym's ``policy_model_name``."""
+    base_urls: list[str]
+    """OpenAI-compatible endpoints (``http://host:port/v1``), one per data-parallel shard."""
+    config_paths: list[str] = Field(default_factory=list)
+    """Gym YAML configs; absolute, or relative to the actor's cwd, else to the nemo-gym wheel."""
+    overrides: dict[str, Any] = Field(default_factory=dict)
+    """Merged into Gym's global config last."""
+    host: str = "127.0.0.1"
+    startup_timeout_s: float = Field(180.0, gt=0)
+    shutdown_timeout_s: float = Field(30.0, gt=0)
+    request_timeout_s: float | None = Field(1800.0, gt=0)
+    """Bound on one ``/run`` call (Gym itself never times out); None waits forever."""
+    connect_timeout_s: float = Field(10.0, gt=0)
+    max_connections: int = Field(1024, gt=0)
+    """Our client's connection pool towards the agent servers."""
+    on_drift: Literal["raise", "truncate"] = "raise"
+    invalid_tool_call_patterns: tuple[str, ...] = DEFAULT_INVALID_TOOL_CALL_PATTERNS
+    thinking_tags: tuple[str, ...] = DEFAULT_THINKING_TAGS
+    log_dir: Path | None = None
+    """Per-server Gym logs; default ``<cwd>/gym-logs/...``."""
+    actor_options: dict[str, Any] = Field(default_factory=dict)
+    """Passed to ``ray.remote(NemoGym).options(...)`` (``num_cpus``, ``runtime_env``, ...)."""
+
+    def servers_config(self) -> GymServersConfig:
+        overrides = {**_GYM_CONNECTOR_DEFAULTS, **self.overrides}
+        return GymServersConfig(
+            config_paths=list(self.config_paths),
+            overrides=overrides,
+            policy_base_urls=list(self.base_urls),
+            policy_model_name=self.model_name,
+            host=self.host,
+            startup_timeout_s=self.startup_timeout_s,
+            shutdown_timeout_s=self.shutdown_timeout_s,
+            log_dir=self.log_dir,
+        )
+
+
+def _cookieless_jar() -> http.cookiejar.CookieJar:
+    """A jar that stores nothing: Gym's client uses aiohttp's DummyCookieJar.
+
+    A stored session cookie would send later rows into an earlier row's
+    resources-server session and pin them to its policy URL.
+    """
+    return http.cookiejar.CookieJar(policy=http.cookiejar.DefaultCookiePolicy(allowed_domains=[]))
+
+
+class NemoGym:
+    """The actor class; create it with :func:`spinup_nemo_gym_actor` (or ``ray.remote(NemoGym)``)."""
+
+    def __init__(self, cfg: NemoGymConfig | dict[str, Any]) -> None:
+        self.cfg = cfg if isinstance(cfg, NemoGymConfig) else NemoGymConfig.model_validate(cfg)
+        self._servers: GymServers | None = None
+        self._agent_urls: dict[str, str] = {}
+        self._tokenizer: Any = None
+        self._client: httpx.AsyncClient | None = None
+        self._executor: ThreadPoolExecutor | None = None
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+
+    async def spinup(self) -> dict[str, str]:
+        """Start the Gym servers; return agent name -> URL."""
+        if self._servers is not None:
+            raise RuntimeError("spinup() was already called")
+        servers = GymServers(self.cfg.servers_config())
+        self._servers = servers
+        try:
+            await asyncio.to_thread(servers.start)
+        except BaseException:
+            self._servers = None
+            await asyncio.to_thread(servers.stop)
+            raise
+        types = servers.server_types
+        self._agent_urls = {
+            name: url for name, url in servers.server_urls.items() if types.get(name) == _AGENT_SERVER_TYPE
+        }
+        if not self._agent_urls:
+            logger.warning("NeMo-Gym started without any agent server: %s", sorted(servers.server_urls))
+        return dict(self._agent_urls)
+
+    async def set_tokenizer(self, tokenizer: Any) -> None:
+        if self._tokenizer is not None:
+            raise RuntimeError("set_tokenizer() was already called")
+        self._tokenizer = tokenizer
+
+    async def health_check(self) -> None:
+        """Raise if unspun or if a Gym server died; callers bound this with a timeout."""
+        if self._servers is None:
+            raise RuntimeError("spinup() was never called on this NemoGym actor (or it restarted)")
+        self._servers.poll()
+
+    async def agent_names(self) -> list[str]:
+        return sorted(self._agent_urls)
+
+    async def server_info(self) -> dict[str, Any]:
+        """Gym's server URLs, process ids and log folder, for diagnostics and tests."""
+        servers = self._servers
+        if servers is None:
+            return {"urls": {}, "pids": [], "log_dir": None, "head": None}
+        return {
+            "urls": servers.server_urls,
+            "pids": sorted(servers.pids()),
+            "log_dir": str(servers.log_dir),
+            "head": servers.head.url if servers.head else None,
+        }
+
+    async def shutdown(self) -> None:
+        """Stop the servers and the client; idempotent, never raises."""
+        servers, self._servers = self._servers, None
+        client, self._client = self._client, None
+        executor, self._executor = self._executor, None
+        self._agent_urls = {}
+        try:
+            if client is not None:
+                await client.aclose()
+        except Exception:
+            logger.exception("closing the NeMo-Gym client failed")
+        try:
+            if servers is not None:
+                await asyncio.to_thread(servers.stop)
+        except Exception:
+            logger.exception("stopping the NeMo-Gym servers failed")
+        if executor is not None:
+            executor.shutdown(wait=False, cancel_futures=True)
+
+    # ---- rollouts -----------------------------------------------------------------------------
+
+    async def run_rollouts(
+        self, rows: Sequence[dict[str, Any]], timer_prefix: str = "timing/rollout"
+    ) -> AsyncIterator[tuple[int, dict[str, Any], dict[str, float] | None]]:
+        """Yield ``(row["_rowidx"], converted_result, timing_or_None)`` per row in completion order.
+
+        Every row is posted to its agent's ``/run`` at once. The element that
+        completes the call carries ``{prefix}/await_results``,
+        ``{prefix}/postprocess_results`` and ``{prefix}/postprocess_results_pct``
+        (seconds; pct of this generator's own time, consumer time excluded).
+        The first failure ends the stream and cancels the rows still in flight.
+        """
+        if self._servers is None:
+            raise RuntimeError("spinup() was never called on this NemoGym actor (or it restarted)")
+        if not rows:
+            raise ValueError("run_rollouts() needs at least one row")
+        if self._tokenizer is None:
+            raise RuntimeError("set_tokenizer must be called before run_rollouts")
+        urls = [self._route(i, row) for i, row in enumerate(rows)]
+        client = self._http_client()
+        loop = asyncio.get_running_loop()
+        started = time.perf_counter()
+        consumer_s = await_s = postprocess_s = 0.0
+        pending = Counter(row["agent_ref"]["name"] for row in rows)
+        tasks = [asyncio.create_task(self._post(client, url, row)) for url, row in zip(urls, rows, strict=True)]
+        try:
+            for done, next_result in enumerate(asyncio.as_completed(tasks), start=1):
+                t0 = time.perf_counter()
+                row, body = await next_result
+                t1 = time.perf_counter()
+                result = await loop.run_in_executor(self._convert_executor(), partial(self._convert, row, body))
+                t2 = time.perf_counter()
+                await_s += t1 - t0
+                postprocess_s += t2 - t1
+                pending[row["agent_ref"]["name"]] -= 1
+                timing = None
+                if done == len(rows):
+                    total = t2 - started - consumer_s
+                    timing = {
+                        f"{timer_prefix}/await_results": await_s,
+                        f"{timer_prefix}/postprocess_results": postprocess_s,
+                        f"{timer_prefix}/postprocess_results_pct": 100.0 * postprocess_s / total if total > 0 else 0.0,
+                    }
+                elif done % _PROGRESS_EVERY == 0:
+                    busiest = [(n, c) for n, c in pending.most_common(5) if c > 0]
+                    logger.info("NeMo-Gym rollouts: %d/%d done; remaining by agent: %s", done, len(rows), busiest)
+                y0 = time.perf_counter()
+                yield row["_rowidx"], result, timing
+                consumer_s += time.perf_counter() - y0
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _route(self, i: int, row: Any) -> str:
+        """The agent URL of a row, checking the row before anything is sent."""
+        if not isinstance(row, dict):
+            raise RolloutDataFailure(f"row {i} must be a dict, got {type(row).__name__}")
+        rowidx = row.get("_rowidx")
+        if not isinstance(rowidx, int) or isinstance(rowidx, bool):
+            raise RolloutDataFailure(f"row {i} has no int _rowidx (got {rowidx!r})")
+        ref = row.get("agent_ref")
+        name = ref.get("name") if isinstance(ref, dict) else None
+        if name not in self._agent_urls:
+            raise RolloutDataFailure(
+                f"row {i} (_rowidx={rowidx}) names agent {name!r} (agent_ref={ref!r}); "
+                f"known agents: {sorted(self._agent_urls)}"
+            )
+        return self._agent_urls[name]
+
+    def _http_client(self) -> httpx.AsyncClient:
+        if self._client is None:
+            cfg = self.cfg
+            self._client = httpx.AsyncClient(
+                timeout=httpx.Timeout(cfg.request_timeout_s, connect=cfg.connect_timeout_s),
+                limits=httpx.Limits(max_connections=cfg.max_connections, max_keepalive_connections=cfg.max_connections),
+                cookies=_cookieless_jar(),
+                trust_env=False,
+            )
+        return self._client
+
+    def _convert_executor(self) -> ThreadPoolExecutor:
+        # One thread: conversion stays off the event loop, and the tokenizer is used by one thread at a time.
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nemo-gym-convert")
+        return self._executor
+
+    async def _post(self, client: httpx.AsyncClient, url: str, row: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
+        where = f"NeMo-Gym /run at {url} for _rowidx={row['_rowidx']} (agent {row['agent_ref']['name']!r})"
+        try:
+            async with deadline(self.cfg.request_timeout_s, where):
+                response = await client.post(f"{url}/run", json=row)
+        except RolloutTimeout:
+            raise
+        except httpx.TimeoutException as exc:
+            raise RolloutTimeout(f"{where}: {type(exc).__name__}: {exc}") from None
+        except httpx.TransportError as exc:
+            raise GymTransportError(f"{where} failed in transport: {type(exc).__name__}: {exc}") from None
+        if response.is_error:
+            body = response.text
+            try:
+                response.raise_for_status()
+            except httpx.HTTPStatusError as exc:
+                failure = typed_gym_failure(exc)
+            raise type(failure)(f"{failure}; {where}; body: {body[:_BODY_LIMIT]}") from None
+        return row, response.content
+
+    def _convert(self, row: dict[str, Any], body: bytes) -> dict[str, Any]:
+        try:
+            result = json.loads(body)
+        except ValueError as exc:
+            raise GymResultError(f"_rowidx={row['_rowidx']}: /run returned invalid JSON: {exc}") from None
+        try:
+            return convert_gym_result(
+                result,
+                self._tokenizer,
+                on_drift=self.cfg.on_drift,
+                invalid_tool_call_patterns=self.cfg.invalid_tool_call_patterns,
+                thinking_tags=self.cfg.thinking_tags,
+            )
+        except GymResultError as exc:
+            raise type(exc)(f"_rowidx={row['_rowidx']} (agent {row['agent_ref']['name']!r}): {exc}") from None
+
+
+def spinup_nemo_gym_actor(config: NemoGymConfig, tokenizer: Any, *, margin_s: float = 60.0) -> Any:
+    """Create the actor with ``config.actor_options``, start Gym and install the tokenizer; return the handle.
+
+    Blocks at most ``startup_timeout_s + margin_s``. On failure the actor is shut
+    down and killed, and the typed error (``GymStartupError``, ``GetTimeoutError``, ...)
+    is re-raised.
+    """
+    import ray
+
+    handle = ray.remote(NemoGym).options(**config.actor_options).remote(config)
+    try:
+        ray.get(handle.spinup.remote(), timeout=config.startup_timeout_s + margin_s)
+        ray.get(handle.set_tokenizer.remote(tokenizer), timeout=margin_s)
+    except BaseException as exc:
+        try:
+            ray.get(handle.shutdown.remote(), timeout=config.shutdown_timeout_s + 10)
+        except Exception:
+            logger.warning("NemoGym shutdown after a failed spinup did not finish; killing the actor")
+        ray.kill(handle)
+        cause = getattr(exc, "cause", None)
+        if isinstance(cause, Exception):
+            raise cause from None
+        raise
+    return handle

@@ -1,0 +1,268 @@
+"""A NeMo-Gym ``/run`` result -> a NeMo-RL message log (monotonic token history).
+
+Exception tree (all :class:`~gym_bridge.failures.RolloutDataFailure`, one message string each)::
+
+    GymResultError            the result is not shaped like a Gym /run result
+     ├── MissingGenerationData   no model call carried token ids
+     ├── NaNLogprobs             a generation logprob is NaN
+     └── TokenDrift              a turn's prompt does not extend the token history so far
+
+Only the last output item of each model call carries ``prompt_token_ids``,
+``generation_token_ids`` and ``generation_log_probs`` (vllm_model with
+``return_token_id_information: true``). Each such call becomes a user message
+(the new prompt tokens since the history: tool outputs, later user turns,
+template glue) followed by an assistant message (the generated tokens).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import torch
+
+from gym_bridge.failures import RolloutDataFailure
+from gym_bridge.types import LOGPROB_DTYPE, TOKEN_DTYPE
+
+__all__ = [
+    "DEFAULT_INVALID_TOOL_CALL_PATTERNS",
+    "DEFAULT_THINKING_TAGS",
+    "GymResultError",
+    "MissingGenerationData",
+    "NaNLogprobs",
+    "TokenDrift",
+    "convert_gym_result",
+    "detect_tool_call_and_thinking_flags",
+]
+
+DEFAULT_INVALID_TOOL_CALL_PATTERNS: tuple[str, ...] = (
+    "<tool_call>",
+    "</tool_call>",
+    "<function_call>",
+    "</function_call>",
+)
+DEFAULT_THINKING_TAGS: tuple[str, ...] = ("<think>", "</think>")
+
+_TOKEN_KEYS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs", "routed_experts")
+_DRIFT_WINDOW = 4
+
+
+class GymResultError(RolloutDataFailure):
+    """A NeMo-Gym result cannot be turned into a message log."""
+
+
+class MissingGenerationData(GymResultError):
+    """No model call of the result carried token ids."""
+
+
+class NaNLogprobs(GymResultError):
+    """A model call's generation logprobs contain NaN."""
+
+
+class TokenDrift(GymResultError):
+    """A turn's prompt tokens do not start with the token history of the earlier turns."""
+
+
+def detect_tool_call_and_thinking_flags(
+    item: dict[str, Any],
+    invalid_tool_call_patterns: Sequence[str] = DEFAULT_INVALID_TOOL_CALL_PATTERNS,
+    thinking_tags: Sequence[str] = DEFAULT_THINKING_TAGS,
+) -> tuple[bool, bool]:
+    """``(is_invalid_tool_call, has_malformed_thinking)`` for the last output item of a model call.
+
+    Tool-call or thinking markup left in an output message's text means the
+    server's parsers did not take it out; a reasoning summary may hold each
+    thinking tag at most once. Any other item type (``function_call``) is clean.
+    """
+    text = _message_text(item)
+    if text is not None:
+        return _contains_any(text, invalid_tool_call_patterns), _contains_any(text, thinking_tags)
+    if item.get("type") == "reasoning":
+        summary = item.get("summary")
+        if isinstance(summary, list) and summary and isinstance(summary[0], dict):
+            text = summary[0].get("text")
+            if isinstance(text, str):
+                invalid = _contains_any(text, invalid_tool_call_patterns)
+                return invalid, any(text.count(tag) > 1 for tag in thinking_tags)
+    return False, False
+
+
+def _message_text(item: dict[str, Any]) -> str | None:
+    content = item.get("content")
+    if isinstance(content, list) and content and isinstance(content[0], dict):
+        text = content[0].get("text")
+        if isinstance(text, str):
+            return text
+    return None
+
+
+def _contains_any(text: str, needles: Sequence[str]) -> bool:
+    return any(needle in text for needle in needles)
+
+
+def convert_gym_result(
+    result: dict[str, Any],
+    tokenizer: Any,
+    *,
+    on_drift: Literal["raise", "truncate"] = "raise",
+    invalid_tool_call_patterns: Sequence[str] = DEFAULT_INVALID_TOOL_CALL_PATTERNS,
+    thinking_tags: Sequence[str] = DEFAULT_THINKING_TAGS,
+) -> dict[str, Any]:
+    """Build the message log of one Gym ``/run`` result; mutates ``result`` (see below).
+
+    Returns ``{"message_log", "input_message_log", "full_result", "token_drift"}``:
+    the log alternates user/assistant (one pair per model call), every
+    ``token_ids`` is int64 (empty deltas too) and ``generation_logprobs`` float32;
+    ``input_message_log`` is ``message_log[:1]`` (the same first dict);
+    ``full_result`` is ``result`` with the token arrays popped from every
+    converted item and ``prompt_str`` / ``generation_str`` decoded onto it.
+    ``token_drift`` is None, or with ``on_drift="truncate"`` the first drift
+    ``{"turn", "position", "expected", "got"}``: the log then ends at the last
+    turn before it, and the items from that turn on keep their token arrays.
+
+    Raises:
+        TokenDrift: a turn's prompt does not extend the history (``on_drift="raise"``).
+        NaNLogprobs, MissingGenerationData, GymResultError: see the module docstring.
+    """
+    if on_drift not in ("raise", "truncate"):
+        raise ValueError(f"on_drift must be 'raise' or 'truncate', got {on_drift!r}")
+    output = _output_items(result)
+    message_log: list[dict[str, Any]] = []
+    seen: list[int] = []
+    converted: list[tuple[dict[str, Any], list[int], list[int]]] = []
+    drift: dict[str, Any] | None = None
+    turn = -1
+    for item in output:
+        if not isinstance(item, dict) or not item.get("generation_token_ids"):
+            continue
+        turn += 1
+        prompt = _int_list(item.get("prompt_token_ids"), "prompt_token_ids", turn)
+        generation = _int_list(item["generation_token_ids"], "generation_token_ids", turn)
+        logprobs = item.get("generation_log_probs")
+        if not isinstance(logprobs, list) or len(logprobs) != len(generation):
+            raise GymResultError(
+                f"model call {turn}: generation_log_probs has "
+                f"{len(logprobs) if isinstance(logprobs, list) else type(logprobs).__name__} entries "
+                f"for {len(generation)} generation_token_ids"
+            )
+        if any(lp is None or (isinstance(lp, float) and math.isnan(lp)) for lp in logprobs):
+            raise NaNLogprobs(f"model call {turn}: generation logprobs contain NaN (or null)")
+        position = _first_difference(seen, prompt)
+        if position is not None:
+            drift = {
+                "turn": turn,
+                "position": position,
+                "expected": seen[position : position + _DRIFT_WINDOW],
+                "got": prompt[position : position + _DRIFT_WINDOW],
+            }
+            if on_drift == "raise":
+                raise TokenDrift(_drift_message(drift, seen, prompt, tokenizer))
+            break
+        for key in _TOKEN_KEYS:
+            item.pop(key, None)
+        invalid, malformed = detect_tool_call_and_thinking_flags(item, invalid_tool_call_patterns, thinking_tags)
+        message_log.append(
+            {"role": "user", "content": "", "token_ids": torch.tensor(prompt[len(seen) :], dtype=TOKEN_DTYPE)}
+        )
+        message_log.append(
+            {
+                "role": "assistant",
+                "content": "",
+                "token_ids": torch.tensor(generation, dtype=TOKEN_DTYPE),
+                "generation_logprobs": torch.tensor(logprobs, dtype=LOGPROB_DTYPE),
+                "is_invalid_tool_call": invalid,
+                "has_malformed_thinking": malformed,
+            }
+        )
+        seen = prompt + generation
+        converted.append((item, prompt, generation))
+
+    if not converted:
+        raise MissingGenerationData(_missing_message(result, output, tokenizer))
+    prompt_strs = tokenizer.batch_decode([p for _, p, _ in converted])
+    generation_strs = tokenizer.batch_decode([g for _, _, g in converted])
+    for (item, _, _), prompt_str, generation_str in zip(converted, prompt_strs, generation_strs, strict=True):
+        item["prompt_str"] = prompt_str
+        item["generation_str"] = generation_str
+    return {
+        "message_log": message_log,
+        "input_message_log": message_log[:1],
+        "full_result": result,
+        "token_drift": drift,
+    }
+
+
+def _output_items(result: Any) -> list[Any]:
+    if not isinstance(result, dict):
+        raise GymResultError(f"a NeMo-Gym result must be a dict, got {type(result).__name__}")
+    response = result.get("response")
+    output = response.get("output") if isinstance(response, dict) else None
+    if not isinstance(output, list):
+        raise GymResultError(
+            f"a NeMo-Gym result needs response.output as a list; result keys: {sorted(result)}, "
+            f"response: {type(response).__name__}"
+        )
+    return output
+
+
+def _int_list(value: Any, name: str, turn: int) -> list[int]:
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise GymResultError(f"model call {turn}: {name} must be a list of ints, got {type(value).__name__}")
+    return value
+
+
+def _first_difference(history: list[int], prompt: list[int]) -> int | None:
+    """The first index where ``prompt`` stops extending ``history``; None if it does."""
+    for i, token in enumerate(history):
+        if i >= len(prompt) or prompt[i] != token:
+            return i
+    return None
+
+
+def _drift_message(drift: dict[str, Any], seen: list[int], prompt: list[int], tokenizer: Any) -> str:
+    i = drift["position"]
+    start = max(0, i - _DRIFT_WINDOW)
+    return (
+        f"model call {drift['turn']}: its prompt ({len(prompt)} tokens) does not extend the token history "
+        f"of the earlier calls ({len(seen)} tokens); first difference at position {i}: "
+        f"history {seen[start : i + _DRIFT_WINDOW]} {_decode(tokenizer, seen[start : i + _DRIFT_WINDOW])!r} vs "
+        f"prompt {prompt[start : i + _DRIFT_WINDOW]} {_decode(tokenizer, prompt[start : i + _DRIFT_WINDOW])!r} "
+        f"(from position {start}). Likely causes: the chat template re-renders earlier turns "
+        f"(e.g. strips reasoning), retokenization merges tokens, or the agent truncated or summarized history"
+    )
+
+
+def _decode(tokenizer: Any, ids: list[int]) -> str:
+    try:
+        return str(tokenizer.decode(ids))
+    except Exception as exc:  # noqa: BLE001 - only for a diagnostic message
+        return f"<decode failed: {exc}>"
+
+
+def _missing_message(result: dict[str, Any], output: list[Any], tokenizer: Any) -> str:
+    types = [item.get("type", "?") if isinstance(item, dict) else type(item).__name__ for item in output]
+    response = result.get("response") or {}
+    incomplete = response.get("incomplete_details") if isinstance(response, dict) else None
+    return (
+        f"NeMo-Gym returned a result with no generation data: output item types {types}, "
+        f"incomplete_details {incomplete}, {_first_prompt_length(result, tokenizer)}. Likely causes: the first "
+        f"prompt already exceeds the model's max_model_len (Gym turns the context-length 400 into an empty "
+        f"rollout), the model server does not return token ids (use vllm_model_for_training.yaml, "
+        f"return_token_id_information: true), or the model produced no generation"
+    )
+
+
+def _first_prompt_length(result: dict[str, Any], tokenizer: Any) -> str:
+    params = result.get("responses_create_params")
+    messages = params.get("input") if isinstance(params, dict) else None
+    if isinstance(messages, str):
+        messages = [{"role": "user", "content": messages}]
+    try:
+        chat = [{"role": m["role"], "content": m["content"]} for m in messages]  # type: ignore[union-attr]
+        ids = tokenizer.apply_chat_template(chat, tokenize=True, add_generation_prompt=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return f"first prompt ~{len(ids)} tokens by the chat template"
+    except Exception as exc:  # noqa: BLE001 - only for a diagnostic message
+        return f"first prompt length unknown ({type(exc).__name__}: {exc})"

@@ -1,0 +1,246 @@
+"""The NemoGym Ray actor against real Gym servers and our real server with the scripted policy. No mocks."""
+
+from __future__ import annotations
+
+import math
+import pickle
+import time
+
+import psutil
+import pytest
+import ray
+import torch
+
+from gym_bridge.failures import GymTransportError, RolloutDataFailure, RolloutTimeout
+from gym_bridge.generation.scripted import ScriptedGeneration
+from gym_bridge.gym.actor import NemoGym, NemoGymConfig, spinup_nemo_gym_actor
+from gym_bridge.gym.servers import wheel_config_path
+from tests.gym_fixtures import (  # noqa: F401 - fixtures
+    EQUIVALENCE_AGENT,
+    TOOL_AGENT,
+    equivalence_row,
+    gym_actor,
+    gym_actor_config,
+    scripted_policy,
+    stamp,
+    tool_call_rows,
+)
+
+pytestmark = pytest.mark.timeout(300)
+
+PREFIX = "timing/rollout"
+
+
+def _stream(actor, rows, prefix=PREFIX):
+    gen = actor.run_rollouts.options(num_returns="streaming").remote(rows, prefix)
+    return [ray.get(ref, timeout=120) for ref in gen]
+
+
+def _first_error(actor, rows) -> BaseException:
+    with pytest.raises(Exception) as info:
+        _stream(actor, rows)
+    return info.value
+
+
+def _cause(exc: BaseException) -> BaseException:
+    return getattr(exc, "cause", None) or exc
+
+
+def _expected_generation(tokenizer, prompt_str: str) -> list[int]:
+    reply = ScriptedGeneration(tokenizer).reply_text(prompt_str)
+    return list(tokenizer.encode(reply, add_special_tokens=False)) + [tokenizer.eos_token_id]
+
+
+@pytest.fixture(scope="module")
+def mixed_results(gym_actor):
+    rows = stamp(
+        tool_call_rows()
+        + [equivalence_row("What is 2+2? Reply with exactly: 4", "4"), equivalence_row("Reply with exactly: 4", "5")]
+    )
+    t0 = time.monotonic()
+    items = _stream(gym_actor, rows)
+    print(f"{len(rows)} rollouts streamed in {time.monotonic() - t0:.2f}s")
+    return rows, items
+
+
+def test_agents_and_health(gym_actor):
+    assert ray.get(gym_actor.agent_names.remote()) == sorted([EQUIVALENCE_AGENT, TOOL_AGENT])
+    ray.get(gym_actor.health_check.remote(), timeout=10)
+
+
+def test_every_row_streams_back_once_with_timing_last(mixed_results):
+    rows, items = mixed_results
+    assert sorted(idx for idx, _, _ in items) == list(range(len(rows)))
+    timings = [t for _, _, t in items]
+    assert all(t is None for t in timings[:-1])
+    last = timings[-1]
+    suffixes = {"await_results", "postprocess_results", "postprocess_results_pct"}
+    assert set(last) == {f"{PREFIX}/{s}" for s in suffixes}
+    assert all(v >= 0 for v in last.values()) and last[f"{PREFIX}/postprocess_results_pct"] <= 100
+
+
+def test_message_logs_dtypes_and_scripted_tokens(mixed_results, tiny_tokenizer):
+    _, items = mixed_results
+    for _, result, _ in items:
+        log = result["message_log"]
+        assert result["input_message_log"] == log[:1]
+        assert result["token_drift"] is None
+        assert [m["role"] for m in log] == ["user", "assistant"] * (len(log) // 2)
+        model_calls = [i for i in result["full_result"]["response"]["output"] if "generation_str" in i]
+        assert len(model_calls) == len(log) // 2
+        for message, call in zip(log[1::2], model_calls, strict=True):
+            assert message["token_ids"].dtype == torch.int64
+            assert message["generation_logprobs"].dtype == torch.float32
+            logprobs = message["generation_logprobs"]
+            assert torch.allclose(logprobs, torch.full_like(logprobs, math.log(0.5)))
+            assert message["token_ids"].tolist() == _expected_generation(tiny_tokenizer, call["prompt_str"])
+            assert "generation_token_ids" not in call and "prompt_token_ids" not in call
+            assert message["is_invalid_tool_call"] is False and message["has_malformed_thinking"] is False
+        for message in log[::2]:
+            assert message["token_ids"].dtype == torch.int64
+        # the monotonic history decodes to the last call's prompt + generation
+        whole = tiny_tokenizer.decode(torch.cat([m["token_ids"] for m in log]).tolist())
+        assert whole == model_calls[-1]["prompt_str"] + model_calls[-1]["generation_str"]
+
+
+def test_tool_call_episodes_have_two_contiguous_calls(mixed_results):
+    rows, items = mixed_results
+    tool_items = [(idx, r) for idx, r, _ in items if rows[idx]["agent_ref"]["name"] == TOOL_AGENT]
+    assert len(tool_items) == len(tool_call_rows())
+    for _, result in tool_items:
+        output = result["full_result"]["response"]["output"]
+        assert [i["type"] for i in output] == ["function_call", "function_call_output", "message"]
+        assert output[0]["name"] == "get_weather"
+        assert len(result["message_log"]) == 4
+        assert result["full_result"]["reward"] == 1.0
+
+
+def test_reward_is_the_verifiers(mixed_results):
+    rows, items = mixed_results
+    by_idx = {idx: r for idx, r, _ in items}
+    eq = [i for i, row in enumerate(rows) if row["agent_ref"]["name"] == EQUIVALENCE_AGENT]
+    right, wrong = (by_idx[i]["full_result"] for i in eq)
+    assert right["reward"] == right["equivalence_score"] == 1.0
+    assert wrong["reward"] == wrong["equivalence_score"] == 0.0
+    assert right["response"]["output"][-1]["content"][0]["text"] == "4"
+    assert len(by_idx[eq[0]]["message_log"]) == 2
+
+
+def test_unknown_agent_is_a_data_failure_naming_the_agents(gym_actor):
+    rows = stamp([equivalence_row("Reply with exactly: 4", "4"), equivalence_row("x", "y")])
+    rows[1]["agent_ref"]["name"] = "nope"
+    err = _first_error(gym_actor, rows)
+    assert isinstance(err, RolloutDataFailure)
+    assert "'nope'" in str(err) and TOOL_AGENT in str(err) and "_rowidx=1" in str(err)
+
+
+def test_rows_need_an_int_rowidx(gym_actor):
+    row = equivalence_row("Reply with exactly: 4", "4")
+    assert isinstance(_first_error(gym_actor, [row]), RolloutDataFailure)
+
+
+def test_empty_rows(gym_actor):
+    assert isinstance(_cause(_first_error(gym_actor, [])), ValueError)
+
+
+def test_http_422_from_run_is_a_picklable_data_failure(gym_actor):
+    rows = stamp([equivalence_row("Reply with exactly: 4", "4")])
+    rows[0]["responses_create_params"]["bogus"] = 1  # Gym's params model forbids extra keys
+    err = _first_error(gym_actor, rows)
+    cause = _cause(err)
+    assert type(cause) is RolloutDataFailure
+    assert "HTTP 422" in str(cause) and "bogus" in str(cause) and "_rowidx=0" in str(cause)
+    assert str(pickle.loads(pickle.dumps(cause))) == str(cause)
+
+
+def test_http_500_from_run_is_a_picklable_transport_error(gym_actor):
+    rows = stamp([equivalence_row("Reply with exactly: 4", "4")])
+    del rows[0]["expected_answer"]  # the model call happens, then /verify fails: /run answers 500
+    cause = _cause(_first_error(gym_actor, rows))
+    assert type(cause) is GymTransportError
+    assert "HTTP 500" in str(cause)
+    assert str(pickle.loads(pickle.dumps(cause))) == str(cause)
+    ray.get(gym_actor.health_check.remote(), timeout=10)  # the actor survives failed calls
+
+
+def test_unspun_actor_reports_clearly_and_shuts_down_quietly(ray_session, tiny_tokenizer, tmp_path):
+    config = gym_actor_config(["http://127.0.0.1:9/v1"], tmp_path)
+    actor = ray.remote(NemoGym).options(num_cpus=0).remote(config)
+    try:
+        with pytest.raises(RuntimeError, match=r"spinup\(\) was never called"):
+            ray.get(actor.health_check.remote(), timeout=30)
+        err = _first_error(actor, stamp([equivalence_row("x", "y")]))
+        assert "spinup() was never called" in str(err)
+        ray.get(actor.shutdown.remote(), timeout=30)
+        ray.get(actor.shutdown.remote(), timeout=30)
+    finally:
+        ray.kill(actor)
+
+
+def test_config_sets_gym_connector_limits():
+    config = NemoGymConfig(model_name="m", base_urls=["http://h:1/v1"], overrides={"global_aiohttp_connector_limit": 5})
+    overrides = config.servers_config().overrides
+    assert overrides["global_aiohttp_connector_limit"] == 5
+    assert overrides["global_aiohttp_connector_limit_per_host"] == 16384
+
+
+@pytest.fixture(scope="module")
+def dead_policy_actor(ray_session, tiny_tokenizer, tmp_path_factory):
+    """A second actor (model + equivalence servers only) whose policy URL refuses connections."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        dead = sock.getsockname()[1]
+    config = gym_actor_config([f"http://127.0.0.1:{dead}/v1"], tmp_path_factory.mktemp("dead-policy-logs"))
+    config = config.model_copy(
+        update={
+            "config_paths": [str(wheel_config_path(p)) for p in (GYM_MODEL, GYM_EQUIVALENCE)],
+            "request_timeout_s": 3.0,
+        }
+    )
+    t0 = time.monotonic()
+    actor = spinup_nemo_gym_actor(config, tiny_tokenizer)
+    print(f"second actor spun up in {time.monotonic() - t0:.1f}s")
+    yield actor
+    try:
+        ray.get(actor.shutdown.remote(), timeout=60)
+    finally:
+        ray.kill(actor)
+
+
+GYM_MODEL = "responses_api_models/vllm_model/configs/vllm_model_for_training.yaml"
+GYM_EQUIVALENCE = "resources_servers/equivalence_rule/configs/lc.yaml"
+
+
+def test_dead_policy_times_out_typed_then_shutdown_leaves_nothing(dead_policy_actor):
+    actor = dead_policy_actor
+    t0 = time.monotonic()
+    cause = _cause(_first_error(actor, stamp([equivalence_row("Reply with exactly: 4", "4")])))
+    assert type(cause) is RolloutTimeout and "exceeded 3.0s" in str(cause)
+    assert time.monotonic() - t0 < 20
+    assert str(pickle.loads(pickle.dumps(cause))) == str(cause)
+
+    info = ray.get(actor.server_info.remote())
+    pids = info["pids"]
+    assert len(pids) >= 3
+    ray.get(actor.shutdown.remote(), timeout=60)
+    ray.get(actor.shutdown.remote(), timeout=60)  # idempotent
+    assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    with pytest.raises(RuntimeError, match=r"spinup\(\) was never called"):
+        ray.get(actor.health_check.remote(), timeout=10)
+
+
+def test_spinup_failure_kills_the_actor_and_raises_typed(ray_session, tiny_tokenizer, tmp_path):
+    from gym_bridge.gym.servers import GymStartupError
+
+    config = NemoGymConfig(
+        model_name="m",
+        base_urls=["http://127.0.0.1:9/v1"],
+        overrides={"broken": {"resources_servers": {"no_such_server_module": {"entrypoint": "app.py", "domain": "x"}}}},
+        log_dir=tmp_path,
+        startup_timeout_s=60,
+        actor_options={"num_cpus": 0},
+    )
+    with pytest.raises(GymStartupError, match="(?s)NeMo-Gym failed before the servers were up.*'broken'"):
+        spinup_nemo_gym_actor(config, tiny_tokenizer)

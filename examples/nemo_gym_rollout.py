@@ -51,7 +51,12 @@ async def run(config: dict, base_urls: list[str]) -> None:
             rewards = [c.reward for c in record.completions]
             turns = [sum(m["role"] == "assistant" for m in c.message_log) for c in record.completions]
             print(f"prompt {record.prompt_idx} ({agent}): rewards={rewards} model calls={turns}")
-        print(json.dumps({k: v for k, v in records[0].rollout_metrics.items() if not isinstance(v, list)}, indent=1))
+        summary = {
+            key: value
+            for key, value in records[0].rollout_metrics.items()
+            if isinstance(value, float) and not key.endswith(("/max", "/min", "/median", "/stddev"))
+        }
+        print("metrics of prompt 0:", json.dumps(summary, indent=1))
     finally:
         rollouts.shutdown()
         if server is not None:

@@ -33,7 +33,7 @@ import math
 import sys
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
 
@@ -46,7 +46,9 @@ __all__ = [
     "RolloutFailure",
     "RolloutInfraFailure",
     "RolloutRedispatchExhausted",
+    "RolloutRetryPolicy",
     "RolloutStall",
+    "RolloutStats",
     "RolloutTimeout",
     "RolloutTimeouts",
     "classify_generation_failure",
@@ -275,6 +277,100 @@ class RolloutTimeouts:
     def __post_init__(self) -> None:
         for name in ("rollout_s", "generation_s", "env_s"):
             _check_seconds(name, getattr(self, name))
+
+
+@dataclass(frozen=True)
+class RolloutRetryPolicy:
+    """How often a prompt is tried again, separately for infrastructure and data failures.
+
+    An infrastructure failure (the fleet) is retried with capped exponential backoff
+    up to ``max_infra_attempts``; when that budget is spent the prompt is dropped,
+    unless more than ``max_consecutive_dropped_prompts`` prompts in a row were
+    dropped, which stops the run. A data failure (this prompt) is retried without
+    backoff up to ``max_data_attempts``, then the prompt is skipped, unless the run
+    already skipped ``max_skipped_prompts``, which stops the run. Within one Gym
+    attempt, rows lost to an infrastructure failure are re-sent up to
+    ``max_gym_row_attempts`` times.
+    """
+
+    max_infra_attempts: int
+    max_data_attempts: int
+    max_gym_row_attempts: int
+    backoff_base_s: float = 1.0
+    max_backoff_s: float = 30.0
+    max_skipped_prompts: int = 0
+    max_consecutive_dropped_prompts: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("max_infra_attempts", "max_data_attempts", "max_gym_row_attempts"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_skipped_prompts", "max_consecutive_dropped_prompts"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.backoff_base_s < 0 or self.max_backoff_s < 0:
+            raise ValueError("backoff times must be >= 0")
+
+    @classmethod
+    def single_attempt(cls, **overrides: Any) -> RolloutRetryPolicy:
+        """One attempt of everything: a failure propagates (plus any overrides)."""
+        return replace(cls(max_infra_attempts=1, max_data_attempts=1, max_gym_row_attempts=1), **overrides)
+
+    def backoff_for(self, attempt: int) -> float:
+        """Seconds to wait before infrastructure retry number ``attempt`` (1-based)."""
+        return min(self.backoff_base_s * 2 ** (attempt - 1), self.max_backoff_s)
+
+
+def _bump(counter: dict[str, int], reason: str, by: int = 1) -> None:
+    counter[reason] = counter.get(reason, 0) + by
+
+
+@dataclass
+class RolloutStats:
+    """Run-wide rollout counters; reasons are exception class names."""
+
+    committed: int = 0
+    skipped: int = 0
+    redispatches_by_reason: dict[str, int] = field(default_factory=dict)
+    data_retries_by_reason: dict[str, int] = field(default_factory=dict)
+    data_failures_by_reason: dict[str, int] = field(default_factory=dict)
+    infra_drops_by_reason: dict[str, int] = field(default_factory=dict)
+    max_consecutive_infra_drops: int = 0
+    gym_row_redispatches: int = 0
+
+    def record_redispatch(self, reason: str) -> None:
+        _bump(self.redispatches_by_reason, reason)
+
+    def record_data_retry(self, reason: str) -> None:
+        _bump(self.data_retries_by_reason, reason)
+
+    def record_data_failure(self, reason: str) -> None:
+        _bump(self.data_failures_by_reason, reason)
+
+    def record_infra_drop(self, reason: str, consecutive: int) -> None:
+        _bump(self.infra_drops_by_reason, reason)
+        self.max_consecutive_infra_drops = max(self.max_consecutive_infra_drops, consecutive)
+
+    def as_metrics(self) -> dict[str, float]:
+        """NeMo-RL's ``rollout/*`` metric names, all floats."""
+        metrics = {
+            "rollout/committed_total": float(self.committed),
+            "rollout/skipped_total": float(self.skipped),
+            "rollout/redispatch_total": float(sum(self.redispatches_by_reason.values())),
+            "rollout/data_retry_total": float(sum(self.data_retries_by_reason.values())),
+            "rollout/data_failures_total": float(sum(self.data_failures_by_reason.values())),
+            "rollout/gym_row_redispatch_total": float(self.gym_row_redispatches),
+            "rollout/infra_drops_total": float(sum(self.infra_drops_by_reason.values())),
+            "rollout/max_consecutive_infra_drops": float(self.max_consecutive_infra_drops),
+        }
+        for prefix, counter in (
+            ("rollout/redispatch_total", self.redispatches_by_reason),
+            ("rollout/data_retry_total", self.data_retries_by_reason),
+            ("rollout/data_failures_total", self.data_failures_by_reason),
+            ("rollout/infra_drops_total", self.infra_drops_by_reason),
+        ):
+            metrics.update({f"{prefix}/{reason}": float(n) for reason, n in sorted(counter.items())})
+        return metrics
 
 
 @asynccontextmanager

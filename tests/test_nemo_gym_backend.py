@@ -131,7 +131,7 @@ async def test_only_missing_rows_are_redispatched(make):
     record = await impl.run_rollout(datum())
     assert await actor.dispatched.remote() == [[0, 1, 2, 3], [3]]
     assert [c.reward for c in record.completions] == [0.0, 1.0, 2.0, 3.0]
-    assert impl.row_redispatches == 1
+    assert impl.stats.gym_row_redispatches == 1
 
 
 async def test_row_budget_exhaustion_reraises_the_transport_error(make):

@@ -2,13 +2,27 @@
 
 from __future__ import annotations
 
+import asyncio
+import enum
+import logging
 from collections.abc import Mapping
 from typing import Any
 
-from gym_bridge.failures import RolloutTimeouts
+from gym_bridge.failures import (
+    FailureClass,
+    RolloutDataFailure,
+    RolloutRedispatchExhausted,
+    RolloutRetryPolicy,
+    RolloutStats,
+    RolloutTimeouts,
+    classify_rollout_failure,
+)
 from gym_bridge.interfaces import GenerationInterface, RolloutBackend
 from gym_bridge.rollout.registry import load_backend
+from gym_bridge.rollout.sink import RolloutSink
 from gym_bridge.types import DatumSpec, GenerationConfig, PromptGroupRecord
+
+logger = logging.getLogger(__name__)
 
 NATIVE_BACKEND = "native"
 NEMO_GYM_BACKEND = "nemo_gym"
@@ -23,11 +37,19 @@ def backend_name_for(use_nemo_gym: bool, backend: str | None) -> str:
     return NEMO_GYM_BACKEND if use_nemo_gym else NATIVE_BACKEND
 
 
+class RolloutOutcome(enum.Enum):
+    """What :meth:`RolloutManager.collect` did with a prompt."""
+
+    COMMITTED = "committed"
+    SKIPPED = "skipped"
+
+
 class RolloutManager:
     """Rolls out prompts through one backend from the ``gym_bridge.rollout_backends`` registry.
 
     Every backend is constructed with the same keyword arguments and ignores the
-    ones it does not use; ``backend_kwargs`` are passed through unchanged.
+    ones it does not use; ``backend_kwargs`` are passed through unchanged. The
+    retry policy defaults to a single attempt of everything.
     """
 
     def __init__(
@@ -42,6 +64,7 @@ class RolloutManager:
         use_nemo_gym: bool = False,
         backend: str | None = None,
         timeouts: RolloutTimeouts | None = None,
+        retry_policy: RolloutRetryPolicy | None = None,
         **backend_kwargs: Any,
     ) -> None:
         if num_generations_per_prompt < 1:
@@ -51,6 +74,11 @@ class RolloutManager:
         self.backend_name = backend_name_for(use_nemo_gym, backend)
         backend_cls = load_backend(self.backend_name)
         self.timeouts = timeouts or RolloutTimeouts()
+        self.retry_policy = retry_policy or RolloutRetryPolicy.single_attempt()
+        self.stats = RolloutStats()
+        self._skipped_prompts = 0
+        self._consecutive_infra_drops = 0
+        backend_kwargs.setdefault("max_gym_row_attempts", self.retry_policy.max_gym_row_attempts)
         self.backend: RolloutBackend = backend_cls(
             tokenizer=tokenizer,
             task_to_env=dict(task_to_env or {}),
@@ -60,6 +88,7 @@ class RolloutManager:
             policy_generation=policy_generation,
             generation_config=generation_config,
             timeouts=self.timeouts,
+            stats=self.stats,
             **backend_kwargs,
         )
         self.num_generations_per_prompt = num_generations_per_prompt
@@ -73,3 +102,79 @@ class RolloutManager:
                 f"for prompt_idx={record.prompt_idx}; expected {self.num_generations_per_prompt}"
             )
         return record
+
+    async def collect(self, datum: DatumSpec, sink: RolloutSink) -> RolloutOutcome:
+        """Roll out one prompt under the retry policy and commit the complete group to ``sink``.
+
+        Every attempt reserves a fresh slot; a failed attempt's slot is discarded, so
+        the sink never holds a partial group. Infrastructure failures back off and
+        retry; when their budget is spent the prompt is dropped (SKIPPED), unless too
+        many prompts in a row were dropped (:class:`RolloutRedispatchExhausted`).
+        Data failures retry without backoff; when their budget is spent the prompt
+        is SKIPPED, unless the run-wide skip budget is spent, which re-raises.
+        Cancellation is never retried.
+        """
+        policy = self.retry_policy
+        prompt_idx = int(datum["idx"])
+        infra_attempts = data_attempts = 0
+        last_infra: BaseException | None = None
+        while infra_attempts < policy.max_infra_attempts:
+            slot = sink.reserve(prompt_idx)
+            try:
+                record = await self.run_rollout(datum)
+                sink.commit(slot, record)
+            except Exception as exc:
+                _discard_quietly(sink, slot)
+                reason = type(exc).__name__
+                if classify_rollout_failure(exc) is FailureClass.INFRA:
+                    infra_attempts += 1
+                    last_infra = exc
+                    if infra_attempts >= policy.max_infra_attempts:
+                        break
+                    self.stats.record_redispatch(reason)
+                    delay = policy.backoff_for(infra_attempts)
+                    logger.warning("prompt_idx=%d: %s: %s; retrying in %.1fs", prompt_idx, reason, exc, delay)
+                    await asyncio.sleep(delay)
+                    continue
+                data_attempts += 1
+                if data_attempts < policy.max_data_attempts:
+                    self.stats.record_data_retry(reason)
+                    continue
+                self.stats.record_data_failure(reason)
+                if self._skipped_prompts >= policy.max_skipped_prompts:
+                    if policy.max_skipped_prompts == 0:
+                        raise
+                    raise RolloutDataFailure(
+                        f"prompt_idx={prompt_idx} failed ({reason}: {exc}) after {self._skipped_prompts} skipped "
+                        f"prompts, exceeding max_skipped_prompts={policy.max_skipped_prompts}"
+                    ) from exc
+                self._skipped_prompts += 1
+                self.stats.skipped += 1
+                logger.warning("prompt_idx=%d skipped after %d data failures: %s: %s", prompt_idx, data_attempts, reason, exc)
+                return RolloutOutcome.SKIPPED
+            except BaseException:
+                _discard_quietly(sink, slot)
+                raise
+            self.stats.committed += 1
+            self._consecutive_infra_drops = 0
+            return RolloutOutcome.COMMITTED
+        self._consecutive_infra_drops += 1
+        reason = type(last_infra).__name__
+        if self._consecutive_infra_drops > policy.max_consecutive_dropped_prompts:
+            raise RolloutRedispatchExhausted(
+                f"prompt_idx={prompt_idx}: {policy.max_infra_attempts} infrastructure attempt(s) failed "
+                f"({reason}: {last_infra}); {self._consecutive_infra_drops} prompt(s) dropped in a row, exceeding "
+                f"max_consecutive_dropped_prompts={policy.max_consecutive_dropped_prompts}"
+            ) from last_infra
+        self.stats.record_infra_drop(reason, self._consecutive_infra_drops)
+        self.stats.skipped += 1
+        logger.warning("prompt_idx=%d dropped after %d infrastructure failures: %s", prompt_idx, infra_attempts, reason)
+        return RolloutOutcome.SKIPPED
+
+
+def _discard_quietly(sink: RolloutSink, slot: str) -> None:
+    """Discard a failed attempt's slot; a failing discard is logged, never masks the real error."""
+    try:
+        sink.discard(slot)
+    except Exception as exc:
+        logger.error("discarding slot %s failed: %s: %s", slot, type(exc).__name__, exc)

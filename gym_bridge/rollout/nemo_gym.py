@@ -24,6 +24,7 @@ from gym_bridge.failures import (
     FailureClass,
     GymTransportError,
     RolloutDataFailure,
+    RolloutStats,
     RolloutTimeouts,
     classify_rollout_failure,
     deadline,
@@ -71,6 +72,7 @@ class AsyncNemoGymRolloutImpl:
         mask_env_flagged_samples: bool = True,
         greedy: bool = False,
         full_results_path: str | Path | None = None,
+        stats: RolloutStats | None = None,
         **_unused: Any,
     ) -> None:
         if generation_config is None:
@@ -103,7 +105,7 @@ class AsyncNemoGymRolloutImpl:
         self.max_gym_row_attempts = max_gym_row_attempts
         self.mask_env_flagged_samples = mask_env_flagged_samples
         self.full_results_path = Path(full_results_path) if full_results_path is not None else None
-        self.row_redispatches = 0
+        self.stats = stats or RolloutStats()
         self._known_agents: list[str] | None = None
 
     async def run_rollout(self, datum: DatumSpec) -> PromptGroupRecord:
@@ -154,7 +156,7 @@ class AsyncNemoGymRolloutImpl:
             if not pending:
                 break
             if attempts > 1:
-                self.row_redispatches += len(pending)
+                self.stats.gym_row_redispatches += len(pending)
                 logger.warning(
                     "prompt_idx=%d: re-dispatching %d of %d rows (attempt %d) after %s: %s",
                     prompt_idx, len(pending), n, attempts, type(last_error).__name__, last_error,

@@ -8,6 +8,7 @@ Exception tree::
      │    │                         NeMo-Gym prompt group)
      │    ├── GenerationUnavailable a generation worker could not serve the request
      │    ├── NoHealthyShards       no generation shard is healthy
+     │    ├── EnvironmentUnavailable an environment actor died or is unreachable
      │    └── GymTransportError     NeMo-Gym /run failed in transport (HTTP 5xx/408/429,
      │                              broken stream)
      └── RolloutDataFailure         deterministic and prompt-specific: retrying will not help
@@ -38,6 +39,7 @@ from enum import Enum
 from typing import Any
 
 __all__ = [
+    "EnvironmentUnavailable",
     "FailureClass",
     "GenerationUnavailable",
     "GymTransportError",
@@ -51,6 +53,7 @@ __all__ = [
     "RolloutStats",
     "RolloutTimeout",
     "RolloutTimeouts",
+    "classify_environment_failure",
     "classify_generation_failure",
     "classify_rollout_failure",
     "deadline",
@@ -83,6 +86,10 @@ class GenerationUnavailable(RolloutInfraFailure):
 
 class NoHealthyShards(RolloutInfraFailure):
     """No generation shard is healthy enough to take the request."""
+
+
+class EnvironmentUnavailable(RolloutInfraFailure):
+    """An environment actor died or could not be reached."""
 
 
 class GymTransportError(RolloutInfraFailure):
@@ -254,6 +261,24 @@ def classify_generation_failure(exc: Exception, prompt_idx: Any, traj_idx: int) 
     ):
         return GenerationUnavailable(f"generation unavailable for {detail}")
     return RolloutDataFailure(f"generation failed for {detail}")
+
+
+def classify_environment_failure(exc: Exception, prompt_idx: Any, traj_idx: int) -> RolloutFailure:
+    """The typed failure for an error raised by an environment step; raise it ``from exc``.
+
+    Unlike generation, an error raised by the environment's own code (a ``RayTaskError``
+    wrapping a verifier crash) is about this prompt: DATA. A dead or unreachable
+    actor, and anything else the classifier calls infrastructure, is
+    :class:`EnvironmentUnavailable`. Both messages name the prompt and trajectory.
+    """
+    if not isinstance(exc, Exception):
+        raise TypeError(f"{type(exc).__name__} is not an environment failure and must propagate as is")
+    # A RayTaskError's text is the remote traceback; its .cause is the error the environment raised.
+    shown = exc.cause if isinstance(getattr(exc, "cause", None), BaseException) else exc
+    detail = f"prompt_idx={prompt_idx} traj_idx={traj_idx}: {type(shown).__name__}: {shown}"
+    if classify_rollout_failure(exc) is FailureClass.INFRA:
+        return EnvironmentUnavailable(f"environment unavailable for {detail}")
+    return RolloutDataFailure(f"environment step failed for {detail}")
 
 
 def _check_seconds(name: str, seconds: float | None) -> None:

@@ -10,7 +10,7 @@ import torch
 
 from gym_bridge.data import datum_from_chat
 from gym_bridge.environments.arithmetic import arithmetic_env_actor, score_answer
-from gym_bridge.failures import RolloutTimeout
+from gym_bridge.failures import EnvironmentUnavailable, RolloutDataFailure, RolloutTimeout
 from gym_bridge.generation.hf import HFGeneration, HFGenerationConfig
 from gym_bridge.rollout.env_step import UnknownTaskError
 from gym_bridge.rollout.manager import RolloutManager
@@ -172,17 +172,25 @@ async def test_a_failing_environment_fails_the_group_and_cancels_siblings(genera
     env = HangingEnvironment.remote(fail_first=True)
     manager = make_manager(generation, env)
     # Only cancellation of the three hanging siblings lets the group fail before they return.
-    with pytest.raises(ray.exceptions.RayTaskError, match="verifier crashed"):
+    with pytest.raises(RolloutDataFailure, match="environment step failed for prompt_idx=0 traj_idx=.*verifier crashed"):
         await asyncio.wait_for(manager.run_rollout(make_datum(generation.tokenizer)), timeout=45)
     assert await env.count.remote() >= 1
     ray.kill(env)
 
 
 async def test_environment_deadline_raises_a_typed_timeout(generation):
-    from gym_bridge.failures import RolloutTimeouts
+    from gym_bridge.failures import EnvironmentUnavailable, RolloutDataFailure, RolloutTimeouts
 
     env = HangingEnvironment.remote(fail_first=False)
     manager = make_manager(generation, env, num_generations_per_prompt=2, timeouts=RolloutTimeouts(env_s=1.0))
     with pytest.raises(RolloutTimeout, match="environment step exceeded 1.0s"):
         await manager.run_rollout(make_datum(generation.tokenizer))
     ray.kill(env)
+
+
+async def test_a_dead_environment_actor_is_an_infrastructure_failure(generation):
+    env = HangingEnvironment.remote(fail_first=False)
+    ray.kill(env)
+    manager = make_manager(generation, env, num_generations_per_prompt=2)
+    with pytest.raises(EnvironmentUnavailable, match="environment unavailable for prompt_idx=0"):
+        await asyncio.wait_for(manager.run_rollout(make_datum(generation.tokenizer)), timeout=60)

@@ -21,7 +21,9 @@ import torch
 from gym_bridge.batched import BatchedDataDict
 from gym_bridge.failures import (
     RolloutDataFailure,
+    RolloutTimeout,
     RolloutTimeouts,
+    classify_environment_failure,
     classify_generation_failure,
     deadline,
     gather_cancel_siblings,
@@ -155,10 +157,15 @@ class AsyncRolloutImpl:
             if gen_truncated or input_len + gen_len >= self.max_seq_len:
                 stats.truncated = True
 
-            async with deadline(self.timeouts.env_s, "environment step"):
-                env_return = await calculate_rewards_async(
-                    [traj.message_log], [traj.extra_env_info], [datum.get("task_name")], self.task_to_env
-                )
+            try:
+                async with deadline(self.timeouts.env_s, "environment step"):
+                    env_return = await calculate_rewards_async(
+                        [traj.message_log], [traj.extra_env_info], [datum.get("task_name")], self.task_to_env
+                    )
+            except RolloutTimeout:
+                raise
+            except Exception as exc:
+                raise classify_environment_failure(exc, prompt_idx, traj_idx) from exc
             if isinstance(env_return.rewards, dict):
                 raise RolloutDataFailure(
                     f"the native rollout backend supports scalar rewards only; prompt_idx={prompt_idx} "

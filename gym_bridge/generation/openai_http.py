@@ -9,7 +9,9 @@ right-padded with ``pad_token_id``; ``logprobs`` zero on prompt and padding;
 index of the base URL that served each row. Requests are routed across base URLs
 by :class:`~gym_bridge.generation.routing.SessionRouter` (sticky per session,
 least-loaded otherwise); the data dict's optional ``session_ids`` list names each
-row's session.
+row's session. Rows may carry their own ``temperature`` / ``top_p`` / ``top_k`` /
+``max_new_tokens`` (lists, ``None`` = the config's value), as
+:class:`~gym_bridge.generation.hf.HFGeneration` does.
 
 Failures, per row:
 
@@ -19,6 +21,9 @@ Failures, per row:
   moves to another URL. Exhausted → :class:`~gym_bridge.failures.GenerationUnavailable`.
 - any other 4xx: :class:`~gym_bridge.failures.RolloutDataFailure`, not retried.
 - a response without the fields we need: ``RolloutDataFailure`` naming the field.
+
+An error raised for an HTTP status carries it as ``exc.http_status`` (for a proxy
+that hands the status on: a 429 stays a 429); others have ``http_status = None``.
 
 Every attempt is bounded by ``request_timeout_s`` (time spent waiting for one of the
 ``max_connections`` pooled connections per URL is not counted: it is bounded by the
@@ -109,9 +114,18 @@ class _RowResult:
 class _Retryable(Exception):
     """One attempt failed in a way worth retrying; ``connection`` marks the URL unhealthy."""
 
-    def __init__(self, message: str, *, connection: bool) -> None:
+    def __init__(self, message: str, *, connection: bool, status: int | None = None) -> None:
         super().__init__(message)
         self.connection = connection
+        self.status = status
+
+
+_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_new_tokens")
+
+
+def _with_status(exc: Exception, status: int | None) -> Exception:
+    exc.http_status = status  # type: ignore[attr-defined]
+    return exc
 
 
 class _LoopResources:
@@ -136,6 +150,9 @@ class _LoopResources:
 
 class OpenAIHTTPGeneration(GenerationInterface):
     """Generation over OpenAI-compatible HTTP endpoints; see the module docstring."""
+
+    #: Rows may carry their own temperature / top_p / top_k / max_new_tokens.
+    supports_per_request_sampling = True
 
     def __init__(
         self,
@@ -284,12 +301,14 @@ class OpenAIHTTPGeneration(GenerationInterface):
         n_in = int(torch.as_tensor(data["input_lengths"])[i])
         prompt = torch.as_tensor(data["input_ids"])[i, :n_in].tolist()
         session = _row_value(data.get("session_ids"), i)
-        body = self._request_body(prompt, _row_value(data.get("stop_strings"), i), greedy)
-        if cfg.max_new_tokens == 0:
+        sampling = {key: _row_value(data.get(key), i) for key in _SAMPLING_KEYS}
+        body = self._request_body(prompt, _row_value(data.get("stop_strings"), i), greedy, sampling)
+        if body["max_tokens"] == 0:
             return _RowResult([], [], True, _NO_SERVER)
         res = self._loop_resources()
         prev_idx: int | None = None
         last_error = ""
+        last_status: int | None = None
         for attempt in range(cfg.max_retries + 1):
             if attempt:
                 self.stats.retries += 1
@@ -308,7 +327,7 @@ class OpenAIHTTPGeneration(GenerationInterface):
             except _Retryable as exc:
                 if exc.connection:
                     self.router.mark_unhealthy(idx)
-                last_error = str(exc)
+                last_error, last_status = str(exc), exc.status
                 logger.warning("attempt %d/%d failed: %s", attempt + 1, cfg.max_retries + 1, last_error)
                 continue
             except RolloutDataFailure:
@@ -324,10 +343,18 @@ class OpenAIHTTPGeneration(GenerationInterface):
             self.stats.rows_completed += 1
             return _RowResult(tokens, logprobs, truncated, idx)
         self.stats.infra_errors += 1
-        raise GenerationUnavailable(f"generation unavailable after {cfg.max_retries + 1} attempts: {last_error}")
+        raise _with_status(
+            GenerationUnavailable(f"generation unavailable after {cfg.max_retries + 1} attempts: {last_error}"),
+            last_status,
+        )
 
-    def _request_body(self, prompt: list[int], row_stops: Any, greedy: bool) -> dict[str, Any]:
+    def _request_body(
+        self, prompt: list[int], row_stops: Any, greedy: bool, sampling: Mapping[str, Any] | None = None
+    ) -> dict[str, Any]:
         cfg = self.cfg
+        row = {k: v for k, v in (sampling or {}).items() if v is not None}
+        temperature = float(row.get("temperature", cfg.temperature))
+        top_k = row.get("top_k", cfg.top_k)
         stops = list(cfg.stop_strings or [])
         if isinstance(row_stops, str):
             row_stops = [row_stops]
@@ -337,17 +364,17 @@ class OpenAIHTTPGeneration(GenerationInterface):
         body: dict[str, Any] = {
             "model": cfg.model,
             "prompt": prompt,
-            "max_tokens": cfg.max_new_tokens,
-            "temperature": 0.0 if greedy else cfg.temperature,
-            "top_p": cfg.top_p,
+            "max_tokens": int(row.get("max_new_tokens", cfg.max_new_tokens)),
+            "temperature": 0.0 if greedy else temperature,
+            "top_p": float(row.get("top_p", cfg.top_p)),
             "logprobs": 1,
             "return_token_ids": True,
             "return_tokens_as_token_ids": True,
             "skip_special_tokens": False,
             "include_stop_str_in_output": True,
         }
-        if cfg.top_k is not None:
-            body["top_k"] = cfg.top_k
+        if top_k is not None:
+            body["top_k"] = int(top_k)
         if stops:
             body["stop"] = stops
         if cfg.stop_token_ids is not None:
@@ -374,8 +401,8 @@ class OpenAIHTTPGeneration(GenerationInterface):
         if status >= 400:
             detail = f"{where} returned HTTP {status}: {_short(response.text)}"
             if http_status_is_infra(status):
-                raise _Retryable(detail, connection=False)
-            raise RolloutDataFailure(detail)
+                raise _Retryable(detail, connection=False, status=status)
+            raise _with_status(RolloutDataFailure(detail), status)
         try:
             return response.json()
         except ValueError:

@@ -1,7 +1,11 @@
-"""FastAPI routes: ``/v1/chat/completions``, ``/v1/completions``, ``/tokenize``, ``/detokenize``, ``/v1/models``, ``/health``.
+"""FastAPI routes: ``/v1/chat/completions``, ``/v1/completions``, ``/tokenize``, ``/detokenize``, ``/v1/models``,
+``/health``, ``/metrics``.
 
 Bodies are parsed by hand (size limit, JSON, pydantic) so every refusal is a 4xx
-with the OpenAI error shape, never FastAPI's 422 or a 500.
+with the OpenAI error shape, never FastAPI's 422 or a 500. A failure of an HTTP
+generation backend keeps its upstream status (a 429 stays a 429, a context-length
+400 stays a 400 naming the context length); an unreachable upstream is a 503 and a
+malformed upstream answer a 500.
 """
 
 from __future__ import annotations
@@ -10,15 +14,17 @@ import json
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ValidationError
 
+from gym_bridge.failures import GenerationUnavailable, RolloutDataFailure
 from gym_bridge.interfaces import GenerationInterface
 from gym_bridge.serving.chat import build_chat_prompt
+from gym_bridge.serving.drift import DriftCounter
 from gym_bridge.serving.engine import EngineProfile, Sample, generate_rows, max_tokens_for, resolve_greedy
 from gym_bridge.serving.errors import ServingError, error_body
 from gym_bridge.serving.parsers import parse_assistant_text
@@ -54,6 +60,8 @@ class ServingState:
     profile: EngineProfile
     limits: ServerLimits
     vocab_size: int
+    token_id_correction: bool = True
+    drift: DriftCounter = field(default_factory=DriftCounter)
 
     @property
     def model_names(self) -> tuple[str, ...]:
@@ -77,6 +85,10 @@ def build_app(state: ServingState) -> FastAPI:
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(state.drift.prometheus_text(), media_type="text/plain; version=0.0.4")
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         now = int(time.time())
@@ -96,6 +108,7 @@ def build_app(state: ServingState) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> JSONResponse:
         req = await _parse(request, ChatCompletionRequest, state)
+        state.drift.count_request("chat_completions")
         _check_common(req, state)
         if req.top_logprobs:
             raise ServingError(
@@ -109,7 +122,9 @@ def build_app(state: ServingState) -> FastAPI:
             chat_template_kwargs=req.chat_template_kwargs,
             required_prefix_token_ids=req.required_prefix_token_ids,
             vocab_size=state.vocab_size,
+            splice=state.token_id_correction,
         )
+        headers = state.drift.record(prompt)
         samples = await _generate(state, req, prompt.token_ids, req.requested_max_tokens())
         use_tools = bool(req.tools) and req.tool_choice != "none"
         as_ids = req.return_tokens_as_token_ids is not False
@@ -146,11 +161,12 @@ def build_app(state: ServingState) -> FastAPI:
         }
         if req.return_token_ids:
             body["prompt_token_ids"] = prompt.token_ids
-        return JSONResponse(body)
+        return JSONResponse(body, headers=headers)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> JSONResponse:
         req = await _parse(request, CompletionRequest, state)
+        state.drift.count_request("completions")
         _check_common(req, state)
         if req.echo:
             raise ServingError("echo is not supported", param="echo")
@@ -202,6 +218,7 @@ def build_app(state: ServingState) -> FastAPI:
                 chat_template_kwargs=req.chat_template_kwargs,
                 required_prefix_token_ids=req.required_prefix_token_ids,
                 vocab_size=state.vocab_size,
+                splice=state.token_id_correction,
             ).token_ids
         else:
             tokens = list(state.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
@@ -304,6 +321,14 @@ async def _generate(
             max_tokens=max_tokens,
             sampling=sampling,
         )
+    except GenerationUnavailable as exc:
+        status = getattr(exc, "http_status", None) or 503
+        state.drift.count_error(status)
+        raise ServingError(f"upstream generation failed: {exc}", status) from exc
+    except RolloutDataFailure as exc:
+        status = getattr(exc, "http_status", None) or 500  # a malformed answer: not worth a client retry loop
+        state.drift.count_error(status)
+        raise ServingError(f"upstream generation failed: {exc}", status) from exc
     except RuntimeError as exc:
         if "shut down" in str(exc):
             raise ServingError(f"the generation engine is not available: {exc}", 503) from exc

@@ -31,10 +31,18 @@ _RESERVED_TEMPLATE_KWARGS = frozenset(
 
 @dataclass(frozen=True)
 class ChatPrompt:
-    """The engine prompt of a chat request; ``spliced`` tells whether carried ids were used."""
+    """The engine prompt of a chat request.
+
+    ``spliced``: carried ids were used. ``carried``: the request carried ids at all.
+    ``drift_at``: where the plain re-tokenised render first differs from the
+    carried-ids prompt (None: no drift, or nothing carried) — with the splice on,
+    the drift it prevented; with it off, the drift that was served.
+    """
 
     token_ids: list[int]
     spliced: bool
+    carried: bool = False
+    drift_at: int | None = None
 
 
 def build_chat_prompt(
@@ -46,17 +54,48 @@ def build_chat_prompt(
     chat_template_kwargs: dict[str, Any] | None = None,
     required_prefix_token_ids: list[int] | None = None,
     vocab_size: int | None = None,
+    splice: bool = True,
 ) -> ChatPrompt:
-    """Render ``messages`` to token ids, splicing in carried token ids (see module docstring)."""
+    """Render ``messages`` to token ids, splicing in carried token ids (see module docstring).
+
+    ``splice=False`` serves the plain render as stock vLLM does (carried ids ignored)
+    and only measures the drift.
+    """
     clean = normalize_messages(messages)
     template = render_ids(tokenizer, clean, tools, add_generation_prompt, chat_template_kwargs)
     prefix_index, model_prefix = _model_prefix(messages, required_prefix_token_ids)
     if not model_prefix:
         return ChatPrompt(template, spliced=False)
+    if not splice:
+        try:
+            corrected = _splice(tokenizer, clean, tools, chat_template_kwargs, template, prefix_index, model_prefix)
+        except ServingError:  # nothing to compare against; the plain render is served anyway
+            return ChatPrompt(template, spliced=False, carried=True)
+        return ChatPrompt(template, spliced=False, carried=True, drift_at=first_difference(template, corrected))
     _check_ids(model_prefix, vocab_size, "carried prompt/generation token ids")
+    spliced = _splice(tokenizer, clean, tools, chat_template_kwargs, template, prefix_index, model_prefix)
+    return ChatPrompt(spliced, spliced=True, carried=True, drift_at=first_difference(template, spliced))
+
+
+def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """The first index where ``a`` and ``b`` differ (a length difference counts), or None if equal."""
+    if list(a) == list(b):
+        return None
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def _splice(
+    tokenizer: Any,
+    clean: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    chat_template_kwargs: dict[str, Any] | None,
+    template: list[int],
+    prefix_index: int | None,
+    model_prefix: list[int],
+) -> list[int]:
     upto = prefix_index + 1 if prefix_index is not None else _last_assistant_end(clean)
     template_prefix = render_ids(tokenizer, clean[:upto], tools, False, chat_template_kwargs)
-    return ChatPrompt(replace_prefix_tokens(tokenizer, model_prefix, template_prefix, template), spliced=True)
+    return replace_prefix_tokens(tokenizer, model_prefix, template_prefix, template)
 
 
 def replace_prefix_tokens(

@@ -48,7 +48,10 @@ class OpenAIServer:
         max_model_len: int | None = None,
         limits: ServerLimits | None = None,
         stop_timeout_s: float = 10.0,
+        token_id_correction: bool = True,
     ) -> None:
+        """``token_id_correction=False`` ignores carried token ids and re-tokenises the history,
+        as stock vLLM does (drift is still measured: ``/metrics``)."""
         self.host = host
         self.port = port
         self.stop_timeout_s = stop_timeout_s
@@ -61,6 +64,7 @@ class OpenAIServer:
             profile=EngineProfile.of(generation, tokenizer, max_model_len),
             limits=limits or ServerLimits(),
             vocab_size=int(getattr(generation, "vocab_size", None) or len(tokenizer)),
+            token_id_correction=token_id_correction,
         )
         self.app = build_app(self.state)
         self._server: uvicorn.Server | None = None

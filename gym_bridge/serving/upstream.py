@@ -1,0 +1,120 @@
+"""A token-faithful proxy in front of stock OpenAI-compatible engines (vLLM, SGLang, ours).
+
+:func:`build_proxy` composes what already exists: :class:`OpenAIServer` (chat
+template rendered locally, carried token ids spliced in, tool-call and reasoning
+parsing, drift accounting) over :class:`OpenAIHTTPGeneration` (token-id prompts to
+each upstream's ``/v1/completions``, logprobs, routing across upstreams, typed
+errors). The upstream never sees a chat, so it never re-tokenises history.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from gym_bridge.generation.openai_http import OpenAIHTTPGeneration, OpenAIHTTPGenerationConfig
+from gym_bridge.serving.app import ServerLimits
+from gym_bridge.serving.server import OpenAIServer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class UpstreamModel:
+    """What an upstream's ``GET /v1/models`` says about its first model."""
+
+    name: str
+    root: str | None
+    max_model_len: int | None
+
+
+def normalize_upstream(url: str) -> str:
+    """``http://host:8000`` and ``http://host:8000/v1/`` both become ``http://host:8000/v1``."""
+    url = url.rstrip("/")
+    return url if url.endswith("/v1") else url + "/v1"
+
+
+def discover_upstream(base_url: str, *, timeout_s: float = 10.0, api_key: str | None = None) -> UpstreamModel:
+    """Ask ``{base_url}/models`` for the served name, model path and context length (vLLM reports all three)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    response = httpx.get(f"{base_url}/models", timeout=timeout_s, headers=headers)
+    response.raise_for_status()
+    cards = response.json().get("data") or []
+    if not cards:
+        raise ValueError(f"{base_url}/models lists no model")
+    card = cards[0]
+    length = card.get("max_model_len")
+    return UpstreamModel(
+        name=str(card["id"]), root=card.get("root"), max_model_len=int(length) if isinstance(length, int) else None
+    )
+
+
+def build_proxy(
+    upstreams: list[str],
+    tokenizer: str | Any | None = None,
+    served_model_name: str | None = None,
+    *,
+    upstream_model: str | None = None,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    reasoning_parser: bool = False,
+    max_model_len: int | None = None,
+    api_key: str | None = None,
+    limits: ServerLimits | None = None,
+    http_options: dict[str, Any] | None = None,
+    transport: httpx.AsyncBaseTransport | None = None,
+) -> OpenAIServer:
+    """An :class:`OpenAIServer` that generates through ``upstreams`` (base URLs; ``/v1`` is added if missing).
+
+    ``tokenizer`` is a loaded tokenizer or a path / hub id; None loads the model path
+    the first upstream reports. ``upstream_model`` (the name sent upstream),
+    ``served_model_name`` (the name clients use; default the upstream's) and
+    ``max_model_len`` are asked of the first upstream's ``/v1/models`` when not given.
+    ``http_options`` override :class:`OpenAIHTTPGenerationConfig` fields (retries,
+    timeouts, connections); ``transport`` replaces the generation requests' network
+    (tests; discovery still asks the real upstream).
+    The server is returned unstarted: ``start()`` / ``start_in_thread()``.
+    """
+    if not upstreams:
+        raise ValueError("build_proxy needs at least one upstream URL")
+    base_urls = [normalize_upstream(u) for u in upstreams]
+    needs_discovery = upstream_model is None or max_model_len is None or tokenizer is None
+    found = discover_upstream(base_urls[0], api_key=api_key) if needs_discovery else None
+    model_name = upstream_model or found.name  # type: ignore[union-attr]
+    length = max_model_len or (found.max_model_len if found else None)
+    if tokenizer is None or isinstance(tokenizer, str):
+        from transformers import AutoTokenizer
+
+        path = tokenizer or (found.root if found else None) or model_name
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    if length is None:
+        model_max = getattr(tokenizer, "model_max_length", None)
+        length = model_max if isinstance(model_max, int) and 0 < model_max < 2**31 else None
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    options: dict[str, Any] = {
+        "base_urls": base_urls,
+        "model": model_name,
+        "max_new_tokens": length or 2**31 - 1,  # only a default: every request sends its own budget
+        "pad_token_id": pad,
+        "max_retries": 2,  # connection failures move to another upstream; clients retry the rest
+        "backoff_base_s": 0.1,
+        "max_backoff_s": 1.0,
+        "api_key": api_key,
+    }
+    options.update(http_options or {})
+    generation = OpenAIHTTPGeneration(OpenAIHTTPGenerationConfig(**options), transport=transport)
+    logger.info("token-faithful proxy for %r over %s", model_name, ", ".join(base_urls))
+    return OpenAIServer(
+        generation,
+        tokenizer,
+        served_model_name=served_model_name or model_name,
+        host=host,
+        port=port,
+        reasoning_parser=reasoning_parser,
+        model_path=getattr(tokenizer, "name_or_path", None) or model_name,
+        max_model_len=length,
+        limits=limits,
+    )

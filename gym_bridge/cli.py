@@ -27,13 +27,52 @@ def _serve(args: argparse.Namespace) -> int:
     import logging
     import signal
 
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("gym_bridge.cli")
+    if args.upstream:
+        from gym_bridge.serving import build_proxy
+
+        server = build_proxy(
+            args.upstream,
+            args.tokenizer,
+            args.served_model_name,
+            host=args.host,
+            port=args.port,
+            reasoning_parser=args.reasoning_parser,
+        )
+        what = "a token-faithful proxy for " + ", ".join(args.upstream)
+    else:
+        server = _local_server(args)
+        what = args.model
+    generation = server.state.generation
+
+    async def run() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        url = await server.start()
+        log.info("serving %s at %s", what, url)
+        try:
+            await stop.wait()
+        finally:
+            log.info("stopping")
+            await server.stop()
+
+    try:
+        asyncio.run(run())
+    finally:
+        generation.shutdown()
+    return 0
+
+
+def _local_server(args: argparse.Namespace):
+    """Our server over the local model (or the scripted policy on its tokenizer)."""
     from transformers import AutoTokenizer
 
     from gym_bridge.models.tiny import resolve_model_path
     from gym_bridge.serving import OpenAIServer
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    log = logging.getLogger("gym_bridge.cli")
     path = resolve_model_path(args.model)
     if args.policy == "scripted":
         from gym_bridge.generation.scripted import ScriptedGeneration
@@ -48,33 +87,62 @@ def _serve(args: argparse.Namespace) -> int:
         )
         generation = HFGeneration(cfg)
         tokenizer = generation.tokenizer
+    return OpenAIServer(
+        generation,
+        tokenizer,
+        served_model_name=args.served_model_name or str(args.model),
+        host=args.host,
+        port=args.port,
+        reasoning_parser=args.reasoning_parser,
+        model_path=str(path),
+    )
 
-    async def run() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        server = OpenAIServer(
-            generation,
-            tokenizer,
-            served_model_name=args.served_model_name or str(args.model),
-            host=args.host,
-            port=args.port,
-            reasoning_parser=args.reasoning_parser,
-            model_path=str(path),
-        )
-        url = await server.start()
-        log.info("serving %s at %s", args.model, url)
-        try:
-            await stop.wait()
-        finally:
-            log.info("stopping")
-            await server.stop()
+
+def _eval(args: argparse.Namespace) -> int:
+    import logging
+
+    from gym_bridge.eval import (
+        DatasetError,
+        EvalConfigError,
+        EvalInterrupted,
+        RunDirError,
+        load_config,
+        run_eval,
+    )
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = load_config(args.config, args.overrides)
+        outcome = run_eval(config, resume=args.resume, progress=not args.no_progress)
+    except (EvalConfigError, DatasetError, RunDirError) as exc:
+        print(f"gym-bridge eval: {exc}", file=sys.stderr)
+        return 2
+    except EvalInterrupted as exc:
+        print(f"gym-bridge eval: {exc}; continue with --resume", file=sys.stderr)
+        return 130
+    except KeyboardInterrupt:
+        print("gym-bridge eval: interrupted; continue with --resume", file=sys.stderr)
+        return 130
+    agents = outcome.metrics.get("agents", {})
+    overall = agents.get("all", {})
+    print(
+        f"{outcome.done_before + outcome.done_now} of {outcome.prompts_total} prompt groups done "
+        f"({outcome.failed_now} failed this run); mean reward {overall.get('mean_reward', float('nan')):.3f}"
+    )
+    print(f"report: {outcome.run_dir / 'report.md'}")
+    print(f"metrics: {outcome.run_dir / 'metrics.json'}")
+    return 1 if outcome.metrics.get("prompts_failed") else 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from gym_bridge.eval import RunDirError, build_report
 
     try:
-        asyncio.run(run())
-    finally:
-        generation.shutdown()
+        build_report(args.run_dir)
+    except (OSError, RunDirError, ValueError) as exc:
+        print(f"gym-bridge report: cannot build the report of {args.run_dir}: {exc}", file=sys.stderr)
+        return 2
+    print(f"report: {args.run_dir}/report.md")
     return 0
 
 
@@ -96,7 +164,26 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--temperature", type=float, default=1.0)
     serve.add_argument("--top-p", type=float, default=1.0)
     serve.add_argument("--reasoning-parser", action="store_true", help="split <think> blocks into reasoning_content")
+    serve.add_argument(
+        "--upstream",
+        nargs="+",
+        default=None,
+        metavar="URL",
+        help="proxy to these OpenAI-compatible servers (e.g. stock vLLM), keeping multi-turn token ids exact",
+    )
+    serve.add_argument("--tokenizer", default=None, help="with --upstream: tokenizer folder (default: the upstream's model)")
     serve.set_defaults(func=_serve)
+    run = commands.add_parser(
+        "eval", help="evaluate a policy on a JSONL dataset of Gym rows (see docs/evaluation.md)"
+    )
+    run.add_argument("config", help="the eval config (YAML)")
+    run.add_argument("overrides", nargs="*", metavar="key=value", help="override config keys, e.g. limit=2")
+    run.add_argument("--resume", action="store_true", help="continue the run in output_dir")
+    run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    run.set_defaults(func=_eval)
+    report = commands.add_parser("report", help="rebuild metrics.json, report.md and report.png of an eval run")
+    report.add_argument("run_dir")
+    report.set_defaults(func=_report)
     return parser
 
 

@@ -1,0 +1,133 @@
+"""The eval config: a YAML file plus ``key=value`` overrides, validated by pydantic.
+
+Every error names the key it is about. :meth:`EvalConfig.fingerprint` is what a
+resumed run must share with the run it continues.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class EvalConfigError(ValueError):
+    """The eval config is unreadable or invalid; the message names the key."""
+
+
+class EvalConfig(BaseModel):
+    """What ``gym-bridge eval`` runs; see ``docs/evaluation.md`` for every key."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    dataset: Path = Field(description="JSONL file of Gym rows (responses_create_params, agent_ref, verifier fields).")
+    config_paths: list[str] = Field(min_length=1, description="Gym server configs (absolute, cwd- or wheel-relative).")
+    output_dir: Path = Field(description="Where results.jsonl, failures.jsonl, run.json and the report go.")
+    num_generations_per_prompt: int = Field(4, ge=1)
+    base_urls: list[str] = Field(default_factory=list, description="OpenAI-compatible endpoints; empty: embedded.")
+    model_name: str = Field("tiny", description="The served model name Gym sends to the endpoint.")
+    tokenizer: str = Field("tiny", description='"tiny" or a local tokenizer folder (the served model\'s).')
+    embedded_policy: Literal["tiny", "scripted"] = "tiny"
+    concurrency: int = Field(4, ge=1, description="Prompt groups in flight.")
+    rollout_timeout_s: float = Field(600.0, gt=0, description="Deadline of one prompt group, re-dispatches included.")
+    request_timeout_s: float = Field(300.0, gt=0, description="Deadline of one Gym /run call.")
+    startup_timeout_s: float = Field(180.0, gt=0, description="Deadline for Gym's servers to start.")
+    max_row_attempts: int = Field(3, ge=1, description="How often rows lost to infrastructure are re-sent.")
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_new_tokens: int = Field(256, ge=1)
+    max_seq_len: int = Field(4096, ge=1)
+    limit: int | None = Field(None, ge=1, description="Evaluate only the first `limit` rows.")
+    seed: int = 0
+    pass_threshold: float = Field(1.0, description="A completion passes when its reward >= this.")
+    gym_overrides: dict[str, Any] = Field(default_factory=dict, description="Merged into Gym's global config.")
+
+    @model_validator(mode="after")
+    def _check_urls(self) -> EvalConfig:
+        for i, url in enumerate(self.base_urls):
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"base_urls.{i}: {url!r} is not an http(s) URL (http://host:port/v1)")
+        return self
+
+    @property
+    def embedded(self) -> bool:
+        return not self.base_urls
+
+    def generation_config(self) -> dict[str, Any]:
+        return {"temperature": self.temperature, "top_p": self.top_p, "max_new_tokens": self.max_new_tokens}
+
+    def fingerprint(self, dataset_sha256: str) -> dict[str, Any]:
+        """The settings a resumed run must share with the original (results would not be comparable otherwise)."""
+        return {
+            "dataset_sha256": dataset_sha256,
+            "num_generations_per_prompt": self.num_generations_per_prompt,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "max_new_tokens": self.max_new_tokens,
+            "max_seq_len": self.max_seq_len,
+            "policy": f"embedded:{self.embedded_policy}" if self.embedded else "endpoint",
+            "base_urls": list(self.base_urls),
+            "model_name": self.model_name,
+            "tokenizer": self.tokenizer,
+            "seed": self.seed,
+            "config_paths": list(self.config_paths),
+            "gym_overrides": self.gym_overrides,
+        }
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``a.b=value`` -> ``(["a", "b"], yaml value)``."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise EvalConfigError(f"override {text!r} is not key=value")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as exc:
+        raise EvalConfigError(f"override {key}: the value {raw!r} is not valid YAML: {exc}") from None
+    return key.strip().split("."), value
+
+
+def _format_errors(exc: ValidationError) -> str:
+    lines = []
+    for err in exc.errors():
+        key = ".".join(str(p) for p in err["loc"]) or "(config)"
+        message = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            message = f"unknown key; known keys: {', '.join(EvalConfig.model_fields)}"
+        lines.append(f"  {key}: {message}")
+    return "invalid eval config:\n" + "\n".join(lines)
+
+
+def build_config(data: dict[str, Any], overrides: list[str] = ()) -> EvalConfig:  # type: ignore[assignment]
+    """Apply ``overrides`` to ``data`` and validate."""
+    data = dict(data)
+    for text in overrides:
+        path, value = parse_override(text)
+        node = data
+        for part in path[:-1]:
+            child = node.get(part)
+            if not isinstance(child, dict):
+                child = {}
+            node[part] = child = dict(child)
+            node = child
+        node[path[-1]] = value
+    try:
+        return EvalConfig.model_validate(data)
+    except ValidationError as exc:
+        raise EvalConfigError(_format_errors(exc)) from None
+
+
+def load_config(path: str | Path, overrides: list[str] = ()) -> EvalConfig:  # type: ignore[assignment]
+    """Read a YAML eval config, apply ``key=value`` overrides, validate."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except OSError as exc:
+        raise EvalConfigError(f"cannot read the eval config {path}: {exc}") from None
+    except yaml.YAMLError as exc:
+        raise EvalConfigError(f"{path} is not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise EvalConfigError(f"{path}: the eval config must be a mapping of keys, got {type(data).__name__}")
+    return build_config(data, overrides)

@@ -1,0 +1,190 @@
+"""``metrics.json``, ``report.md`` and ``report.png`` of a run folder, from its files alone."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Any
+
+from gym_bridge.eval.passk import default_ks, pass_at_k
+from gym_bridge.eval.store import FAILURES_FILE, RESULTS_FILE, RUN_FILE, read_jsonl
+from gym_bridge.metrics import pct
+
+METRICS_FILE = "metrics.json"
+REPORT_FILE = "report.md"
+PLOT_FILE = "report.png"
+ALL = "all"
+
+
+def _stats(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {}
+    return {
+        "mean": math.fsum(values) / len(values),
+        "median": float(statistics.median(values)),
+        "p95": pct(values, 95),
+        "min": min(values),
+        "max": max(values),
+    }
+
+
+def _group_metrics(groups: list[dict[str, Any]], threshold: float) -> dict[str, Any]:
+    completions = [c for g in groups for c in g["completions"]]
+    rewards = [float(c["reward"]) for c in completions]
+    ns = {len(g["completions"]) for g in groups}
+    n = min(ns)
+    pass_k = {}
+    for k in default_ks(n):
+        values = [
+            pass_at_k(len(g["completions"]), sum(float(c["reward"]) >= threshold for c in g["completions"]), k)
+            for g in groups
+        ]
+        pass_k[f"pass@{k}"] = math.fsum(values) / len(values)
+    return {
+        "prompts": len(groups),
+        "completions": len(completions),
+        "mean_reward": math.fsum(rewards) / len(rewards),
+        "reward": _stats(rewards),
+        "pass_at_k": pass_k,
+        "generated_tokens": _stats([c["generated_tokens"] for c in completions]),
+        "total_tokens": _stats([c["total_tokens"] for c in completions]),
+        "turns": _stats([c["turns"] for c in completions]),
+        "truncation_rate": sum(bool(c["truncated"]) for c in completions) / len(completions),
+        "termination": dict(Counter(c["termination"] for c in completions)),
+        "group_seconds": _stats([float(g.get("elapsed_s", 0.0)) for g in groups]),
+    }
+
+
+def compute_metrics(run_dir: str | Path) -> dict[str, Any]:
+    """Metrics of the finished groups of a run folder (failures later resolved by a resume are not counted)."""
+    run_dir = Path(run_dir)
+    run = json.loads((run_dir / RUN_FILE).read_text())
+    threshold = float(run.get("config", {}).get("pass_threshold", 1.0))
+    results = read_jsonl(run_dir / RESULTS_FILE)
+    done = {r["prompt_idx"] for r in results}
+    failures = [f for f in read_jsonl(run_dir / FAILURES_FILE) if f["prompt_idx"] not in done]
+    latest_failure: dict[int, dict[str, Any]] = {f["prompt_idx"]: f for f in failures}
+    by_agent: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in results:
+        by_agent[r["agent"]].append(r)
+    agents = {agent: _group_metrics(groups, threshold) for agent, groups in sorted(by_agent.items())}
+    if results:
+        agents[ALL] = _group_metrics(results, threshold)
+    sessions = run.get("sessions", [])
+    finished = [r["finished_at"] for r in results]
+    busy_s = math.fsum(s["ended"] - s["started"] for s in sessions)
+    rollout_s = math.fsum(s["ended"] - s["rollouts_started"] for s in sessions if s.get("rollouts_started"))
+    completions = sum(len(r["completions"]) for r in results)
+    return {
+        "run_dir": str(run_dir),
+        "pass_threshold": threshold,
+        "num_generations_per_prompt": run.get("fingerprint", {}).get("num_generations_per_prompt"),
+        "prompts_total": run.get("prompts_total"),
+        "prompts_done": len(results),
+        "prompts_failed": len(latest_failure),
+        "failures": {
+            "by_error": dict(Counter(f["error"] for f in latest_failure.values())),
+            "by_class": dict(Counter(f["class"] for f in latest_failure.values())),
+        },
+        "agents": agents,
+        "timing": {
+            "sessions": len(sessions),
+            "run_seconds": busy_s,
+            "startup_seconds": busy_s - rollout_s,
+            "rollout_seconds": rollout_s,
+            "first_to_last_result_s": (max(finished) - min(finished)) if finished else 0.0,
+            "prompts_per_s": len(results) / rollout_s if rollout_s > 0 else None,
+            "rows_per_s": completions / rollout_s if rollout_s > 0 else None,
+        },
+    }
+
+
+def _fmt(value: Any) -> str:
+    return f"{value:.3f}" if isinstance(value, float) else str(value)
+
+
+def render_markdown(metrics: dict[str, Any]) -> str:
+    agents = metrics["agents"]
+    ks = sorted({k for m in agents.values() for k in m["pass_at_k"]}, key=lambda s: int(s.split("@")[1]))
+    lines = [
+        "# Evaluation report",
+        "",
+        f"Run folder: `{metrics['run_dir']}`  ",
+        f"Prompts: {metrics['prompts_done']} done, {metrics['prompts_failed']} failed"
+        + (f", {metrics['prompts_total']} in the dataset" if metrics.get("prompts_total") else "")
+        + f"; {metrics['num_generations_per_prompt']} completions per prompt; "
+        f"a completion passes when reward >= {metrics['pass_threshold']}.",
+        "",
+        f"![rewards and pass@k]({PLOT_FILE})",
+        "",
+        "| agent | prompts | mean reward | " + " | ".join(ks) + " | gen tokens (mean) | turns (mean) | truncated |",
+        "|---|---|---|" + "---|" * len(ks) + "---|---|---|",
+    ]
+    for agent, m in agents.items():
+        cells = [agent if agent != ALL else "**all**", m["prompts"], m["mean_reward"]]
+        cells += [m["pass_at_k"].get(k, "") for k in ks]
+        cells += [m["generated_tokens"].get("mean", ""), m["turns"].get("mean", ""), m["truncation_rate"]]
+        lines.append("| " + " | ".join(_fmt(c) for c in cells) + " |")
+    failures = metrics["failures"]
+    if failures["by_error"]:
+        lines += ["", "## Failures (see failures.jsonl)", "", "| error | prompts |", "|---|---|"]
+        lines += [f"| {name} | {count} |" for name, count in sorted(failures["by_error"].items())]
+    timing = metrics["timing"]
+    lines += [
+        "",
+        "## Timing",
+        "",
+        f"- run time: {timing['run_seconds']:.1f} s over {timing['sessions']} recorded session(s): "
+        f"{timing['startup_seconds']:.1f} s starting the policy and Gym, {timing['rollout_seconds']:.1f} s rolling out",
+        f"- prompt groups per second: {_fmt(timing['prompts_per_s'])}; rows (completions) per second: "
+        f"{_fmt(timing['rows_per_s'])}",
+    ]
+    if ALL in agents:
+        lines.append(f"- seconds per prompt group (mean): {agents[ALL]['group_seconds'].get('mean', 0.0):.2f}")
+    return "\n".join(lines) + "\n"
+
+
+def render_plot(metrics: dict[str, Any], rewards: dict[str, list[float]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    agents = [a for a in metrics["agents"] if a != ALL]
+    if rewards:
+        left.hist([rewards[a] for a in agents], bins=10, label=agents, stacked=True)
+        left.legend(fontsize=7)
+    left.set_title("Reward distribution (all completions)")
+    left.set_xlabel("reward")
+    left.set_ylabel("completions")
+    for agent in agents + ([ALL] if ALL in metrics["agents"] else []):
+        passk = metrics["agents"][agent]["pass_at_k"]
+        ks = [int(k.split("@")[1]) for k in passk]
+        right.plot(ks, list(passk.values()), marker="o", label=agent, linestyle="--" if agent == ALL else "-")
+        right.set_xticks(ks)
+    right.set_title("pass@k per agent")
+    right.set_xlabel("k")
+    right.set_ylabel("pass@k")
+    right.set_ylim(-0.02, 1.02)
+    if metrics["agents"]:
+        right.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def build_report(run_dir: str | Path) -> dict[str, Any]:
+    """Write ``metrics.json``, ``report.md`` and ``report.png`` into ``run_dir``; return the metrics."""
+    run_dir = Path(run_dir)
+    metrics = compute_metrics(run_dir)
+    rewards: dict[str, list[float]] = defaultdict(list)
+    for r in read_jsonl(run_dir / RESULTS_FILE):
+        rewards[r["agent"]] += [float(c["reward"]) for c in r["completions"]]
+    (run_dir / METRICS_FILE).write_text(json.dumps(metrics, indent=1) + "\n")
+    (run_dir / REPORT_FILE).write_text(render_markdown(metrics))
+    render_plot(metrics, rewards, run_dir / PLOT_FILE)
+    return metrics

@@ -1,0 +1,327 @@
+"""The eval run: check the dataset, open the run folder, start the policy and Gym, roll out
+every pending prompt group with bounded concurrency, write each as it finishes, stop cleanly.
+
+Order matters: the dataset is read and validated, and the run folder opened (refusing a
+changed config on resume), before any server starts. On SIGINT the in-flight groups are
+cancelled, finished results stay on disk, Gym and the embedded server are stopped, and
+:class:`EvalInterrupted` is raised (the CLI turns it into exit code 130).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import signal
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from gym_bridge.eval.config import EvalConfig
+from gym_bridge.eval.dataset import DatasetRow, file_sha256, load_dataset
+from gym_bridge.eval.records import failure_record, group_record
+from gym_bridge.eval.report import build_report
+from gym_bridge.eval.store import RunStore, read_jsonl
+
+logger = logging.getLogger(__name__)
+
+# Added to rollout_timeout_s for the bound on one whole group (row validation and agent lookup included).
+_GROUP_MARGIN_S = 60.0
+_DRAIN_TIMEOUT_S = 30.0
+
+
+class EvalInterrupted(KeyboardInterrupt):
+    """The run was stopped by SIGINT; finished groups are on disk and ``--resume`` continues."""
+
+
+@dataclass
+class EvalOutcome:
+    run_dir: Path
+    prompts_total: int
+    done_before: int
+    done_now: int = 0
+    failed_now: int = 0
+    rollouts_started: float | None = None
+    """Wall-clock time when the policy and Gym were up and the first group was sent."""
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class _Progress:
+    bar: tqdm
+    reward_sum: float = 0.0
+    reward_count: int = 0
+    failures: int = 0
+    completions_now: int = 0
+    started: float = field(default_factory=time.perf_counter)
+
+    def result(self, rewards: list[float]) -> None:
+        self.reward_sum += math.fsum(rewards)
+        self.reward_count += len(rewards)
+        self.completions_now += len(rewards)
+        self._refresh()
+
+    def failure(self) -> None:
+        self.failures += 1
+        self._refresh()
+
+    def _refresh(self) -> None:
+        elapsed = time.perf_counter() - self.started
+        self.bar.set_postfix(
+            rows_s=f"{self.completions_now / elapsed:.2f}" if elapsed > 0 else "-",
+            mean_reward=f"{self.reward_sum / self.reward_count:.3f}" if self.reward_count else "-",
+            failures=self.failures,
+            refresh=False,
+        )
+        self.bar.update(1)
+
+
+def run_eval(config: EvalConfig, *, resume: bool = False, progress: bool = True) -> EvalOutcome:
+    """Run (or continue) the evaluation described by ``config``; write the report at the end.
+
+    Raises:
+        DatasetError: a dataset line is malformed (nothing was started).
+        RunDirError: the output folder is not empty without ``resume``, or the config changed.
+        EvalInterrupted: SIGINT; finished groups are kept.
+    """
+    rows = load_dataset(config.dataset, limit=config.limit)
+    store = RunStore(config.output_dir)
+    done = store.open(
+        config.fingerprint(file_sha256(config.dataset)),
+        resume=resume,
+        meta={"config": config.model_dump(mode="json"), "prompts_total": len(rows)},
+    )
+    pending = [row for row in rows if row.prompt_idx not in done]
+    outcome = EvalOutcome(run_dir=config.output_dir, prompts_total=len(rows), done_before=len(rows) - len(pending))
+    logger.info("%d prompt groups to run, %d already done, in %s", len(pending), outcome.done_before, store.dir)
+    started = time.time()
+    status = "crashed"
+    try:
+        if pending:
+            interrupted = _run_pending(config, pending, store, outcome, progress=progress)
+            status = "interrupted" if interrupted else "finished"
+            if interrupted:
+                raise EvalInterrupted(f"interrupted; {len(store.done)} of {len(rows)} prompt groups are in {store.dir}")
+        else:
+            status = "finished"
+    except KeyboardInterrupt:
+        status = "interrupted"
+        raise
+    finally:
+        store.close()
+        store.record_session(started, outcome=status, rollouts_started=outcome.rollouts_started)
+    outcome.metrics = build_report(config.output_dir)
+    return outcome
+
+
+def _run_pending(
+    config: EvalConfig, pending: list[DatasetRow], store: RunStore, outcome: EvalOutcome, *, progress: bool
+) -> bool:
+    """Start everything, run the pending groups, stop everything; True when SIGINT stopped it."""
+    import ray
+
+    from gym_bridge.ray_utils import init_ray
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    started_ray = not ray.is_initialized()
+    init_ray(num_cpus=os.cpu_count() or 2)
+    try:
+        with _policy_endpoint(config) as (base_urls, tokenizer):
+            rollouts = _start_gym(config, base_urls, tokenizer)
+            try:
+                previous = read_jsonl(store.results_path)
+                bar = tqdm(
+                    total=outcome.prompts_total,
+                    initial=outcome.done_before,
+                    unit="group",
+                    desc="eval",
+                    disable=not progress,
+                    mininterval=0.5,
+                )
+                state = _Progress(bar=bar)
+                for record in previous:
+                    state.reward_sum += math.fsum(c["reward"] for c in record["completions"])
+                    state.reward_count += len(record["completions"])
+                outcome.rollouts_started = time.time()
+                try:
+                    return asyncio.run(_dispatch_all(config, pending, store, rollouts.manager, tokenizer, state, outcome))
+                finally:
+                    bar.close()
+            finally:
+                with _sigint_deferred("stopping NeMo-Gym"):
+                    rollouts.shutdown(timeout_s=config.startup_timeout_s)
+    finally:
+        if started_ray:
+            with _sigint_deferred("stopping Ray"):
+                ray.shutdown()
+
+
+@contextmanager
+def _policy_endpoint(config: EvalConfig) -> Iterator[tuple[list[str], Any]]:
+    """``(base_urls, tokenizer)``: the configured endpoints, or the embedded server for the run's duration."""
+    from transformers import AutoTokenizer
+
+    from gym_bridge.models.tiny import resolve_model_path
+
+    if not config.embedded:
+        yield list(config.base_urls), AutoTokenizer.from_pretrained(resolve_model_path(config.tokenizer))
+        return
+    from gym_bridge.serving import OpenAIServer
+
+    path = resolve_model_path(config.tokenizer)
+    if config.embedded_policy == "scripted":
+        from gym_bridge.generation.scripted import ScriptedGeneration
+
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        generation: Any = ScriptedGeneration(tokenizer, max_new_tokens=config.max_new_tokens)
+    else:
+        from gym_bridge.generation.hf import HFGeneration, HFGenerationConfig
+
+        generation = HFGeneration(
+            HFGenerationConfig(
+                model=str(path),
+                max_new_tokens=config.max_new_tokens,
+                temperature=config.temperature,
+                top_p=config.top_p,
+                seed=config.seed,
+                max_model_len=config.max_seq_len,
+            )
+        )
+        tokenizer = generation.tokenizer
+    server = OpenAIServer(generation, tokenizer, served_model_name=config.model_name, model_path=str(path))
+    try:
+        url = server.start_in_thread()
+        logger.info("embedded %s policy at %s", config.embedded_policy, url)
+        yield [url], tokenizer
+    finally:
+        with _sigint_deferred("stopping the embedded server"):
+            server.stop_thread()
+        with _sigint_deferred("stopping the embedded policy"):
+            shutdown = getattr(generation, "shutdown", None)
+            if shutdown is not None:
+                shutdown()
+
+
+def _start_gym(config: EvalConfig, base_urls: list[str], tokenizer: Any) -> Any:
+    from gym_bridge.failures import RolloutTimeouts
+    from gym_bridge.gym.actor import NemoGymConfig, spinup_nemo_gym_actor
+    from gym_bridge.rollout.manager import RolloutManager
+    from gym_bridge.rollout.training_config import NemoGymRollouts
+
+    config_paths = [str(Path(p).resolve()) if Path(p).exists() else p for p in config.config_paths]
+    gym_config = NemoGymConfig(
+        model_name=config.model_name,
+        base_urls=base_urls,
+        config_paths=config_paths,
+        overrides=dict(config.gym_overrides),
+        startup_timeout_s=config.startup_timeout_s,
+        request_timeout_s=config.request_timeout_s,
+        log_dir=(config.output_dir / "gym-logs").resolve(),
+        actor_options={"num_cpus": 0},
+    )
+    actor = spinup_nemo_gym_actor(gym_config, tokenizer)
+    rollouts = NemoGymRollouts(manager=None, actor=actor)  # type: ignore[arg-type]
+    try:
+        rollouts.manager = RolloutManager(
+            tokenizer,
+            {"nemo_gym": actor},
+            config.num_generations_per_prompt,
+            config.max_seq_len,
+            generation_config=config.generation_config(),  # type: ignore[arg-type]
+            use_nemo_gym=True,
+            timeouts=RolloutTimeouts(rollout_s=config.rollout_timeout_s),
+            max_gym_row_attempts=config.max_row_attempts,
+        )
+    except BaseException:
+        with _sigint_deferred("stopping NeMo-Gym"):
+            rollouts.shutdown()
+        raise
+    return rollouts
+
+
+async def _dispatch_all(
+    config: EvalConfig,
+    pending: list[DatasetRow],
+    store: RunStore,
+    manager: Any,
+    tokenizer: Any,
+    state: _Progress,
+    outcome: EvalOutcome,
+) -> bool:
+    """``concurrency`` workers take pending rows in order; True when SIGINT cancelled them."""
+    from gym_bridge.data import datum_from_gym_row
+    from gym_bridge.failures import deadline
+
+    queue = iter(pending)
+    interrupted = False
+
+    async def run_group(item: DatasetRow) -> None:
+        t0 = time.perf_counter()
+        try:
+            async with deadline(config.rollout_timeout_s + _GROUP_MARGIN_S, f"prompt_idx={item.prompt_idx}"):
+                record = await manager.run_rollout(datum_from_gym_row(item.row, idx=item.prompt_idx))
+        except Exception as exc:  # noqa: BLE001 - every failure is recorded with its type
+            logger.warning("prompt_idx=%d (line %d) failed: %s: %s", item.prompt_idx, item.line, type(exc).__name__, exc)
+            store.append_failure(
+                failure_record(
+                    exc, prompt_idx=item.prompt_idx, agent=item.agent, line=item.line, elapsed_s=time.perf_counter() - t0
+                )
+            )
+            outcome.failed_now += 1
+            state.failure()
+            return
+        line = group_record(record, agent=item.agent, line=item.line, tokenizer=tokenizer, elapsed_s=time.perf_counter() - t0)
+        store.append_result(line)
+        outcome.done_now += 1
+        state.result([c["reward"] for c in line["completions"]])
+
+    async def worker() -> None:
+        for item in queue:
+            await run_group(item)
+
+    workers = [asyncio.create_task(worker(), name=f"eval-worker-{i}") for i in range(config.concurrency)]
+
+    def on_sigint() -> None:
+        nonlocal interrupted
+        if not interrupted:
+            logger.warning("SIGINT: cancelling the groups in flight; finished groups are kept")
+        interrupted = True
+        for task in workers:
+            task.cancel()
+
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGINT, on_sigint)
+    try:
+        done, _ = await asyncio.wait(workers, return_when=asyncio.FIRST_EXCEPTION)
+        for task in done:
+            if not task.cancelled() and task.exception() is not None:
+                raise task.exception()  # type: ignore[misc]
+    finally:
+        for task in workers:
+            task.cancel()
+        await asyncio.wait(workers, timeout=_DRAIN_TIMEOUT_S)
+        loop.remove_signal_handler(signal.SIGINT)
+    return interrupted
+
+
+@contextmanager
+def _sigint_deferred(step: str) -> Iterator[None]:
+    """One bounded shutdown step: run to the end (a SIGINT meanwhile is logged, not raised), and an
+    error is logged, not raised, so the other steps still run and the run's own outcome is kept."""
+    try:
+        previous = signal.signal(signal.SIGINT, lambda *_: logger.warning("SIGINT: still %s, please wait", step))
+    except ValueError:  # not the main thread
+        previous = None
+    try:
+        yield
+    except Exception:  # noqa: BLE001 - see the docstring
+        logger.exception("%s failed", step)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)

@@ -1,0 +1,226 @@
+"""Unit tests of the eval recipe's parts: pass@k, dataset checks, the run store, the config, the report."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from gym_bridge.eval.config import EvalConfigError, build_config, load_config
+from gym_bridge.eval.dataset import DatasetError, load_dataset
+from gym_bridge.eval.passk import default_ks, pass_at_k
+from gym_bridge.eval.report import build_report
+from gym_bridge.eval.store import RunDirError, RunStore, read_jsonl
+
+REPO = Path(__file__).resolve().parents[1]
+BUNDLED = REPO / "examples" / "data" / "gym_rows.jsonl"
+EXAMPLE = REPO / "examples" / "eval_equivalence_tools.yaml"
+GOOD_ROW = {"responses_create_params": {"input": "hi"}, "agent_ref": {"name": "a"}}
+
+
+# ---- pass@k ----------------------------------------------------------------------------------
+
+
+def brute_force_pass_at_k(n: int, c: int, k: int) -> float:
+    samples = [True] * c + [False] * (n - c)
+    draws = list(itertools.combinations(range(n), k))
+    return sum(any(samples[i] for i in draw) for draw in draws) / len(draws)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 8])
+def test_pass_at_k_matches_enumeration(n: int) -> None:
+    for c in range(n + 1):
+        for k in range(1, n + 1):
+            assert pass_at_k(n, c, k) == pytest.approx(brute_force_pass_at_k(n, c, k), abs=1e-12), (n, c, k)
+
+
+def test_pass_at_k_hand_cases() -> None:
+    assert pass_at_k(4, 0, 4) == 0.0
+    assert pass_at_k(4, 4, 1) == 1.0
+    assert pass_at_k(4, 1, 1) == pytest.approx(0.25)
+    assert pass_at_k(4, 1, 2) == pytest.approx(0.5)  # 1 - C(3,2)/C(4,2) = 1 - 3/6
+    assert pass_at_k(5, 2, 3) == pytest.approx(1 - 1 / 10)  # 1 - C(3,3)/C(5,3)
+    assert pass_at_k(200, 3, 100) == pytest.approx(1 - math.comb(197, 100) / math.comb(200, 100))
+
+
+def test_pass_at_k_rejects_bad_arguments() -> None:
+    for n, c, k in [(4, 5, 1), (4, -1, 1), (4, 2, 0), (4, 2, 5)]:
+        with pytest.raises(ValueError):
+            pass_at_k(n, c, k)
+    assert default_ks(1) == [1] and default_ks(4) == [1, 2, 4] and default_ks(6) == [1, 2, 4, 6]
+
+
+# ---- dataset ---------------------------------------------------------------------------------
+
+
+def write_lines(path: Path, lines: list[str]) -> Path:
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_bundled_dataset_loads() -> None:
+    rows = load_dataset(BUNDLED)
+    assert [r.prompt_idx for r in rows] == list(range(6))
+    assert {r.agent for r in rows} == {"example_single_tool_call_simple_agent", "lc_equivalence_rule_simple_agent"}
+    assert len(load_dataset(BUNDLED, limit=2)) == 2
+
+
+def test_bad_json_is_reported_with_its_line(tmp_path: Path) -> None:
+    path = write_lines(tmp_path / "d.jsonl", [json.dumps(GOOD_ROW), "", json.dumps(GOOD_ROW), "{not json"])
+    with pytest.raises(DatasetError, match=r"d\.jsonl:4: not valid JSON"):
+        load_dataset(path)
+
+
+def test_invalid_row_is_reported_with_line_and_field(tmp_path: Path) -> None:
+    bad = {"responses_create_params": {"tools": []}, "agent_ref": {"name": "a"}}
+    path = write_lines(tmp_path / "d.jsonl", [json.dumps(GOOD_ROW), json.dumps(bad)])
+    with pytest.raises(DatasetError, match=r"d\.jsonl:2: .*responses_create_params\.input"):
+        load_dataset(path)
+    path = write_lines(tmp_path / "e.jsonl", [json.dumps(GOOD_ROW), "[1, 2]"])
+    with pytest.raises(DatasetError, match=r"e\.jsonl:2: .*must be a dict"):
+        load_dataset(path)
+
+
+def test_limit_stops_before_a_later_bad_line(tmp_path: Path) -> None:
+    path = write_lines(tmp_path / "d.jsonl", [json.dumps(GOOD_ROW), "{bad"])
+    assert len(load_dataset(path, limit=1)) == 1
+
+
+def test_eval_command_reports_a_bad_line_before_anything_starts(tmp_path: Path, capsys) -> None:
+    from gym_bridge import cli
+
+    data = write_lines(tmp_path / "d.jsonl", [json.dumps(GOOD_ROW), json.dumps(GOOD_ROW), "oops"])
+    out = tmp_path / "run"
+    code = cli.main(["eval", str(EXAMPLE), f"dataset={data}", f"output_dir={out}"])
+    assert code == 2
+    assert "d.jsonl:3: not valid JSON" in capsys.readouterr().err
+    assert not out.exists()  # nothing was opened, let alone dispatched
+
+
+# ---- store -----------------------------------------------------------------------------------
+
+
+def test_store_refuses_a_non_empty_folder_without_resume(tmp_path: Path) -> None:
+    (tmp_path / "x").write_text("something")
+    with pytest.raises(RunDirError, match="not empty.*--resume"):
+        RunStore(tmp_path).open({"a": 1}, resume=False)
+
+
+def test_store_appends_and_resumes_tolerating_a_torn_last_line(tmp_path: Path) -> None:
+    store = RunStore(tmp_path / "run")
+    assert store.open({"n": 2}, resume=False) == set()
+    store.append_result({"prompt_idx": 0, "completions": []})
+    store.append_result({"prompt_idx": 2, "completions": []})
+    with pytest.raises(RunDirError, match="already has a result"):
+        store.append_result({"prompt_idx": 2, "completions": []})
+    store.close()
+    with store.results_path.open("ab") as f:
+        f.write(b'{"prompt_idx": 1, "compl')  # a SIGKILL mid-write
+    assert [r["prompt_idx"] for r in read_jsonl(store.results_path)] == [0, 2]
+
+    again = RunStore(tmp_path / "run")
+    assert again.open({"n": 2}, resume=True) == {0, 2}
+    again.append_result({"prompt_idx": 1, "completions": []})
+    again.close()
+    assert [r["prompt_idx"] for r in read_jsonl(again.results_path)] == [0, 2, 1]
+    assert again.results_path.read_bytes().count(b"\n") == 3
+
+
+def test_store_raises_on_corruption_before_the_last_line(tmp_path: Path) -> None:
+    path = tmp_path / "results.jsonl"
+    path.write_text('{"prompt_idx": 0}\nxx\n{"prompt_idx": 1}\n')
+    with pytest.raises(RunDirError, match=r"results\.jsonl:2"):
+        read_jsonl(path)
+
+
+def test_store_refuses_resume_with_a_changed_fingerprint(tmp_path: Path) -> None:
+    RunStore(tmp_path).open({"num_generations_per_prompt": 2, "temperature": 1.0}, resume=False)
+    with pytest.raises(RunDirError, match=r"num_generations_per_prompt \(2 -> 3\)"):
+        RunStore(tmp_path).open({"num_generations_per_prompt": 3, "temperature": 1.0}, resume=True)
+
+
+# ---- config ----------------------------------------------------------------------------------
+
+
+def test_example_config_loads_with_overrides() -> None:
+    config = load_config(EXAMPLE, ["limit=2", "num_generations_per_prompt=2", "base_urls=[http://h:1/v1]"])
+    assert config.limit == 2 and config.num_generations_per_prompt == 2 and not config.embedded
+    assert config.embedded_policy == "scripted"
+
+
+@pytest.mark.parametrize(
+    ("data", "key"),
+    [
+        ({"concurrency": 0}, "concurrency"),
+        ({"temperature": "hot"}, "temperature"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"embedded_policy": "gpt"}, "embedded_policy"),
+        ({"base_urls": ["gpu-0:8000"]}, "base_urls.0"),
+        ({"num_generation_per_prompt": 2}, "num_generation_per_prompt: unknown key"),
+    ],
+)
+def test_config_errors_name_the_key(data: dict, key: str) -> None:
+    base = {"dataset": "d.jsonl", "config_paths": ["c.yaml"], "output_dir": "out"}
+    with pytest.raises(EvalConfigError, match=key.replace(".", r"\.")):
+        build_config({**base, **data})
+
+
+def test_missing_keys_and_bad_overrides_are_named(tmp_path: Path) -> None:
+    with pytest.raises(EvalConfigError) as info:
+        build_config({})
+    assert all(k in str(info.value) for k in ("dataset", "config_paths", "output_dir"))
+    with pytest.raises(EvalConfigError, match="not key=value"):
+        load_config(EXAMPLE, ["limit"])
+    (tmp_path / "c.yaml").write_text("- a list\n")
+    with pytest.raises(EvalConfigError, match="mapping"):
+        load_config(tmp_path / "c.yaml")
+
+
+def test_fingerprint_ignores_what_does_not_matter() -> None:
+    a = load_config(EXAMPLE)
+    b = load_config(EXAMPLE, ["concurrency=1", "limit=3", "rollout_timeout_s=5", "output_dir=elsewhere"])
+    c = load_config(EXAMPLE, ["temperature=0.5"])
+    assert a.fingerprint("h") == b.fingerprint("h") != c.fingerprint("h")
+
+
+# ---- report ----------------------------------------------------------------------------------
+
+
+def completion(reward: float, truncated: bool = False) -> dict:
+    return {"reward": reward, "truncated": truncated, "termination": "stop", "turns": 1,
+            "generated_tokens": 5, "total_tokens": 20, "text": "x", "gym_result": {}}
+
+
+def test_report_from_files(tmp_path: Path) -> None:
+    import matplotlib.image
+
+    store = RunStore(tmp_path)
+    store.open({"num_generations_per_prompt": 4}, resume=False,
+               meta={"config": {"pass_threshold": 1.0}, "prompts_total": 4})
+    store.append_result({"prompt_idx": 0, "agent": "a", "elapsed_s": 1.0, "finished_at": 10.0,
+                         "completions": [completion(1.0), completion(0.0), completion(0.0), completion(0.0)]})
+    store.append_result({"prompt_idx": 1, "agent": "a", "elapsed_s": 1.0, "finished_at": 11.0,
+                         "completions": [completion(0.0)] * 3 + [completion(0.0, truncated=True)]})
+    store.append_result({"prompt_idx": 2, "agent": "b", "elapsed_s": 1.0, "finished_at": 12.0,
+                         "completions": [completion(1.0)] * 4})
+    store.append_failure({"prompt_idx": 3, "agent": "b", "error": "RolloutTimeout", "message": "m", "class": "infra"})
+    store.append_failure({"prompt_idx": 2, "agent": "b", "error": "GymTransportError", "message": "m", "class": "infra"})
+    store.record_session(0.0, outcome="finished", rollouts_started=0.0)
+    store.close()
+
+    metrics = build_report(tmp_path)
+    a = metrics["agents"]["a"]
+    assert a["mean_reward"] == pytest.approx(1 / 8)
+    assert a["pass_at_k"]["pass@1"] == pytest.approx((0.25 + 0.0) / 2)
+    assert a["pass_at_k"]["pass@2"] == pytest.approx((0.5 + 0.0) / 2)
+    assert a["truncation_rate"] == pytest.approx(1 / 8)
+    assert metrics["agents"]["b"]["pass_at_k"]["pass@4"] == 1.0
+    assert metrics["prompts_failed"] == 1 and metrics["failures"]["by_error"] == {"RolloutTimeout": 1}
+    assert json.loads((tmp_path / "metrics.json").read_text())["agents"]["all"]["prompts"] == 3
+    assert "| a | 2 |" in (tmp_path / "report.md").read_text()
+    png = tmp_path / "report.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert matplotlib.image.imread(png).shape[2] in (3, 4)

@@ -1,0 +1,178 @@
+"""Reward functions for the VLM environment, and how to run them safely on adversarial text.
+
+Every reward function has the signature ``(ground_truth, response, **kwargs) ->
+(score, is_correct | None)``; :data:`REWARD_FUNCTIONS` names them. Parsing uses
+``str.find`` / ``rfind`` and regexes without nested quantifiers, so their cost is
+linear in the text; :func:`bounded_call` additionally caps the text length and,
+on the main thread, the wall time, and turns any failure into a score of 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import re
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+RewardResult = tuple[float, bool | None]
+RewardFunction = Callable[..., RewardResult]
+
+_NUMBER = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?")
+_CHOICE = re.compile(r"(?<![A-Za-z])([A-Z])(?![A-Za-z])")
+
+
+def extract_tag(text: str, tag: str = "answer") -> str | None:
+    """The text between the first ``<tag>`` and the last ``</tag>`` after it, or None."""
+    open_tag, close_tag = f"<{tag}>", f"</{tag}>"
+    start = text.find(open_tag)
+    if start < 0:
+        return None
+    end = text.rfind(close_tag)
+    if end < start + len(open_tag):
+        return None
+    return text[start + len(open_tag) : end]
+
+
+def format_reward(ground_truth: str, response: str, think_tag: str = "think", answer_tag: str = "answer") -> RewardResult:
+    """+0.25 for a ``<think>…</think>`` block, +0.75 for an ``<answer>…</answer>`` block."""
+    score = 0.0
+    if extract_tag(response, think_tag) is not None:
+        score += 0.25
+    if extract_tag(response, answer_tag) is not None:
+        score += 0.75
+    return score, None
+
+
+def _alnum(text: str) -> str:
+    return "".join(c for c in text if c.isalnum()).lower()
+
+
+def exact_alnum_reward(ground_truth: str, response: str, answer_tag: str = "answer") -> RewardResult:
+    """1 when the answer's alphanumerics, lowercased, equal the ground truth's."""
+    answer = extract_tag(response, answer_tag)
+    correct = answer is not None and _alnum(answer) == _alnum(str(ground_truth))
+    return (1.0 if correct else 0.0), correct
+
+
+def multiple_choice_reward(ground_truth: str, response: str, answer_tag: str = "answer") -> RewardResult:
+    """1 when the only capital letter standing alone in the answer (e.g. ``(B)``, ``B.``) is the ground truth's."""
+    answer = extract_tag(response, answer_tag)
+    expected = _CHOICE.findall(str(ground_truth).strip().upper())
+    if answer is None or len(expected) != 1:
+        return 0.0, False
+    letters = set(_CHOICE.findall(answer.strip()))
+    correct = letters == {expected[0]}
+    return (1.0 if correct else 0.0), correct
+
+
+def _last_number(text: str) -> float | None:
+    found = _NUMBER.findall(text.replace(",", ""))
+    return float(found[-1]) if found else None
+
+
+def numeric_reward(
+    ground_truth: str, response: str, rel_tol: float = 1e-4, abs_tol: float = 1e-6, answer_tag: str = "answer"
+) -> RewardResult:
+    """1 when the last number in the answer is within tolerance of the ground truth's number."""
+    answer = extract_tag(response, answer_tag)
+    expected = _last_number(str(ground_truth))
+    got = _last_number(answer) if answer is not None else None
+    correct = got is not None and expected is not None and math.isclose(got, expected, rel_tol=rel_tol, abs_tol=abs_tol)
+    return (1.0 if correct else 0.0), correct
+
+
+def _box(text: str) -> tuple[float, float, float, float] | None:
+    values = [float(v) for v in _NUMBER.findall(text.replace("[", " ").replace("]", " "))]
+    if len(values) != 4 or not all(math.isfinite(v) for v in values):
+        return None
+    x1, y1, x2, y2 = values
+    return (min(x1, x2), min(y1, y2), max(x1, x2), max(y1, y2))
+
+
+def bbox_giou_reward(
+    ground_truth: str, response: str, giou_penalty_thres: float = 10.0, answer_tag: str = "answer"
+) -> RewardResult:
+    """IoU of ``x1, y1, x2, y2`` boxes, or GIoU when IoU is below ``giou_penalty_thres``; correct if > 0.5."""
+    answer = extract_tag(response, answer_tag)
+    pred, gt = (_box(answer) if answer is not None else None), _box(str(ground_truth))
+    if pred is None or gt is None:
+        return 0.0, False
+    ix = max(0.0, min(pred[2], gt[2]) - max(pred[0], gt[0]))
+    iy = max(0.0, min(pred[3], gt[3]) - max(pred[1], gt[1]))
+    inter = ix * iy
+    area = lambda b: (b[2] - b[0]) * (b[3] - b[1])  # noqa: E731
+    union = max(area(pred) + area(gt) - inter, 1e-3)
+    iou = inter / union
+    score = iou
+    if iou < giou_penalty_thres:
+        hull = max((max(pred[2], gt[2]) - min(pred[0], gt[0])) * (max(pred[3], gt[3]) - min(pred[1], gt[1])), 1e-3)
+        score = iou - (hull - union) / hull
+    return score, score > 0.5
+
+
+REWARD_FUNCTIONS: dict[str, RewardFunction] = {
+    "format": format_reward,
+    "exact_alnum": exact_alnum_reward,
+    "multiple_choice": multiple_choice_reward,
+    "numeric": numeric_reward,
+    "bbox_giou": bbox_giou_reward,
+}
+
+
+class RewardTimeout(Exception):
+    """A reward function ran past its time limit."""
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float | None) -> Iterator[None]:
+    """Raise :class:`RewardTimeout` in the body after ``seconds`` (main thread only; elsewhere no limit).
+
+    Python's regex engine checks for signals while matching, so this interrupts a
+    catastrophic backtrack too.
+    """
+    if not seconds or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expire(signum: int, frame: Any) -> None:
+        raise RewardTimeout(f"exceeded {seconds}s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def bounded_call(
+    name: str,
+    fn: RewardFunction,
+    ground_truth: str,
+    response: str,
+    kwargs: dict[str, Any],
+    *,
+    max_chars: int,
+    time_limit_s: float | None,
+) -> RewardResult:
+    """``fn`` on texts cut to ``max_chars`` (the response keeps its end), under ``time_limit_s``.
+
+    Any exception, timeout or non-finite score gives ``(0.0, False)`` and a warning.
+    """
+    try:
+        with time_limit(time_limit_s):
+            score, correct = fn(str(ground_truth)[:max_chars], response[-max_chars:], **kwargs)
+        score = float(score)
+        if not math.isfinite(score):
+            raise ValueError(f"non-finite score {score}")
+        return score, correct
+    except Exception as exc:  # a verifier must never take the environment down
+        logger.warning("reward function %r failed (%s: %s); scoring 0", name, type(exc).__name__, exc)
+        return 0.0, False

@@ -1,0 +1,210 @@
+"""The VLM environment: single-turn answers scored by a weighted sum of named reward functions.
+
+Scoring is spread over ``num_workers`` :class:`VLMVerifyWorker` Ray actors in
+contiguous chunks, starting at a different worker on every call (round-robin).
+Every reward function runs through :func:`~gym_bridge.environments.rewards.bounded_call`
+(length cap, time limit, failures score 0), so adversarial text cannot hang or
+crash the environment. Messages may carry images as OpenAI content parts; only
+their text parts are read.
+
+Differences from NeMo-RL's ``VLMEnvironment``: the observation says "correct" from
+the correctness flags, not from a non-zero score (a partial format score is not
+"correct"); the config's ``stop_strings`` are returned as the next stop strings;
+the answers returned are the ``<answer>`` contents.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from typing import Any, TypedDict
+
+import ray
+import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from gym_bridge.batched import BatchedDataDict
+from gym_bridge.environments.rewards import REWARD_FUNCTIONS, bounded_call, extract_tag
+from gym_bridge.interfaces import EnvironmentInterface
+from gym_bridge.types import EnvironmentReturn, LLMMessageLogType
+
+
+class RewardFunctionSpec(BaseModel):
+    """One named reward function with its weight and keyword arguments."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str
+    weight: float = Field(1.0, ge=0.0)
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("name")
+    @classmethod
+    def _known(cls, name: str) -> str:
+        if name not in REWARD_FUNCTIONS:
+            raise ValueError(f"unknown reward function {name!r}; known: {', '.join(sorted(REWARD_FUNCTIONS))}")
+        return name
+
+
+class VLMEnvConfig(BaseModel):
+    """Settings of :class:`VLMEnvironment`."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    num_workers: int = Field(1, ge=1)
+    stop_strings: list[str] | None = None
+    reward_functions: list[RewardFunctionSpec]
+    max_chars: int = Field(20_000, ge=1, description="Texts are cut to this many characters before scoring.")
+    reward_time_limit_s: float | None = Field(1.0, gt=0.0, description="Per reward-function call; None: no limit.")
+
+    @field_validator("reward_functions")
+    @classmethod
+    def _non_empty(cls, specs: list[RewardFunctionSpec]) -> list[RewardFunctionSpec]:
+        if not specs:
+            raise ValueError("reward_functions must name at least one reward function")
+        if sum(s.weight for s in specs) <= 0:
+            raise ValueError("reward function weights must not all be zero")
+        return specs
+
+
+class VLMEnvironmentMetadata(TypedDict):
+    ground_truth: str
+
+
+def message_text(content: Any) -> str:
+    """The text of a message's content: a string, or the ``text`` parts of OpenAI content parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(
+        str(part.get("text", "")) for part in content if isinstance(part, dict) and part.get("type") == "text"
+    )
+
+
+class VLMVerifyWorker:
+    """Scores responses against ground truths (a Ray actor inside :class:`VLMEnvironment`)."""
+
+    def __init__(self, cfg: VLMEnvConfig | dict[str, Any]) -> None:
+        self.cfg = cfg if isinstance(cfg, VLMEnvConfig) else VLMEnvConfig(**cfg)
+        total = sum(s.weight for s in self.cfg.reward_functions)
+        self.weights = [s.weight / total for s in self.cfg.reward_functions]
+        self.items_scored = 0
+
+    def score(self, pred_responses: list[str], ground_truths: list[str]) -> list[dict[str, Any]]:
+        """Per pair: ``reward`` (weighted sum), ``correct`` and each function's ``components`` score."""
+        out = []
+        for response, truth in zip(pred_responses, ground_truths, strict=True):
+            components: dict[str, float] = {}
+            flags: list[bool] = []
+            reward = 0.0
+            for spec, weight in zip(self.cfg.reward_functions, self.weights, strict=True):
+                score, correct = bounded_call(
+                    spec.name, REWARD_FUNCTIONS[spec.name], truth, response, spec.kwargs,
+                    max_chars=self.cfg.max_chars, time_limit_s=self.cfg.reward_time_limit_s,
+                )
+                components[spec.name] = score
+                reward += weight * score
+                if correct is not None:
+                    flags.append(bool(correct))
+            out.append({"reward": reward, "correct": all(flags) if flags else reward > 0, "components": components})
+        self.items_scored += len(out)
+        return out
+
+    def verify(self, pred_responses: list[str], ground_truths: list[str]) -> list[float]:
+        """The weighted reward of each response."""
+        return [r["reward"] for r in self.score(pred_responses, ground_truths)]
+
+    def stats(self) -> dict[str, Any]:
+        """How many items this worker scored, and whether it can enforce time limits (main thread)."""
+        return {"items_scored": self.items_scored, "main_thread": threading.current_thread() is threading.main_thread()}
+
+
+def chunk_to_workers(items: list[Any], num_workers: int) -> list[list[Any]]:
+    """Contiguous chunks of ``ceil(len / num_workers)`` items, one list per worker (possibly empty)."""
+    size = max(1, math.ceil(len(items) / num_workers))
+    return [items[w * size : (w + 1) * size] for w in range(num_workers)]
+
+
+class VLMEnvironment(EnvironmentInterface):
+    """Run as a Ray actor with :func:`vlm_env_actor`; it starts ``num_workers`` verify workers."""
+
+    def __init__(self, cfg: VLMEnvConfig | dict[str, Any]) -> None:
+        self.cfg = cfg if isinstance(cfg, VLMEnvConfig) else VLMEnvConfig(**cfg)
+        worker_cls = ray.remote(num_cpus=0)(VLMVerifyWorker)
+        self.workers = [worker_cls.remote(self.cfg) for _ in range(self.cfg.num_workers)]
+        self._next_worker = 0
+
+    def _score(self, responses: list[str], truths: list[str]) -> list[dict[str, Any]]:
+        n = len(self.workers)
+        start = self._next_worker
+        self._next_worker = (start + 1) % n
+        refs = []
+        for w, (resp, gt) in enumerate(zip(chunk_to_workers(responses, n), chunk_to_workers(truths, n), strict=True)):
+            if resp:
+                refs.append(self.workers[(start + w) % n].score.remote(resp, gt))
+        return [r for chunk in ray.get(refs) for r in chunk]
+
+    def step(
+        self, message_log_batch: list[LLMMessageLogType], metadata: list[VLMEnvironmentMetadata]
+    ) -> EnvironmentReturn:
+        responses = [
+            "".join(message_text(m.get("content")) for m in log if m["role"] == "assistant") for log in message_log_batch
+        ]
+        truths = [str(meta["ground_truth"]) for meta in metadata]
+        results = self._score(responses, truths)
+        observations = [
+            {"role": "environment", "content": "Environment: " + ("correct" if r["correct"] else "incorrect")}
+            for r in results
+        ]
+        answers = [extract_tag(resp[-self.cfg.max_chars :]) for resp in responses]
+        return EnvironmentReturn(
+            observations=observations,
+            metadata=list(metadata),
+            next_stop_strings=[self.cfg.stop_strings] * len(results),
+            rewards=torch.tensor([r["reward"] for r in results], dtype=torch.float32),
+            terminateds=torch.ones(len(results), dtype=torch.bool),
+            answers=answers,
+        )
+
+    def global_post_process_and_metrics(self, batch: BatchedDataDict[Any]) -> tuple[BatchedDataDict[Any], dict[str, Any]]:
+        """Zero the rewards of samples that did not end properly (``truncated``), and score the batch.
+
+        Metrics: ``accuracy`` (fraction correct), ``mean_reward``, ``reward/<name>/mean`` per
+        reward function, ``histogram/reward`` (a plain list), ``fraction_of_samples_properly_ended``
+        and ``num_samples``. Reads ``message_log``, ``extra_env_info`` and ``total_reward``.
+        """
+        logs, infos = batch["message_log"], batch["extra_env_info"]
+        size = len(logs)
+        if size == 0:
+            return batch, {"num_samples": 0}
+        responses = [
+            "".join(message_text(m.get("content")) for m in log if m["role"] == "assistant") for log in logs
+        ]
+        results = self._score(responses, [str(i["ground_truth"]) for i in infos])
+        ended = ~torch.as_tensor(batch.get("truncated", torch.zeros(size, dtype=torch.bool))).bool()
+        rewards = torch.as_tensor(batch.get("total_reward", [r["reward"] for r in results]), dtype=torch.float32)
+        batch["total_reward"] = rewards * ended.float()
+        metrics: dict[str, Any] = {
+            "accuracy": sum(bool(r["correct"]) and bool(e) for r, e in zip(results, ended, strict=True)) / size,
+            "mean_reward": float(batch["total_reward"].mean()),
+            "fraction_of_samples_properly_ended": float(ended.float().mean()),
+            "num_samples": size,
+            "histogram/reward": [float(v) for v in batch["total_reward"]],
+        }
+        for spec in self.cfg.reward_functions:
+            metrics[f"reward/{spec.name}/mean"] = sum(r["components"][spec.name] for r in results) / size
+        return batch, metrics
+
+    def worker_stats(self) -> list[dict[str, Any]]:
+        return ray.get([w.stats.remote() for w in self.workers])
+
+    def shutdown(self) -> None:
+        for worker in self.workers:
+            ray.kill(worker)
+        self.workers = []
+
+
+def vlm_env_actor(cfg: VLMEnvConfig | dict[str, Any]) -> Any:
+    """Start a :class:`VLMEnvironment` as a Ray actor (needs Ray running)."""
+    return ray.remote(num_cpus=0)(VLMEnvironment).remote(cfg)

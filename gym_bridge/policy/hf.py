@@ -1,0 +1,313 @@
+"""``HFPolicy``: a trainable :class:`PolicyInterface` over a local transformers causal LM (CPU or GPU).
+
+Token batches are NeMo-RL's: right-padded ``input_ids`` ``[B, S]`` with
+``input_lengths`` ``[B]``. Logprobs are aligned to the token they score:
+``logprobs[b, t] = log_softmax(logits[b, t - 1] / T)[input_ids[b, t]]``, with 0 at
+position 0 and on padding. ``T`` is ``cfg.temperature`` (1 by default), so at
+``T = 1`` they equal :class:`~gym_bridge.generation.hf.HFGeneration`'s sampling
+logprobs for the same tokens, up to float rounding (the training/inference
+mismatch check).
+
+``train`` takes a loss function with the signature of :class:`LossFunction`:
+it receives the micro-batch's token logprobs (as above, with gradients) and the
+micro-batch, plus the global batch's valid sequence and token counts, so that a
+loss normalised by those counts sums over micro-batches to the global-batch loss
+(gradient accumulation is then exact). :func:`policy_gradient_loss` is such a loss.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from gym_bridge.batched import BatchedDataDict
+from gym_bridge.interfaces import PolicyInterface
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class HFPolicyConfig(BaseModel):
+    """Settings of :class:`HFPolicy`."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: str = Field("tiny", description='A local model folder, or "tiny" for the embedded tiny model.')
+    device: str = "cpu"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    learning_rate: float = Field(1e-5, gt=0.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    max_grad_norm: float | None = Field(1.0, gt=0.0, description="None: no clipping.")
+    train_global_batch_size: int | None = Field(None, ge=1, description="None: the whole batch is one step.")
+    train_micro_batch_size: int | None = Field(None, ge=1, description="None: the global batch in one pass.")
+    logprob_batch_size: int = Field(8, ge=1)
+    temperature: float = Field(1.0, gt=0.0, description="Logits are divided by it, as at generation.")
+    keep_reference_model: bool = Field(True, description="Keep a frozen copy of the initial weights.")
+
+
+class LossFunction(Protocol):
+    """``(token_logprobs [b, S], micro_batch, global_valid_seqs, global_valid_toks) -> (loss, metrics)``."""
+
+    def __call__(
+        self,
+        token_logprobs: torch.Tensor,
+        data: BatchedDataDict[Any],
+        global_valid_seqs: torch.Tensor,
+        global_valid_toks: torch.Tensor,
+    ) -> tuple[torch.Tensor, dict[str, Any]]: ...
+
+
+def policy_gradient_loss(
+    token_logprobs: torch.Tensor,
+    data: BatchedDataDict[Any],
+    global_valid_seqs: torch.Tensor,
+    global_valid_toks: torch.Tensor,
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """REINFORCE: ``-sum(advantage * logprob * token_mask) / global_valid_toks``.
+
+    ``data`` needs ``advantages`` (``[b]`` or ``[b, S]``) and ``token_mask`` ``[b, S]``
+    (1 on the tokens to train on); ``sample_mask`` ``[b]`` is optional.
+    """
+    mask = _token_mask(data, token_logprobs.shape)
+    advantages = torch.as_tensor(data["advantages"], dtype=token_logprobs.dtype, device=token_logprobs.device)
+    if advantages.ndim == 1:
+        advantages = advantages[:, None]
+    loss = -(advantages * token_logprobs * mask).sum() / global_valid_toks.clamp(min=1)
+    return loss, {"loss": float(loss.detach()), "num_valid_tokens": float(mask.sum())}
+
+
+def _length_mask(lengths: torch.Tensor, width: int) -> torch.Tensor:
+    return torch.arange(width, device=lengths.device)[None, :] < lengths[:, None]
+
+
+def _token_mask(data: Mapping[str, Any], shape: torch.Size) -> torch.Tensor:
+    """``token_mask`` (default: every real token after the first) times ``sample_mask``; float ``[b, S]``."""
+    lengths = torch.as_tensor(data["input_lengths"]).to(torch.int64)
+    if data.get("token_mask") is not None:
+        mask = torch.as_tensor(data["token_mask"]).float()
+    else:
+        mask = _length_mask(lengths, shape[1]).float()
+        mask[:, 0] = 0.0
+    mask = mask * _length_mask(lengths, shape[1]).float()
+    if data.get("sample_mask") is not None:
+        mask = mask * torch.as_tensor(data["sample_mask"]).float()[:, None]
+    return mask
+
+
+class HFPolicy(PolicyInterface):
+    """A policy trained with AdamW in this process; see the module docstring for the data contract."""
+
+    def __init__(
+        self,
+        cfg: HFPolicyConfig | Mapping[str, Any] | None = None,
+        *,
+        model: Any = None,
+        tokenizer: Any = None,
+    ) -> None:
+        """Load ``cfg.model`` (a folder or ``"tiny"``), or train an already loaded ``model`` (in place)."""
+        if cfg is None:
+            cfg = HFPolicyConfig()
+        elif not isinstance(cfg, HFPolicyConfig):
+            cfg = HFPolicyConfig(**dict(cfg))
+        self.cfg: HFPolicyConfig = cfg
+        if (model is None) != (tokenizer is None):
+            raise ValueError("pass both model and tokenizer, or neither")
+        if model is None:
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+
+            from gym_bridge.models.tiny import resolve_model_path
+
+            path = resolve_model_path(cfg.model)
+            tokenizer = AutoTokenizer.from_pretrained(path)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[cfg.dtype])
+        self.device = torch.device(cfg.device)
+        self.model = model.to(self.device)
+        self.model.eval()
+        self.tokenizer = tokenizer
+        self.reference_model = None
+        if cfg.keep_reference_model:
+            self.reference_model = copy.deepcopy(self.model).eval().requires_grad_(False)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=cfg.learning_rate, betas=cfg.betas, weight_decay=cfg.weight_decay
+        )
+        self.steps_taken = 0
+
+    # ------------------------------------------------------------------ logprobs
+
+    def _token_logprobs(self, model: Any, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """``[b, S]`` logprob of each token given its prefix; 0 at position 0 and on padding."""
+        input_ids, lengths = input_ids.to(self.device), lengths.to(self.device)
+        attention = _length_mask(lengths, input_ids.shape[1]).long()
+        logits = model(input_ids=input_ids, attention_mask=attention, use_cache=False).logits
+        logp = torch.log_softmax(logits[:, :-1].float() / self.cfg.temperature, dim=-1)
+        picked = logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+        out = torch.cat([picked.new_zeros((picked.shape[0], 1)), picked], dim=1)
+        return out * attention.to(out.dtype)
+
+    def _batched_logprobs(self, model: Any, data: Mapping[str, Any], micro_batch_size: int | None) -> torch.Tensor:
+        input_ids = torch.as_tensor(data["input_ids"]).to(torch.int64)
+        lengths = torch.as_tensor(data["input_lengths"]).to(torch.int64).reshape(-1)
+        step = micro_batch_size or self.cfg.logprob_batch_size
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                parts = [
+                    self._token_logprobs(model, input_ids[s : s + step], lengths[s : s + step]).cpu()
+                    for s in range(0, input_ids.shape[0], step)
+                ]
+        finally:
+            model.train(was_training)
+        return torch.cat(parts) if parts else torch.zeros(input_ids.shape, dtype=torch.float32)
+
+    def get_logprobs(self, data: BatchedDataDict[Any], timer: Any = None) -> BatchedDataDict[Any]:
+        return BatchedDataDict({"logprobs": self._batched_logprobs(self.model, data, None)})
+
+    def get_reference_policy_logprobs(
+        self, data: BatchedDataDict[Any], micro_batch_size: int | None = None, timer: Any = None
+    ) -> BatchedDataDict[Any]:
+        if self.reference_model is None:
+            raise RuntimeError("HFPolicy was built with keep_reference_model=False")
+        return BatchedDataDict(
+            {"reference_logprobs": self._batched_logprobs(self.reference_model, data, micro_batch_size)}
+        )
+
+    def get_topk_logits(
+        self, data: BatchedDataDict[Any], k: int, micro_batch_size: int | None = None, timer: Any = None
+    ) -> BatchedDataDict[Any]:
+        """Top-``k`` of ``logits / T`` at positions ``0 .. S-2`` (each predicts the next token): ``[B, S-1, k]``."""
+        input_ids = torch.as_tensor(data["input_ids"]).to(torch.int64)
+        lengths = torch.as_tensor(data["input_lengths"]).to(torch.int64).reshape(-1)
+        step = micro_batch_size or self.cfg.logprob_batch_size
+        values, indices = [], []
+        with torch.no_grad():
+            for s in range(0, input_ids.shape[0], step):
+                ids, lens = input_ids[s : s + step].to(self.device), lengths[s : s + step].to(self.device)
+                attention = _length_mask(lens, ids.shape[1]).long()
+                logits = self.model(input_ids=ids, attention_mask=attention, use_cache=False).logits[:, :-1]
+                top = torch.topk(logits.float() / self.cfg.temperature, k, dim=-1)
+                values.append(top.values.cpu())
+                indices.append(top.indices.cpu())
+        return BatchedDataDict({"topk_logits": torch.cat(values), "topk_indices": torch.cat(indices)})
+
+    # ------------------------------------------------------------------ training
+
+    def train(
+        self,
+        data: BatchedDataDict[Any],
+        loss_fn: LossFunction,
+        eval_mode: bool = False,
+        *,
+        gbs: int | None = None,
+        mbs: int | None = None,
+        timer: Any = None,
+    ) -> dict[str, Any]:
+        """One optimizer step per global batch of ``gbs`` samples, accumulated over micro-batches of ``mbs``.
+
+        ``eval_mode`` computes the loss without gradients or an update. Returns
+        ``loss`` (mean over global batches of the summed micro-batch losses),
+        ``global_batch_losses``, ``grad_norm`` (of the last step, before clipping),
+        ``lr``, ``num_global_batches``, ``num_micro_batches`` and ``all_mb_metrics``.
+        """
+        size = len(torch.as_tensor(data["input_lengths"]))
+        if size == 0:
+            raise ValueError("cannot train on an empty batch")
+        gbs = gbs or self.cfg.train_global_batch_size or size
+        mbs = mbs or self.cfg.train_micro_batch_size or gbs
+        if gbs % mbs:
+            raise ValueError(f"the global batch size {gbs} must be a multiple of the micro-batch size {mbs}")
+        if size % gbs:
+            raise ValueError(f"the batch of {size} samples is not a whole number of global batches of {gbs}")
+        self.model.train(not eval_mode)
+        global_losses: list[float] = []
+        all_mb_metrics: list[dict[str, Any]] = []
+        grad_norm = 0.0
+        num_micro = 0
+        try:
+            for g in range(0, size, gbs):
+                global_batch = data.slice(g, g + gbs)
+                width = torch.as_tensor(global_batch["input_ids"]).shape[1]
+                mask = _token_mask(global_batch, torch.Size((gbs, width)))
+                valid_toks = mask.sum()
+                valid_seqs = (
+                    torch.as_tensor(global_batch["sample_mask"]).float().sum()
+                    if global_batch.get("sample_mask") is not None
+                    else torch.tensor(float(gbs))
+                )
+                if not eval_mode:
+                    self.optimizer.zero_grad(set_to_none=True)
+                total = 0.0
+                for m in range(0, gbs, mbs):
+                    micro = global_batch.slice(m, m + mbs)
+                    with torch.set_grad_enabled(not eval_mode):
+                        logprobs = self._token_logprobs(
+                            self.model,
+                            torch.as_tensor(micro["input_ids"]).to(torch.int64),
+                            torch.as_tensor(micro["input_lengths"]).to(torch.int64),
+                        )
+                        loss, mb_metrics = loss_fn(logprobs, micro, valid_seqs.to(logprobs.device),
+                                                   valid_toks.to(logprobs.device))
+                    if not eval_mode:
+                        loss.backward()
+                    total += float(loss.detach())
+                    all_mb_metrics.append(mb_metrics)
+                    num_micro += 1
+                if not eval_mode:
+                    grad_norm = float(
+                        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm or float("inf"))
+                    )
+                    self.optimizer.step()
+                    self.steps_taken += 1
+                global_losses.append(total)
+        finally:
+            self.model.eval()
+        return {
+            "loss": sum(global_losses) / len(global_losses),
+            "global_batch_losses": global_losses,
+            "grad_norm": grad_norm,
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "num_global_batches": len(global_losses),
+            "num_micro_batches": num_micro,
+            "all_mb_metrics": all_mb_metrics,
+        }
+
+    def calibrate_qkv_fp8_scales(
+        self,
+        data: BatchedDataDict[Any],
+        micro_batch_size: int | None = None,
+        percentile: float = 99.9,
+        margin: float = 1.05,
+        include_q: bool = False,
+    ) -> dict[str, Any]:
+        raise NotImplementedError("HFPolicy does not calibrate FP8 KV scales")
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def prepare_for_training(self, *args: Any, **kwargs: Any) -> None:
+        self.model.train()
+
+    def finish_training(self, *args: Any, **kwargs: Any) -> None:
+        self.model.eval()
+
+    def save_checkpoint(self, path: str | Path, *args: Any, save_optimizer: bool = True, **kwargs: Any) -> None:
+        """``save_pretrained`` of the model and tokenizer into ``path``, plus ``optimizer.pt``."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(path)
+        if self.tokenizer is not None:
+            self.tokenizer.save_pretrained(path)
+        if save_optimizer:
+            torch.save({"optimizer": self.optimizer.state_dict(), "steps_taken": self.steps_taken},
+                       path / "optimizer.pt")
+
+    def shutdown(self) -> bool:
+        self.optimizer.zero_grad(set_to_none=True)
+        return True

@@ -1,0 +1,173 @@
+"""The VLM environment: every reward function on crafted and adversarial text, bounds, worker spread."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+import ray
+import torch
+
+from gym_bridge.batched import BatchedDataDict
+from gym_bridge.environments.rewards import (
+    REWARD_FUNCTIONS,
+    bbox_giou_reward,
+    bounded_call,
+    exact_alnum_reward,
+    extract_tag,
+    format_reward,
+    multiple_choice_reward,
+    numeric_reward,
+)
+from gym_bridge.environments.vlm import VLMEnvConfig, VLMVerifyWorker, chunk_to_workers, message_text, vlm_env_actor
+
+
+def ans(text, think="ok"):
+    return f"<think>{think}</think><answer>{text}</answer>"
+
+
+def test_extract_tag_first_open_to_last_close():
+    assert extract_tag("a<answer>x</answer>b<answer>y</answer>") == "x</answer>b<answer>y"
+    assert extract_tag("<answer>unclosed") is None and extract_tag("</answer><answer>") is None
+
+
+def test_format():
+    assert format_reward("", ans("1")) == (1.0, None)
+    assert format_reward("", "<answer>1</answer>") == (0.75, None)
+    assert format_reward("", "<think>\nmulti\nline</think>") == (0.25, None)
+    assert format_reward("", "plain") == (0.0, None)
+
+
+def test_exact_alnum():
+    assert exact_alnum_reward("Blue Cube", ans(" blue-cube! ")) == (1.0, True)
+    assert exact_alnum_reward("3", ans("4")) == (0.0, False)
+    assert exact_alnum_reward("3", "3") == (0.0, False)  # no answer tag
+
+
+def test_multiple_choice():
+    assert multiple_choice_reward("B", ans("(B)")) == (1.0, True)
+    assert multiple_choice_reward("(c)", ans("C. a red ball")) == (1.0, True)  # lower-case words are not letters
+    assert multiple_choice_reward("C", ans("I")) == (0.0, False)
+    assert multiple_choice_reward("B", ans("A or B")) == (0.0, False)  # hedging is wrong
+    assert multiple_choice_reward("B", ans("Banana")) == (0.0, False)
+
+
+def test_numeric():
+    assert numeric_reward("42", ans("The answer is 42.0")) == (1.0, True)
+    assert numeric_reward("1,000", ans("1000.00001"), rel_tol=1e-6) == (1.0, True)
+    assert numeric_reward("0.5", ans("0.51")) == (0.0, False)
+    assert numeric_reward("0.5", ans("0.51"), abs_tol=0.02) == (1.0, True)
+    assert numeric_reward("7", ans("seven")) == (0.0, False)
+
+
+def test_bbox_giou():
+    assert bbox_giou_reward("[0, 0, 10, 10]", ans("[0,0,10,10]")) == (1.0, True)
+    score, correct = bbox_giou_reward("0,0,10,10", ans("[0, 0, 10, 5]"))
+    assert score == pytest.approx(0.5) and correct is False
+    # Disjoint boxes with a gap: IoU 0, GIoU = -(hull - union) / hull.
+    score, _ = bbox_giou_reward("0,0,10,10", ans("20,0,30,10"))
+    assert score == pytest.approx(0 - (300 - 200) / 300)
+    score, _ = bbox_giou_reward("0,0,10,10", ans("20,0,30,10"), giou_penalty_thres=-1.0)  # plain IoU
+    assert score == 0.0
+    assert bbox_giou_reward("0,0,10,10", ans("1,2,3")) == (0.0, False)
+    assert bbox_giou_reward("0,0,10,10", ans("nan,0,1,1")) == (0.0, False)
+
+
+ADVERSARIAL = [
+    "<answer>" * 50_000,
+    "<think>" + "(" * 100_000 + "</answer>",
+    "<answer>" + "9" * 200_000 + "</answer>",
+    "<answer>" + "1e999999," * 20_000 + "</answer>",
+    "<answer>" + "[" * 100_000 + "</answer>",
+    "\x00\ud800" * 10_000,
+]
+
+
+@pytest.mark.parametrize("text", ADVERSARIAL, ids=range(len(ADVERSARIAL)))
+def test_adversarial_text_is_scored_quickly_and_never_raises(text):
+    for name, fn in REWARD_FUNCTIONS.items():
+        t0 = time.perf_counter()
+        score, _ = bounded_call(name, fn, "B", text, {}, max_chars=20_000, time_limit_s=2.0)
+        assert time.perf_counter() - t0 < 1.0 and isinstance(score, float)
+
+
+def test_bounded_call_turns_hangs_and_crashes_into_zero(caplog):
+    def catastrophic(gt, response):
+        return (1.0 if re.match(r"(a+)+$", response) else 0.5), None
+
+    def crash(gt, response):
+        raise RuntimeError("boom")
+
+    t0 = time.perf_counter()
+    assert bounded_call("slow", catastrophic, "", "a" * 40 + "b", {}, max_chars=1000, time_limit_s=0.2) == (0.0, False)
+    assert time.perf_counter() - t0 < 2.0
+    assert bounded_call("crash", crash, "", "x", {}, max_chars=10, time_limit_s=None) == (0.0, False)
+    assert "crash" in caplog.text and "boom" in caplog.text
+    # The length cap keeps the end of the response (where the answer is).
+    assert bounded_call("exact", exact_alnum_reward, "7", "x" * 100 + ans("7"), {}, max_chars=40,
+                        time_limit_s=None) == (1.0, True)
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="unknown reward function 'nope'"):
+        VLMEnvConfig(reward_functions=[{"name": "nope"}])
+    with pytest.raises(ValueError, match="at least one"):
+        VLMEnvConfig(reward_functions=[])
+
+
+def test_worker_combines_weighted_scores():
+    worker = VLMVerifyWorker({"reward_functions": [{"name": "format", "weight": 1}, {"name": "exact_alnum", "weight": 3}]})
+    assert worker.verify([ans("cube"), "<answer>cube</answer>", ans("ball")], ["cube"] * 3) == pytest.approx(
+        [1.0, 0.25 * 0.75 + 0.75, 0.25]
+    )
+
+
+def test_chunking_and_content_parts():
+    assert chunk_to_workers(list(range(7)), 3) == [[0, 1, 2], [3, 4, 5], [6]]
+    assert chunk_to_workers([0, 1], 3) == [[0], [1], []]
+    parts = [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}, {"type": "text", "text": "hi"}]
+    assert message_text(parts) == "hi" and message_text(None) == ""
+
+
+@pytest.mark.usefixtures("ray_session")
+def test_environment_step_spread_and_metrics():
+    cfg = {"num_workers": 2, "stop_strings": ["</answer>"], "reward_functions": [
+        {"name": "format", "weight": 0.2}, {"name": "exact_alnum", "weight": 0.8}]}
+    env = vlm_env_actor(cfg)
+    try:
+        truths = ["cube", "ball", "cone", "cube", "ball", "cone", "cube"]
+        replies = [ans("cube"), ans("cube"), "no tags", ans("cube"), "<answer>ball</answer>", ans("x" * 10), ans("cube")]
+        logs = [
+            [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}},
+                                          {"type": "text", "text": "What shape?"}]},
+             {"role": "assistant", "content": [{"type": "text", "text": r}]}]
+            for r in replies
+        ]
+        ret = ray.get(env.step.remote(logs, [{"ground_truth": t} for t in truths]))
+        expected = [1.0, 0.2, 0.0, 1.0, 0.2 * 0.75 + 0.8, 0.2, 1.0]
+        assert ret.rewards.dtype == torch.float32 and ret.rewards.tolist() == pytest.approx(expected)
+        assert ret.terminateds.tolist() == [True] * 7 and ret.next_stop_strings == [["</answer>"]] * 7
+        verdicts = [o["content"] for o in ret.observations]
+        assert verdicts[0] == "Environment: correct" and verdicts[1] == "Environment: incorrect"
+        assert ret.answers[2] is None and ret.answers[0] == "cube"
+        stats = ray.get(env.worker_stats.remote())
+        assert sorted(s["items_scored"] for s in stats) == [3, 4]  # 7 items over 2 workers
+        assert all(s["main_thread"] for s in stats)  # so the per-call time limit is enforced
+
+        batch = BatchedDataDict({
+            "message_log": logs, "extra_env_info": [{"ground_truth": t} for t in truths],
+            "total_reward": ret.rewards, "truncated": torch.tensor([False] * 6 + [True]),
+        })
+        batch, metrics = ray.get(env.global_post_process_and_metrics.remote(batch))
+        assert batch["total_reward"][-1] == 0.0  # not properly ended
+        assert metrics["accuracy"] == pytest.approx(3 / 7)  # samples 0, 3, 4 (6 was truncated)
+        assert metrics["reward/exact_alnum/mean"] == pytest.approx(4 / 7)
+        assert metrics["reward/format/mean"] == pytest.approx((5 + 0.75) / 7)
+        assert metrics["fraction_of_samples_properly_ended"] == pytest.approx(6 / 7)
+        assert metrics["histogram/reward"] == pytest.approx(expected[:6] + [0.0])
+        stats = ray.get(env.worker_stats.remote())
+        assert sum(s["items_scored"] for s in stats) == 14
+    finally:
+        ray.get(env.shutdown.remote())
+        ray.kill(env)

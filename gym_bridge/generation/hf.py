@@ -62,9 +62,9 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from gym_bridge.batched import BatchedDataDict
+from gym_bridge.generation.output import assemble_output
 from gym_bridge.interfaces import GenerationInterface
 from gym_bridge.types import (
-    LOGPROB_DTYPE,
     TOKEN_DTYPE,
     GenerationDatumSpec,
     GenerationOutputSpec,
@@ -258,7 +258,7 @@ class HFGeneration(GenerationInterface):
         step = self.cfg.max_batch_size
         for start in range(0, len(rows), step):
             results.extend(self._run_batch(rows[start : start + step], greedy))
-        return self._assemble(input_ids, lengths, results)
+        return assemble_output(input_ids, lengths, results, self.pad_token_id)
 
     async def generate_async(
         self, data: BatchedDataDict[GenerationDatumSpec], greedy: bool = False
@@ -284,7 +284,7 @@ class HFGeneration(GenerationInterface):
                 for fut in sorted(done, key=pending.__getitem__):
                     i = pending.pop(fut)
                     result = fut.result()
-                    yield i, self._assemble(input_ids[i : i + 1], lengths[i : i + 1], [result])
+                    yield i, assemble_output(input_ids[i : i + 1], lengths[i : i + 1], [result], self.pad_token_id)
         finally:
             for row in rows:
                 row.cancelled = True
@@ -384,31 +384,6 @@ class HFGeneration(GenerationInterface):
             top_p=top_p,
             top_k=None if top_k in (None, 0, -1) else int(top_k),
             max_new_tokens=max_new_tokens,
-        )
-
-    def _assemble(
-        self, input_ids: torch.Tensor, lengths: torch.Tensor, results: Sequence[_RowResult]
-    ) -> BatchedDataDict[GenerationOutputSpec]:
-        batch, width = input_ids.shape
-        gen_lens = [len(r.tokens) for r in results]
-        total = width + (max(gen_lens) if gen_lens else 0)
-        output_ids = torch.full((batch, total), self.pad_token_id, dtype=TOKEN_DTYPE)
-        logprobs = torch.zeros((batch, total), dtype=LOGPROB_DTYPE)
-        for i, res in enumerate(results):
-            n_in = int(lengths[i])
-            output_ids[i, :n_in] = input_ids[i, :n_in]
-            if res.tokens:
-                output_ids[i, n_in : n_in + len(res.tokens)] = torch.tensor(res.tokens, dtype=TOKEN_DTYPE)
-                logprobs[i, n_in : n_in + len(res.tokens)] = torch.tensor(res.logprobs, dtype=LOGPROB_DTYPE)
-        generation_lengths = torch.tensor(gen_lens, dtype=torch.int64)
-        return BatchedDataDict(
-            {
-                "output_ids": output_ids,
-                "logprobs": logprobs,
-                "generation_lengths": generation_lengths,
-                "unpadded_sequence_lengths": lengths.to(torch.int64) + generation_lengths,
-                "truncated": torch.tensor([r.truncated for r in results], dtype=torch.bool),
-            }
         )
 
     # ------------------------------------------------------------------ decoding

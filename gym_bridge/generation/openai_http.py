@@ -45,9 +45,10 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 from gym_bridge.batched import BatchedDataDict
 from gym_bridge.failures import GenerationUnavailable, RolloutDataFailure, http_status_is_infra
+from gym_bridge.generation.output import assemble_output
 from gym_bridge.generation.routing import SessionRouter
 from gym_bridge.interfaces import GenerationInterface
-from gym_bridge.types import LOGPROB_DTYPE, TOKEN_DTYPE, GenerationDatumSpec, GenerationOutputSpec
+from gym_bridge.types import TOKEN_DTYPE, GenerationDatumSpec, GenerationOutputSpec
 
 logger = logging.getLogger(__name__)
 
@@ -196,7 +197,7 @@ class OpenAIHTTPGeneration(GenerationInterface):
         input_ids, lengths = _check_batch(data)
         future = asyncio.run_coroutine_threadsafe(self._generate_all(data, greedy), self._ensure_private_loop())
         results = future.result()
-        out = _assemble(input_ids, lengths, results, self.cfg.pad_token_id)
+        out = assemble_output(input_ids, lengths, results, self.cfg.pad_token_id)
         out["gen_leader_worker_idx"] = [r.url_idx for r in results]
         return out
 
@@ -217,7 +218,7 @@ class OpenAIHTTPGeneration(GenerationInterface):
                 for task in sorted(done, key=tasks.__getitem__):
                     i = tasks.pop(task)
                     res = task.result()
-                    out = _assemble(input_ids[i : i + 1], lengths[i : i + 1], [res], self.cfg.pad_token_id)
+                    out = assemble_output(input_ids[i : i + 1], lengths[i : i + 1], [res], self.cfg.pad_token_id)
                     out["gen_leader_worker_idx"] = [res.url_idx]
                     yield i, out
         finally:
@@ -500,30 +501,3 @@ def _parse_completion(payload: Any, url: str) -> tuple[list[int], list[float], b
     if finish is None:
         raise RolloutDataFailure(f"{where} has no choices[0].finish_reason")
     return token_ids, [float(v) for v in logprobs], finish == "length"
-
-
-def _assemble(
-    input_ids: torch.Tensor, lengths: torch.Tensor, results: Sequence[_RowResult], pad_id: int
-) -> BatchedDataDict[GenerationOutputSpec]:
-    """The local backend's layout: input, then generated tokens, then ``pad_id``; logprobs zero elsewhere."""
-    batch, width = input_ids.shape
-    gen_lens = [len(r.tokens) for r in results]
-    total = width + (max(gen_lens) if gen_lens else 0)
-    output_ids = torch.full((batch, total), pad_id, dtype=TOKEN_DTYPE)
-    logprobs = torch.zeros((batch, total), dtype=LOGPROB_DTYPE)
-    for i, res in enumerate(results):
-        n_in = int(lengths[i])
-        output_ids[i, :n_in] = input_ids[i, :n_in]
-        if res.tokens:
-            output_ids[i, n_in : n_in + len(res.tokens)] = torch.tensor(res.tokens, dtype=TOKEN_DTYPE)
-            logprobs[i, n_in : n_in + len(res.tokens)] = torch.tensor(res.logprobs, dtype=LOGPROB_DTYPE)
-    generation_lengths = torch.tensor(gen_lens, dtype=torch.int64)
-    return BatchedDataDict(
-        {
-            "output_ids": output_ids,
-            "logprobs": logprobs,
-            "generation_lengths": generation_lengths,
-            "unpadded_sequence_lengths": lengths.to(torch.int64) + generation_lengths,
-            "truncated": torch.tensor([r.truncated for r in results], dtype=torch.bool),
-        }
-    )

@@ -25,15 +25,29 @@ import json
 import math
 import re
 from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from gym_bridge.batched import BatchedDataDict
+from gym_bridge.generation.output import assemble_output
 from gym_bridge.interfaces import GenerationInterface
-from gym_bridge.types import LOGPROB_DTYPE, TOKEN_DTYPE, GenerationDatumSpec, GenerationOutputSpec
+from gym_bridge.types import TOKEN_DTYPE, GenerationDatumSpec, GenerationOutputSpec
 
 SCRIPTED_LOGPROB = math.log(0.5)
+
+
+@dataclass
+class ScriptedRow:
+    """One scripted reply; every token's logprob is :data:`SCRIPTED_LOGPROB`."""
+
+    tokens: list[int]
+    truncated: bool
+
+    @property
+    def logprobs(self) -> list[float]:
+        return [SCRIPTED_LOGPROB] * len(self.tokens)
 _EXACT = re.compile(r"Reply with exactly:\s*(.+?)\s*$", re.DOTALL)
 _WORD = re.compile(r"[A-Za-z][A-Za-z0-9_-]*")
 
@@ -78,7 +92,7 @@ class ScriptedGeneration(GenerationInterface):
         rows = [
             self._row(input_ids[i, : int(lengths[i])].tolist(), stops[i], caps[i]) for i in range(input_ids.shape[0])
         ]
-        return self._assemble(input_ids, lengths, rows)
+        return assemble_output(input_ids, lengths, rows, self.pad_token_id)
 
     async def generate_async(
         self, data: BatchedDataDict[GenerationDatumSpec], greedy: bool = False
@@ -89,7 +103,7 @@ class ScriptedGeneration(GenerationInterface):
         for i in range(input_ids.shape[0]):
             await asyncio.sleep(0)
             row = self._row(input_ids[i, : int(lengths[i])].tolist(), stops[i], caps[i])
-            yield i, self._assemble(input_ids[i : i + 1], lengths[i : i + 1], [row])
+            yield i, assemble_output(input_ids[i : i + 1], lengths[i : i + 1], [row], self.pad_token_id)
 
     def _caps(self, data: Mapping[str, Any], batch: int) -> list[int]:
         """Per-row ``max_new_tokens`` when the batch carries it, else the configured one."""
@@ -117,7 +131,7 @@ class ScriptedGeneration(GenerationInterface):
             reply = "<think>\nI follow my script.\n</think>\n" + reply
         return reply
 
-    def _row(self, prompt: list[int], row_stops: list[str], max_new_tokens: int) -> tuple[list[int], bool]:
+    def _row(self, prompt: list[int], row_stops: list[str], max_new_tokens: int) -> ScriptedRow:
         text = self.tokenizer.decode(prompt, skip_special_tokens=False)
         tokens = list(self.tokenizer.encode(self.reply_text(text), add_special_tokens=False))
         tokens.append(self.tokenizer.eos_token_id)
@@ -129,32 +143,8 @@ class ScriptedGeneration(GenerationInterface):
                     break
         cap = max(0, min(max_new_tokens, self.max_model_len - len(prompt)))
         if len(tokens) > cap:
-            return tokens[:cap], True
-        return tokens, False
-
-    def _assemble(
-        self, input_ids: torch.Tensor, lengths: torch.Tensor, rows: list[tuple[list[int], bool]]
-    ) -> BatchedDataDict[GenerationOutputSpec]:
-        batch, width = input_ids.shape
-        gen_lens = [len(tokens) for tokens, _ in rows]
-        total = width + max(gen_lens, default=0)
-        output_ids = torch.full((batch, total), self.pad_token_id, dtype=TOKEN_DTYPE)
-        logprobs = torch.zeros((batch, total), dtype=LOGPROB_DTYPE)
-        for i, (tokens, _) in enumerate(rows):
-            n = int(lengths[i])
-            output_ids[i, :n] = input_ids[i, :n]
-            output_ids[i, n : n + len(tokens)] = torch.tensor(tokens, dtype=TOKEN_DTYPE)
-            logprobs[i, n : n + len(tokens)] = SCRIPTED_LOGPROB
-        generation_lengths = torch.tensor(gen_lens, dtype=torch.int64)
-        return BatchedDataDict(
-            {
-                "output_ids": output_ids,
-                "logprobs": logprobs,
-                "generation_lengths": generation_lengths,
-                "unpadded_sequence_lengths": lengths.to(torch.int64) + generation_lengths,
-                "truncated": torch.tensor([t for _, t in rows], dtype=torch.bool),
-            }
-        )
+            return ScriptedRow(tokens[:cap], True)
+        return ScriptedRow(tokens, False)
 
 
 def _unpack(data: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor, list[list[str]]]:

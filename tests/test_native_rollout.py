@@ -179,7 +179,7 @@ async def test_a_failing_environment_fails_the_group_and_cancels_siblings(genera
 
 
 async def test_environment_deadline_raises_a_typed_timeout(generation):
-    from gym_bridge.failures import EnvironmentUnavailable, RolloutDataFailure, RolloutTimeouts
+    from gym_bridge.failures import RolloutTimeouts
 
     env = HangingEnvironment.remote(fail_first=False)
     manager = make_manager(generation, env, num_generations_per_prompt=2, timeouts=RolloutTimeouts(env_s=1.0))

@@ -38,3 +38,11 @@ def ray_session() -> Iterator[None]:
     init_ray(num_cpus=2)
     yield
     ray.shutdown()
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Ray workers cannot import test modules: ship their actors and helpers by value."""
+    import ray.cloudpickle
+
+    for module in {item.module for item in items if getattr(item, "module", None) is not None}:
+        ray.cloudpickle.register_pickle_by_value(module)

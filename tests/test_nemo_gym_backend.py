@@ -8,7 +8,6 @@ Gym servers are exercised by the integration tests.
 from __future__ import annotations
 
 import asyncio
-import sys
 
 import pytest
 import ray
@@ -20,9 +19,6 @@ from gym_bridge.rollout.nemo_gym import AsyncNemoGymRolloutImpl, GymRowIndexErro
 from gym_bridge.types import token_tensor
 
 pytestmark = pytest.mark.usefixtures("ray_session")
-
-# Ray workers cannot import this test module: ship its helpers by value.
-ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 GEN_CFG = {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": 8}
 ROW = {

@@ -62,10 +62,10 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from gym_bridge.batched import BatchedDataDict
-from gym_bridge.generation.output import assemble_output
+from gym_bridge.generation.batch import assemble_output, check_input
 from gym_bridge.interfaces import GenerationInterface
+from gym_bridge.models.loading import load_causal_lm
 from gym_bridge.types import (
-    TOKEN_DTYPE,
     GenerationDatumSpec,
     GenerationOutputSpec,
     GenerationSamplingParams,
@@ -73,7 +73,6 @@ from gym_bridge.types import (
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class HFGenerationConfig(BaseModel):
@@ -201,13 +200,7 @@ class HFGeneration(GenerationInterface):
         if (model is None) != (tokenizer is None):
             raise ValueError("pass both model and tokenizer, or neither")
         if model is None:
-            from transformers import AutoModelForCausalLM, AutoTokenizer
-
-            from gym_bridge.models.tiny import resolve_model_path
-
-            path = resolve_model_path(cfg.model)
-            tokenizer = AutoTokenizer.from_pretrained(path)
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[cfg.dtype])
+            tokenizer, model = load_causal_lm(cfg.model, cfg.dtype)
         self.device = torch.device(cfg.device)
         self.model = model.to(self.device)
         self.model.eval()
@@ -319,21 +312,11 @@ class HFGeneration(GenerationInterface):
             raise EngineShutDownError("HFGeneration was shut down")
 
     def _rows_from_batch(self, data: Mapping[str, Any], greedy: bool) -> tuple[torch.Tensor, torch.Tensor, list[_Row]]:
-        input_ids = torch.as_tensor(data["input_ids"]).cpu()
-        lengths = torch.as_tensor(data["input_lengths"]).cpu().to(torch.int64).reshape(-1)
-        if input_ids.ndim != 2:
-            raise ValueError(f"input_ids must be [B, S], got shape {tuple(input_ids.shape)}")
-        if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
-            raise TypeError(f"input_ids must be an integer tensor, got {input_ids.dtype}")
-        batch, width = input_ids.shape
-        if lengths.shape[0] != batch:
-            raise ValueError(f"input_lengths has {lengths.shape[0]} rows, input_ids {batch}")
-        if batch and (int(lengths.min()) < 1 or int(lengths.max()) > width):
-            raise ValueError(f"every input length must be in [1, {width}], got {lengths.tolist()}")
+        input_ids, lengths = check_input(data)
+        batch = input_ids.shape[0]
         row_stops = data.get("stop_strings")
         if row_stops is not None and len(row_stops) != batch:
             raise ValueError(f"stop_strings has {len(row_stops)} rows, input_ids {batch}")
-        input_ids = input_ids.to(TOKEN_DTYPE)
         if batch and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.vocab_size):
             # Padding positions may hold anything; check only the real tokens.
             for i in range(batch):

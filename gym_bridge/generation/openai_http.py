@@ -45,10 +45,10 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 from gym_bridge.batched import BatchedDataDict
 from gym_bridge.failures import GenerationUnavailable, RolloutDataFailure, http_status_is_infra
-from gym_bridge.generation.output import assemble_output
+from gym_bridge.generation.batch import assemble_output, check_input
 from gym_bridge.generation.routing import SessionRouter
 from gym_bridge.interfaces import GenerationInterface
-from gym_bridge.types import TOKEN_DTYPE, GenerationDatumSpec, GenerationOutputSpec
+from gym_bridge.types import GenerationDatumSpec, GenerationOutputSpec
 
 logger = logging.getLogger(__name__)
 
@@ -448,17 +448,8 @@ def _short(text: str) -> str:
 
 
 def _check_batch(data: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-    input_ids = torch.as_tensor(data["input_ids"]).cpu()
-    lengths = torch.as_tensor(data["input_lengths"]).cpu().to(torch.int64).reshape(-1)
-    if input_ids.ndim != 2:
-        raise ValueError(f"input_ids must be [B, S], got shape {tuple(input_ids.shape)}")
-    if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
-        raise TypeError(f"input_ids must be an integer tensor, got {input_ids.dtype}")
-    batch, width = input_ids.shape
-    if lengths.shape[0] != batch:
-        raise ValueError(f"input_lengths has {lengths.shape[0]} rows, input_ids {batch}")
-    if batch and (int(lengths.min()) < 1 or int(lengths.max()) > width):
-        raise ValueError(f"every input length must be in [1, {width}], got {lengths.tolist()}")
+    input_ids, lengths = check_input(data)
+    batch = input_ids.shape[0]
     for key in ("stop_strings", "session_ids"):
         column = data.get(key)
         if column is not None and len(column) != batch:
@@ -466,7 +457,7 @@ def _check_batch(data: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
     sessions = data.get("session_ids")
     if sessions is not None and not all(s is None or isinstance(s, Hashable) for s in sessions):
         raise TypeError("session_ids must hold hashable keys or None")
-    return input_ids.to(TOKEN_DTYPE), lengths
+    return input_ids, lengths
 
 
 def _parse_completion(payload: Any, url: str) -> tuple[list[int], list[float], bool]:

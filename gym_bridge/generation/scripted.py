@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from gym_bridge.batched import BatchedDataDict
-from gym_bridge.generation.output import assemble_output
+from gym_bridge.generation.batch import assemble_output
 from gym_bridge.interfaces import GenerationInterface
 from gym_bridge.types import TOKEN_DTYPE, GenerationDatumSpec, GenerationOutputSpec
 

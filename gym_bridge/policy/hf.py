@@ -28,10 +28,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from gym_bridge.batched import BatchedDataDict
 from gym_bridge.interfaces import PolicyInterface
+from gym_bridge.models.loading import load_causal_lm
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class HFPolicyConfig(BaseModel):
@@ -121,13 +121,7 @@ class HFPolicy(PolicyInterface):
         if (model is None) != (tokenizer is None):
             raise ValueError("pass both model and tokenizer, or neither")
         if model is None:
-            from transformers import AutoModelForCausalLM, AutoTokenizer
-
-            from gym_bridge.models.tiny import resolve_model_path
-
-            path = resolve_model_path(cfg.model)
-            tokenizer = AutoTokenizer.from_pretrained(path)
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[cfg.dtype])
+            tokenizer, model = load_causal_lm(cfg.model, cfg.dtype)
         self.device = torch.device(cfg.device)
         self.model = model.to(self.device)
         self.model.eval()

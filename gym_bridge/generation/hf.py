@@ -64,7 +64,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from gym_bridge.batched import BatchedDataDict
 from gym_bridge.generation.batch import assemble_output, check_input
 from gym_bridge.interfaces import GenerationInterface
-from gym_bridge.models.loading import load_causal_lm
+from gym_bridge.models.loading import causal_lm_on_device
 from gym_bridge.types import (
     GenerationDatumSpec,
     GenerationOutputSpec,
@@ -197,14 +197,9 @@ class HFGeneration(GenerationInterface):
         elif not isinstance(cfg, HFGenerationConfig):
             cfg = HFGenerationConfig(**dict(cfg))
         self.cfg: HFGenerationConfig = cfg
-        if (model is None) != (tokenizer is None):
-            raise ValueError("pass both model and tokenizer, or neither")
-        if model is None:
-            tokenizer, model = load_causal_lm(cfg.model, cfg.dtype)
+        tokenizer, model = causal_lm_on_device(cfg.model, cfg.dtype, cfg.device, model=model, tokenizer=tokenizer)
+        self.tokenizer, self.model = tokenizer, model
         self.device = torch.device(cfg.device)
-        self.model = model.to(self.device)
-        self.model.eval()
-        self.tokenizer = tokenizer
 
         text_config = (
             self.model.config.get_text_config() if hasattr(self.model.config, "get_text_config") else self.model.config

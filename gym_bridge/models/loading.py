@@ -18,3 +18,16 @@ def load_causal_lm(name_or_path: str, dtype: DType = "float32") -> tuple[Any, An
 
     path = resolve_model_path(name_or_path)
     return AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
+
+
+def causal_lm_on_device(
+    name_or_path: str, dtype: DType, device: str, *, model: Any = None, tokenizer: Any = None
+) -> tuple[Any, Any]:
+    """``(tokenizer, model)`` in eval mode on ``device``: the given pair, or loaded from ``name_or_path``."""
+    if (model is None) != (tokenizer is None):
+        raise ValueError("pass both model and tokenizer, or neither")
+    if model is None:
+        tokenizer, model = load_causal_lm(name_or_path, dtype)
+    model = model.to(torch.device(device))
+    model.eval()
+    return tokenizer, model

@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from gym_bridge.batched import BatchedDataDict
 from gym_bridge.interfaces import PolicyInterface
-from gym_bridge.models.loading import load_causal_lm
+from gym_bridge.models.loading import causal_lm_on_device
 
 logger = logging.getLogger(__name__)
 
@@ -118,14 +118,9 @@ class HFPolicy(PolicyInterface):
         elif not isinstance(cfg, HFPolicyConfig):
             cfg = HFPolicyConfig(**dict(cfg))
         self.cfg: HFPolicyConfig = cfg
-        if (model is None) != (tokenizer is None):
-            raise ValueError("pass both model and tokenizer, or neither")
-        if model is None:
-            tokenizer, model = load_causal_lm(cfg.model, cfg.dtype)
+        tokenizer, model = causal_lm_on_device(cfg.model, cfg.dtype, cfg.device, model=model, tokenizer=tokenizer)
+        self.tokenizer, self.model = tokenizer, model
         self.device = torch.device(cfg.device)
-        self.model = model.to(self.device)
-        self.model.eval()
-        self.tokenizer = tokenizer
         self.reference_model = None
         if cfg.keep_reference_model:
             self.reference_model = copy.deepcopy(self.model).eval().requires_grad_(False)

@@ -7,6 +7,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -293,6 +294,19 @@ def test_scripted_exact_reply_and_sampling_free(client, scripted_server):
         top_p=0.9,
     )
     assert body["choices"][0]["message"]["content"] == "blue sky"
+
+
+def test_accepted_connections_have_tcp_nodelay(scripted_server):
+    """Nagle on an accepted socket stalled every keep-alive response ~40 ms (headers and body are two writes)."""
+    host, port = scripted_server.root_url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as conn:
+        conn.sendall(f"GET /health HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+        assert conn.recv(65536).startswith(b"HTTP/1.1 200")
+        connections = list(scripted_server._server.server_state.connections)
+        assert connections
+        for protocol in connections:
+            sock = protocol.transport.get_extra_info("socket")
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
 
 
 def test_async_start_stop(tiny_tokenizer):

@@ -32,6 +32,30 @@ class _AccessFilter(logging.Filter):
         return not (isinstance(args, tuple) and len(args) >= 5 and isinstance(args[4], int) and 200 <= args[4] < 300)
 
 
+def _listening_socket(host: str, port: int) -> socket.socket:
+    """A bound, listening, non-blocking TCP socket whose accepted connections get ``TCP_NODELAY``.
+
+    Why the explicit ``IPPROTO_TCP``: asyncio's transport sets ``TCP_NODELAY`` on an
+    accepted socket only when its ``proto`` is ``IPPROTO_TCP``, and an accepted socket
+    copies the listener's ``proto``; ``socket.socket(family, SOCK_STREAM)`` leaves it
+    0, so Nagle stayed on and every keep-alive response (written as headers, then
+    body) waited ~40 ms for the client's delayed ACK. ``TCP_NODELAY`` on the listener
+    as well is inherited by accepted sockets on Linux and the BSDs, whatever the loop.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 class OpenAIServer:
     """An OpenAI-compatible HTTP server (vLLM dialect) over ``generation`` + ``tokenizer``."""
 
@@ -85,11 +109,7 @@ class OpenAIServer:
         """Bind, start serving on the running loop, and return the base URL (``http://host:port/v1``)."""
         if self._task is not None:
             raise RuntimeError("the server is already started")
-        sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((self.host, self.port))
-        sock.listen(2048)
-        sock.setblocking(False)
+        sock = _listening_socket(self.host, self.port)
         self._sock = sock
         port = sock.getsockname()[1]
         config = uvicorn.Config(self.app, log_config=None, timeout_keep_alive=120, lifespan="off", access_log=True)

@@ -11,9 +11,21 @@ import pytest
 import ray
 import torch
 
-from gym_bridge.failures import GymTransportError, RolloutDataFailure, RolloutTimeout
+from gym_bridge.failures import (
+    FailureClass,
+    GymTransportError,
+    RolloutDataFailure,
+    RolloutTimeout,
+    classify_rollout_failure,
+)
 from gym_bridge.generation.scripted import ScriptedGeneration
-from gym_bridge.gym.actor import NemoGym, NemoGymConfig, spinup_nemo_gym_actor
+from gym_bridge.gym.actor import (
+    NemoGym,
+    NemoGymConfig,
+    NemoGymRestarted,
+    NemoGymUnavailable,
+    spinup_nemo_gym_actor,
+)
 from gym_bridge.gym.servers import wheel_config_path
 from tests.gym_fixtures import (  # noqa: F401 - fixtures
     EQUIVALENCE_AGENT,
@@ -167,12 +179,35 @@ def test_unspun_actor_reports_clearly_and_shuts_down_quietly(ray_session, tiny_t
     config = gym_actor_config(["http://127.0.0.1:9/v1"], tmp_path)
     actor = ray.remote(NemoGym).options(num_cpus=0).remote(config)
     try:
-        with pytest.raises(RuntimeError, match=r"spinup\(\) was never called"):
+        with pytest.raises(NemoGymUnavailable, match=r"spinup\(\) was never called"):
             ray.get(actor.health_check.remote(), timeout=30)
-        err = _first_error(actor, stamp([equivalence_row("x", "y")]))
-        assert "spinup() was never called" in str(err)
+        err = _cause(_first_error(actor, stamp([equivalence_row("x", "y")])))
+        assert type(err) is NemoGymUnavailable and "spinup() was never called" in str(err)
         ray.get(actor.shutdown.remote(), timeout=30)
         ray.get(actor.shutdown.remote(), timeout=30)
+    finally:
+        ray.kill(actor)
+
+
+def test_actor_restarted_by_ray_reports_it_typed(ray_session, tmp_path):
+    """Fault: the NemoGym actor process is killed and Ray restarts it (on_restart="fail").
+    Expected: every call raises NemoGymRestarted (infrastructure) saying what to do; never a cryptic error."""
+    config = gym_actor_config(["http://127.0.0.1:9/v1"], tmp_path)
+    actor = ray.remote(NemoGym).options(num_cpus=0, max_restarts=1).remote(config)
+    try:
+        assert ray.get(actor.set_tokenizer.remote("t"), timeout=30) is None  # the process is up
+        ray.kill(actor, no_restart=False)
+        deadline_at = time.monotonic() + 60
+        while True:
+            try:
+                ray.get(actor.health_check.remote(), timeout=30)
+            except NemoGymRestarted as exc:
+                assert "on_restart='respin'" in str(exc)
+                assert classify_rollout_failure(exc) is FailureClass.INFRA
+                break
+            except ray.exceptions.RayActorError:
+                assert time.monotonic() < deadline_at, "Ray did not restart the actor within 60 s"
+                time.sleep(0.5)
     finally:
         ray.kill(actor)
 
@@ -227,7 +262,7 @@ def test_dead_policy_times_out_typed_then_shutdown_leaves_nothing(dead_policy_ac
     ray.get(actor.shutdown.remote(), timeout=60)
     ray.get(actor.shutdown.remote(), timeout=60)  # idempotent
     assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-    with pytest.raises(RuntimeError, match=r"spinup\(\) was never called"):
+    with pytest.raises(NemoGymUnavailable, match=r"spinup\(\) was never called"):
         ray.get(actor.health_check.remote(), timeout=10)
 
 

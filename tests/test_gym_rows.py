@@ -33,6 +33,7 @@ def test_a_good_row_passes_and_keeps_extra_fields():
         ({**ROW, "agent_ref": {"name": 3}}, "agent_ref.name: Input should be a valid string"),
         ({**ROW, "agent_ref": {"type": "other", "name": "a"}}, "agent_ref.type"),
         ("not a dict", "must be a dict, got str"),
+        ({**ROW, "responses_create_params": {"input": "x", "bogus": 1}}, "unknown key(s) ['bogus']"),
     ],
 )
 def test_bad_rows_name_the_prompt_and_field(row, needle):
@@ -63,3 +64,12 @@ def test_build_rows_stamps_sampling_cap_and_index_on_copies():
     assert larger[0]["responses_create_params"]["max_output_tokens"] == 100
     uncapped = build_rows({**ROW, "responses_create_params": {"input": "x"}}, 1, GenerationSamplingParams(), 32)
     assert uncapped[0]["responses_create_params"]["max_output_tokens"] == 32
+
+
+def test_known_create_params_fields_match_the_installed_gym():
+    from nemo_gym.openai_utils import NeMoGymResponseCreateParamsNonStreaming as GymParams
+
+    from gym_bridge.gym.rows import GYM_RESPONSES_CREATE_FIELDS
+
+    assert GymParams.model_config.get("extra") == "forbid"
+    assert set(GymParams.model_fields) == GYM_RESPONSES_CREATE_FIELDS

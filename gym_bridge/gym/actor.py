@@ -1,10 +1,15 @@
 """The NeMo-Gym Ray actor: owns one set of Gym servers and streams converted rollouts.
 
-Lifecycle: ``NemoGym(cfg)`` is cheap (a restarted actor is "unspun");
-``spinup()`` starts the servers; ``set_tokenizer(tok)`` installs the tokenizer once
-(shipping it per call would stall the actor's event loop on deserialization);
+Lifecycle: ``NemoGym(cfg, tokenizer)`` is cheap; the tokenizer travels once, with
+the constructor arguments (shipping it per call would stall the actor's event loop
+on deserialization), so Ray keeps it for restarts. ``spinup()`` starts the servers;
 ``run_rollouts(rows, prefix)`` is an async generator consumed with
 ``num_returns="streaming"``; ``shutdown()`` is idempotent and never raises.
+
+When Ray restarts the actor (``actor_options={"max_restarts": ...}``), the Gym servers
+died with the old process. ``cfg.on_restart="fail"`` makes every call raise
+:class:`NemoGymRestarted` (infrastructure) until ``spinup()`` is called again;
+``"respin"`` starts fresh servers on the first call after the restart.
 
 Errors raised inside the actor are typed and picklable (see
 :mod:`gym_bridge.failures`): an HTTP error from ``/run`` becomes
@@ -25,6 +30,7 @@ import http.cookiejar
 import json
 import logging
 import time
+import warnings
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -36,6 +42,7 @@ import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
 from gym_bridge.failures import (
+    EnvironmentUnavailable,
     GymTransportError,
     RolloutDataFailure,
     RolloutTimeout,
@@ -48,9 +55,9 @@ from gym_bridge.gym.convert import (
     GymResultError,
     convert_gym_result,
 )
-from gym_bridge.gym.servers import GymServers, GymServersConfig
+from gym_bridge.gym.servers import GymServerDied, GymServers, GymServersConfig
 
-__all__ = ["NemoGym", "NemoGymConfig", "spinup_nemo_gym_actor"]
+__all__ = ["NemoGym", "NemoGymConfig", "NemoGymRestarted", "NemoGymUnavailable", "spinup_nemo_gym_actor"]
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +90,8 @@ class NemoGymConfig(BaseModel):
     request_timeout_s: float | None = Field(1800.0, gt=0)
     """Bound on one ``/run`` call (Gym itself never times out); None waits forever."""
     connect_timeout_s: float = Field(10.0, gt=0)
+    health_poll_s: float = Field(1.0, gt=0)
+    """How often Gym's processes are checked while rows are in flight."""
     max_connections: int = Field(1024, gt=0)
     """Our client's connection pool towards the agent servers."""
     on_drift: Literal["raise", "truncate"] = "raise"
@@ -91,7 +100,9 @@ class NemoGymConfig(BaseModel):
     log_dir: Path | None = None
     """Per-server Gym logs; default ``<cwd>/gym-logs/...``."""
     actor_options: dict[str, Any] = Field(default_factory=dict)
-    """Passed to ``ray.remote(NemoGym).options(...)`` (``num_cpus``, ``runtime_env``, ...)."""
+    """Passed to ``ray.remote(NemoGym).options(...)`` (``num_cpus``, ``max_restarts``, ``scheduling_strategy``, ...)."""
+    on_restart: Literal["fail", "respin"] = "fail"
+    """After Ray restarts the actor: raise :class:`NemoGymRestarted`, or start fresh Gym servers."""
 
     def servers_config(self) -> GymServersConfig:
         overrides = {**_GYM_CONNECTOR_DEFAULTS, **self.overrides}
@@ -116,23 +127,38 @@ def _cookieless_jar() -> http.cookiejar.CookieJar:
     return http.cookiejar.CookieJar(policy=http.cookiejar.DefaultCookiePolicy(allowed_domains=[]))
 
 
+class NemoGymUnavailable(EnvironmentUnavailable):
+    """The actor has no running Gym servers: never spun up, shut down, or a server died (named)."""
+
+
+class NemoGymRestarted(NemoGymUnavailable):
+    """Ray restarted the actor, so its Gym servers are gone; ``on_restart="fail"`` asks for a new spinup()."""
+
+
 class NemoGym:
     """The actor class; create it with :func:`spinup_nemo_gym_actor` (or ``ray.remote(NemoGym)``)."""
 
-    def __init__(self, cfg: NemoGymConfig | dict[str, Any]) -> None:
+    def __init__(self, cfg: NemoGymConfig | dict[str, Any], tokenizer: Any = None) -> None:
         self.cfg = cfg if isinstance(cfg, NemoGymConfig) else NemoGymConfig.model_validate(cfg)
         self._servers: GymServers | None = None
         self._agent_urls: dict[str, str] = {}
-        self._tokenizer: Any = None
+        self._tokenizer: Any = tokenizer
         self._client: httpx.AsyncClient | None = None
         self._executor: ThreadPoolExecutor | None = None
+        self._spinup_lock = asyncio.Lock()
+        self._restarted = _was_restarted()
 
     # ---- lifecycle ----------------------------------------------------------------------------
 
     async def spinup(self) -> dict[str, str]:
         """Start the Gym servers; return agent name -> URL."""
-        if self._servers is not None:
-            raise RuntimeError("spinup() was already called")
+        async with self._spinup_lock:
+            if self._servers is not None:
+                raise RuntimeError("spinup() was already called")
+            await self._start_servers()
+        return dict(self._agent_urls)
+
+    async def _start_servers(self) -> None:
         servers = GymServers(self.cfg.servers_config())
         self._servers = servers
         try:
@@ -141,36 +167,54 @@ class NemoGym:
             self._servers = None
             await asyncio.to_thread(servers.stop)
             raise
+        self._restarted = False
         types = servers.server_types
         self._agent_urls = {
             name: url for name, url in servers.server_urls.items() if types.get(name) == _AGENT_SERVER_TYPE
         }
         if not self._agent_urls:
             logger.warning("NeMo-Gym started without any agent server: %s", sorted(servers.server_urls))
-        return dict(self._agent_urls)
+
+    async def _ready(self) -> GymServers:
+        """The running servers; after a Ray restart, re-spin or raise as ``cfg.on_restart`` says."""
+        if self._servers is None and self._restarted:
+            if self.cfg.on_restart == "fail":
+                raise NemoGymRestarted(
+                    "Ray restarted this NemoGym actor and its Gym servers died with the old process; "
+                    "call spinup() again, or set NemoGymConfig.on_restart='respin'"
+                )
+            async with self._spinup_lock:
+                if self._servers is None:
+                    logger.warning("NemoGym actor was restarted by Ray: starting fresh Gym servers")
+                    await self._start_servers()
+        if self._servers is None:
+            raise NemoGymUnavailable("spinup() was never called on this NemoGym actor, or it was shut down")
+        return self._servers
 
     async def set_tokenizer(self, tokenizer: Any) -> None:
+        """Install the tokenizer when it was not given to the constructor."""
         if self._tokenizer is not None:
-            raise RuntimeError("set_tokenizer() was already called")
+            raise RuntimeError("the tokenizer is already set")
         self._tokenizer = tokenizer
 
     async def health_check(self) -> None:
-        """Raise if unspun or if a Gym server died; callers bound this with a timeout."""
-        if self._servers is None:
-            raise RuntimeError("spinup() was never called on this NemoGym actor (or it restarted)")
-        self._servers.poll()
+        """Raise :class:`NemoGymUnavailable` if unspun or a Gym server died (named); callers bound this."""
+        self._check_servers(await self._ready(), "health check")
 
     async def agent_names(self) -> list[str]:
+        await self._ready()
         return sorted(self._agent_urls)
 
     async def server_info(self) -> dict[str, Any]:
         """Gym's server URLs, process ids and log folder, for diagnostics and tests."""
         servers = self._servers
         if servers is None:
-            return {"urls": {}, "pids": [], "log_dir": None, "head": None}
+            return {"urls": {}, "pids": [], "server_pids": {}, "server_types": {}, "log_dir": None, "head": None}
         return {
             "urls": servers.server_urls,
             "pids": sorted(servers.pids()),
+            "server_pids": servers.server_pids,
+            "server_types": servers.server_types,
             "log_dir": str(servers.log_dir),
             "head": servers.head.url if servers.head else None,
         }
@@ -207,8 +251,7 @@ class NemoGym:
         (seconds; pct of this generator's own time, consumer time excluded).
         The first failure ends the stream and cancels the rows still in flight.
         """
-        if self._servers is None:
-            raise RuntimeError("spinup() was never called on this NemoGym actor (or it restarted)")
+        servers = await self._ready()
         if not rows:
             raise ValueError("run_rollouts() needs at least one row")
         if self._tokenizer is None:
@@ -219,11 +262,15 @@ class NemoGym:
         started = time.perf_counter()
         consumer_s = await_s = postprocess_s = 0.0
         pending = Counter(row["agent_ref"]["name"] for row in rows)
+        self._check_servers(servers, "before dispatch")
         tasks = [asyncio.create_task(self._post(client, url, row)) for url, row in zip(urls, rows, strict=True)]
+        # The watch only ever finishes by raising, so the first len(rows) completions are rows unless a server died.
+        tasks.append(asyncio.create_task(self._watch_servers(servers)))
+        completions = asyncio.as_completed(tasks)
         try:
-            for done, next_result in enumerate(asyncio.as_completed(tasks), start=1):
+            for done in range(1, len(rows) + 1):
                 t0 = time.perf_counter()
-                row, body = await next_result
+                row, body = await next(completions)
                 t1 = time.perf_counter()
                 result = await loop.run_in_executor(self._convert_executor(), partial(self._convert, row, body))
                 t2 = time.perf_counter()
@@ -248,6 +295,23 @@ class NemoGym:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+    @staticmethod
+    def _check_servers(servers: GymServers, when: str) -> None:
+        try:
+            servers.poll()
+        except GymServerDied as exc:
+            raise NemoGymUnavailable(f"{when}: {exc}") from None
+
+    async def _watch_servers(self, servers: GymServers) -> None:
+        """Poll Gym's processes while rows are in flight; a dead server fails the stream at once, named.
+
+        Gym's own client retries a refused connection forever, so without this a dead
+        resources server would only surface as a timeout.
+        """
+        while True:
+            await asyncio.sleep(self.cfg.health_poll_s)
+            self._check_servers(servers, "while rows were in flight")
 
     def _route(self, i: int, row: Any) -> str:
         """The agent URL of a row, checking the row before anything is sent."""
@@ -292,6 +356,7 @@ class NemoGym:
         except httpx.TimeoutException as exc:
             raise RolloutTimeout(f"{where}: {type(exc).__name__}: {exc}") from None
         except httpx.TransportError as exc:
+            self._raise_if_a_server_died(where)
             raise GymTransportError(f"{where} failed in transport: {type(exc).__name__}: {exc}") from None
         if response.is_error:
             body = response.text
@@ -299,8 +364,16 @@ class NemoGym:
                 response.raise_for_status()
             except httpx.HTTPStatusError as exc:
                 failure = typed_gym_failure(exc)
+            if isinstance(failure, GymTransportError):
+                self._raise_if_a_server_died(where)
             raise type(failure)(f"{failure}; {where}; body: {body[:_BODY_LIMIT]}") from None
         return row, response.content
+
+    def _raise_if_a_server_died(self, where: str) -> None:
+        """After a failed /run, name a dead Gym server (the likely cause) instead of a nested 500."""
+        if self._servers is None:
+            raise NemoGymUnavailable(f"{where}: the NemoGym actor was shut down")
+        self._check_servers(self._servers, f"{where} failed because a Gym server died")
 
     def _convert(self, row: dict[str, Any], body: bytes) -> dict[str, Any]:
         try:
@@ -319,6 +392,18 @@ class NemoGym:
             raise type(exc)(f"_rowidx={row['_rowidx']} (agent {row['agent_ref']['name']!r}): {exc}") from None
 
 
+def _was_restarted() -> bool:
+    """Whether this process is a Ray restart of the actor (False outside Ray)."""
+    try:
+        import ray
+
+        with warnings.catch_warnings():  # Ray's property reads its own deprecated actor_id
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return bool(ray.is_initialized() and ray.get_runtime_context().was_current_actor_reconstructed)
+    except Exception:  # not inside an actor
+        return False
+
+
 def spinup_nemo_gym_actor(config: NemoGymConfig, tokenizer: Any, *, margin_s: float = 60.0) -> Any:
     """Create the actor with ``config.actor_options``, start Gym and install the tokenizer; return the handle.
 
@@ -328,10 +413,9 @@ def spinup_nemo_gym_actor(config: NemoGymConfig, tokenizer: Any, *, margin_s: fl
     """
     import ray
 
-    handle = ray.remote(NemoGym).options(**config.actor_options).remote(config)
+    handle = ray.remote(NemoGym).options(**config.actor_options).remote(config, tokenizer)
     try:
         ray.get(handle.spinup.remote(), timeout=config.startup_timeout_s + margin_s)
-        ray.get(handle.set_tokenizer.remote(tokenizer), timeout=margin_s)
     except BaseException as exc:
         try:
             ray.get(handle.shutdown.remote(), timeout=config.shutdown_timeout_s + 10)

@@ -24,6 +24,7 @@ from gym_bridge.failures import (
     FailureClass,
     GymTransportError,
     RolloutDataFailure,
+    RolloutFailure,
     RolloutStats,
     RolloutTimeouts,
     classify_rollout_failure,
@@ -182,7 +183,7 @@ class AsyncNemoGymRolloutImpl:
         stream = self.actor.run_rollouts.options(num_returns="streaming").remote(pending, TIMER_PREFIX)
         try:
             async for ref in stream:
-                rowidx, result, row_timing = await ref
+                rowidx, result, row_timing = await _unwrapped(ref)
                 if not isinstance(rowidx, int) or isinstance(rowidx, bool):
                     raise GymRowIndexError(f"row index {rowidx!r} is not an int")
                 if not 0 <= rowidx < n:
@@ -227,6 +228,20 @@ class AsyncNemoGymRolloutImpl:
             for i, c in enumerate(completions):
                 line = {"prompt_idx": prompt_idx, "rowidx": i, "agent": agent, "full_result": c.env_extras}
                 f.write(json.dumps(line, default=str) + "\n")
+
+
+async def _unwrapped(ref: Any) -> Any:
+    """Await one streamed element; a typed failure raised in the actor comes back as itself.
+
+    Ray wraps it in a ``RayTaskError(<type>)`` subclass; our failures are picklable and
+    name their row, so the caller gets the original type (and counts it by its name).
+    """
+    try:
+        return await ref
+    except ray.exceptions.RayTaskError as exc:
+        if isinstance(exc.cause, RolloutFailure):
+            raise exc.cause from None
+        raise
 
 
 def _cancel_quietly(stream: Any) -> None:

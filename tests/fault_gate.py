@@ -1,0 +1,152 @@
+"""A fault-injecting reverse proxy in front of an OpenAI-compatible endpoint, run as its own process.
+
+``FaultGate(upstream).start()`` spawns ``python -m tests.fault_gate`` on 127.0.0.1 (a
+fixed port, so it can be SIGKILLed and started again where Gym expects it). It
+forwards every request to the upstream; ``set(mode, ...)`` makes chat completions
+misbehave:
+
+- ``status``: answer ``status`` with an OpenAI error ``message`` instead of forwarding;
+- ``no_logprobs`` / ``nan_logprobs``: forward, then drop the logprobs and token-id fields / make
+  every logprob NaN;
+- ``delay``: wait ``delay_s`` before forwarding.
+
+``times`` limits a fault to the next N chat requests (then it passes through);
+``stats()`` counts chat requests seen and faults applied.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse
+
+CHAT_PATH = "v1/chat/completions"
+
+
+class FaultGate:
+    """The test-side handle: start, SIGKILL, restart and steer the gate process."""
+
+    def __init__(self, upstream_root: str, port: int, log_path: Path) -> None:
+        self.upstream_root = upstream_root.rstrip("/")
+        self.port = port
+        self.log_path = log_path
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def start(self, timeout_s: float = 30.0) -> None:
+        repo = Path(__file__).resolve().parents[1]
+        log = self.log_path.open("ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.fault_gate", "--upstream", self.upstream_root, "--port", str(self.port)],
+            cwd=repo,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        log.close()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the fault gate exited with {self.proc.returncode}; see {self.log_path}")
+            try:
+                httpx.get(f"http://127.0.0.1:{self.port}/admin/stats", timeout=1.0).raise_for_status()
+                return
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        self.kill()
+        raise TimeoutError(f"the fault gate did not answer within {timeout_s}s; see {self.log_path}")
+
+    def kill(self) -> None:
+        """SIGKILL the gate: connections in flight are cut, new ones are refused."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+        self.proc = None
+
+    def set(self, mode: str = "pass", **params: Any) -> None:
+        httpx.post(f"http://127.0.0.1:{self.port}/admin/mode", json={"mode": mode, "times": None, **params}, timeout=5).raise_for_status()
+
+    def stats(self) -> dict[str, int]:
+        return httpx.get(f"http://127.0.0.1:{self.port}/admin/stats", timeout=5).json()
+
+
+def build_app(upstream_root: str) -> FastAPI:
+    app = FastAPI()
+    state: dict[str, Any] = {"mode": "pass", "times": None, "chat": 0, "faulted": 0}
+    client = httpx.AsyncClient(base_url=upstream_root, timeout=120.0, trust_env=False)
+
+    @app.post("/admin/mode")
+    async def set_mode(request: Request) -> dict[str, Any]:
+        state.update(await request.json())
+        return state
+
+    @app.get("/admin/stats")
+    async def stats() -> dict[str, int]:
+        return {"chat": state["chat"], "faulted": state["faulted"]}
+
+    def take_fault() -> str:
+        if state["mode"] == "pass" or state["times"] == 0:
+            return "pass"
+        if state["times"] is not None:
+            state["times"] -= 1
+        state["faulted"] += 1
+        return state["mode"]
+
+    @app.api_route("/{path:path}", methods=["GET", "POST"])
+    async def forward(path: str, request: Request) -> Response:
+        mode = take_fault() if path == CHAT_PATH else "pass"
+        if path == CHAT_PATH:
+            state["chat"] += 1
+        if mode == "status":
+            error = {"message": state.get("message", "injected fault"), "type": "BadRequestError", "code": state["status"]}
+            return JSONResponse({"error": error, "object": "error"}, status_code=state["status"])
+        if mode == "delay":
+            await asyncio.sleep(state["delay_s"])
+        upstream = await client.request(
+            request.method, f"/{path}", content=await request.body(), headers={"content-type": "application/json"}
+        )
+        if mode in ("no_logprobs", "nan_logprobs") and upstream.status_code == 200:
+            body = upstream.json()
+            for choice in body.get("choices", []):
+                message = choice.get("message") or {}
+                if mode == "no_logprobs":  # what a vLLM without logprobs (and without NeMo-RL's patch) sends
+                    choice["logprobs"] = None
+                    for key in ("prompt_token_ids", "generation_token_ids", "generation_log_probs"):
+                        message.pop(key, None)
+                else:
+                    for item in (choice.get("logprobs") or {}).get("content") or []:
+                        item["logprob"] = float("nan")
+                    if "generation_log_probs" in message:
+                        message["generation_log_probs"] = [float("nan")] * len(message["generation_log_probs"])
+            return Response(json.dumps(body), media_type="application/json")
+        return Response(upstream.content, status_code=upstream.status_code, media_type="application/json")
+
+    return app
+
+
+def main() -> None:
+    import uvicorn
+
+    parser = argparse.ArgumentParser(description="fault-injecting reverse proxy (tests only)")
+    parser.add_argument("--upstream", required=True, help="the upstream root URL, without /v1")
+    parser.add_argument("--port", type=int, required=True)
+    args = parser.parse_args()
+    uvicorn.run(build_app(args.upstream), host="127.0.0.1", port=args.port, log_level="warning", lifespan="off")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,421 @@
+"""Fault injection with real components: our server (scripted policy) behind a fault-injecting
+proxy process, real Gym servers (model + equivalence agent), the real NemoGym actor on real Ray,
+and ``RolloutManager.collect`` with a retry policy and an in-memory sink.
+
+Each test states the fault, the expected typed outcome and a time bound, and checks that
+nothing is lost or duplicated: every prompt is either committed once with all N rows, or
+counted as skipped; no slot is left reserved. docs/reliability.md tabulates these cases.
+The tests run in file order: the last two break the module's Gym on purpose.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import time
+
+import psutil
+import pytest
+import ray
+
+from gym_bridge.data import datum_from_gym_row
+from gym_bridge.failures import (
+    GymTransportError,
+    RolloutRedispatchExhausted,
+    RolloutRetryPolicy,
+    RolloutTimeout,
+    RolloutTimeouts,
+)
+from gym_bridge.gym.actor import NemoGymUnavailable, spinup_nemo_gym_actor
+from gym_bridge.gym.convert import MissingGenerationData
+from gym_bridge.gym.rows import InvalidGymRow
+from gym_bridge.gym.servers import wheel_config_path
+from gym_bridge.rollout.manager import RolloutManager, RolloutOutcome
+from gym_bridge.rollout.nemo_gym import GymRowIndexError
+from gym_bridge.rollout.sink import InMemorySink
+from tests.fault_gate import FaultGate
+from tests.gym_fixtures import (  # noqa: F401 - fixtures
+    EQUIVALENCE_AGENT,
+    equivalence_row,
+    gym_actor_config,
+    scripted_policy,
+)
+
+pytestmark = pytest.mark.timeout(600)
+
+N = 4
+MARGIN_S = 5.0  # allowed past a deadline: backoff, Ray round trips, a loaded 2-core machine
+GYM_CONFIGS = [
+    "responses_api_models/vllm_model/configs/vllm_model_for_training.yaml",
+    "resources_servers/equivalence_rule/configs/lc.yaml",
+]
+CONTEXT_LENGTH_400 = (
+    "This model's maximum context length is 4096 tokens. However, you requested 5000 tokens "
+    "in the messages, Please reduce the length of the messages."
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def gate(scripted_policy, tmp_path_factory):
+    gate = FaultGate(scripted_policy.root_url, _free_port(), tmp_path_factory.mktemp("gate") / "gate.log")
+    gate.start()
+    yield gate
+    gate.kill()
+
+
+@pytest.fixture(autouse=True)
+def healthy_gate(gate):
+    """Every test starts and ends with the gate up and passing requests through."""
+    if gate.proc is None:
+        gate.start()
+    gate.set("pass")
+    yield
+    if gate.proc is None:
+        gate.start()
+    gate.set("pass")
+
+
+@pytest.fixture(scope="module")
+def fault_gym(ray_session, gate, tiny_tokenizer, tmp_path_factory):
+    """A NemoGym actor of its own (3 Gym servers) whose endpoint is the gate; Ray may restart it once."""
+    config = gym_actor_config([gate.base_url], tmp_path_factory.mktemp("fault-gym-logs")).model_copy(
+        update={
+            "config_paths": [str(wheel_config_path(p)) for p in GYM_CONFIGS],
+            "request_timeout_s": 30.0,
+            "health_poll_s": 0.5,
+            "on_restart": "respin",
+            "actor_options": {"num_cpus": 0, "max_restarts": 1},
+        }
+    )
+    actor = spinup_nemo_gym_actor(config, tiny_tokenizer)
+    yield actor
+    try:
+        ray.get(actor.shutdown.remote(), timeout=60)
+    finally:
+        ray.kill(actor)
+
+
+def make_manager(actor, tokenizer, *, rollout_s: float = 30.0, **policy) -> RolloutManager:
+    retry = RolloutRetryPolicy(
+        **{
+            "max_infra_attempts": 1,
+            "max_data_attempts": 1,
+            "max_gym_row_attempts": 1,
+            "backoff_base_s": 0.2,
+            "max_backoff_s": 1.0,
+            "max_skipped_prompts": 100,
+            "max_consecutive_dropped_prompts": 100,
+            **policy,
+        }
+    )
+    return RolloutManager(
+        tokenizer,
+        {"nemo_gym": actor},
+        N,
+        4096,
+        generation_config={"temperature": 1.0, "top_p": 1.0, "max_new_tokens": 32},
+        use_nemo_gym=True,
+        timeouts=RolloutTimeouts(rollout_s=rollout_s),
+        retry_policy=retry,
+    )
+
+
+def prompt(k: int) -> dict:
+    return datum_from_gym_row(equivalence_row(f"Reply with exactly: {k}", str(k)), idx=k)
+
+
+async def collect(manager: RolloutManager, prompts: list[dict]) -> tuple[list[RolloutOutcome], InMemorySink, float]:
+    """``collect`` every prompt concurrently; check the sink invariants; return outcomes, sink, seconds."""
+    sink = InMemorySink()
+    t0 = time.monotonic()
+    outcomes = await asyncio.gather(*(manager.collect(p, sink) for p in prompts))
+    elapsed = time.monotonic() - t0
+    assert not sink.reserved, f"slots left reserved: {sink.reserved}"
+    committed = [p["idx"] for p, o in zip(prompts, outcomes, strict=True) if o is RolloutOutcome.COMMITTED]
+    assert sorted(r.prompt_idx for r in sink.records) == sorted(committed), "a committed prompt is missing or doubled"
+    for record in sink.records:
+        assert len(record.completions) == N
+        assert all(c.reward == 1.0 for c in record.completions), "the scripted policy answers every prompt right"
+        assert all(any(m["role"] == "assistant" and m["token_ids"].numel() for m in c.message_log)
+                   for c in record.completions)
+    return outcomes, sink, elapsed
+
+
+def counts(manager: RolloutManager) -> dict[str, float]:
+    """The manager's non-zero ``rollout/*`` counters."""
+    return {key: value for key, value in manager.stats.as_metrics().items() if value}
+
+
+# ---- malformed rows: rejected before anything is sent ----------------------------------------
+
+
+BAD_ROWS = [
+    ("no responses_create_params", lambda r: r.pop("responses_create_params"), "responses_create_params: Field required"),
+    ("no agent_ref", lambda r: r.pop("agent_ref"), "agent_ref: Field required"),
+    ("input of the wrong type", lambda r: r["responses_create_params"].update(input=123), "responses_create_params.input"),
+    ("unknown agent", lambda r: r["agent_ref"].update(name="nope"), "'nope' is not a running agent"),
+    ("a key Gym rejects with 422", lambda r: r["responses_create_params"].update(bogus=1), "unknown key(s) ['bogus']"),
+    ("agent name not a string", lambda r: r["agent_ref"].update(name=7), "agent_ref.name"),
+]
+
+
+async def test_malformed_rows_are_rejected_before_dispatch(fault_gym, gate, tiny_tokenizer):
+    """Fault: each kind of malformed row. Expected: InvalidGymRow naming prompt and field, no request
+    sent, < 1 s; with collect, every one SKIPPED and counted as a data failure."""
+    manager = make_manager(fault_gym, tiny_tokenizer)
+    before = gate.stats()["chat"]
+    datums = []
+    for k, (what, spoil, needle) in enumerate(BAD_ROWS):
+        row = equivalence_row("Reply with exactly: 1", "1")
+        spoil(row)
+        datum = datum_from_gym_row(row, idx=100 + k)
+        t0 = time.monotonic()
+        with pytest.raises(InvalidGymRow) as info:
+            await manager.run_rollout(datum)
+        assert time.monotonic() - t0 < 1.0, what
+        assert f"prompt_idx={100 + k}" in str(info.value) and needle in str(info.value), (what, str(info.value))
+        datums.append(datum)
+    outcomes, sink, _ = await collect(manager, datums)
+    assert outcomes == [RolloutOutcome.SKIPPED] * len(BAD_ROWS) and not sink.records
+    assert counts(manager).get("rollout/data_failures_total/InvalidGymRow") == len(BAD_ROWS), counts(manager)
+    assert gate.stats()["chat"] == before, "a malformed row reached the endpoint"
+
+
+# ---- the endpoint misbehaves -----------------------------------------------------------------
+
+
+async def test_endpoint_500_transient_recovers_and_persistent_is_typed(fault_gym, gate, tiny_tokenizer):
+    """Fault: HTTP 500 from the endpoint. Expected: two 500s are absorbed by Gym's own 3 tries
+    (COMMITTED); a persistent 500 is GymTransportError (infra), rows re-sent, then the prompt is
+    dropped and counted, within 2 attempts x 2 row attempts x ~1.5 s."""
+    gate.set("status", status=500, times=2)
+    outcomes, _, _ = await collect(make_manager(fault_gym, tiny_tokenizer), [prompt(1)])
+    assert outcomes == [RolloutOutcome.COMMITTED]
+    assert gate.stats()["faulted"] == 2
+
+    gate.set("status", status=500)
+    manager = make_manager(fault_gym, tiny_tokenizer, max_infra_attempts=2, max_gym_row_attempts=2)
+    with pytest.raises(GymTransportError, match="HTTP 500"):
+        await manager.run_rollout(prompt(2))
+    outcomes, sink, elapsed = await collect(manager, [prompt(2)])
+    assert outcomes == [RolloutOutcome.SKIPPED] and not sink.records
+    metrics = counts(manager)
+    assert metrics.get("rollout/infra_drops_total/GymTransportError") == 1, metrics
+    assert metrics.get("rollout/gym_row_redispatch_total") == 3 * N  # one re-send in run_rollout, two in collect, metrics
+    assert elapsed < 4 * 1.5 + MARGIN_S
+
+
+async def test_endpoint_429_transient_recovers_and_persistent_hits_the_deadline(fault_gym, gate, tiny_tokenizer):
+    """Fault: HTTP 429. Expected: Gym retries 429 without limit, so a few are absorbed (COMMITTED);
+    a persistent 429 ends at the group deadline as RolloutTimeout (infra), the prompt dropped."""
+    gate.set("status", status=429, times=3)
+    outcomes, _, _ = await collect(make_manager(fault_gym, tiny_tokenizer), [prompt(3)])
+    assert outcomes == [RolloutOutcome.COMMITTED]
+
+    gate.set("status", status=429)
+    manager = make_manager(fault_gym, tiny_tokenizer, rollout_s=3.0)
+    outcomes, sink, elapsed = await collect(manager, [prompt(4)])
+    assert outcomes == [RolloutOutcome.SKIPPED] and not sink.records
+    assert counts(manager).get("rollout/infra_drops_total/RolloutTimeout") == 1, counts(manager)
+    assert 3.0 <= elapsed < 3.0 + MARGIN_S
+
+
+async def test_context_length_400_is_a_data_failure_never_a_fake_zero(fault_gym, gate, tiny_tokenizer):
+    """Fault: the endpoint's context-length 400, which Gym turns into an empty *successful* rollout
+    with reward 0. Expected: MissingGenerationData (data), retried once, then SKIPPED and counted."""
+    gate.set("status", status=400, message=CONTEXT_LENGTH_400)
+    manager = make_manager(fault_gym, tiny_tokenizer, max_data_attempts=2)
+    with pytest.raises(MissingGenerationData, match="no generation data|token"):
+        await manager.run_rollout(prompt(5))
+    outcomes, sink, elapsed = await collect(manager, [prompt(5)])
+    assert outcomes == [RolloutOutcome.SKIPPED] and not sink.records
+    metrics = counts(manager)
+    assert metrics.get("rollout/data_retry_total/MissingGenerationData") == 1, metrics
+    assert metrics.get("rollout/data_failures_total/MissingGenerationData") == 1, metrics
+    assert elapsed < MARGIN_S
+
+
+async def test_response_without_logprobs_is_typed(fault_gym, gate, tiny_tokenizer):
+    """Fault: the endpoint drops logprobs. Expected: Gym's model server refuses the response; we
+    raise GymTransportError carrying Gym's explanation, quickly; collect drops the prompt."""
+    gate.set("no_logprobs")
+    manager = make_manager(fault_gym, tiny_tokenizer)
+    t0 = time.monotonic()
+    with pytest.raises(GymTransportError, match="logprobs"):
+        await manager.run_rollout(prompt(6))
+    assert time.monotonic() - t0 < MARGIN_S
+    outcomes, sink, _ = await collect(manager, [prompt(6)])
+    assert outcomes == [RolloutOutcome.SKIPPED] and not sink.records
+
+
+async def test_nan_logprobs_are_never_committed(fault_gym, gate, tiny_tokenizer):
+    """Fault: NaN logprobs from the endpoint. Expected: a typed failure within seconds and the
+    prompt SKIPPED; no NaN reaches the sink."""
+    gate.set("nan_logprobs")
+    manager = make_manager(fault_gym, tiny_tokenizer)
+    outcomes, sink, elapsed = await collect(manager, [prompt(7)])
+    assert outcomes == [RolloutOutcome.SKIPPED] and not sink.records
+    assert elapsed < MARGIN_S
+    reasons = [k for k, v in counts(manager).items() if v and "/" in k.removeprefix("rollout/")]
+    assert reasons, "the failure was not counted"
+
+
+async def test_slow_endpoint_hits_the_group_deadline(fault_gym, gate, tiny_tokenizer):
+    """Fault: responses slower than the deadline. Expected: RolloutTimeout at rollout_s, not later."""
+    gate.set("delay", delay_s=8.0)
+    manager = make_manager(fault_gym, tiny_tokenizer, rollout_s=2.0)
+    t0 = time.monotonic()
+    with pytest.raises(RolloutTimeout, match=r"exceeded 2\.0s"):
+        await manager.run_rollout(prompt(8))
+    assert time.monotonic() - t0 < 2.0 + MARGIN_S
+
+
+async def test_endpoint_killed_mid_batch_then_restarted_recovers(fault_gym, gate, tiny_tokenizer):
+    """Fault: the endpoint process is SIGKILLed with rows in flight and comes back 2 s later.
+    Expected: Gym retries the refused connections; every group COMMITTED, all rows, no duplicate."""
+    gate.set("delay", delay_s=1.0)
+    manager = make_manager(fault_gym, tiny_tokenizer, rollout_s=60.0, max_infra_attempts=2)
+    task = asyncio.ensure_future(collect(manager, [prompt(10), prompt(11)]))
+    await asyncio.sleep(0.5)
+    gate.kill()
+    await asyncio.sleep(2.0)
+    gate.start()
+    outcomes, sink, elapsed = await asyncio.wait_for(task, 60 + MARGIN_S)
+    assert outcomes == [RolloutOutcome.COMMITTED] * 2
+    assert len(sink.records) == 2
+
+
+async def test_endpoint_killed_and_not_restarted_stops_the_run(fault_gym, gate, tiny_tokenizer):
+    """Fault: the endpoint is gone for good. Expected: each attempt ends at the group deadline
+    (Gym itself would wait forever); the first prompt is dropped, the second exceeds
+    max_consecutive_dropped_prompts=1 and stops the run with RolloutRedispatchExhausted."""
+    gate.kill()
+    manager = make_manager(fault_gym, tiny_tokenizer, rollout_s=2.0, max_infra_attempts=2,
+                           max_consecutive_dropped_prompts=1)
+    sink = InMemorySink()
+    t0 = time.monotonic()
+    assert await manager.collect(prompt(12), sink) is RolloutOutcome.SKIPPED
+    with pytest.raises(RolloutRedispatchExhausted, match="RolloutTimeout") as info:
+        await manager.collect(prompt(13), sink)
+    elapsed = time.monotonic() - t0
+    assert "max_consecutive_dropped_prompts=1" in str(info.value)
+    assert not sink.records and not sink.reserved
+    assert elapsed < 4 * 2.0 + 2 * 0.2 + MARGIN_S
+
+
+# ---- the stream itself misbehaves ------------------------------------------------------------
+
+
+@ray.remote(num_cpus=0)
+class TamperingRelay:
+    """Relays the real actor's stream, tampering with the row indices as planned."""
+
+    def __init__(self, inner, plan: str):
+        self.inner, self.plan, self.calls = inner, plan, 0
+
+    async def agent_names(self):
+        return await self.inner.agent_names.remote()
+
+    async def run_rollouts(self, rows, timer_prefix):
+        self.calls += 1
+        k = 0
+        async for ref in self.inner.run_rollouts.options(num_returns="streaming").remote(rows, timer_prefix):
+            rowidx, result, timing = await ref
+            if self.plan == "never_dispatched" and self.calls == 1 and k == len(rows) - 1:
+                raise GymTransportError("injected: the last row was lost")
+            if self.plan == "never_dispatched" and self.calls == 2:
+                rowidx = 0  # row 0 arrived in the first attempt and was not sent again
+            if self.plan == "out_of_range":
+                rowidx += 100
+            yield rowidx, result, timing
+            if self.plan == "duplicate":
+                yield rowidx, result, None
+            k += 1
+
+
+@pytest.mark.parametrize(
+    ("plan", "needle"),
+    [("duplicate", "duplicate row index"), ("out_of_range", "outside the expected range"),
+     ("never_dispatched", "which was not dispatched")],
+)
+async def test_bad_stream_indices_are_rejected(fault_gym, tiny_tokenizer, plan, needle):
+    """Fault: real Gym results relayed with a duplicate, out-of-range or never-dispatched row index.
+    Expected: GymRowIndexError (infra) naming the index; collect drops the prompt, nothing committed."""
+    relays = [TamperingRelay.remote(fault_gym, plan) for _ in range(2)]  # one per run: the plan counts calls
+    try:
+        manager = make_manager(relays[0], tiny_tokenizer, max_gym_row_attempts=2)
+        with pytest.raises(GymRowIndexError, match=needle):
+            await manager.run_rollout(prompt(20))
+        manager = make_manager(relays[1], tiny_tokenizer, max_gym_row_attempts=2)
+        outcomes, sink, _ = await collect(manager, [prompt(21)])
+        assert outcomes == [RolloutOutcome.SKIPPED] and not sink.records
+        assert counts(manager).get("rollout/infra_drops_total/GymRowIndexError") == 1, counts(manager)
+    finally:
+        for relay in relays:
+            ray.kill(relay)
+
+
+# ---- Gym and the actor die (these break the module's Gym: keep them last) ---------------------
+
+
+def _resources_server(info: dict) -> tuple[str, int]:
+    names = [n for n, t in info["server_types"].items() if t == "resources_servers"]
+    assert len(names) == 1, info["server_types"]
+    return names[0], info["server_pids"][names[0]]
+
+
+async def test_resources_server_killed_mid_run_is_named(fault_gym, gate, tiny_tokenizer):
+    """Fault: Gym's resources server is SIGKILLed while rows are in flight (Gym's agent would retry
+    the refused /verify forever). Expected: the actor's health watch fails the stream within
+    ~health_poll_s with NemoGymUnavailable naming the server; retries fail fast before dispatch;
+    with max_consecutive_dropped_prompts=0 the run stops, naming it."""
+    name, pid = _resources_server(await fault_gym.server_info.remote())
+    gate.set("delay", delay_s=2.0)
+    manager = make_manager(fault_gym, tiny_tokenizer, max_infra_attempts=2, max_gym_row_attempts=2,
+                           max_consecutive_dropped_prompts=0)
+    sink = InMemorySink()
+    task = asyncio.ensure_future(manager.collect(prompt(30), sink))
+    await asyncio.sleep(0.5)
+    t0 = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(RolloutRedispatchExhausted) as info:
+        await asyncio.wait_for(task, 30)
+    assert time.monotonic() - t0 < 2.0 + MARGIN_S
+    assert isinstance(info.value.__cause__, NemoGymUnavailable)
+    assert f"'{name}'" in str(info.value) or name in str(info.value)
+    assert not sink.records and not sink.reserved
+    with pytest.raises(NemoGymUnavailable, match=name):
+        await fault_gym.health_check.remote()
+
+
+async def test_actor_killed_is_restarted_by_ray_and_respins(fault_gym, gate, tiny_tokenizer):
+    """Fault: the NemoGym actor process is killed with rows in flight (on_restart="respin").
+    Expected: the stream fails with a Ray actor error (infra); Ray restarts the actor, whose first
+    call starts fresh Gym servers; the retried prompt is COMMITTED; the old Gym processes are gone."""
+    old_pids = (await fault_gym.server_info.remote())["pids"]
+    gate.set("delay", delay_s=1.0)
+    manager = make_manager(fault_gym, tiny_tokenizer, rollout_s=240.0, max_infra_attempts=3)
+    task = asyncio.ensure_future(collect(manager, [prompt(40)]))
+    await asyncio.sleep(0.5)
+    ray.kill(fault_gym, no_restart=False)
+    outcomes, sink, _ = await asyncio.wait_for(task, 300)
+    assert outcomes == [RolloutOutcome.COMMITTED] and len(sink.records) == 1
+    assert counts(manager).get("rollout/redispatch_total") >= 1, counts(manager)
+    _, alive = psutil.wait_procs([p for p in map(_process, old_pids) if p], timeout=30)
+    assert not alive, f"old Gym processes survived the actor: {alive}"
+    await fault_gym.health_check.remote()
+
+
+def _process(pid: int) -> psutil.Process | None:
+    try:
+        return psutil.Process(pid)
+    except psutil.NoSuchProcess:
+        return None

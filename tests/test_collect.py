@@ -108,6 +108,7 @@ async def test_skip_budget_is_run_wide():
     m, sink = manager(["data"] * 6, max_skipped_prompts=2), InMemorySink()
     assert await m.collect(datum(0), sink) is RolloutOutcome.SKIPPED
     assert await m.collect(datum(1), sink) is RolloutOutcome.SKIPPED
+    assert type(sink.last_error[1]) is RolloutDataFailure, "the sink learns why each attempt failed"
     with pytest.raises(RolloutDataFailure, match="exceeding max_skipped_prompts=2"):
         await m.collect(datum(2), sink)
     assert m.stats.as_metrics()["rollout/data_failures_total/RolloutDataFailure"] == 3.0
@@ -125,7 +126,7 @@ async def test_cancellation_is_not_retried_and_releases_the_slot():
 
 async def test_a_failing_discard_does_not_mask_the_error():
     class BrokenDiscard(InMemorySink):
-        def discard(self, slot):
+        def discard(self, slot, error=None):
             raise OSError("disk gone")
 
     m = manager(["data", "data"])

@@ -224,3 +224,36 @@ def test_report_from_files(tmp_path: Path) -> None:
     png = tmp_path / "report.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert matplotlib.image.imread(png).shape[2] in (3, 4)
+
+
+def test_run_store_sink_writes_only_complete_groups_and_one_failure_per_skip(tmp_path: Path, tiny_tokenizer) -> None:
+    import torch
+
+    from gym_bridge.eval.dataset import DatasetRow
+    from gym_bridge.eval.sink import RunStoreSink
+    from gym_bridge.failures import GymTransportError
+    from gym_bridge.rollout.sink import RolloutSink
+    from gym_bridge.types import Completion, PromptGroupRecord
+
+    store = RunStore(tmp_path / "run")
+    store.open({"k": 1}, resume=False)
+    rows = [DatasetRow(i, i + 1, {"agent_ref": {"name": "agent"}}) for i in range(2)]
+    sink = RunStoreSink(store, rows, tiny_tokenizer)
+    assert isinstance(sink, RolloutSink)
+    reply = {"role": "assistant", "content": "4", "token_ids": torch.tensor([52], dtype=torch.int64)}
+    record = PromptGroupRecord(0, [], None, {}, [Completion([reply], {"reward": 1.0}, False, 1.0)] * 2, {})
+
+    failed = sink.reserve(0)
+    sink.discard(failed, GymTransportError("HTTP 503"))
+    assert read_jsonl(store.results_path) == [] and read_jsonl(store.failures_path) == []
+    sink.commit(sink.reserve(0), record)
+    assert sink.rewards[0] == [1.0, 1.0]
+    sink.discard(sink.reserve(1), GymTransportError("HTTP 503"))
+    sink.record_skip(1)
+    store.close()
+    [result] = read_jsonl(store.results_path)
+    assert result["prompt_idx"] == 0 and len(result["completions"]) == 2 and result["line"] == 1
+    [failure] = read_jsonl(store.failures_path)
+    assert (failure["prompt_idx"], failure["error"], failure["class"]) == (1, "GymTransportError", "infra")
+    with pytest.raises(KeyError, match="not a pending row"):
+        sink.reserve(7)

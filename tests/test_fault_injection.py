@@ -51,6 +51,7 @@ GYM_CONFIGS = [
     "responses_api_models/vllm_model/configs/vllm_model_for_training.yaml",
     "resources_servers/equivalence_rule/configs/lc.yaml",
 ]
+PLANTED_API_KEY = "sk-planted-7f3c9e1d2b"  # Gym's policy_api_key here; must never reach a log or result
 CONTEXT_LENGTH_400 = (
     "This model's maximum context length is 4096 tokens. However, you requested 5000 tokens "
     "in the messages, Please reduce the length of the messages."
@@ -92,13 +93,16 @@ def fault_gym(ray_session, gate, tiny_tokenizer, tmp_path_factory):
             "request_timeout_s": 30.0,
             "health_poll_s": 0.5,
             "on_restart": "respin",
+            "api_key": PLANTED_API_KEY,
             "actor_options": {"num_cpus": 0, "max_restarts": 1},
         }
     )
     actor = spinup_nemo_gym_actor(config, tiny_tokenizer)
     yield actor
     try:
-        ray.get(actor.shutdown.remote(), timeout=60)
+        ray.get(actor.shutdown.remote(), timeout=120)
+    except ray.exceptions.RayError as exc:  # a test failed while Ray was restarting it
+        print(f"fault_gym shutdown: {type(exc).__name__}: {exc}")
     finally:
         ray.kill(actor)
 
@@ -331,8 +335,8 @@ class TamperingRelay:
             rowidx, result, timing = await ref
             if self.plan == "never_dispatched" and self.calls == 1 and k == len(rows) - 1:
                 raise GymTransportError("injected: the last row was lost")
-            if self.plan == "never_dispatched" and self.calls == 2:
-                rowidx = 0  # row 0 arrived in the first attempt and was not sent again
+            if self.plan == "never_dispatched" and self.calls == 2:  # a row that arrived in the first attempt
+                rowidx = min(set(range(N)) - {row["_rowidx"] for row in rows})
             if self.plan == "out_of_range":
                 rowidx += 100
             yield rowidx, result, timing
@@ -361,6 +365,67 @@ async def test_bad_stream_indices_are_rejected(fault_gym, tiny_tokenizer, plan, 
     finally:
         for relay in relays:
             ray.kill(relay)
+
+
+# ---- safety: loopback only, no secret in logs or results ------------------------------------
+
+
+def _listening(pids) -> list[tuple[int, str, int]]:
+    found = []
+    for pid in pids:
+        try:
+            conns = psutil.Process(pid).net_connections("inet")
+        except psutil.NoSuchProcess:
+            continue
+        found += [(pid, c.laddr.ip, c.laddr.port) for c in conns if c.status == psutil.CONN_LISTEN]
+    return found
+
+
+async def test_every_socket_is_loopback_and_the_api_key_is_never_written(fault_gym, gate, scripted_policy,
+                                                                          tiny_tokenizer, tmp_path):
+    """Every listening socket of the processes gym-bridge started for this run (Gym's launcher and
+    servers, the gate, our server's port) is on loopback; the planted API key appears in no Gym log,
+    no Ray worker log, no result and no log record of this process. Ray's own listeners are not ours
+    to bind and are excluded (docs/reliability.md)."""
+    import json
+    import logging
+    from pathlib import Path
+
+    records: list[str] = []
+    handler = logging.Handler(level=logging.DEBUG)
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    root = logging.getLogger()
+    root.addHandler(handler)
+    old_level = root.level
+    root.setLevel(logging.DEBUG)
+    try:
+        manager = make_manager(fault_gym, tiny_tokenizer)
+        gate.set("status", status=500, times=2)  # exercise the error paths too
+        _, sink, _ = await collect(manager, [prompt(50), prompt(51)])
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(old_level)
+    assert len(sink.records) == 2
+
+    info = await fault_gym.server_info.remote()
+    gym_pids = set(info["pids"])
+    assert len(gym_pids) >= 4, info  # launcher, reaper, 3 servers (and their shells)
+    sockets = _listening(gym_pids | {gate.proc.pid})
+    ports = {port for _, _, port in sockets}
+    assert {int(u.rsplit(":", 1)[1]) for u in info["urls"].values()} <= ports, (info["urls"], sockets)
+    assert all(ip in ("127.0.0.1", "::1") for _, ip, _ in sockets), sockets
+    policy_port = int(scripted_policy.root_url.rsplit(":", 1)[1])
+    ours = [s for s in _listening([os.getpid()]) if s[2] == policy_port]
+    assert ours and all(ip == "127.0.0.1" for _, ip, _ in ours), ours
+
+    outputs = [json.dumps([c.env_extras for c in r.completions], default=str) for r in sink.records]
+    texts = {"log records": "\n".join(records), "results": "\n".join(outputs)}
+    log_dirs = [Path(info["log_dir"]), Path(ray._private.worker._global_node.get_session_dir_path()) / "logs"]
+    files = [f for d in log_dirs for f in d.rglob("*") if f.is_file()]
+    assert any(f.suffix == ".log" for f in files)
+    leaks = [name for name, text in texts.items() if PLANTED_API_KEY in text]
+    leaks += [str(f) for f in files if PLANTED_API_KEY.encode() in f.read_bytes()]
+    assert not leaks, f"the API key was written to: {leaks}"
 
 
 # ---- Gym and the actor die (these break the module's Gym: keep them last) ---------------------
@@ -402,16 +467,26 @@ async def test_actor_killed_is_restarted_by_ray_and_respins(fault_gym, gate, tin
     call starts fresh Gym servers; the retried prompt is COMMITTED; the old Gym processes are gone."""
     old_pids = (await fault_gym.server_info.remote())["pids"]
     gate.set("delay", delay_s=1.0)
-    manager = make_manager(fault_gym, tiny_tokenizer, rollout_s=240.0, max_infra_attempts=3)
+    manager = make_manager(fault_gym, tiny_tokenizer, rollout_s=240.0, max_infra_attempts=8,
+                           backoff_base_s=2.0, max_backoff_s=10.0)  # calls fail fast while Ray restarts it
     task = asyncio.ensure_future(collect(manager, [prompt(40)]))
     await asyncio.sleep(0.5)
     ray.kill(fault_gym, no_restart=False)
-    outcomes, sink, _ = await asyncio.wait_for(task, 300)
-    assert outcomes == [RolloutOutcome.COMMITTED] and len(sink.records) == 1
+    outcomes, sink, _ = await asyncio.wait_for(task, 400)
+    assert outcomes == [RolloutOutcome.COMMITTED], f"last error: {sink.last_error}"
+    assert len(sink.records) == 1
     assert counts(manager).get("rollout/redispatch_total") >= 1, counts(manager)
     _, alive = psutil.wait_procs([p for p in map(_process, old_pids) if p], timeout=30)
-    assert not alive, f"old Gym processes survived the actor: {alive}"
+    assert not alive, f"old Gym processes survived the actor: {[(p.pid, _describe(p)) for p in alive]}"
     await fault_gym.health_check.remote()
+
+    new_pids = (await fault_gym.server_info.remote())["pids"]
+    await fault_gym.shutdown.remote()
+    await fault_gym.shutdown.remote()  # idempotent
+    _, alive = psutil.wait_procs([p for p in map(_process, new_pids) if p], timeout=30)
+    assert not alive, f"shutdown left Gym processes: {[(p.pid, _describe(p)) for p in alive]}"
+    with pytest.raises(NemoGymUnavailable, match=r"spinup\(\) was never called"):
+        await fault_gym.health_check.remote()
 
 
 def _process(pid: int) -> psutil.Process | None:
@@ -419,3 +494,10 @@ def _process(pid: int) -> psutil.Process | None:
         return psutil.Process(pid)
     except psutil.NoSuchProcess:
         return None
+
+
+def _describe(proc: psutil.Process) -> str:
+    try:
+        return f"pgid={os.getpgid(proc.pid)} ppid={proc.ppid()} {' '.join(proc.cmdline())[:200]}"
+    except (OSError, psutil.Error) as exc:
+        return repr(exc)

@@ -6,7 +6,6 @@ import math
 import pickle
 import time
 
-import psutil
 import pytest
 import ray
 import torch
@@ -15,7 +14,6 @@ from gym_bridge.failures import (
     FailureClass,
     GymTransportError,
     RolloutDataFailure,
-    RolloutTimeout,
     classify_rollout_failure,
 )
 from gym_bridge.generation.scripted import ScriptedGeneration
@@ -26,7 +24,6 @@ from gym_bridge.gym.actor import (
     NemoGymUnavailable,
     spinup_nemo_gym_actor,
 )
-from gym_bridge.gym.servers import wheel_config_path
 from tests.gym_fixtures import (  # noqa: F401 - fixtures
     EQUIVALENCE_AGENT,
     TOOL_AGENT,
@@ -217,53 +214,6 @@ def test_config_sets_gym_connector_limits():
     overrides = config.servers_config().overrides
     assert overrides["global_aiohttp_connector_limit"] == 5
     assert overrides["global_aiohttp_connector_limit_per_host"] == 16384
-
-
-@pytest.fixture(scope="module")
-def dead_policy_actor(ray_session, tiny_tokenizer, tmp_path_factory):
-    """A second actor (model + equivalence servers only) whose policy URL refuses connections."""
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        dead = sock.getsockname()[1]
-    config = gym_actor_config([f"http://127.0.0.1:{dead}/v1"], tmp_path_factory.mktemp("dead-policy-logs"))
-    config = config.model_copy(
-        update={
-            "config_paths": [str(wheel_config_path(p)) for p in (GYM_MODEL, GYM_EQUIVALENCE)],
-            "request_timeout_s": 3.0,
-        }
-    )
-    t0 = time.monotonic()
-    actor = spinup_nemo_gym_actor(config, tiny_tokenizer)
-    print(f"second actor spun up in {time.monotonic() - t0:.1f}s")
-    yield actor
-    try:
-        ray.get(actor.shutdown.remote(), timeout=60)
-    finally:
-        ray.kill(actor)
-
-
-GYM_MODEL = "responses_api_models/vllm_model/configs/vllm_model_for_training.yaml"
-GYM_EQUIVALENCE = "resources_servers/equivalence_rule/configs/lc.yaml"
-
-
-def test_dead_policy_times_out_typed_then_shutdown_leaves_nothing(dead_policy_actor):
-    actor = dead_policy_actor
-    t0 = time.monotonic()
-    cause = _cause(_first_error(actor, stamp([equivalence_row("Reply with exactly: 4", "4")])))
-    assert type(cause) is RolloutTimeout and "exceeded 3.0s" in str(cause)
-    assert time.monotonic() - t0 < 20
-    assert str(pickle.loads(pickle.dumps(cause))) == str(cause)
-
-    info = ray.get(actor.server_info.remote())
-    pids = info["pids"]
-    assert len(pids) >= 3
-    ray.get(actor.shutdown.remote(), timeout=60)
-    ray.get(actor.shutdown.remote(), timeout=60)  # idempotent
-    assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-    with pytest.raises(NemoGymUnavailable, match=r"spinup\(\) was never called"):
-        ray.get(actor.health_check.remote(), timeout=10)
 
 
 def test_spinup_failure_kills_the_actor_and_raises_typed(ray_session, tiny_tokenizer, tmp_path):

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 import torch
 
@@ -350,6 +351,8 @@ def test_cli_serve_stops_on_sigterm(tiny_model_dir):
             url = match.group(1) if match else None
         assert url, "serve never logged its URL"
         assert httpx.get(url.removesuffix("/v1") + "/health", timeout=10).status_code == 200
+        listening = [c.laddr for c in psutil.Process(proc.pid).net_connections("inet") if c.status == psutil.CONN_LISTEN]
+        assert listening and all(addr.ip in ("127.0.0.1", "::1") for addr in listening), listening
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=20) == 0
     finally:

@@ -6,6 +6,8 @@ resumed run must share with the run it continues.
 
 from __future__ import annotations
 
+import sys
+
 from pathlib import Path
 from typing import Any, Literal
 
@@ -35,6 +37,12 @@ class EvalConfig(BaseModel):
     request_timeout_s: float = Field(300.0, gt=0, description="Deadline of one Gym /run call.")
     startup_timeout_s: float = Field(180.0, gt=0, description="Deadline for Gym's servers to start.")
     max_row_attempts: int = Field(3, ge=1, description="How often rows lost to infrastructure are re-sent.")
+    max_infra_attempts: int = Field(3, ge=1, description="Attempts at a prompt group failing for infrastructure.")
+    max_data_attempts: int = Field(1, ge=1, description="Attempts at a prompt group failing for its data.")
+    max_consecutive_dropped_prompts: int = Field(
+        4, ge=0, description="Groups dropped for infrastructure in a row before the run stops."
+    )
+    retry_backoff_s: float = Field(1.0, ge=0, description="First backoff after an infrastructure failure (doubles).")
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
     max_new_tokens: int = Field(256, ge=1)
@@ -54,6 +62,20 @@ class EvalConfig(BaseModel):
     @property
     def embedded(self) -> bool:
         return not self.base_urls
+
+    def retry_policy(self) -> Any:
+        """The RolloutRetryPolicy of this run: a failed group is recorded and the run goes on,
+        unless infrastructure failures pile up."""
+        from gym_bridge.failures import RolloutRetryPolicy
+
+        return RolloutRetryPolicy(
+            max_infra_attempts=self.max_infra_attempts,
+            max_data_attempts=self.max_data_attempts,
+            max_gym_row_attempts=self.max_row_attempts,
+            backoff_base_s=self.retry_backoff_s,
+            max_skipped_prompts=sys.maxsize,
+            max_consecutive_dropped_prompts=self.max_consecutive_dropped_prompts,
+        )
 
     def generation_config(self) -> dict[str, Any]:
         return {"temperature": self.temperature, "top_p": self.top_p, "max_new_tokens": self.max_new_tokens}

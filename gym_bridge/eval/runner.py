@@ -25,14 +25,12 @@ from tqdm import tqdm
 
 from gym_bridge.eval.config import EvalConfig
 from gym_bridge.eval.dataset import DatasetRow, file_sha256, load_dataset
-from gym_bridge.eval.records import failure_record, group_record
 from gym_bridge.eval.report import build_report
+from gym_bridge.eval.sink import RunStoreSink
 from gym_bridge.eval.store import RunStore, read_jsonl
 
 logger = logging.getLogger(__name__)
 
-# Added to rollout_timeout_s for the bound on one whole group (row validation and agent lookup included).
-_GROUP_MARGIN_S = 60.0
 _DRAIN_TIMEOUT_S = 30.0
 
 
@@ -153,6 +151,7 @@ def _run_pending(
                     return asyncio.run(_dispatch_all(config, pending, store, rollouts.manager, tokenizer, state, outcome))
                 finally:
                     bar.close()
+                    store.update_run(rollout_stats=rollouts.manager.stats.as_metrics())
             finally:
                 with _sigint_deferred("stopping NeMo-Gym"):
                     rollouts.shutdown(timeout_s=config.startup_timeout_s)
@@ -236,7 +235,7 @@ def _start_gym(config: EvalConfig, base_urls: list[str], tokenizer: Any) -> Any:
             generation_config=config.generation_config(),  # type: ignore[arg-type]
             use_nemo_gym=True,
             timeouts=RolloutTimeouts(rollout_s=config.rollout_timeout_s),
-            max_gym_row_attempts=config.max_row_attempts,
+            retry_policy=config.retry_policy(),
         )
     except BaseException:
         with _sigint_deferred("stopping NeMo-Gym"):
@@ -254,32 +253,34 @@ async def _dispatch_all(
     state: _Progress,
     outcome: EvalOutcome,
 ) -> bool:
-    """``concurrency`` workers take pending rows in order; True when SIGINT cancelled them."""
+    """``concurrency`` workers take pending rows in order; True when SIGINT cancelled them.
+
+    Each group goes through ``manager.collect`` (the config's retry policy) into a
+    :class:`RunStoreSink`: a committed group is a result line, a skipped one a failure
+    line. A run-stopping error (too many groups dropped in a row) is recorded, then raised.
+    """
     from gym_bridge.data import datum_from_gym_row
-    from gym_bridge.failures import deadline
+    from gym_bridge.rollout.manager import RolloutOutcome
 
     queue = iter(pending)
     interrupted = False
+    sink = RunStoreSink(store, pending, tokenizer)
 
     async def run_group(item: DatasetRow) -> None:
-        t0 = time.perf_counter()
         try:
-            async with deadline(config.rollout_timeout_s + _GROUP_MARGIN_S, f"prompt_idx={item.prompt_idx}"):
-                record = await manager.run_rollout(datum_from_gym_row(item.row, idx=item.prompt_idx))
-        except Exception as exc:  # noqa: BLE001 - every failure is recorded with its type
-            logger.warning("prompt_idx=%d (line %d) failed: %s: %s", item.prompt_idx, item.line, type(exc).__name__, exc)
-            store.append_failure(
-                failure_record(
-                    exc, prompt_idx=item.prompt_idx, agent=item.agent, line=item.line, elapsed_s=time.perf_counter() - t0
-                )
-            )
+            result = await manager.collect(datum_from_gym_row(item.row, idx=item.prompt_idx), sink)
+        except Exception as exc:
+            sink.record_skip(item.prompt_idx, exc)
+            outcome.failed_now += 1
+            state.failure()
+            raise
+        if result is RolloutOutcome.SKIPPED:
+            sink.record_skip(item.prompt_idx)
             outcome.failed_now += 1
             state.failure()
             return
-        line = group_record(record, agent=item.agent, line=item.line, tokenizer=tokenizer, elapsed_s=time.perf_counter() - t0)
-        store.append_result(line)
         outcome.done_now += 1
-        state.result([c["reward"] for c in line["completions"]])
+        state.result(sink.rewards.pop(item.prompt_idx))
 
     async def worker() -> None:
         for item in queue:

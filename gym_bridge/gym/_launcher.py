@@ -41,11 +41,27 @@ class _Status:
         os.replace(tmp, self.path)
 
 
+# Runs in a child of the launcher, in its process group: when the launcher dies without cleaning
+# up (Ray SIGKILLs the direct children of a dead actor, so the launcher's own watch never runs),
+# the reaper is re-parented and kills the group, servers included.
+_REAPER = """
+import os, signal, sys, time
+launcher = int(sys.argv[1])
+while os.getppid() == launcher:
+    time.sleep(0.5)
+os.killpg(0, signal.SIGKILL)
+"""
+
+
 def _watch_parent(parent_pid: int) -> None:
     """Kill this process group once the parent is gone (it cannot clean up any more)."""
     while os.getppid() == parent_pid:
         time.sleep(1.0)
     os.killpg(0, signal.SIGKILL)
+
+
+def _start_reaper() -> None:
+    Popen([sys.executable, "-c", _REAPER, str(os.getpid())], stdin=DEVNULL, stdout=DEVNULL, stderr=DEVNULL)
 
 
 def _server_instances(global_config_dict: Any) -> dict[str, dict[str, Any]]:
@@ -121,6 +137,7 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     status = _Status(Path(spec["status_file"]))
     threading.Thread(target=_watch_parent, args=(spec["parent_pid"],), daemon=True).start()
+    _start_reaper()
     try:
         from omegaconf import OmegaConf
 

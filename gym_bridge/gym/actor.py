@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import httpx
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from gym_bridge.failures import (
     EnvironmentUnavailable,
@@ -80,6 +80,8 @@ class NemoGymConfig(BaseModel):
     """The served model name; Gym's ``policy_model_name``."""
     base_urls: list[str]
     """OpenAI-compatible endpoints (``http://host:port/v1``), one per data-parallel shard."""
+    api_key: SecretStr = SecretStr("dummy_key")
+    """Sent by Gym's model server to the endpoints (Gym's ``policy_api_key``); never logged."""
     config_paths: list[str] = Field(default_factory=list)
     """Gym YAML configs; absolute, or relative to the actor's cwd, else to the nemo-gym wheel."""
     overrides: dict[str, Any] = Field(default_factory=dict)
@@ -111,6 +113,7 @@ class NemoGymConfig(BaseModel):
             overrides=overrides,
             policy_base_urls=list(self.base_urls),
             policy_model_name=self.model_name,
+            policy_api_key=self.api_key,
             host=self.host,
             startup_timeout_s=self.startup_timeout_s,
             shutdown_timeout_s=self.shutdown_timeout_s,

@@ -124,7 +124,7 @@ class RolloutManager:
                 record = await self.run_rollout(datum)
                 sink.commit(slot, record)
             except Exception as exc:
-                _discard_quietly(sink, slot)
+                _discard_quietly(sink, slot, exc)
                 reason = type(exc).__name__
                 if classify_rollout_failure(exc) is FailureClass.INFRA:
                     infra_attempts += 1
@@ -152,8 +152,8 @@ class RolloutManager:
                 self.stats.skipped += 1
                 logger.warning("prompt_idx=%d skipped after %d data failures: %s: %s", prompt_idx, data_attempts, reason, exc)
                 return RolloutOutcome.SKIPPED
-            except BaseException:
-                _discard_quietly(sink, slot)
+            except BaseException as exc:
+                _discard_quietly(sink, slot, exc)
                 raise
             self.stats.committed += 1
             self._consecutive_infra_drops = 0
@@ -172,9 +172,9 @@ class RolloutManager:
         return RolloutOutcome.SKIPPED
 
 
-def _discard_quietly(sink: RolloutSink, slot: str) -> None:
+def _discard_quietly(sink: RolloutSink, slot: str, error: BaseException) -> None:
     """Discard a failed attempt's slot; a failing discard is logged, never masks the real error."""
     try:
-        sink.discard(slot)
+        sink.discard(slot, error)
     except Exception as exc:
         logger.error("discarding slot %s failed: %s: %s", slot, type(exc).__name__, exc)

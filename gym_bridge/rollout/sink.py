@@ -23,17 +23,18 @@ class RolloutSink(Protocol):
     def commit(self, slot: str, record: PromptGroupRecord) -> None:
         """Store the complete group held by ``slot``; called at most once per slot."""
 
-    def discard(self, slot: str) -> None:
-        """Forget ``slot`` (its attempt failed); must not raise for an unknown slot."""
+    def discard(self, slot: str, error: BaseException | None = None) -> None:
+        """Forget ``slot``: its attempt failed with ``error``. Must not raise for an unknown slot."""
 
 
 class InMemorySink:
-    """Keeps committed groups in a list, in commit order."""
+    """Keeps committed groups in a list, in commit order, and the last error of each prompt."""
 
     def __init__(self) -> None:
         self.records: list[PromptGroupRecord] = []
         self.reserved: dict[str, int] = {}
         self.discarded: list[str] = []
+        self.last_error: dict[int, BaseException | None] = {}
         self._ids = itertools.count()
 
     def reserve(self, prompt_idx: int) -> str:
@@ -46,6 +47,8 @@ class InMemorySink:
             raise KeyError(f"slot {slot!r} was not reserved, or was already committed or discarded")
         self.records.append(record)
 
-    def discard(self, slot: str) -> None:
-        if self.reserved.pop(slot, None) is not None:
+    def discard(self, slot: str, error: BaseException | None = None) -> None:
+        prompt_idx = self.reserved.pop(slot, None)
+        if prompt_idx is not None:
             self.discarded.append(slot)
+            self.last_error[prompt_idx] = error

@@ -11,7 +11,8 @@ misbehave:
 - ``delay``: wait ``delay_s`` before forwarding.
 
 ``times`` limits a fault to the next N chat requests (then it passes through);
-``stats()`` counts chat requests seen and faults applied.
+``stats()`` counts chat requests seen and faults applied, and shows the last
+``Authorization`` header (so a test knows a planted key really travelled).
 """
 
 from __future__ import annotations
@@ -80,13 +81,13 @@ class FaultGate:
     def set(self, mode: str = "pass", **params: Any) -> None:
         httpx.post(f"http://127.0.0.1:{self.port}/admin/mode", json={"mode": mode, "times": None, **params}, timeout=5).raise_for_status()
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, Any]:
         return httpx.get(f"http://127.0.0.1:{self.port}/admin/stats", timeout=5).json()
 
 
 def build_app(upstream_root: str) -> FastAPI:
     app = FastAPI()
-    state: dict[str, Any] = {"mode": "pass", "times": None, "chat": 0, "faulted": 0}
+    state: dict[str, Any] = {"mode": "pass", "times": None, "chat": 0, "faulted": 0, "auth": None}
     client = httpx.AsyncClient(base_url=upstream_root, timeout=120.0, trust_env=False)
 
     @app.post("/admin/mode")
@@ -95,8 +96,8 @@ def build_app(upstream_root: str) -> FastAPI:
         return state
 
     @app.get("/admin/stats")
-    async def stats() -> dict[str, int]:
-        return {"chat": state["chat"], "faulted": state["faulted"]}
+    async def stats() -> dict[str, Any]:
+        return {"chat": state["chat"], "faulted": state["faulted"], "auth": state["auth"]}
 
     def take_fault() -> str:
         if state["mode"] == "pass" or state["times"] == 0:
@@ -111,6 +112,7 @@ def build_app(upstream_root: str) -> FastAPI:
         mode = take_fault() if path == CHAT_PATH else "pass"
         if path == CHAT_PATH:
             state["chat"] += 1
+            state["auth"] = request.headers.get("authorization")
         if mode == "status":
             error = {"message": state.get("message", "injected fault"), "type": "BadRequestError", "code": state["status"]}
             return JSONResponse({"error": error, "object": "error"}, status_code=state["status"])

@@ -15,6 +15,7 @@ import os
 import signal
 import socket
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -370,6 +371,14 @@ async def test_bad_stream_indices_are_rejected(fault_gym, tiny_tokenizer, plan, 
 # ---- safety: loopback only, no secret in logs or results ------------------------------------
 
 
+def _runs_ray(pid: int) -> bool:
+    """Whether the process has Ray's core library loaded (Ray's gRPC listener binds all interfaces)."""
+    try:
+        return "_raylet" in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+
+
 def _listening(pids) -> list[tuple[int, str, int]]:
     found = []
     for pid in pids:
@@ -389,7 +398,6 @@ async def test_every_socket_is_loopback_and_the_api_key_is_never_written(fault_g
     to bind and are excluded (docs/reliability.md)."""
     import json
     import logging
-    from pathlib import Path
 
     records: list[str] = []
     handler = logging.Handler(level=logging.DEBUG)
@@ -406,6 +414,7 @@ async def test_every_socket_is_loopback_and_the_api_key_is_never_written(fault_g
         root.removeHandler(handler)
         root.setLevel(old_level)
     assert len(sink.records) == 2
+    assert gate.stats()["auth"] == f"Bearer {PLANTED_API_KEY}", "the planted key must really be in use"
 
     info = await fault_gym.server_info.remote()
     gym_pids = set(info["pids"])
@@ -413,7 +422,9 @@ async def test_every_socket_is_loopback_and_the_api_key_is_never_written(fault_g
     sockets = _listening(gym_pids | {gate.proc.pid})
     ports = {port for _, _, port in sockets}
     assert {int(u.rsplit(":", 1)[1]) for u in info["urls"].values()} <= ports, (info["urls"], sockets)
-    assert all(ip in ("127.0.0.1", "::1") for _, ip, _ in sockets), sockets
+    exposed = [(pid, ip, port) for pid, ip, port in sockets if ip not in ("127.0.0.1", "::1")]
+    assert all(_runs_ray(pid) for pid, _, _ in exposed), f"non-loopback listeners not owned by Ray: {exposed}"
+    assert not {int(u.rsplit(":", 1)[1]) for u in info["urls"].values()} & {port for _, _, port in exposed}
     policy_port = int(scripted_policy.root_url.rsplit(":", 1)[1])
     ours = [s for s in _listening([os.getpid()]) if s[2] == policy_port]
     assert ours and all(ip == "127.0.0.1" for _, ip, _ in ours), ours

@@ -38,8 +38,8 @@ from gym_bridge.rollout.nemo_gym import GymRowIndexError
 from gym_bridge.rollout.sink import InMemorySink
 from tests.fault_gate import FaultGate
 from tests.gym_fixtures import (  # noqa: F401 - fixtures
-    EQUIVALENCE_AGENT,
     equivalence_row,
+    gym_actor,
     gym_actor_config,
     scripted_policy,
 )
@@ -366,6 +366,28 @@ async def test_bad_stream_indices_are_rejected(fault_gym, tiny_tokenizer, plan, 
     finally:
         for relay in relays:
             ray.kill(relay)
+
+
+# ---- two NemoGym actors behind one manager -------------------------------------------------
+
+
+async def test_two_actors_share_the_load_and_fail_over(fault_gym, gym_actor, gate, tiny_tokenizer):
+    """Two actors, each with its own Gym servers (the module's, behind the gate, and the session's).
+    Groups go to the actor with the fewest rows in flight, so both get work; when one actor's
+    endpoint fails, the lost rows are re-sent to the other and every group is COMMITTED."""
+    manager = make_manager([fault_gym, gym_actor], tiny_tokenizer, max_gym_row_attempts=2)
+    before = gate.stats()["chat"]
+    outcomes, sink, _ = await collect(manager, [prompt(60 + k) for k in range(6)])
+    assert outcomes == [RolloutOutcome.COMMITTED] * 6
+    through_gate = gate.stats()["chat"] - before
+    assert 0 < through_gate < 6 * N, f"{through_gate} of {6 * N} rows went through the first actor"
+    assert manager.backend.in_flight_rows == [0, 0]
+
+    gate.set("status", status=500)  # the first actor's endpoint breaks
+    outcomes, sink, _ = await collect(manager, [prompt(70 + k) for k in range(4)])
+    assert outcomes == [RolloutOutcome.COMMITTED] * 4
+    assert counts(manager).get("rollout/gym_row_redispatch_total", 0) > 0, counts(manager)
+    assert manager.backend.in_flight_rows == [0, 0]
 
 
 # ---- safety: loopback only, no secret in logs or results ------------------------------------

@@ -54,3 +54,17 @@ def test_missing_keys_are_named(edit, needle):
 def test_no_endpoint_is_an_error():
     with pytest.raises(TrainingConfigError, match="base_urls"):
         nemo_gym_config_from(example())
+
+
+def test_actor_configs_share_or_split_endpoints(tmp_path):
+    from gym_bridge.gym.actor import NemoGymConfig, actor_configs
+
+    config = NemoGymConfig(model_name="m", base_urls=[f"http://h{i}:8000/v1" for i in range(3)], log_dir=tmp_path)
+    assert actor_configs(config, 1) == [config]
+    shared = actor_configs(config, 2)
+    assert [c.base_urls for c in shared] == [config.base_urls] * 2
+    assert [c.log_dir for c in shared] == [tmp_path / "actor-0", tmp_path / "actor-1"]
+    split = actor_configs(config, 2, split_base_urls=True)
+    assert [c.base_urls for c in split] == [["http://h0:8000/v1", "http://h2:8000/v1"], ["http://h1:8000/v1"]]
+    with pytest.raises(ValueError, match="at least one endpoint per actor: 3 base_urls for 4 actors"):
+        actor_configs(config, 4, split_base_urls=True)

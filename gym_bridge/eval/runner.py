@@ -225,7 +225,7 @@ def _start_gym(config: EvalConfig, base_urls: list[str], tokenizer: Any) -> Any:
         actor_options={"num_cpus": 0},
     )
     actor = spinup_nemo_gym_actor(gym_config, tokenizer)
-    rollouts = NemoGymRollouts(manager=None, actor=actor)  # type: ignore[arg-type]
+    rollouts = NemoGymRollouts(manager=None, actors=[actor])  # type: ignore[arg-type]
     try:
         rollouts.manager = RolloutManager(
             tokenizer,

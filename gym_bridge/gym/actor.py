@@ -57,7 +57,15 @@ from gym_bridge.gym.convert import (
 )
 from gym_bridge.gym.servers import GymServerDied, GymServers, GymServersConfig
 
-__all__ = ["NemoGym", "NemoGymConfig", "NemoGymRestarted", "NemoGymUnavailable", "spinup_nemo_gym_actor"]
+__all__ = [
+    "NemoGym",
+    "NemoGymConfig",
+    "NemoGymRestarted",
+    "NemoGymUnavailable",
+    "actor_configs",
+    "spinup_nemo_gym_actor",
+    "spinup_nemo_gym_actors",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -414,19 +422,63 @@ def spinup_nemo_gym_actor(config: NemoGymConfig, tokenizer: Any, *, margin_s: fl
     down and killed, and the typed error (``GymStartupError``, ``GetTimeoutError``, ...)
     is re-raised.
     """
+    return spinup_nemo_gym_actors(config, tokenizer, 1, margin_s=margin_s)[0]
+
+
+def actor_configs(config: NemoGymConfig, num_actors: int, *, split_base_urls: bool = False) -> list[NemoGymConfig]:
+    """One config per actor: its own log folder, and all endpoints or a round-robin share of them."""
+    if num_actors < 1:
+        raise ValueError(f"num_actors must be >= 1, got {num_actors}")
+    if split_base_urls and len(config.base_urls) < num_actors:
+        raise ValueError(
+            f"split_base_urls needs at least one endpoint per actor: {len(config.base_urls)} base_urls "
+            f"for {num_actors} actors"
+        )
+    if num_actors == 1:
+        return [config]
+    configs = []
+    for i in range(num_actors):
+        update: dict[str, Any] = {}
+        if config.log_dir is not None:
+            update["log_dir"] = config.log_dir / f"actor-{i}"
+        if split_base_urls:
+            update["base_urls"] = config.base_urls[i::num_actors]
+        configs.append(config.model_copy(update=update))
+    return configs
+
+
+def spinup_nemo_gym_actors(
+    config: NemoGymConfig,
+    tokenizer: Any,
+    num_actors: int,
+    *,
+    split_base_urls: bool = False,
+    margin_s: float = 60.0,
+) -> list[Any]:
+    """``num_actors`` NemoGym actors, each with its own Gym servers, started concurrently.
+
+    ``config.actor_options`` go to every actor (``scheduling_strategy`` or resources
+    place them on other nodes). The tokenizer is put in the object store once. On any
+    failure every actor is shut down and killed and the first typed error re-raised.
+    """
     import ray
 
-    handle = ray.remote(NemoGym).options(**config.actor_options).remote(config, tokenizer)
+    tokenizer_ref = ray.put(tokenizer)
+    handles = [
+        ray.remote(NemoGym).options(**cfg.actor_options).remote(cfg, tokenizer_ref)
+        for cfg in actor_configs(config, num_actors, split_base_urls=split_base_urls)
+    ]
     try:
-        ray.get(handle.spinup.remote(), timeout=config.startup_timeout_s + margin_s)
+        ray.get([h.spinup.remote() for h in handles], timeout=config.startup_timeout_s + margin_s)
     except BaseException as exc:
-        try:
-            ray.get(handle.shutdown.remote(), timeout=config.shutdown_timeout_s + 10)
-        except Exception:
-            logger.warning("NemoGym shutdown after a failed spinup did not finish; killing the actor")
-        ray.kill(handle)
+        for handle in handles:
+            try:
+                ray.get(handle.shutdown.remote(), timeout=config.shutdown_timeout_s + 10)
+            except Exception:
+                logger.warning("NemoGym shutdown after a failed spinup did not finish; killing the actor")
+            ray.kill(handle)
         cause = getattr(exc, "cause", None)
         if isinstance(cause, Exception):
             raise cause from None
         raise
-    return handle
+    return handles

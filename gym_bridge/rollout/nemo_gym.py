@@ -55,7 +55,9 @@ class AsyncNemoGymRolloutImpl:
     """The ``nemo_gym`` rollout backend.
 
     The NemoGym actor comes from ``nemo_gym_actor=`` or from ``task_to_env["nemo_gym"]``
-    (where NeMo-RL keeps it).
+    (where NeMo-RL keeps it); either may be a list of actors (each with its own Gym
+    servers, same configs), and each attempt then goes to the one with the fewest rows
+    in flight from this backend, avoiding actors that already failed this group.
     """
 
     def __init__(
@@ -94,9 +96,11 @@ class AsyncNemoGymRolloutImpl:
         if max_gym_row_attempts < 1:
             raise ValueError(f"max_gym_row_attempts must be >= 1, got {max_gym_row_attempts}")
         actor = nemo_gym_actor if nemo_gym_actor is not None else (task_to_env or {}).get(NEMO_GYM_TASK)
-        if actor is None:
+        actors = list(actor) if isinstance(actor, (list, tuple)) else [actor]
+        if not actors or any(a is None for a in actors):
             raise ValueError("the nemo_gym backend needs a NemoGym actor: pass nemo_gym_actor= or task_to_env['nemo_gym']")
-        self.actor = actor
+        self.actors = actors
+        self._in_flight = [0] * len(actors)
         self.tokenizer = tokenizer
         self.num_generations = num_generations_per_prompt
         self.max_seq_len = max_seq_len
@@ -141,9 +145,19 @@ class AsyncNemoGymRolloutImpl:
         )
 
     async def _agents(self) -> list[str] | None:
-        if self._known_agents is None and hasattr(self.actor, "agent_names"):
-            self._known_agents = list(await self.actor.agent_names.remote())
+        if self._known_agents is None and hasattr(self.actors[0], "agent_names"):
+            self._known_agents = list(await self.actors[0].agent_names.remote())
         return self._known_agents
+
+    def _pick_actor(self, avoid: set[int]) -> int:
+        """The actor with the fewest rows in flight, preferring those not in ``avoid``."""
+        candidates = [i for i in range(len(self.actors)) if i not in avoid] or list(range(len(self.actors)))
+        return min(candidates, key=lambda i: (self._in_flight[i], i))
+
+    @property
+    def in_flight_rows(self) -> list[int]:
+        """Rows in flight per actor (for metrics and tests)."""
+        return list(self._in_flight)
 
     async def _collect(self, rows: list[dict[str, Any]], prompt_idx: int) -> tuple[list[dict[str, Any]], dict]:
         """Stream the rows through the actor; re-dispatch only missing rows after an infrastructure failure."""
@@ -151,6 +165,7 @@ class AsyncNemoGymRolloutImpl:
         results: list[dict[str, Any] | None] = [None] * n
         timing: dict[str, Any] = {}
         last_error: BaseException | None = None
+        failed_actors: set[int] = set()
         attempts = 0
         for attempts in range(1, self.max_gym_row_attempts + 1):
             pending = [row for row in rows if results[row[ROW_INDEX_KEY]] is None]
@@ -162,10 +177,12 @@ class AsyncNemoGymRolloutImpl:
                     "prompt_idx=%d: re-dispatching %d of %d rows (attempt %d) after %s: %s",
                     prompt_idx, len(pending), n, attempts, type(last_error).__name__, last_error,
                 )
+            actor = self._pick_actor(failed_actors)
             try:
-                timing = await self._stream(pending, results, n) or timing
+                timing = await self._stream(actor, pending, results, n) or timing
             except Exception as exc:
                 last_error = exc
+                failed_actors.add(actor)
                 if classify_rollout_failure(exc) is not FailureClass.INFRA or attempts == self.max_gym_row_attempts:
                     raise
         missing = [i for i, result in enumerate(results) if result is None]
@@ -176,11 +193,14 @@ class AsyncNemoGymRolloutImpl:
             ) from last_error
         return results, timing  # type: ignore[return-value]
 
-    async def _stream(self, pending: list[dict[str, Any]], results: list[Any], n: int) -> dict[str, Any] | None:
+    async def _stream(
+        self, actor: int, pending: list[dict[str, Any]], results: list[Any], n: int
+    ) -> dict[str, Any] | None:
         dispatched = {row[ROW_INDEX_KEY] for row in pending}
         seen: set[int] = set()
         timing = None
-        stream = self.actor.run_rollouts.options(num_returns="streaming").remote(pending, TIMER_PREFIX)
+        self._in_flight[actor] += len(pending)
+        stream = self.actors[actor].run_rollouts.options(num_returns="streaming").remote(pending, TIMER_PREFIX)
         try:
             async for ref in stream:
                 rowidx, result, row_timing = await _unwrapped(ref)
@@ -193,10 +213,12 @@ class AsyncNemoGymRolloutImpl:
                 if rowidx in seen:
                     raise GymRowIndexError(f"duplicate row index {rowidx}")
                 seen.add(rowidx)
+                self._in_flight[actor] -= 1
                 results[rowidx] = result
                 if row_timing:
                     timing = row_timing
         finally:
+            self._in_flight[actor] -= len(pending) - len(seen)
             if len(seen) < len(dispatched):
                 _cancel_quietly(stream)
         return timing

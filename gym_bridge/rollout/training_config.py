@@ -11,6 +11,8 @@ existing config just works:
   to Gym's global config;
 - ``env.nemo_gym.rollout_timeout_s`` and ``env.nemo_gym.max_row_attempts``: the group
   deadline and the row re-dispatch budget;
+- ``env.nemo_gym.num_actors`` (default 1) and ``env.nemo_gym.split_base_urls``: several
+  NemoGym actors, each with its own Gym servers, sharing the endpoints or splitting them;
 - ``policy.generation``: the generation config; ``policy.max_total_sequence_length``:
   ``max_seq_len``; ``grpo.num_generations_per_prompt``: N.
 """
@@ -23,10 +25,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from gym_bridge.failures import RolloutTimeouts
-from gym_bridge.gym.actor import NemoGymConfig, spinup_nemo_gym_actor
+from gym_bridge.gym.actor import NemoGymConfig, spinup_nemo_gym_actors
 from gym_bridge.rollout.manager import RolloutManager
 
-_BRIDGE_KEYS = ("rollout_timeout_s", "max_row_attempts")
+_BRIDGE_KEYS = ("rollout_timeout_s", "max_row_attempts", "num_actors", "split_base_urls")
 
 
 class TrainingConfigError(ValueError):
@@ -76,34 +78,45 @@ def nemo_gym_config_from(config: Mapping[str, Any], *, base_urls: list[str] | No
 
 @dataclass
 class NemoGymRollouts:
-    """What :func:`build_nemo_gym_rollouts` starts: the manager and the actor it owns."""
+    """What :func:`build_nemo_gym_rollouts` starts: the manager and the actors it owns."""
 
     manager: RolloutManager
-    actor: Any
+    actors: list[Any]
+
+    @property
+    def actor(self) -> Any:
+        """The first (usually the only) actor."""
+        return self.actors[0]
 
     def shutdown(self, timeout_s: float = 60.0) -> None:
-        """Stop Gym's servers and the actor; safe to call more than once."""
+        """Stop every actor's Gym servers and the actors; safe to call more than once."""
         import ray
 
         try:
-            ray.get(self.actor.shutdown.remote(), timeout=timeout_s)
+            ray.get([actor.shutdown.remote() for actor in self.actors], timeout=timeout_s)
         finally:
-            ray.kill(self.actor)
+            for actor in self.actors:
+                ray.kill(actor)
 
 
 def build_nemo_gym_rollouts(
     config: Mapping[str, Any], tokenizer: Any, *, base_urls: list[str] | None = None, **manager_kwargs: Any
 ) -> NemoGymRollouts:
-    """Start the NemoGym actor and a ``RolloutManager(use_nemo_gym=True)`` from a training config."""
+    """Start the NemoGym actor(s) and a ``RolloutManager(use_nemo_gym=True)`` from a training config."""
     if not should_use_nemo_gym(config):
         raise TrainingConfigError("the config does not ask for NeMo-Gym: set 'use_nemo_gym: true'")
     gym_config = nemo_gym_config_from(config, base_urls=base_urls)
     generation = dict(_get(config, "policy.generation"))
-    actor = spinup_nemo_gym_actor(gym_config, tokenizer)
+    actors = spinup_nemo_gym_actors(
+        gym_config,
+        tokenizer,
+        int(_get(config, "env.nemo_gym.num_actors", 1)),
+        split_base_urls=bool(_get(config, "env.nemo_gym.split_base_urls", False)),
+    )
     try:
         manager = RolloutManager(
             tokenizer=tokenizer,
-            task_to_env={"nemo_gym": actor},
+            task_to_env={"nemo_gym": actors if len(actors) > 1 else actors[0]},
             num_generations_per_prompt=int(_get(config, "grpo.num_generations_per_prompt")),
             max_seq_len=int(_get(config, "policy.max_total_sequence_length")),
             generation_config=generation,
@@ -113,6 +126,6 @@ def build_nemo_gym_rollouts(
             **manager_kwargs,
         )
     except BaseException:
-        NemoGymRollouts(manager=None, actor=actor).shutdown()  # type: ignore[arg-type]
+        NemoGymRollouts(manager=None, actors=actors).shutdown()  # type: ignore[arg-type]
         raise
-    return NemoGymRollouts(manager=manager, actor=actor)
+    return NemoGymRollouts(manager=manager, actors=actors)

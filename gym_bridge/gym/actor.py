@@ -17,16 +17,17 @@ Errors raised inside the actor are typed and picklable (see
 error ``GymTransportError``; an expired ``request_timeout_s`` ``RolloutTimeout``;
 bad rows and bad results ``RolloutDataFailure`` subclasses.
 
-Rows go straight to each agent's ``POST {agent_url}/run`` over our own httpx
-client, which is what Gym's ``RolloutCollectionHelper.run_examples`` does with
-its aiohttp client (JSON body, ``Content-Type: application/json``, no cookie
-jar), plus a bounded wait and no retry loop.
+Rows go straight to each agent's ``POST {agent_url}/run`` over our own aiohttp
+session, which is what Gym's ``RolloutCollectionHelper.run_examples`` does (JSON
+body, ``Content-Type: application/json``, no cookie jar), plus a bounded wait and
+no retry loop. aiohttp, not httpx, because httpx's connection pool cost 4-8 ms of
+CPU per request at 256-1,024 requests in flight against aiohttp's 0.6 ms
+(benchmarks/RESULTS.md), and this actor sends every row of every group in flight.
 """
 
 from __future__ import annotations
 
 import asyncio
-import http.cookiejar
 import json
 import logging
 import time
@@ -38,7 +39,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
-import httpx
+import aiohttp
+import orjson
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from gym_bridge.failures import (
@@ -47,7 +49,7 @@ from gym_bridge.failures import (
     RolloutDataFailure,
     RolloutTimeout,
     deadline,
-    typed_gym_failure,
+    http_status_is_infra,
 )
 from gym_bridge.gym.convert import (
     DEFAULT_INVALID_TOOL_CALL_PATTERNS,
@@ -129,15 +131,6 @@ class NemoGymConfig(BaseModel):
         )
 
 
-def _cookieless_jar() -> http.cookiejar.CookieJar:
-    """A jar that stores nothing: Gym's client uses aiohttp's DummyCookieJar.
-
-    A stored session cookie would send later rows into an earlier row's
-    resources-server session and pin them to its policy URL.
-    """
-    return http.cookiejar.CookieJar(policy=http.cookiejar.DefaultCookiePolicy(allowed_domains=[]))
-
-
 class NemoGymUnavailable(EnvironmentUnavailable):
     """The actor has no running Gym servers: never spun up, shut down, or a server died (named)."""
 
@@ -154,7 +147,7 @@ class NemoGym:
         self._servers: GymServers | None = None
         self._agent_urls: dict[str, str] = {}
         self._tokenizer: Any = tokenizer
-        self._client: httpx.AsyncClient | None = None
+        self._client: aiohttp.ClientSession | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._spinup_lock = asyncio.Lock()
         self._restarted = _was_restarted()
@@ -238,7 +231,7 @@ class NemoGym:
         self._agent_urls = {}
         try:
             if client is not None:
-                await client.aclose()
+                await client.close()
         except Exception:
             logger.exception("closing the NeMo-Gym client failed")
         try:
@@ -340,13 +333,20 @@ class NemoGym:
             )
         return self._agent_urls[name]
 
-    def _http_client(self) -> httpx.AsyncClient:
+    def _http_client(self) -> aiohttp.ClientSession:
+        """The session towards the agents, made on the actor's loop at first use.
+
+        Its cookie jar stores nothing, as Gym's does: a stored session cookie would send
+        later rows into an earlier row's resources-server session and pin its policy URL.
+        Deadlines are ours (``deadline``), so the session has none of its own but connect.
+        """
         if self._client is None:
             cfg = self.cfg
-            self._client = httpx.AsyncClient(
-                timeout=httpx.Timeout(cfg.request_timeout_s, connect=cfg.connect_timeout_s),
-                limits=httpx.Limits(max_connections=cfg.max_connections, max_keepalive_connections=cfg.max_connections),
-                cookies=_cookieless_jar(),
+            self._client = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=cfg.max_connections, limit_per_host=0),
+                cookie_jar=aiohttp.DummyCookieJar(),
+                timeout=aiohttp.ClientTimeout(total=None, connect=cfg.connect_timeout_s),
+                json_serialize=lambda obj: orjson.dumps(obj).decode(),
                 trust_env=False,
             )
         return self._client
@@ -357,28 +357,25 @@ class NemoGym:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nemo-gym-convert")
         return self._executor
 
-    async def _post(self, client: httpx.AsyncClient, url: str, row: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
+    async def _post(self, client: aiohttp.ClientSession, url: str, row: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
         where = f"NeMo-Gym /run at {url} for _rowidx={row['_rowidx']} (agent {row['agent_ref']['name']!r})"
         try:
             async with deadline(self.cfg.request_timeout_s, where):
-                response = await client.post(f"{url}/run", json=row)
+                async with client.post(f"{url}/run", json=row) as response:
+                    status, body = response.status, await response.read()
         except RolloutTimeout:
             raise
-        except httpx.TimeoutException as exc:
-            raise RolloutTimeout(f"{where}: {type(exc).__name__}: {exc}") from None
-        except httpx.TransportError as exc:
+        except (aiohttp.ClientError, TimeoutError) as exc:
             self._raise_if_a_server_died(where)
             raise GymTransportError(f"{where} failed in transport: {type(exc).__name__}: {exc}") from None
-        if response.is_error:
-            body = response.text
-            try:
-                response.raise_for_status()
-            except httpx.HTTPStatusError as exc:
-                failure = typed_gym_failure(exc)
-            if isinstance(failure, GymTransportError):
+        if status >= 400:
+            infra = http_status_is_infra(status)
+            if infra:
                 self._raise_if_a_server_died(where)
-            raise type(failure)(f"{failure}; {where}; body: {body[:_BODY_LIMIT]}") from None
-        return row, response.content
+            failure = GymTransportError if infra else RolloutDataFailure
+            text = body[:_BODY_LIMIT].decode(errors="replace")
+            raise failure(f"NeMo-Gym /run failed with HTTP {status}; {where}; body: {text}")
+        return row, body
 
     def _raise_if_a_server_died(self, where: str) -> None:
         """After a failed /run, name a dead Gym server (the likely cause) instead of a nested 500."""
@@ -388,7 +385,7 @@ class NemoGym:
 
     def _convert(self, row: dict[str, Any], body: bytes) -> dict[str, Any]:
         try:
-            result = json.loads(body)
+            result = _loads(body)
         except ValueError as exc:
             raise GymResultError(f"_rowidx={row['_rowidx']}: /run returned invalid JSON: {exc}") from None
         try:
@@ -401,6 +398,15 @@ class NemoGym:
             )
         except GymResultError as exc:
             raise type(exc)(f"_rowidx={row['_rowidx']} (agent {row['agent_ref']['name']!r}): {exc}") from None
+
+
+def _loads(body: bytes) -> Any:
+    """orjson for speed; the stdlib for what orjson refuses but Python's json writes (NaN, Infinity),
+    so a NaN logprob is reported as such by the conversion instead of as invalid JSON."""
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return json.loads(body)
 
 
 def _was_restarted() -> bool:

@@ -8,7 +8,7 @@ export TOKENIZERS_PARALLELISM := false
 # uv from PATH when it runs, else the one `make setup` installs for this Python.
 UV := $(shell uv --version >/dev/null 2>&1 && echo uv || echo "$(PYTHON) -m uv")
 
-.PHONY: setup demo test clean bench-serve example-gym
+.PHONY: setup demo test clean bench-serve bench-bridge example-gym
 
 setup:
 	@$(UV) --version >/dev/null 2>&1 || $(PYTHON) -m pip install --quiet --disable-pip-version-check uv
@@ -26,6 +26,9 @@ clean:
 
 bench-serve: setup
 	$(UV) run python benchmarks/serve_throughput.py
+
+bench-bridge: setup
+	$(UV) run python benchmarks/bridge_throughput.py
 
 example-gym: setup
 	$(UV) run python examples/nemo_gym_rollout.py examples/nemo_gym_grpo.yaml

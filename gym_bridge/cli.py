@@ -67,7 +67,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _local_server(args: argparse.Namespace):
-    """Our server over the local model (or the scripted policy on its tokenizer)."""
+    """Our server over the local model (or the scripted or instant policy on its tokenizer)."""
     from transformers import AutoTokenizer
 
     from gym_bridge.models.tiny import resolve_model_path
@@ -79,6 +79,11 @@ def _local_server(args: argparse.Namespace):
 
         tokenizer = AutoTokenizer.from_pretrained(path)
         generation = ScriptedGeneration(tokenizer, max_new_tokens=args.max_new_tokens, think=args.reasoning_parser)
+    elif args.policy == "instant":
+        from gym_bridge.generation.instant import InstantGeneration
+
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        generation = InstantGeneration(tokenizer, args.answer_tokens, max_new_tokens=args.max_new_tokens)
     else:
         from gym_bridge.generation.hf import HFGeneration, HFGenerationConfig
 
@@ -156,7 +161,13 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.set_defaults(func=_build_tiny)
     serve = commands.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API until SIGINT/SIGTERM")
     serve.add_argument("--model", default="tiny", help='"tiny" or a local model folder')
-    serve.add_argument("--policy", choices=["hf", "scripted"], default="hf")
+    serve.add_argument(
+        "--policy",
+        choices=["hf", "scripted", "instant"],
+        default="hf",
+        help="hf: the model; scripted: rule-based replies; instant: a fixed reply, no model (benchmarks)",
+    )
+    serve.add_argument("--answer-tokens", type=int, default=16, help="with --policy instant: reply length, EOS included")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--served-model-name", default=None, help="default: the --model value")

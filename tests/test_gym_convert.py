@@ -182,6 +182,36 @@ def test_malformed_results(tiny_tokenizer, result):
         convert_gym_result(result, tiny_tokenizer)
 
 
+@pytest.mark.parametrize(
+    ("field", "values", "error"),
+    [
+        ("generation_log_probs", [LP, None], NaNLogprobs),
+        ("generation_log_probs", [LP, "x"], GymResultError),
+        ("generation_log_probs", [LP, [LP]], GymResultError),
+        ("generation_token_ids", [52, True], GymResultError),
+        ("generation_token_ids", [52, 2.0], GymResultError),
+        ("generation_token_ids", [52, 2**64], GymResultError),
+        ("prompt_token_ids", [*P1[:-1], "13"], GymResultError),
+    ],
+    ids=["null-logprob", "str-logprob", "nested-logprob", "bool-token", "float-token", "huge-token", "str-prompt"],
+)
+def test_bad_token_data(tiny_tokenizer, field, values, error):
+    result = _result([_tokens(_message("4"), P1, [52, 2])])
+    result["response"]["output"][0][field] = values
+    with pytest.raises(error):
+        convert_gym_result(result, tiny_tokenizer)
+
+
+def test_values_are_exact(tiny_tokenizer):
+    logprobs = [-0.1, -1e-9, -123.456]
+    result = _result([_tokens(_message("4"), [0, 2**31 - 1, 7], [2**32 - 1, 0, 5])])
+    result["response"]["output"][0]["generation_log_probs"] = logprobs
+    log = convert_gym_result(result, tiny_tokenizer, on_drift="raise")["message_log"]
+    assert log[0]["token_ids"].tolist() == [0, 2**31 - 1, 7]
+    assert log[1]["token_ids"].tolist() == [2**32 - 1, 0, 5]
+    assert torch.equal(log[1]["generation_logprobs"], torch.tensor(logprobs, dtype=torch.float32))
+
+
 def test_logprob_length_mismatch(tiny_tokenizer):
     result = _result([_tokens(_message("4"), P1, [52, 2])])
     result["response"]["output"][0]["generation_log_probs"] = [LP]

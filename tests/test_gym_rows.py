@@ -66,6 +66,16 @@ def test_build_rows_stamps_sampling_cap_and_index_on_copies():
     assert uncapped[0]["responses_create_params"]["max_output_tokens"] == 32
 
 
+def test_build_rows_copies_every_level():
+    template = {**ROW, "meta": {"tags": ["a", ("b", ["c"])], "n": 1.5, "ok": True, "none": None}}
+    rows = build_rows(template, 2, GenerationSamplingParams(), max_new_tokens=None)
+    first, second = rows
+    assert first["meta"] == template["meta"] and first["meta"] is not template["meta"]
+    first["meta"]["tags"][1][1].append("d")
+    first["meta"]["tags"].append("e")
+    assert template["meta"]["tags"] == ["a", ("b", ["c"])] and second["meta"]["tags"] == ["a", ("b", ["c"])]
+
+
 def test_known_create_params_fields_match_the_installed_gym():
     from nemo_gym.openai_utils import NeMoGymResponseCreateParamsNonStreaming as GymParams
 

@@ -16,7 +16,7 @@ template glue) followed by an assistant message (the generated tokens).
 
 from __future__ import annotations
 
-import math
+import array
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -46,6 +46,8 @@ DEFAULT_THINKING_TAGS: tuple[str, ...] = ("<think>", "</think>")
 
 _TOKEN_KEYS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs", "routed_experts")
 _DRIFT_WINDOW = 4
+_INT_TYPE = {int}
+_ARRAY_TYPECODES = {torch.int64: "q", torch.float32: "f"}
 
 
 class GymResultError(RolloutDataFailure):
@@ -130,7 +132,8 @@ def convert_gym_result(
     output = _output_items(result)
     message_log: list[dict[str, Any]] = []
     seen: list[int] = []
-    converted: list[tuple[dict[str, Any], list[int], list[int]]] = []
+    history: list[torch.Tensor] = []
+    converted: list[tuple[dict[str, Any], torch.Tensor, torch.Tensor]] = []
     drift: dict[str, Any] | None = None
     turn = -1
     for item in output:
@@ -146,8 +149,7 @@ def convert_gym_result(
                 f"{len(logprobs) if isinstance(logprobs, list) else type(logprobs).__name__} entries "
                 f"for {len(generation)} generation_token_ids"
             )
-        if any(lp is None or (isinstance(lp, float) and math.isnan(lp)) for lp in logprobs):
-            raise NaNLogprobs(f"model call {turn}: generation logprobs contain NaN (or null)")
+        logprob_tensor = _logprob_tensor(logprobs, turn)
         position = _first_difference(seen, prompt)
         if position is not None:
             drift = {
@@ -162,24 +164,27 @@ def convert_gym_result(
         for key in _TOKEN_KEYS:
             item.pop(key, None)
         invalid, malformed = detect_tool_call_and_thinking_flags(item, invalid_tool_call_patterns, thinking_tags)
-        message_log.append(
-            {"role": "user", "content": "", "token_ids": torch.tensor(prompt[len(seen) :], dtype=TOKEN_DTYPE)}
-        )
+        user_ids = _token_tensor(prompt[len(seen) :], turn)
+        generation_ids = _token_tensor(generation, turn)
+        message_log.append({"role": "user", "content": "", "token_ids": user_ids})
         message_log.append(
             {
                 "role": "assistant",
                 "content": "",
-                "token_ids": torch.tensor(generation, dtype=TOKEN_DTYPE),
-                "generation_logprobs": torch.tensor(logprobs, dtype=LOGPROB_DTYPE),
+                "token_ids": generation_ids,
+                "generation_logprobs": logprob_tensor,
                 "is_invalid_tool_call": invalid,
                 "has_malformed_thinking": malformed,
             }
         )
+        history.append(user_ids)
+        converted.append((item, torch.cat(history), generation_ids))
+        history.append(generation_ids)
         seen = prompt + generation
-        converted.append((item, prompt, generation))
 
     if not converted:
         raise MissingGenerationData(_missing_message(result, output, tokenizer))
+    # Tensors, not lists: transformers checks a list's every element in Python before decoding it.
     prompt_strs = tokenizer.batch_decode([p for _, p, _ in converted])
     generation_strs = tokenizer.batch_decode([g for _, _, g in converted])
     for (item, _, _), prompt_str, generation_str in zip(converted, prompt_strs, generation_strs, strict=True):
@@ -207,13 +212,43 @@ def _output_items(result: Any) -> list[Any]:
 
 
 def _int_list(value: Any, name: str, turn: int) -> list[int]:
-    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+    # set(map(type, ...)) runs in C: a prompt holds every earlier turn, so this is checked O(turns²) times.
+    if not isinstance(value, list) or not set(map(type, value)) <= _INT_TYPE:
         raise GymResultError(f"model call {turn}: {name} must be a list of ints, got {type(value).__name__}")
     return value
 
 
+def _tensor(values: list[Any], dtype: torch.dtype) -> torch.Tensor:
+    """A 1-D tensor of Python numbers, built through ``array.array``: about 4x faster than ``torch.tensor``."""
+    if not values:
+        return torch.empty(0, dtype=dtype)
+    return torch.frombuffer(array.array(_ARRAY_TYPECODES[dtype], values), dtype=dtype)
+
+
+def _token_tensor(token_ids: list[int], turn: int) -> torch.Tensor:
+    try:
+        return _tensor(token_ids, TOKEN_DTYPE)
+    except OverflowError:
+        raise GymResultError(f"model call {turn}: a token id is outside the int64 range") from None
+
+
+def _logprob_tensor(logprobs: list[Any], turn: int) -> torch.Tensor:
+    """The float32 tensor of one call's logprobs; NaN or null is :class:`NaNLogprobs`."""
+    try:
+        tensor = _tensor(logprobs, LOGPROB_DTYPE)
+    except (TypeError, OverflowError):
+        if any(lp is None for lp in logprobs):
+            raise NaNLogprobs(f"model call {turn}: generation logprobs contain NaN (or null)") from None
+        raise GymResultError(f"model call {turn}: generation_log_probs must be a list of numbers") from None
+    if bool(tensor.isnan().any()):
+        raise NaNLogprobs(f"model call {turn}: generation logprobs contain NaN (or null)")
+    return tensor
+
+
 def _first_difference(history: list[int], prompt: list[int]) -> int | None:
     """The first index where ``prompt`` stops extending ``history``; None if it does."""
+    if prompt[: len(history)] == history:
+        return None
     for i, token in enumerate(history):
         if i >= len(prompt) or prompt[i] != token:
             return i

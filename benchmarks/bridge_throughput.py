@@ -675,7 +675,10 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[64, 256, 1024], help="rows in flight")
     parser.add_argument("--conversion-iterations", type=int, default=512)
     parser.add_argument("--skip-hf", action="store_true", help="skip the tiny-model context run")
-    parser.add_argument("--gc-freeze", action="store_true", help="gc.freeze() the driver's heap after start-up")
+    parser.add_argument(
+        "--no-gc-freeze", dest="gc_freeze", action="store_false",
+        help="do not gc.freeze() the driver's heap after start-up (the eval runner does; a training driver should)",
+    )
     parser.add_argument("--no-write", action="store_true", help=f"print only; do not append to {RESULTS.name}")
     args = parser.parse_args()
     if any(c % GROUP for c in args.concurrency):

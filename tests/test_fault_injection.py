@@ -333,17 +333,18 @@ class TamperingRelay:
         self.calls += 1
         k = 0
         async for ref in self.inner.run_rollouts.options(num_returns="streaming").remote(rows, timer_prefix):
-            rowidx, result, timing = await ref
-            if self.plan == "never_dispatched" and self.calls == 1 and k == len(rows) - 1:
-                raise GymTransportError("injected: the last row was lost")
-            if self.plan == "never_dispatched" and self.calls == 2:  # a row that arrived in the first attempt
-                rowidx = min(set(range(N)) - {row["_rowidx"] for row in rows})
-            if self.plan == "out_of_range":
-                rowidx += 100
-            yield rowidx, result, timing
-            if self.plan == "duplicate":
-                yield rowidx, result, None
-            k += 1
+            batch, timing = await ref
+            for rowidx, result in batch:
+                if self.plan == "never_dispatched" and self.calls == 1 and k == len(rows) - 1:
+                    raise GymTransportError("injected: the last row was lost")
+                if self.plan == "never_dispatched" and self.calls == 2:  # a row that arrived in the first attempt
+                    rowidx = min(set(range(N)) - {row["_rowidx"] for row in rows})
+                if self.plan == "out_of_range":
+                    rowidx += 100
+                yield [(rowidx, result)], timing
+                if self.plan == "duplicate":
+                    yield [(rowidx, result)], None
+                k += 1
 
 
 @pytest.mark.parametrize(

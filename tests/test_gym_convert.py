@@ -249,3 +249,26 @@ def test_flags_reach_the_log_with_custom_patterns(tiny_tokenizer):
         result, tiny_tokenizer, invalid_tool_call_patterns=("CALL:",), thinking_tags=("[[r]]", "[[/r]]")
     )["message_log"]
     assert log[1]["is_invalid_tool_call"] is True and log[1]["has_malformed_thinking"] is True
+
+
+def test_numpy_round_trip_keeps_dtypes_values_and_the_shared_input_message():
+    import pickle
+
+    import numpy as np
+
+    from gym_bridge.gym.convert import with_numpy, with_tensors
+
+    log = [
+        {"role": "user", "content": "", "token_ids": torch.tensor([1, 2, 3], dtype=torch.int64)},
+        {"role": "assistant", "content": "", "token_ids": torch.tensor([4], dtype=torch.int64),
+         "generation_logprobs": torch.tensor([-0.5], dtype=torch.float32), "is_invalid_tool_call": False},
+    ]
+    result = {"message_log": log, "input_message_log": log[:1], "full_result": {}, "token_drift": None}
+    shipped = pickle.loads(pickle.dumps(with_numpy(result)))
+    assert isinstance(shipped["message_log"][0]["token_ids"], np.ndarray)
+    back = with_tensors(shipped)
+    assert back["input_message_log"][0] is back["message_log"][0]
+    assert back["message_log"][0]["token_ids"].dtype == torch.int64
+    assert back["message_log"][0]["token_ids"].tolist() == [1, 2, 3]
+    assert back["message_log"][1]["generation_logprobs"].dtype == torch.float32
+    assert back["message_log"][1]["is_invalid_tool_call"] is False

@@ -71,11 +71,11 @@ class ScriptedStreamActor:
             if plan == "data_failure":
                 raise RolloutDataFailure("NeMo-Gym /run failed with HTTP 422: bad row")
             timing = {f"{timer_prefix}/await_results": 0.1} if k == len(indices) - 1 else None
-            yield (i, fake_result(i, reward=float(i)), timing)
+            yield [(i, fake_result(i, reward=float(i)))], timing
             if plan == "duplicate":
-                yield (i, fake_result(i), None)
+                yield [(i, fake_result(i))], None
         if plan == "stale":
-            yield (99, fake_result(0), None)
+            yield [(99, fake_result(0))], None
         if plan == "short":
             return
 

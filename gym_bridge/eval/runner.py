@@ -10,6 +10,7 @@ cancelled, finished results stay on disk, Gym and the embedded server are stoppe
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import math
 import os
@@ -147,6 +148,7 @@ def _run_pending(
                     state.reward_sum += math.fsum(c["reward"] for c in record["completions"])
                     state.reward_count += len(record["completions"])
                 outcome.rollouts_started = time.time()
+                gc.freeze()  # start-up's objects leave the collector's view: no long full-GC pauses mid-run
                 try:
                     return asyncio.run(_dispatch_all(config, pending, store, rollouts.manager, tokenizer, state, outcome))
                 finally:

@@ -56,6 +56,7 @@ from gym_bridge.gym.convert import (
     DEFAULT_THINKING_TAGS,
     GymResultError,
     convert_gym_result,
+    with_numpy,
 )
 from gym_bridge.gym.servers import GymServerDied, GymServers, GymServersConfig
 
@@ -246,11 +247,14 @@ class NemoGym:
 
     async def run_rollouts(
         self, rows: Sequence[dict[str, Any]], timer_prefix: str = "timing/rollout"
-    ) -> AsyncIterator[tuple[int, dict[str, Any], dict[str, float] | None]]:
-        """Yield ``(row["_rowidx"], converted_result, timing_or_None)`` per row in completion order.
+    ) -> AsyncIterator[tuple[list[tuple[int, dict[str, Any]]], dict[str, float] | None]]:
+        """Yield ``(batch, timing_or_None)`` in completion order; ``batch`` is ``[(row["_rowidx"], result), ...]``.
 
-        Every row is posted to its agent's ``/run`` at once. The element that
-        completes the call carries ``{prefix}/await_results``,
+        Every row is posted to its agent's ``/run`` at once. Rows that finish while a
+        batch is being converted travel together in the next element (one Ray message
+        instead of one per row), their message logs as numpy arrays
+        (:func:`~gym_bridge.gym.convert.with_tensors` restores the tensors). The
+        element that completes the call carries ``{prefix}/await_results``,
         ``{prefix}/postprocess_results`` and ``{prefix}/postprocess_results_pct``
         (seconds; pct of this generator's own time, consumer time excluded).
         The first failure ends the stream and cancels the rows still in flight.
@@ -267,33 +271,41 @@ class NemoGym:
         consumer_s = await_s = postprocess_s = 0.0
         pending = Counter(row["agent_ref"]["name"] for row in rows)
         self._check_servers(servers, "before dispatch")
+        finished: asyncio.Queue[asyncio.Task[Any]] = asyncio.Queue()
         tasks = [asyncio.create_task(self._post(client, url, row)) for url, row in zip(urls, rows, strict=True)]
-        # The watch only ever finishes by raising, so the first len(rows) completions are rows unless a server died.
+        # The watch only ever finishes by raising (a Gym server died), which fails the stream.
         tasks.append(asyncio.create_task(self._watch_servers(servers)))
-        completions = asyncio.as_completed(tasks)
+        for task in tasks:
+            task.add_done_callback(finished.put_nowait)
+        remaining = len(rows)
         try:
-            for done in range(1, len(rows) + 1):
+            while remaining:
                 t0 = time.perf_counter()
-                row, body = await next(completions)
+                ready = [await finished.get()]
+                while not finished.empty():
+                    ready.append(finished.get_nowait())
+                posted = [task.result() for task in ready]  # raises the first failure
                 t1 = time.perf_counter()
-                result = await loop.run_in_executor(self._convert_executor(), partial(self._convert, row, body))
+                batch = await loop.run_in_executor(self._convert_executor(), partial(self._convert_batch, posted))
                 t2 = time.perf_counter()
                 await_s += t1 - t0
                 postprocess_s += t2 - t1
-                pending[row["agent_ref"]["name"]] -= 1
+                remaining -= len(batch)
+                for row, _ in posted:
+                    pending[row["agent_ref"]["name"]] -= 1
                 timing = None
-                if done == len(rows):
+                if not remaining:
                     total = t2 - started - consumer_s
                     timing = {
                         f"{timer_prefix}/await_results": await_s,
                         f"{timer_prefix}/postprocess_results": postprocess_s,
                         f"{timer_prefix}/postprocess_results_pct": 100.0 * postprocess_s / total if total > 0 else 0.0,
                     }
-                elif done % _PROGRESS_EVERY == 0:
+                elif (done := len(rows) - remaining) // _PROGRESS_EVERY > (done - len(batch)) // _PROGRESS_EVERY:
                     busiest = [(n, c) for n, c in pending.most_common(5) if c > 0]
                     logger.info("NeMo-Gym rollouts: %d/%d done; remaining by agent: %s", done, len(rows), busiest)
                 y0 = time.perf_counter()
-                yield row["_rowidx"], result, timing
+                yield batch, timing
                 consumer_s += time.perf_counter() - y0
         finally:
             for task in tasks:
@@ -383,6 +395,9 @@ class NemoGym:
             raise NemoGymUnavailable(f"{where}: the NemoGym actor was shut down")
         self._check_servers(self._servers, f"{where} failed because a Gym server died")
 
+    def _convert_batch(self, posted: list[tuple[dict[str, Any], bytes]]) -> list[tuple[int, dict[str, Any]]]:
+        return [(row["_rowidx"], with_numpy(self._convert(row, body))) for row, body in posted]
+
     def _convert(self, row: dict[str, Any], body: bytes) -> dict[str, Any]:
         try:
             result = _loads(body)
@@ -464,14 +479,14 @@ def spinup_nemo_gym_actors(
     """``num_actors`` NemoGym actors, each with its own Gym servers, started concurrently.
 
     ``config.actor_options`` go to every actor (``scheduling_strategy`` or resources
-    place them on other nodes). The tokenizer is put in the object store once. On any
+    place them on other nodes). On any
     failure every actor is shut down and killed and the first typed error re-raised.
     """
     import ray
 
-    tokenizer_ref = ray.put(tokenizer)
+    # By value, not ray.put: Ray re-runs the constructor on a restart, and a put object may be gone by then.
     handles = [
-        ray.remote(NemoGym).options(**cfg.actor_options).remote(cfg, tokenizer_ref)
+        ray.remote(NemoGym).options(**cfg.actor_options).remote(cfg, tokenizer)
         for cfg in actor_configs(config, num_actors, split_base_urls=split_base_urls)
     ]
     try:

@@ -10,6 +10,7 @@ Multi-turn episodes happen inside Gym, so ``max_rollout_turns`` must be 1.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
@@ -30,6 +31,7 @@ from gym_bridge.failures import (
     classify_rollout_failure,
     deadline,
 )
+from gym_bridge.gym.convert import with_tensors
 from gym_bridge.gym.rows import ROW_INDEX_KEY, build_rows, validate_row
 from gym_bridge.metrics import calculate_single_metric, pct, summarize
 from gym_bridge.types import (
@@ -119,6 +121,7 @@ class AsyncNemoGymRolloutImpl:
         template = datum.get("extra_env_info")
         validate_row(template, prompt_idx=prompt_idx, known_agents=await self._agents())
         rows = build_rows(template, self.num_generations, self.sampling, self.max_new_tokens)  # type: ignore[arg-type]
+        await asyncio.sleep(0)  # let the loop breathe between groups launched together (event-loop lag)
 
         t_run = time.perf_counter()
         async with deadline(self.timeouts.rollout_s, "NeMo-Gym prompt group"):
@@ -203,25 +206,33 @@ class AsyncNemoGymRolloutImpl:
         stream = self.actors[actor].run_rollouts.options(num_returns="streaming").remote(pending, TIMER_PREFIX)
         try:
             async for ref in stream:
-                rowidx, result, row_timing = await _unwrapped(ref)
-                if not isinstance(rowidx, int) or isinstance(rowidx, bool):
-                    raise GymRowIndexError(f"row index {rowidx!r} is not an int")
-                if not 0 <= rowidx < n:
-                    raise GymRowIndexError(f"row index {rowidx} is outside the expected range [0, {n})")
-                if rowidx not in dispatched:
-                    raise GymRowIndexError(f"row index {rowidx} came back, which was not dispatched in this attempt")
-                if rowidx in seen:
-                    raise GymRowIndexError(f"duplicate row index {rowidx}")
-                seen.add(rowidx)
-                self._in_flight[actor] -= 1
-                results[rowidx] = result
-                if row_timing:
-                    timing = row_timing
+                batch, batch_timing = await _unwrapped(ref)
+                for rowidx, result in batch:
+                    self._accept(actor, rowidx, result, results, n, dispatched, seen)
+                if batch_timing:
+                    timing = batch_timing
         finally:
             self._in_flight[actor] -= len(pending) - len(seen)
             if len(seen) < len(dispatched):
                 _cancel_quietly(stream)
         return timing
+
+    def _accept(
+        self, actor: int, rowidx: Any, result: dict[str, Any], results: list[Any], n: int,
+        dispatched: set[int], seen: set[int],
+    ) -> None:
+        """Check one streamed row index and keep its result (tensors restored)."""
+        if not isinstance(rowidx, int) or isinstance(rowidx, bool):
+            raise GymRowIndexError(f"row index {rowidx!r} is not an int")
+        if not 0 <= rowidx < n:
+            raise GymRowIndexError(f"row index {rowidx} is outside the expected range [0, {n})")
+        if rowidx not in dispatched:
+            raise GymRowIndexError(f"row index {rowidx} came back, which was not dispatched in this attempt")
+        if rowidx in seen:
+            raise GymRowIndexError(f"duplicate row index {rowidx}")
+        seen.add(rowidx)
+        self._in_flight[actor] -= 1
+        results[rowidx] = with_tensors(result)
 
     def _completion(self, result: dict[str, Any], prompt_idx: int, rowidx: int) -> Completion:
         full_result = result["full_result"]

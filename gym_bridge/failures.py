@@ -58,6 +58,7 @@ __all__ = [
     "classify_rollout_failure",
     "deadline",
     "gather_cancel_siblings",
+    "gym_status_failure",
     "http_status_is_infra",
     "typed_gym_failure",
 ]
@@ -235,7 +236,12 @@ def typed_gym_failure(exc: BaseException) -> BaseException:
     if status is None:
         return exc
     detail = getattr(exc, "message", None) or str(exc) or type(exc).__name__
-    message = f"NeMo-Gym /run failed with HTTP {status}: {_short(str(detail))}"
+    return gym_status_failure(status, _short(str(detail)))
+
+
+def gym_status_failure(status: int, detail: str) -> RolloutFailure:
+    """The typed failure for NeMo-Gym's ``/run`` answering HTTP ``status``: infra or data by the status."""
+    message = f"NeMo-Gym /run failed with HTTP {status}: {detail}"
     return GymTransportError(message) if http_status_is_infra(status) else RolloutDataFailure(message)
 
 

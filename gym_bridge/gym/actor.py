@@ -49,7 +49,7 @@ from gym_bridge.failures import (
     RolloutDataFailure,
     RolloutTimeout,
     deadline,
-    http_status_is_infra,
+    gym_status_failure,
 )
 from gym_bridge.gym.convert import (
     DEFAULT_INVALID_TOOL_CALL_PATTERNS,
@@ -381,12 +381,10 @@ class NemoGym:
             self._raise_if_a_server_died(where)
             raise GymTransportError(f"{where} failed in transport: {type(exc).__name__}: {exc}") from None
         if status >= 400:
-            infra = http_status_is_infra(status)
-            if infra:
+            failure = gym_status_failure(status, f"{where}; body: {body[:_BODY_LIMIT].decode(errors='replace')}")
+            if isinstance(failure, GymTransportError):
                 self._raise_if_a_server_died(where)
-            failure = GymTransportError if infra else RolloutDataFailure
-            text = body[:_BODY_LIMIT].decode(errors="replace")
-            raise failure(f"NeMo-Gym /run failed with HTTP {status}; {where}; body: {text}")
+            raise failure
         return row, body
 
     def _raise_if_a_server_died(self, where: str) -> None:

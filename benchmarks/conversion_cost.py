@@ -203,12 +203,15 @@ def measure(tokenizer: Any, case: str, turns: int, total_tokens: int = 2000, ite
     )
 
 
-def measure_all(tokenizer: Any, iterations: int = 512) -> list[ConversionCost]:
-    """Warm up, then the 1-turn and 8-turn cases of 2,000 tokens each."""
+TURN_COUNTS = (1, 2, 4, 8, 16)
+
+
+def measure_all(tokenizer: Any, iterations: int = 512, turn_counts: tuple[int, ...] = TURN_COUNTS) -> list[ConversionCost]:
+    """Warm up, then rows of 2,000 tokens with each turn count (the multi-turn ones are tool calls)."""
     measure(tokenizer, "warm-up", 2, 200, iterations=GROUP)
     return [
-        measure(tokenizer, "1 turn", 1, 2000, iterations),
-        measure(tokenizer, "8 turns (tool calls)", 8, 2000, iterations),
+        measure(tokenizer, "1 turn" if turns == 1 else f"{turns} turns (tool calls)", turns, 2000, iterations)
+        for turns in turn_counts
     ]
 
 

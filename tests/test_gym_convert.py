@@ -272,3 +272,60 @@ def test_numpy_round_trip_keeps_dtypes_values_and_the_shared_input_message():
     assert back["message_log"][0]["token_ids"].tolist() == [1, 2, 3]
     assert back["message_log"][1]["generation_logprobs"].dtype == torch.float32
     assert back["message_log"][1]["is_invalid_tool_call"] is False
+
+
+_DECODE_TEXT = (
+    "<|im_start|>user\nWeather in 東京 and Zürich? 🌧️🌤️ ok.<|im_end|>\n<|im_start|>assistant\n"
+    "It's 12°C — drizzle; naïve café ☕ résumé.<|im_end|>\n<|im_start|>user\n🙂 thanks!<|im_end|>\n"
+)
+
+
+def _random_turns(ids: list[int], rng, turns: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    cuts = sorted(rng.sample(range(1, len(ids)), 2 * turns - 1))
+    bounds = [0, *cuts, len(ids)]
+    pieces = [torch.tensor(ids[a:b], dtype=torch.int64) for a, b in zip(bounds, bounds[1:])]
+    return pieces[0::2], pieces[1::2]
+
+
+def test_decode_turns_equals_whole_prompt_decodes_at_any_split(tiny_tokenizer):
+    """Split points inside multi-byte characters (U+FFFD pieces) fall back to whole decodes; the strings never differ."""
+    import random
+
+    from gym_bridge.gym.convert import _decodes_by_concatenation, decode_turns
+
+    assert _decodes_by_concatenation(tiny_tokenizer)  # the fast path is the one under test
+    ids = tiny_tokenizer.encode(_DECODE_TEXT * 3, add_special_tokens=False)
+    rng = random.Random(0)
+    split_chars = 0
+    for _ in range(300):
+        users, gens = _random_turns(ids, rng, rng.randint(1, 8))
+        prompts, generations = decode_turns(tiny_tokenizer, users, gens)
+        for k in range(len(users)):
+            whole = torch.cat([t for pair in zip(users[: k + 1], gens) for t in pair][: 2 * k + 1])
+            assert prompts[k] == tiny_tokenizer.decode(whole)
+            assert generations[k] == tiny_tokenizer.decode(gens[k])
+        split_chars += any("\ufffd" in tiny_tokenizer.decode(t) for t in users + gens)
+    assert split_chars > 0  # some splits did cut a character, so the fallback ran
+
+
+def test_decode_turns_decodes_whole_prompts_for_other_decoders(tiny_tokenizer):
+    """A tokenizer without a byte-level decoder (or with space clean-up) gets each prompt decoded whole."""
+    from gym_bridge.gym.convert import _decodes_by_concatenation, decode_turns
+
+    class CleanUp:
+        backend_tokenizer = tiny_tokenizer.backend_tokenizer
+        clean_up_tokenization_spaces = True
+        calls: list[list[int]] = []
+
+        def batch_decode(self, seqs):
+            self.calls.extend(s.tolist() for s in seqs)
+            return [tiny_tokenizer.decode(s) for s in seqs]
+
+    tok = CleanUp()
+    assert not _decodes_by_concatenation(tok)
+    users = [torch.tensor([1, 2]), torch.tensor([5])]
+    gens = [torch.tensor([3, 4]), torch.tensor([6])]
+    prompts, generations = decode_turns(tok, users, gens)
+    assert tok.calls == [[1, 2], [1, 2, 3, 4, 5], [3, 4], [6]]
+    assert prompts == [tiny_tokenizer.decode([1, 2]), tiny_tokenizer.decode([1, 2, 3, 4, 5])]
+    assert generations == [tiny_tokenizer.decode([3, 4]), tiny_tokenizer.decode([6])]

@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
+from tokenizers.decoders import ByteLevel
 
 from gym_bridge.failures import RolloutDataFailure
 from gym_bridge.types import LOGPROB_DTYPE, TOKEN_DTYPE
@@ -34,6 +35,7 @@ __all__ = [
     "NaNLogprobs",
     "TokenDrift",
     "convert_gym_result",
+    "decode_turns",
     "detect_tool_call_and_thinking_flags",
 ]
 
@@ -49,6 +51,7 @@ _TOKEN_KEYS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs
 _DRIFT_WINDOW = 4
 _INT_TYPE = {int}
 _ARRAY_TYPECODES = {torch.int64: "q", torch.float32: "f"}
+_REPLACEMENT_CHAR = "\ufffd"
 
 
 class GymResultError(RolloutDataFailure):
@@ -133,7 +136,6 @@ def convert_gym_result(
     output = _output_items(result)
     message_log: list[dict[str, Any]] = []
     seen: list[int] = []
-    history: list[torch.Tensor] = []
     converted: list[tuple[dict[str, Any], torch.Tensor, torch.Tensor]] = []
     drift: dict[str, Any] | None = None
     turn = -1
@@ -141,7 +143,9 @@ def convert_gym_result(
         if not isinstance(item, dict) or not item.get("generation_token_ids"):
             continue
         turn += 1
-        prompt = _int_list(item.get("prompt_token_ids"), "prompt_token_ids", turn)
+        prompt = item.get("prompt_token_ids")
+        if not isinstance(prompt, list):
+            raise GymResultError(f"model call {turn}: prompt_token_ids must be a list of ints, got {type(prompt).__name__}")
         generation = _int_list(item["generation_token_ids"], "generation_token_ids", turn)
         logprobs = item.get("generation_log_probs")
         if not isinstance(logprobs, list) or len(logprobs) != len(generation):
@@ -152,6 +156,8 @@ def convert_gym_result(
             )
         logprob_tensor = _logprob_tensor(logprobs, turn)
         position = _first_difference(seen, prompt)
+        # A prompt that extends the history only needs its new tokens checked: the rest equals checked ints.
+        _int_list(prompt, "prompt_token_ids", turn, start=len(seen) if position is None else 0)
         if position is not None:
             drift = {
                 "turn": turn,
@@ -178,16 +184,12 @@ def convert_gym_result(
                 "has_malformed_thinking": malformed,
             }
         )
-        history.append(user_ids)
-        converted.append((item, torch.cat(history), generation_ids))
-        history.append(generation_ids)
+        converted.append((item, user_ids, generation_ids))
         seen = prompt + generation
 
     if not converted:
         raise MissingGenerationData(_missing_message(result, output, tokenizer))
-    # Tensors, not lists: transformers checks a list's every element in Python before decoding it.
-    prompt_strs = tokenizer.batch_decode([p for _, p, _ in converted])
-    generation_strs = tokenizer.batch_decode([g for _, _, g in converted])
+    prompt_strs, generation_strs = decode_turns(tokenizer, [u for _, u, _ in converted], [g for _, _, g in converted])
     for (item, _, _), prompt_str, generation_str in zip(converted, prompt_strs, generation_strs, strict=True):
         item["prompt_str"] = prompt_str
         item["generation_str"] = generation_str
@@ -197,6 +199,68 @@ def convert_gym_result(
         "full_result": result,
         "token_drift": drift,
     }
+
+
+def decode_turns(
+    tokenizer: Any, user_ids: Sequence[torch.Tensor], generation_ids: Sequence[torch.Tensor]
+) -> tuple[list[str], list[str]]:
+    """Each model call's ``prompt_str`` (its whole prompt decoded) and ``generation_str``.
+
+    Turn k's prompt is ``user_ids[0] + generation_ids[0] + ... + user_ids[k]``, so
+    decoding every prompt whole costs O(turns²) tokens. With a byte-level decoder and
+    no space clean-up (GPT-2, Llama 3, Qwen, SmolLM2), decoding is UTF-8 over the
+    concatenated token bytes, so a prompt's text is the concatenation of its pieces'
+    texts wherever the earlier pieces end on a character boundary, which holds when
+    their texts contain no U+FFFD (a split character decodes to one). Each token is
+    then decoded once; a prompt that fails that test, or any other tokenizer, is
+    decoded whole, so the strings always equal ``tokenizer.decode(prompt)``.
+    """
+    # Tensors, not lists: transformers checks a list's every element in Python before decoding it.
+    if not _decodes_by_concatenation(tokenizer):
+        prompts = [torch.cat(_interleave(user_ids[: k + 1], generation_ids[:k])) for k in range(len(user_ids))]
+        return tokenizer.batch_decode(prompts), tokenizer.batch_decode(list(generation_ids))
+    # What transformers' decode does for a fast tokenizer without clean-up, minus its per-call overhead.
+    pieces = tokenizer.backend_tokenizer.decode_batch(
+        [t.tolist() for t in _interleave(user_ids, generation_ids)], skip_special_tokens=False
+    )
+    user_strs, generation_strs = pieces[0::2], pieces[1::2]
+    prompt_strs: list[str] = []
+    whole: list[int] = []
+    text = ""
+    on_boundary = True
+    for k, (user_str, generation_str) in enumerate(zip(user_strs, generation_strs, strict=True)):
+        if on_boundary:
+            prompt_strs.append(text + user_str)
+        else:
+            prompt_strs.append("")
+            whole.append(k)
+        on_boundary = on_boundary and _REPLACEMENT_CHAR not in user_str and _REPLACEMENT_CHAR not in generation_str
+        text = text + user_str + generation_str
+    if whole:
+        prompts = [torch.cat(_interleave(user_ids[: k + 1], generation_ids[:k])) for k in whole]
+        for k, prompt_str in zip(whole, tokenizer.batch_decode(prompts), strict=True):
+            prompt_strs[k] = prompt_str
+    return prompt_strs, generation_strs
+
+
+def _interleave(first: Sequence[torch.Tensor], second: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """``first[0], second[0], first[1], ...`` (``second`` may be one shorter)."""
+    out: list[torch.Tensor] = []
+    for i, tensor in enumerate(first):
+        out.append(tensor)
+        if i < len(second):
+            out.append(second[i])
+    return out
+
+
+def _decodes_by_concatenation(tokenizer: Any) -> bool:
+    """Whether ``decode(a + b) == decode(a) + decode(b)`` when ``a`` ends on a character boundary."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return (
+        backend is not None
+        and isinstance(backend.decoder, ByteLevel)
+        and not getattr(tokenizer, "clean_up_tokenization_spaces", True)
+    )
 
 
 def _output_items(result: Any) -> list[Any]:
@@ -212,9 +276,9 @@ def _output_items(result: Any) -> list[Any]:
     return output
 
 
-def _int_list(value: Any, name: str, turn: int) -> list[int]:
-    # set(map(type, ...)) runs in C: a prompt holds every earlier turn, so this is checked O(turns²) times.
-    if not isinstance(value, list) or not set(map(type, value)) <= _INT_TYPE:
+def _int_list(value: Any, name: str, turn: int, start: int = 0) -> list[int]:
+    """``value`` if it is a list of ints from ``start`` on (``set(map(type, ...))`` runs in C)."""
+    if not isinstance(value, list) or not set(map(type, value[start:] if start else value)) <= _INT_TYPE:
         raise GymResultError(f"model call {turn}: {name} must be a list of ints, got {type(value).__name__}")
     return value
 
@@ -241,7 +305,9 @@ def _logprob_tensor(logprobs: list[Any], turn: int) -> torch.Tensor:
         if any(lp is None for lp in logprobs):
             raise NaNLogprobs(f"model call {turn}: generation logprobs contain NaN (or null)") from None
         raise GymResultError(f"model call {turn}: generation_log_probs must be a list of numbers") from None
-    if bool(tensor.isnan().any()):
+    # A float sum is NaN when any term is (or inf meets -inf): one C loop, then the exact check.
+    total = sum(logprobs)
+    if total != total and bool(tensor.isnan().any()):
         raise NaNLogprobs(f"model call {turn}: generation logprobs contain NaN (or null)")
     return tensor
 

@@ -12,7 +12,7 @@ Per row it times, with ``time.process_time`` over many iterations: JSON parsing
 converted result (a stand-in for Ray's transfer from actor to driver; torch
 pickles every tensor through ``torch.save``), the same round trip with the
 tensors sent as numpy arrays and rebuilt on arrival (what the actor could send
-instead), building the ``Completion`` (``AsyncNemoGymRolloutImpl._completion``)
+instead), building the ``Completion`` (``gym_row_result`` then ``AsyncNemoGymRolloutImpl._completion``)
 and the group metrics (per row of a 16-row group), with the garbage collector off. "Conversion"
 is ``convert_gym_result`` plus the ``Completion``.
 
@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from gym_bridge.gym.convert import convert_gym_result
+from gym_bridge.gym.convert import convert_gym_result, gym_row_result
 from gym_bridge.rollout.nemo_gym import AsyncNemoGymRolloutImpl, group_metrics
 
 GROUP = 16
@@ -193,7 +193,7 @@ def measure(tokenizer: Any, case: str, turns: int, total_tokens: int = 2000, ite
         iterations,
     )
     completions, completion_us = _cpu_us_per_row(
-        lambda: [impl._completion(c, 0, i % GROUP) for i, c in enumerate(moved)], iterations
+        lambda: [impl._completion(gym_row_result(i % GROUP, c)) for i, c in enumerate(moved)], iterations
     )
     _, metrics_us = _cpu_us_per_row(
         lambda: [group_metrics(completions[i : i + GROUP], "agent") for i in range(0, iterations, GROUP)], iterations

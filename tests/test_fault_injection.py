@@ -11,6 +11,7 @@ The tests run in file order: the last two break the module's Gym on purpose.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 import socket
@@ -31,6 +32,7 @@ from gym_bridge.failures import (
 )
 from gym_bridge.gym.actor import NemoGymUnavailable, spinup_nemo_gym_actor
 from gym_bridge.gym.convert import MissingGenerationData
+from gym_bridge.gym.result import GymRowBatch
 from gym_bridge.gym.rows import InvalidGymRow
 from gym_bridge.gym.servers import wheel_config_path
 from gym_bridge.rollout.manager import RolloutManager, RolloutOutcome
@@ -333,17 +335,18 @@ class TamperingRelay:
         self.calls += 1
         k = 0
         async for ref in self.inner.run_rollouts.options(num_returns="streaming").remote(rows, timer_prefix):
-            batch, timing = await ref
-            for rowidx, result in batch:
+            batch = await ref
+            for result in batch.rows:
+                rowidx = result.row_index
                 if self.plan == "never_dispatched" and self.calls == 1 and k == len(rows) - 1:
                     raise GymTransportError("injected: the last row was lost")
                 if self.plan == "never_dispatched" and self.calls == 2:  # a row that arrived in the first attempt
                     rowidx = min(set(range(N)) - {row["_rowidx"] for row in rows})
                 if self.plan == "out_of_range":
                     rowidx += 100
-                yield [(rowidx, result)], timing
+                yield GymRowBatch([dataclasses.replace(result, row_index=rowidx)], batch.timing)
                 if self.plan == "duplicate":
-                    yield [(rowidx, result)], None
+                    yield GymRowBatch([dataclasses.replace(result, row_index=rowidx)])
                 k += 1
 
 

@@ -6,6 +6,7 @@ import math
 import pickle
 import time
 
+import numpy as np
 import pytest
 import ray
 import torch
@@ -17,7 +18,6 @@ from gym_bridge.failures import (
     classify_rollout_failure,
 )
 from gym_bridge.generation.scripted import ScriptedGeneration
-from gym_bridge.gym.convert import with_tensors
 from gym_bridge.gym.actor import (
     NemoGym,
     NemoGymConfig,
@@ -25,6 +25,7 @@ from gym_bridge.gym.actor import (
     NemoGymUnavailable,
     spinup_nemo_gym_actor,
 )
+from gym_bridge.gym.result import GymRowBatch
 from tests.gym_fixtures import (  # noqa: F401 - fixtures
     EQUIVALENCE_AGENT,
     TOOL_AGENT,
@@ -42,13 +43,15 @@ PREFIX = "timing/rollout"
 
 
 def _stream(actor, rows, prefix=PREFIX):
-    """``(rowidx, result with tensors, timing or None)`` per row, flattened from the actor's batches."""
+    """``(rowidx, GymRowResult with tensors, timing or None)`` per row, flattened from the actor's batches."""
     items = []
     for ref in actor.run_rollouts.options(num_returns="streaming").remote(rows, prefix):
-        batch, timing = ray.get(ref, timeout=120)
-        assert batch, "the actor streamed an empty batch"
-        items += [(idx, with_tensors(result), None) for idx, result in batch]
-        items[-1] = (*items[-1][:2], timing)
+        batch = ray.get(ref, timeout=120)
+        assert isinstance(batch, GymRowBatch) and batch.rows, "the actor streamed an empty batch"
+        for row in batch.rows:
+            assert all(isinstance(m["token_ids"], np.ndarray) for m in row.message_log), "tensors crossed Ray"
+        items += [(row.row_index, row.with_tensors(), None) for row in batch.rows]
+        items[-1] = (*items[-1][:2], batch.timing)
     return items
 
 
@@ -98,11 +101,11 @@ def test_every_row_streams_back_once_with_timing_last(mixed_results):
 def test_message_logs_dtypes_and_scripted_tokens(mixed_results, tiny_tokenizer):
     _, items = mixed_results
     for _, result, _ in items:
-        log = result["message_log"]
-        assert result["input_message_log"] == log[:1]
-        assert result["token_drift"] is None
+        log = result.message_log
+        assert result.input_message_log == log[:1]
+        assert result.token_drift is None
         assert [m["role"] for m in log] == ["user", "assistant"] * (len(log) // 2)
-        model_calls = [i for i in result["full_result"]["response"]["output"] if "generation_str" in i]
+        model_calls = [i for i in result.full_result["response"]["output"] if "generation_str" in i]
         assert len(model_calls) == len(log) // 2
         for message, call in zip(log[1::2], model_calls, strict=True):
             assert message["token_ids"].dtype == torch.int64
@@ -124,22 +127,22 @@ def test_tool_call_episodes_have_two_contiguous_calls(mixed_results):
     tool_items = [(idx, r) for idx, r, _ in items if rows[idx]["agent_ref"]["name"] == TOOL_AGENT]
     assert len(tool_items) == len(tool_call_rows())
     for _, result in tool_items:
-        output = result["full_result"]["response"]["output"]
+        output = result.full_result["response"]["output"]
         assert [i["type"] for i in output] == ["function_call", "function_call_output", "message"]
         assert output[0]["name"] == "get_weather"
-        assert len(result["message_log"]) == 4
-        assert result["full_result"]["reward"] == 1.0
+        assert len(result.message_log) == 4
+        assert result.full_result["reward"] == 1.0
 
 
 def test_reward_is_the_verifiers(mixed_results):
     rows, items = mixed_results
     by_idx = {idx: r for idx, r, _ in items}
     eq = [i for i, row in enumerate(rows) if row["agent_ref"]["name"] == EQUIVALENCE_AGENT]
-    right, wrong = (by_idx[i]["full_result"] for i in eq)
+    right, wrong = (by_idx[i].full_result for i in eq)
     assert right["reward"] == right["equivalence_score"] == 1.0
     assert wrong["reward"] == wrong["equivalence_score"] == 0.0
     assert right["response"]["output"][-1]["content"][0]["text"] == "4"
-    assert len(by_idx[eq[0]]["message_log"]) == 2
+    assert len(by_idx[eq[0]].message_log) == 2
 
 
 def test_unknown_agent_is_a_data_failure_naming_the_agents(gym_actor):

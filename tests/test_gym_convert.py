@@ -252,26 +252,50 @@ def test_flags_reach_the_log_with_custom_patterns(tiny_tokenizer):
 
 
 def test_numpy_round_trip_keeps_dtypes_values_and_the_shared_input_message():
-    import pickle
-
+    """A GymRowResult crosses pickle (Ray's transport) with numpy arrays and comes back with the same tensors."""
     import numpy as np
 
-    from gym_bridge.gym.convert import with_numpy, with_tensors
+    from gym_bridge.gym.convert import gym_row_result
 
     log = [
         {"role": "user", "content": "", "token_ids": torch.tensor([1, 2, 3], dtype=torch.int64)},
         {"role": "assistant", "content": "", "token_ids": torch.tensor([4], dtype=torch.int64),
          "generation_logprobs": torch.tensor([-0.5], dtype=torch.float32), "is_invalid_tool_call": False},
     ]
-    result = {"message_log": log, "input_message_log": log[:1], "full_result": {}, "token_drift": None}
-    shipped = pickle.loads(pickle.dumps(with_numpy(result)))
-    assert isinstance(shipped["message_log"][0]["token_ids"], np.ndarray)
-    back = with_tensors(shipped)
-    assert back["input_message_log"][0] is back["message_log"][0]
-    assert back["message_log"][0]["token_ids"].dtype == torch.int64
-    assert back["message_log"][0]["token_ids"].tolist() == [1, 2, 3]
-    assert back["message_log"][1]["generation_logprobs"].dtype == torch.float32
-    assert back["message_log"][1]["is_invalid_tool_call"] is False
+    converted = {"message_log": log, "input_message_log": log[:1], "full_result": {"reward": 1}, "token_drift": None}
+    shipped = pickle.loads(pickle.dumps(gym_row_result(7, converted).with_numpy()))
+    assert isinstance(shipped.message_log[0]["token_ids"], np.ndarray)
+    back = shipped.with_tensors()
+    assert back.row_index == 7 and back.reward == 1.0
+    assert back.input_message_log[0] is back.message_log[0]
+    assert back.message_log[0]["token_ids"].dtype == torch.int64
+    assert back.message_log[0]["token_ids"].tolist() == [1, 2, 3]
+    assert back.message_log[1]["generation_logprobs"].dtype == torch.float32
+    assert back.message_log[1]["is_invalid_tool_call"] is False
+    back.message_log[0]["token_ids"][0] = 9  # writable: copied out of the (read-only) received buffer
+
+
+def test_gym_row_result_reads_gyms_schema(tiny_tokenizer):
+    """Reward, incomplete reason and scalar fields come from Gym's result; a missing or non-finite reward is named."""
+    from gym_bridge.gym.convert import gym_row_result, without_mask_sample
+
+    result = _result([_tokens(_message("4"), P1, [52, 2])])
+    result["response"]["incomplete_details"] = {"reason": "max_output_tokens"}
+    result.update(solved=True, label="text", _private=1.0, instance_config={"mask_sample": True, "k": 1})
+    row = gym_row_result(3, convert_gym_result(result, tiny_tokenizer))
+    assert row.reward == 1.0 and row.incomplete_reason == "max_output_tokens" and row.token_drift is None
+    assert row.metrics == {"reward": 1.0, "solved": 1.0}
+    without_mask_sample(row.full_result)
+    assert row.full_result["instance_config"] == {"k": 1}
+    for reward, needle in [(None, "no 'reward'"), (math.nan, "reward is nan"), ("x", "'x' is not a number")]:
+        bad = _result([_tokens(_message("4"), P1, [52, 2])])
+        if reward is None:
+            del bad["reward"]
+        else:
+            bad["reward"] = reward
+        with pytest.raises(GymResultError, match=needle):
+            gym_row_result(0, convert_gym_result(bad, tiny_tokenizer))
+
 
 
 _DECODE_TEXT = (
@@ -291,7 +315,7 @@ def test_decode_turns_equals_whole_prompt_decodes_at_any_split(tiny_tokenizer):
     """Split points inside multi-byte characters (U+FFFD pieces) fall back to whole decodes; the strings never differ."""
     import random
 
-    from gym_bridge.gym.convert import _decodes_by_concatenation, decode_turns
+    from gym_bridge.gym.decode import _decodes_by_concatenation, decode_turns
 
     assert _decodes_by_concatenation(tiny_tokenizer)  # the fast path is the one under test
     ids = tiny_tokenizer.encode(_DECODE_TEXT * 3, add_special_tokens=False)
@@ -310,7 +334,7 @@ def test_decode_turns_equals_whole_prompt_decodes_at_any_split(tiny_tokenizer):
 
 def test_decode_turns_decodes_whole_prompts_for_other_decoders(tiny_tokenizer):
     """A tokenizer without a byte-level decoder (or with space clean-up) gets each prompt decoded whole."""
-    from gym_bridge.gym.convert import _decodes_by_concatenation, decode_turns
+    from gym_bridge.gym.decode import _decodes_by_concatenation, decode_turns
 
     class CleanUp:
         backend_tokenizer = tiny_tokenizer.backend_tokenizer

@@ -14,6 +14,8 @@ import ray
 import torch
 
 from gym_bridge.failures import GymTransportError, RolloutDataFailure, RolloutTimeout, RolloutTimeouts
+from gym_bridge.gym.convert import gym_row_result
+from gym_bridge.gym.result import GymRowBatch, GymRowResult
 from gym_bridge.rollout.manager import RolloutManager
 from gym_bridge.rollout.nemo_gym import AsyncNemoGymRolloutImpl, GymRowIndexError
 from gym_bridge.types import token_tensor
@@ -27,7 +29,8 @@ ROW = {
 }
 
 
-def fake_result(rowidx: int, reward: float = 1.0) -> dict:
+def fake_result(rowidx: int, reward: float = 1.0) -> GymRowResult:
+    """A converted row as the actor ships it (numpy arrays), built by the same schema reader."""
     user = {"role": "user", "content": "", "token_ids": token_tensor([1, 2, 3])}
     asst = {
         "role": "assistant",
@@ -35,11 +38,13 @@ def fake_result(rowidx: int, reward: float = 1.0) -> dict:
         "token_ids": token_tensor([4, 5 + rowidx]),
         "generation_logprobs": torch.tensor([-0.5, -0.25]),
     }
-    return {
+    converted = {
         "message_log": [user, asst],
         "input_message_log": [user],
         "full_result": {"reward": reward, "solved": reward > 0, "response": {}, "label": "text"},
+        "token_drift": None,
     }
+    return gym_row_result(rowidx, converted).with_numpy()
 
 
 @ray.remote
@@ -49,11 +54,14 @@ class ScriptedStreamActor:
     def __init__(self):
         self.reset([])
 
-    def reset(self, plans: list[str]):
+    def reset(self, plans: list[str], hang_agents: bool = False):
         self.plans = list(plans)
         self.calls: list[list[int]] = []
+        self.hang_agents = hang_agents
 
-    def agent_names(self):
+    async def agent_names(self):
+        if self.hang_agents:  # an actor that never answers (e.g. stuck starting its servers)
+            await asyncio.sleep(60)
         return ["agent_a"]
 
     def dispatched(self):
@@ -65,17 +73,20 @@ class ScriptedStreamActor:
         self.calls.append(indices)
         if plan == "hang":
             await asyncio.sleep(60)
+        if plan == "legacy_tuple":
+            yield [(indices[0], {})], None
+            return
         for k, i in enumerate(indices):
             if plan == "drop_last_then_fail" and k == len(indices) - 1:
                 raise GymTransportError("NeMo-Gym /run failed with HTTP 502: bad gateway")
             if plan == "data_failure":
                 raise RolloutDataFailure("NeMo-Gym /run failed with HTTP 422: bad row")
             timing = {f"{timer_prefix}/await_results": 0.1} if k == len(indices) - 1 else None
-            yield [(i, fake_result(i, reward=float(i)))], timing
+            yield GymRowBatch([fake_result(i, reward=float(i))], timing)
             if plan == "duplicate":
-                yield [(i, fake_result(i))], None
+                yield GymRowBatch([fake_result(i)])
         if plan == "stale":
-            yield [(99, fake_result(0))], None
+            yield GymRowBatch([fake_result(99)])
         if plan == "short":
             return
 
@@ -91,8 +102,8 @@ def stream_actor(ray_session):
 def make(stream_actor):
     """Build the backend over the shared scripted actor, reset to ``plans``."""
 
-    def build(plans, **kwargs):
-        ray.get(stream_actor.reset.remote(plans))
+    def build(plans, hang_agents=False, **kwargs):
+        ray.get(stream_actor.reset.remote(plans, hang_agents))
         impl = AsyncNemoGymRolloutImpl(
             tokenizer=None, num_generations_per_prompt=4, max_seq_len=100, generation_config=GEN_CFG,
             nemo_gym_actor=stream_actor, **kwargs,
@@ -158,6 +169,22 @@ async def test_hung_stream_hits_the_group_deadline(make):
     impl, _ = make(["hang"], timeouts=RolloutTimeouts(rollout_s=1.0))
     with pytest.raises(RolloutTimeout, match="NeMo-Gym prompt group exceeded 1.0s"):
         await impl.run_rollout(datum())
+
+
+async def test_agent_discovery_is_under_the_group_deadline(make):
+    """A hung agent_names() fails the group at its deadline instead of waiting without bound; nothing is sent."""
+    impl, actor = make(["ok"], hang_agents=True, timeouts=RolloutTimeouts(rollout_s=1.0))
+    with pytest.raises(RolloutTimeout, match="NeMo-Gym prompt group exceeded 1.0s"):
+        await asyncio.wait_for(impl.run_rollout(datum()), timeout=30)
+    assert await actor.dispatched.remote() == []
+
+
+async def test_stream_elements_must_be_typed_batches(make, stream_actor):
+    """The client accepts only GymRowBatch elements: a stray tuple (the old wire format) is a transport failure."""
+    impl, _ = make(["legacy_tuple"], max_gym_row_attempts=1)
+    with pytest.raises(GymTransportError, match="not a GymRowBatch"):
+        await impl.run_rollout(datum())
+    assert impl.in_flight_rows == [0]
 
 
 async def test_invalid_row_fails_before_dispatch(make):

@@ -46,7 +46,6 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr
 from gym_bridge.failures import (
     EnvironmentUnavailable,
     GymTransportError,
-    RolloutDataFailure,
     RolloutTimeout,
     deadline,
     gym_status_failure,
@@ -56,8 +55,10 @@ from gym_bridge.gym.convert import (
     DEFAULT_THINKING_TAGS,
     GymResultError,
     convert_gym_result,
-    with_numpy,
+    gym_row_result,
 )
+from gym_bridge.gym.result import GymRowBatch, GymRowResult
+from gym_bridge.gym.rows import ROW_INDEX_KEY, dispatch_target
 from gym_bridge.gym.servers import GymServerDied, GymServers, GymServersConfig
 
 __all__ = [
@@ -247,14 +248,14 @@ class NemoGym:
 
     async def run_rollouts(
         self, rows: Sequence[dict[str, Any]], timer_prefix: str = "timing/rollout"
-    ) -> AsyncIterator[tuple[list[tuple[int, dict[str, Any]]], dict[str, float] | None]]:
-        """Yield ``(batch, timing_or_None)`` in completion order; ``batch`` is ``[(row["_rowidx"], result), ...]``.
+    ) -> AsyncIterator[GymRowBatch]:
+        """Yield :class:`GymRowBatch` es in completion order, each row's ``row_index`` its ``_rowidx``.
 
         Every row is posted to its agent's ``/run`` at once. Rows that finish while a
         batch is being converted travel together in the next element (one Ray message
         instead of one per row), their message logs as numpy arrays
-        (:func:`~gym_bridge.gym.convert.with_tensors` restores the tensors). The
-        element that completes the call carries ``{prefix}/await_results``,
+        (:meth:`GymRowResult.with_tensors` restores the tensors). The
+        element that completes the call carries ``timing``: ``{prefix}/await_results``,
         ``{prefix}/postprocess_results`` and ``{prefix}/postprocess_results_pct``
         (seconds; pct of this generator's own time, consumer time excluded).
         The first failure ends the stream and cancels the rows still in flight.
@@ -305,7 +306,7 @@ class NemoGym:
                     busiest = [(n, c) for n, c in pending.most_common(5) if c > 0]
                     logger.info("NeMo-Gym rollouts: %d/%d done; remaining by agent: %s", done, len(rows), busiest)
                 y0 = time.perf_counter()
-                yield batch, timing
+                yield GymRowBatch(batch, timing)
                 consumer_s += time.perf_counter() - y0
         finally:
             for task in tasks:
@@ -331,18 +332,7 @@ class NemoGym:
 
     def _route(self, i: int, row: Any) -> str:
         """The agent URL of a row, checking the row before anything is sent."""
-        if not isinstance(row, dict):
-            raise RolloutDataFailure(f"row {i} must be a dict, got {type(row).__name__}")
-        rowidx = row.get("_rowidx")
-        if not isinstance(rowidx, int) or isinstance(rowidx, bool):
-            raise RolloutDataFailure(f"row {i} has no int _rowidx (got {rowidx!r})")
-        ref = row.get("agent_ref")
-        name = ref.get("name") if isinstance(ref, dict) else None
-        if name not in self._agent_urls:
-            raise RolloutDataFailure(
-                f"row {i} (_rowidx={rowidx}) names agent {name!r} (agent_ref={ref!r}); "
-                f"known agents: {sorted(self._agent_urls)}"
-            )
+        _, name = dispatch_target(row, i, self._agent_urls)
         return self._agent_urls[name]
 
     def _http_client(self) -> aiohttp.ClientSession:
@@ -370,7 +360,7 @@ class NemoGym:
         return self._executor
 
     async def _post(self, client: aiohttp.ClientSession, url: str, row: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
-        where = f"NeMo-Gym /run at {url} for _rowidx={row['_rowidx']} (agent {row['agent_ref']['name']!r})"
+        where = f"NeMo-Gym /run at {url} for {ROW_INDEX_KEY}={row[ROW_INDEX_KEY]} (agent {row['agent_ref']['name']!r})"
         try:
             async with deadline(self.cfg.request_timeout_s, where):
                 async with client.post(f"{url}/run", json=row) as response:
@@ -393,24 +383,26 @@ class NemoGym:
             raise NemoGymUnavailable(f"{where}: the NemoGym actor was shut down")
         self._check_servers(self._servers, f"{where} failed because a Gym server died")
 
-    def _convert_batch(self, posted: list[tuple[dict[str, Any], bytes]]) -> list[tuple[int, dict[str, Any]]]:
-        return [(row["_rowidx"], with_numpy(self._convert(row, body))) for row, body in posted]
+    def _convert_batch(self, posted: list[tuple[dict[str, Any], bytes]]) -> list[GymRowResult]:
+        return [self._convert(row, body).with_numpy() for row, body in posted]
 
-    def _convert(self, row: dict[str, Any], body: bytes) -> dict[str, Any]:
+    def _convert(self, row: dict[str, Any], body: bytes) -> GymRowResult:
+        rowidx = row[ROW_INDEX_KEY]
         try:
             result = _loads(body)
         except ValueError as exc:
-            raise GymResultError(f"_rowidx={row['_rowidx']}: /run returned invalid JSON: {exc}") from None
+            raise GymResultError(f"{ROW_INDEX_KEY}={rowidx}: /run returned invalid JSON: {exc}") from None
         try:
-            return convert_gym_result(
+            converted = convert_gym_result(
                 result,
                 self._tokenizer,
                 on_drift=self.cfg.on_drift,
                 invalid_tool_call_patterns=self.cfg.invalid_tool_call_patterns,
                 thinking_tags=self.cfg.thinking_tags,
             )
+            return gym_row_result(rowidx, converted)
         except GymResultError as exc:
-            raise type(exc)(f"_rowidx={row['_rowidx']} (agent {row['agent_ref']['name']!r}): {exc}") from None
+            raise type(exc)(f"{ROW_INDEX_KEY}={rowidx} (agent {row['agent_ref']['name']!r}): {exc}") from None
 
 
 def _loads(body: bytes) -> Any:

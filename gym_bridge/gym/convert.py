@@ -17,14 +17,15 @@ template glue) followed by an assistant message (the generated tokens).
 from __future__ import annotations
 
 import array
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
-import numpy as np
 import torch
-from tokenizers.decoders import ByteLevel
 
 from gym_bridge.failures import RolloutDataFailure
+from gym_bridge.gym.decode import decode_turns
+from gym_bridge.gym.result import GymRowResult
 from gym_bridge.types import LOGPROB_DTYPE, TOKEN_DTYPE
 
 __all__ = [
@@ -35,8 +36,11 @@ __all__ = [
     "NaNLogprobs",
     "TokenDrift",
     "convert_gym_result",
-    "decode_turns",
     "detect_tool_call_and_thinking_flags",
+    "gym_row_result",
+    "incomplete_reason",
+    "scalar_fields",
+    "without_mask_sample",
 ]
 
 DEFAULT_INVALID_TOOL_CALL_PATTERNS: tuple[str, ...] = (
@@ -51,7 +55,6 @@ _TOKEN_KEYS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs
 _DRIFT_WINDOW = 4
 _INT_TYPE = {int}
 _ARRAY_TYPECODES = {torch.int64: "q", torch.float32: "f"}
-_REPLACEMENT_CHAR = "\ufffd"
 
 
 class GymResultError(RolloutDataFailure):
@@ -201,66 +204,50 @@ def convert_gym_result(
     }
 
 
-def decode_turns(
-    tokenizer: Any, user_ids: Sequence[torch.Tensor], generation_ids: Sequence[torch.Tensor]
-) -> tuple[list[str], list[str]]:
-    """Each model call's ``prompt_str`` (its whole prompt decoded) and ``generation_str``.
-
-    Turn k's prompt is ``user_ids[0] + generation_ids[0] + ... + user_ids[k]``, so
-    decoding every prompt whole costs O(turns²) tokens. With a byte-level decoder and
-    no space clean-up (GPT-2, Llama 3, Qwen, SmolLM2), decoding is UTF-8 over the
-    concatenated token bytes, so a prompt's text is the concatenation of its pieces'
-    texts wherever the earlier pieces end on a character boundary, which holds when
-    their texts contain no U+FFFD (a split character decodes to one). Each token is
-    then decoded once; a prompt that fails that test, or any other tokenizer, is
-    decoded whole, so the strings always equal ``tokenizer.decode(prompt)``.
-    """
-    # Tensors, not lists: transformers checks a list's every element in Python before decoding it.
-    if not _decodes_by_concatenation(tokenizer):
-        prompts = [torch.cat(_interleave(user_ids[: k + 1], generation_ids[:k])) for k in range(len(user_ids))]
-        return tokenizer.batch_decode(prompts), tokenizer.batch_decode(list(generation_ids))
-    # What transformers' decode does for a fast tokenizer without clean-up, minus its per-call overhead.
-    pieces = tokenizer.backend_tokenizer.decode_batch(
-        [t.tolist() for t in _interleave(user_ids, generation_ids)], skip_special_tokens=False
+def gym_row_result(row_index: int, converted: dict[str, Any]) -> GymRowResult:
+    """The typed row of one :func:`convert_gym_result` output: Gym's reward (checked), flags and scalar fields."""
+    full_result = converted["full_result"]
+    if "reward" not in full_result:
+        raise GymResultError("the Gym result has no 'reward'")
+    try:
+        reward = float(full_result["reward"])
+    except (TypeError, ValueError):
+        raise GymResultError(f"the Gym reward {full_result['reward']!r} is not a number") from None
+    if not math.isfinite(reward):
+        raise GymResultError(f"the Gym reward is {reward}")
+    return GymRowResult(
+        row_index=row_index,
+        message_log=converted["message_log"],
+        full_result=full_result,
+        reward=reward,
+        token_drift=converted["token_drift"],
+        incomplete_reason=incomplete_reason(full_result),
+        metrics=scalar_fields(full_result),
     )
-    user_strs, generation_strs = pieces[0::2], pieces[1::2]
-    prompt_strs: list[str] = []
-    whole: list[int] = []
-    text = ""
-    on_boundary = True
-    for k, (user_str, generation_str) in enumerate(zip(user_strs, generation_strs, strict=True)):
-        if on_boundary:
-            prompt_strs.append(text + user_str)
-        else:
-            prompt_strs.append("")
-            whole.append(k)
-        on_boundary = on_boundary and _REPLACEMENT_CHAR not in user_str and _REPLACEMENT_CHAR not in generation_str
-        text = text + user_str + generation_str
-    if whole:
-        prompts = [torch.cat(_interleave(user_ids[: k + 1], generation_ids[:k])) for k in whole]
-        for k, prompt_str in zip(whole, tokenizer.batch_decode(prompts), strict=True):
-            prompt_strs[k] = prompt_str
-    return prompt_strs, generation_strs
 
 
-def _interleave(first: Sequence[torch.Tensor], second: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """``first[0], second[0], first[1], ...`` (``second`` may be one shorter)."""
-    out: list[torch.Tensor] = []
-    for i, tensor in enumerate(first):
-        out.append(tensor)
-        if i < len(second):
-            out.append(second[i])
-    return out
+def incomplete_reason(full_result: Mapping[str, Any] | None) -> str | None:
+    """Gym's ``response.incomplete_details.reason`` (``max_output_tokens``, ...), or None."""
+    response = (full_result or {}).get("response") or {}
+    details = response.get("incomplete_details") if isinstance(response, Mapping) else None
+    reason = details.get("reason") if isinstance(details, Mapping) else None
+    return reason if isinstance(reason, str) else None
 
 
-def _decodes_by_concatenation(tokenizer: Any) -> bool:
-    """Whether ``decode(a + b) == decode(a) + decode(b)`` when ``a`` ends on a character boundary."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    return (
-        backend is not None
-        and isinstance(backend.decoder, ByteLevel)
-        and not getattr(tokenizer, "clean_up_tokenization_spaces", True)
-    )
+def scalar_fields(full_result: Mapping[str, Any]) -> dict[str, float]:
+    """The numeric and boolean top-level fields of a Gym result (``reward``, verifier scores), as floats."""
+    return {
+        key: float(value)
+        for key, value in full_result.items()
+        if isinstance(value, (int, float, bool)) and not key.startswith("_")
+    }
+
+
+def without_mask_sample(full_result: dict[str, Any]) -> None:
+    """Drop ``instance_config.mask_sample``, in place (NeMo-RL's ``mask_env_flagged_samples=False``)."""
+    instance_config = full_result.get("instance_config")
+    if isinstance(instance_config, dict):
+        instance_config.pop("mask_sample", None)
 
 
 def _output_items(result: Any) -> list[Any]:
@@ -368,30 +355,3 @@ def _first_prompt_length(result: dict[str, Any], tokenizer: Any) -> str:
         return f"first prompt ~{len(ids)} tokens by the chat template"
     except Exception as exc:  # noqa: BLE001 - only for a diagnostic message
         return f"first prompt length unknown ({type(exc).__name__}: {exc})"
-
-
-def with_numpy(result: dict[str, Any]) -> dict[str, Any]:
-    """Swap the message log's tensors for numpy arrays, in place, for the trip through Ray.
-
-    Ray pickles a numpy array out of band (~0.1 ms) but a torch tensor through
-    ``torch.save`` (~0.3 ms each way, several per row). :func:`with_tensors` undoes it.
-    ``input_message_log`` shares its dict with ``message_log``, so it follows.
-    """
-    for message in result["message_log"]:
-        for key, value in message.items():
-            if isinstance(value, torch.Tensor):
-                message[key] = value.numpy()
-    return result
-
-
-def with_tensors(result: dict[str, Any]) -> dict[str, Any]:
-    """Swap numpy arrays in the message log back for tensors, in place.
-
-    Arrays Ray hands over are read-only views of its object store: those are copied, so
-    the tensors are writable and do not pin the store's memory.
-    """
-    for message in result["message_log"]:
-        for key, value in message.items():
-            if isinstance(value, np.ndarray):
-                message[key] = torch.from_numpy(value if value.flags.writeable else value.copy())
-    return result

@@ -8,6 +8,7 @@ agent server, and any verifier fields, which are passed through untouched.
 from __future__ import annotations
 
 import copy
+from collections.abc import Collection
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
@@ -79,12 +80,35 @@ def validate_row(row: Any, *, prompt_idx: int, known_agents: list[str] | None = 
             f"{'.'.join(str(p) for p in err['loc']) or '(row)'}: {err['msg']}" for err in exc.errors()
         )
         raise InvalidGymRow(f"prompt_idx={prompt_idx}: invalid Gym row: {problems}") from None
-    if known_agents is not None and parsed.agent_ref.name not in known_agents:
+    if known_agents is not None:
+        check_agent(parsed.agent_ref.name, known_agents, where=f"prompt_idx={prompt_idx}")
+    return parsed
+
+
+def check_agent(name: Any, known_agents: Collection[str], *, where: str) -> None:
+    """Raise :class:`InvalidGymRow` unless ``name`` is one of the running agents (listed in the message)."""
+    if name not in known_agents:
         raise InvalidGymRow(
-            f"prompt_idx={prompt_idx}: agent_ref.name {parsed.agent_ref.name!r} is not a running agent; "
+            f"{where}: agent_ref.name {name!r} is not a running agent; "
             f"known agents: {', '.join(sorted(known_agents)) or '(none)'}"
         )
-    return parsed
+
+
+def dispatch_target(row: Any, position: int, known_agents: Collection[str]) -> tuple[int, str]:
+    """``(row index, agent name)`` of a stamped row about to be sent; :class:`InvalidGymRow` names what is wrong.
+
+    The cheap check the NemoGym actor makes on every row it receives (callers other
+    than the rollout backend included); :func:`validate_row` checks the whole row.
+    """
+    if not isinstance(row, dict):
+        raise InvalidGymRow(f"row {position} must be a dict, got {type(row).__name__}")
+    rowidx = row.get(ROW_INDEX_KEY)
+    if not isinstance(rowidx, int) or isinstance(rowidx, bool):
+        raise InvalidGymRow(f"row {position} has no int {ROW_INDEX_KEY} (got {rowidx!r})")
+    ref = row.get("agent_ref")
+    name = ref.get("name") if isinstance(ref, dict) else None
+    check_agent(name, known_agents, where=f"row {position} ({ROW_INDEX_KEY}={rowidx}, agent_ref={ref!r})")
+    return rowidx, name
 
 
 def build_rows(

@@ -1,11 +1,11 @@
 """AsyncNemoGymRolloutImpl: one prompt group through NeMo-Gym (registered as ``nemo_gym``).
 
 For each prompt it builds N rows from the Gym row in ``extra_env_info`` and the
-generation config, streams them through the NemoGym actor, validates every row
-index that comes back, re-dispatches only the rows that never arrived after an
-infrastructure failure, and returns the N completions in generation order. One
-deadline (``timeouts.rollout_s``) spans every attempt and the whole stream.
-Multi-turn episodes happen inside Gym, so ``max_rollout_turns`` must be 1.
+generation config, asks the :class:`~gym_bridge.gym.client.GymClient` for them (which
+picks the actor, streams, checks row indices, re-dispatches lost rows and holds one
+deadline, ``timeouts.rollout_s``, over all of it), and turns the typed rows into the N
+completions, in generation order, and the group's metrics. Multi-turn episodes happen
+inside Gym, so ``max_rollout_turns`` must be 1.
 """
 
 from __future__ import annotations
@@ -13,26 +13,17 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import ray
-
-from gym_bridge.failures import (
-    FailureClass,
-    GymTransportError,
-    RolloutDataFailure,
-    RolloutFailure,
-    RolloutStats,
-    RolloutTimeouts,
-    classify_rollout_failure,
-    deadline,
-)
-from gym_bridge.gym.convert import with_tensors
-from gym_bridge.gym.rows import ROW_INDEX_KEY, build_rows, validate_row
+from gym_bridge.failures import RolloutStats, RolloutTimeouts
+from gym_bridge.gym.client import GymClient, GymRowIndexError
+from gym_bridge.gym.convert import incomplete_reason as _incomplete_reason
+from gym_bridge.gym.convert import scalar_fields, without_mask_sample
+from gym_bridge.gym.result import GymRowResult
+from gym_bridge.gym.rows import build_rows, validate_row
 from gym_bridge.metrics import calculate_single_metric, pct, summarize
 from gym_bridge.types import (
     Completion,
@@ -43,14 +34,12 @@ from gym_bridge.types import (
     PromptGroupRecord,
 )
 
+__all__ = ["NEMO_GYM_TASK", "AsyncNemoGymRolloutImpl", "GymRowIndexError", "group_metrics"]
+
 logger = logging.getLogger(__name__)
 
 NEMO_GYM_TASK = "nemo_gym"
 TIMER_PREFIX = "timing/rollout"
-
-
-class GymRowIndexError(GymTransportError):
-    """The actor streamed back a row index that is not an int, out of range, not dispatched, or repeated."""
 
 
 class AsyncNemoGymRolloutImpl:
@@ -102,7 +91,6 @@ class AsyncNemoGymRolloutImpl:
         if not actors or any(a is None for a in actors):
             raise ValueError("the nemo_gym backend needs a NemoGym actor: pass nemo_gym_actor= or task_to_env['nemo_gym']")
         self.actors = actors
-        self._in_flight = [0] * len(actors)
         self.tokenizer = tokenizer
         self.num_generations = num_generations_per_prompt
         self.max_seq_len = max_seq_len
@@ -113,26 +101,25 @@ class AsyncNemoGymRolloutImpl:
         self.mask_env_flagged_samples = mask_env_flagged_samples
         self.full_results_path = Path(full_results_path) if full_results_path is not None else None
         self.stats = stats or RolloutStats()
-        self._known_agents: list[str] | None = None
+        self.client = GymClient(actors, max_row_attempts=max_gym_row_attempts, stats=self.stats, timer_prefix=TIMER_PREFIX)
 
     async def run_rollout(self, datum: DatumSpec) -> PromptGroupRecord:
         t_total = time.perf_counter()
         prompt_idx = int(datum["idx"])
         template = datum.get("extra_env_info")
-        validate_row(template, prompt_idx=prompt_idx, known_agents=await self._agents())
+        validate_row(template, prompt_idx=prompt_idx)  # the agent name is checked by the client, under the deadline
         rows = build_rows(template, self.num_generations, self.sampling, self.max_new_tokens)  # type: ignore[arg-type]
         await asyncio.sleep(0)  # let the loop breathe between groups launched together (event-loop lag)
 
         t_run = time.perf_counter()
-        async with deadline(self.timeouts.rollout_s, "NeMo-Gym prompt group"):
-            results, actor_timing = await self._collect(rows, prompt_idx)
+        group = await self.client.run_group(rows, prompt_idx=prompt_idx, deadline_s=self.timeouts.rollout_s)
         run_s = time.perf_counter() - t_run
 
         t_metrics = time.perf_counter()
-        completions = [self._completion(result, prompt_idx, i) for i, result in enumerate(results)]
+        completions = [self._completion(row) for row in group.rows]
         agent = rows[0]["agent_ref"]["name"]
-        metrics = group_metrics(completions, agent)
-        metrics.update(actor_timing)
+        metrics = group_metrics(completions, agent, fields=[row.metrics for row in group.rows])
+        metrics.update(group.timing)
         metrics[f"{TIMER_PREFIX}/run_rollouts"] = run_s
         metrics[f"{TIMER_PREFIX}/compute_metrics"] = time.perf_counter() - t_metrics
         if self.full_results_path is not None:
@@ -140,112 +127,26 @@ class AsyncNemoGymRolloutImpl:
         metrics[f"{TIMER_PREFIX}/total"] = time.perf_counter() - t_total
         return PromptGroupRecord(
             prompt_idx=prompt_idx,
-            prompt=results[0]["input_message_log"],
+            prompt=group.rows[0].input_message_log,
             extra_env_info=template,
             metadata={"task_name": NEMO_GYM_TASK},
             completions=completions,
             rollout_metrics=metrics,
         )
 
-    async def _agents(self) -> list[str] | None:
-        if self._known_agents is None and hasattr(self.actors[0], "agent_names"):
-            self._known_agents = list(await self.actors[0].agent_names.remote())
-        return self._known_agents
-
-    def _pick_actor(self, avoid: set[int]) -> int:
-        """The actor with the fewest rows in flight, preferring those not in ``avoid``."""
-        candidates = [i for i in range(len(self.actors)) if i not in avoid] or list(range(len(self.actors)))
-        return min(candidates, key=lambda i: (self._in_flight[i], i))
-
     @property
     def in_flight_rows(self) -> list[int]:
         """Rows in flight per actor (for metrics and tests)."""
-        return list(self._in_flight)
+        return self.client.in_flight_rows
 
-    async def _collect(self, rows: list[dict[str, Any]], prompt_idx: int) -> tuple[list[dict[str, Any]], dict]:
-        """Stream the rows through the actor; re-dispatch only missing rows after an infrastructure failure."""
-        n = len(rows)
-        results: list[dict[str, Any] | None] = [None] * n
-        timing: dict[str, Any] = {}
-        last_error: BaseException | None = None
-        failed_actors: set[int] = set()
-        attempts = 0
-        for attempts in range(1, self.max_gym_row_attempts + 1):
-            pending = [row for row in rows if results[row[ROW_INDEX_KEY]] is None]
-            if not pending:
-                break
-            if attempts > 1:
-                self.stats.gym_row_redispatches += len(pending)
-                logger.warning(
-                    "prompt_idx=%d: re-dispatching %d of %d rows (attempt %d) after %s: %s",
-                    prompt_idx, len(pending), n, attempts, type(last_error).__name__, last_error,
-                )
-            actor = self._pick_actor(failed_actors)
-            try:
-                timing = await self._stream(actor, pending, results, n) or timing
-            except Exception as exc:
-                last_error = exc
-                failed_actors.add(actor)
-                if classify_rollout_failure(exc) is not FailureClass.INFRA or attempts == self.max_gym_row_attempts:
-                    raise
-        missing = [i for i, result in enumerate(results) if result is None]
-        if missing:
-            raise GymTransportError(
-                f"prompt_idx={prompt_idx}: stream ended before all rows arrived; missing rows {missing} "
-                f"of {n} after {attempts} attempt(s)"
-            ) from last_error
-        return results, timing  # type: ignore[return-value]
-
-    async def _stream(
-        self, actor: int, pending: list[dict[str, Any]], results: list[Any], n: int
-    ) -> dict[str, Any] | None:
-        dispatched = {row[ROW_INDEX_KEY] for row in pending}
-        seen: set[int] = set()
-        timing = None
-        self._in_flight[actor] += len(pending)
-        stream = self.actors[actor].run_rollouts.options(num_returns="streaming").remote(pending, TIMER_PREFIX)
-        try:
-            async for ref in stream:
-                batch, batch_timing = await _unwrapped(ref)
-                for rowidx, result in batch:
-                    self._accept(actor, rowidx, result, results, n, dispatched, seen)
-                if batch_timing:
-                    timing = batch_timing
-        finally:
-            self._in_flight[actor] -= len(pending) - len(seen)
-            if len(seen) < len(dispatched):
-                _cancel_quietly(stream)
-        return timing
-
-    def _accept(
-        self, actor: int, rowidx: Any, result: dict[str, Any], results: list[Any], n: int,
-        dispatched: set[int], seen: set[int],
-    ) -> None:
-        """Check one streamed row index and keep its result (tensors restored)."""
-        if not isinstance(rowidx, int) or isinstance(rowidx, bool):
-            raise GymRowIndexError(f"row index {rowidx!r} is not an int")
-        if not 0 <= rowidx < n:
-            raise GymRowIndexError(f"row index {rowidx} is outside the expected range [0, {n})")
-        if rowidx not in dispatched:
-            raise GymRowIndexError(f"row index {rowidx} came back, which was not dispatched in this attempt")
-        if rowidx in seen:
-            raise GymRowIndexError(f"duplicate row index {rowidx}")
-        seen.add(rowidx)
-        self._in_flight[actor] -= 1
-        results[rowidx] = with_tensors(result)
-
-    def _completion(self, result: dict[str, Any], prompt_idx: int, rowidx: int) -> Completion:
-        full_result = result["full_result"]
-        if "reward" not in full_result:
-            raise RolloutDataFailure(f"prompt_idx={prompt_idx} row {rowidx}: the Gym result has no 'reward'")
-        reward = float(full_result["reward"])
-        if not math.isfinite(reward):
-            raise RolloutDataFailure(f"prompt_idx={prompt_idx} row {rowidx}: the Gym reward is {reward}")
+    def _completion(self, row: GymRowResult) -> Completion:
+        full_result = row.full_result
+        reward = row.reward
         if not self.mask_env_flagged_samples:
-            (full_result.get("instance_config") or {}).pop("mask_sample", None)
-        log: LLMMessageLogType = result["message_log"]
+            without_mask_sample(full_result)
+        log: LLMMessageLogType = row.message_log
         total = sum(int(m["token_ids"].numel()) for m in log)
-        drift = result.get("token_drift")
+        drift = row.token_drift
         if drift is not None:
             full_result["token_drift"] = drift
         return Completion(
@@ -263,41 +164,15 @@ class AsyncNemoGymRolloutImpl:
                 f.write(json.dumps(line, default=str) + "\n")
 
 
-async def _unwrapped(ref: Any) -> Any:
-    """Await one streamed element; a typed failure raised in the actor comes back as itself.
-
-    Ray wraps it in a ``RayTaskError(<type>)`` subclass; our failures are picklable and
-    name their row, so the caller gets the original type (and counts it by its name).
-    """
-    try:
-        return await ref
-    except ray.exceptions.RayTaskError as exc:
-        if isinstance(exc.cause, RolloutFailure):
-            raise exc.cause from None
-        raise
-
-
-def _cancel_quietly(stream: Any) -> None:
-    try:
-        ray.cancel(stream)
-    except Exception as exc:  # the stream may already be finished or its actor gone
-        logger.debug("could not cancel a NeMo-Gym stream: %s", exc)
-
-
-def _scalar_fields(full_result: Mapping[str, Any]) -> dict[str, float]:
-    return {
-        key: float(value)
-        for key, value in full_result.items()
-        if isinstance(value, (int, float, bool)) and not key.startswith("_")
-    }
-
-
-def group_metrics(completions: list[Completion], agent: str) -> dict[str, Any]:
+def group_metrics(
+    completions: list[Completion], agent: str, fields: Sequence[Mapping[str, float]] | None = None
+) -> dict[str, Any]:
     """NeMo-RL's Gym-path metric keys for one group, plus per-agent ``<agent>/<key>`` metrics.
 
     Turns are the user messages of a log (one per model call); per-agent metrics
     take every numeric or boolean field of the Gym results (means over the
-    completions that have the field).
+    completions that have the field): ``fields`` per completion when the caller has
+    them (:attr:`GymRowResult.metrics`), else read from ``env_extras``.
     """
     n = len(completions)
     turns = [sum(m["role"] == "user" for m in c.message_log) for c in completions]
@@ -320,17 +195,11 @@ def group_metrics(completions: list[Completion], agent: str) -> dict[str, Any]:
     metrics["max_output_tokens_rate"] = (
         sum(_incomplete_reason(c.env_extras) == "max_output_tokens" for c in completions) / n
     )
-    fields: dict[str, list[float]] = {}
-    for c in completions:
-        for key, value in _scalar_fields(c.env_extras or {}).items():
-            fields.setdefault(key, []).append(value)
-    for key, values in sorted(fields.items()):
+    by_key: dict[str, list[float]] = {}
+    for row in fields if fields is not None else [scalar_fields(c.env_extras or {}) for c in completions]:
+        for key, value in row.items():
+            by_key.setdefault(key, []).append(value)
+    for key, values in sorted(by_key.items()):
         metrics.update(calculate_single_metric(values, f"{agent}/{key}"))
     metrics["mean_gen_tokens_per_sample"] = metrics["gen_tokens_per_sample/mean"]
     return metrics
-
-
-def _incomplete_reason(full_result: Mapping[str, Any] | None) -> str | None:
-    response = (full_result or {}).get("response") or {}
-    details = response.get("incomplete_details") if isinstance(response, Mapping) else None
-    return details.get("reason") if isinstance(details, Mapping) else None

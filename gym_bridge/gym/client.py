@@ -1,0 +1,195 @@
+"""GymClient: the driver's side of the NemoGym actors, one prompt group at a time.
+
+It discovers the running agents, checks the group's agent, picks the actor (the one
+with the fewest rows in flight from this client, avoiding actors that already failed
+this group), streams the rows through ``NemoGym.run_rollouts``, checks every row index
+that comes back, restores the message logs' tensors, and re-dispatches only the rows
+that never arrived after an infrastructure failure. One deadline spans all of it,
+agent discovery included. The result is typed: :class:`GymGroupResult`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from gym_bridge.failures import (
+    FailureClass,
+    GymTransportError,
+    RolloutFailure,
+    RolloutStats,
+    classify_rollout_failure,
+    deadline,
+)
+from gym_bridge.gym.result import GymRowBatch, GymRowResult
+from gym_bridge.gym.rows import ROW_INDEX_KEY, check_agent
+
+__all__ = ["GymClient", "GymGroupResult", "GymRowIndexError"]
+
+logger = logging.getLogger(__name__)
+
+
+class GymRowIndexError(GymTransportError):
+    """The actor streamed back a row index that is not an int, out of range, not dispatched, or repeated."""
+
+
+@dataclass(frozen=True, slots=True)
+class GymGroupResult:
+    """Every row of one group, in row-index order with tensors, and the actor's timing of the last stream."""
+
+    rows: list[GymRowResult]
+    timing: dict[str, float]
+
+
+class GymClient:
+    """Sends prompt groups to one or more NemoGym actors (each with its own Gym servers, same configs)."""
+
+    def __init__(
+        self,
+        actors: Sequence[Any],
+        *,
+        max_row_attempts: int = 3,
+        stats: RolloutStats | None = None,
+        timer_prefix: str = "timing/rollout",
+    ) -> None:
+        if not actors or any(actor is None for actor in actors):
+            raise ValueError("GymClient needs at least one NemoGym actor")
+        if max_row_attempts < 1:
+            raise ValueError(f"max_row_attempts must be >= 1, got {max_row_attempts}")
+        self.actors = list(actors)
+        self.max_row_attempts = max_row_attempts
+        self.stats = stats if stats is not None else RolloutStats()
+        self.timer_prefix = timer_prefix
+        self._in_flight = [0] * len(self.actors)
+        self._known_agents: list[str] | None = None
+
+    @property
+    def in_flight_rows(self) -> list[int]:
+        """Rows in flight per actor (for metrics and tests)."""
+        return list(self._in_flight)
+
+    async def agent_names(self) -> list[str] | None:
+        """The running agents (asked once, of the first actor); None for an actor that cannot say."""
+        if self._known_agents is None and hasattr(self.actors[0], "agent_names"):
+            self._known_agents = list(await self.actors[0].agent_names.remote())
+        return self._known_agents
+
+    async def run_group(
+        self, rows: list[dict[str, Any]], *, prompt_idx: int, deadline_s: float | None
+    ) -> GymGroupResult:
+        """Roll out one group's stamped rows (``_rowidx`` = position) within ``deadline_s`` seconds, all attempts included.
+
+        Raises the typed failure of the last attempt (``RolloutTimeout`` at the deadline,
+        :class:`GymRowIndexError` for a bad streamed index, data failures at once).
+        """
+        async with deadline(deadline_s, "NeMo-Gym prompt group"):
+            known = await self.agent_names()
+            if known is not None:
+                for name in {row["agent_ref"]["name"] for row in rows}:
+                    check_agent(name, known, where=f"prompt_idx={prompt_idx}")
+            return await self._collect(rows, prompt_idx)
+
+    def _pick_actor(self, avoid: set[int]) -> int:
+        """The actor with the fewest rows in flight, preferring those not in ``avoid``."""
+        candidates = [i for i in range(len(self.actors)) if i not in avoid] or list(range(len(self.actors)))
+        return min(candidates, key=lambda i: (self._in_flight[i], i))
+
+    async def _collect(self, rows: list[dict[str, Any]], prompt_idx: int) -> GymGroupResult:
+        """Stream the rows; after an infrastructure failure re-dispatch only the missing ones, elsewhere if possible."""
+        n = len(rows)
+        results: list[GymRowResult | None] = [None] * n
+        timing: dict[str, float] = {}
+        last_error: BaseException | None = None
+        failed_actors: set[int] = set()
+        attempts = 0
+        for attempts in range(1, self.max_row_attempts + 1):
+            pending = [row for row in rows if results[row[ROW_INDEX_KEY]] is None]
+            if not pending:
+                break
+            if attempts > 1:
+                self.stats.gym_row_redispatches += len(pending)
+                logger.warning(
+                    "prompt_idx=%d: re-dispatching %d of %d rows (attempt %d) after %s: %s",
+                    prompt_idx, len(pending), n, attempts, type(last_error).__name__, last_error,
+                )
+            actor = self._pick_actor(failed_actors)
+            try:
+                timing = await self._stream(actor, pending, results) or timing
+            except Exception as exc:
+                last_error = exc
+                failed_actors.add(actor)
+                if classify_rollout_failure(exc) is not FailureClass.INFRA or attempts == self.max_row_attempts:
+                    raise
+        done = [result for result in results if result is not None]
+        if len(done) < n:
+            missing = [i for i, result in enumerate(results) if result is None]
+            raise GymTransportError(
+                f"prompt_idx={prompt_idx}: stream ended before all rows arrived; missing rows {missing} "
+                f"of {n} after {attempts} attempt(s)"
+            ) from last_error
+        return GymGroupResult(rows=done, timing=timing)
+
+    async def _stream(
+        self, actor: int, pending: list[dict[str, Any]], results: list[GymRowResult | None]
+    ) -> dict[str, float] | None:
+        dispatched = {row[ROW_INDEX_KEY] for row in pending}
+        seen: set[int] = set()
+        timing = None
+        self._in_flight[actor] += len(pending)
+        stream = self.actors[actor].run_rollouts.options(num_returns="streaming").remote(pending, self.timer_prefix)
+        try:
+            async for ref in stream:
+                batch = await _unwrapped(ref)
+                if not isinstance(batch, GymRowBatch):
+                    raise GymTransportError(f"the NemoGym stream sent a {type(batch).__name__}, not a GymRowBatch")
+                for row in batch.rows:
+                    self._accept(actor, row, results, dispatched, seen)
+                if batch.timing:
+                    timing = batch.timing
+        finally:
+            self._in_flight[actor] -= len(pending) - len(seen)
+            if len(seen) < len(dispatched):
+                _cancel_quietly(stream)
+        return timing
+
+    def _accept(
+        self, actor: int, row: GymRowResult, results: list[GymRowResult | None], dispatched: set[int], seen: set[int]
+    ) -> None:
+        """Check one streamed row index and keep the row, its tensors restored."""
+        rowidx = row.row_index
+        if not isinstance(rowidx, int) or isinstance(rowidx, bool):
+            raise GymRowIndexError(f"row index {rowidx!r} is not an int")
+        if not 0 <= rowidx < len(results):
+            raise GymRowIndexError(f"row index {rowidx} is outside the expected range [0, {len(results)})")
+        if rowidx not in dispatched:
+            raise GymRowIndexError(f"row index {rowidx} came back, which was not dispatched in this attempt")
+        if rowidx in seen:
+            raise GymRowIndexError(f"duplicate row index {rowidx}")
+        seen.add(rowidx)
+        self._in_flight[actor] -= 1
+        results[rowidx] = row.with_tensors()
+
+
+async def _unwrapped(ref: Any) -> Any:
+    """Await one streamed element; a typed failure raised in the actor comes back as itself.
+
+    Ray wraps it in a ``RayTaskError(<type>)`` subclass; our failures are picklable and
+    name their row, so the caller gets the original type (and counts it by its name).
+    """
+    try:
+        return await ref
+    except ray.exceptions.RayTaskError as exc:
+        if isinstance(exc.cause, RolloutFailure):
+            raise exc.cause from None
+        raise
+
+
+def _cancel_quietly(stream: Any) -> None:
+    try:
+        ray.cancel(stream)
+    except Exception as exc:  # the stream may already be finished or its actor gone
+        logger.debug("could not cancel a NeMo-Gym stream: %s", exc)

@@ -23,6 +23,7 @@ import ray
 
 from gym_bridge.failures import (
     FailureClass,
+    GymRowIndexError,
     GymTransportError,
     RolloutDataFailure,
     RolloutFailure,
@@ -47,10 +48,6 @@ logger = logging.getLogger(__name__)
 
 NEMO_GYM_TASK = "nemo_gym"
 TIMER_PREFIX = "timing/rollout"
-
-
-class GymRowIndexError(GymTransportError):
-    """The actor streamed back a row index that is not an int, out of range, not dispatched, or repeated."""
 
 
 class AsyncNemoGymRolloutImpl:

@@ -18,6 +18,7 @@ import torch
 from gym_bridge.batched import BatchedDataDict
 from gym_bridge.failures import GenerationUnavailable, RolloutDataFailure
 from gym_bridge.generation.hf import HFGeneration, HFGenerationConfig
+from gym_bridge.generation.completions_wire import completion_request
 from gym_bridge.generation.openai_http import OpenAIHTTPGeneration, OpenAIHTTPGenerationConfig
 from gym_bridge.generation.routing import SessionRouter
 from gym_bridge.serving import OpenAIServer
@@ -366,7 +367,7 @@ def test_request_body_and_parsing_fallback_to_token_strings() -> None:
     assert body["return_token_ids"] and body["return_tokens_as_token_ids"] and body["logprobs"] == 1
     assert out["output_ids"].tolist() == [[1, 2, 3, 7, 8]] and out["truncated"].tolist() == [False]
     assert out["logprobs"].tolist() == [[0, 0, 0, -0.5, -0.5]]
-    assert "top_k" not in mock_client(handler)._request_body([1], None, False)
+    assert "top_k" not in completion_request(mock_client(handler).cfg, [1], None, 0, False)
     gen.shutdown()
 
 

@@ -62,6 +62,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from gym_bridge.batched import BatchedDataDict
+from gym_bridge.failures import EngineShutDownError
 from gym_bridge.generation.batch import assemble_output, check_input
 from gym_bridge.interfaces import GenerationInterface
 from gym_bridge.models.loading import causal_lm_on_device
@@ -169,10 +170,6 @@ _STOP = object()
 #: Optional per-row keys of a generation batch that override the config's sampling for that row
 #: (a list with one value per row; None in a slot means "use the config").
 PER_ROW_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_new_tokens")
-
-
-class EngineShutDownError(RuntimeError):
-    """The engine was shut down before (or while) this request ran."""
 
 
 class HFGeneration(GenerationInterface):

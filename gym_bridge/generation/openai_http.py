@@ -35,7 +35,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import AsyncIterator, Hashable, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,8 +44,21 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 from gym_bridge.batched import BatchedDataDict
-from gym_bridge.failures import GenerationUnavailable, RolloutDataFailure, http_status_is_infra
-from gym_bridge.generation.batch import assemble_output, check_input
+from gym_bridge.failures import (
+    GenerationUnavailable,
+    RolloutDataFailure,
+    backoff_delay,
+    gather_cancel_siblings,
+    http_status_is_infra,
+    shorten,
+)
+from gym_bridge.generation.batch import assemble_output
+from gym_bridge.generation.completions_wire import (
+    check_batch,
+    completion_request,
+    parse_completion,
+    row_value,
+)
 from gym_bridge.generation.routing import SessionRouter
 from gym_bridge.interfaces import GenerationInterface
 from gym_bridge.types import GenerationDatumSpec, GenerationOutputSpec
@@ -87,7 +100,7 @@ class OpenAIHTTPGenerationConfig(BaseModel):
 
     def backoff_for(self, retry: int) -> float:
         """Sleep before retry number ``retry`` (1-based): ``min(base * 2**(retry-1), max)``."""
-        return min(self.backoff_base_s * 2 ** (retry - 1), self.max_backoff_s)
+        return backoff_delay(retry, self.backoff_base_s, self.max_backoff_s)
 
 
 @dataclass
@@ -119,9 +132,6 @@ class _Retryable(Exception):
         super().__init__(message)
         self.connection = connection
         self.status = status
-
-
-_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_new_tokens")
 
 
 def _with_status(exc: Exception, status: int | None) -> Exception:
@@ -194,7 +204,7 @@ class OpenAIHTTPGeneration(GenerationInterface):
         else:
             raise RuntimeError("OpenAIHTTPGeneration.generate blocks; inside an event loop use generate_async")
         self._check_open()
-        input_ids, lengths = _check_batch(data)
+        input_ids, lengths = check_batch(data)
         future = asyncio.run_coroutine_threadsafe(self._generate_all(data, greedy), self._ensure_private_loop())
         results = future.result()
         out = assemble_output(input_ids, lengths, results, self.cfg.pad_token_id)
@@ -210,7 +220,7 @@ class OpenAIHTTPGeneration(GenerationInterface):
         cancelling (or closing) the iteration cancels the requests still in flight.
         """
         self._check_open()
-        input_ids, lengths = _check_batch(data)
+        input_ids, lengths = check_batch(data)
         tasks = {asyncio.ensure_future(self._generate_row(data, i, greedy)): i for i in range(input_ids.shape[0])}
         try:
             while tasks:
@@ -288,22 +298,14 @@ class OpenAIHTTPGeneration(GenerationInterface):
 
     async def _generate_all(self, data: Mapping[str, Any], greedy: bool) -> list[_RowResult]:
         n = int(torch.as_tensor(data["input_lengths"]).shape[0])
-        tasks = [asyncio.ensure_future(self._generate_row(data, i, greedy)) for i in range(n)]
-        try:
-            return list(await asyncio.gather(*tasks))
-        except BaseException:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            raise
+        return await gather_cancel_siblings(*(self._generate_row(data, i, greedy) for i in range(n)))
 
     async def _generate_row(self, data: Mapping[str, Any], i: int, greedy: bool) -> _RowResult:
         cfg = self.cfg
         n_in = int(torch.as_tensor(data["input_lengths"])[i])
         prompt = torch.as_tensor(data["input_ids"])[i, :n_in].tolist()
-        session = _row_value(data.get("session_ids"), i)
-        sampling = {key: _row_value(data.get(key), i) for key in _SAMPLING_KEYS}
-        body = self._request_body(prompt, _row_value(data.get("stop_strings"), i), greedy, sampling)
+        session = row_value(data.get("session_ids"), i)
+        body = completion_request(cfg, prompt, data, i, greedy)
         if body["max_tokens"] == 0:
             return _RowResult([], [], True, _NO_SERVER)
         res = self._loop_resources()
@@ -337,7 +339,7 @@ class OpenAIHTTPGeneration(GenerationInterface):
             finally:
                 self.router.release(idx)
             try:
-                tokens, logprobs, truncated = _parse_completion(payload, url)
+                tokens, logprobs, truncated = parse_completion(payload, url)
             except RolloutDataFailure:
                 self.stats.data_errors += 1
                 raise
@@ -348,39 +350,6 @@ class OpenAIHTTPGeneration(GenerationInterface):
             GenerationUnavailable(f"generation unavailable after {cfg.max_retries + 1} attempts: {last_error}"),
             last_status,
         )
-
-    def _request_body(
-        self, prompt: list[int], row_stops: Any, greedy: bool, sampling: Mapping[str, Any] | None = None
-    ) -> dict[str, Any]:
-        cfg = self.cfg
-        row = {k: v for k, v in (sampling or {}).items() if v is not None}
-        temperature = float(row.get("temperature", cfg.temperature))
-        top_k = row.get("top_k", cfg.top_k)
-        stops = list(cfg.stop_strings or [])
-        if isinstance(row_stops, str):
-            row_stops = [row_stops]
-        for s in row_stops or []:
-            if s and s not in stops:
-                stops.append(s)
-        body: dict[str, Any] = {
-            "model": cfg.model,
-            "prompt": prompt,
-            "max_tokens": int(row.get("max_new_tokens", cfg.max_new_tokens)),
-            "temperature": 0.0 if greedy else temperature,
-            "top_p": float(row.get("top_p", cfg.top_p)),
-            "logprobs": 1,
-            "return_token_ids": True,
-            "return_tokens_as_token_ids": True,
-            "skip_special_tokens": False,
-            "include_stop_str_in_output": True,
-        }
-        if top_k is not None:
-            body["top_k"] = int(top_k)
-        if stops:
-            body["stop"] = stops
-        if cfg.stop_token_ids is not None:
-            body["stop_token_ids"] = list(cfg.stop_token_ids)
-        return body
 
     async def _post(self, client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> Any:
         """One attempt: the decoded JSON body, or :class:`_Retryable` / ``RolloutDataFailure``."""
@@ -400,14 +369,14 @@ class OpenAIHTTPGeneration(GenerationInterface):
             raise RolloutDataFailure(f"{where}: {type(exc).__name__}: {exc}") from None
         status = response.status_code
         if status >= 400:
-            detail = f"{where} returned HTTP {status}: {_short(response.text)}"
+            detail = f"{where} returned HTTP {status}: {shorten(response.text, _BODY_LIMIT)}"
             if http_status_is_infra(status):
                 raise _Retryable(detail, connection=False, status=status)
             raise _with_status(RolloutDataFailure(detail), status)
         try:
             return response.json()
         except ValueError:
-            raise RolloutDataFailure(f"{where} returned a body that is not JSON: {_short(response.text)}") from None
+            raise RolloutDataFailure(f"{where} returned a body that is not JSON: {shorten(response.text, _BODY_LIMIT)}") from None
 
     # ------------------------------------------------------------------ loops and clients
 
@@ -433,62 +402,3 @@ class OpenAIHTTPGeneration(GenerationInterface):
                 thread.start()
                 self._private_loop, self._private_thread = loop, thread
             return self._private_loop
-
-
-# ---------------------------------------------------------------------- helpers
-
-
-def _row_value(column: Sequence[Any] | None, i: int) -> Any:
-    return None if column is None else column[i]
-
-
-def _short(text: str) -> str:
-    text = " ".join(text.split())
-    return text if len(text) <= _BODY_LIMIT else text[: _BODY_LIMIT - 3] + "..."
-
-
-def _check_batch(data: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-    input_ids, lengths = check_input(data)
-    batch = input_ids.shape[0]
-    for key in ("stop_strings", "session_ids"):
-        column = data.get(key)
-        if column is not None and len(column) != batch:
-            raise ValueError(f"{key} has {len(column)} rows, input_ids {batch}")
-    sessions = data.get("session_ids")
-    if sessions is not None and not all(s is None or isinstance(s, Hashable) for s in sessions):
-        raise TypeError("session_ids must hold hashable keys or None")
-    return input_ids, lengths
-
-
-def _parse_completion(payload: Any, url: str) -> tuple[list[int], list[float], bool]:
-    """(generated ids, their logprobs, truncated) from a completions response."""
-    where = f"{url}/completions response"
-    try:
-        choice = payload["choices"][0]
-    except (KeyError, IndexError, TypeError):
-        raise RolloutDataFailure(f"{where} has no choices[0]") from None
-    if not isinstance(choice, Mapping):
-        raise RolloutDataFailure(f"{where}: choices[0] is not an object")
-    lp = choice.get("logprobs")
-    token_ids = choice.get("token_ids")
-    if token_ids is None:
-        tokens = lp.get("tokens") if isinstance(lp, Mapping) else None
-        if tokens is None:
-            raise RolloutDataFailure(f"{where} has neither choices[0].token_ids nor choices[0].logprobs.tokens")
-        try:
-            token_ids = [int(str(t).removeprefix("token_id:")) for t in tokens]
-        except ValueError:
-            raise RolloutDataFailure(f"{where}: logprobs.tokens are not 'token_id:<int>' strings") from None
-    if not isinstance(token_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in token_ids):
-        raise RolloutDataFailure(f"{where}: choices[0].token_ids is not a list of ints")
-    logprobs = lp.get("token_logprobs") if isinstance(lp, Mapping) else None
-    if logprobs is None:
-        raise RolloutDataFailure(f"{where} has no choices[0].logprobs.token_logprobs")
-    if len(logprobs) != len(token_ids):
-        raise RolloutDataFailure(f"{where}: {len(logprobs)} token_logprobs for {len(token_ids)} generated tokens")
-    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in logprobs):
-        raise RolloutDataFailure(f"{where}: choices[0].logprobs.token_logprobs holds non-numbers")
-    finish = choice.get("finish_reason")
-    if finish is None:
-        raise RolloutDataFailure(f"{where} has no choices[0].finish_reason")
-    return token_ids, [float(v) for v in logprobs], finish == "length"

@@ -44,8 +44,11 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from gym_bridge.failures import (
-    EnvironmentUnavailable,
+    GymResultError,
+    GymServerDied,
     GymTransportError,
+    NemoGymRestarted,
+    NemoGymUnavailable,
     RolloutTimeout,
     deadline,
     gym_status_failure,
@@ -53,13 +56,12 @@ from gym_bridge.failures import (
 from gym_bridge.gym.convert import (
     DEFAULT_INVALID_TOOL_CALL_PATTERNS,
     DEFAULT_THINKING_TAGS,
-    GymResultError,
     convert_gym_result,
     gym_row_result,
 )
 from gym_bridge.gym.result import GymRowBatch, GymRowResult
 from gym_bridge.gym.rows import ROW_INDEX_KEY, dispatch_target
-from gym_bridge.gym.servers import GymServerDied, GymServers, GymServersConfig
+from gym_bridge.gym.servers import GymServers, GymServersConfig
 
 __all__ = [
     "NemoGym",
@@ -131,14 +133,6 @@ class NemoGymConfig(BaseModel):
             shutdown_timeout_s=self.shutdown_timeout_s,
             log_dir=self.log_dir,
         )
-
-
-class NemoGymUnavailable(EnvironmentUnavailable):
-    """The actor has no running Gym servers: never spun up, shut down, or a server died (named)."""
-
-
-class NemoGymRestarted(NemoGymUnavailable):
-    """Ray restarted the actor, so its Gym servers are gone; ``on_restart="fail"`` asks for a new spinup()."""
 
 
 class NemoGym:

@@ -19,6 +19,7 @@ import ray
 
 from gym_bridge.failures import (
     FailureClass,
+    GymRowIndexError,
     GymTransportError,
     RolloutFailure,
     RolloutStats,
@@ -28,13 +29,9 @@ from gym_bridge.failures import (
 from gym_bridge.gym.result import GymRowBatch, GymRowResult
 from gym_bridge.gym.rows import ROW_INDEX_KEY, check_agent
 
-__all__ = ["GymClient", "GymGroupResult", "GymRowIndexError"]
+__all__ = ["GymClient", "GymGroupResult"]
 
 logger = logging.getLogger(__name__)
-
-
-class GymRowIndexError(GymTransportError):
-    """The actor streamed back a row index that is not an int, out of range, not dispatched, or repeated."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,11 +1,7 @@
 """A NeMo-Gym ``/run`` result -> a NeMo-RL message log (monotonic token history).
 
-Exception tree (all :class:`~gym_bridge.failures.RolloutDataFailure`, one message string each)::
-
-    GymResultError            the result is not shaped like a Gym /run result
-     ├── MissingGenerationData   no model call carried token ids
-     ├── NaNLogprobs             a generation logprob is NaN
-     └── TokenDrift              a turn's prompt does not extend the token history so far
+It raises :class:`~gym_bridge.failures.GymResultError` and its subclasses
+(``MissingGenerationData``, ``NaNLogprobs``, ``TokenDrift``), drawn in :mod:`gym_bridge.failures`.
 
 Only the last output item of each model call carries ``prompt_token_ids``,
 ``generation_token_ids`` and ``generation_log_probs`` (vllm_model with
@@ -23,7 +19,12 @@ from typing import Any, Literal
 
 import torch
 
-from gym_bridge.failures import RolloutDataFailure
+from gym_bridge.failures import (
+    GymResultError,
+    MissingGenerationData,
+    NaNLogprobs,
+    TokenDrift,
+)
 from gym_bridge.gym.decode import decode_turns
 from gym_bridge.gym.result import GymRowResult
 from gym_bridge.types import LOGPROB_DTYPE, TOKEN_DTYPE
@@ -55,22 +56,6 @@ _TOKEN_KEYS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs
 _DRIFT_WINDOW = 4
 _INT_TYPE = {int}
 _ARRAY_TYPECODES = {torch.int64: "q", torch.float32: "f"}
-
-
-class GymResultError(RolloutDataFailure):
-    """A NeMo-Gym result cannot be turned into a message log."""
-
-
-class MissingGenerationData(GymResultError):
-    """No model call of the result carried token ids."""
-
-
-class NaNLogprobs(GymResultError):
-    """A model call's generation logprobs contain NaN."""
-
-
-class TokenDrift(GymResultError):
-    """A turn's prompt tokens do not start with the token history of the earlier turns."""
 
 
 def detect_tool_call_and_thinking_flags(

@@ -13,14 +13,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
-from gym_bridge.failures import RolloutDataFailure
+from gym_bridge.failures import InvalidGymRow
 from gym_bridge.types import GenerationSamplingParams
 
 ROW_INDEX_KEY = "_rowidx"
-
-
-class InvalidGymRow(RolloutDataFailure):
-    """A Gym row that cannot be dispatched; the message names the prompt, the field and the reason."""
 
 
 class AgentRef(BaseModel):

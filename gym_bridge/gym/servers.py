@@ -1,10 +1,7 @@
 """Start and stop real NeMo-Gym servers, with a deadline, logs per server and no leftovers.
 
-Exception tree::
-
-    GymServersError(RuntimeError)
-     ├── GymStartupError    a server died or was not answering by the start-up deadline
-     └── GymServerDied      a server of a started GymServers is no longer running
+It raises ``GymStartupError`` and ``GymServerDied`` (both ``GymServersError``; the tree is
+drawn in :mod:`gym_bridge.failures`).
 
 Each :class:`GymServers` runs Gym's own ``RunHelper`` in a launcher process of
 its own session (see :mod:`gym_bridge.gym._launcher`); every Gym server is a
@@ -39,6 +36,8 @@ from typing import Any, NamedTuple
 import psutil
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
+from gym_bridge.failures import GymServerDied, GymServersError, GymStartupError
+
 __all__ = [
     "GymServerDied",
     "GymServers",
@@ -57,18 +56,6 @@ _PORT_WINDOW = 200
 _POLL_INTERVAL_S = 0.25
 _LOG_TAIL_BYTES = 3000
 _KILL_WAIT_S = 5.0
-
-
-class GymServersError(RuntimeError):
-    """A NeMo-Gym server set failed."""
-
-
-class GymStartupError(GymServersError):
-    """A server died during start-up, or was not answering when the deadline expired."""
-
-
-class GymServerDied(GymServersError):
-    """A server of a started ``GymServers`` is no longer running."""
 
 
 class HeadServerAddress(NamedTuple):

@@ -18,8 +18,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from gym_bridge.failures import RolloutStats, RolloutTimeouts
-from gym_bridge.gym.client import GymClient, GymRowIndexError
+from gym_bridge.failures import GymRowIndexError, RolloutStats, RolloutTimeouts
+from gym_bridge.gym.client import GymClient
 from gym_bridge.gym.convert import incomplete_reason as _incomplete_reason
 from gym_bridge.gym.convert import scalar_fields, without_mask_sample
 from gym_bridge.gym.result import GymRowResult

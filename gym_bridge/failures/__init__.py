@@ -1,0 +1,122 @@
+"""How things fail: every exception class, failure classification, retries, deadlines, counters.
+
+The whole exception tree (all defined in :mod:`gym_bridge.failures.errors`)::
+
+    RolloutFailure                    one attempt at a prompt failed; the retry policy decides
+     ├── RolloutInfraFailure          the prompt is fine, the fleet is not: retry, maybe elsewhere
+     │    ├── RolloutTimeout          a deadline expired (generation turn, environment step,
+     │    │                           NeMo-Gym prompt group, one /run call)
+     │    ├── GenerationUnavailable   a generation worker or HTTP endpoint could not serve the request
+     │    ├── EnvironmentUnavailable  an environment actor died or is unreachable
+     │    │    └── NemoGymUnavailable the NemoGym actor has no running Gym servers (a dead one is named)
+     │    │         └── NemoGymRestarted  Ray restarted the actor; on_restart="fail" asks for spinup()
+     │    └── GymTransportError       NeMo-Gym /run failed in transport (HTTP 5xx/408/429, broken stream)
+     │         └── GymRowIndexError   the stream returned a bad, repeated or never-sent row index
+     └── RolloutDataFailure           deterministic and prompt-specific: retrying will not help
+          ├── InvalidGymRow           a row that cannot be dispatched (names prompt, field, reason)
+          └── GymResultError          a Gym /run result cannot become a message log
+               ├── MissingGenerationData  no model call carried token ids
+               ├── NaNLogprobs        a generation logprob is NaN
+               └── TokenDrift         a turn's prompt does not extend the token history
+
+    RuntimeError
+     ├── RolloutRedispatchExhausted   terminal for the run: too many prompts dropped in a row
+     ├── GymServersError              a Gym server set failed (gym/servers.py)
+     │    ├── GymStartupError         a server died during start-up or did not answer in time
+     │    └── GymServerDied           a server of a started set is no longer running
+     └── EngineShutDownError          the local generation engine was shut down (generation/hf.py)
+
+Configuration and usage errors stay beside the code that checks the input, since they are
+never a rollout attempt's outcome: ``EvalConfigError``, ``DatasetError`` (``ValueError``) and
+``RunDirError`` in :mod:`gym_bridge.eval`, ``TrainingConfigError`` (``ValueError``) in
+:mod:`gym_bridge.rollout.training_config`, ``BackendNotFoundError`` / ``BackendLoadError`` in
+:mod:`gym_bridge.rollout.registry`, and ``ServingError`` (an HTTP answer of our server) in
+:mod:`gym_bridge.serving.errors`.
+
+Every class takes a single message string, so it pickles across Ray; the ``__cause__``
+chain does not survive pickling, so the message carries what matters.
+
+Modules: :mod:`~gym_bridge.failures.errors` (the classes),
+:mod:`~gym_bridge.failures.classify` (INFRA or DATA, typed failures from raw errors),
+:mod:`~gym_bridge.failures.retry` (retry policy, timeouts, ``deadline``, backoff,
+``gather_cancel_siblings``), :mod:`~gym_bridge.failures.stats` (run-wide counters).
+Nothing here imports Ray, torch or an HTTP library.
+"""
+
+from gym_bridge.failures.classify import (
+    FailureClass,
+    classify_environment_failure,
+    classify_generation_failure,
+    classify_rollout_failure,
+    gym_status_failure,
+    http_status_is_infra,
+    shorten,
+    typed_gym_failure,
+)
+from gym_bridge.failures.errors import (
+    EngineShutDownError,
+    EnvironmentUnavailable,
+    GenerationUnavailable,
+    GymResultError,
+    GymRowIndexError,
+    GymServerDied,
+    GymServersError,
+    GymStartupError,
+    GymTransportError,
+    InvalidGymRow,
+    MissingGenerationData,
+    NaNLogprobs,
+    NemoGymRestarted,
+    NemoGymUnavailable,
+    RolloutDataFailure,
+    RolloutFailure,
+    RolloutInfraFailure,
+    RolloutRedispatchExhausted,
+    RolloutTimeout,
+    TokenDrift,
+)
+from gym_bridge.failures.retry import (
+    RolloutRetryPolicy,
+    RolloutTimeouts,
+    backoff_delay,
+    deadline,
+    gather_cancel_siblings,
+)
+from gym_bridge.failures.stats import RolloutStats
+
+__all__ = [
+    "EngineShutDownError",
+    "EnvironmentUnavailable",
+    "FailureClass",
+    "GenerationUnavailable",
+    "GymResultError",
+    "GymRowIndexError",
+    "GymServerDied",
+    "GymServersError",
+    "GymStartupError",
+    "GymTransportError",
+    "InvalidGymRow",
+    "MissingGenerationData",
+    "NaNLogprobs",
+    "NemoGymRestarted",
+    "NemoGymUnavailable",
+    "RolloutDataFailure",
+    "RolloutFailure",
+    "RolloutInfraFailure",
+    "RolloutRedispatchExhausted",
+    "RolloutRetryPolicy",
+    "RolloutStats",
+    "RolloutTimeout",
+    "RolloutTimeouts",
+    "TokenDrift",
+    "backoff_delay",
+    "classify_environment_failure",
+    "classify_generation_failure",
+    "classify_rollout_failure",
+    "deadline",
+    "gather_cancel_siblings",
+    "gym_status_failure",
+    "http_status_is_infra",
+    "shorten",
+    "typed_gym_failure",
+]

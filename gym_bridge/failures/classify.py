@@ -1,0 +1,218 @@
+"""Is a failure the fleet's (INFRA: retry, maybe elsewhere) or this prompt's (DATA)?
+
+:func:`classify_rollout_failure` maps any exception to :class:`FailureClass`: an explicit
+``RolloutDataFailure`` is DATA; otherwise any infra link in the ``__cause__`` chain makes
+it INFRA; anything unrecognised is DATA, so unknown bugs fail loudly instead of being
+retried. The other functions turn a raw error into the typed, picklable failure.
+"""
+
+from __future__ import annotations
+
+import sys
+from enum import Enum
+from typing import Any
+
+from gym_bridge.failures.errors import (
+    EnvironmentUnavailable,
+    GenerationUnavailable,
+    GymTransportError,
+    RolloutDataFailure,
+    RolloutFailure,
+    RolloutInfraFailure,
+)
+
+__all__ = [
+    "FailureClass",
+    "classify_environment_failure",
+    "classify_generation_failure",
+    "classify_rollout_failure",
+    "gym_status_failure",
+    "http_status_is_infra",
+    "shorten",
+    "typed_gym_failure",
+]
+
+
+class FailureClass(str, Enum):
+    INFRA = "infra"
+    DATA = "data"
+
+
+_MAX_CAUSE_LINKS = 8
+
+_RAY_INFRA_NAMES = (
+    "RayActorError",
+    "ActorUnavailableError",
+    "ActorUnschedulableError",
+    "TaskUnschedulableError",
+    "WorkerCrashedError",
+    "NodeDiedError",
+    "LocalRayletDiedError",
+    "OwnerDiedError",
+    "RpcError",
+    "GetTimeoutError",
+    "ObjectFetchTimedOutError",
+    "ObjectLostError",
+    "OutOfMemoryError",
+    "ObjectStoreFullError",
+    "RaySystemError",
+)
+_AIOHTTP_INFRA_NAMES = ("ClientConnectionError", "ClientPayloadError")
+# httpx's UnsupportedProtocol and LocalProtocolError are our own mistakes, so stay DATA.
+_HTTPX_INFRA_NAMES = ("TimeoutException", "NetworkError", "RemoteProtocolError", "ProxyError")
+# Recognised by name anywhere in the MRO, for aiohttp errors seen without aiohttp's classes.
+_INFRA_CLASS_NAMES = frozenset(
+    {
+        "ClientConnectionError",
+        "ClientConnectorError",
+        "ClientOSError",
+        "ClientPayloadError",
+        "ServerConnectionError",
+        "ServerDisconnectedError",
+        "ServerTimeoutError",
+    }
+)
+
+
+def _loaded_types(module: str, names: tuple[str, ...]) -> tuple[type, ...]:
+    """The named classes of ``module`` if it is already imported, else none.
+
+    An instance of a library's exception can only exist once that library is
+    imported, so nothing is imported here (importing Ray alone takes seconds), and
+    a name a library version lacks is skipped.
+    """
+    mod = sys.modules.get(module)
+    if mod is None:
+        return ()
+    return tuple(t for name in names if isinstance(t := getattr(mod, name, None), type))
+
+
+def http_status_is_infra(status: int) -> bool:
+    """Whether an HTTP status means the server side failed: 5xx, 408 or 429."""
+    return status >= 500 or status in (408, 429)
+
+
+def _response_status(exc: BaseException) -> int | None:
+    """The HTTP status of an aiohttp ``ClientResponseError`` or httpx ``HTTPStatusError``."""
+    response_errors = _loaded_types("aiohttp", ("ClientResponseError",))
+    if response_errors and isinstance(exc, response_errors):
+        status = getattr(exc, "status", None)
+        return status if isinstance(status, int) and not isinstance(status, bool) else None
+    status_errors = _loaded_types("httpx", ("HTTPStatusError",))
+    if status_errors and isinstance(exc, status_errors):
+        return int(exc.response.status_code)  # type: ignore[attr-defined]
+    return None
+
+
+def _link_is_infra(exc: BaseException) -> bool:
+    if isinstance(exc, RolloutDataFailure):
+        return False
+    status = _response_status(exc)
+    if status is not None:
+        return http_status_is_infra(status)
+    infra_types = (
+        (RolloutInfraFailure, TimeoutError, ConnectionError)
+        + _loaded_types("ray.exceptions", _RAY_INFRA_NAMES)
+        + _loaded_types("aiohttp", _AIOHTTP_INFRA_NAMES)
+        + _loaded_types("httpx", _HTTPX_INFRA_NAMES)
+    )
+    if isinstance(exc, infra_types):
+        return True
+    return any(cls.__name__ in _INFRA_CLASS_NAMES for cls in type(exc).__mro__)
+
+
+def classify_rollout_failure(exc: BaseException) -> FailureClass:
+    """INFRA or DATA for a failed attempt.
+
+    1. A ``RolloutDataFailure`` is DATA, even when caused by an infra error.
+    2. INFRA if ``exc`` or any exception in its ``__cause__`` chain (not
+       ``__context__``; at most 8 links; cycles end the walk) is infra: a
+       ``RolloutInfraFailure``, ``TimeoutError``, ``ConnectionError``, a Ray
+       worker/actor/node/object-store error, an aiohttp or httpx connection,
+       timeout or payload error, or an HTTP error whose status
+       :func:`http_status_is_infra`.
+    3. Otherwise DATA: unknown errors are not retried as if the fleet were sick.
+    """
+    if isinstance(exc, RolloutDataFailure):
+        return FailureClass.DATA
+    seen: set[int] = set()
+    link: BaseException | None = exc
+    while link is not None and id(link) not in seen and len(seen) < _MAX_CAUSE_LINKS:
+        if _link_is_infra(link):
+            return FailureClass.INFRA
+        seen.add(id(link))
+        link = link.__cause__
+    return FailureClass.DATA
+
+
+def shorten(text: str, limit: int = 300) -> str:
+    """``text`` with runs of whitespace made one space, cut to ``limit`` characters (``...`` marks a cut)."""
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def typed_gym_failure(exc: BaseException) -> BaseException:
+    """A picklable typed failure for an HTTP error from NeMo-Gym's /run; other errors unchanged.
+
+    aiohttp errors carry unpicklable headers, so across the Ray boundary the driver
+    would see an opaque error classified DATA. With an int ``status`` (aiohttp) or
+    an httpx ``HTTPStatusError``, this returns :class:`GymTransportError` when the
+    status is infra and :class:`RolloutDataFailure` otherwise. Raise the result
+    ``from None``.
+    """
+    status = _response_status(exc)
+    if status is None:
+        raw = getattr(exc, "status", None)
+        status = raw if isinstance(raw, int) and not isinstance(raw, bool) else None
+    if status is None:
+        return exc
+    detail = getattr(exc, "message", None) or str(exc) or type(exc).__name__
+    return gym_status_failure(status, shorten(str(detail)))
+
+
+def gym_status_failure(status: int, detail: str) -> RolloutFailure:
+    """The typed failure for NeMo-Gym's ``/run`` answering HTTP ``status``: infra or data by the status."""
+    message = f"NeMo-Gym /run failed with HTTP {status}: {detail}"
+    return GymTransportError(message) if http_status_is_infra(status) else RolloutDataFailure(message)
+
+
+def classify_generation_failure(exc: Exception, prompt_idx: Any, traj_idx: int) -> RolloutFailure:
+    """The typed failure for an error raised while generating; raise it ``from exc``.
+
+    Any Ray error is infrastructure here, whatever it wraps: a worker-side error
+    (dead engine, CUDA OOM) arrives as a bare ``RayTaskError`` the classifier
+    cannot see into, and another shard may serve the request. Infra errors become
+    :class:`GenerationUnavailable`. An explicit ``RolloutDataFailure`` (even one
+    carried by a Ray error) and anything else unrecognised become
+    :class:`RolloutDataFailure`. Both messages name the prompt and trajectory.
+
+    Raises:
+        TypeError: ``exc`` is not an ``Exception``; cancellation is never reclassified.
+    """
+    if not isinstance(exc, Exception):
+        raise TypeError(f"{type(exc).__name__} is not a generation failure and must propagate as is")
+    detail = f"prompt_idx={prompt_idx} traj_idx={traj_idx}: {type(exc).__name__}: {exc}"
+    ray_errors = _loaded_types("ray.exceptions", ("RayError",))
+    if not isinstance(exc, RolloutDataFailure) and (
+        (ray_errors and isinstance(exc, ray_errors)) or classify_rollout_failure(exc) is FailureClass.INFRA
+    ):
+        return GenerationUnavailable(f"generation unavailable for {detail}")
+    return RolloutDataFailure(f"generation failed for {detail}")
+
+
+def classify_environment_failure(exc: Exception, prompt_idx: Any, traj_idx: int) -> RolloutFailure:
+    """The typed failure for an error raised by an environment step; raise it ``from exc``.
+
+    Unlike generation, an error raised by the environment's own code (a ``RayTaskError``
+    wrapping a verifier crash) is about this prompt: DATA. A dead or unreachable
+    actor, and anything else the classifier calls infrastructure, is
+    :class:`EnvironmentUnavailable`. Both messages name the prompt and trajectory.
+    """
+    if not isinstance(exc, Exception):
+        raise TypeError(f"{type(exc).__name__} is not an environment failure and must propagate as is")
+    # A RayTaskError's text is the remote traceback; its .cause is the error the environment raised.
+    shown = exc.cause if isinstance(getattr(exc, "cause", None), BaseException) else exc
+    detail = f"prompt_idx={prompt_idx} traj_idx={traj_idx}: {type(shown).__name__}: {shown}"
+    if classify_rollout_failure(exc) is FailureClass.INFRA:
+        return EnvironmentUnavailable(f"environment unavailable for {detail}")
+    return RolloutDataFailure(f"environment step failed for {detail}")

@@ -1,0 +1,119 @@
+"""Every exception a rollout, a Gym server set or a generation engine raises (the tree is drawn in
+:mod:`gym_bridge.failures`). Each takes a single message string, so it pickles across Ray."""
+
+from __future__ import annotations
+
+__all__ = [
+    "EngineShutDownError",
+    "EnvironmentUnavailable",
+    "GenerationUnavailable",
+    "GymResultError",
+    "GymRowIndexError",
+    "GymServerDied",
+    "GymServersError",
+    "GymStartupError",
+    "GymTransportError",
+    "InvalidGymRow",
+    "MissingGenerationData",
+    "NaNLogprobs",
+    "NemoGymRestarted",
+    "NemoGymUnavailable",
+    "RolloutDataFailure",
+    "RolloutFailure",
+    "RolloutInfraFailure",
+    "RolloutRedispatchExhausted",
+    "RolloutTimeout",
+    "TokenDrift",
+]
+
+
+class RolloutFailure(Exception):
+    """One failed attempt at a prompt."""
+
+
+# ---- infrastructure: the prompt is fine, the fleet is not --------------------------------------
+
+
+class RolloutInfraFailure(RolloutFailure):
+    """The prompt is fine; the infrastructure serving it is not."""
+
+
+class RolloutTimeout(RolloutInfraFailure):
+    """A rollout deadline expired."""
+
+
+class GenerationUnavailable(RolloutInfraFailure):
+    """A generation worker could not serve the request (dead, unreachable, out of memory)."""
+
+
+class EnvironmentUnavailable(RolloutInfraFailure):
+    """An environment actor died or could not be reached."""
+
+
+class NemoGymUnavailable(EnvironmentUnavailable):
+    """The actor has no running Gym servers: never spun up, shut down, or a server died (named)."""
+
+
+class NemoGymRestarted(NemoGymUnavailable):
+    """Ray restarted the actor, so its Gym servers are gone; ``on_restart="fail"`` asks for a new spinup()."""
+
+
+class GymTransportError(RolloutInfraFailure):
+    """NeMo-Gym's /run failed in transport: an infra HTTP status or a broken stream."""
+
+
+class GymRowIndexError(GymTransportError):
+    """The actor streamed back a row index that is not an int, out of range, not dispatched, or repeated."""
+
+
+# ---- data: this prompt fails deterministically ---------------------------------------------
+
+
+class RolloutDataFailure(RolloutFailure):
+    """A deterministic, prompt-specific failure."""
+
+
+class InvalidGymRow(RolloutDataFailure):
+    """A Gym row that cannot be dispatched; the message names the prompt, the field and the reason."""
+
+
+class GymResultError(RolloutDataFailure):
+    """A NeMo-Gym result cannot be turned into a message log."""
+
+
+class MissingGenerationData(GymResultError):
+    """No model call of the result carried token ids."""
+
+
+class NaNLogprobs(GymResultError):
+    """A model call's generation logprobs contain NaN."""
+
+
+class TokenDrift(GymResultError):
+    """A turn's prompt tokens do not start with the token history of the earlier turns."""
+
+
+# ---- terminal for the run: deliberately not RolloutFailure, so per-attempt handlers miss them ---
+
+
+class RolloutRedispatchExhausted(RuntimeError):
+    """Terminal: too many prompts in a row spent their infrastructure retry budget."""
+
+
+# ---- outside a rollout attempt: Gym's server set and the local generation engine ----------------
+
+
+class GymServersError(RuntimeError):
+    """A NeMo-Gym server set failed."""
+
+
+class GymStartupError(GymServersError):
+    """A server died during start-up, or was not answering when the deadline expired."""
+
+
+class GymServerDied(GymServersError):
+    """A server of a started ``GymServers`` is no longer running."""
+
+
+class EngineShutDownError(RuntimeError):
+    """The generation engine was shut down before (or while) this request ran."""

@@ -1,0 +1,135 @@
+"""Retrying and bounding waits: the retry policy, deadlines, backoff, and a gather that cancels siblings."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import math
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, replace
+from typing import Any
+
+from gym_bridge.failures.errors import RolloutTimeout
+
+__all__ = [
+    "RolloutRetryPolicy",
+    "RolloutTimeouts",
+    "backoff_delay",
+    "deadline",
+    "gather_cancel_siblings",
+]
+
+
+def backoff_delay(attempt: int, base_s: float, max_s: float) -> float:
+    """Capped exponential backoff: seconds before retry number ``attempt`` (1-based), ``min(base * 2**(attempt-1), max)``."""
+    return min(base_s * 2 ** (attempt - 1), max_s)
+
+
+def _check_seconds(name: str, seconds: float | None) -> None:
+    if seconds is None:
+        return
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not (0 < seconds < math.inf):
+        raise ValueError(f"{name} must be None or a positive finite number of seconds, got {seconds!r}")
+
+
+@dataclass(frozen=True)
+class RolloutTimeouts:
+    """Deadlines for the waits inside one rollout; ``None`` waits forever."""
+
+    rollout_s: float | None = None
+    """The whole NeMo-Gym prompt group, re-dispatches included."""
+    generation_s: float | None = None
+    """One native generation turn."""
+    env_s: float | None = None
+    """One native environment step."""
+
+    def __post_init__(self) -> None:
+        for name in ("rollout_s", "generation_s", "env_s"):
+            _check_seconds(name, getattr(self, name))
+
+
+@dataclass(frozen=True)
+class RolloutRetryPolicy:
+    """How often a prompt is tried again, separately for infrastructure and data failures.
+
+    An infrastructure failure (the fleet) is retried with capped exponential backoff
+    up to ``max_infra_attempts``; when that budget is spent the prompt is dropped,
+    unless more than ``max_consecutive_dropped_prompts`` prompts in a row were
+    dropped, which stops the run. A data failure (this prompt) is retried without
+    backoff up to ``max_data_attempts``, then the prompt is skipped, unless the run
+    already skipped ``max_skipped_prompts``, which stops the run. Within one Gym
+    attempt, rows lost to an infrastructure failure are re-sent up to
+    ``max_gym_row_attempts`` times.
+    """
+
+    max_infra_attempts: int
+    max_data_attempts: int
+    max_gym_row_attempts: int
+    backoff_base_s: float = 1.0
+    max_backoff_s: float = 30.0
+    max_skipped_prompts: int = 0
+    max_consecutive_dropped_prompts: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("max_infra_attempts", "max_data_attempts", "max_gym_row_attempts"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_skipped_prompts", "max_consecutive_dropped_prompts"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.backoff_base_s < 0 or self.max_backoff_s < 0:
+            raise ValueError("backoff times must be >= 0")
+
+    @classmethod
+    def single_attempt(cls, **overrides: Any) -> RolloutRetryPolicy:
+        """One attempt of everything: a failure propagates (plus any overrides)."""
+        return replace(cls(max_infra_attempts=1, max_data_attempts=1, max_gym_row_attempts=1), **overrides)
+
+    def backoff_for(self, attempt: int) -> float:
+        """Seconds to wait before infrastructure retry number ``attempt`` (1-based)."""
+        return backoff_delay(attempt, self.backoff_base_s, self.max_backoff_s)
+
+
+@asynccontextmanager
+async def deadline(seconds: float | None, description: str) -> AsyncIterator[None]:
+    """Bound the body by ``seconds``; expiry raises :class:`RolloutTimeout`.
+
+    ``None`` disables the deadline. Only this deadline's own expiry becomes
+    ``RolloutTimeout("<description> exceeded <seconds>s")``, chained from the
+    ``TimeoutError``; a ``TimeoutError`` raised by the body propagates unchanged,
+    and cancellation from outside stays cancellation.
+    """
+    _check_seconds("seconds", seconds)
+    timeout = asyncio.timeout(seconds)
+    try:
+        async with timeout:
+            yield
+    except TimeoutError as exc:
+        if not timeout.expired():
+            raise
+        raise RolloutTimeout(f"{description} exceeded {seconds}s") from exc
+
+
+async def gather_cancel_siblings(*aws: Awaitable[Any]) -> list[Any]:
+    """Run ``aws`` concurrently and return their results in input order.
+
+    Unlike ``asyncio.gather``, the first failure cancels the others and waits for
+    them to finish before it propagates with its own type, so a failed prompt
+    group stops occupying generation capacity. Cancelling the caller cancels and
+    drains every child too.
+    """
+    not_awaitable = [type(aw).__name__ for aw in aws if not inspect.isawaitable(aw)]
+    if not_awaitable:
+        for aw in aws:
+            if inspect.iscoroutine(aw):
+                aw.close()
+        raise TypeError(f"gather_cancel_siblings takes awaitables, got {not_awaitable}")
+    tasks = [asyncio.ensure_future(aw) for aw in aws]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise

@@ -1,0 +1,115 @@
+"""The ``/v1/completions`` wire format in vLLM's dialect: one row's request body, and its response parsed.
+
+Token in, token out: the request's ``prompt`` is the row's token ids, with
+``return_token_ids``, ``return_tokens_as_token_ids`` and ``logprobs``; the response
+gives the generated token ids (``choices[0].token_ids``, else ``logprobs.tokens`` as
+``"token_id:<int>"`` strings), their logprobs and the finish reason. A malformed
+response is a :class:`~gym_bridge.failures.RolloutDataFailure` naming the field.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from gym_bridge.failures import RolloutDataFailure
+from gym_bridge.generation.batch import check_input
+
+if TYPE_CHECKING:
+    from gym_bridge.generation.openai_http import OpenAIHTTPGenerationConfig
+
+__all__ = ["SAMPLING_KEYS", "check_batch", "completion_request", "parse_completion", "row_value"]
+
+#: Per-row columns of a generation batch that override the config's sampling (None = the config's value).
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_new_tokens")
+
+
+def row_value(column: Sequence[Any] | None, i: int) -> Any:
+    """Row ``i`` of an optional per-row column."""
+    return None if column is None else column[i]
+
+
+def completion_request(
+    cfg: OpenAIHTTPGenerationConfig, prompt: list[int], data: Mapping[str, Any] | None, i: int, greedy: bool
+) -> dict[str, Any]:
+    """The ``/completions`` body for row ``i`` of ``data`` (its per-row sampling and stop strings over ``cfg``)."""
+    row = {k: v for k in SAMPLING_KEYS if (v := row_value((data or {}).get(k), i)) is not None}
+    row_stops = row_value((data or {}).get("stop_strings"), i)
+    temperature = float(row.get("temperature", cfg.temperature))
+    top_k = row.get("top_k", cfg.top_k)
+    stops = list(cfg.stop_strings or [])
+    if isinstance(row_stops, str):
+        row_stops = [row_stops]
+    for s in row_stops or []:
+        if s and s not in stops:
+            stops.append(s)
+    body: dict[str, Any] = {
+        "model": cfg.model,
+        "prompt": prompt,
+        "max_tokens": int(row.get("max_new_tokens", cfg.max_new_tokens)),
+        "temperature": 0.0 if greedy else temperature,
+        "top_p": float(row.get("top_p", cfg.top_p)),
+        "logprobs": 1,
+        "return_token_ids": True,
+        "return_tokens_as_token_ids": True,
+        "skip_special_tokens": False,
+        "include_stop_str_in_output": True,
+    }
+    if top_k is not None:
+        body["top_k"] = int(top_k)
+    if stops:
+        body["stop"] = stops
+    if cfg.stop_token_ids is not None:
+        body["stop_token_ids"] = list(cfg.stop_token_ids)
+    return body
+
+
+def check_batch(data: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids, input_lengths)`` of a generation batch, its per-row columns checked."""
+    input_ids, lengths = check_input(data)
+    batch = input_ids.shape[0]
+    for key in ("stop_strings", "session_ids"):
+        column = data.get(key)
+        if column is not None and len(column) != batch:
+            raise ValueError(f"{key} has {len(column)} rows, input_ids {batch}")
+    sessions = data.get("session_ids")
+    if sessions is not None and not all(s is None or isinstance(s, Hashable) for s in sessions):
+        raise TypeError("session_ids must hold hashable keys or None")
+    return input_ids, lengths
+
+
+
+def parse_completion(payload: Any, url: str) -> tuple[list[int], list[float], bool]:
+    """(generated ids, their logprobs, truncated) from a completions response."""
+    where = f"{url}/completions response"
+    try:
+        choice = payload["choices"][0]
+    except (KeyError, IndexError, TypeError):
+        raise RolloutDataFailure(f"{where} has no choices[0]") from None
+    if not isinstance(choice, Mapping):
+        raise RolloutDataFailure(f"{where}: choices[0] is not an object")
+    lp = choice.get("logprobs")
+    token_ids = choice.get("token_ids")
+    if token_ids is None:
+        tokens = lp.get("tokens") if isinstance(lp, Mapping) else None
+        if tokens is None:
+            raise RolloutDataFailure(f"{where} has neither choices[0].token_ids nor choices[0].logprobs.tokens")
+        try:
+            token_ids = [int(str(t).removeprefix("token_id:")) for t in tokens]
+        except ValueError:
+            raise RolloutDataFailure(f"{where}: logprobs.tokens are not 'token_id:<int>' strings") from None
+    if not isinstance(token_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in token_ids):
+        raise RolloutDataFailure(f"{where}: choices[0].token_ids is not a list of ints")
+    logprobs = lp.get("token_logprobs") if isinstance(lp, Mapping) else None
+    if logprobs is None:
+        raise RolloutDataFailure(f"{where} has no choices[0].logprobs.token_logprobs")
+    if len(logprobs) != len(token_ids):
+        raise RolloutDataFailure(f"{where}: {len(logprobs)} token_logprobs for {len(token_ids)} generated tokens")
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in logprobs):
+        raise RolloutDataFailure(f"{where}: choices[0].logprobs.token_logprobs holds non-numbers")
+    finish = choice.get("finish_reason")
+    if finish is None:
+        raise RolloutDataFailure(f"{where} has no choices[0].finish_reason")
+    return token_ids, [float(v) for v in logprobs], finish == "length"

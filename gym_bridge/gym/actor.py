@@ -36,12 +36,10 @@ from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
-from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import aiohttp
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from gym_bridge.failures import (
     GymResultError,
@@ -53,15 +51,12 @@ from gym_bridge.failures import (
     deadline,
     gym_status_failure,
 )
-from gym_bridge.gym.convert import (
-    DEFAULT_INVALID_TOOL_CALL_PATTERNS,
-    DEFAULT_THINKING_TAGS,
-    convert_gym_result,
-    gym_row_result,
-)
+from gym_bridge.gym.actor_config import NemoGymConfig, actor_configs
+from gym_bridge.gym.convert import convert_gym_result, gym_row_result
 from gym_bridge.gym.result import GymRowBatch, GymRowResult
 from gym_bridge.gym.rows import ROW_INDEX_KEY, dispatch_target
-from gym_bridge.gym.servers import GymServers, GymServersConfig
+from gym_bridge.gym.servers import GymServers
+from gym_bridge.gym.spinup import spinup_nemo_gym_actor, spinup_nemo_gym_actors
 
 __all__ = [
     "NemoGym",
@@ -76,63 +71,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _AGENT_SERVER_TYPE = "responses_api_agents"
-# NeMo-RL's defaults for Gym's own aiohttp pools (Gym's agents fan out to models and tools).
-_GYM_CONNECTOR_DEFAULTS = {
-    "global_aiohttp_connector_limit_per_host": 16384,
-    "global_aiohttp_connector_limit": 65536,
-}
 _BODY_LIMIT = 500
 _PROGRESS_EVERY = 10
-
-
-class NemoGymConfig(BaseModel):
-    """What the NeMo-Gym actor starts and how it talks to it."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    model_name: str
-    """The served model name; Gym's ``policy_model_name``."""
-    base_urls: list[str]
-    """OpenAI-compatible endpoints (``http://host:port/v1``), one per data-parallel shard."""
-    api_key: SecretStr = SecretStr("dummy_key")
-    """Sent by Gym's model server to the endpoints (Gym's ``policy_api_key``); never logged."""
-    config_paths: list[str] = Field(default_factory=list)
-    """Gym YAML configs; absolute, or relative to the actor's cwd, else to the nemo-gym wheel."""
-    overrides: dict[str, Any] = Field(default_factory=dict)
-    """Merged into Gym's global config last."""
-    host: str = "127.0.0.1"
-    startup_timeout_s: float = Field(180.0, gt=0)
-    shutdown_timeout_s: float = Field(30.0, gt=0)
-    request_timeout_s: float | None = Field(1800.0, gt=0)
-    """Bound on one ``/run`` call (Gym itself never times out); None waits forever."""
-    connect_timeout_s: float = Field(10.0, gt=0)
-    health_poll_s: float = Field(1.0, gt=0)
-    """How often Gym's processes are checked while rows are in flight."""
-    max_connections: int = Field(1024, gt=0)
-    """Our client's connection pool towards the agent servers."""
-    on_drift: Literal["raise", "truncate"] = "raise"
-    invalid_tool_call_patterns: tuple[str, ...] = DEFAULT_INVALID_TOOL_CALL_PATTERNS
-    thinking_tags: tuple[str, ...] = DEFAULT_THINKING_TAGS
-    log_dir: Path | None = None
-    """Per-server Gym logs; default ``<cwd>/gym-logs/...``."""
-    actor_options: dict[str, Any] = Field(default_factory=dict)
-    """Passed to ``ray.remote(NemoGym).options(...)`` (``num_cpus``, ``max_restarts``, ``scheduling_strategy``, ...)."""
-    on_restart: Literal["fail", "respin"] = "fail"
-    """After Ray restarts the actor: raise :class:`NemoGymRestarted`, or start fresh Gym servers."""
-
-    def servers_config(self) -> GymServersConfig:
-        overrides = {**_GYM_CONNECTOR_DEFAULTS, **self.overrides}
-        return GymServersConfig(
-            config_paths=list(self.config_paths),
-            overrides=overrides,
-            policy_base_urls=list(self.base_urls),
-            policy_model_name=self.model_name,
-            policy_api_key=self.api_key,
-            host=self.host,
-            startup_timeout_s=self.startup_timeout_s,
-            shutdown_timeout_s=self.shutdown_timeout_s,
-            log_dir=self.log_dir,
-        )
 
 
 class NemoGym:
@@ -420,70 +360,22 @@ def _was_restarted() -> bool:
         return False
 
 
-def spinup_nemo_gym_actor(config: NemoGymConfig, tokenizer: Any, *, margin_s: float = 60.0) -> Any:
-    """Create the actor with ``config.actor_options``, start Gym and install the tokenizer; return the handle.
-
-    Blocks at most ``startup_timeout_s + margin_s``. On failure the actor is shut
-    down and killed, and the typed error (``GymStartupError``, ``GetTimeoutError``, ...)
-    is re-raised.
-    """
-    return spinup_nemo_gym_actors(config, tokenizer, 1, margin_s=margin_s)[0]
-
-
-def actor_configs(config: NemoGymConfig, num_actors: int, *, split_base_urls: bool = False) -> list[NemoGymConfig]:
-    """One config per actor: its own log folder, and all endpoints or a round-robin share of them."""
-    if num_actors < 1:
-        raise ValueError(f"num_actors must be >= 1, got {num_actors}")
-    if split_base_urls and len(config.base_urls) < num_actors:
-        raise ValueError(
-            f"split_base_urls needs at least one endpoint per actor: {len(config.base_urls)} base_urls "
-            f"for {num_actors} actors"
-        )
-    if num_actors == 1:
-        return [config]
-    configs = []
-    for i in range(num_actors):
-        update: dict[str, Any] = {}
-        if config.log_dir is not None:
-            update["log_dir"] = config.log_dir / f"actor-{i}"
-        if split_base_urls:
-            update["base_urls"] = config.base_urls[i::num_actors]
-        configs.append(config.model_copy(update=update))
-    return configs
-
-
-def spinup_nemo_gym_actors(
-    config: NemoGymConfig,
-    tokenizer: Any,
-    num_actors: int,
-    *,
-    split_base_urls: bool = False,
-    margin_s: float = 60.0,
-) -> list[Any]:
-    """``num_actors`` NemoGym actors, each with its own Gym servers, started concurrently.
-
-    ``config.actor_options`` go to every actor (``scheduling_strategy`` or resources
-    place them on other nodes). On any
-    failure every actor is shut down and killed and the first typed error re-raised.
-    """
-    import ray
-
-    # By value, not ray.put: Ray re-runs the constructor on a restart, and a put object may be gone by then.
-    handles = [
-        ray.remote(NemoGym).options(**cfg.actor_options).remote(cfg, tokenizer)
-        for cfg in actor_configs(config, num_actors, split_base_urls=split_base_urls)
-    ]
+def _loads(body: bytes) -> Any:
+    """orjson for speed; the stdlib for what orjson refuses but Python's json writes (NaN, Infinity),
+    so a NaN logprob is reported as such by the conversion instead of as invalid JSON."""
     try:
-        ray.get([h.spinup.remote() for h in handles], timeout=config.startup_timeout_s + margin_s)
-    except BaseException as exc:
-        for handle in handles:
-            try:
-                ray.get(handle.shutdown.remote(), timeout=config.shutdown_timeout_s + 10)
-            except Exception:
-                logger.warning("NemoGym shutdown after a failed spinup did not finish; killing the actor")
-            ray.kill(handle)
-        cause = getattr(exc, "cause", None)
-        if isinstance(cause, Exception):
-            raise cause from None
-        raise
-    return handles
+        return orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return json.loads(body)
+
+
+def _was_restarted() -> bool:
+    """Whether this process is a Ray restart of the actor (False outside Ray)."""
+    try:
+        import ray
+
+        with warnings.catch_warnings():  # Ray's property reads its own deprecated actor_id
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return bool(ray.is_initialized() and ray.get_runtime_context().was_current_actor_reconstructed)
+    except Exception:  # not inside an actor
+        return False

@@ -8,35 +8,42 @@ its own session (see :mod:`gym_bridge.gym._launcher`); every Gym server is a
 child of it, so the whole set is one process group that :meth:`GymServers.stop`
 signals, SIGTERM then SIGKILL. The servers run on this interpreter's
 environment: Gym's per-server venvs are prepared as links to ``sys.prefix`` and
-nothing is installed.
+nothing is installed. The config lives in :mod:`gym_bridge.gym.server_config`, the
+cleanup registry and process checks in :mod:`gym_bridge.gym.reaper`.
 """
 
 from __future__ import annotations
 
-import atexit
-import http.client
-import importlib.util
 import json
 import logging
 import os
-import random
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from types import TracebackType
-from typing import Any, NamedTuple
+from typing import Any
 
 import psutil
-from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from gym_bridge.failures import GymServerDied, GymServersError, GymStartupError
+from gym_bridge.gym.reaper import (
+    PORT_WINDOW,
+    answers,
+    free_port,
+    is_alive,
+    next_instance_index,
+    register_live,
+    release,
+    reserve_port_window,
+    tail,
+    wait_gone,
+)
+from gym_bridge.gym.server_config import GymServersConfig, HeadServerAddress, deep_merge, wheel_config_path
 
 __all__ = [
     "GymServerDied",
@@ -50,129 +57,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-# Gym's default range (10001-20000) overlaps Ray's worker ports; stay below Linux's ephemeral range.
-_PORT_SPACE = (20_000, 32_000)
-_PORT_WINDOW = 200
 _POLL_INTERVAL_S = 0.25
-_LOG_TAIL_BYTES = 3000
 _KILL_WAIT_S = 5.0
-
-
-class HeadServerAddress(NamedTuple):
-    host: str
-    port: int
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-
-def wheel_config_path(relative: str | Path) -> Path:
-    """The absolute path of ``relative`` inside the installed nemo-gym wheel's site-packages.
-
-    Example: ``wheel_config_path("responses_api_models/vllm_model/configs/vllm_model_for_training.yaml")``.
-    """
-    spec = importlib.util.find_spec("nemo_gym")
-    if spec is None or spec.origin is None:
-        raise FileNotFoundError("nemo_gym is not installed")
-    path = Path(spec.origin).parent.parent / relative
-    if not path.exists():
-        raise FileNotFoundError(f"{relative} is not in the installed nemo-gym wheel ({path})")
-    return path
-
-
-class GymServersConfig(BaseModel):
-    """What to start. ``overrides`` is merged last, over everything this class sets."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    config_paths: list[str] = Field(default_factory=list)
-    """Gym YAML configs; a relative path is tried in the cwd, then in the wheel (as Gym does)."""
-    overrides: dict[str, Any] = Field(default_factory=dict)
-    """Merged into Gym's global config, like ``initial_global_config_dict``."""
-    policy_base_urls: list[str] = Field(default_factory=list)
-    """OpenAI-compatible endpoints, each ending in ``/v1``; Gym's ``policy_base_url``."""
-    policy_model_name: str = ""
-    policy_api_key: SecretStr = SecretStr("dummy_key")
-    host: str = "127.0.0.1"
-    """Gym's ``default_host`` and the head server's host."""
-    startup_timeout_s: float = Field(120.0, gt=0)
-    shutdown_timeout_s: float = Field(30.0, gt=0)
-    """How long SIGTERM may take before SIGKILL."""
-    log_dir: Path | None = None
-    """Per-server log files; default ``./gym-logs/<timestamp>-<pid>-<n>``."""
-    ray_address: str | None = None
-    """Ray GCS address the servers join; None: the running Ray's, else the servers skip Ray."""
-    use_ray: bool = True
-    """False: the servers neither start nor join a Ray cluster (fine for servers that never use Ray)."""
-    load_env_yaml: bool = False
-    """Whether Gym also reads ``env.yaml`` from the cwd or the wheel."""
-
-
-_instances_lock = threading.Lock()
-_live: set[GymServers] = set()
-_used_windows: set[int] = set()
-_instance_count = 0
-_handlers_installed = False
-
-
-def _stop_all_live() -> None:
-    for servers in list(_live):
-        try:
-            servers.stop()
-        except Exception:
-            logger.exception("stopping NeMo-Gym servers failed")
-
-
-def _install_cleanup_handlers() -> None:
-    """atexit, plus SIGTERM/SIGHUP handlers that stop every live GymServers, then chain."""
-    global _handlers_installed
-    with _instances_lock:
-        if _handlers_installed:
-            return
-        _handlers_installed = True
-    atexit.register(_stop_all_live)
-    if threading.current_thread() is not threading.main_thread():
-        return
-    for signum in (signal.SIGTERM, signal.SIGHUP):
-        previous = signal.getsignal(signum)
-        if previous is signal.SIG_IGN or previous is None:
-            continue
-
-        def handler(num: int, frame: Any, previous: Any = previous) -> None:
-            _stop_all_live()
-            if callable(previous):
-                previous(num, frame)
-            else:
-                signal.signal(num, signal.SIG_DFL)
-                os.kill(os.getpid(), num)
-
-        signal.signal(signum, handler)
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
-def _reserve_port_window() -> int:
-    low, high = _PORT_SPACE
-    with _instances_lock:
-        free = [w for w in range(low, high - _PORT_WINDOW + 1, _PORT_WINDOW) if w not in _used_windows]
-        window = random.choice(free)
-        _used_windows.add(window)
-    return window
-
-
-def _deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
-    merged = dict(base)
-    for key, value in extra.items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = _deep_merge(merged[key], value)
-        else:
-            merged[key] = value
-    return merged
 
 
 def _running_ray_address() -> str | None:
@@ -180,34 +66,6 @@ def _running_ray_address() -> str | None:
     if ray is None or not ray.is_initialized():
         return None
     return ray.get_runtime_context().gcs_address
-
-
-def _is_alive(proc: psutil.Process) -> bool:
-    try:
-        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
-def _answers(host: str, port: int) -> bool:
-    conn = http.client.HTTPConnection(host, port, timeout=1.0)
-    try:
-        conn.request("GET", "/")
-        return conn.getresponse().status == 200
-    except (OSError, http.client.HTTPException):
-        return False
-    finally:
-        conn.close()
-
-
-def _tail(path: Path, limit: int = _LOG_TAIL_BYTES) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - limit))
-            return f.read().decode("utf-8", errors="replace")
-    except OSError as exc:
-        return f"<no log: {exc}>"
 
 
 _NO_RAY_SITECUSTOMIZE = """\
@@ -227,11 +85,8 @@ class GymServers:
     """
 
     def __init__(self, config: GymServersConfig) -> None:
-        global _instance_count
         self.config = config
-        with _instances_lock:
-            _instance_count += 1
-            self._index = _instance_count
+        self._index = next_instance_index()
         self._launcher: subprocess.Popen[bytes] | None = None
         self._launcher_proc: psutil.Process | None = None
         self._private_dir: Path | None = None
@@ -274,15 +129,13 @@ class GymServers:
 
     def pids(self) -> set[int]:
         """Every process of this set still running: the launcher, the servers and their children."""
-        return {p.pid for p in self._processes() if _is_alive(p)}
+        return {p.pid for p in self._processes() if is_alive(p)}
 
     def start(self) -> HeadServerAddress:
         if self._launcher is not None:
             raise RuntimeError("GymServers.start() was already called")
         started = time.monotonic()
-        _install_cleanup_handlers()
-        with _instances_lock:
-            _live.add(self)
+        register_live(self)
         try:
             self._spawn_launcher()
             self._wait_until_ready(started + self.config.startup_timeout_s)
@@ -303,9 +156,9 @@ class GymServers:
         if self._launcher is None:
             raise GymServersError("GymServers is not started")
         for name, proc in self._procs.items():
-            if not _is_alive(proc):
+            if not is_alive(proc):
                 raise GymServerDied(self._describe_failure(name, "is no longer running"))
-        if not (self._launcher_proc and _is_alive(self._launcher_proc)):
+        if not (self._launcher_proc and is_alive(self._launcher_proc)):
             raise GymServerDied(self._describe_failure("head_server", "is no longer running (launcher exited)"))
 
     def stop(self) -> None:
@@ -317,11 +170,11 @@ class GymServers:
         if launcher is not None:
             procs = self._processes()
             self._signal(procs, signal.SIGTERM)
-            alive = self._wait_gone(procs, self.config.shutdown_timeout_s)
+            alive = wait_gone(procs, self.config.shutdown_timeout_s)
             if alive:
                 logger.warning("NeMo-Gym processes %s ignored SIGTERM; killing them", sorted(p.pid for p in alive))
                 self._signal(procs, signal.SIGKILL)
-                alive = self._wait_gone(alive, _KILL_WAIT_S)
+                alive = wait_gone(alive, _KILL_WAIT_S)
             if alive:
                 logger.error("NeMo-Gym processes %s survived SIGKILL", sorted(p.pid for p in alive))
             try:
@@ -333,11 +186,8 @@ class GymServers:
         if self._private_dir is not None:
             shutil.rmtree(self._private_dir, ignore_errors=True)
             self._private_dir = None
-        with _instances_lock:
-            _live.discard(self)
-            if self._window is not None:
-                _used_windows.discard(self._window)
-                self._window = None
+        release(self, self._window)
+        self._window = None
 
     def __enter__(self) -> GymServers:
         self.start()
@@ -360,7 +210,7 @@ class GymServers:
             "default_host": cfg.host,
             "head_server": {"host": cfg.host, "port": head_port},
             "port_range_low": self._window,
-            "port_range_high": self._window + _PORT_WINDOW - 1,
+            "port_range_high": self._window + PORT_WINDOW - 1,
             "skip_venv_if_present": True,
             "uv_venv_dir": str(self._private_dir / "venvs"),
             "uv_cache_dir": str(self._private_dir / "uv-cache"),
@@ -372,15 +222,15 @@ class GymServers:
         ray_address = (cfg.ray_address or _running_ray_address()) if cfg.use_ray else None
         if ray_address:
             base["ray_head_node_address"] = ray_address
-        merged = _deep_merge(base, cfg.overrides)
+        merged = deep_merge(base, cfg.overrides)
         merged.pop("nemo_gym_log_dir", None)  # Gym's tee wrapper orphans servers; logs are ours
         return merged
 
     def _spawn_launcher(self) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._private_dir = Path(tempfile.mkdtemp(prefix="gym-bridge-servers-"))
-        self._window = _reserve_port_window()
-        global_config = self._global_config(_free_port(self.config.host))
+        self._window = reserve_port_window()
+        global_config = self._global_config(free_port(self.config.host))
         uses_ray = "ray_head_node_address" in global_config
         spec = {
             "global_config": global_config,
@@ -440,16 +290,16 @@ class GymServers:
         while True:
             self._read_status()
             for name, proc in self._procs.items():
-                if not _is_alive(proc):
+                if not is_alive(proc):
                     raise GymStartupError(self._describe_failure(name, "exited during start-up"))
-            if self._status.get("phase") == "failed" or not _is_alive(self._launcher_proc):  # type: ignore[arg-type]
+            if self._status.get("phase") == "failed" or not is_alive(self._launcher_proc):  # type: ignore[arg-type]
                 raise GymStartupError(self._launcher_failure())
             servers = self._status.get("servers", {})
             if self._status.get("phase") in ("spawning", "ready") and all(s.get("pid") for s in servers.values()):
                 for name, s in servers.items():
-                    if name not in ready and _answers(s["host"], s["port"]):
+                    if name not in ready and answers(s["host"], s["port"]):
                         ready.add(name)
-                if len(ready) == len(servers) and self.head and _answers(self.head.host, self.head.port):
+                if len(ready) == len(servers) and self.head and answers(self.head.host, self.head.port):
                     return
             if time.monotonic() >= deadline:
                 waiting = [n for n in servers if n not in ready] or ["head_server"]
@@ -467,7 +317,7 @@ class GymServers:
 
     def _describe_failure(self, name: str, what: str) -> str:
         log = self.log_files.get(name, self.launcher_log)
-        return f"NeMo-Gym server {name!r} {what}; last lines of {log}:\n{_tail(log)}"
+        return f"NeMo-Gym server {name!r} {what}; last lines of {log}:\n{tail(log)}"
 
     def _launcher_failure(self) -> str:
         error = self._status.get("error") or ""
@@ -477,7 +327,7 @@ class GymServers:
         summary = self._status.get("summary") or "the launcher exited"
         return (
             f"NeMo-Gym failed before the servers were up: {summary}; "
-            f"last lines of {self.launcher_log}:\n{_tail(self.launcher_log)}"
+            f"last lines of {self.launcher_log}:\n{tail(self.launcher_log)}"
         )
 
     def _processes(self) -> list[psutil.Process]:
@@ -485,7 +335,7 @@ class GymServers:
         found: dict[int, psutil.Process] = {}
         roots = [p for p in [self._launcher_proc, *self._procs.values()] if p is not None]
         for root in roots:
-            if _is_alive(root):
+            if is_alive(root):
                 found[root.pid] = root
                 try:
                     found.update((c.pid, c) for c in root.children(recursive=True))
@@ -511,12 +361,3 @@ class GymServers:
                 proc.send_signal(signum)
             except psutil.Error:
                 pass
-
-    @staticmethod
-    def _wait_gone(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
-        deadline = time.monotonic() + timeout
-        alive = [p for p in procs if _is_alive(p)]
-        while alive and time.monotonic() < deadline:
-            time.sleep(0.1)
-            alive = [p for p in alive if _is_alive(p)]
-        return alive

@@ -1,0 +1,95 @@
+"""NemoGymConfig: what a NemoGym actor starts (Gym configs, endpoints, bounds) and how it talks to it.
+
+Kept apart from the actor so that drivers, CLIs and configs import it without the
+actor's HTTP stack; :func:`actor_configs` derives one config per actor.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
+
+from gym_bridge.gym.convert import DEFAULT_INVALID_TOOL_CALL_PATTERNS, DEFAULT_THINKING_TAGS
+from gym_bridge.gym.servers import GymServersConfig
+
+__all__ = ["NemoGymConfig", "actor_configs"]
+
+# NeMo-RL's defaults for Gym's own aiohttp pools (Gym's agents fan out to models and tools).
+_GYM_CONNECTOR_DEFAULTS = {
+    "global_aiohttp_connector_limit_per_host": 16384,
+    "global_aiohttp_connector_limit": 65536,
+}
+
+
+class NemoGymConfig(BaseModel):
+    """What the NeMo-Gym actor starts and how it talks to it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model_name: str
+    """The served model name; Gym's ``policy_model_name``."""
+    base_urls: list[str]
+    """OpenAI-compatible endpoints (``http://host:port/v1``), one per data-parallel shard."""
+    api_key: SecretStr = SecretStr("dummy_key")
+    """Sent by Gym's model server to the endpoints (Gym's ``policy_api_key``); never logged."""
+    config_paths: list[str] = Field(default_factory=list)
+    """Gym YAML configs; absolute, or relative to the actor's cwd, else to the nemo-gym wheel."""
+    overrides: dict[str, Any] = Field(default_factory=dict)
+    """Merged into Gym's global config last."""
+    host: str = "127.0.0.1"
+    startup_timeout_s: float = Field(180.0, gt=0)
+    shutdown_timeout_s: float = Field(30.0, gt=0)
+    request_timeout_s: float | None = Field(1800.0, gt=0)
+    """Bound on one ``/run`` call (Gym itself never times out); None waits forever."""
+    connect_timeout_s: float = Field(10.0, gt=0)
+    health_poll_s: float = Field(1.0, gt=0)
+    """How often Gym's processes are checked while rows are in flight."""
+    max_connections: int = Field(1024, gt=0)
+    """Our client's connection pool towards the agent servers."""
+    on_drift: Literal["raise", "truncate"] = "raise"
+    invalid_tool_call_patterns: tuple[str, ...] = DEFAULT_INVALID_TOOL_CALL_PATTERNS
+    thinking_tags: tuple[str, ...] = DEFAULT_THINKING_TAGS
+    log_dir: Path | None = None
+    """Per-server Gym logs; default ``<cwd>/gym-logs/...``."""
+    actor_options: dict[str, Any] = Field(default_factory=dict)
+    """Passed to ``ray.remote(NemoGym).options(...)`` (``num_cpus``, ``max_restarts``, ``scheduling_strategy``, ...)."""
+    on_restart: Literal["fail", "respin"] = "fail"
+    """After Ray restarts the actor: raise :class:`~gym_bridge.failures.NemoGymRestarted`, or start fresh Gym servers."""
+
+    def servers_config(self) -> GymServersConfig:
+        overrides = {**_GYM_CONNECTOR_DEFAULTS, **self.overrides}
+        return GymServersConfig(
+            config_paths=list(self.config_paths),
+            overrides=overrides,
+            policy_base_urls=list(self.base_urls),
+            policy_model_name=self.model_name,
+            policy_api_key=self.api_key,
+            host=self.host,
+            startup_timeout_s=self.startup_timeout_s,
+            shutdown_timeout_s=self.shutdown_timeout_s,
+            log_dir=self.log_dir,
+        )
+
+
+def actor_configs(config: NemoGymConfig, num_actors: int, *, split_base_urls: bool = False) -> list[NemoGymConfig]:
+    """One config per actor: its own log folder, and all endpoints or a round-robin share of them."""
+    if num_actors < 1:
+        raise ValueError(f"num_actors must be >= 1, got {num_actors}")
+    if split_base_urls and len(config.base_urls) < num_actors:
+        raise ValueError(
+            f"split_base_urls needs at least one endpoint per actor: {len(config.base_urls)} base_urls "
+            f"for {num_actors} actors"
+        )
+    if num_actors == 1:
+        return [config]
+    configs = []
+    for i in range(num_actors):
+        update: dict[str, Any] = {}
+        if config.log_dir is not None:
+            update["log_dir"] = config.log_dir / f"actor-{i}"
+        if split_base_urls:
+            update["base_urls"] = config.base_urls[i::num_actors]
+        configs.append(config.model_copy(update=update))
+    return configs

@@ -1,0 +1,163 @@
+"""No Gym process outlives its owner: the live-set registry with atexit/signal cleanup, port windows,
+and the process checks (alive, answering, log tail) GymServers uses to start, watch and stop its set."""
+
+from __future__ import annotations
+
+import atexit
+import http.client
+import logging
+import os
+import random
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import psutil
+
+if TYPE_CHECKING:
+    from gym_bridge.gym.servers import GymServers
+
+__all__ = [
+    "PORT_WINDOW",
+    "answers",
+    "free_port",
+    "is_alive",
+    "next_instance_index",
+    "register_live",
+    "release",
+    "reserve_port_window",
+    "tail",
+    "wait_gone",
+]
+
+logger = logging.getLogger(__name__)
+
+# Gym's default range (10001-20000) overlaps Ray's worker ports; stay below Linux's ephemeral range.
+_PORT_SPACE = (20_000, 32_000)
+PORT_WINDOW = 200
+"""Ports per GymServers set."""
+_LOG_TAIL_BYTES = 3000
+
+_instances_lock = threading.Lock()
+_live: set[GymServers] = set()
+_used_windows: set[int] = set()
+_instance_count = 0
+_handlers_installed = False
+
+
+def _stop_all_live() -> None:
+    for servers in list(_live):
+        try:
+            servers.stop()
+        except Exception:
+            logger.exception("stopping NeMo-Gym servers failed")
+
+
+def _install_cleanup_handlers() -> None:
+    """atexit, plus SIGTERM/SIGHUP handlers that stop every live GymServers, then chain."""
+    global _handlers_installed
+    with _instances_lock:
+        if _handlers_installed:
+            return
+        _handlers_installed = True
+    atexit.register(_stop_all_live)
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        previous = signal.getsignal(signum)
+        if previous is signal.SIG_IGN or previous is None:
+            continue
+
+        def handler(num: int, frame: Any, previous: Any = previous) -> None:
+            _stop_all_live()
+            if callable(previous):
+                previous(num, frame)
+            else:
+                signal.signal(num, signal.SIG_DFL)
+                os.kill(os.getpid(), num)
+
+        signal.signal(signum, handler)
+
+
+def free_port(host: str) -> int:
+    """A port the OS says is free on ``host`` now."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def reserve_port_window() -> int:
+    """The start of a block of ports no other GymServers of this process uses (Gym picks its servers' ports there)."""
+    low, high = _PORT_SPACE
+    with _instances_lock:
+        free = [w for w in range(low, high - PORT_WINDOW + 1, PORT_WINDOW) if w not in _used_windows]
+        window = random.choice(free)
+        _used_windows.add(window)
+    return window
+
+
+def next_instance_index() -> int:
+    """A process-wide counter naming each GymServers' default log folder."""
+    global _instance_count
+    with _instances_lock:
+        _instance_count += 1
+        return _instance_count
+
+
+def register_live(servers: GymServers) -> None:
+    """Stop ``servers`` at exit or on SIGTERM/SIGHUP unless :func:`release` d first."""
+    _install_cleanup_handlers()
+    with _instances_lock:
+        _live.add(servers)
+
+
+def release(servers: GymServers, window: int | None) -> None:
+    """Forget a stopped set and free its port window."""
+    with _instances_lock:
+        _live.discard(servers)
+        if window is not None:
+            _used_windows.discard(window)
+
+
+def is_alive(proc: psutil.Process) -> bool:
+    """Running and not a zombie."""
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def answers(host: str, port: int) -> bool:
+    """Whether ``GET /`` on the server answers 200 within a second."""
+    conn = http.client.HTTPConnection(host, port, timeout=1.0)
+    try:
+        conn.request("GET", "/")
+        return conn.getresponse().status == 200
+    except (OSError, http.client.HTTPException):
+        return False
+    finally:
+        conn.close()
+
+
+def tail(path: Path, limit: int = _LOG_TAIL_BYTES) -> str:
+    """The last ``limit`` bytes of a log, for error messages."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - limit))
+            return f.read().decode("utf-8", errors="replace")
+    except OSError as exc:
+        return f"<no log: {exc}>"
+
+
+def wait_gone(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
+    """Wait up to ``timeout`` seconds for ``procs`` to exit; return those still alive."""
+    deadline = time.monotonic() + timeout
+    alive = [p for p in procs if is_alive(p)]
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.1)
+        alive = [p for p in alive if is_alive(p)]
+    return alive

@@ -1,0 +1,75 @@
+"""What a GymServers set starts (:class:`GymServersConfig`), where the head server listens, and wheel paths."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
+
+__all__ = ["GymServersConfig", "HeadServerAddress", "deep_merge", "wheel_config_path"]
+
+
+class HeadServerAddress(NamedTuple):
+    host: str
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+def wheel_config_path(relative: str | Path) -> Path:
+    """The absolute path of ``relative`` inside the installed nemo-gym wheel's site-packages.
+
+    Example: ``wheel_config_path("responses_api_models/vllm_model/configs/vllm_model_for_training.yaml")``.
+    """
+    spec = importlib.util.find_spec("nemo_gym")
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError("nemo_gym is not installed")
+    path = Path(spec.origin).parent.parent / relative
+    if not path.exists():
+        raise FileNotFoundError(f"{relative} is not in the installed nemo-gym wheel ({path})")
+    return path
+
+
+class GymServersConfig(BaseModel):
+    """What to start. ``overrides`` is merged last, over everything this class sets."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    config_paths: list[str] = Field(default_factory=list)
+    """Gym YAML configs; a relative path is tried in the cwd, then in the wheel (as Gym does)."""
+    overrides: dict[str, Any] = Field(default_factory=dict)
+    """Merged into Gym's global config, like ``initial_global_config_dict``."""
+    policy_base_urls: list[str] = Field(default_factory=list)
+    """OpenAI-compatible endpoints, each ending in ``/v1``; Gym's ``policy_base_url``."""
+    policy_model_name: str = ""
+    policy_api_key: SecretStr = SecretStr("dummy_key")
+    host: str = "127.0.0.1"
+    """Gym's ``default_host`` and the head server's host."""
+    startup_timeout_s: float = Field(120.0, gt=0)
+    shutdown_timeout_s: float = Field(30.0, gt=0)
+    """How long SIGTERM may take before SIGKILL."""
+    log_dir: Path | None = None
+    """Per-server log files; default ``./gym-logs/<timestamp>-<pid>-<n>``."""
+    ray_address: str | None = None
+    """Ray GCS address the servers join; None: the running Ray's, else the servers skip Ray."""
+    use_ray: bool = True
+    """False: the servers neither start nor join a Ray cluster (fine for servers that never use Ray)."""
+    load_env_yaml: bool = False
+    """Whether Gym also reads ``env.yaml`` from the cwd or the wheel."""
+
+
+
+
+def deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """``base`` with ``extra`` merged in, dicts recursively, ``extra`` winning (Gym's config layering)."""
+    merged = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged

@@ -1,0 +1,61 @@
+"""Starting NemoGym actors: create them with their options, start Gym, and clean up on any failure."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from gym_bridge.gym.actor_config import NemoGymConfig, actor_configs
+
+__all__ = ["spinup_nemo_gym_actor", "spinup_nemo_gym_actors"]
+
+logger = logging.getLogger(__name__)
+
+
+def spinup_nemo_gym_actor(config: NemoGymConfig, tokenizer: Any, *, margin_s: float = 60.0) -> Any:
+    """Create the actor with ``config.actor_options``, start Gym and install the tokenizer; return the handle.
+
+    Blocks at most ``startup_timeout_s + margin_s``. On failure the actor is shut
+    down and killed, and the typed error (``GymStartupError``, ``GetTimeoutError``, ...)
+    is re-raised.
+    """
+    return spinup_nemo_gym_actors(config, tokenizer, 1, margin_s=margin_s)[0]
+
+
+def spinup_nemo_gym_actors(
+    config: NemoGymConfig,
+    tokenizer: Any,
+    num_actors: int,
+    *,
+    split_base_urls: bool = False,
+    margin_s: float = 60.0,
+) -> list[Any]:
+    """``num_actors`` NemoGym actors, each with its own Gym servers, started concurrently.
+
+    ``config.actor_options`` go to every actor (``scheduling_strategy`` or resources
+    place them on other nodes). On any
+    failure every actor is shut down and killed and the first typed error re-raised.
+    """
+    import ray
+
+    from gym_bridge.gym.actor import NemoGym  # the actor module re-exports these functions
+
+    # By value, not ray.put: Ray re-runs the constructor on a restart, and a put object may be gone by then.
+    handles = [
+        ray.remote(NemoGym).options(**cfg.actor_options).remote(cfg, tokenizer)
+        for cfg in actor_configs(config, num_actors, split_base_urls=split_base_urls)
+    ]
+    try:
+        ray.get([h.spinup.remote() for h in handles], timeout=config.startup_timeout_s + margin_s)
+    except BaseException as exc:
+        for handle in handles:
+            try:
+                ray.get(handle.shutdown.remote(), timeout=config.shutdown_timeout_s + 10)
+            except Exception:
+                logger.warning("NemoGym shutdown after a failed spinup did not finish; killing the actor")
+            ray.kill(handle)
+        cause = getattr(exc, "cause", None)
+        if isinstance(cause, Exception):
+            raise cause from None
+        raise
+    return handles

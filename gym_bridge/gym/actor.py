@@ -12,8 +12,10 @@ died with the old process. ``cfg.on_restart="fail"`` makes every call raise
 ``"respin"`` starts fresh servers on the first call after the restart.
 
 Errors raised inside the actor are typed and picklable (see
-:mod:`gym_bridge.failures`): an HTTP error from ``/run`` becomes
-``GymTransportError`` (infra status) or ``RolloutDataFailure``; a connection
+:mod:`gym_bridge.failures`): an HTTP error from ``/run`` is unwrapped
+(:func:`~gym_bridge.failures.gym_run_failure`) and becomes ``EndpointConfigError``
+(the model endpoint answered 4xx), ``GymTransportError`` (infra status) or
+``RolloutDataFailure``; a connection
 error ``GymTransportError``; an expired ``request_timeout_s`` ``RolloutTimeout``;
 bad rows and bad results ``RolloutDataFailure`` subclasses.
 
@@ -38,12 +40,14 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import aiohttp
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from gym_bridge.failures import (
+    EndpointUnavailable,
     GymResultError,
     GymServerDied,
     GymTransportError,
@@ -52,7 +56,7 @@ from gym_bridge.failures import (
     RolloutDataFailure,
     RolloutTimeout,
     deadline,
-    gym_status_failure,
+    gym_run_failure,
 )
 from gym_bridge.gym.convert import (
     DEFAULT_INVALID_TOOL_CALL_PATTERNS,
@@ -80,7 +84,7 @@ _GYM_CONNECTOR_DEFAULTS = {
     "global_aiohttp_connector_limit_per_host": 16384,
     "global_aiohttp_connector_limit": 65536,
 }
-_BODY_LIMIT = 500
+_ERROR_BODY_LIMIT = 65536  # Gym nests each server's error escaped inside the next: keep it whole to unwrap it
 _PROGRESS_EVERY = 10
 
 
@@ -105,6 +109,8 @@ class NemoGymConfig(BaseModel):
     request_timeout_s: float | None = Field(1800.0, gt=0)
     """Bound on one ``/run`` call (Gym itself never times out); None waits forever."""
     connect_timeout_s: float = Field(10.0, gt=0)
+    """Bound on connecting to an agent; a model endpoint refusing connections this long while rows
+    are in flight fails the stream (``EndpointUnavailable``)."""
     health_poll_s: float = Field(1.0, gt=0)
     """How often Gym's processes are checked while rows are in flight."""
     max_connections: int = Field(1024, gt=0)
@@ -146,6 +152,7 @@ class NemoGym:
         self._executor: ThreadPoolExecutor | None = None
         self._spinup_lock = asyncio.Lock()
         self._restarted = _was_restarted()
+        self._endpoint_down_since: dict[str, float] = {}
 
     # ---- lifecycle ----------------------------------------------------------------------------
 
@@ -314,14 +321,37 @@ class NemoGym:
             raise NemoGymUnavailable(f"{when}: {exc}") from None
 
     async def _watch_servers(self, servers: GymServers) -> None:
-        """Poll Gym's processes while rows are in flight; a dead server fails the stream at once, named.
+        """Poll Gym's processes and the model endpoints while rows are in flight; a dead one fails the stream, named.
 
         Gym's own client retries a refused connection forever, so without this a dead
-        resources server would only surface as a timeout.
+        resources server or model endpoint would only surface at the group deadline.
         """
         while True:
             await asyncio.sleep(self.cfg.health_poll_s)
             self._check_servers(servers, "while rows were in flight")
+            await self._check_endpoints()
+
+    async def _check_endpoints(self) -> None:
+        """Raise :class:`EndpointUnavailable` for a model endpoint that refused every connection for ``connect_timeout_s``.
+
+        A probe is one TCP connect (bounded by ``connect_timeout_s``); a success clears the
+        endpoint's record. The records outlive one call, so a retry fails at its first probe.
+        """
+        window = self.cfg.connect_timeout_s
+        urls = list(self.cfg.base_urls)
+        errors = await asyncio.gather(*(_probe(url, window) for url in urls))
+        now = time.monotonic()
+        for url, error in zip(urls, errors, strict=True):
+            if error is None:
+                self._endpoint_down_since.pop(url, None)
+                continue
+            since = self._endpoint_down_since.setdefault(url, now)
+            if now - since >= window:
+                raise EndpointUnavailable(
+                    f"model endpoint {url} has refused connections for {now - since:.1f}s "
+                    f"(connect_timeout_s={window}) while rows were in flight: {error}; "
+                    "Gym's model server would retry it forever"
+                )
 
     def _route(self, i: int, row: Any) -> str:
         """The agent URL of a row, checking the row before anything is sent."""
@@ -375,7 +405,7 @@ class NemoGym:
             self._raise_if_a_server_died(where)
             raise GymTransportError(f"{where} failed in transport: {type(exc).__name__}: {exc}") from None
         if status >= 400:
-            failure = gym_status_failure(status, f"{where}; body: {body[:_BODY_LIMIT].decode(errors='replace')}")
+            failure = gym_run_failure(status, body[:_ERROR_BODY_LIMIT], where)
             if isinstance(failure, GymTransportError):
                 self._raise_if_a_server_died(where)
             raise failure
@@ -405,6 +435,23 @@ class NemoGym:
             )
         except GymResultError as exc:
             raise type(exc)(f"_rowidx={row['_rowidx']} (agent {row['agent_ref']['name']!r}): {exc}") from None
+
+
+async def _probe(base_url: str, timeout_s: float) -> str | None:
+    """None when ``base_url``'s host accepts a TCP connection within ``timeout_s``, else why not."""
+    parts = urlsplit(base_url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        async with asyncio.timeout(timeout_s):
+            _, writer = await asyncio.open_connection(parts.hostname, port)
+    except (OSError, TimeoutError) as exc:
+        return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    writer.close()
+    try:
+        await writer.wait_closed()
+    except OSError:
+        pass
+    return None
 
 
 def _loads(body: bytes) -> Any:

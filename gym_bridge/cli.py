@@ -114,12 +114,13 @@ def _eval(args: argparse.Namespace) -> int:
         load_config,
         run_eval,
     )
+    from gym_bridge.failures import RunConfigurationError
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = load_config(args.config, args.overrides)
         outcome = run_eval(config, resume=args.resume, progress=not args.no_progress)
-    except (EvalConfigError, DatasetError, RunDirError) as exc:
+    except (EvalConfigError, DatasetError, RunDirError, RunConfigurationError) as exc:
         print(f"gym-bridge eval: {exc}", file=sys.stderr)
         return 2
     except EvalInterrupted as exc:

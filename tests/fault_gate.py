@@ -8,7 +8,8 @@ misbehave:
 - ``status``: answer ``status`` with an OpenAI error ``message`` instead of forwarding;
 - ``no_logprobs`` / ``nan_logprobs``: forward, then drop the logprobs and token-id fields / make
   every logprob NaN;
-- ``delay``: wait ``delay_s`` before forwarding.
+- ``delay``: wait ``delay_s`` before forwarding;
+- ``rename_model``: forward with the request's ``model`` replaced by ``model`` (the upstream's real 404).
 
 ``times`` limits a fault to the next N chat requests (then it passes through);
 ``stats()`` counts chat requests seen and faults applied, and shows the last
@@ -118,8 +119,11 @@ def build_app(upstream_root: str) -> FastAPI:
             return JSONResponse({"error": error, "object": "error"}, status_code=state["status"])
         if mode == "delay":
             await asyncio.sleep(state["delay_s"])
+        content = await request.body()
+        if mode == "rename_model":  # the upstream (our server) answers its own 404 for a model it does not serve
+            content = json.dumps({**json.loads(content), "model": state["model"]}).encode()
         upstream = await client.request(
-            request.method, f"/{path}", content=await request.body(), headers={"content-type": "application/json"}
+            request.method, f"/{path}", content=content, headers={"content-type": "application/json"}
         )
         if mode in ("no_logprobs", "nan_logprobs") and upstream.status_code == 200:
             body = upstream.json()

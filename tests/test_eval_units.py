@@ -206,7 +206,8 @@ def test_report_from_files(tmp_path: Path) -> None:
                          "completions": [completion(0.0)] * 3 + [completion(0.0, truncated=True)]})
     store.append_result({"prompt_idx": 2, "agent": "b", "elapsed_s": 1.0, "finished_at": 12.0,
                          "completions": [completion(1.0)] * 4})
-    store.append_failure({"prompt_idx": 3, "agent": "b", "error": "RolloutTimeout", "message": "m", "class": "infra"})
+    store.append_failure({"prompt_idx": 3, "agent": "b", "error": "RolloutTimeout",
+                          "message": "prompt group exceeded 2.0s | via a\nb", "class": "infra"})
     store.append_failure({"prompt_idx": 2, "agent": "b", "error": "GymTransportError", "message": "m", "class": "infra"})
     store.record_session(0.0, outcome="finished", rollouts_started=0.0)
     store.close()
@@ -221,6 +222,7 @@ def test_report_from_files(tmp_path: Path) -> None:
     assert metrics["prompts_failed"] == 1 and metrics["failures"]["by_error"] == {"RolloutTimeout": 1}
     assert json.loads((tmp_path / "metrics.json").read_text())["agents"]["all"]["prompts"] == 3
     assert "| a | 2 |" in (tmp_path / "report.md").read_text()
+    assert "| RolloutTimeout | 1 | prompt group exceeded 2.0s \\| via a b |" in (tmp_path / "report.md").read_text()
     png = tmp_path / "report.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert matplotlib.image.imread(png).shape[2] in (3, 4)

@@ -24,11 +24,14 @@ import ray
 
 from gym_bridge.data import datum_from_gym_row
 from gym_bridge.failures import (
+    EndpointConfigError,
+    EndpointUnavailable,
     GymTransportError,
     RolloutRedispatchExhausted,
     RolloutRetryPolicy,
     RolloutTimeout,
     RolloutTimeouts,
+    RunConfigurationError,
 )
 from gym_bridge.gym.actor import NemoGymUnavailable, spinup_nemo_gym_actor
 from gym_bridge.gym.convert import MissingGenerationData
@@ -310,12 +313,97 @@ async def test_endpoint_killed_and_not_restarted_stops_the_run(fault_gym, gate, 
     sink = InMemorySink()
     t0 = time.monotonic()
     assert await manager.collect(prompt(12), sink) is RolloutOutcome.SKIPPED
-    with pytest.raises(RolloutRedispatchExhausted, match="RolloutTimeout") as info:
+    # Each attempt ends at the 2 s deadline; once the endpoint refused connections for connect_timeout_s
+    # (10 s) across attempts, the health watch's EndpointUnavailable may end the last one first.
+    with pytest.raises(RolloutRedispatchExhausted, match="RolloutTimeout|EndpointUnavailable") as info:
         await manager.collect(prompt(13), sink)
     elapsed = time.monotonic() - t0
     assert "max_consecutive_dropped_prompts=1" in str(info.value)
     assert not sink.records and not sink.reserved
     assert elapsed < 4 * 2.0 + 2 * 0.2 + MARGIN_S
+
+
+TOOLS_400 = '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
+
+
+async def test_endpoint_4xx_is_a_configuration_failure_never_redispatched(fault_gym, gate, tiny_tokenizer):
+    """Fault: the model endpoint answers 4xx: our server's real 404 for a model it does not serve (the gate
+    renames the model), and vLLM's 400 for tools. Expected: EndpointConfigError (data) with the endpoint's
+    own message and Gym's server path, unescaped; no row or prompt re-dispatched, no data retry."""
+    gate.set("rename_model", model="no-such-model")
+    manager = make_manager(fault_gym, tiny_tokenizer, max_infra_attempts=3, max_gym_row_attempts=3, max_data_attempts=2)
+    t0 = time.monotonic()
+    with pytest.raises(EndpointConfigError) as info:
+        await manager.run_rollout(prompt(14))
+    assert time.monotonic() - t0 < MARGIN_S
+    error = info.value
+    assert error.status == 404 and error.detail.startswith("The model `no-such-model` does not exist"), str(error)
+    assert "policy_model (VLLMModel) > model endpoint" in error.path and "\\" not in str(error), str(error)
+    assert not counts(manager), counts(manager)
+
+    gate.set("status", status=400, message=TOOLS_400)
+    with pytest.raises(EndpointConfigError, match="--enable-auto-tool-choice") as info:
+        await manager.run_rollout(prompt(15))
+    assert info.value.status == 400
+
+    gate.set("pass")  # after a committed group, a configuration error is one prompt's problem: skipped
+    assert await manager.collect(prompt(16), InMemorySink()) is RolloutOutcome.COMMITTED
+    gate.set("rename_model", model="no-such-model")
+    outcomes, sink, _ = await collect(manager, [prompt(17), prompt(18)])
+    assert outcomes == [RolloutOutcome.SKIPPED] * 2 and not sink.records
+    metrics = counts(manager)
+    assert metrics.get("rollout/data_failures_total/EndpointConfigError") == 2, metrics
+    assert not any(k.startswith(("rollout/redispatch", "rollout/gym_row", "rollout/data_retry")) for k in metrics)
+
+
+async def test_first_groups_failing_with_one_config_error_stop_the_run_at_once(fault_gym, gate, tiny_tokenizer):
+    """Fault: every request gets the endpoint's 404 from the first group on. Expected: the run stops at once
+    with RunConfigurationError naming the endpoint's message, after the first 2 groups, each row sent once."""
+    gate.set("rename_model", model="no-such-model")
+    before = gate.stats()["chat"]
+    manager = make_manager(fault_gym, tiny_tokenizer, max_infra_attempts=3, max_gym_row_attempts=3, max_data_attempts=2)
+    sink = InMemorySink()
+    t0 = time.monotonic()
+    with pytest.raises(RunConfigurationError, match="does not exist") as info:
+        for k in range(19, 25):
+            await manager.collect(prompt(k), sink)
+    assert time.monotonic() - t0 < 2 * MARGIN_S
+    assert "first 2 prompt groups" in str(info.value) and "policy_model (VLLMModel)" in str(info.value)
+    assert isinstance(info.value.__cause__, EndpointConfigError)
+    assert gate.stats()["chat"] - before == 2 * N, "a row was re-sent"
+    assert not sink.records and not sink.reserved
+
+
+async def test_endpoint_killed_mid_run_is_found_within_connect_timeout(fault_gym, gate, tiny_tokenizer):
+    """Fault: the endpoint is SIGKILLed with rows in flight and stays down; the group deadline is long.
+    Expected: the actor's health watch probes the endpoints and fails the stream with EndpointUnavailable
+    naming the URL once it refused connections for connect_timeout_s; the retry fails at its first probe;
+    the run stops (max_consecutive_dropped_prompts=0) long before the group deadline."""
+    cfg = await fault_gym.server_info.remote()  # the actor is up
+    assert cfg["urls"]
+    gate.set("delay", delay_s=3.0)
+    before = gate.stats()["chat"]
+    manager = make_manager(fault_gym, tiny_tokenizer, rollout_s=300.0, max_infra_attempts=2,
+                           max_consecutive_dropped_prompts=0)
+    sink = InMemorySink()
+    task = asyncio.ensure_future(manager.collect(prompt(26), sink))
+    for _ in range(200):  # rows in flight: the gate has seen them
+        if gate.stats()["chat"] > before:
+            break
+        await asyncio.sleep(0.05)
+    else:
+        pytest.fail("no row reached the endpoint")
+    t0 = time.monotonic()
+    gate.kill()
+    with pytest.raises(RolloutRedispatchExhausted) as info:
+        await asyncio.wait_for(task, 120)
+    elapsed = time.monotonic() - t0
+    cause = info.value.__cause__
+    assert isinstance(cause, EndpointUnavailable), repr(cause)
+    assert gate.base_url in str(cause) and "refused connections" in str(cause)
+    connect_timeout_s, health_poll_s = 10.0, 0.5  # NemoGymConfig's default; the fixture's poll
+    assert elapsed < connect_timeout_s + 3 * health_poll_s + 0.2 + MARGIN_S, elapsed  # well before rollout_s=300
+    assert not sink.records and not sink.reserved
 
 
 # ---- the stream itself misbehaves ------------------------------------------------------------

@@ -88,6 +88,7 @@ def compute_metrics(run_dir: str | Path) -> dict[str, Any]:
         "failures": {
             "by_error": dict(Counter(f["error"] for f in latest_failure.values())),
             "by_class": dict(Counter(f["class"] for f in latest_failure.values())),
+            "example_message": {f["error"]: f["message"] for f in latest_failure.values()},
         },
         "agents": agents,
         "timing": {
@@ -130,8 +131,11 @@ def render_markdown(metrics: dict[str, Any]) -> str:
         lines.append("| " + " | ".join(_fmt(c) for c in cells) + " |")
     failures = metrics["failures"]
     if failures["by_error"]:
-        lines += ["", "## Failures (see failures.jsonl)", "", "| error | prompts |", "|---|---|"]
-        lines += [f"| {name} | {count} |" for name, count in sorted(failures["by_error"].items())]
+        examples = failures.get("example_message", {})
+        lines += ["", "## Failures (see failures.jsonl)", "", "| error | prompts | message (one of them) |", "|---|---|---|"]
+        lines += [
+            f"| {name} | {count} | {_cell(examples.get(name, ''))} |" for name, count in sorted(failures["by_error"].items())
+        ]
     timing = metrics["timing"]
     lines += [
         "",
@@ -188,3 +192,9 @@ def build_report(run_dir: str | Path) -> dict[str, Any]:
     (run_dir / REPORT_FILE).write_text(render_markdown(metrics))
     render_plot(metrics, rewards, run_dir / PLOT_FILE)
     return metrics
+
+
+def _cell(text: str, limit: int = 400) -> str:
+    """``text`` as one Markdown table cell: one line, pipes escaped, cut to ``limit``."""
+    text = " ".join(str(text).split()).replace("|", "\\|")
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -29,6 +29,7 @@ from gym_bridge.eval.dataset import DatasetRow, file_sha256, load_dataset
 from gym_bridge.eval.report import build_report
 from gym_bridge.eval.sink import RunStoreSink
 from gym_bridge.eval.store import RunStore, read_jsonl
+from gym_bridge.failures import RunConfigurationError
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +89,8 @@ def run_eval(config: EvalConfig, *, resume: bool = False, progress: bool = True)
         DatasetError: a dataset line is malformed (nothing was started).
         RunDirError: the output folder is not empty without ``resume``, or the config changed.
         EvalInterrupted: SIGINT; finished groups are kept.
+        RunConfigurationError: the first groups all failed with the same configuration error
+            (the model endpoint's 4xx); finished groups are kept.
     """
     rows = load_dataset(config.dataset, limit=config.limit)
     store = RunStore(config.output_dir)
@@ -111,6 +114,9 @@ def run_eval(config: EvalConfig, *, resume: bool = False, progress: bool = True)
             status = "finished"
     except KeyboardInterrupt:
         status = "interrupted"
+        raise
+    except RunConfigurationError:
+        status = "stopped: configuration error"
         raise
     finally:
         store.close()

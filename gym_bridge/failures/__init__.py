@@ -7,12 +7,15 @@ The whole exception tree (all defined in :mod:`gym_bridge.failures.errors`)::
      │    ├── RolloutTimeout          a deadline expired (generation turn, environment step,
      │    │                           NeMo-Gym prompt group, one /run call)
      │    ├── GenerationUnavailable   a generation worker or HTTP endpoint could not serve the request
+     │    │    └── EndpointUnavailable  a model endpoint stopped accepting connections mid-run (named)
      │    ├── EnvironmentUnavailable  an environment actor died or is unreachable
      │    │    └── NemoGymUnavailable the NemoGym actor has no running Gym servers (a dead one is named)
      │    │         └── NemoGymRestarted  Ray restarted the actor; on_restart="fail" asks for spinup()
      │    └── GymTransportError       NeMo-Gym /run failed in transport (HTTP 5xx/408/429, broken stream)
      │         └── GymRowIndexError   the stream returned a bad, repeated or never-sent row index
      └── RolloutDataFailure           deterministic and prompt-specific: retrying will not help
+          ├── EndpointConfigError     the model endpoint answered 4xx: wrong model, tools refused, bad
+          │                           request (status, endpoint message, Gym server path)
           ├── InvalidGymRow           a row that cannot be dispatched (names prompt, field, reason)
           └── GymResultError          a Gym /run result cannot become a message log
                ├── MissingGenerationData  no model call carried token ids
@@ -21,6 +24,7 @@ The whole exception tree (all defined in :mod:`gym_bridge.failures.errors`)::
 
     RuntimeError
      ├── RolloutRedispatchExhausted   terminal for the run: too many prompts dropped in a row
+     ├── RunConfigurationError        terminal for the run: its first groups all hit one configuration error
      ├── GymServersError              a Gym server set failed (gym/servers.py)
      │    ├── GymStartupError         a server died during start-up or did not answer in time
      │    └── GymServerDied           a server of a started set is no longer running
@@ -39,7 +43,8 @@ chain does not survive pickling, so the message carries what matters.
 Modules: :mod:`~gym_bridge.failures.errors` (the classes),
 :mod:`~gym_bridge.failures.classify` (INFRA or DATA, typed failures from raw errors),
 :mod:`~gym_bridge.failures.retry` (retry policy, timeouts, ``deadline``, backoff,
-``gather_cancel_siblings``), :mod:`~gym_bridge.failures.stats` (run-wide counters).
+``gather_cancel_siblings``), :mod:`~gym_bridge.failures.stats` (run-wide counters and the
+stop-at-once rule), :mod:`~gym_bridge.failures.gym_chain` (Gym's nested error bodies unwrapped).
 Nothing here imports Ray, torch or an HTTP library.
 """
 
@@ -54,6 +59,8 @@ from gym_bridge.failures.classify import (
     typed_gym_failure,
 )
 from gym_bridge.failures.errors import (
+    EndpointConfigError,
+    EndpointUnavailable,
     EngineShutDownError,
     EnvironmentUnavailable,
     GenerationUnavailable,
@@ -73,7 +80,13 @@ from gym_bridge.failures.errors import (
     RolloutInfraFailure,
     RolloutRedispatchExhausted,
     RolloutTimeout,
+    RunConfigurationError,
     TokenDrift,
+)
+from gym_bridge.failures.gym_chain import (
+    GymErrorChain,
+    gym_run_failure,
+    unwrap_gym_error,
 )
 from gym_bridge.failures.retry import (
     RolloutRetryPolicy,
@@ -82,13 +95,17 @@ from gym_bridge.failures.retry import (
     deadline,
     gather_cancel_siblings,
 )
-from gym_bridge.failures.stats import RolloutStats
+from gym_bridge.failures.stats import ConfigFailureWatch, RolloutStats
 
 __all__ = [
+    "ConfigFailureWatch",
+    "EndpointConfigError",
+    "EndpointUnavailable",
     "EngineShutDownError",
     "EnvironmentUnavailable",
     "FailureClass",
     "GenerationUnavailable",
+    "GymErrorChain",
     "GymResultError",
     "GymRowIndexError",
     "GymServerDied",
@@ -108,6 +125,7 @@ __all__ = [
     "RolloutStats",
     "RolloutTimeout",
     "RolloutTimeouts",
+    "RunConfigurationError",
     "TokenDrift",
     "backoff_delay",
     "classify_environment_failure",
@@ -115,8 +133,10 @@ __all__ = [
     "classify_rollout_failure",
     "deadline",
     "gather_cancel_siblings",
+    "gym_run_failure",
     "gym_status_failure",
     "http_status_is_infra",
     "shorten",
     "typed_gym_failure",
+    "unwrap_gym_error",
 ]

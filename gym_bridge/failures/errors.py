@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 __all__ = [
+    "EndpointConfigError",
+    "EndpointUnavailable",
     "EngineShutDownError",
     "EnvironmentUnavailable",
     "GenerationUnavailable",
@@ -23,6 +25,7 @@ __all__ = [
     "RolloutInfraFailure",
     "RolloutRedispatchExhausted",
     "RolloutTimeout",
+    "RunConfigurationError",
     "TokenDrift",
 ]
 
@@ -44,6 +47,10 @@ class RolloutTimeout(RolloutInfraFailure):
 
 class GenerationUnavailable(RolloutInfraFailure):
     """A generation worker could not serve the request (dead, unreachable, out of memory)."""
+
+
+class EndpointUnavailable(GenerationUnavailable):
+    """A model endpoint stopped accepting connections while rows were in flight (named, with for how long)."""
 
 
 class EnvironmentUnavailable(RolloutInfraFailure):
@@ -73,6 +80,43 @@ class RolloutDataFailure(RolloutFailure):
     """A deterministic, prompt-specific failure."""
 
 
+class EndpointConfigError(RolloutDataFailure):
+    """The model endpoint refused the request with a 4xx (wrong model, rejected tools, bad request).
+
+    A configuration problem, not the fleet's: never re-dispatched. The single message
+    reads ``model endpoint answered HTTP <status>: <message> | via <server path> | <where>``;
+    :attr:`status`, :attr:`detail` and :attr:`path` read it back (so it pickles as one string).
+    """
+
+    _PREFIX = "model endpoint answered HTTP "
+
+    @classmethod
+    def build(cls, status: int, detail: str, path: str, where: str) -> EndpointConfigError:
+        return cls(f"{cls._PREFIX}{status}: {detail} | via {path} | {where}")
+
+    def _parts(self) -> list[str]:
+        return str(self).removeprefix(self._PREFIX).rsplit(" | ", 2)
+
+    @property
+    def status(self) -> int | None:
+        head = self._parts()[0].split(":", 1)[0]
+        return int(head) if head.isdigit() else None
+
+    @property
+    def detail(self) -> str:
+        return self._parts()[0].split(": ", 1)[-1]
+
+    @property
+    def path(self) -> str:
+        parts = self._parts()
+        return parts[1].removeprefix("via ") if len(parts) == 3 else ""
+
+    @property
+    def summary(self) -> str:
+        """The status and the endpoint's message, without the row: equal for every row the same problem hits."""
+        return f"HTTP {self.status}: {self.detail}"
+
+
 class InvalidGymRow(RolloutDataFailure):
     """A Gym row that cannot be dispatched; the message names the prompt, the field and the reason."""
 
@@ -98,6 +142,10 @@ class TokenDrift(GymResultError):
 
 class RolloutRedispatchExhausted(RuntimeError):
     """Terminal: too many prompts in a row spent their infrastructure retry budget."""
+
+
+class RunConfigurationError(RuntimeError):
+    """Terminal: the first groups of the run all failed with the same configuration error (the message says which)."""
 
 
 # ---- outside a rollout attempt: Gym's server set and the local generation engine ----------------

@@ -60,7 +60,9 @@ class RolloutRetryPolicy:
     backoff up to ``max_data_attempts``, then the prompt is skipped, unless the run
     already skipped ``max_skipped_prompts``, which stops the run. Within one Gym
     attempt, rows lost to an infrastructure failure are re-sent up to
-    ``max_gym_row_attempts`` times.
+    ``max_gym_row_attempts`` times. An ``EndpointConfigError`` (the model endpoint's 4xx)
+    is never retried, and stops the run when the first prompts all hit the same one
+    (``stop_after_config_failures``).
     """
 
     max_infra_attempts: int
@@ -70,12 +72,15 @@ class RolloutRetryPolicy:
     max_backoff_s: float = 30.0
     max_skipped_prompts: int = 0
     max_consecutive_dropped_prompts: int = 0
+    stop_after_config_failures: int = 2
+    """The run stops (``RunConfigurationError``) when its first this-many prompts all fail with the
+    same ``EndpointConfigError``; 0 turns the rule off."""
 
     def __post_init__(self) -> None:
         for name in ("max_infra_attempts", "max_data_attempts", "max_gym_row_attempts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_skipped_prompts", "max_consecutive_dropped_prompts"):
+        for name in ("max_skipped_prompts", "max_consecutive_dropped_prompts", "stop_after_config_failures"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.backoff_base_s < 0 or self.max_backoff_s < 0:

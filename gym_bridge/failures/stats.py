@@ -1,10 +1,12 @@
-"""Run-wide rollout counters, exported under NeMo-RL's ``rollout/*`` metric names."""
+"""Run-wide rollout counters (NeMo-RL's ``rollout/*`` metric names) and the stop-at-once rule."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["RolloutStats"]
+from gym_bridge.failures.errors import EndpointConfigError, RunConfigurationError
+
+__all__ = ["ConfigFailureWatch", "RolloutStats"]
 
 
 def _bump(counter: dict[str, int], reason: str, by: int = 1) -> None:
@@ -57,3 +59,39 @@ class RolloutStats:
         ):
             metrics.update({f"{prefix}/{reason}": float(n) for reason, n in sorted(counter.items())})
         return metrics
+
+
+@dataclass
+class ConfigFailureWatch:
+    """The stop-at-once rule: the run's first ``stop_after`` finished prompts all failing with the
+    same :class:`EndpointConfigError` stop the run with :class:`RunConfigurationError`.
+
+    A committed prompt, or one that ended any other way, closes the window for good: after
+    a success, a configuration error is one prompt's problem (skipped and counted).
+    ``stop_after=0`` turns the rule off.
+    """
+
+    stop_after: int = 2
+    seen: int = 0
+    summary: str | None = None
+    closed: bool = False
+
+    def other_outcome(self) -> None:
+        """A prompt committed or failed otherwise."""
+        self.closed = True
+
+    def config_failure(self, exc: EndpointConfigError) -> None:
+        """Count a prompt given up on for ``exc``; raise :class:`RunConfigurationError` when the rule fires."""
+        if self.closed or self.stop_after <= 0:
+            return
+        if self.summary is not None and exc.summary != self.summary:
+            self.closed = True
+            return
+        self.summary = exc.summary
+        self.seen += 1
+        if self.seen >= self.stop_after:
+            raise RunConfigurationError(
+                f"stopping the run: its first {self.seen} prompt groups all failed with the same configuration "
+                f"error: the {exc.summary.replace('HTTP ', 'model endpoint answered HTTP ', 1)} (via {exc.path}). "
+                "Fix the model endpoint or the config; finished results are kept"
+            ) from exc

@@ -12,8 +12,10 @@ died with the old process. ``cfg.on_restart="fail"`` makes every call raise
 ``"respin"`` starts fresh servers on the first call after the restart.
 
 Errors raised inside the actor are typed and picklable (see
-:mod:`gym_bridge.failures`): an HTTP error from ``/run`` becomes
-``GymTransportError`` (infra status) or ``RolloutDataFailure``; a connection
+:mod:`gym_bridge.failures`): an HTTP error from ``/run`` is unwrapped
+(:func:`~gym_bridge.failures.gym_run_failure`) and becomes ``EndpointConfigError``
+(the model endpoint answered 4xx), ``GymTransportError`` (infra status) or
+``RolloutDataFailure``; a connection
 error ``GymTransportError``; an expired ``request_timeout_s`` ``RolloutTimeout``;
 bad rows and bad results ``RolloutDataFailure`` subclasses.
 
@@ -49,10 +51,11 @@ from gym_bridge.failures import (
     NemoGymUnavailable,
     RolloutTimeout,
     deadline,
-    gym_status_failure,
+    gym_run_failure,
 )
 from gym_bridge.gym.actor_config import NemoGymConfig, actor_configs
 from gym_bridge.gym.convert import convert_gym_result, gym_row_result
+from gym_bridge.gym.health import EndpointWatch
 from gym_bridge.gym.result import GymRowBatch, GymRowResult
 from gym_bridge.gym.rows import ROW_INDEX_KEY, dispatch_target
 from gym_bridge.gym.servers import GymServers
@@ -71,7 +74,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _AGENT_SERVER_TYPE = "responses_api_agents"
-_BODY_LIMIT = 500
+_ERROR_BODY_LIMIT = 65536  # Gym nests each server's error escaped inside the next: keep it whole to unwrap it
 _PROGRESS_EVERY = 10
 
 
@@ -87,6 +90,7 @@ class NemoGym:
         self._executor: ThreadPoolExecutor | None = None
         self._spinup_lock = asyncio.Lock()
         self._restarted = _was_restarted()
+        self._endpoints = EndpointWatch(self.cfg.base_urls, self.cfg.connect_timeout_s)
 
     # ---- lifecycle ----------------------------------------------------------------------------
 
@@ -255,14 +259,15 @@ class NemoGym:
             raise NemoGymUnavailable(f"{when}: {exc}") from None
 
     async def _watch_servers(self, servers: GymServers) -> None:
-        """Poll Gym's processes while rows are in flight; a dead server fails the stream at once, named.
+        """Poll Gym's processes and the model endpoints while rows are in flight; a dead one fails the stream, named.
 
         Gym's own client retries a refused connection forever, so without this a dead
-        resources server would only surface as a timeout.
+        resources server or model endpoint would only surface at the group deadline.
         """
         while True:
             await asyncio.sleep(self.cfg.health_poll_s)
             self._check_servers(servers, "while rows were in flight")
+            await self._endpoints.check()
 
     def _route(self, i: int, row: Any) -> str:
         """The agent URL of a row, checking the row before anything is sent."""
@@ -305,7 +310,7 @@ class NemoGym:
             self._raise_if_a_server_died(where)
             raise GymTransportError(f"{where} failed in transport: {type(exc).__name__}: {exc}") from None
         if status >= 400:
-            failure = gym_status_failure(status, f"{where}; body: {body[:_BODY_LIMIT].decode(errors='replace')}")
+            failure = gym_run_failure(status, body[:_ERROR_BODY_LIMIT], where)
             if isinstance(failure, GymTransportError):
                 self._raise_if_a_server_died(where)
             raise failure

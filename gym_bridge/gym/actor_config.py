@@ -44,6 +44,8 @@ class NemoGymConfig(BaseModel):
     request_timeout_s: float | None = Field(1800.0, gt=0)
     """Bound on one ``/run`` call (Gym itself never times out); None waits forever."""
     connect_timeout_s: float = Field(10.0, gt=0)
+    """Bound on connecting to an agent; a model endpoint refusing connections this long while rows
+    are in flight fails the stream (``EndpointUnavailable``)."""
     health_poll_s: float = Field(1.0, gt=0)
     """How often Gym's processes are checked while rows are in flight."""
     max_connections: int = Field(1024, gt=0)

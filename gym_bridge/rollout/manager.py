@@ -9,6 +9,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from gym_bridge.failures import (
+    ConfigFailureWatch,
+    EndpointConfigError,
     FailureClass,
     RolloutDataFailure,
     RolloutRedispatchExhausted,
@@ -78,6 +80,7 @@ class RolloutManager:
         self.stats = RolloutStats()
         self._skipped_prompts = 0
         self._consecutive_infra_drops = 0
+        self._config_watch = ConfigFailureWatch(self.retry_policy.stop_after_config_failures)
         backend_kwargs.setdefault("max_gym_row_attempts", self.retry_policy.max_gym_row_attempts)
         self.backend: RolloutBackend = backend_cls(
             tokenizer=tokenizer,
@@ -111,7 +114,9 @@ class RolloutManager:
         retry; when their budget is spent the prompt is dropped (SKIPPED), unless too
         many prompts in a row were dropped (:class:`RolloutRedispatchExhausted`).
         Data failures retry without backoff; when their budget is spent the prompt
-        is SKIPPED, unless the run-wide skip budget is spent, which re-raises.
+        is SKIPPED, unless the run-wide skip budget is spent, which re-raises. An
+        ``EndpointConfigError`` is not retried; when the run's first prompts all end
+        with the same one, :class:`RunConfigurationError` stops the run.
         Cancellation is never retried.
         """
         policy = self.retry_policy
@@ -137,10 +142,15 @@ class RolloutManager:
                     await asyncio.sleep(delay)
                     continue
                 data_attempts += 1
-                if data_attempts < policy.max_data_attempts:
+                config_error = isinstance(exc, EndpointConfigError)
+                if data_attempts < policy.max_data_attempts and not config_error:
                     self.stats.record_data_retry(reason)
                     continue
                 self.stats.record_data_failure(reason)
+                if config_error:
+                    self._config_watch.config_failure(exc)  # type: ignore[arg-type]  # may stop the run
+                else:
+                    self._config_watch.other_outcome()
                 if self._skipped_prompts >= policy.max_skipped_prompts:
                     if policy.max_skipped_prompts == 0:
                         raise
@@ -156,9 +166,11 @@ class RolloutManager:
                 _discard_quietly(sink, slot, exc)
                 raise
             self.stats.committed += 1
+            self._config_watch.other_outcome()
             self._consecutive_infra_drops = 0
             return RolloutOutcome.COMMITTED
         self._consecutive_infra_drops += 1
+        self._config_watch.other_outcome()
         reason = type(last_infra).__name__
         if self._consecutive_infra_drops > policy.max_consecutive_dropped_prompts:
             raise RolloutRedispatchExhausted(

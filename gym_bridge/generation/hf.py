@@ -80,7 +80,7 @@ class HFGenerationConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    model: str = Field("tiny", description='A local model folder, or "tiny" for the embedded tiny model.')
+    model: str = Field("tiny", description='A local model folder, or a built-in model: "tiny", "smollm2".')
     device: str = "cpu"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     max_new_tokens: int = Field(256, ge=0)
@@ -188,7 +188,7 @@ class HFGeneration(GenerationInterface):
         model: Any = None,
         tokenizer: Any = None,
     ) -> None:
-        """Load ``cfg.model`` (a folder or ``"tiny"``), or use an already loaded ``model`` + ``tokenizer``.
+        """Load ``cfg.model`` (a folder or a built-in name), or use an already loaded ``model`` + ``tokenizer``.
 
         A given model is moved to ``cfg.device`` and put in eval mode; its dtype is kept.
         """

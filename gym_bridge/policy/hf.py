@@ -39,7 +39,7 @@ class HFPolicyConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    model: str = Field("tiny", description='A local model folder, or "tiny" for the embedded tiny model.')
+    model: str = Field("tiny", description='A local model folder, or a built-in model: "tiny", "smollm2".')
     device: str = "cpu"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     learning_rate: float = Field(1e-5, gt=0.0)
@@ -113,7 +113,7 @@ class HFPolicy(PolicyInterface):
         model: Any = None,
         tokenizer: Any = None,
     ) -> None:
-        """Load ``cfg.model`` (a folder or ``"tiny"``), or train an already loaded ``model`` (in place)."""
+        """Load ``cfg.model`` (a folder or a built-in name), or train an already loaded ``model`` (in place)."""
         if cfg is None:
             cfg = HFPolicyConfig()
         elif not isinstance(cfg, HFPolicyConfig):

@@ -81,10 +81,11 @@ async def test_sync_steps_are_on_policy_and_tag_every_group_with_its_version(grp
         assert metrics["on_policy/logprob_abs_diff_mean"] < ON_POLICY_ATOL, metrics
         assert metrics["on_policy/gen_kl_error"] < ON_POLICY_ATOL
         assert metrics["time/rollout_s"] > 0 and metrics["time/train_s"] > 0 and metrics["time/refit_s"] > 0
+        assert metrics["time/step_s"] >= metrics["time/train_s"] + metrics["time/refit_s"]
     assert history[0]["train/grad_norm"] > 0, "rewards differed, so the policy moved"
     assert trainer.state.weight_version == 2 and trainer.manager.weight_version == 2
     lines = [json.loads(line) for line in trainer.metrics_path.read_text().splitlines()]
-    assert [line["step"] for line in lines] == [0, 1]
+    assert [line["step"] for line in lines] == [0, 1] and all("time/step_s" in line for line in lines)
 
 
 async def test_refit_reaches_the_engine_and_a_skipped_refit_shows_at_once(grpo_run, tmp_path):

@@ -109,9 +109,12 @@ class GRPOTrainer:
         await asyncio.gather(*(self.manager.collect(datum, sink) for datum in self.prompts_for(step)))
         return sink.take()
 
-    async def train_step(self, step: int, groups: list[CommittedGroup], rollout_s: float, *, refit_engine: bool = True
-                         ) -> dict[str, Any]:
-        """Train on the fresh groups, refit the engine (unless told not to), log one metrics line."""
+    async def train_step(self, step: int, groups: list[CommittedGroup], rollout_s: float, *, refit_engine: bool = True,
+                         step_started: float | None = None) -> dict[str, Any]:
+        """Train on the fresh groups, refit the engine (unless told not to), log one metrics line.
+
+        ``step_started`` (a ``perf_counter`` value) adds ``time/step_s``, the whole step's wall time.
+        """
         self.buffer.add(groups)
         usable, dropped = self.buffer.take(self.state.weight_version)
         metrics: dict[str, Any] = {
@@ -151,6 +154,8 @@ class GRPOTrainer:
         else:
             logger.warning("step %d: no group fresh enough to train on (%d dropped as stale)", step, dropped)
         metrics.update({"time/train_s": train_s, "time/refit_s": refit_s})
+        if step_started is not None:
+            metrics["time/step_s"] = time.perf_counter() - step_started
         self.state.step = step + 1
         self.state.dropped_stale_total = self.buffer.dropped_total
         append_metrics(self.metrics_path, metrics)
@@ -171,8 +176,7 @@ class GRPOTrainer:
                 rollout_s = time.perf_counter() - step_started
                 if self.cfg.async_rollouts and step + 1 < last:
                     pending = asyncio.ensure_future(self.rollout(step + 1))
-                metrics = await self.train_step(step, groups, rollout_s)
-                metrics["time/step_s"] = time.perf_counter() - step_started
+                metrics = await self.train_step(step, groups, rollout_s, step_started=step_started)
                 history.append(metrics)
                 if on_step is not None:
                     on_step(metrics)

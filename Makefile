@@ -8,7 +8,7 @@ export TOKENIZERS_PARALLELISM := false
 # uv from PATH when it runs, else the one `make setup` installs for this Python.
 UV := $(shell uv --version >/dev/null 2>&1 && echo uv || echo "$(PYTHON) -m uv")
 
-.PHONY: setup demo test clean bench-serve bench-bridge example-gym
+.PHONY: setup demo test clean bench-serve bench-bridge example-gym train-demo
 
 setup:
 	@$(UV) --version >/dev/null 2>&1 || $(PYTHON) -m pip install --quiet --disable-pip-version-check uv
@@ -32,3 +32,7 @@ bench-bridge: setup
 
 example-gym: setup
 	$(UV) run python examples/nemo_gym_rollout.py examples/nemo_gym_grpo.yaml
+
+# GRPO through NeMo-Gym on the CPU: SmolLM2 learns to answer with one word (~15 min on 2 cores).
+train-demo: setup
+	$(UV) run python examples/grpo_nemo_gym.py examples/grpo_nemo_gym.yaml --out runs/train-demo-$$(date +%Y%m%d-%H%M%S)

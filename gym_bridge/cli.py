@@ -70,7 +70,7 @@ def _local_server(args: argparse.Namespace):
     """Our server over the local model (or the scripted or instant policy on its tokenizer)."""
     from transformers import AutoTokenizer
 
-    from gym_bridge.models.tiny import resolve_model_path
+    from gym_bridge.models.registry import resolve_model_path
     from gym_bridge.serving import OpenAIServer
 
     path = resolve_model_path(args.model)
@@ -161,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(func=_build_tiny)
     serve = commands.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API until SIGINT/SIGTERM")
-    serve.add_argument("--model", default="tiny", help='"tiny" or a local model folder')
+    serve.add_argument("--model", default="tiny", help='a built-in model ("tiny", "smollm2") or a local model folder')
     serve.add_argument(
         "--policy",
         choices=["hf", "scripted", "instant"],

@@ -137,7 +137,9 @@ class GenerationOutputSpec(TypedDict):
     ``output_ids`` [B, S'] holds the input followed by generated tokens, right-padded;
     ``logprobs`` [B, S'] is zero on prompt and padding positions;
     ``unpadded_sequence_lengths`` = input length + ``generation_lengths``;
-    ``truncated`` [B] is True where the token cap was hit without a stop.
+    ``truncated`` [B] is True where the token cap was hit without a stop;
+    ``weight_version`` [B] int64, from engines that take weight refits: the version of
+    the weights that generated each row.
     """
 
     output_ids: torch.Tensor
@@ -145,6 +147,7 @@ class GenerationOutputSpec(TypedDict):
     unpadded_sequence_lengths: torch.Tensor
     logprobs: torch.Tensor
     truncated: NotRequired[torch.Tensor]
+    weight_version: NotRequired[torch.Tensor]
 
 
 class EnvironmentReturn(NamedTuple):

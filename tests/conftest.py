@@ -29,6 +29,17 @@ def tiny_tokenizer(tiny_model_dir: Path):
 
 
 @pytest.fixture(scope="session")
+def smollm2_model_dir() -> Path:
+    """SmolLM2-135M-Instruct, built once into the default cache (``$GYM_BRIDGE_CACHE`` or ~/.cache/gym-bridge).
+
+    The default cache, not a private one: the ~1 min build is then shared by every session and process.
+    """
+    from gym_bridge.models.smollm2 import build_smollm2
+
+    return build_smollm2()
+
+
+@pytest.fixture(scope="session")
 def ray_session() -> Iterator[None]:
     """A real local Ray cluster, started once for the whole session."""
     import ray

@@ -132,3 +132,51 @@ async def test_a_failing_discard_does_not_mask_the_error():
     m = manager(["data", "data"])
     with pytest.raises(RolloutDataFailure, match="verifier"):
         await m.collect(datum(), BrokenDiscard())
+
+
+class GatedBackend:
+    """A backend whose rollouts finish only when the test opens their gate."""
+
+    def __init__(self):
+        self.gates: dict[int, asyncio.Event] = {}
+        self.started: dict[int, asyncio.Event] = {}
+
+    async def run_rollout(self, datum):
+        idx = datum["idx"]
+        self.started.setdefault(idx, asyncio.Event()).set()
+        await self.gates.setdefault(idx, asyncio.Event()).wait()
+        return PromptGroupRecord(idx, [], None, {}, [Completion([], None, False, 1.0) for _ in range(2)], {})
+
+
+async def test_commits_carry_start_and_end_weight_versions_across_a_refit_in_flight():
+    m, sink = manager([]), InMemorySink()
+    backend = m.backend = GatedBackend()
+    assert m.weight_version == 0
+    m.set_weight_version(5)
+    before = asyncio.ensure_future(m.collect(datum(0), sink))
+    backend.started.setdefault(0, asyncio.Event())
+    await asyncio.wait_for(backend.started[0].wait(), 5)
+    m.set_weight_version(6)  # a refit lands while prompt 0 is in flight
+    after = asyncio.ensure_future(m.collect(datum(1), sink))
+    backend.started.setdefault(1, asyncio.Event())
+    await asyncio.wait_for(backend.started[1].wait(), 5)
+    for idx in (1, 0):
+        backend.gates.setdefault(idx, asyncio.Event()).set()
+    assert await before is RolloutOutcome.COMMITTED and await after is RolloutOutcome.COMMITTED
+    versions = {g.record.prompt_idx: (g.start_weight_version, g.end_weight_version) for g in sink.groups}
+    assert versions == {0: (5, 6), 1: (6, 6)}
+    assert [r.prompt_idx for r in sink.records] == [1, 0]
+
+
+async def test_a_retried_attempt_takes_the_version_current_when_it_starts():
+    m = manager(["infra", "ok"])
+
+    class BumpOnDiscard(InMemorySink):
+        def discard(self, slot, error=None):
+            super().discard(slot, error)
+            m.set_weight_version(m.weight_version + 1)
+
+    sink = BumpOnDiscard()
+    assert await m.collect(datum(), sink) is RolloutOutcome.COMMITTED
+    [group] = sink.groups
+    assert (group.start_weight_version, group.end_weight_version) == (1, 1)

@@ -248,13 +248,14 @@ def test_run_store_sink_writes_only_complete_groups_and_one_failure_per_skip(tmp
     failed = sink.reserve(0)
     sink.discard(failed, GymTransportError("HTTP 503"))
     assert read_jsonl(store.results_path) == [] and read_jsonl(store.failures_path) == []
-    sink.commit(sink.reserve(0), record)
+    sink.commit(sink.reserve(0), record, start_weight_version=3, end_weight_version=4)
     assert sink.rewards[0] == [1.0, 1.0]
     sink.discard(sink.reserve(1), GymTransportError("HTTP 503"))
     sink.record_skip(1)
     store.close()
     [result] = read_jsonl(store.results_path)
     assert result["prompt_idx"] == 0 and len(result["completions"]) == 2 and result["line"] == 1
+    assert (result["start_weight_version"], result["end_weight_version"]) == (3, 4)
     [failure] = read_jsonl(store.failures_path)
     assert (failure["prompt_idx"], failure["error"], failure["class"]) == (1, "GymTransportError", "infra")
     with pytest.raises(KeyError, match="not a pending row"):

@@ -70,7 +70,15 @@ def test_output_contract(tiny) -> None:
     gen = engine(tiny)
     data = batch(tok, PROMPTS)
     out = gen.generate(data, greedy=True)
-    assert set(out.keys()) == {"output_ids", "logprobs", "generation_lengths", "unpadded_sequence_lengths", "truncated"}
+    assert set(out.keys()) == {
+        "output_ids",
+        "logprobs",
+        "generation_lengths",
+        "unpadded_sequence_lengths",
+        "truncated",
+        "weight_version",
+    }
+    assert out["weight_version"].dtype == torch.int64 and out["weight_version"].tolist() == [0] * len(PROMPTS)
     bsz, width = data["input_ids"].shape
     assert out["output_ids"].dtype == torch.int64 and out["logprobs"].dtype == torch.float32
     assert out["generation_lengths"].dtype == torch.int64 and out["unpadded_sequence_lengths"].dtype == torch.int64
@@ -326,8 +334,7 @@ async def test_cancellation_does_not_break_worker(tiny) -> None:
             return [i async for i, _ in gen.generate_async(data, greedy=True)]
 
         task = asyncio.create_task(consume())
-        await asyncio.sleep(0.05)
-        assert gen.stats.forward_passes > 0  # the batch is running
+        await _until(lambda: gen.stats.forward_passes > 0)  # the batch is running
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -344,6 +351,14 @@ async def test_cancellation_does_not_break_worker(tiny) -> None:
         gen.shutdown()
 
 
+async def _until(condition, timeout_s: float = 60.0) -> None:
+    """Wait (bounded) until ``condition()`` holds, polling without blocking the loop."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "the condition never held"
+        await asyncio.sleep(0.002)
+
+
 async def _collect(gen: HFGeneration, data: BatchedDataDict) -> dict[int, BatchedDataDict]:
     return {i: out async for i, out in gen.generate_async(data, greedy=True)}
 
@@ -357,7 +372,7 @@ async def test_shutdown_is_idempotent_and_fails_waiters(tiny) -> None:
         return [i async for i, _ in gen.generate_async(data, greedy=True)]
 
     task = asyncio.create_task(consume())
-    await asyncio.sleep(0.1)
+    await _until(lambda: gen.stats.forward_passes > 0)
     worker = gen._worker
     assert worker is not None and worker.is_alive()
     done = threading.Event()
@@ -406,3 +421,64 @@ def test_config_from_generation_config() -> None:
     assert val.temperature == 0.0 and val.top_p == 0.9
     with pytest.raises(ValueError):
         HFGenerationConfig(temperature=-1.0)
+
+
+def _own_copy(tiny) -> tuple[HFGeneration, dict[str, torch.Tensor], torch.nn.Module]:
+    """An engine over a private copy of the tiny model, new weights for it, and a model holding those weights."""
+    import copy
+
+    tok, model = tiny
+    gen = HFGeneration(HFGenerationConfig(max_new_tokens=12), model=copy.deepcopy(model), tokenizer=tok)
+    torch.manual_seed(1)
+    new_weights = {k: v + 0.05 * torch.randn_like(v) for k, v in model.state_dict().items()}
+    refitted = copy.deepcopy(model)
+    refitted.load_state_dict(new_weights)
+    return gen, new_weights, refitted
+
+
+def test_update_weights_reaches_the_engine(tiny) -> None:
+    tok, model = tiny
+    gen, new_weights, refitted = _own_copy(tiny)
+    data = batch(tok, PROMPTS, temperature=[0.8] * len(PROMPTS))
+    before = gen.generate(data)
+    assert gen.weight_version == 0 and before["weight_version"].tolist() == [0] * len(PROMPTS)
+
+    gen.update_weights(new_weights, 1)
+    after = gen.generate(data)
+    assert gen.weight_version == 1 and after["weight_version"].tolist() == [1] * len(PROMPTS)
+    for i in range(len(PROMPTS)):
+        seq, lps = unpadded(after, i)
+        n_in = int(data["input_lengths"][i])
+        new_lp, _ = recompute(refitted, seq, n_in, 0.8)
+        old_lp, _ = recompute(model, seq, n_in, 0.8)
+        torch.testing.assert_close(lps[n_in:], new_lp, atol=1e-4, rtol=0)
+        assert (lps[n_in:] - old_lp).abs().max() > 1e-3  # the old weights would not explain them
+
+    with pytest.raises(ValueError, match="older than"):
+        gen.update_weights(new_weights, 0)
+    with pytest.raises(RuntimeError, match="Missing key"):
+        gen.update_weights({k: v for k, v in list(new_weights.items())[1:]}, 2)
+    assert gen.weight_version == 1
+
+
+async def test_a_request_in_flight_at_a_refit_finishes_on_one_version(tiny) -> None:
+    tok, model = tiny
+    gen, new_weights, refitted = _own_copy(tiny)
+    try:
+        long = batch(tok, ["Hello there"], max_new_tokens=[200])
+        in_flight = asyncio.create_task(_collect(gen, long))
+        await _until(lambda: gen.stats.forward_passes > 0)  # the row is decoding
+        assert not in_flight.done()
+        refit = asyncio.create_task(asyncio.to_thread(gen.update_weights, new_weights, 1))
+        old = (await asyncio.wait_for(in_flight, timeout=120))[0]
+        await asyncio.wait_for(refit, timeout=120)
+        later = (await asyncio.wait_for(_collect(gen, batch(tok, ["Hello there"])), timeout=120))[0]
+    finally:
+        gen.shutdown()
+    assert int(old["generation_lengths"][0]) == 200 and old["weight_version"].tolist() == [0]
+    assert later["weight_version"].tolist() == [1]
+    n_in = int(long["input_lengths"][0])
+    for out, weights in ((old, model), (later, refitted)):
+        seq, lps = unpadded(out, 0)
+        expected, _ = recompute(weights, seq, n_in, 1.0)
+        torch.testing.assert_close(lps[n_in:], expected, atol=1e-4, rtol=0)

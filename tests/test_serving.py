@@ -359,3 +359,30 @@ def test_cli_serve_stops_on_sigterm(tiny_model_dir):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_responses_say_which_weight_version_generated_them(client, tiny_model_dir: Path):
+    engine = HFGeneration(HFGenerationConfig(model=str(tiny_model_dir), max_new_tokens=6, temperature=TEMPERATURE))
+    server = OpenAIServer(engine, engine.tokenizer, served_model_name="tiny")
+    server.start_in_thread()
+    try:
+        first = client.post(server.base_url + "/chat/completions", json={"messages": USER})
+        assert first.json()["weight_version"] == 0 and first.headers["x-gym-bridge-weight-version"] == "0"
+        torch.manual_seed(3)
+        new_weights = {k: v + 0.05 * torch.randn_like(v) for k, v in engine.model.state_dict().items()}
+        engine.update_weights(new_weights, 3)
+        chat = client.post(server.base_url + "/chat/completions", json={"messages": USER, "return_token_ids": True})
+        completion = client.post(server.base_url + "/completions", json={"prompt": "Hello", "n": 2})
+        with torch.no_grad():
+            msg = chat.json()["choices"][0]["message"]
+            prompt, gen = msg["prompt_token_ids"], msg["generation_token_ids"]
+            logits = engine.model(torch.tensor([prompt + gen])).logits[0].float()
+    finally:
+        server.stop_thread()
+        engine.shutdown()
+    for response in (chat, completion):
+        body = response.json()
+        assert body["weight_version"] == 3 and response.headers["x-gym-bridge-weight-version"] == "3"
+        assert [c["weight_version"] for c in body["choices"]] == [3] * len(body["choices"])
+    expected = torch.log_softmax(logits[len(prompt) - 1 : -1] / TEMPERATURE, -1).gather(-1, torch.tensor(gen)[:, None])
+    assert torch.allclose(torch.tensor(msg["generation_log_probs"]), expected.squeeze(-1), atol=1e-4)

@@ -29,9 +29,15 @@ class EvalConfig(BaseModel):
     output_dir: Path = Field(description="Where results.jsonl, failures.jsonl, run.json and the report go.")
     num_generations_per_prompt: int = Field(4, ge=1)
     base_urls: list[str] = Field(default_factory=list, description="OpenAI-compatible endpoints; empty: embedded.")
-    model_name: str = Field("tiny", description="The served model name Gym sends to the endpoint.")
-    tokenizer: str = Field("tiny", description='"tiny" or a local tokenizer folder (the served model\'s).')
-    embedded_policy: Literal["tiny", "scripted"] = "tiny"
+    model_name: str = Field(
+        "tiny", description="The served model name Gym sends to the endpoint (default: the embedded model's name)."
+    )
+    tokenizer: str = Field(
+        "tiny", description='"tiny", "smollm2" or a local tokenizer folder (default: the embedded model\'s).'
+    )
+    embedded_policy: Literal["tiny", "smollm2", "scripted"] = Field(
+        "tiny", description="tiny / smollm2: that built-in model served by HFGeneration; scripted: rule-based replies."
+    )
     concurrency: int = Field(4, ge=1, description="Prompt groups in flight.")
     rollout_timeout_s: float = Field(600.0, gt=0, description="Deadline of one prompt group, re-dispatches included.")
     request_timeout_s: float = Field(300.0, gt=0, description="Deadline of one Gym /run call.")
@@ -57,6 +63,22 @@ class EvalConfig(BaseModel):
         for i, url in enumerate(self.base_urls):
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"base_urls.{i}: {url!r} is not an http(s) URL (http://host:port/v1)")
+        return self
+
+    @model_validator(mode="after")
+    def _embedded_model_names(self) -> EvalConfig:
+        """An embedded model policy names the tokenizer and served name unless they are given."""
+        if self.embedded_policy == "scripted":
+            return self
+        if "tokenizer" not in self.model_fields_set:
+            self.tokenizer = self.embedded_policy
+        if "model_name" not in self.model_fields_set:
+            self.model_name = self.embedded_policy
+        if self.embedded and self.tokenizer in ("tiny", "smollm2") and self.tokenizer != self.embedded_policy:
+            raise ValueError(
+                f"tokenizer: {self.tokenizer!r} is not the tokenizer of embedded_policy {self.embedded_policy!r}; "
+                "leave tokenizer out (or pass the embedded model's folder)"
+            )
         return self
 
     @property

@@ -174,7 +174,7 @@ def _policy_endpoint(config: EvalConfig) -> Iterator[tuple[list[str], Any]]:
     """``(base_urls, tokenizer)``: the configured endpoints, or the embedded server for the run's duration."""
     from transformers import AutoTokenizer
 
-    from gym_bridge.models.tiny import resolve_model_path
+    from gym_bridge.models.registry import resolve_model_path
 
     if not config.embedded:
         yield list(config.base_urls), AutoTokenizer.from_pretrained(resolve_model_path(config.tokenizer))

@@ -39,11 +39,15 @@ class RunStoreSink:
         self._slots[slot] = prompt_idx
         return slot
 
-    def commit(self, slot: str, record: PromptGroupRecord) -> None:
+    def commit(
+        self, slot: str, record: PromptGroupRecord, *, start_weight_version: int, end_weight_version: int
+    ) -> None:
         prompt_idx = self._slots.pop(slot)
         row = self._rows[prompt_idx]
         line = group_record(record, agent=row.agent, line=row.line, tokenizer=self.tokenizer,
                             elapsed_s=self._elapsed(prompt_idx))
+        line["start_weight_version"] = start_weight_version
+        line["end_weight_version"] = end_weight_version
         self.store.append_result(line)
         self.rewards[prompt_idx] = [c["reward"] for c in line["completions"]]
 

@@ -24,18 +24,29 @@ complete, so concurrent builders never see (or leave) a half-written folder.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import uuid
 from pathlib import Path
 from typing import Any
+
+from gym_bridge.models import cache
+from gym_bridge.models.cache import CACHE_ENV, default_cache_dir
+from gym_bridge.models.templates import hermes_chat_template, pin_tokenizer_config
+
+__all__ = [
+    "CACHE_ENV",
+    "CHAT_TEMPLATE",
+    "MARKER_FILE",
+    "RECIPE_TAG",
+    "build_tiny_model",
+    "default_cache_dir",
+    "load_tiny",
+    "resolve_model_path",
+    "tiny_model_path",
+]
 
 #: Bump when anything below changes the built artefacts (corpus, template, sizes).
 RECIPE_TAG = "tiny-v1"
 #: File written last into a finished build; its presence means "complete".
 MARKER_FILE = "gym_bridge_tiny.json"
-#: Environment variable naming the default cache folder.
-CACHE_ENV = "GYM_BRIDGE_CACHE"
 
 PAD_TOKEN = "<|endoftext|>"
 BOS_TOKEN = "<|im_start|>"
@@ -60,81 +71,7 @@ MODEL_CONFIG: dict[str, Any] = {
 
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
 
-# A Qwen2.5 / Hermes style chat template. Differences from Qwen2.5's: a neutral
-# default system prompt, tool-call ``arguments`` given as a JSON string are
-# written verbatim (not JSON-encoded twice), and list-of-parts contents are
-# joined from their text parts.
-CHAT_TEMPLATE = (
-    r"""{%- macro render_content(content) -%}
-{%- if content is none -%}
-{%- elif content is string -%}{{- content -}}
-{%- else -%}{%- for part in content -%}{%- if part is string -%}{{- part -}}{%- elif part.type == 'text' -%}{{- part.text -}}{%- endif -%}{%- endfor -%}
-{%- endif -%}
-{%- endmacro -%}
-{%- if tools %}
-    {{- '<|im_start|>system\n' }}
-    {%- if messages[0]['role'] == 'system' %}
-        {{- render_content(messages[0]['content']) }}
-    {%- else %}
-        {{- '"""
-    + DEFAULT_SYSTEM_PROMPT
-    + r"""' }}
-    {%- endif %}
-    {{- "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
-    {%- for tool in tools %}
-        {{- "\n" }}
-        {{- tool | tojson }}
-    {%- endfor %}
-    {{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}
-{%- else %}
-    {%- if messages[0]['role'] == 'system' %}
-        {{- '<|im_start|>system\n' + render_content(messages[0]['content']) + '<|im_end|>\n' }}
-    {%- else %}
-        {{- '<|im_start|>system\n"""
-    + DEFAULT_SYSTEM_PROMPT
-    + r"""<|im_end|>\n' }}
-    {%- endif %}
-{%- endif %}
-{%- for message in messages %}
-    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}
-        {{- '<|im_start|>' + message.role + '\n' + render_content(message.content) + '<|im_end|>' + '\n' }}
-    {%- elif message.role == "assistant" %}
-        {{- '<|im_start|>' + message.role }}
-        {%- if message.content %}
-            {{- '\n' + render_content(message.content) }}
-        {%- endif %}
-        {%- for tool_call in message.tool_calls %}
-            {%- if tool_call.function is defined %}
-                {%- set tool_call = tool_call.function %}
-            {%- endif %}
-            {{- '\n<tool_call>\n{"name": "' }}
-            {{- tool_call.name }}
-            {{- '", "arguments": ' }}
-            {%- if tool_call.arguments is string %}
-                {{- tool_call.arguments }}
-            {%- else %}
-                {{- tool_call.arguments | tojson }}
-            {%- endif %}
-            {{- '}\n</tool_call>' }}
-        {%- endfor %}
-        {{- '<|im_end|>\n' }}
-    {%- elif message.role == "tool" %}
-        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}
-            {{- '<|im_start|>user' }}
-        {%- endif %}
-        {{- '\n<tool_response>\n' }}
-        {{- render_content(message.content) }}
-        {{- '\n</tool_response>' }}
-        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
-            {{- '<|im_end|>\n' }}
-        {%- endif %}
-    {%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}
-    {{- '<|im_start|>assistant\n' }}
-{%- endif %}
-"""
-)
+CHAT_TEMPLATE = hermes_chat_template(DEFAULT_SYSTEM_PROMPT)
 
 _PROSE = """\
 The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single step.
@@ -299,79 +236,30 @@ def build_model(tokenizer: Any, *, seed: int = 0) -> Any:
     return model
 
 
-def _pin_tokenizer_class(folder: Path) -> None:
-    """Make every transformers version load ``tokenizer.json`` as saved (see the module docstring).
-
-    transformers 5 writes ``tokenizer_class: TokenizersBackend``, unknown to
-    transformers 4 (vLLM's environments); ``PreTrainedTokenizerFast`` means the same
-    thing to both. The chat template is also copied into ``tokenizer_config.json``
-    for loaders that do not read ``chat_template.jinja``.
-    """
-    cfg_path = folder / "tokenizer_config.json"
-    cfg = json.loads(cfg_path.read_text())
-    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
-    cfg["chat_template"] = CHAT_TEMPLATE
-    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
-
-
-def default_cache_dir() -> Path:
-    """``$GYM_BRIDGE_CACHE`` or ``~/.cache/gym-bridge``."""
-    env = os.environ.get(CACHE_ENV)
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "gym-bridge"
-
-
 def tiny_model_path(cache_dir: Path | str | None = None, *, seed: int = 0) -> Path:
     """Where :func:`build_tiny_model` puts (or finds) the build for ``seed``."""
-    base = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    return base / f"{RECIPE_TAG}-seed{seed}"
+    return cache.cache_base(cache_dir) / f"{RECIPE_TAG}-seed{seed}"
 
 
 def is_complete(path: Path) -> bool:
-    return (path / MARKER_FILE).is_file()
+    return cache.is_complete(path, MARKER_FILE)
 
 
 def build_tiny_model(cache_dir: Path | str | None = None, *, seed: int = 0) -> Path:
     """Build the tiny tokenizer + model into the cache (or reuse a finished build); return its folder.
 
-    Safe to call from several processes at once: each builds in a private temporary
-    folder and renames it into place; the first rename wins and the others discard
-    their copy. A folder without the completion marker (left by something else) is
-    moved aside and rebuilt.
+    Safe to call from several processes at once (see :func:`gym_bridge.models.cache.build_atomically`).
     """
-    final = tiny_model_path(cache_dir, seed=seed)
-    if is_complete(final):
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.parent / f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    try:
+
+    def write(folder: Path) -> dict[str, Any]:
         tokenizer = build_tokenizer()
         model = build_model(tokenizer, seed=seed)
-        tmp.mkdir()
-        tokenizer.save_pretrained(tmp)
-        _pin_tokenizer_class(tmp)
-        model.save_pretrained(tmp, safe_serialization=True)
-        marker = {"recipe": RECIPE_TAG, "seed": seed, "vocab_size": len(tokenizer)}
-        (tmp / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
-        for _ in range(3):
-            try:
-                os.rename(tmp, final)
-                return final
-            except OSError:
-                if is_complete(final):
-                    return final  # another process finished first; ours is discarded below
-                if final.exists():  # incomplete leftover: move it aside, then retry
-                    stale = final.parent / f".{final.name}.stale-{uuid.uuid4().hex[:8]}"
-                    try:
-                        os.rename(final, stale)
-                        shutil.rmtree(stale, ignore_errors=True)
-                    except OSError:
-                        pass
-        if is_complete(final):
-            return final
-        raise RuntimeError(f"could not move the tiny model build into place at {final}")
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        tokenizer.save_pretrained(folder)
+        pin_tokenizer_config(folder, CHAT_TEMPLATE)
+        model.save_pretrained(folder, safe_serialization=True)
+        return {"recipe": RECIPE_TAG, "seed": seed, "vocab_size": len(tokenizer)}
+
+    return cache.build_atomically(tiny_model_path(cache_dir, seed=seed), MARKER_FILE, write)
 
 
 def load_tiny(cache_dir: Path | str | None = None, seed: int = 0) -> tuple[Any, Any]:
@@ -386,13 +274,7 @@ def load_tiny(cache_dir: Path | str | None = None, seed: int = 0) -> tuple[Any, 
 
 
 def resolve_model_path(name_or_path: str | Path) -> Path:
-    """``"tiny"`` → the tiny model's folder (built on demand); anything else must be an existing path."""
-    if str(name_or_path) == "tiny":
-        return build_tiny_model()
-    path = Path(name_or_path).expanduser()
-    if not path.exists():
-        raise FileNotFoundError(
-            f"model {str(name_or_path)!r} is neither 'tiny' nor an existing local path "
-            "(downloads are not supported: pass a folder saved with save_pretrained)"
-        )
-    return path
+    """A built-in model name (``"tiny"``, ``"smollm2"``) or an existing local folder; see :mod:`gym_bridge.models.registry`."""
+    from gym_bridge.models.registry import resolve_model_path as resolve
+
+    return resolve(name_or_path)

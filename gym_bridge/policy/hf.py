@@ -39,7 +39,7 @@ class HFPolicyConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    model: str = Field("tiny", description='A local model folder, or "tiny" for the embedded tiny model.')
+    model: str = Field("tiny", description='A local model folder, or a built-in model: "tiny", "smollm2".')
     device: str = "cpu"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     learning_rate: float = Field(1e-5, gt=0.0)
@@ -51,6 +51,7 @@ class HFPolicyConfig(BaseModel):
     logprob_batch_size: int = Field(8, ge=1)
     temperature: float = Field(1.0, gt=0.0, description="Logits are divided by it, as at generation.")
     keep_reference_model: bool = Field(True, description="Keep a frozen copy of the initial weights.")
+    freeze_embeddings: bool = Field(False, description="Do not train the input embedding (tied: nor the LM head).")
 
 
 class LossFunction(Protocol):
@@ -112,7 +113,7 @@ class HFPolicy(PolicyInterface):
         model: Any = None,
         tokenizer: Any = None,
     ) -> None:
-        """Load ``cfg.model`` (a folder or ``"tiny"``), or train an already loaded ``model`` (in place)."""
+        """Load ``cfg.model`` (a folder or a built-in name), or train an already loaded ``model`` (in place)."""
         if cfg is None:
             cfg = HFPolicyConfig()
         elif not isinstance(cfg, HFPolicyConfig):
@@ -124,8 +125,11 @@ class HFPolicy(PolicyInterface):
         self.reference_model = None
         if cfg.keep_reference_model:
             self.reference_model = copy.deepcopy(self.model).eval().requires_grad_(False)
+        if cfg.freeze_embeddings:
+            self.model.get_input_embeddings().weight.requires_grad_(False)
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=cfg.learning_rate, betas=cfg.betas, weight_decay=cfg.weight_decay
+            [p for p in self.model.parameters() if p.requires_grad],
+            lr=cfg.learning_rate, betas=cfg.betas, weight_decay=cfg.weight_decay,
         )
         self.steps_taken = 0
 
@@ -296,6 +300,16 @@ class HFPolicy(PolicyInterface):
         if save_optimizer:
             torch.save({"optimizer": self.optimizer.state_dict(), "steps_taken": self.steps_taken},
                        path / "optimizer.pt")
+
+    def load_optimizer(self, path: str | Path) -> None:
+        """Restore the optimizer state and step count that :meth:`save_checkpoint` wrote into ``path``."""
+        state = torch.load(Path(path) / "optimizer.pt", weights_only=False)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.steps_taken = int(state["steps_taken"])
+
+    def state_dict_for_refit(self) -> dict[str, torch.Tensor]:
+        """The current weights by name, detached (no copy): what a generation engine's refit loads."""
+        return {name: tensor.detach() for name, tensor in self.model.state_dict().items()}
 
     def shutdown(self) -> bool:
         self.optimizer.zero_grad(set_to_none=True)

@@ -96,6 +96,17 @@ class RolloutManager:
         )
         self.num_generations_per_prompt = num_generations_per_prompt
 
+    _weight_version: int = 0
+
+    @property
+    def weight_version(self) -> int:
+        """The policy weights' version that rollouts started now are tagged with (0 until set)."""
+        return self._weight_version
+
+    def set_weight_version(self, version: int) -> None:
+        """Tag groups from now on with ``version`` (call after each refit of the serving engine)."""
+        self._weight_version = int(version)
+
     async def run_rollout(self, datum: DatumSpec) -> PromptGroupRecord:
         """Roll out one prompt: a complete group of N completions, or a typed failure."""
         record = await self.backend.run_rollout(datum)
@@ -117,17 +128,20 @@ class RolloutManager:
         is SKIPPED, unless the run-wide skip budget is spent, which re-raises. An
         ``EndpointConfigError`` is not retried; when the run's first prompts all end
         with the same one, :class:`RunConfigurationError` stops the run.
-        Cancellation is never retried.
+        Cancellation is never retried. The commit carries the weight version when the
+        committed attempt started and when it finished (see :meth:`set_weight_version`).
         """
         policy = self.retry_policy
         prompt_idx = int(datum["idx"])
         infra_attempts = data_attempts = 0
         last_infra: BaseException | None = None
         while infra_attempts < policy.max_infra_attempts:
+            start_version = self._weight_version
             slot = sink.reserve(prompt_idx)
             try:
                 record = await self.run_rollout(datum)
-                sink.commit(slot, record)
+                sink.commit(slot, record, start_weight_version=start_version,
+                            end_weight_version=self._weight_version)
             except Exception as exc:
                 _discard_quietly(sink, slot, exc)
                 reason = type(exc).__name__

@@ -25,7 +25,14 @@ from gym_bridge.failures import GenerationUnavailable, RolloutDataFailure
 from gym_bridge.interfaces import GenerationInterface
 from gym_bridge.serving.chat import build_chat_prompt
 from gym_bridge.serving.drift import DriftCounter
-from gym_bridge.serving.engine import EngineProfile, Sample, generate_rows, max_tokens_for, resolve_greedy
+from gym_bridge.serving.engine import (
+    EngineProfile,
+    Sample,
+    generate_rows,
+    max_tokens_for,
+    resolve_greedy,
+    weight_version_of,
+)
 from gym_bridge.serving.errors import ServingError, error_body
 from gym_bridge.serving.parsers import parse_assistant_text
 from gym_bridge.serving.protocol import (
@@ -39,6 +46,9 @@ from gym_bridge.serving.protocol import (
 logger = logging.getLogger(__name__)
 
 M = TypeVar("M", bound=BaseModel)
+
+#: Response header naming the weight version that generated the response (engines with refits only).
+WEIGHT_VERSION_HEADER = "x-gym-bridge-weight-version"
 
 
 @dataclass(frozen=True)
@@ -150,6 +160,8 @@ def build_app(state: ServingState) -> FastAPI:
             }
             if req.return_token_ids:
                 choice["token_ids"] = sample.token_ids
+            if sample.weight_version is not None:
+                choice["weight_version"] = sample.weight_version
             choices.append(choice)
         body: dict[str, Any] = {
             "id": f"chatcmpl-{uuid.uuid4().hex}",
@@ -161,7 +173,7 @@ def build_app(state: ServingState) -> FastAPI:
         }
         if req.return_token_ids:
             body["prompt_token_ids"] = prompt.token_ids
-        return JSONResponse(body, headers=headers)
+        return JSONResponse(body, headers=_with_weight_version(body, samples, headers))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> JSONResponse:
@@ -188,18 +200,18 @@ def build_app(state: ServingState) -> FastAPI:
                 if req.return_token_ids:
                     choice["prompt_token_ids"] = prompt_ids
                     choice["token_ids"] = sample.token_ids
+                if sample.weight_version is not None:
+                    choice["weight_version"] = sample.weight_version
                 choices.append(choice)
-        usage = _usage(prompt_tokens, all_samples)
-        return JSONResponse(
-            {
-                "id": f"cmpl-{uuid.uuid4().hex}",
-                "object": "text_completion",
-                "created": int(time.time()),
-                "model": req.model or state.served_model_name,
-                "choices": choices,
-                "usage": usage,
-            }
-        )
+        body = {
+            "id": f"cmpl-{uuid.uuid4().hex}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": req.model or state.served_model_name,
+            "choices": choices,
+            "usage": _usage(prompt_tokens, all_samples),
+        }
+        return JSONResponse(body, headers=_with_weight_version(body, all_samples, {}))
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
@@ -361,6 +373,15 @@ def _completion_logprobs(state: ServingState, sample: Sample, as_ids: bool) -> d
         offsets.append(pos)
         pos += len(state.tokenizer.decode([tok], skip_special_tokens=True))
     return {"tokens": tokens, "token_logprobs": sample.logprobs, "top_logprobs": None, "text_offset": offsets}
+
+
+def _with_weight_version(body: dict[str, Any], samples: list[Sample], headers: dict[str, str]) -> dict[str, str]:
+    """Top-level ``weight_version`` (the oldest among the choices; each choice has its own) and its header."""
+    version = weight_version_of(samples)
+    if version is None:
+        return headers
+    body["weight_version"] = version
+    return {**headers, WEIGHT_VERSION_HEADER: str(version)}
 
 
 def _usage(prompt_tokens: int, samples: list[Sample]) -> dict[str, int]:

@@ -68,11 +68,12 @@ class EngineProfile:
 
 @dataclass
 class Sample:
-    """One generated row: ids, logprobs, and why it ended."""
+    """One generated row: ids, logprobs, why it ended, and the weight version that generated it (if known)."""
 
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str  # "stop" or "length"
+    weight_version: int | None = None
 
 
 def resolve_greedy(req: SamplingFields, profile: EngineProfile) -> bool:
@@ -151,8 +152,16 @@ async def generate_rows(
         truncated = bool(out["truncated"][0]) if "truncated" in out else False
         if len(ids) > max_tokens:
             ids, lps, truncated = ids[:max_tokens], lps[:max_tokens], True
-        samples[i] = Sample(ids, lps, "length" if truncated else "stop")
+        version = int(out["weight_version"][0]) if "weight_version" in out else None
+        samples[i] = Sample(ids, lps, "length" if truncated else "stop", version)
     missing = [i for i, s in enumerate(samples) if s is None]
     if missing:
         raise RuntimeError(f"generation returned no output for rows {missing}")
     return samples  # type: ignore[return-value]
+
+
+def weight_version_of(samples: list[Sample]) -> int | None:
+    """The oldest weight version among ``samples`` (what staleness is measured by), or None if unknown."""
+    versions = [s.weight_version for s in samples if s.weight_version is not None]
+    return min(versions) if versions else None
+

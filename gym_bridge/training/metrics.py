@@ -1,0 +1,44 @@
+"""Per-step training metrics: one JSON line per step, and the reward curve as a PNG."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+
+def append_metrics(path: Path, metrics: Mapping[str, Any]) -> None:
+    """Append one step's metrics to ``path`` (``metrics.jsonl``) and flush."""
+    with path.open("a") as f:
+        f.write(json.dumps(dict(metrics), sort_keys=True) + "\n")
+        f.flush()
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plot_reward_curve(steps: Sequence[Mapping[str, Any]], png: Path, title: str = "GRPO through NeMo-Gym") -> Path:
+    """Mean reward and pass rate per step into ``png`` (matplotlib, no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    x = [m["step"] for m in steps]
+    ax.plot(x, [m["train/mean_reward"] for m in steps], marker="o", label="mean reward")
+    ax.plot(x, [m["train/pass_rate"] for m in steps], marker=".", alpha=0.6, label="pass rate")
+    ax.set_xlabel("step")
+    ax.set_ylabel("reward")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+    return png

@@ -1,0 +1,133 @@
+"""Training components: GRPO advantages, the batch, the loss on generated tokens, on-policy error, staleness."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from gym_bridge.rollout.sink import CommittedGroup
+from gym_bridge.training import (
+    GRPOLoss,
+    StalenessBuffer,
+    baseline_and_std_per_group,
+    grpo_advantages,
+    on_policy_error,
+    sum_on_policy_errors,
+    train_batch,
+)
+from gym_bridge.types import Completion, PromptGroupRecord
+
+
+def test_leave_one_out_advantages_match_nemo_rl_by_hand():
+    adv = grpo_advantages(torch.tensor([[1.0, 0.0, 0.0, 0.0]]))
+    # Sample 0: the others are all 0, so baseline 0 and std 0: not rescaled.
+    assert adv[0, 0].item() == pytest.approx(1.0)
+    # The others: baseline 1/3, Bessel-corrected std of {1, 0, 0} = sqrt(1/3).
+    assert adv[0, 1:].tolist() == pytest.approx([-(1 / 3) / (math.sqrt(1 / 3) + 1e-6)] * 3, rel=1e-6)
+
+
+def test_zero_std_groups_get_zero_advantage_and_no_division():
+    adv = grpo_advantages(torch.tensor([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0], [0.5, 0.5, 0.5]]))
+    assert torch.equal(adv, torch.zeros(3, 3))
+    assert torch.equal(grpo_advantages(torch.tensor([[0.7]])), torch.zeros(1, 1)), "a group of one has no baseline"
+
+
+def test_plain_mean_baseline_and_unnormalised_option():
+    rewards = torch.tensor([[1.0, 0.0], [0.2, 0.6]])
+    baseline, std = baseline_and_std_per_group(rewards, leave_one_out=False)
+    assert baseline.flatten().tolist() == pytest.approx([0.5, 0.5, 0.4, 0.4])
+    assert std[0].tolist() == pytest.approx([math.sqrt(0.5)] * 2)
+    adv = grpo_advantages(rewards, leave_one_out=False)
+    assert adv[0].tolist() == pytest.approx([0.5 / math.sqrt(0.5), -0.5 / math.sqrt(0.5)], rel=1e-5)
+    raw = grpo_advantages(rewards, leave_one_out=False, normalize=False)
+    assert raw[1].tolist() == pytest.approx([-0.2, 0.2])
+    with pytest.raises(ValueError, match="groups, samples_per_group"):
+        grpo_advantages(torch.tensor([1.0, 0.0]))
+
+
+def completion(prompt, reply, logprobs, reward, truncated=False):
+    log = [
+        {"role": "user", "content": "", "token_ids": torch.tensor(prompt, dtype=torch.int64)},
+        {"role": "assistant", "content": "", "token_ids": torch.tensor(reply, dtype=torch.int64),
+         "generation_logprobs": torch.tensor(logprobs, dtype=torch.float32)},
+    ]
+    return Completion(log, None, truncated, reward)
+
+
+def group(idx, completions, start=0, end=0):
+    return CommittedGroup(PromptGroupRecord(idx, [], None, {}, completions, {}), start, end)
+
+
+def test_batch_trains_only_generated_tokens_with_their_sampling_logprobs():
+    groups = [group(0, [completion([5, 6, 7], [8, 9], [-0.5, -0.25], 1.0),
+                        completion([5, 6, 7], [10], [-2.0], 0.0, truncated=True)])]
+    batch, stats = train_batch(groups, pad_token_id=0, leave_one_out=False)
+    assert batch["input_ids"].tolist() == [[5, 6, 7, 8, 9], [5, 6, 7, 10, 0]]
+    assert batch["input_lengths"].tolist() == [5, 4]
+    assert batch["token_mask"].tolist() == [[0, 0, 0, 1, 1], [0, 0, 0, 1, 0]]
+    assert batch["generation_logprobs"].tolist() == [[0, 0, 0, -0.5, -0.25], [0, 0, 0, -2.0, 0]]
+    assert batch["advantages"].tolist() == pytest.approx([0.7071, -0.7071], abs=1e-4)
+    assert (stats.mean_reward, stats.pass_rate, stats.truncation_rate) == (0.5, 0.5, 0.5)
+    assert stats.mean_generated_tokens == 1.5 and stats.zero_std_groups == 0
+    bad = [group(1, [completion([1], [2, 3], [-1.0], 1.0)] * 2)]
+    with pytest.raises(ValueError, match="prompt_idx=1 completion 0 message 1: 2 token_ids but 1 logprobs"):
+        train_batch(bad, pad_token_id=0)
+
+
+def test_on_policy_error_reports_mean_max_and_gen_kl():
+    gen = torch.tensor([[0.0, -1.0, -2.0], [0.0, -0.5, 0.0]])
+    train = torch.tensor([[0.0, -1.1, -2.0], [0.0, -0.3, -9.0]])
+    mask = torch.tensor([[0.0, 1.0, 1.0], [0.0, 1.0, 0.0]])
+    err = on_policy_error(train, gen, mask)
+    assert err.tokens == 3 and err.abs_diff_max == pytest.approx(0.2)
+    assert err.mean_abs_diff == pytest.approx(0.3 / 3)
+    k3 = [math.exp(r) - 1 - r for r in (-0.1, 0.0, 0.2)]
+    assert err.gen_kl_error == pytest.approx(sum(k3) / 3)
+    assert on_policy_error(gen, gen, mask).as_metrics()["on_policy/gen_kl_error"] == 0.0
+
+
+def test_staleness_drops_and_counts_groups_older_than_the_bound():
+    buffer = StalenessBuffer(max_trajectory_age_steps=1)
+    fresh, one_old, two_old, refit_mid = group(0, [], 5, 5), group(1, [], 4, 5), group(2, [], 3, 4), group(3, [], 4, 5)
+    buffer.add([fresh, one_old, two_old, refit_mid])
+    usable, dropped = buffer.take(current_weight_version=5)
+    assert usable == [fresh, one_old, refit_mid] and dropped == 1 and buffer.dropped_total == 1
+    assert buffer.take(5) == ([], 0), "dropped groups are gone, never used later"
+    strict = StalenessBuffer(max_trajectory_age_steps=0)
+    strict.add([fresh, one_old])
+    assert strict.take(5) == ([fresh], 1)
+    strict.add([group(9, [], 6, 6)])
+    with pytest.raises(ValueError, match="prompt_idx=9 claims weight version 6"):
+        strict.take(5)
+
+
+@pytest.fixture(scope="module")
+def tiny_policy(tiny_model_dir):
+    from gym_bridge.policy import HFPolicy, HFPolicyConfig
+
+    return HFPolicy(HFPolicyConfig(model=str(tiny_model_dir), learning_rate=1e-3, keep_reference_model=False,
+                                   freeze_embeddings=True))
+
+
+def test_training_raises_logprobs_of_rewarded_tokens_and_leaves_the_prompt_alone(tiny_policy):
+    policy = tiny_policy
+    prompt, good, bad = [11, 12, 13, 14], [40, 41, 42], [50, 51, 52]
+    probe = train_batch([group(0, [completion(prompt, good, [0.0] * 3, 1.0),
+                                   completion(prompt, bad, [0.0] * 3, 0.0)])], pad_token_id=0)[0]
+    before = policy.get_logprobs(probe)["logprobs"]
+    probe["generation_logprobs"] = before.clone()
+    embedding = policy.model.get_input_embeddings().weight.detach().clone()
+    result = policy.train(probe, GRPOLoss(), mbs=1)
+    after = policy.get_logprobs(probe)["logprobs"]
+    gen = slice(len(prompt), len(prompt) + 3)
+    assert after[0, gen].sum() > before[0, gen].sum() + 1e-3, "the rewarded reply became more likely"
+    assert after[1, gen].sum() < before[1, gen].sum() - 1e-3, "the unrewarded reply became less likely"
+    assert torch.equal(policy.model.get_input_embeddings().weight, embedding), "freeze_embeddings held"
+    error = sum_on_policy_errors(result["all_mb_metrics"])
+    assert error.tokens == 6 and error.abs_diff_max < 1e-5, "the loss saw the same logprobs as get_logprobs"
+
+
+def test_pairs_with_leave_one_out_are_not_rescaled():
+    assert grpo_advantages(torch.tensor([[1.0, 0.25]])).tolist() == [[0.75, -0.75]]

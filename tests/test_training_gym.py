@@ -1,0 +1,129 @@
+"""The GRPO loop through real NeMo-Gym servers, our server and the tiny model: versions, refit, staleness.
+
+One run (engine + server + Gym + manager + policy) is built for the module with the
+builder the recipe uses; the tests drive its trainer a few small steps at a time.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from gym_bridge.policy import HFPolicy, HFPolicyConfig
+from gym_bridge.training import GRPOLoopConfig, GRPOTrainer, load_trainer_state
+from gym_bridge.training.builder import build_grpo_run
+
+pytestmark = [pytest.mark.gym, pytest.mark.slow]
+
+WORDS = ["blue", "seven", "apple", "river"]
+ON_POLICY_ATOL = 1e-4
+
+
+def tiny_config(data_path, log_dir):
+    return {
+        "use_nemo_gym": True,
+        "grpo": {"num_prompts_per_step": 2, "num_generations_per_prompt": 3, "max_num_steps": 2, "seed": 0},
+        "policy": {
+            "model_name": "tiny",
+            "max_total_sequence_length": 256,
+            "optimizer": {"kwargs": {"lr": 1e-3}},
+            "generation": {"backend": "vllm", "max_new_tokens": 6, "temperature": 1.0, "top_p": 1.0},
+        },
+        "checkpointing": {"enabled": False},
+        "env": {"nemo_gym": {
+            "config_paths": ["responses_api_models/vllm_model/configs/vllm_model_for_training.yaml",
+                             "resources_servers/equivalence_rule/configs/lc.yaml"],
+            "lc_equivalence_rule": {"resources_servers": {"equivalence_rule": {"grading_rule": "seq_match"}}},
+            "rollout_timeout_s": 120,
+            "startup_timeout_s": 150,
+            "log_dir": str(log_dir),
+            "actor_options": {"num_cpus": 0},
+        }},
+        "data": {"path": str(data_path)},
+    }
+
+
+@pytest.fixture(scope="module")
+def grpo_run(ray_session, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("grpo")
+    data = folder / "rows.jsonl"
+    data.write_text("".join(json.dumps({
+        "responses_create_params": {"input": [{"role": "user", "content": f"Answer with one word: {w}"}]},
+        "expected_answer": w,
+        "agent_ref": {"type": "responses_api_agents", "name": "lc_equivalence_rule_simple_agent"},
+    }) + "\n" for w in WORDS))
+    run = build_grpo_run(tiny_config(data, folder / "gym-logs"), folder / "run")
+    yield run
+    run.close()
+
+
+def trainer_like(run, tmp_path, **cfg):
+    """A trainer over the module's manager, policy and engine, starting at their current version."""
+    from gym_bridge.training import TrainerState
+
+    base = run.trainer
+    return GRPOTrainer(GRPOLoopConfig(num_prompts_per_step=2, **cfg), manager=base.manager, policy=base.policy,
+                       engine=base.engine, dataset=base.dataset, out_dir=tmp_path,
+                       state=TrainerState(weight_version=base.manager.weight_version))
+
+
+async def test_sync_steps_are_on_policy_and_tag_every_group_with_its_version(grpo_run, tmp_path):
+    trainer = grpo_run.trainer
+    history = await trainer.run()
+    assert [m["step"] for m in history] == [0, 1]
+    for step, metrics in enumerate(history):
+        assert metrics["train/groups"] == 2 and metrics["train/samples"] == 6
+        assert metrics["staleness/trained_start_versions"] == [step], "rolled out on the weights of this step"
+        assert metrics["on_policy/tokens"] > 0
+        # Step 1 samples from the engine after the first refit: it must serve the policy's weights.
+        assert metrics["on_policy/logprob_abs_diff_mean"] < ON_POLICY_ATOL, metrics
+        assert metrics["on_policy/gen_kl_error"] < ON_POLICY_ATOL
+        assert metrics["time/rollout_s"] > 0 and metrics["time/train_s"] > 0 and metrics["time/refit_s"] > 0
+        assert metrics["time/step_s"] >= metrics["time/train_s"] + metrics["time/refit_s"]
+    assert history[0]["train/grad_norm"] > 0, "rewards differed, so the policy moved"
+    assert trainer.state.weight_version == 2 and trainer.manager.weight_version == 2
+    lines = [json.loads(line) for line in trainer.metrics_path.read_text().splitlines()]
+    assert [line["step"] for line in lines] == [0, 1] and all("time/step_s" in line for line in lines)
+
+
+async def test_refit_reaches_the_engine_and_a_skipped_refit_shows_at_once(grpo_run, tmp_path):
+    trainer = trainer_like(grpo_run, tmp_path)
+    first = await trainer.train_step(0, await trainer.rollout(0), 0.0, refit_engine=False)
+    assert first["on_policy/logprob_abs_diff_mean"] < ON_POLICY_ATOL
+    stale = await trainer.train_step(1, await trainer.rollout(1), 0.0)
+    # The engine kept the old weights: its samples no longer match the trainer's logprobs.
+    assert stale["on_policy/logprob_abs_diff_max"] > 100 * ON_POLICY_ATOL, stale
+    assert stale["on_policy/gen_kl_error"] > ON_POLICY_ATOL
+    assert stale["staleness/trained_start_versions"] == [first["weight_version"]]
+    healed = await trainer.train_step(2, await trainer.rollout(2), 0.0)
+    assert healed["on_policy/logprob_abs_diff_mean"] < ON_POLICY_ATOL, "the refit after step 1 reached the engine"
+
+
+async def test_async_rollouts_never_train_on_groups_older_than_the_bound(grpo_run, tmp_path):
+    strict = trainer_like(grpo_run, tmp_path / "strict", async_rollouts=True, max_trajectory_age_steps=0,
+                          max_num_steps=3)
+    history = await strict.run()
+    assert all(m["staleness/max_age"] == 0 for m in history)
+    # Step 1's rollouts ran on the weights step 0 was training: one version too old, dropped and counted.
+    assert history[1]["train/groups"] == 0 and history[1]["staleness/dropped"] == 2
+    assert history[2]["train/groups"] == 2 and strict.buffer.dropped_total == 2
+    relaxed = trainer_like(grpo_run, tmp_path / "relaxed", async_rollouts=True, max_trajectory_age_steps=1,
+                           max_num_steps=3)
+    start = relaxed.state.weight_version
+    history = await relaxed.run()
+    assert [m["staleness/trained_start_versions"] for m in history] == [[start], [start], [start + 1]]
+    assert [m["staleness/max_age"] for m in history] == [0, 1, 1] and relaxed.buffer.dropped_total == 0
+
+
+async def test_checkpoint_restores_weights_optimizer_and_state(grpo_run, tmp_path):
+    trainer = grpo_run.trainer
+    path = trainer.save_checkpoint()
+    state = load_trainer_state(path)
+    assert state == trainer.state
+    restored = HFPolicy(HFPolicyConfig(model=str(path), keep_reference_model=False))
+    restored.load_optimizer(path)
+    assert restored.steps_taken == trainer.policy.steps_taken
+    for name, tensor in trainer.policy.model.state_dict().items():
+        assert torch.equal(restored.model.state_dict()[name], tensor), name

@@ -18,6 +18,7 @@ from gym_bridge.rollout.env_step import calculate_rewards
 from gym_bridge.rollout.manager import RolloutManager
 from gym_bridge.rollout.native import UNLIMITED_TURNS, AsyncRolloutImpl
 from gym_bridge.rollout.nemo_gym import AsyncNemoGymRolloutImpl, group_metrics
+from gym_bridge.rollout.sync import run_multi_turn_rollout
 from gym_bridge.rollout.truncation import fit_observation, gym_completion_truncated
 from gym_bridge.types import token_tensor
 
@@ -113,6 +114,27 @@ def test_unknown_keywords_are_rejected_naming_keyword_and_backend(tiny_tokenizer
         RolloutManager(tiny_tokenizer, {}, 2, 128, policy_generation=scripted, tq_buffer=object())
 
 
+NEMO_RL_ORDERS = {
+    RolloutManager: ["tokenizer", "task_to_env", "num_generations_per_prompt", "max_seq_len", "max_rollout_turns",
+                     "policy_generation", "generation_config", "use_nemo_gym", "mask_env_flagged_samples",
+                     "tq_buffer", "timeouts", "retry_policy"],
+    AsyncRolloutImpl: ["tokenizer", "task_to_env", "num_generations_per_prompt", "max_seq_len", "max_rollout_turns",
+                       "policy_generation", "timeouts"],
+    AsyncNemoGymRolloutImpl: ["tokenizer", "task_to_env", "num_generations_per_prompt", "max_seq_len",
+                              "max_rollout_turns", "generation_config", "mask_env_flagged_samples", "timeouts",
+                              "retry_policy", "stats"],
+    run_multi_turn_rollout: ["policy_generation", "input_batch", "tokenizer", "task_to_env", "max_seq_len",
+                             "max_rollout_turns", "greedy", "deduplicate_multimodal_data"],
+}
+
+
+@pytest.mark.parametrize("target", list(NEMO_RL_ORDERS), ids=lambda t: t.__name__)
+def test_positional_parameters_are_nemo_rl_s_and_nothing_else_is_positional(target):
+    params = inspect.signature(target).parameters.values()
+    positional = [p.name for p in params if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+    assert positional == NEMO_RL_ORDERS[target]
+
+
 # ---------------------------------------------------------------- calculate_rewards
 
 
@@ -188,3 +210,8 @@ def test_gym_completions_keep_truncation_and_drift_apart(tiny_tokenizer):
     assert metrics["truncation_rate"] == pytest.approx(1 / 3)
     assert metrics["natural_termination_rate"] == pytest.approx(2 / 3)
     assert metrics["token_drift_rate"] == pytest.approx(1 / 3)
+
+
+def test_sync_rollout_refuses_multimodal_deduplication_it_cannot_do():
+    with pytest.raises(ValueError, match="deduplicate_multimodal_data"):
+        run_multi_turn_rollout(None, BatchedDataDict({"message_log": [[]]}), None, {}, 10, None, False, True)

@@ -139,11 +139,13 @@ def run_multi_turn_rollout(
     tokenizer: Any,
     task_to_env: Mapping[str, Any],
     max_seq_len: int,
-    max_rollout_turns: int = 999999,
+    max_rollout_turns: int | None = 999999,
     greedy: bool = False,
+    deduplicate_multimodal_data: bool = False,
+    *,
     timeouts: RolloutTimeouts | None = None,
 ) -> tuple[BatchedDataDict[Any], dict[str, Any]]:
-    """Roll out a batch turn by turn; returns ``(final_batch, metrics)``.
+    """Roll out a batch turn by turn; returns ``(final_batch, metrics)``. NeMo-RL's positional order.
 
     ``input_batch`` needs ``message_log`` (tokenised prompts) and may carry
     ``task_name``, ``extra_env_info`` and ``stop_strings`` (one per sample). It is
@@ -161,7 +163,10 @@ def run_multi_turn_rollout(
     An unknown ``task_name`` raises :class:`~gym_bridge.rollout.env_step.UnknownTaskError`
     before anything is generated.
     """
+    if deduplicate_multimodal_data:
+        raise ValueError("deduplicate_multimodal_data: multimodal payloads are not supported by run_multi_turn_rollout")
     timeouts = timeouts or RolloutTimeouts()
+    max_rollout_turns = 999999 if max_rollout_turns is None else max_rollout_turns
     batch = _owned_copy(input_batch)
     size = len(batch["message_log"])
     if size == 0:

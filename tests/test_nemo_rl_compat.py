@@ -109,7 +109,9 @@ def test_unknown_keywords_are_rejected_naming_keyword_and_backend(tiny_tokenizer
     with pytest.raises(TypeError, match="max_turns"):
         AsyncRolloutImpl(tiny_tokenizer, {}, 2, 128, policy_generation=scripted, max_turns=3)  # type: ignore[call-arg]
     with pytest.raises(TypeError, match="tq_buffer"):
-        AsyncNemoGymRolloutImpl(tiny_tokenizer, {}, 2, 128, generation_config=GEN_CFG, tq_buffer=None)  # type: ignore[call-arg]
+        AsyncNemoGymRolloutImpl(
+            tiny_tokenizer, {}, 2, 128, generation_config=GEN_CFG, tq_buffer=None  # type: ignore[call-arg]
+        )
     with pytest.raises(ValueError, match="tq_buffer.*RolloutSink"):
         RolloutManager(tiny_tokenizer, {}, 2, 128, policy_generation=scripted, tq_buffer=object())
 

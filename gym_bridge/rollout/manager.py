@@ -103,7 +103,8 @@ class RolloutManager:
             "retry_policy": self.retry_policy,
             "stats": self.stats,
         }
-        self.backend: RolloutBackend = backend_cls(**backend_arguments(backend_cls, self.backend_name, common, backend_kwargs))
+        arguments = backend_arguments(backend_cls, self.backend_name, common, backend_kwargs)
+        self.backend: RolloutBackend = backend_cls(**arguments)
         self.num_generations_per_prompt = num_generations_per_prompt
 
     async def run_rollout(self, datum: DatumSpec) -> PromptGroupRecord:
@@ -195,9 +196,8 @@ def backend_arguments(
     """
     params = inspect.signature(backend_cls).parameters
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    accepted = {
-        n for n, p in params.items() if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    }
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    accepted = {n for n, p in params.items() if p.kind in named}
     unknown = sorted(set(extra) - accepted) if not takes_any else []
     if unknown:
         raise TypeError(

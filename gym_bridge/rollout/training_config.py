@@ -133,13 +133,16 @@ def _plain(config: Mapping[str, Any]) -> Mapping[str, Any]:
 def _leaf_paths(node: Any, prefix: str = "") -> list[str]:
     if not isinstance(node, Mapping) or not node:
         return [prefix] if prefix else []
-    return [path for key, value in node.items() for path in _leaf_paths(value, f"{prefix}.{key}" if prefix else str(key))]
+    return [
+        path for key, value in node.items() for path in _leaf_paths(value, f"{prefix}.{key}" if prefix else str(key))
+    ]
 
 
 def unused_training_keys(config: Mapping[str, Any]) -> list[str]:
     """The dotted keys of ``config`` that the rollout layer does not read (NeMo-RL's trainer settings, ...)."""
     section = _get(config, "env.nemo_gym", {})
-    ignored_gym = [f"env.nemo_gym.{key}" for key in _NEMO_RL_ONLY_GYM_KEYS if isinstance(section, Mapping) and key in section]
+    section = section if isinstance(section, Mapping) else {}
+    ignored_gym = [f"env.nemo_gym.{key}" for key in _NEMO_RL_ONLY_GYM_KEYS if key in section]
 
     def read(path: str) -> bool:
         if any(path == key or path.startswith(f"{key}.") for key in ignored_gym):

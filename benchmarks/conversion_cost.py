@@ -178,6 +178,7 @@ def measure(tokenizer: Any, case: str, turns: int, total_tokens: int = 2000, ite
     body = synthetic_result(tokenizer, turns, total_tokens)
     impl = AsyncNemoGymRolloutImpl(
         tokenizer=tokenizer,
+        task_to_env={},
         num_generations_per_prompt=GROUP,
         max_seq_len=total_tokens * 2,
         generation_config={"temperature": 1.0, "top_p": 1.0, "max_new_tokens": total_tokens},

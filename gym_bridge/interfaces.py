@@ -186,11 +186,13 @@ class ColocatablePolicyInterface(PolicyInterface):
 class RolloutBackend(Protocol):
     """The hook contract for a rollout backend (entry-point group ``gym_bridge.rollout_backends``).
 
-    ``RolloutManager`` constructs the class with keyword arguments only:
-    ``tokenizer``, ``task_to_env``, ``num_generations_per_prompt``, ``max_seq_len``,
-    ``max_rollout_turns``, ``policy_generation``, ``generation_config``, ``timeouts``,
-    plus any extra keywords the caller passed. A backend must accept (and may
-    ignore) keywords it does not use, so it should take ``**kwargs``.
+    ``RolloutManager`` constructs the class with keyword arguments: of the common ones
+    (``tokenizer``, ``task_to_env``, ``num_generations_per_prompt``, ``max_seq_len``,
+    ``max_rollout_turns``, ``policy_generation``, ``generation_config``,
+    ``mask_env_flagged_samples``, ``timeouts``, ``retry_policy``, ``stats``) those its
+    ``__init__`` declares, plus every extra keyword the caller passed, each of which the
+    backend must declare (else ``TypeError`` naming it). A backend taking ``**kwargs``
+    receives them all.
 
     ``run_rollout`` rolls out one prompt and returns a complete group of
     ``num_generations_per_prompt`` completions in generation order, or raises a

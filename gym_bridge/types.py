@@ -52,12 +52,18 @@ class DatumSpec(TypedDict, total=False):
 
 @dataclass
 class Completion:
-    """One finished trajectory: the full message log (prompt included) and its reward."""
+    """One finished trajectory: the full message log (prompt included) and its reward.
+
+    ``truncated`` means what it means in NeMo-RL on the path that made the completion
+    (see :mod:`gym_bridge.rollout.truncation`). ``token_drift`` is ours: a Gym turn's
+    prompt did not extend the previous turn's tokens (details in ``env_extras["token_drift"]``).
+    """
 
     message_log: LLMMessageLogType
     env_extras: dict[str, Any] | None
     truncated: bool
     reward: float
+    token_drift: bool = False
 
 
 @dataclass

@@ -105,7 +105,7 @@ def make(stream_actor):
     def build(plans, hang_agents=False, **kwargs):
         ray.get(stream_actor.reset.remote(plans, hang_agents))
         impl = AsyncNemoGymRolloutImpl(
-            tokenizer=None, num_generations_per_prompt=4, max_seq_len=100, generation_config=GEN_CFG,
+            tokenizer=None, task_to_env={}, num_generations_per_prompt=4, max_seq_len=100, generation_config=GEN_CFG,
             nemo_gym_actor=stream_actor, **kwargs,
         )
         return impl, stream_actor
@@ -196,12 +196,12 @@ async def test_invalid_row_fails_before_dispatch(make):
 
 def test_construction_rejects_what_gym_cannot_honour():
     actor = object()
-    base = dict(tokenizer=None, num_generations_per_prompt=2, max_seq_len=10, nemo_gym_actor=actor)
+    base = dict(tokenizer=None, task_to_env={}, num_generations_per_prompt=2, max_seq_len=10, nemo_gym_actor=actor)
     with pytest.raises(ValueError, match="stop_strings"):
         AsyncNemoGymRolloutImpl(generation_config={**GEN_CFG, "stop_strings": ["x"]}, **base)
     with pytest.raises(ValueError, match="top_k"):
         AsyncNemoGymRolloutImpl(generation_config={**GEN_CFG, "top_k": 5}, **base)
-    with pytest.raises(ValueError, match="max_rollout_turns=1"):
+    with pytest.raises(ValueError, match="max_rollout_turns=1 or None"):
         AsyncNemoGymRolloutImpl(generation_config=GEN_CFG, max_rollout_turns=3, **base)
     with pytest.raises(ValueError, match="greedy"):
         AsyncNemoGymRolloutImpl(generation_config=GEN_CFG, greedy=True, **base)

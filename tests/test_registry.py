@@ -34,6 +34,14 @@ class EchoBackend:
         return PromptGroupRecord(datum["idx"], datum["message_log"], None, {"task_name": "echo"}, completions, {})
 
 
+class StrictBackend(EchoBackend):
+    """Declares what it takes, no ``**kwargs``: gets only those of the manager's arguments."""
+
+    def __init__(self, num_generations_per_prompt, *, flavour="plain"):
+        super().__init__(num_generations_per_prompt=num_generations_per_prompt)
+        self.flavour = flavour
+
+
 class ShortBackend(EchoBackend):
     async def run_rollout(self, datum):
         record = await super().run_rollout(datum)
@@ -61,6 +69,7 @@ def third_party(tmp_path, monkeypatch):
         {
             "echo": "acme_rollouts:EchoBackend",
             "short": "acme_rollouts:ShortBackend",
+            "strict": "acme_rollouts:StrictBackend",
             "broken": "acme_rollouts_missing.module:Backend",
             "not_a_backend": "acme_rollouts:THIRD_PARTY_CONSTANT",
         },
@@ -116,6 +125,17 @@ async def test_third_party_backend_is_found_and_used(third_party):
     record = await manager.run_rollout(_datum())
     assert record.prompt_idx == 7
     assert [c.reward for c in record.completions] == [0.0, 1.0, 2.0]
+
+
+async def test_a_backend_gets_the_arguments_it_declares_and_unknown_keywords_are_refused(third_party):
+    manager = RolloutManager(None, {}, 2, 128, backend="strict", flavour="spicy")
+    assert manager.backend.flavour == "spicy" and manager.backend.kwargs == {}  # nothing it did not declare
+    assert len((await manager.run_rollout(_datum())).completions) == 2
+    with pytest.raises(TypeError) as info:
+        RolloutManager(None, {}, 2, 128, backend="strict", colour="red")
+    message = str(info.value)
+    assert "'strict'" in message and "acme_rollouts.StrictBackend" in message and "'colour'" in message
+    assert "accepts: flavour, num_generations_per_prompt" in message
 
 
 async def test_a_backend_that_loses_a_completion_is_caught(third_party):

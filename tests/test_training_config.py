@@ -68,3 +68,70 @@ def test_actor_configs_share_or_split_endpoints(tmp_path):
     assert [c.base_urls for c in split] == [["http://h0:8000/v1", "http://h2:8000/v1"], ["http://h1:8000/v1"]]
     with pytest.raises(ValueError, match="at least one endpoint per actor: 3 base_urls for 4 actors"):
         actor_configs(config, 4, split_base_urls=True)
+
+
+NEMO_RL_YAML = Path(__file__).parent / "data" / "nemo_rl_grpo_nemo_gym.yaml"
+NEMO_RL_CHILD = Path(__file__).parent / "data" / "nemo_rl_grpo_nemo_gym_child.yaml"
+URLS = ["http://127.0.0.1:9/v1"]
+
+
+def test_a_nemo_rl_grpo_yaml_with_stop_strings_loads_unchanged(caplog):
+    import logging
+
+    from gym_bridge.rollout.nemo_gym import AsyncNemoGymRolloutImpl
+    from gym_bridge.rollout.training_config import load_training_config, nemo_gym_rollout_settings
+
+    config = load_training_config(NEMO_RL_YAML)
+    assert config["policy"]["generation"]["stop_strings"] == ["</answer>"]  # set, as a user wrote it
+    with pytest.raises(ValueError, match="stop_strings, stop_token_ids"):  # what the backend alone would say
+        AsyncNemoGymRolloutImpl(None, {"nemo_gym": object()}, 4, 1024, generation_config=config["policy"]["generation"])
+
+    with caplog.at_level(logging.DEBUG, logger="gym_bridge.rollout.training_config"):
+        settings = nemo_gym_rollout_settings(config, base_urls=URLS)
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert "stop_strings=['</answer>']" in warnings[0].getMessage() and "stop_token_ids=[2]" in warnings[0].getMessage()
+    unused = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG and "does not use" in r.getMessage()]
+    assert len(unused) == 1
+    for key in ("loss_fn.ratio_clip_min", "checkpointing.keep_top_k", "policy.dtensor_cfg.enabled",
+                "policy.generation.vllm_cfg.async_engine", "env.should_log_nemo_gym_responses",
+                "env.nemo_gym.is_trajectory_collection", "grpo.max_rollout_turns", "cluster.num_nodes"):
+        assert key in unused[0]
+    assert "grpo.num_generations_per_prompt" not in unused[0] and "env.nemo_gym.config_paths" not in unused[0]
+
+    generation = settings.generation_config
+    assert generation["stop_strings"] is None and generation["stop_token_ids"] is None
+    assert generation["max_new_tokens"] == 1024  # ${policy.max_total_sequence_length} resolved
+    assert settings.num_generations_per_prompt == 4 and settings.max_seq_len == 1024
+    assert settings.max_row_attempts == 3 and settings.num_actors == 1 and settings.rollout_timeout_s is None
+    gym = settings.gym
+    assert gym.model_name == "tiny" and gym.base_urls == URLS and gym.thinking_tags == ("<think>", "</think>")
+    assert gym.config_paths[1] == "resources_servers/equivalence_rule/configs/lc.yaml"
+    assert gym.overrides == {
+        "equivalence_rule_simple_agent": {"responses_api_agents": {"simple_agent": {"max_steps": 4}}}
+    }  # NeMo-RL-only keys (is_trajectory_collection) never reach Gym
+    backend = AsyncNemoGymRolloutImpl(None, {"nemo_gym": object()}, 4, 1024, generation_config=generation)
+    assert backend.max_new_tokens == 1024
+
+
+def test_an_unresolved_yaml_and_defaults_inheritance():
+    from gym_bridge.rollout.training_config import load_training_config, nemo_gym_rollout_settings
+
+    raw = yaml.safe_load(NEMO_RL_YAML.read_text())  # "${...}" left as strings
+    assert raw["policy"]["generation"]["max_new_tokens"] == "${policy.max_total_sequence_length}"
+    settings = nemo_gym_rollout_settings(raw, base_urls=URLS)
+    assert settings.generation_config["max_new_tokens"] == 1024
+    child = load_training_config(NEMO_RL_CHILD)
+    assert child["policy"]["train_global_batch_size"] == 4 * 8  # ${mul:...} after the child's override
+    settings = nemo_gym_rollout_settings(child, base_urls=URLS)
+    assert settings.num_generations_per_prompt == 8 and settings.max_seq_len == 2048
+    assert settings.generation_config["max_new_tokens"] == 2048
+
+
+def test_a_config_that_does_not_ask_for_gym_is_refused():
+    from gym_bridge.rollout.training_config import nemo_gym_rollout_settings
+
+    config = example()
+    config.pop("use_nemo_gym")
+    with pytest.raises(TrainingConfigError, match="use_nemo_gym"):
+        nemo_gym_rollout_settings(config, base_urls=URLS)

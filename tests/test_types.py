@@ -30,7 +30,8 @@ def test_environment_return_positional_order():
 
 
 def test_completion_and_record_fields_and_pickling():
-    assert [f.name for f in dataclasses.fields(T.Completion)] == ["message_log", "env_extras", "truncated", "reward"]
+    # NeMo-RL's four fields in its positional order, then ours (with a default)
+    assert [f.name for f in dataclasses.fields(T.Completion)] == ["message_log", "env_extras", "truncated", "reward", "token_drift"]
     assert [f.name for f in dataclasses.fields(T.PromptGroupRecord)] == [
         "prompt_idx", "prompt", "extra_env_info", "metadata", "completions", "rollout_metrics"
     ]

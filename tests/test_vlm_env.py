@@ -17,6 +17,9 @@ from gym_bridge.environments.rewards import (
     exact_alnum_reward,
     extract_tag,
     format_reward,
+    geo3k_reward,
+    last_boxed,
+    math_expr_reward,
     multiple_choice_reward,
     numeric_reward,
 )
@@ -59,6 +62,45 @@ def test_numeric():
     assert numeric_reward("0.5", ans("0.51")) == (0.0, False)
     assert numeric_reward("0.5", ans("0.51"), abs_tol=0.02) == (1.0, True)
     assert numeric_reward("7", ans("seven")) == (0.0, False)
+
+
+@pytest.mark.parametrize(
+    ("truth", "answer"),
+    [("\\frac{1}{2}", "0.5"), ("2\\sqrt{3}", "\\sqrt{12}"), ("x^2+2x+1", "(x+1)^2"), ("45", "\\boxed{45}"),
+     ("3", "3.0")],
+)
+def test_math_expr_equivalent_answers(truth, answer):
+    assert math_expr_reward(truth, ans(answer)) == (1.0, True)
+
+
+@pytest.mark.parametrize(("truth", "answer"), [("\\frac{1}{2}", "0.25"), ("2\\sqrt{3}", "\\sqrt{13}"), ("45", "54")])
+def test_math_expr_non_equivalent_answers(truth, answer):
+    assert math_expr_reward(truth, ans(answer)) == (0.0, False)
+
+
+def test_math_expr_needs_the_answer_tag():
+    assert math_expr_reward("4", "the answer is 4") == (0.0, False)
+    assert math_expr_reward("4", "<result>4</result>", tag="result") == (1.0, True)
+    assert math_expr_reward("2", ans("1+" * 1500 + "1")) == (0.0, False)  # too long to grade: 0, at once
+
+
+def test_geo3k():
+    good = "<think>angles sum to 180</think> so x = \\boxed{\\frac{3}{4}}"
+    assert geo3k_reward("0.75", good) == pytest.approx((1.0, True))
+    assert geo3k_reward("0.75", "x = \\boxed{0.75}") == pytest.approx((0.9, True))  # no </think>: format 0
+    assert geo3k_reward("0.75", "<think>hm</think> \\boxed{0.7}") == pytest.approx((0.1, False))
+    assert geo3k_reward("0.75", "<think>hm</think> 0.75") == pytest.approx((0.0, False))
+    assert geo3k_reward("5", "\\boxed{2} then \\boxed{5}", format_score=0.5) == pytest.approx((0.5, True))
+    assert last_boxed("a \\boxed{\\frac{1}{2}} b") == "\\frac{1}{2}" and last_boxed("\\boxed{unclosed") is None
+
+
+def test_math_rewards_in_a_nemo_rl_geometry3k_config():
+    worker = VLMVerifyWorker(
+        {"reward_functions": [{"name": "format", "weight": 0.1}, {"name": "math_expr", "weight": 0.9}]}
+    )
+    right, wrong = worker.score([ans("\\frac{1}{2}"), ans("1/3")], ["0.5", "0.5"])
+    assert right["reward"] == pytest.approx(1.0) and right["correct"]
+    assert wrong["reward"] == pytest.approx(0.1) and not wrong["correct"]
 
 
 def test_bbox_giou():

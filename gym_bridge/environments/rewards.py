@@ -116,12 +116,80 @@ def bbox_giou_reward(
     return score, score > 0.5
 
 
+def _boxed(text: str) -> str:
+    text = text.strip()
+    return text if text.startswith("\\boxed{") else f"\\boxed{{{text}}}"
+
+
+_MAX_MATH_CHARS = 2_000
+"""Longer answers are not graded (0): no real answer is that long, and sympy's cost grows fast."""
+
+
+def _math_equivalent(ground_truth: str, answer: str) -> float:
+    """1.0 when math-verify finds ``answer`` equal to ``ground_truth`` (both boxed LaTeX or expressions).
+
+    math-verify's own signal-based timeouts are off: :func:`bounded_call` holds the time limit.
+    """
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+
+    if len(answer) > _MAX_MATH_CHARS or len(ground_truth) > _MAX_MATH_CHARS:
+        return 0.0
+
+    gold = parse(_boxed(ground_truth), extraction_config=[LatexExtractionConfig()], parsing_timeout=None)
+    pred = parse(
+        _boxed(answer), extraction_config=[ExprExtractionConfig(), LatexExtractionConfig()], parsing_timeout=None
+    )
+    if not gold or not pred:
+        return 0.0
+    return 1.0 if verify(gold, pred, timeout_seconds=None) else 0.0
+
+
+def math_expr_reward(ground_truth: str, response: str, tag: str = "answer") -> RewardResult:
+    """1 when the ``<tag>`` content is mathematically equal to the ground truth (math-verify); correct if > 0.1."""
+    answer = extract_tag(response, tag)
+    if answer is None:
+        return 0.0, False
+    score = _math_equivalent(str(ground_truth), answer)
+    return score, score > 0.1
+
+
+def last_boxed(text: str) -> str | None:
+    """The content of the last ``\\boxed{...}``, braces matched, or None (one linear scan)."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, begin = 0, start + len("\\boxed{")
+    for i in range(begin, len(text)):
+        if text[i] == "{":
+            depth += 1
+        elif text[i] == "}":
+            if depth == 0:
+                return text[begin:i]
+            depth -= 1
+    return None
+
+
+def geo3k_reward(ground_truth: str, response: str, format_score: float = 0.1) -> RewardResult:
+    """Geometry3k: ``(1 - f) * accuracy + f * format``; format = ``</think>`` followed by a ``\\boxed{}``.
+
+    Accuracy grades the last ``\\boxed{}`` with math-verify; correct if accuracy > 0.1.
+    """
+    think_end = response.find("</think>")
+    format_ok = think_end >= 0 and last_boxed(response[think_end:]) is not None
+    boxed = last_boxed(response)
+    accuracy = _math_equivalent(str(ground_truth), boxed) if boxed is not None else 0.0
+    score = (1.0 - format_score) * accuracy + format_score * (1.0 if format_ok else 0.0)
+    return score, accuracy > 0.1
+
+
 REWARD_FUNCTIONS: dict[str, RewardFunction] = {
     "format": format_reward,
     "exact_alnum": exact_alnum_reward,
     "multiple_choice": multiple_choice_reward,
     "numeric": numeric_reward,
     "bbox_giou": bbox_giou_reward,
+    "math_expr": math_expr_reward,
+    "geo3k": geo3k_reward,
 }
 
 

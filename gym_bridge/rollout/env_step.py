@@ -82,7 +82,7 @@ def _merge(batch_size: int, calls: list[tuple[list[int], Any]], returns: list[En
     )
 
 
-def calculate_rewards(
+def step_by_task(
     message_logs: Sequence[LLMMessageLogType],
     metadata: Sequence[Any],
     task_names: Sequence[str | None],
@@ -93,13 +93,31 @@ def calculate_rewards(
     return _merge(len(message_logs), calls, ray.get([ref for _, ref in calls]))
 
 
+def calculate_rewards(batch: Mapping[str, Any], task_to_env: Mapping[str, Any]) -> EnvironmentReturn:
+    """NeMo-RL's ``calculate_rewards(batch, task_to_env)``: step the batch's samples, results in input order.
+
+    ``batch`` (a :class:`~gym_bridge.batched.BatchedDataDict` or any mapping) holds
+    ``message_log`` and ``extra_env_info`` per sample and, optionally, ``task_name``.
+    Blocks; async code should await :func:`calculate_rewards_async` instead.
+    """
+    logs = list(batch["message_log"])
+    size = len(logs)
+    metadata = list(batch.get("extra_env_info") or [None] * size)
+    task_names = list(batch.get("task_name") or [None] * size)
+    if len(metadata) != size or len(task_names) != size:
+        raise ValueError(
+            f"batch has {size} message logs but {len(metadata)} extra_env_info and {len(task_names)} task_name entries"
+        )
+    return step_by_task(logs, metadata, task_names, task_to_env)
+
+
 async def calculate_rewards_async(
     message_logs: Sequence[LLMMessageLogType],
     metadata: Sequence[Any],
     task_names: Sequence[str | None],
     task_to_env: Mapping[str, Any],
 ) -> EnvironmentReturn:
-    """As :func:`calculate_rewards`, awaiting the actors instead of blocking a thread."""
+    """As :func:`step_by_task`, awaiting the actors instead of blocking a thread."""
     calls = _dispatch(message_logs, metadata, task_names, task_to_env)
     returns = [await ref for _, ref in calls]
     return _merge(len(message_logs), calls, returns)

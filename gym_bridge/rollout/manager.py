@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import inspect
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -49,9 +50,12 @@ class RolloutOutcome(enum.Enum):
 class RolloutManager:
     """Rolls out prompts through one backend from the ``gym_bridge.rollout_backends`` registry.
 
-    Every backend is constructed with the same keyword arguments and ignores the
-    ones it does not use; ``backend_kwargs`` are passed through unchanged. The
-    retry policy defaults to a single attempt of everything.
+    The positional order is NeMo-RL's. Each backend receives the common arguments
+    its constructor accepts (pluggy-style: a backend declares what it takes);
+    ``backend_kwargs`` must all be accepted by the chosen backend, else
+    :class:`TypeError` names the keyword and the backend. ``max_rollout_turns=None``
+    sets no turn limit of ours (Gym's agent, or the environment, ends the episode).
+    The retry policy defaults to a single attempt of everything.
     """
 
     def __init__(
@@ -60,19 +64,27 @@ class RolloutManager:
         task_to_env: Mapping[str, Any] | None,
         num_generations_per_prompt: int,
         max_seq_len: int,
-        max_rollout_turns: int = 1,
+        max_rollout_turns: int | None = 1,
         policy_generation: GenerationInterface | None = None,
         generation_config: GenerationConfig | None = None,
         use_nemo_gym: bool = False,
-        backend: str | None = None,
+        mask_env_flagged_samples: bool = True,
+        tq_buffer: Any = None,
         timeouts: RolloutTimeouts | None = None,
         retry_policy: RolloutRetryPolicy | None = None,
+        *,
+        backend: str | None = None,
         **backend_kwargs: Any,
     ) -> None:
         if num_generations_per_prompt < 1:
             raise ValueError(f"num_generations_per_prompt must be >= 1, got {num_generations_per_prompt}")
-        if max_rollout_turns < 1:
-            raise ValueError(f"max_rollout_turns must be >= 1, got {max_rollout_turns}")
+        if max_rollout_turns is not None and max_rollout_turns < 1:
+            raise ValueError(f"max_rollout_turns must be >= 1 or None, got {max_rollout_turns}")
+        if tq_buffer is not None:
+            raise ValueError(
+                "tq_buffer is NeMo-RL's transfer-queue buffer, which gym-bridge does not have: "
+                "pass a RolloutSink to RolloutManager.collect(datum, sink) instead"
+            )
         self.backend_name = backend_name_for(use_nemo_gym, backend)
         backend_cls = load_backend(self.backend_name)
         self.timeouts = timeouts or RolloutTimeouts()
@@ -81,22 +93,23 @@ class RolloutManager:
         self._skipped_prompts = 0
         self._consecutive_infra_drops = 0
         self._config_watch = ConfigFailureWatch(self.retry_policy.stop_after_config_failures)
-        backend_kwargs.setdefault("max_gym_row_attempts", self.retry_policy.max_gym_row_attempts)
-        self.backend: RolloutBackend = backend_cls(
-            tokenizer=tokenizer,
-            task_to_env=dict(task_to_env or {}),
-            num_generations_per_prompt=num_generations_per_prompt,
-            max_seq_len=max_seq_len,
-            max_rollout_turns=max_rollout_turns,
-            policy_generation=policy_generation,
-            generation_config=generation_config,
-            timeouts=self.timeouts,
-            stats=self.stats,
-            **backend_kwargs,
-        )
+        self._weight_version = 0
+        common = {
+            "tokenizer": tokenizer,
+            "task_to_env": dict(task_to_env or {}),
+            "num_generations_per_prompt": num_generations_per_prompt,
+            "max_seq_len": max_seq_len,
+            "max_rollout_turns": max_rollout_turns,
+            "policy_generation": policy_generation,
+            "generation_config": generation_config,
+            "mask_env_flagged_samples": mask_env_flagged_samples,
+            "timeouts": self.timeouts,
+            "retry_policy": self.retry_policy,
+            "stats": self.stats,
+        }
+        arguments = backend_arguments(backend_cls, self.backend_name, common, backend_kwargs)
+        self.backend: RolloutBackend = backend_cls(**arguments)
         self.num_generations_per_prompt = num_generations_per_prompt
-
-    _weight_version: int = 0
 
     @property
     def weight_version(self) -> int:
@@ -196,6 +209,28 @@ class RolloutManager:
         self.stats.skipped += 1
         logger.warning("prompt_idx=%d dropped after %d infrastructure failures: %s", prompt_idx, infra_attempts, reason)
         return RolloutOutcome.SKIPPED
+
+
+def backend_arguments(
+    backend_cls: type, name: str, common: Mapping[str, Any], extra: Mapping[str, Any]
+) -> dict[str, Any]:
+    """The keywords to construct ``backend_cls`` with: the common ones it accepts, and every extra one.
+
+    A backend taking ``**kwargs`` accepts everything. An extra keyword the backend does
+    not accept is a :class:`TypeError` naming it, the backend and what it does accept.
+    """
+    params = inspect.signature(backend_cls).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    accepted = {n for n, p in params.items() if p.kind in named}
+    unknown = sorted(set(extra) - accepted) if not takes_any else []
+    if unknown:
+        raise TypeError(
+            f"rollout backend {name!r} ({backend_cls.__module__}.{backend_cls.__qualname__}) got unexpected "
+            f"keyword argument(s) {', '.join(repr(k) for k in unknown)}; it accepts: {', '.join(sorted(accepted))}"
+        )
+    chosen = {k: v for k, v in common.items() if takes_any or k in accepted}
+    return {**chosen, **extra}
 
 
 def _discard_quietly(sink: RolloutSink, slot: str, error: BaseException) -> None:

@@ -21,6 +21,8 @@ import torch
 from gym_bridge.batched import BatchedDataDict
 from gym_bridge.failures import (
     RolloutDataFailure,
+    RolloutRetryPolicy,
+    RolloutStats,
     RolloutTimeout,
     RolloutTimeouts,
     classify_environment_failure,
@@ -31,6 +33,7 @@ from gym_bridge.failures import (
 from gym_bridge.interfaces import GenerationInterface
 from gym_bridge.metrics import calculate_single_metric, pct, summarize
 from gym_bridge.rollout.env_step import calculate_rewards_async, environment_for
+from gym_bridge.rollout.truncation import fit_observation
 from gym_bridge.types import (
     Completion,
     DatumSpec,
@@ -39,6 +42,9 @@ from gym_bridge.types import (
     PromptGroupRecord,
     token_tensor,
 )
+
+UNLIMITED_TURNS = 999999
+"""NeMo-RL's default turn budget of the native paths (no practical limit)."""
 
 
 @dataclass
@@ -78,27 +84,37 @@ class AsyncRolloutImpl:
 
     def __init__(
         self,
-        *,
         tokenizer: Any,
         task_to_env: Mapping[str, Any],
         num_generations_per_prompt: int,
         max_seq_len: int,
-        max_rollout_turns: int = 1,
+        max_rollout_turns: int | None = 999999,
         policy_generation: GenerationInterface | None = None,
         timeouts: RolloutTimeouts | None = None,
+        *,
         greedy: bool = False,
-        **_unused: Any,
+        retry_policy: RolloutRetryPolicy | None = None,
+        stats: RolloutStats | None = None,
     ) -> None:
+        """NeMo-RL's positional order; ``max_rollout_turns=None`` means no turn limit.
+
+        ``retry_policy`` and ``stats`` are accepted where NeMo-RL passes them: retries
+        of a failed group are :class:`~gym_bridge.rollout.manager.RolloutManager`'s job.
+        """
         if policy_generation is None:
             raise ValueError("the native rollout backend needs policy_generation (a GenerationInterface)")
+        if max_rollout_turns is not None and max_rollout_turns < 1:
+            raise ValueError(f"max_rollout_turns must be >= 1 or None, got {max_rollout_turns}")
         self.tokenizer = tokenizer
         self.task_to_env = task_to_env
         self.num_generations = num_generations_per_prompt
         self.max_seq_len = max_seq_len
-        self.max_rollout_turns = max_rollout_turns
+        self.max_rollout_turns = max_rollout_turns if max_rollout_turns is not None else UNLIMITED_TURNS
         self.policy_generation = policy_generation
         self.timeouts = timeouts or RolloutTimeouts()
         self.greedy = greedy
+        self.retry_policy = retry_policy or RolloutRetryPolicy.single_attempt()
+        self.stats = stats or RolloutStats()
 
     async def run_rollout(self, datum: DatumSpec) -> PromptGroupRecord:
         task_name = datum.get("task_name")
@@ -154,8 +170,6 @@ class AsyncRolloutImpl:
             stats.assistant_tokens += gen_len
             if worker is not None:
                 stats.per_worker_token_counts[worker] = stats.per_worker_token_counts.get(worker, 0) + gen_len
-            if gen_truncated or input_len + gen_len >= self.max_seq_len:
-                stats.truncated = True
 
             try:
                 async with deadline(self.timeouts.env_s, "environment step"):
@@ -175,11 +189,12 @@ class AsyncRolloutImpl:
             stats.terminated = bool(env_return.terminateds[0])
 
             observation = env_return.observations[0]
-            obs_ids = token_tensor(self.tokenizer(observation["content"], add_special_tokens=False)["input_ids"])
-            budget = max(0, self.max_seq_len - input_len - gen_len)
-            if obs_ids.numel() >= budget and obs_ids.numel() > 0:
-                obs_ids = obs_ids[:budget]
-                stats.truncated = True
+            fit = fit_observation(
+                token_tensor(self.tokenizer(observation["content"], add_special_tokens=False)["input_ids"]),
+                input_len=input_len, gen_len=gen_len, max_seq_len=self.max_seq_len, response_truncated=gen_truncated,
+            )
+            obs_ids = fit.token_ids
+            stats.truncated = stats.truncated or fit.truncated
             traj.message_log.append(
                 MessageEntry(role=observation["role"], content=observation["content"], token_ids=obs_ids)
             )

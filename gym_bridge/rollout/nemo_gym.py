@@ -18,13 +18,14 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from gym_bridge.failures import GymRowIndexError, RolloutStats, RolloutTimeouts
+from gym_bridge.failures import GymRowIndexError, RolloutRetryPolicy, RolloutStats, RolloutTimeouts
 from gym_bridge.gym.client import GymClient
 from gym_bridge.gym.convert import incomplete_reason as _incomplete_reason
 from gym_bridge.gym.convert import scalar_fields, without_mask_sample
 from gym_bridge.gym.result import GymRowResult
 from gym_bridge.gym.rows import build_rows, validate_row
 from gym_bridge.metrics import calculate_single_metric, pct, summarize
+from gym_bridge.rollout.truncation import gym_completion_truncated
 from gym_bridge.types import (
     Completion,
     DatumSpec,
@@ -40,6 +41,7 @@ logger = logging.getLogger(__name__)
 
 NEMO_GYM_TASK = "nemo_gym"
 TIMER_PREFIX = "timing/rollout"
+DEFAULT_GYM_ROW_ATTEMPTS = 3
 
 
 class AsyncNemoGymRolloutImpl:
@@ -53,22 +55,24 @@ class AsyncNemoGymRolloutImpl:
 
     def __init__(
         self,
-        *,
         tokenizer: Any,
+        task_to_env: Mapping[str, Any] | None,
         num_generations_per_prompt: int,
         max_seq_len: int,
-        max_rollout_turns: int = 1,
+        max_rollout_turns: int | None = 1,
         generation_config: GenerationConfig | None = None,
-        task_to_env: Mapping[str, Any] | None = None,
-        nemo_gym_actor: Any = None,
-        timeouts: RolloutTimeouts | None = None,
-        max_gym_row_attempts: int = 3,
         mask_env_flagged_samples: bool = True,
+        timeouts: RolloutTimeouts | None = None,
+        retry_policy: RolloutRetryPolicy | None = None,
+        stats: RolloutStats | None = None,
+        *,
+        nemo_gym_actor: Any = None,
+        max_gym_row_attempts: int | None = None,
         greedy: bool = False,
         full_results_path: str | Path | None = None,
-        stats: RolloutStats | None = None,
-        **_unused: Any,
     ) -> None:
+        """NeMo-RL's positional order. The row budget is ``max_gym_row_attempts`` when given, else
+        ``retry_policy.max_gym_row_attempts``, else NeMo-RL's config default of 3."""
         if generation_config is None:
             raise ValueError("the nemo_gym rollout backend needs generation_config (temperature, top_p, max_new_tokens)")
         unsupported = [key for key in ("stop_strings", "stop_token_ids", "top_k") if generation_config.get(key)]
@@ -79,10 +83,14 @@ class AsyncNemoGymRolloutImpl:
             )
         if greedy:
             raise ValueError("the nemo_gym backend does not support greedy decoding; set temperature instead")
-        if max_rollout_turns != 1:
+        if max_rollout_turns not in (None, 1):
             raise ValueError(
-                f"the nemo_gym backend needs max_rollout_turns=1 (got {max_rollout_turns}): "
+                f"the nemo_gym backend needs max_rollout_turns=1 or None (got {max_rollout_turns}): "
                 "multi-turn episodes are driven by the Gym agent"
+            )
+        if max_gym_row_attempts is None:
+            max_gym_row_attempts = (
+                retry_policy.max_gym_row_attempts if retry_policy is not None else DEFAULT_GYM_ROW_ATTEMPTS
             )
         if max_gym_row_attempts < 1:
             raise ValueError(f"max_gym_row_attempts must be >= 1, got {max_gym_row_attempts}")
@@ -152,8 +160,9 @@ class AsyncNemoGymRolloutImpl:
         return Completion(
             message_log=log,
             env_extras=full_result,
-            truncated=total >= self.max_seq_len or drift is not None,
+            truncated=gym_completion_truncated(total, self.max_seq_len),
             reward=reward,
+            token_drift=drift is not None,
         )
 
     def _append_full_results(self, prompt_idx: int, agent: str, completions: list[Completion]) -> None:

@@ -10,8 +10,9 @@
   no ``stop_strings`` key, and an environment's ``None`` keeps the sample's
   previous stop strings (as the async paths do) instead of clearing them.
 - **Observation tokens are int64**, empty ones included.
-- **A sequence that fills ``max_seq_len`` is truncated and ends**, also when the
-  observation is empty.
+- Truncation follows :func:`~gym_bridge.rollout.truncation.fit_observation`, the
+  rule the native path uses too (NeMo-RL's: ``input + generated + observation >=
+  max_seq_len`` cuts the observation and ends the sample).
 - **``natural_termination_rate``** counts samples their environment terminated,
   as in :class:`~gym_bridge.rollout.native.AsyncRolloutImpl`; NeMo-RL's sync path
   also counted sequence-length truncations as terminations.
@@ -36,7 +37,8 @@ import torch
 from gym_bridge.batched import BatchedDataDict, batched_message_log_to_flat_message
 from gym_bridge.failures import RolloutTimeouts, deadline
 from gym_bridge.interfaces import GenerationInterface
-from gym_bridge.rollout.env_step import calculate_rewards, calculate_rewards_async, environment_for
+from gym_bridge.rollout.env_step import calculate_rewards, calculate_rewards_async, environment_for, step_by_task
+from gym_bridge.rollout.truncation import fit_observation
 from gym_bridge.types import EnvironmentReturn, LLMMessageLogType, MessageEntry, token_tensor
 
 __all__ = ["calculate_rewards", "generate_responses", "run_multi_turn_rollout", "step_environments"]
@@ -109,9 +111,9 @@ def step_environments(
     task_to_env: Mapping[str, Any],
     env_s: float | None = None,
 ) -> EnvironmentReturn:
-    """:func:`calculate_rewards`, bounded by ``env_s`` seconds (``None``: wait forever)."""
+    """:func:`~gym_bridge.rollout.env_step.step_by_task`, bounded by ``env_s`` seconds (``None``: wait forever)."""
     if env_s is None:
-        return calculate_rewards(message_logs, metadata, task_names, task_to_env)
+        return step_by_task(message_logs, metadata, task_names, task_to_env)
 
     async def bounded() -> EnvironmentReturn:
         async with deadline(env_s, "environment step"):
@@ -137,11 +139,13 @@ def run_multi_turn_rollout(
     tokenizer: Any,
     task_to_env: Mapping[str, Any],
     max_seq_len: int,
-    max_rollout_turns: int = 999999,
+    max_rollout_turns: int | None = 999999,
     greedy: bool = False,
+    deduplicate_multimodal_data: bool = False,
+    *,
     timeouts: RolloutTimeouts | None = None,
 ) -> tuple[BatchedDataDict[Any], dict[str, Any]]:
-    """Roll out a batch turn by turn; returns ``(final_batch, metrics)``.
+    """Roll out a batch turn by turn; returns ``(final_batch, metrics)``. NeMo-RL's positional order.
 
     ``input_batch`` needs ``message_log`` (tokenised prompts) and may carry
     ``task_name``, ``extra_env_info`` and ``stop_strings`` (one per sample). It is
@@ -159,7 +163,10 @@ def run_multi_turn_rollout(
     An unknown ``task_name`` raises :class:`~gym_bridge.rollout.env_step.UnknownTaskError`
     before anything is generated.
     """
+    if deduplicate_multimodal_data:
+        raise ValueError("deduplicate_multimodal_data: multimodal payloads are not supported by run_multi_turn_rollout")
     timeouts = timeouts or RolloutTimeouts()
+    max_rollout_turns = 999999 if max_rollout_turns is None else max_rollout_turns
     batch = _owned_copy(input_batch)
     size = len(batch["message_log"])
     if size == 0:
@@ -213,10 +220,12 @@ def run_multi_turn_rollout(
             if bool(response_truncated[j]):
                 truncated[i] = True
             observation = env_return.observations[j]
-            obs_ids = token_tensor(tokenizer(observation["content"], add_special_tokens=False)["input_ids"])
-            seq_full = input_len + gen_len + int(obs_ids.numel()) >= max_seq_len
+            fit = fit_observation(
+                token_tensor(tokenizer(observation["content"], add_special_tokens=False)["input_ids"]),
+                input_len=input_len, gen_len=gen_len, max_seq_len=max_seq_len,
+            )
+            obs_ids, seq_full = fit.token_ids, fit.truncated
             if seq_full:
-                obs_ids = obs_ids[: max(0, max_seq_len - input_len - gen_len)]
                 truncated[i] = True
             batch["message_log"][i].append(
                 MessageEntry(role=observation["role"], content=observation["content"], token_ids=obs_ids)

@@ -59,7 +59,7 @@ import logging
 import queue
 import threading
 import weakref
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -75,6 +75,7 @@ from gym_bridge.generation.hf_config import (
     RowSampling,
 )
 from gym_bridge.generation.hf_decode import DecodeContext, Row, RowResult, RunningBatch, decode_to_end
+from gym_bridge.generation.hf_worker import STOP, WAKE, fail_queued, make_deliver, worker_loop
 from gym_bridge.interfaces import GenerationInterface
 from gym_bridge.models.loading import causal_lm_on_device
 from gym_bridge.types import GenerationDatumSpec, GenerationOutputSpec
@@ -89,10 +90,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-_STOP = object()
-_WAKE = object()
-
 
 class HFGeneration(GenerationInterface):
     """Generation with a local transformers causal LM; see the module docstring for semantics."""
@@ -198,7 +195,7 @@ class HFGeneration(GenerationInterface):
         loop = asyncio.get_running_loop()
         futures: list[asyncio.Future[RowResult]] = [loop.create_future() for _ in rows]
         for row, fut in zip(rows, futures):
-            row.deliver = _make_deliver(loop, fut)
+            row.deliver = make_deliver(loop, fut)
         self._ensure_worker()
         for row in rows:
             self._queue.put(row)
@@ -243,7 +240,7 @@ class HFGeneration(GenerationInterface):
             self._pause.set()
             try:
                 if self._worker is not None and self._worker.is_alive():
-                    self._queue.put(_WAKE)
+                    self._queue.put(WAKE)
                     if not self._drained.wait(timeout_s):
                         raise TimeoutError(f"rows in flight did not finish within {timeout_s} s; weights unchanged")
                 with self._model_lock, torch.no_grad():
@@ -254,7 +251,7 @@ class HFGeneration(GenerationInterface):
                     self.stats.weight_updates += 1
             finally:
                 self._pause.clear()
-                self._queue.put(_WAKE)
+                self._queue.put(WAKE)
         logger.info("HFGeneration weights updated to version %d", version)
 
     def invalidate_kv_cache(self) -> bool:
@@ -269,11 +266,11 @@ class HFGeneration(GenerationInterface):
             self._closed = True
             worker = self._worker
         if worker is not None:
-            self._queue.put(_STOP)
+            self._queue.put(STOP)
             worker.join(timeout=self.cfg.shutdown_timeout_s)
             if worker.is_alive():
                 logger.warning("HFGeneration worker did not stop within %.1f s", self.cfg.shutdown_timeout_s)
-        _fail_queued(self._queue, EngineShutDownError("HFGeneration was shut down"))
+        fail_queued(self._queue, EngineShutDownError("HFGeneration was shut down"))
         return True
 
     def get_logger_metrics(self) -> dict[str, Any]:
@@ -356,11 +353,11 @@ class HFGeneration(GenerationInterface):
             if self._worker is not None:
                 return
             self._worker = threading.Thread(
-                target=_worker_loop, args=(weakref.ref(self), self._queue), name="hf-generation-worker", daemon=True
+                target=worker_loop, args=(weakref.ref(self), self._queue), name="hf-generation-worker", daemon=True
             )
             self._worker.start()
             # If the engine is dropped without shutdown(), stop the thread anyway.
-            weakref.finalize(self, self._queue.put, _STOP)
+            weakref.finalize(self, self._queue.put, STOP)
 
     def _admit_and_step(self, batch: RunningBatch | None, pending: list[Row]) -> RunningBatch | None:
         """One turn of the worker: admit what fits (unless a refit waits), then one decode step."""
@@ -388,90 +385,6 @@ class HFGeneration(GenerationInterface):
         if batch is not None and not len(batch):
             batch = None
         return batch
-
-
-def _worker_loop(engine_ref: weakref.ref[HFGeneration], q: queue.SimpleQueue[Any]) -> None:
-    pending: list[Row] = []
-    batch: RunningBatch | None = None
-    stopping = False
-    while not stopping:
-        engine = engine_ref()
-        if engine is None:
-            break
-        idle = batch is None and (not pending or engine._pause.is_set())
-        if idle and engine._pause.is_set():
-            engine._drained.set()
-        wait_s = engine.cfg.batch_wait_s
-        del engine
-        if idle:
-            item = q.get()
-            if item is _STOP:
-                break
-            if item is not _WAKE:
-                pending.append(item)
-                if wait_s > 0:
-                    threading.Event().wait(wait_s)  # let concurrent submitters start together
-        while True:  # take whatever else is queued
-            try:
-                item = q.get_nowait()
-            except queue.Empty:
-                break
-            if item is _STOP:
-                stopping = True
-                break
-            if item is not _WAKE:
-                pending.append(item)
-        if stopping:
-            break
-        pending = [r for r in pending if not r.cancelled]
-        engine = engine_ref()
-        if engine is None or engine._closed:
-            break
-        try:
-            batch = engine._admit_and_step(batch, pending)
-        except Exception as exc:  # hand the failure to every row of the batch
-            if not isinstance(exc, EngineShutDownError):
-                logger.exception("HFGeneration batch failed")
-            for row in batch.rows if batch is not None else []:
-                if row.deliver is not None and not row.cancelled:
-                    row.deliver(exc)
-            batch = None
-        finally:
-            del engine
-    err = EngineShutDownError("HFGeneration was shut down")
-    for row in pending + (batch.rows if batch is not None else []):
-        if row.deliver is not None and not row.cancelled:
-            row.deliver(err)
-    _fail_queued(q, err)
-
-
-def _fail_queued(q: queue.SimpleQueue[Any], err: BaseException) -> None:
-    while True:
-        try:
-            item = q.get_nowait()
-        except queue.Empty:
-            return
-        if item is not _STOP and item is not _WAKE and item.deliver is not None:
-            item.deliver(err)
-
-
-def _make_deliver(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[Any]) -> Callable[[Any], None]:
-    def deliver(result: Any) -> None:
-        try:
-            loop.call_soon_threadsafe(_resolve, fut, result)
-        except RuntimeError:  # the loop is closed: nobody is waiting any more
-            pass
-
-    return deliver
-
-
-def _resolve(fut: asyncio.Future[Any], result: Any) -> None:
-    if fut.done():
-        return
-    if isinstance(result, BaseException):
-        fut.set_exception(result)
-    else:
-        fut.set_result(result)
 
 
 def _with_versions(out: BatchedDataDict[GenerationOutputSpec], results: Sequence[RowResult]) -> Any:

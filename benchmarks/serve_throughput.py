@@ -1,11 +1,13 @@
 """Server throughput: our OpenAI-compatible server against raw batched generation of the same model.
 
-For each concurrency C in (1, 8, 32): C clients send chat requests in a loop for a fixed
-number of rounds; we report requests/s and generated tokens/s, next to the raw
-``HFGeneration.generate`` of batches of C prompts of the same length, and the ratio
-(server / raw). Results are appended to ``benchmarks/RESULTS.md``.
+For each model (``tiny``, ``smollm2``) and concurrency C in (1, 8, 32): C clients send
+chat requests in a loop for a fixed number of rounds; we report requests/s and generated
+tokens/s, next to the raw ``HFGeneration.generate`` of batches of C prompts of the same
+length, and the ratio (server / raw). The load average before and after goes with the
+table: on a shared machine both sides are slowed, not necessarily alike. Results are
+appended to ``benchmarks/RESULTS.md``.
 
-Run: ``make bench-serve`` (or ``uv run python benchmarks/serve_throughput.py``).
+Run: ``make bench-serve`` (or ``uv run python benchmarks/serve_throughput.py --model tiny``).
 """
 
 from __future__ import annotations
@@ -38,8 +40,8 @@ def raw_generate(generation: HFGeneration, prompt_ids: list[int], batch: int, ro
     return time.perf_counter() - start, tokens
 
 
-async def served(base_url: str, concurrency: int, rounds: int, max_tokens: int) -> tuple[float, int]:
-    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": max_tokens, "temperature": 1.0, "top_p": 1.0}
+async def served(base_url: str, model: str, concurrency: int, rounds: int, max_tokens: int) -> tuple[float, int]:
+    body = {"model": model, "messages": MESSAGES, "max_tokens": max_tokens, "temperature": 1.0, "top_p": 1.0}
     tokens = 0
     limits = httpx.Limits(max_connections=concurrency)
     async with httpx.AsyncClient(base_url=base_url, timeout=120, limits=limits) as client:
@@ -56,20 +58,21 @@ async def served(base_url: str, concurrency: int, rounds: int, max_tokens: int) 
     return time.perf_counter() - start, tokens
 
 
-async def main(max_tokens: int, rounds: int) -> str:
-    cfg = HFGenerationConfig(model="tiny", max_new_tokens=max_tokens, temperature=1.0, seed=0, stop_token_ids=[])
+async def main(model: str, max_tokens: int, rounds: int, concurrencies: list[int]) -> str:
+    load_before = os.getloadavg()
+    cfg = HFGenerationConfig(model=model, max_new_tokens=max_tokens, temperature=1.0, seed=0, stop_token_ids=[])
     generation = HFGeneration(cfg)
     tokenizer = generation.tokenizer
     prompt_ids = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
     prompt_ids = tokenizer(prompt_ids, add_special_tokens=False)["input_ids"]
     rows = []
     # The server gets its own thread and event loop, as it would have its own process in production.
-    server = OpenAIServer(generation, tokenizer, served_model_name="tiny")
+    server = OpenAIServer(generation, tokenizer, served_model_name=model)
     base_url = server.start_in_thread()
     try:
-        await served(base_url, 1, 1, max_tokens)  # warm-up
-        for concurrency in (1, 8, 32):
-            s_time, s_tokens = await served(base_url, concurrency, rounds, max_tokens)
+        await served(base_url, model, 1, 1, max_tokens)  # warm-up
+        for concurrency in concurrencies:
+            s_time, s_tokens = await served(base_url, model, concurrency, rounds, max_tokens)
             r_time, r_tokens = raw_generate(generation, prompt_ids, concurrency, rounds)
             requests = concurrency * rounds
             rows.append(
@@ -82,8 +85,9 @@ async def main(max_tokens: int, rounds: int) -> str:
     mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1024**3
     header = (
         f"\n## Server throughput, {date.today()} ({os.cpu_count()} cores, {mem_gib:.0f} GiB, "
-        f"{platform.processor() or platform.machine()}, tiny model, {max_tokens} tokens per request, "
+        f"{platform.processor() or platform.machine()}, {model} model, {max_tokens} tokens per request, "
         f"prompt {len(prompt_ids)} tokens, {rounds} rounds per client)\n\n"
+        f"Load average before {load_before[0]:.1f}, after {os.getloadavg()[0]:.1f} (1 min).\n\n"
         "| concurrent requests | server req/s | server tok/s | raw generate rows/s | raw tok/s | ratio (server/raw tok/s) |\n"
         "|---|---|---|---|---|---|\n"
     )
@@ -94,10 +98,13 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--model", choices=["tiny", "smollm2"], action="append", help="default: both")
+    parser.add_argument("--concurrency", type=int, action="append", help="default: 1, 8 and 32")
     args = parser.parse_args()
-    table = asyncio.run(main(args.max_tokens, args.rounds))
-    print(table)
-    if not RESULTS.exists():
-        RESULTS.write_text("# Benchmark results\n\nEach section is one run, newest last.\n")
-    with RESULTS.open("a") as f:
-        f.write(table)
+    for model in args.model or ["tiny", "smollm2"]:
+        table = asyncio.run(main(model, args.max_tokens, args.rounds, args.concurrency or [1, 8, 32]))
+        print(table)
+        if not RESULTS.exists():
+            RESULTS.write_text("# Benchmark results\n\nEach section is one run, newest last.\n")
+        with RESULTS.open("a") as f:
+            f.write(table)

@@ -68,38 +68,28 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _local_server(args: argparse.Namespace):
     """Our server over the local model (or the scripted or instant policy on its tokenizer)."""
-    from transformers import AutoTokenizer
-
-    from gym_bridge.models.registry import resolve_model_path
+    from gym_bridge.generation.factory import EngineSpec, build_engine
     from gym_bridge.serving import OpenAIServer
 
-    path = resolve_model_path(args.model)
-    if args.policy == "scripted":
-        from gym_bridge.generation.scripted import ScriptedGeneration
-
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        generation = ScriptedGeneration(tokenizer, max_new_tokens=args.max_new_tokens, think=args.reasoning_parser)
-    elif args.policy == "instant":
-        from gym_bridge.generation.instant import InstantGeneration
-
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        generation = InstantGeneration(tokenizer, args.answer_tokens, max_new_tokens=args.max_new_tokens)
-    else:
-        from gym_bridge.generation.hf import HFGeneration, HFGenerationConfig
-
-        cfg = HFGenerationConfig(
-            model=str(path), max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p
+    built = build_engine(
+        EngineSpec(
+            policy=args.policy,
+            model=args.model,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            answer_tokens=args.answer_tokens,
+            think=args.reasoning_parser,
         )
-        generation = HFGeneration(cfg)
-        tokenizer = generation.tokenizer
+    )
     return OpenAIServer(
-        generation,
-        tokenizer,
+        built.generation,
+        built.tokenizer,
         served_model_name=args.served_model_name or str(args.model),
         host=args.host,
         port=args.port,
         reasoning_parser=args.reasoning_parser,
-        model_path=str(path),
+        model_path=str(built.model_path),
     )
 
 

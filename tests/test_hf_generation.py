@@ -482,3 +482,26 @@ async def test_a_request_in_flight_at_a_refit_finishes_on_one_version(tiny) -> N
         seq, lps = unpadded(out, 0)
         expected, _ = recompute(weights, seq, n_in, 1.0)
         torch.testing.assert_close(lps[n_in:], expected, atol=1e-4, rtol=0)
+
+
+async def test_rows_joining_a_running_batch_decode_as_alone(tiny) -> None:
+    tok, _ = tiny
+    gen = engine(tiny, max_new_tokens=40, stop_token_ids=[], batch_wait_s=0.0)
+    try:
+        prompts = [f"Request number {i}: what is {i} + {i}?" for i in range(6)]
+        alone = [gen.generate(batch(tok, [p]), greedy=True) for p in prompts]
+        passes = gen.stats.forward_passes
+        first = asyncio.create_task(_collect(gen, batch(tok, prompts[:1])))
+        await _until(lambda: gen.stats.forward_passes > passes + 2)  # the first row is decoding
+        assert not first.done()
+        late = [asyncio.create_task(_collect(gen, batch(tok, [p]))) for p in prompts[1:]]
+        outs = [(await asyncio.wait_for(t, timeout=120))[0] for t in [first, *late]]
+        # The late rows joined the running batch instead of waiting for it to end ...
+        assert gen.stats.rows_joined_running_batch >= 1 and gen.stats.max_rows_in_batch >= 2
+        assert gen.stats.async_batches_run == 1
+        # ... and decoded exactly what they decode alone.
+        for out, ref in zip(outs, alone):
+            assert torch.equal(unpadded(out, 0)[0], unpadded(ref, 0)[0])
+            torch.testing.assert_close(unpadded(out, 0)[1], unpadded(ref, 0)[1], atol=1e-4, rtol=0)
+    finally:
+        gen.shutdown()

@@ -179,28 +179,21 @@ def _policy_endpoint(config: EvalConfig) -> Iterator[tuple[list[str], Any]]:
     if not config.embedded:
         yield list(config.base_urls), AutoTokenizer.from_pretrained(resolve_model_path(config.tokenizer))
         return
+    from gym_bridge.generation.factory import EngineSpec, build_engine
     from gym_bridge.serving import OpenAIServer
 
-    path = resolve_model_path(config.tokenizer)
-    if config.embedded_policy == "scripted":
-        from gym_bridge.generation.scripted import ScriptedGeneration
-
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        generation: Any = ScriptedGeneration(tokenizer, max_new_tokens=config.max_new_tokens)
-    else:
-        from gym_bridge.generation.hf import HFGeneration, HFGenerationConfig
-
-        generation = HFGeneration(
-            HFGenerationConfig(
-                model=str(path),
-                max_new_tokens=config.max_new_tokens,
-                temperature=config.temperature,
-                top_p=config.top_p,
-                seed=config.seed,
-                max_model_len=config.max_seq_len,
-            )
+    built = build_engine(
+        EngineSpec(
+            policy="scripted" if config.embedded_policy == "scripted" else "hf",
+            model=config.tokenizer,
+            max_new_tokens=config.max_new_tokens,
+            temperature=config.temperature,
+            top_p=config.top_p,
+            seed=config.seed,
+            max_model_len=config.max_seq_len,
         )
-        tokenizer = generation.tokenizer
+    )
+    generation, tokenizer, path = built.generation, built.tokenizer, built.model_path
     server = OpenAIServer(generation, tokenizer, served_model_name=config.model_name, model_path=str(path))
     try:
         url = server.start_in_thread()

@@ -1,0 +1,270 @@
+"""The decode loop of :class:`~gym_bridge.generation.hf.HFGeneration`: rows that join and leave one KV cache.
+
+A :class:`RunningBatch` holds the rows decoding together: one left-padded attention
+mask, one ``DynamicCache``, and for every row the logits of its next token. Between
+two decode steps rows may join (:meth:`RunningBatch.admit`: their prompts are
+prefilled as their own left-padded batch, then both caches are left-padded to one
+width and stacked) and finished rows leave (their cache rows are dropped). Masked
+padding never changes what a row sees, so a row decodes the same tokens alone or in
+any company (up to float rounding in the batched matmuls). Token choice and
+logprobs follow the semantics documented in :mod:`gym_bridge.generation.hf`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from gym_bridge.generation.hf_config import EngineShutDownError, HFGenerationStats, RowSampling
+
+#: Left padding columns that every row masks out are trimmed once there are this many.
+TRIM_COLUMNS = 32
+
+
+@dataclass
+class RowResult:
+    """What one row produced, and with which weights."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    truncated: bool
+    weight_version: int
+
+
+@dataclass(eq=False)
+class Row:
+    """One row to decode; ``deliver`` (worker path) receives a RowResult or an exception."""
+
+    prompt: list[int]
+    stop_strings: tuple[str, ...]
+    greedy: bool
+    sampling: RowSampling
+    deliver: Callable[[RowResult | BaseException], None] | None = None
+    cancelled: bool = False
+    result: RowResult | None = None
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    cap: int = 0
+    window: int = 0
+
+
+@dataclass
+class DecodeContext:
+    """What decoding needs from the engine: the model and how rows stop."""
+
+    model: Any
+    tokenizer: Any
+    device: torch.device
+    pad_token_id: int
+    stop_token_ids: frozenset[int]
+    max_model_len: int
+    generator: torch.Generator
+    stats: HFGenerationStats
+    logits_to_keep: bool
+    is_closed: Callable[[], bool]
+
+
+class RunningBatch:
+    """Rows decoding over one KV cache; see the module docstring."""
+
+    def __init__(self, ctx: DecodeContext, weight_version: int) -> None:
+        self.ctx = ctx
+        self.weight_version = weight_version
+        self.rows: list[Row] = []
+        self._cache: Any = None
+        self._attention: torch.Tensor | None = None  # [n, W]
+        self._next_pos: torch.Tensor | None = None  # [n] positions of the next token
+        self._logits: torch.Tensor | None = None  # [n, V] the distribution of each row's next token
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def admit(self, rows: Sequence[Row]) -> None:
+        """Prefill ``rows`` and add them; rows with nothing to generate finish at once (truncated)."""
+        ctx = self.ctx
+        joining = []
+        for row in rows:
+            row.cap = max(0, min(row.sampling.max_new_tokens, ctx.max_model_len - len(row.prompt)))
+            row.window = 4 * max((len(s) for s in row.stop_strings), default=0) + 4
+            if row.cancelled:
+                continue
+            if row.cap == 0:
+                self._finish(row, truncated=True)
+            else:
+                joining.append(row)
+        if not joining:
+            return
+        width = max(len(r.prompt) for r in joining)
+        input_ids = torch.full((len(joining), width), ctx.pad_token_id, dtype=torch.long)
+        attention = torch.zeros((len(joining), width), dtype=torch.long)
+        for j, row in enumerate(joining):
+            input_ids[j, width - len(row.prompt) :] = torch.tensor(row.prompt, dtype=torch.long)
+            attention[j, width - len(row.prompt) :] = 1
+        input_ids, attention = input_ids.to(ctx.device), attention.to(ctx.device)
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        cache = _new_cache(ctx.model)
+        logits = self._forward(input_ids, attention, positions, cache)
+        next_pos = attention.sum(-1)
+        ctx.stats.max_rows_in_batch = max(ctx.stats.max_rows_in_batch, len(self.rows) + len(joining))
+        if not self.rows:
+            self.rows, self._cache, self._attention, self._next_pos, self._logits = (
+                joining,
+                cache,
+                attention,
+                next_pos,
+                logits,
+            )
+            return
+        assert self._attention is not None and self._next_pos is not None and self._logits is not None
+        total = max(self._attention.shape[1], width)
+        _stack_caches(self._cache, cache, total)
+        self._attention = torch.cat([_pad_left(self._attention, total), _pad_left(attention, total)], 0)
+        self._next_pos = torch.cat([self._next_pos, next_pos])
+        self._logits = torch.cat([self._logits, logits])
+        self.rows = self.rows + joining
+
+    def step(self) -> None:
+        """Pick every row's next token; finished rows leave; the rest run one forward pass."""
+        ctx = self.ctx
+        assert self._logits is not None and self._attention is not None and self._next_pos is not None
+        tokens, logprobs = pick_tokens(self._logits, self.rows, ctx.generator)
+        token_list, lp_list = tokens.tolist(), logprobs.tolist()
+        keep: list[int] = []
+        for j, row in enumerate(self.rows):
+            if ctx.is_closed():
+                raise EngineShutDownError("HFGeneration was shut down during generation")
+            if row.cancelled:
+                continue
+            row.tokens.append(token_list[j])
+            row.logprobs.append(lp_list[j])
+            if token_list[j] in ctx.stop_token_ids or self._hit_stop_string(row):
+                self._finish(row, truncated=False)
+            elif len(row.tokens) >= row.cap:
+                self._finish(row, truncated=True)
+            else:
+                keep.append(j)
+        if not keep:
+            self.rows, self._cache, self._attention, self._next_pos, self._logits = [], None, None, None, None
+            return
+        attention, next_pos = self._attention, self._next_pos
+        if len(keep) < len(self.rows):
+            index = torch.tensor(keep, dtype=torch.long, device=ctx.device)
+            self._cache.batch_select_indices(index)
+            attention, next_pos, tokens = attention[index], next_pos[index], tokens[index]
+            self.rows = [self.rows[j] for j in keep]
+            attention = self._trim(attention)
+        attention = torch.cat([attention, attention.new_ones((len(keep), 1))], dim=-1)
+        self._logits = self._forward(tokens[:, None], attention, next_pos[:, None], self._cache)
+        self._attention, self._next_pos = attention, next_pos + 1
+
+    def _trim(self, attention: torch.Tensor) -> torch.Tensor:
+        """Drop leading columns that every remaining row masks out (left by rows that left)."""
+        used = attention.any(0).nonzero()
+        first = int(used[0]) if used.numel() else 0
+        if first < TRIM_COLUMNS:
+            return attention
+        for layer in self._cache.layers:
+            layer.keys, layer.values = layer.keys[:, :, first:], layer.values[:, :, first:]
+        return attention[:, first:]
+
+    def _finish(self, row: Row, truncated: bool) -> None:
+        row.result = RowResult(row.tokens, row.logprobs, truncated, self.weight_version)
+        self.ctx.stats.rows_generated += 1
+        self.ctx.stats.tokens_generated += len(row.tokens)
+        if row.deliver is not None and not row.cancelled:
+            row.deliver(row.result)
+
+    def _forward(self, input_ids: torch.Tensor, attention: torch.Tensor, positions: torch.Tensor, cache: Any) -> torch.Tensor:
+        kwargs: dict[str, Any] = {"logits_to_keep": 1} if self.ctx.logits_to_keep else {}
+        out = self.ctx.model(
+            input_ids=input_ids,
+            attention_mask=attention,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            **kwargs,
+        )
+        self.ctx.stats.forward_passes += 1
+        return out.logits[:, -1, :].float()
+
+    def _hit_stop_string(self, row: Row) -> bool:
+        """Whether the newest token completed one of the row's stop strings.
+
+        Any earlier occurrence would have stopped the row already, so it suffices to
+        look at the text of the last few tokens (a stop string of n characters spans
+        at most 4n byte tokens).
+        """
+        if not row.stop_strings:
+            return False
+        text = self.ctx.tokenizer.decode(row.tokens[-row.window :], skip_special_tokens=False)
+        return any(s in text for s in row.stop_strings)
+
+
+def decode_to_end(ctx: DecodeContext, rows: list[Row], weight_version: int) -> list[RowResult | None]:
+    """Decode ``rows`` as one batch until every row finished; results in row order (None: cancelled)."""
+    batch = RunningBatch(ctx, weight_version)
+    batch.admit(rows)
+    while len(batch):
+        batch.step()
+    return [row.result for row in rows]
+
+
+def pick_tokens(
+    logits: torch.Tensor, rows: Sequence[Row], generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Choose the next token of every row; return them with ``log_softmax(logits / T)[token]``.
+
+    ``T`` is the row's temperature (1 for greedy rows); top-k, then top-p, only
+    restrict which tokens a sampled row may draw.
+    """
+    greedy = torch.tensor([r.greedy for r in rows], device=logits.device)
+    temps = torch.tensor([1.0 if r.greedy else r.sampling.temperature for r in rows], device=logits.device)
+    scaled = logits / temps[:, None]
+    logp = torch.log_softmax(scaled, dim=-1)
+    tokens = torch.argmax(logits, dim=-1)
+    if not bool(greedy.all()):
+        allowed = scaled
+        vocab = allowed.shape[-1]
+        top_k = torch.tensor([r.sampling.top_k or vocab for r in rows], device=logits.device).clamp(max=vocab)
+        if bool((top_k < vocab).any()):
+            kth = torch.sort(allowed, dim=-1, descending=True).values.gather(-1, (top_k - 1)[:, None])
+            allowed = allowed.masked_fill(allowed < kth, float("-inf"))
+        top_p = torch.tensor([r.sampling.top_p for r in rows], device=logits.device)
+        if bool((top_p < 1.0).any()):
+            sorted_logits, order = torch.sort(allowed, dim=-1, descending=True)
+            probs = torch.softmax(sorted_logits, dim=-1)
+            before = probs.cumsum(-1) - probs  # mass of the more likely tokens
+            drop_sorted = before >= top_p[:, None]  # never drops the most likely token
+            drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+            allowed = allowed.masked_fill(drop, float("-inf"))
+        sampled = torch.multinomial(torch.softmax(allowed, dim=-1), 1, generator=generator).squeeze(-1)
+        tokens = torch.where(greedy, tokens, sampled)
+    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def _pad_left(t: torch.Tensor, width: int, dim: int = 1) -> torch.Tensor:
+    missing = width - t.shape[dim]
+    if missing == 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = missing
+    return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+
+def _stack_caches(running: Any, joining: Any, width: int) -> None:
+    """Stack ``joining``'s rows under ``running``'s, both left-padded to ``width`` positions (in place)."""
+    for old, new in zip(running.layers, joining.layers, strict=True):
+        old.keys = torch.cat([_pad_left(old.keys, width, 2), _pad_left(new.keys, width, 2)], 0)
+        old.values = torch.cat([_pad_left(old.values, width, 2), _pad_left(new.values, width, 2)], 0)
+
+
+def _new_cache(model: Any) -> Any:
+    from transformers import DynamicCache
+
+    try:
+        return DynamicCache(config=model.config)
+    except TypeError:  # older transformers
+        return DynamicCache()

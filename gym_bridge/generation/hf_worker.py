@@ -1,0 +1,112 @@
+"""The worker thread of :class:`~gym_bridge.generation.hf.HFGeneration` and how rows get back to the event loop.
+
+The worker decodes continuously: whatever was queued joins the running batch at the
+next step (unless a weight refit is waiting, which pauses admission until the batch
+has drained), and each finished row is handed back to its waiter's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from gym_bridge.generation.hf_config import EngineShutDownError
+from gym_bridge.generation.hf_decode import Row, RunningBatch
+
+logger = logging.getLogger("gym_bridge.generation.hf")
+
+#: Queue sentinels: stop the worker; wake it to look at the refit flag again.
+STOP = object()
+WAKE = object()
+
+
+def worker_loop(engine_ref: weakref.ref[Any], q: queue.SimpleQueue[Any]) -> None:
+    """The worker thread of an HFGeneration: take queued rows, admit them, step the running batch."""
+    pending: list[Row] = []
+    batch: RunningBatch | None = None
+    stopping = False
+    while not stopping:
+        engine = engine_ref()
+        if engine is None:
+            break
+        idle = batch is None and (not pending or engine._pause.is_set())
+        if idle and engine._pause.is_set():
+            engine._drained.set()
+        wait_s = engine.cfg.batch_wait_s
+        del engine
+        if idle:
+            item = q.get()
+            if item is STOP:
+                break
+            if item is not WAKE:
+                pending.append(item)
+                if wait_s > 0:
+                    threading.Event().wait(wait_s)  # let concurrent submitters start together
+        while True:  # take whatever else is queued
+            try:
+                item = q.get_nowait()
+            except queue.Empty:
+                break
+            if item is STOP:
+                stopping = True
+                break
+            if item is not WAKE:
+                pending.append(item)
+        if stopping:
+            break
+        pending = [r for r in pending if not r.cancelled]
+        engine = engine_ref()
+        if engine is None or engine._closed:
+            break
+        try:
+            batch = engine._admit_and_step(batch, pending)
+        except Exception as exc:  # hand the failure to every row of the batch
+            if not isinstance(exc, EngineShutDownError):
+                logger.exception("HFGeneration batch failed")
+            for row in batch.rows if batch is not None else []:
+                if row.deliver is not None and not row.cancelled:
+                    row.deliver(exc)
+            batch = None
+        finally:
+            del engine
+    err = EngineShutDownError("HFGeneration was shut down")
+    for row in pending + (batch.rows if batch is not None else []):
+        if row.deliver is not None and not row.cancelled:
+            row.deliver(err)
+    fail_queued(q, err)
+
+
+def fail_queued(q: queue.SimpleQueue[Any], err: BaseException) -> None:
+    """Fail every row still queued with ``err``."""
+    while True:
+        try:
+            item = q.get_nowait()
+        except queue.Empty:
+            return
+        if item is not STOP and item is not WAKE and item.deliver is not None:
+            item.deliver(err)
+
+
+def make_deliver(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[Any]) -> Callable[[Any], None]:
+    """A thread-safe callback that resolves ``fut`` on ``loop`` with a result or an exception."""
+    def deliver(result: Any) -> None:
+        try:
+            loop.call_soon_threadsafe(_resolve, fut, result)
+        except RuntimeError:  # the loop is closed: nobody is waiting any more
+            pass
+
+    return deliver
+
+
+def _resolve(fut: asyncio.Future[Any], result: Any) -> None:
+    if fut.done():
+        return
+    if isinstance(result, BaseException):
+        fut.set_exception(result)
+    else:
+        fut.set_result(result)

@@ -54,9 +54,10 @@ def test_typed_dict_keys_match_the_reference():
     assert {"message_log", "length", "extra_env_info", "loss_multiplier", "idx", "task_name", "stop_strings"} == set(
         typing.get_type_hints(T.DatumSpec)
     )
-    assert {"output_ids", "generation_lengths", "unpadded_sequence_lengths", "logprobs", "truncated"} == set(
-        typing.get_type_hints(T.GenerationOutputSpec)
-    )
+    # The reference's keys, plus ours: which policy weights produced each row (NotRequired).
+    assert {"output_ids", "generation_lengths", "unpadded_sequence_lengths", "logprobs", "truncated"} | {
+        "weight_version"
+    } == set(typing.get_type_hints(T.GenerationOutputSpec))
     assert {"input_ids", "input_lengths", "stop_strings"} == set(typing.get_type_hints(T.GenerationDatumSpec))
     assert T.NEMO_GYM_TASK_INDEX_KEY == "_ng_task_index"
 

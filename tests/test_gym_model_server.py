@@ -91,7 +91,7 @@ def _rows() -> list[dict[str, Any]]:
 
 def _run(servers: GymServers, agent: str, row: dict[str, Any]) -> dict[str, Any]:
     row = {**copy.deepcopy(row), "agent_ref": {"type": "responses_api_agents", "name": agent}}
-    response = httpx.post(f"{servers.server_urls[agent]}/run", json=row, timeout=60)
+    response = httpx.post(f"{servers.server_urls[agent]}/run", json=row, timeout=180)
     assert response.status_code == 200, response.text
     return response.json()
 

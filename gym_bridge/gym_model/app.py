@@ -42,6 +42,7 @@ logger = logging.getLogger(__name__)
 _COOKIE = "gym_bridge_session"
 _MAX_BODY = 64 * 1024 * 1024
 _JSON = [(b"content-type", b"application/json")]
+_STARTUP_DISCOVERY_S = 60.0
 _CONTEXT_MARKERS = ("context length", "max_tokens")
 
 
@@ -113,11 +114,18 @@ class GymModelServer:
                 return
 
     async def start(self) -> None:
-        """Open the upstream connection pool; load the tokenizer when its path is configured."""
+        """Open the upstream pool and load the tokenizer (configured, or the upstream's) so turn 1 does not wait.
+
+        An upstream that is not up yet is asked again at the first request.
+        """
         self._ready = asyncio.Lock()
         await self.client.start()
         if self.tokenizer is None and self.config.tokenizer:
             self.tokenizer = await asyncio.to_thread(_load_tokenizer, self.config.tokenizer)
+        try:
+            await asyncio.wait_for(self._ensure_ready(), _STARTUP_DISCOVERY_S)
+        except (_HTTPError, TimeoutError) as exc:
+            logger.warning("the upstream's model card is not available yet (%s); asking at the first request", exc)
 
     # ------------------------------------------------------------------ one turn
 

@@ -10,7 +10,12 @@ What runs, all on 127.0.0.1:
   16 rows, 4 / 16 / 64 groups launched at once with ``asyncio.gather``;
 - raw Gym: ``RolloutCollectionHelper().run_examples`` on the same rows, head server and
   endpoint, in ``raw_gym_worker.py`` (a subprocess: Gym's config and aiohttp session
-  are process-wide).
+  are process-wide);
+- the bridge's Gym runs ``--model-server`` (default ``gym_bridge``: gym-bridge's own model
+  server, :mod:`gym_bridge.gym_model`; ``vllm_model``: Gym's);
+- unless ``--no-default-baseline``: a default nemo-gym 0.4.0 set-up as Gym's docs set it up
+  (a second set of Gym servers with ``vllm_model_for_training`` + the same resources
+  server, ``run_examples`` in a second worker) on the same rows and endpoint.
 
 Measured: rows/s of both (interleaved, median of ``--reps`` after a warm-up) with CPU
 per row of every process; the CPU cost of conversion (``conversion_cost.py``); the
@@ -58,7 +63,7 @@ from gym_bridge.data import datum_from_gym_row
 from gym_bridge.failures import RolloutTimeouts
 from gym_bridge.gym.actor import NemoGymConfig, spinup_nemo_gym_actor
 from gym_bridge.gym.rows import build_rows
-from gym_bridge.gym.servers import wheel_config_path
+from gym_bridge.gym.servers import GymServers, GymServersConfig, wheel_config_path
 from gym_bridge.models.tiny import resolve_model_path
 from gym_bridge.ray_utils import init_ray
 from gym_bridge.rollout.manager import RolloutManager
@@ -81,6 +86,7 @@ RUN_TIMEOUT_S = 300.0
 TICK_S = 0.01
 
 TARGET_RATIO = 0.95
+TARGET_DEFAULT_RATIO = 1.5
 TARGET_1024_S = 16.0
 TARGET_CONVERSION_MS = 1.0
 TARGET_LAG_MS = 50.0
@@ -383,6 +389,8 @@ class Bench:
     manager: Any
     raw: RawGymWorker
     meter: CpuMeter
+    default: RawGymWorker | None = None
+    """``run_examples`` against the default nemo-gym set-up (its own Gym servers, Gym's vllm_model)."""
 
     async def bridge(self, groups: list[dict[str, Any]]) -> tuple[float, float]:
         """Wall seconds, and the actor's conversion seconds summed over the groups."""
@@ -397,10 +405,10 @@ class Bench:
         convert_s = sum(r.rollout_metrics.get("timing/rollout/postprocess_results", 0.0) for r in records)
         return wall, convert_s
 
-    async def raw_gym(self, groups: list[dict[str, Any]]) -> tuple[float, float]:
+    async def raw_gym(self, groups: list[dict[str, Any]], worker: RawGymWorker) -> tuple[float, float]:
         sampling = GenerationSamplingParams.from_generation_config(GENERATION_CONFIG)  # type: ignore[arg-type]
         rows = [row for t in groups for row in build_rows(t, GROUP, sampling, ANSWER_TOKENS)]
-        answer = await self.raw.run(rows)
+        answer = await worker.run(rows)
         if answer["errors"] or answer["ok"] != len(rows):
             raise RuntimeError(f"raw Gym: {answer['errors']} of {len(rows)} rows failed: {answer['first_error']}")
         return float(answer["wall_s"]), 0.0
@@ -408,7 +416,12 @@ class Bench:
     async def measure(self, mode: str, rows: int) -> Run:
         groups = templates(rows // GROUP)
         before = self.meter.snapshot()
-        wall, convert_s = await (self.bridge(groups) if mode == "bridge" else self.raw_gym(groups))
+        if mode == "bridge":
+            wall, convert_s = await self.bridge(groups)
+        else:
+            worker = self.default if mode == "default" else self.raw
+            assert worker is not None, "no default nemo-gym set-up was started"
+            wall, convert_s = await self.raw_gym(groups, worker)
         run = Run(mode, rows, wall, CpuMeter.used(before, self.meter.snapshot()), convert_s)
         log.info("%-6s %5d rows: %6.2f s, %5.1f rows/s, busy %3.0f%%", mode, rows, wall, run.rows_per_s, 100 * run.busy)
         return run
@@ -432,8 +445,9 @@ class Report:
     load_after: tuple[float, float, float] = (0.0, 0.0, 0.0)
 
 
-def gym_config(base_url: str, log_dir: Path) -> NemoGymConfig:
+def gym_config(base_url: str, log_dir: Path, model_server: str = "gym_bridge") -> NemoGymConfig:
     return NemoGymConfig(
+        model_server=model_server,
         model_name=MODEL_NAME,
         base_urls=[base_url],
         config_paths=[str(wheel_config_path(p)) for p in GYM_CONFIGS],
@@ -442,6 +456,20 @@ def gym_config(base_url: str, log_dir: Path) -> NemoGymConfig:
         shutdown_timeout_s=15,
         request_timeout_s=120,
         actor_options={"num_cpus": 0},
+    )
+
+
+def default_gym(base_url: str, log_dir: Path) -> GymServers:
+    """A default nemo-gym 0.4.0 set-up: Gym's vllm_model_for_training + the same resources server and agent."""
+    return GymServers(
+        GymServersConfig(
+            config_paths=[str(wheel_config_path(p)) for p in GYM_CONFIGS],
+            policy_base_urls=[base_url],
+            policy_model_name=MODEL_NAME,
+            log_dir=log_dir,
+            startup_timeout_s=300,
+            shutdown_timeout_s=15,
+        )
     )
 
 
@@ -465,11 +493,17 @@ async def run_benchmark(args: argparse.Namespace, workdir: Path) -> Report:
     init_ray(num_cpus=2)  # on the main thread: Ray installs signal handlers
     endpoint = EndpointProcess(_free_port(), workdir / "endpoint.log")
     raw = RawGymWorker()
+    default_raw = RawGymWorker() if args.default_baseline else None
+    default_servers: GymServers | None = None
     actor = None
     try:
         await asyncio.to_thread(endpoint.start, "instant")
-        config = gym_config(endpoint.base_url, workdir / "gym-logs")
+        config = gym_config(endpoint.base_url, workdir / "gym-logs", args.model_server)
         actor = await asyncio.to_thread(spinup_nemo_gym_actor, config, tokenizer)
+        if default_raw is not None:
+            default_servers = default_gym(endpoint.base_url, workdir / "default-gym-logs")
+            default_head = await asyncio.to_thread(default_servers.start)
+            await default_raw.start(default_head.url, workdir / "default_raw_worker.log")
         info = await _ray(actor.server_info.remote())
         # A lambda travels by value, so the actor needs nothing from this script's module.
         actor_pid = await _ray(actor.__ray_call__.remote(lambda _actor: os.getpid()))
@@ -491,15 +525,18 @@ async def run_benchmark(args: argparse.Namespace, workdir: Path) -> Report:
                 "raw": [raw.pid],
                 "gym": list(info["pids"]),
                 "endpoint": [endpoint.pid],
+                "default_raw": [default_raw.pid] if default_raw is not None else [],
+                "default_gym": list(default_servers.pids()) if default_servers is not None else [],
             }
         )
-        bench = Bench(manager, raw, meter)
+        bench = Bench(manager, raw, meter, default_raw)
+        modes = ("bridge", "raw", "default") if default_raw is not None else ("bridge", "raw")
         if args.gc_freeze:
             gc.freeze()  # what a training driver can do once after start-up: full collections skip this heap
         log.info("warm-up")
         for rows in sorted({min(64, max(args.concurrency)), min(256, max(args.concurrency))}):
-            await bench.measure("bridge", rows)
-            await bench.measure("raw", rows)
+            for mode in modes:
+                await bench.measure(mode, rows)
 
         peak_rows = max(args.concurrency)
         rss = PeakRss({"driver": os.getpid(), "actor": actor_pid})
@@ -507,7 +544,7 @@ async def run_benchmark(args: argparse.Namespace, workdir: Path) -> Report:
         lag = LoopLag()
         runs: list[Run] = []
         for rep in range(args.reps):
-            order = ("bridge", "raw") if rep % 2 == 0 else ("raw", "bridge")
+            order = modes if rep % 2 == 0 else modes[::-1]
             for rows in args.concurrency:
                 for mode in order:
                     if mode == "bridge" and rows == peak_rows:
@@ -531,6 +568,10 @@ async def run_benchmark(args: argparse.Namespace, workdir: Path) -> Report:
         )
     finally:
         await raw.stop()
+        if default_raw is not None:
+            await default_raw.stop()
+        if default_servers is not None:
+            await asyncio.to_thread(default_servers.stop)
         if actor is not None:
             try:
                 await asyncio.to_thread(_stop_actor, actor)
@@ -580,6 +621,22 @@ def _throughput_tables(report: Report, concurrency: list[int]) -> Iterator[str]:
             f"{_median(g):.1f} ({min(g):.1f}–{max(g):.1f}) | {ratio:.2f} | {_verdict(ratio >= TARGET_RATIO)} | "
             f"{_median([r.wall_s for r in bridge]):.2f} | {_median([r.wall_s for r in raw]):.2f} | {convert_ms:.2f} |"
         )
+    if any(r.mode == "default" for r in report.runs):
+        yield ""
+        yield (
+            f"| rows in flight | bridge rows/s (min–max) | default nemo-gym rows/s (min–max) | bridge / default "
+            f"| target ≥ {TARGET_DEFAULT_RATIO} | default wall s |"
+        )
+        yield "|---|---|---|---|---|---|"
+        for rows in concurrency:
+            b = [r.rows_per_s for r in _runs(report, "bridge", rows)]
+            d = [r.rows_per_s for r in _runs(report, "default", rows)]
+            ratio = _median(b) / _median(d)
+            yield (
+                f"| {rows} | {_median(b):.1f} ({min(b):.1f}–{max(b):.1f}) | {_median(d):.1f} ({min(d):.1f}–{max(d):.1f}) "
+                f"| {ratio:.2f} | {_verdict(ratio >= TARGET_DEFAULT_RATIO)} "
+                f"| {_median([r.wall_s for r in _runs(report, 'default', rows)]):.2f} |"
+            )
     yield ""
     yield (
         "Actor conversion: the actor's own `timing/rollout/postprocess_results` per row (wall time on its one "
@@ -591,12 +648,17 @@ def _throughput_tables(report: Report, concurrency: list[int]) -> Iterator[str]:
         "Ray's own processes, the kernel, anything else running on the machine):"
     )
     yield ""
-    yield "| rows in flight | path | driver | NemoGym actor | raw Gym worker | Gym servers | endpoint | other | busy |"
-    yield "|---|---|---|---|---|---|---|---|---|"
-    roles = ("driver", "actor", "raw", "gym", "endpoint")
+    yield (
+        "| rows in flight | path | driver | NemoGym actor | raw Gym worker | Gym servers | endpoint "
+        "| default raw worker | default Gym servers | other | busy |"
+    )
+    yield "|---|---|---|---|---|---|---|---|---|---|---|"
+    roles = ("driver", "actor", "raw", "gym", "endpoint", "default_raw", "default_gym")
     for rows in concurrency:
-        for mode in ("bridge", "raw"):
+        for mode in ("bridge", "raw", "default"):
             runs = _runs(report, mode, rows)
+            if not runs:
+                continue
             cells = [_median([r.cpu_ms_per_row(role) for r in runs]) for role in roles]
             other = _median([r.cpu_ms_per_row("_busy") - sum(r.cpu_ms_per_row(x) for x in roles) for r in runs])
             busy = _median([r.busy for r in runs])
@@ -618,11 +680,18 @@ def markdown(report: Report, args: argparse.Namespace) -> str:
         f"{platform.processor() or platform.machine()}, Python {platform.python_version()}, {_git_revision()})",
         "",
         f"Load average before {lb[0]:.2f} / {lb[1]:.2f} / {lb[2]:.2f}, after {la[0]:.2f} / {la[1]:.2f} / {la[2]:.2f} "
-        "(1 / 5 / 15 min). One set of Gym servers (vllm_model_for_training + equivalence_rule lc, single-turn rows), "
+        f"(1 / 5 / 15 min). One set of Gym servers ({args.model_server} + equivalence_rule lc, single-turn rows), "
         f"our server with InstantGeneration ({ANSWER_TOKENS}-token answer, no model) in its own process. "
         f"Bridge: RolloutManager(use_nemo_gym=True) through the NemoGym actor, groups of {GROUP} rows "
         "launched at once. "
         "Raw: RolloutCollectionHelper.run_examples in a separate process, same rows, servers and endpoint. "
+        + (
+            "Default: a second set of Gym servers as a default nemo-gym 0.4.0 install runs them (Gym's "
+            "vllm_model_for_training + equivalence_rule lc), run_examples in its own process, same rows and endpoint. "
+            if args.default_baseline
+            else ""
+        )
+        +
         f"Median of {args.reps} interleaved runs after a warm-up."
         + (" The driver's heap was `gc.freeze()`d after start-up." if args.gc_freeze else ""),
         "",
@@ -679,6 +748,14 @@ def main() -> None:
         "--no-gc-freeze", dest="gc_freeze", action="store_false",
         help="do not gc.freeze() the driver's heap after start-up (the eval runner does; a training driver should)",
     )
+    parser.add_argument(
+        "--model-server", choices=["gym_bridge", "vllm_model"], default="gym_bridge",
+        help="the model server of the bridge's Gym: gym-bridge's own (default) or Gym's vllm_model",
+    )  # fmt: skip
+    parser.add_argument(
+        "--no-default-baseline", dest="default_baseline", action="store_false",
+        help="skip the default nemo-gym 0.4.0 set-up (its own Gym servers with vllm_model, run_examples)",
+    )  # fmt: skip
     parser.add_argument("--no-write", action="store_true", help=f"print only; do not append to {RESULTS.name}")
     args = parser.parse_args()
     if any(c % GROUP for c in args.concurrency):

@@ -59,11 +59,21 @@ class NemoGymConfig(BaseModel):
     """Passed to ``ray.remote(NemoGym).options(...)`` (``num_cpus``, ``max_restarts``, ``scheduling_strategy``, ...)."""
     on_restart: Literal["fail", "respin"] = "fail"
     """After Ray restarts the actor: raise :class:`~gym_bridge.failures.NemoGymRestarted`, or start fresh Gym servers."""
+    model_server: Literal["vllm_model", "gym_bridge"] = "vllm_model"
+    """Gym's model server: its own ``vllm_model`` as ``config_paths`` name it, or gym-bridge's
+    (:mod:`gym_bridge.gym_model`: token-faithful, one hop, leaner), which replaces the ``vllm_model`` config."""
 
     def servers_config(self) -> GymServersConfig:
         overrides = {**_GYM_CONNECTOR_DEFAULTS, **self.overrides}
+        config_paths, server_dirs = list(self.config_paths), {}
+        if self.model_server == "gym_bridge":
+            from gym_bridge import gym_model
+
+            config_paths = gym_model.swap_model_config(config_paths)
+            server_dirs = {gym_model.SERVER_KEY: gym_model.SERVER_DIR}
         return GymServersConfig(
-            config_paths=list(self.config_paths),
+            config_paths=config_paths,
+            server_dirs=server_dirs,
             overrides=overrides,
             policy_base_urls=list(self.base_urls),
             policy_model_name=self.model_name,

@@ -60,6 +60,9 @@ class GymServersConfig(BaseModel):
     """False: the servers neither start nor join a Ray cluster (fine for servers that never use Ray)."""
     load_env_yaml: bool = False
     """Whether Gym also reads ``env.yaml`` from the cwd or the wheel."""
+    server_dirs: dict[str, Path] = Field(default_factory=dict)
+    """Extra server folders, ``"<server_type>/<impl>" -> folder``, for Gym's cwd-first lookup: Gym then
+    runs in a private folder linking these and the caller's own ``<server_type>/<impl>`` folders."""
 
 
 

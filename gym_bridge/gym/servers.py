@@ -59,6 +59,7 @@ logger = logging.getLogger(__name__)
 
 _POLL_INTERVAL_S = 0.25
 _KILL_WAIT_S = 5.0
+_GYM_SERVER_TYPES = ("resources_servers", "responses_api_agents", "responses_api_models")
 
 
 def _running_ray_address() -> str | None:
@@ -236,7 +237,7 @@ class GymServers:
             "global_config": global_config,
             "status_file": str(self._private_dir / "status.json"),
             "venv_dir": str(self._private_dir / "venvs"),
-            "log_dir": str(self.log_dir),
+            "log_dir": str(self.log_dir.absolute()),
             "parent_pid": os.getpid(),
             "skip_load_from_dotenv": not self.config.load_env_yaml,
         }
@@ -258,9 +259,11 @@ class GymServers:
             env["GYM_BRIDGE_NO_RAY"] = "1"
 
         logger.info("NeMo-Gym server logs: %s", self.log_dir)
+        cwd = self._working_dir() if self.config.server_dirs else None
         with open(self.launcher_log, "ab") as log:
             self._launcher = subprocess.Popen(
                 [sys.executable, "-m", "gym_bridge.gym._launcher", str(spec_path)],
+                cwd=cwd,
                 env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
@@ -268,6 +271,27 @@ class GymServers:
                 start_new_session=True,
             )
         self._launcher_proc = psutil.Process(self._launcher.pid)
+
+    def _working_dir(self) -> Path:
+        """A folder where Gym's cwd-first lookup finds ``server_dirs`` and the caller's own server folders."""
+        assert self._private_dir is not None
+        root = self._private_dir / "cwd"
+        here = Path.cwd()
+        links = {
+            f"{kind}/{d.name}": d
+            for kind in _GYM_SERVER_TYPES
+            if (here / kind).is_dir()
+            for d in (here / kind).iterdir()
+            if d.is_dir()
+        }
+        links.update({key: Path(folder).resolve() for key, folder in self.config.server_dirs.items()})
+        for key, folder in links.items():
+            link = root / key
+            link.parent.mkdir(parents=True, exist_ok=True)
+            link.symlink_to(folder, target_is_directory=True)
+        if (here / "env.yaml").exists():
+            (root / "env.yaml").symlink_to(here / "env.yaml")
+        return root
 
     def _read_status(self) -> None:
         assert self._private_dir is not None

@@ -1,21 +1,28 @@
-"""An OpenAI-compatible HTTP server (vLLM's dialect, NeMo-RL's extensions) over any GenerationInterface."""
+"""An OpenAI-compatible HTTP server (vLLM's dialect, NeMo-RL's extensions) over any GenerationInterface.
 
-from gym_bridge.serving.app import ServerLimits
-from gym_bridge.serving.chat import build_chat_prompt, replace_prefix_tokens
-from gym_bridge.serving.drift import DriftCounter
-from gym_bridge.serving.errors import ServingError
-from gym_bridge.serving.parsers import parse_reasoning, parse_tool_calls
-from gym_bridge.serving.server import OpenAIServer
-from gym_bridge.serving.upstream import build_proxy
+The names below are imported on first use, so a process that needs only the chat
+render or the parsers (gym-bridge's Gym model server) does not import torch or FastAPI.
+"""
 
-__all__ = [
-    "DriftCounter",
-    "OpenAIServer",
-    "ServerLimits",
-    "ServingError",
-    "build_chat_prompt",
-    "build_proxy",
-    "parse_reasoning",
-    "parse_tool_calls",
-    "replace_prefix_tokens",
-]
+from importlib import import_module
+from typing import Any
+
+_EXPORTS = {
+    "DriftCounter": "gym_bridge.serving.drift",
+    "OpenAIServer": "gym_bridge.serving.server",
+    "ServerLimits": "gym_bridge.serving.app",
+    "ServingError": "gym_bridge.serving.errors",
+    "build_chat_prompt": "gym_bridge.serving.chat",
+    "build_proxy": "gym_bridge.serving.upstream",
+    "parse_reasoning": "gym_bridge.serving.parsers",
+    "parse_tool_calls": "gym_bridge.serving.parsers",
+    "replace_prefix_tokens": "gym_bridge.serving.chat",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'gym_bridge.serving' has no attribute {name!r}")

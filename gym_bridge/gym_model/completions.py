@@ -1,0 +1,177 @@
+"""Token-id generation through OpenAI-compatible ``/v1/completions`` endpoints (stock vLLM or ours).
+
+One ``POST {base_url}/completions`` per model turn: the prompt is token ids, the answer
+carries the generated ids (``return_token_ids``, or ``token_id:<n>`` labels) and each
+one's logprob. aiohttp + orjson, no torch: this runs once per turn of every rollout.
+Requests go to the least-loaded healthy endpoint, sticky per rollout
+(:class:`~gym_bridge.generation.routing.SessionRouter`). Unreachable or overloaded
+endpoints (connection errors, 408/429/5xx) are retried with capped backoff for
+``retry_budget_s``; any other 4xx fails at once, keeping its status and message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+
+from gym_bridge.failures import http_status_is_infra
+from gym_bridge.generation.routing import SessionRouter
+
+__all__ = ["CompletionsClient", "CompletionsError", "Generated", "discover"]
+
+logger = logging.getLogger(__name__)
+
+_BODY_LIMIT = 300
+
+
+class CompletionsError(Exception):
+    """A turn the upstream did not generate: ``status`` is handed on to Gym's agent."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class Generated:
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+
+
+@dataclass(frozen=True)
+class Discovered:
+    """What an upstream's ``GET /v1/models`` says about its first model."""
+
+    name: str
+    root: str | None
+    max_model_len: int | None
+
+
+async def discover(session: aiohttp.ClientSession, base_url: str, headers: dict[str, str]) -> Discovered:
+    """The served name, model path and context length from ``{base_url}/models`` (vLLM reports all three)."""
+    async with session.get(f"{base_url}/models", headers=headers) as response:
+        text = await response.read()
+        if response.status >= 400:
+            raise CompletionsError(f"{base_url}/models returned HTTP {response.status}", 503)
+    cards = orjson.loads(text).get("data") or []
+    if not cards:
+        raise CompletionsError(f"{base_url}/models lists no model", 503)
+    card = cards[0]
+    length = card.get("max_model_len")
+    return Discovered(str(card["id"]), card.get("root"), length if isinstance(length, int) else None)
+
+
+class CompletionsClient:
+    """Generation over ``base_urls``; :meth:`start` and :meth:`close` on the serving loop."""
+
+    def __init__(
+        self,
+        base_urls: list[str],
+        model: str,
+        *,
+        api_key: str | None = None,
+        max_connections: int = 1024,
+        request_timeout_s: float = 1800.0,
+        retry_budget_s: float = 300.0,
+        cooldown_s: float = 5.0,
+    ) -> None:
+        self.base_urls = [u.rstrip("/") for u in base_urls]
+        self.model = model
+        self.headers = {"Content-Type": "application/json"}
+        if api_key:
+            self.headers["Authorization"] = f"Bearer {api_key}"
+        self.max_connections = max_connections
+        self.request_timeout_s = request_timeout_s
+        self.retry_budget_s = retry_budget_s
+        self.router = SessionRouter(len(self.base_urls), cooldown_s=cooldown_s)
+        self.session: aiohttp.ClientSession | None = None
+
+    async def start(self) -> None:
+        connector = aiohttp.TCPConnector(limit=0, limit_per_host=self.max_connections, ttl_dns_cache=None)
+        timeout = aiohttp.ClientTimeout(total=self.request_timeout_s, connect=10.0)
+        self.session = aiohttp.ClientSession(connector=connector, timeout=timeout, json_serialize=_dumps)
+
+    async def close(self) -> None:
+        if self.session is not None:
+            await self.session.close()
+            self.session = None
+
+    async def generate(self, prompt: list[int], sampling: dict[str, Any], session: Hashable | None) -> Generated:
+        """Generate one turn for the token-id ``prompt``; ``sampling`` holds completions fields (max_tokens ...)."""
+        if self.session is None:
+            raise RuntimeError("CompletionsClient.start() was not called")
+        body = orjson.dumps(
+            {
+                **sampling,
+                "model": self.model,
+                "prompt": prompt,
+                "logprobs": 1,
+                "return_token_ids": True,
+                "return_tokens_as_token_ids": True,
+                "n": 1,
+                "stream": False,
+            }
+        )
+        deadline = time.monotonic() + self.retry_budget_s
+        attempt = 0
+        while True:
+            idx = self.router.acquire(session)
+            url = self.base_urls[idx]
+            try:
+                status, raw = await self._post(url, body)
+            except (aiohttp.ClientConnectionError, TimeoutError, asyncio.TimeoutError) as exc:
+                self.router.mark_unhealthy(idx)
+                problem, status = f"{url}/completions: {type(exc).__name__}: {exc}", 503
+            else:
+                if status < 400:
+                    return _parse(raw, url)
+                problem = f"{url}/completions returned HTTP {status}: {_short(raw)}"
+                if not http_status_is_infra(status):
+                    raise CompletionsError(problem, status)
+            finally:
+                self.router.release(idx)
+            attempt += 1
+            pause = min(0.1 * 2 ** (attempt - 1), 2.0)
+            if time.monotonic() + pause > deadline:
+                raise CompletionsError(f"generation failed after {attempt} attempts: {problem}", status)
+            logger.warning("attempt %d failed (%s); retrying", attempt, problem)
+            await asyncio.sleep(pause)
+
+    async def _post(self, url: str, body: bytes) -> tuple[int, bytes]:
+        assert self.session is not None
+        async with self.session.post(f"{url}/completions", data=body, headers=self.headers) as response:
+            return response.status, await response.read()
+
+
+def _dumps(obj: Any) -> str:
+    return orjson.dumps(obj).decode()
+
+
+def _short(raw: bytes) -> str:
+    text = " ".join(raw.decode("utf-8", errors="replace").split())
+    return text if len(text) <= _BODY_LIMIT else text[: _BODY_LIMIT - 3] + "..."
+
+
+def _parse(raw: bytes, url: str) -> Generated:
+    where = f"{url}/completions answer"
+    try:
+        choice = orjson.loads(raw)["choices"][0]
+        logprobs = choice["logprobs"]
+        values = logprobs["token_logprobs"]
+        ids = choice.get("token_ids")
+        if ids is None:
+            ids = [int(str(t).removeprefix("token_id:")) for t in logprobs["tokens"]]
+        finish = choice["finish_reason"]
+    except (orjson.JSONDecodeError, KeyError, IndexError, TypeError, ValueError) as exc:
+        raise CompletionsError(f"{where} lacks token ids or logprobs ({type(exc).__name__}: {exc})", 502) from None
+    if len(ids) != len(values):
+        raise CompletionsError(f"{where}: {len(values)} logprobs for {len(ids)} tokens", 502)
+    return Generated(list(ids), [float(v) if v is not None else -9999.0 for v in values], str(finish))

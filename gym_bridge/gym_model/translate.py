@@ -1,0 +1,336 @@
+"""Responses API <-> chat, as NeMo-Gym 0.4.0's ``vllm_model`` does it, on plain dicts.
+
+:func:`responses_to_chat` mirrors ``ResponsesConverter.responses_to_chat_completion_create_params``
+plus ``VLLMModel._preprocess_chat_completion_create_params`` (role mapping, chat-template
+kwargs and ``extra_body`` from the config and the row's ``metadata``, ``<think>`` moved
+out of earlier assistant turns). :func:`output_items` and :func:`response_body` mirror
+``postprocess_assistant_message_dict`` and the ``NeMoGymResponse`` that ``vllm_model``
+returns, field for field. No pydantic on the request path: these run once per model turn.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "ChatTurn",
+    "TranslationError",
+    "empty_output_items",
+    "output_items",
+    "response_body",
+    "responses_to_chat",
+]
+
+_THINK = re.compile(r"<think>(.*?)</think>", re.DOTALL)
+_FUNCTION_KEYS = ("name", "description", "parameters")
+_TOKEN_KEYS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
+
+
+class TranslationError(ValueError):
+    """A Responses request this server cannot turn into a chat (a 400 naming the item and field)."""
+
+
+@dataclass
+class ChatTurn:
+    """One model turn as a chat: what is rendered, how it is sampled, what is echoed back."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    chat_template_kwargs: dict[str, Any]
+    sampling: dict[str, Any]
+    """``max_tokens``, ``temperature``, ``top_p`` when the request set them, plus ``extra_body``."""
+    parse_tools: bool
+    """Tools were offered and ``tool_choice`` is not ``"none"``: Hermes ``<tool_call>``s are parsed."""
+    echo: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class _State:
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    content: str = ""
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    token_info: dict[str, Any] | None = None
+
+    def flush_assistant(self) -> None:
+        # As Gym: the last seen token ids stay in the state and ride on every later assistant message.
+        if not (self.content or self.tool_calls):
+            return
+        message: dict[str, Any] = {"content": self.content or None, "role": "assistant", "tool_calls": self.tool_calls}
+        if self.token_info:
+            message.update(self.token_info)
+        self.messages.append(message)
+        self.content, self.tool_calls = "", []
+
+
+def responses_to_chat(
+    body: dict[str, Any],
+    *,
+    uses_reasoning_parser: bool,
+    uses_interleaved_reasoning: bool = True,
+    replace_developer_role_with_system: bool = False,
+    chat_template_kwargs: dict[str, Any] | None = None,
+    extra_body: dict[str, Any] | None = None,
+) -> ChatTurn:
+    """The chat ``vllm_model`` would send for the Responses request ``body`` (a parsed JSON object)."""
+    raw_input = body.get("input")
+    if isinstance(raw_input, str):
+        items: list[Any] = [{"content": [{"text": raw_input, "type": "input_text"}], "role": "user", "type": "message"}]
+    elif isinstance(raw_input, list):
+        items = raw_input
+    else:
+        raise TranslationError("input must be a string or a list of items")
+    state = _State()
+    for i, item in enumerate(items):
+        if not isinstance(item, dict):
+            raise TranslationError(f"input[{i}] must be an object")
+        kind = item.get("type") or ("message" if item.get("role") else None)
+        try:
+            if kind == "message":
+                _message(item, state)
+            elif kind == "reasoning":
+                texts = [s["text"] for s in item.get("summary") or []]
+                state.content += "".join(f"<think>{t}</think>" for t in texts if t)
+            elif kind == "function_call":
+                state.tool_calls.append(
+                    {
+                        "id": item["call_id"],
+                        "function": {"arguments": item["arguments"], "name": item["name"]},
+                        "type": "function",
+                    }
+                )
+            elif kind == "function_call_output":
+                state.flush_assistant()
+                state.messages.append({"content": item["output"], "role": "tool", "tool_call_id": item["call_id"]})
+            else:
+                raise TranslationError(f"input[{i}] has an unsupported type {kind!r}")
+        except KeyError as exc:
+            raise TranslationError(f"input[{i}] ({kind}) lacks the field {exc.args[0]!r}") from None
+        if item.get("prompt_token_ids"):
+            try:
+                info = {key: item[key] for key in _TOKEN_KEYS}
+            except KeyError as exc:
+                raise TranslationError(f"input[{i}] carries prompt_token_ids but not {exc.args[0]!r}") from None
+            if item.get("routed_experts") is not None:
+                info["routed_experts"] = item["routed_experts"]
+            state.token_info = info
+    state.flush_assistant()
+    messages = state.messages
+
+    if replace_developer_role_with_system:
+        for message in messages:
+            if message.get("role") == "developer":
+                message["role"] = "system"
+    metadata = body.get("metadata") or {}
+    template_kwargs = dict(chat_template_kwargs or {})
+    template_kwargs.update(_json_object(metadata.get("chat_template_kwargs", "{}"), "metadata.chat_template_kwargs"))
+    extra = dict(extra_body or {})
+    extra.update(_json_object(metadata.get("extra_body", "{}"), "metadata.extra_body"))
+    if uses_reasoning_parser:
+        for message in messages:
+            _move_reasoning(message, uses_interleaved_reasoning)
+
+    tools = [_chat_tool(t, i) for i, t in enumerate(body.get("tools") or [])] or None
+    sampling: dict[str, Any] = {}
+    if body.get("max_output_tokens") is not None:
+        sampling["max_tokens"] = body["max_output_tokens"]
+    for key in ("temperature", "top_p"):
+        if body.get(key) is not None:
+            sampling[key] = body[key]
+    extra_template_kwargs = extra.pop("chat_template_kwargs", None)
+    if not template_kwargs and extra_template_kwargs:  # as in Gym, the request's own kwargs win over extra_body's
+        template_kwargs = dict(extra_template_kwargs)
+    sampling = {**extra, **sampling}
+    tool_choice = body.get("tool_choice", "auto")
+    return ChatTurn(
+        messages=messages,
+        tools=tools,
+        chat_template_kwargs=template_kwargs,
+        sampling=sampling,
+        parse_tools=bool(tools) and tool_choice != "none",
+        echo=body,
+    )
+
+
+def _message(item: dict[str, Any], state: _State) -> None:
+    role = item["role"]
+    content = item["content"]
+    if isinstance(content, list) and role != "assistant":
+        parts = []
+        for part in content:
+            kind = part.get("type")
+            if kind == "input_text":
+                parts.append({"type": "text", "text": part["text"]})
+            elif kind == "input_image":
+                parts.append(
+                    {
+                        "type": "image_url",
+                        "image_url": {"url": part.get("image_url", ""), "detail": part.get("detail", "auto")},
+                    }
+                )
+            else:
+                raise TranslationError(f"unsupported content part type {kind!r}")
+        content = parts
+    if role == "assistant":
+        if isinstance(content, list):
+            state.content += "".join(part.get("text", "") for part in content)
+        elif isinstance(content, str):
+            state.content += content
+        else:
+            raise TranslationError("an assistant message's content must be a string or a list of parts")
+    elif role in ("user", "system", "developer"):
+        state.flush_assistant()
+        state.messages.append({"content": content, "role": role})
+    else:
+        raise TranslationError(f"unsupported message role {role!r}")
+
+
+def _move_reasoning(message: dict[str, Any], interleaved: bool) -> None:
+    """``<think>`` of an earlier assistant turn goes to ``reasoning_content`` (as ``vllm_model`` sends it)."""
+    if message.get("role") != "assistant" or "content" not in message:
+        return
+    content = message["content"]
+    if isinstance(content, str):
+        found, message["content"] = _THINK.findall(content), _THINK.sub("", content)
+        if found and interleaved:
+            message["reasoning_content"] = message["reasoning"] = found[0]
+
+
+def _chat_tool(tool: Any, i: int) -> dict[str, Any]:
+    if not isinstance(tool, dict) or not isinstance(tool.get("name"), str):
+        raise TranslationError(f"tools[{i}] must be a function tool with a name")
+    # Key order as Gym's TypedDicts dump them: templates render tools with ``tojson``, so it is part of the tokens.
+    function = {k: tool[k] for k in _FUNCTION_KEYS if k in tool}
+    function.update((k, v) for k, v in tool.items() if k not in function and k not in ("type", "strict"))
+    return {"function": function, "type": "function"}
+
+
+def _json_object(text: Any, where: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text) if isinstance(text, str) else text
+    except json.JSONDecodeError as exc:
+        raise TranslationError(f"{where} is not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise TranslationError(f"{where} must be a JSON object")
+    return value
+
+
+# ---------------------------------------------------------------------- output
+
+
+def output_items(
+    content: str | None,
+    tool_calls: list[dict[str, Any]],
+    *,
+    uses_reasoning_parser: bool,
+    token_fields: dict[str, Any] | None,
+) -> list[dict[str, Any]]:
+    """The output items of one turn: reasoning, message (if text, or if nothing at all), function calls.
+
+    ``token_fields`` (``prompt_token_ids`` ...) go on the last item, as Gym's training items carry them.
+    """
+    items: list[dict[str, Any]] = []
+    text = content or ""
+    found: list[str] = []
+    if uses_reasoning_parser:
+        found, text = _THINK.findall(text), _THINK.sub("", text)
+    if found:
+        items.append(
+            {
+                "id": f"rs_{uuid.uuid4().hex}",
+                "summary": [{"text": t, "type": "summary_text"} for t in found],
+                "type": "reasoning",
+                "encrypted_content": None,
+            }
+        )
+    if text or not (items or tool_calls):
+        items.append(
+            {
+                "id": f"msg_{uuid.uuid4().hex}",
+                "content": [{"annotations": [], "text": text, "type": "output_text", "logprobs": None}],
+                "role": "assistant",
+                "status": "completed",
+                "type": "message",
+            }
+        )
+    for call in tool_calls:
+        items.append(
+            {
+                "arguments": call["function"]["arguments"],
+                "call_id": call["id"],
+                "name": call["function"]["name"],
+                "type": "function_call",
+                "id": call["id"],
+                "status": "completed",
+            }
+        )
+    if token_fields is not None:
+        items[-1] = {**token_fields, "routed_experts": None, **items[-1]}
+    return items
+
+
+def empty_output_items() -> list[dict[str, Any]]:
+    """What ``vllm_model`` returns for a prompt over the context length: one empty message, no token ids."""
+    return output_items(None, [], uses_reasoning_parser=False, token_fields=None)
+
+
+def response_body(
+    echo: dict[str, Any],
+    model: str,
+    output: list[dict[str, Any]],
+    *,
+    finish_reason: str,
+    usage: tuple[int, int] | None,
+) -> dict[str, Any]:
+    """The ``NeMoGymResponse`` JSON ``vllm_model`` returns, every field present (nulls included)."""
+    incomplete = {"reason": "max_output_tokens"} if finish_reason == "length" else None
+    if finish_reason == "content_filter":
+        incomplete = {"reason": "content_filter"}
+    usage_body = None
+    if usage is not None:
+        prompt, completion = usage
+        usage_body = {
+            "input_tokens": prompt,
+            "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens": completion,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": prompt + completion,
+        }
+    get = echo.get
+    tool_choice = get("tool_choice")
+    return {
+        "id": f"resp_{uuid.uuid4().hex}",
+        "created_at": float(int(time.time())),
+        "error": None,
+        "incomplete_details": incomplete,
+        "instructions": get("instructions"),
+        "metadata": get("metadata"),
+        "model": model,
+        "object": "response",
+        "output": output,
+        "parallel_tool_calls": get("parallel_tool_calls", True),
+        "temperature": get("temperature"),
+        "tool_choice": tool_choice if tool_choice is not None else "auto",
+        "tools": get("tools") or [],
+        "top_p": get("top_p"),
+        "background": get("background"),
+        "conversation": None,
+        "max_output_tokens": get("max_output_tokens"),
+        "max_tool_calls": get("max_tool_calls"),
+        "previous_response_id": get("previous_response_id"),
+        "prompt": get("prompt"),
+        "prompt_cache_key": None,
+        "reasoning": get("reasoning"),
+        "safety_identifier": None,
+        "service_tier": get("service_tier"),
+        "status": None,
+        "text": get("text"),
+        "top_logprobs": get("top_logprobs"),
+        "truncation": get("truncation"),
+        "usage": usage_body,
+        "user": get("user"),
+    }

@@ -1,10 +1,9 @@
-"""Session-wide fixtures: one real Ray cluster and one tiny model per test session."""
+"""Our suite's fixtures come from the public plugin (gym_bridge.testing), registered here once, so each
+session fixture (Ray, the tiny model, the scripted policy, the default Gym actor) exists once per session."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -12,32 +11,7 @@ os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The embedded tiny model, built once per session into a private cache folder."""
-    from gym_bridge.models.tiny import build_tiny_model
-
-    return build_tiny_model(cache_dir=tmp_path_factory.mktemp("tiny-cache"))
-
-
-@pytest.fixture(scope="session")
-def tiny_tokenizer(tiny_model_dir: Path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
-
-
-@pytest.fixture(scope="session")
-def ray_session() -> Iterator[None]:
-    """A real local Ray cluster, started once for the whole session."""
-    import ray
-
-    from gym_bridge.ray_utils import init_ray
-
-    init_ray(num_cpus=2)
-    yield
-    ray.shutdown()
+pytest_plugins = ["gym_bridge.testing"]
 
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:

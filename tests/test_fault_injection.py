@@ -37,14 +37,9 @@ from gym_bridge.rollout.manager import RolloutManager, RolloutOutcome
 from gym_bridge.rollout.nemo_gym import GymRowIndexError
 from gym_bridge.rollout.sink import InMemorySink
 from tests.fault_gate import FaultGate
-from tests.gym_fixtures import (  # noqa: F401 - fixtures
-    equivalence_row,
-    gym_actor,
-    gym_actor_config,
-    scripted_policy,
-)
+from tests.gym_fixtures import equivalence_row, gym_actor_config
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.gym, pytest.mark.slow]
 
 N = 4
 MARGIN_S = 5.0  # allowed past a deadline: backoff, Ray round trips, a loaded 2-core machine

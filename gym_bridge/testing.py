@@ -89,7 +89,13 @@ def gym_rollout_options() -> dict[str, Any]:
     return {
         "num_generations_per_prompt": 2,
         "max_seq_len": 4096,
-        "generation_config": {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": 64, "top_k": None},
+        "generation_config": {
+            "temperature": 1.0,
+            "top_p": 1.0,
+            "max_new_tokens": 64,
+            "top_k": None,
+            "stop_strings": None,
+        },
     }
 
 

@@ -1,5 +1,9 @@
 """Our suite's fixtures come from the public plugin (gym_bridge.testing), registered here once, so each
-session fixture (Ray, the tiny model, the scripted policy, the default Gym actor) exists once per session."""
+session fixture (Ray, the tiny model, the scripted policy, the default Gym actor) exists once per session.
+
+The modules that share the session Gym (``gym_actor``) run one after another, and the Gym stops right
+after the last test that uses it instead of idling to the end of the session.
+"""
 
 from __future__ import annotations
 
@@ -13,10 +17,39 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 pytest_plugins = ["gym_bridge.testing"]
 
+SHARED_GYM = "gym_actor"
+_LAST_GYM_USER = pytest.StashKey[pytest.Item | None]()
+
+
+def _uses_shared_gym(item: pytest.Item) -> bool:
+    return SHARED_GYM in getattr(item, "fixturenames", ())
+
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Ray workers cannot import test modules: ship their actors and helpers by value."""
+    """Ship test modules to Ray workers by value; group the shared Gym's users and note the last of them."""
     import ray.cloudpickle
 
-    for module in {item.module for item in items if getattr(item, "module", None) is not None}:
+    modules = {getattr(item, "module", None) for item in items} - {None}
+    for module in modules:  # Ray workers cannot import test modules: ship their actors and helpers by value
         ray.cloudpickle.register_pickle_by_value(module)
+
+    users = {getattr(item, "module", None) for item in items if _uses_shared_gym(item)}
+    first = next((i for i, item in enumerate(items) if getattr(item, "module", None) in users), None)
+    if first is not None:
+        rank: dict[object, int] = {}
+        for i, item in enumerate(items):
+            module = getattr(item, "module", None)
+            rank.setdefault(module, first if module in users else i)
+        items.sort(key=lambda item: rank[getattr(item, "module", None)])  # stable: file order inside a module
+    config.stash[_LAST_GYM_USER] = next((item for item in reversed(items) if _uses_shared_gym(item)), None)
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
+    """After the last test that uses the session Gym, stop it (its Gym servers and actor) right away."""
+    result = yield
+    if nextitem is not None and item is item.config.stash.get(_LAST_GYM_USER, None):
+        for fixturedef in item._fixtureinfo.name2fixturedefs.get(SHARED_GYM, ()):  # type: ignore[attr-defined]
+            if fixturedef.scope == "session":
+                fixturedef.finish(item._request)  # type: ignore[attr-defined]
+    return result

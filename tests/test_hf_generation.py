@@ -11,6 +11,7 @@ import torch
 
 from gym_bridge.batched import BatchedDataDict
 from gym_bridge.generation.hf import EngineShutDownError, HFGeneration, HFGenerationConfig
+from gym_bridge.testing import async_wait_until
 
 PROMPTS = [
     "Hello there",
@@ -326,8 +327,7 @@ async def test_cancellation_does_not_break_worker(tiny) -> None:
             return [i async for i, _ in gen.generate_async(data, greedy=True)]
 
         task = asyncio.create_task(consume())
-        await asyncio.sleep(0.05)
-        assert gen.stats.forward_passes > 0  # the batch is running
+        await async_wait_until(lambda: gen.stats.forward_passes > 0, 60, "a forward pass")  # the batch is running
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -357,7 +357,7 @@ async def test_shutdown_is_idempotent_and_fails_waiters(tiny) -> None:
         return [i async for i, _ in gen.generate_async(data, greedy=True)]
 
     task = asyncio.create_task(consume())
-    await asyncio.sleep(0.1)
+    await async_wait_until(lambda: gen.stats.forward_passes > 0, 60, "a forward pass")  # the batch is running
     worker = gen._worker
     assert worker is not None and worker.is_alive()
     done = threading.Event()

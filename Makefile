@@ -8,7 +8,7 @@ export TOKENIZERS_PARALLELISM := false
 # uv from PATH when it runs, else the one `make setup` installs for this Python.
 UV := $(shell uv --version >/dev/null 2>&1 && echo uv || echo "$(PYTHON) -m uv")
 
-.PHONY: setup demo test clean bench-serve bench-bridge example-gym train-demo
+.PHONY: setup demo test test-fast test-plugin lint clean bench-serve bench-bridge example-gym train-demo
 
 setup:
 	@$(UV) --version >/dev/null 2>&1 || $(PYTHON) -m pip install --quiet --disable-pip-version-check uv
@@ -18,8 +18,23 @@ setup:
 demo: setup
 	$(UV) run gym-bridge eval examples/eval_equivalence_tools.yaml output_dir=runs/demo-$$(date +%Y%m%d-%H%M%S)
 
+# The whole suite, then the example suite that uses only the public pytest plugin.
 test: setup
 	$(UV) run pytest
+	$(MAKE) --no-print-directory test-plugin
+
+# The quick lane: no Gym, no subprocess end to end, nothing slow (target: under 90 s).
+test-fast: setup
+	$(UV) run pytest -m "not gym and not e2e and not slow" -q
+
+# A user's integration suite outside tests/: only gym_bridge.testing's fixtures.
+test-plugin: setup
+	cd examples/plugin_suite && $(UV) run pytest -q
+
+lint: setup
+	$(UV) run ruff check gym_bridge
+	$(UV) run ruff format --check gym_bridge
+	$(UV) run mypy
 
 clean:
 	rm -rf .venv .pytest_cache

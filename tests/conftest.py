@@ -1,9 +1,13 @@
-"""Session-wide fixtures: one real Ray cluster and one tiny model per test session."""
+"""Our suite's fixtures come from the public plugin (gym_bridge.testing), registered here once, so each
+session fixture (Ray, the tiny model, the scripted policy, the default Gym actor) exists once per session.
+
+The modules that share the session Gym (``gym_actor``) run one after another, and the Gym stops right
+after the last test that uses it instead of idling to the end of the session.
+"""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -12,20 +16,10 @@ os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+pytest_plugins = ["gym_bridge.testing"]
 
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The embedded tiny model, built once per session into a private cache folder."""
-    from gym_bridge.models.tiny import build_tiny_model
-
-    return build_tiny_model(cache_dir=tmp_path_factory.mktemp("tiny-cache"))
-
-
-@pytest.fixture(scope="session")
-def tiny_tokenizer(tiny_model_dir: Path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
+SHARED_GYM = "gym_actor"
+_LAST_GYM_USER = pytest.StashKey[pytest.Item | None]()
 
 
 @pytest.fixture(scope="session")
@@ -39,21 +33,35 @@ def smollm2_model_dir() -> Path:
     return build_smollm2()
 
 
-@pytest.fixture(scope="session")
-def ray_session() -> Iterator[None]:
-    """A real local Ray cluster, started once for the whole session."""
-    import ray
-
-    from gym_bridge.ray_utils import init_ray
-
-    init_ray(num_cpus=2)
-    yield
-    ray.shutdown()
+def _uses_shared_gym(item: pytest.Item) -> bool:
+    return SHARED_GYM in getattr(item, "fixturenames", ())
 
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Ray workers cannot import test modules: ship their actors and helpers by value."""
+    """Ship test modules to Ray workers by value; group the shared Gym's users and note the last of them."""
     import ray.cloudpickle
 
-    for module in {item.module for item in items if getattr(item, "module", None) is not None}:
+    modules = {getattr(item, "module", None) for item in items} - {None}
+    for module in modules:  # Ray workers cannot import test modules: ship their actors and helpers by value
         ray.cloudpickle.register_pickle_by_value(module)
+
+    users = {getattr(item, "module", None) for item in items if _uses_shared_gym(item)}
+    first = next((i for i, item in enumerate(items) if getattr(item, "module", None) in users), None)
+    if first is not None:
+        rank: dict[object, int] = {}
+        for i, item in enumerate(items):
+            module = getattr(item, "module", None)
+            rank.setdefault(module, first if module in users else i)
+        items.sort(key=lambda item: rank[getattr(item, "module", None)])  # stable: file order inside a module
+    config.stash[_LAST_GYM_USER] = next((item for item in reversed(items) if _uses_shared_gym(item)), None)
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
+    """After the last test that uses the session Gym, stop it (its Gym servers and actor) right away."""
+    result = yield
+    if nextitem is not None and item is item.config.stash.get(_LAST_GYM_USER, None):
+        for fixturedef in item._fixtureinfo.name2fixturedefs.get(SHARED_GYM, ()):  # type: ignore[attr-defined]
+            if fixturedef.scope == "session":
+                fixturedef.finish(item._request)  # type: ignore[attr-defined]
+    return result

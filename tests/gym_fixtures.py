@@ -1,26 +1,24 @@
-"""Session-scoped NeMo-Gym fixtures: the scripted policy behind our OpenAI server, and one NemoGym actor.
+"""Helpers for the Gym tests: the wheel's rows, row builders and the session actor's config.
 
-Import the fixtures you use into a test module (``from tests.gym_fixtures import gym_actor``);
-pytest then shares them across the session, so Gym starts once.
+The fixtures themselves (``ray_session``, ``tiny_tokenizer``, ``scripted_policy``, ``gym_actor``, ...)
+live in the public plugin :mod:`gym_bridge.testing`, which ``tests/conftest.py`` registers once, so
+every module shares one session Gym. Their names stay importable from here for modules written
+before the plugin: they are plain functions, not fixtures, so importing one registers nothing
+(an imported *fixture* would make pytest start a second, module-private Gym).
 """
 
 from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Iterator
 from typing import Any
 
-import pytest
+from gym_bridge import testing as _plugin
+from gym_bridge.testing import DEFAULT_GYM_CONFIGS, SERVED_MODEL_NAME
 
-GYM_CONFIGS = [
-    "responses_api_models/vllm_model/configs/vllm_model_for_training.yaml",
-    "resources_servers/example_single_tool_call/configs/example_single_tool_call.yaml",
-    "resources_servers/equivalence_rule/configs/lc.yaml",
-]
+GYM_CONFIGS = list(DEFAULT_GYM_CONFIGS)
 TOOL_AGENT = "example_single_tool_call_simple_agent"
 EQUIVALENCE_AGENT = "lc_equivalence_rule_simple_agent"
-SERVED_MODEL_NAME = "tiny"
 
 
 def tool_call_rows() -> list[dict[str, Any]]:
@@ -57,18 +55,6 @@ def stamp(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return stamped
 
 
-@pytest.fixture(scope="session")
-def scripted_policy(tiny_tokenizer) -> Iterator[Any]:
-    """Our OpenAI-compatible server over ``ScriptedGeneration`` on the tiny tokenizer (``.base_url``)."""
-    from gym_bridge.generation.scripted import ScriptedGeneration
-    from gym_bridge.serving import OpenAIServer
-
-    server = OpenAIServer(ScriptedGeneration(tiny_tokenizer), tiny_tokenizer, served_model_name=SERVED_MODEL_NAME)
-    server.start_in_thread()
-    yield server
-    server.stop_thread()
-
-
 def gym_actor_config(base_urls: list[str], log_dir: Any, **kwargs: Any):
     from gym_bridge.gym.actor import NemoGymConfig
     from gym_bridge.gym.servers import wheel_config_path
@@ -86,17 +72,13 @@ def gym_actor_config(base_urls: list[str], log_dir: Any, **kwargs: Any):
     )
 
 
-@pytest.fixture(scope="session")
-def gym_actor(ray_session, scripted_policy, tiny_tokenizer, tmp_path_factory) -> Iterator[Any]:
-    """A spun-up NemoGym actor (tool-call and equivalence agents) on the scripted policy."""
-    import ray
+def _plain(fixture: Any) -> Any:
+    """The function under a plugin fixture: importable under the fixture's name, invisible to pytest."""
+    return fixture._get_wrapped_function()
 
-    from gym_bridge.gym.actor import spinup_nemo_gym_actor
 
-    config = gym_actor_config([scripted_policy.base_url], tmp_path_factory.mktemp("gym-actor-logs"))
-    handle = spinup_nemo_gym_actor(config, tiny_tokenizer)
-    yield handle
-    try:
-        ray.get(handle.shutdown.remote(), timeout=60)
-    finally:
-        ray.kill(handle)
+ray_session = _plain(_plugin.ray_session)
+tiny_model_dir = _plain(_plugin.tiny_model_dir)
+tiny_tokenizer = _plain(_plugin.tiny_tokenizer)
+scripted_policy = _plain(_plugin.scripted_policy)
+gym_actor = _plain(_plugin.gym_actor)

@@ -18,6 +18,7 @@ from gym_bridge.failures import (
     RolloutRetryPolicy,
 )
 from gym_bridge.rollout.manager import RolloutManager, RolloutOutcome
+from gym_bridge.testing import async_wait_until
 from gym_bridge.rollout.sink import InMemorySink, RolloutSink
 from gym_bridge.types import Completion, PromptGroupRecord
 
@@ -117,7 +118,7 @@ async def test_skip_budget_is_run_wide():
 async def test_cancellation_is_not_retried_and_releases_the_slot():
     m, sink = manager(["hang"]), InMemorySink()
     task = asyncio.ensure_future(m.collect(datum(), sink))
-    await asyncio.sleep(0.05)
+    await async_wait_until(lambda: m.backend.calls == 1, 10, "the backend running the group")
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task

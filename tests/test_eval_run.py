@@ -69,6 +69,9 @@ def dataset(tmp_path_factory) -> Path:
     return path
 
 
+pytestmark = [pytest.mark.gym, pytest.mark.e2e, pytest.mark.slow]
+
+
 @pytest.mark.timeout(900)
 def test_kill_resume_interrupt_resume(dataset: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"

@@ -41,15 +41,11 @@ from gym_bridge.gym.servers import wheel_config_path
 from gym_bridge.rollout.manager import RolloutManager, RolloutOutcome
 from gym_bridge.rollout.nemo_gym import GymRowIndexError
 from gym_bridge.rollout.sink import InMemorySink
+from gym_bridge.testing import async_wait_until
 from tests.fault_gate import FaultGate
-from tests.gym_fixtures import (  # noqa: F401 - fixtures
-    equivalence_row,
-    gym_actor,
-    gym_actor_config,
-    scripted_policy,
-)
+from tests.gym_fixtures import equivalence_row, gym_actor_config
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.gym, pytest.mark.slow]
 
 N = 4
 MARGIN_S = 5.0  # allowed past a deadline: backoff, Ray round trips, a loaded 2-core machine
@@ -111,6 +107,13 @@ def fault_gym(ray_session, gate, tiny_tokenizer, tmp_path_factory):
         print(f"fault_gym shutdown: {type(exc).__name__}: {exc}")
     finally:
         ray.kill(actor)
+
+
+async def rows_in_flight(gate: FaultGate, seen: int, timeout_s: float = 30.0) -> None:
+    """Wait until Gym's requests reach the (delaying) gate: rows are in flight, not merely submitted."""
+    await async_wait_until(
+        lambda: asyncio.to_thread(lambda: gate.stats()["chat"] > seen), timeout_s, "a chat request at the gate"
+    )
 
 
 def make_manager(actor, tokenizer, *, rollout_s: float = 30.0, **policy) -> RolloutManager:
@@ -293,10 +296,11 @@ async def test_endpoint_killed_mid_batch_then_restarted_recovers(fault_gym, gate
     Expected: Gym retries the refused connections; every group COMMITTED, all rows, no duplicate."""
     gate.set("delay", delay_s=1.0)
     manager = make_manager(fault_gym, tiny_tokenizer, rollout_s=60.0, max_infra_attempts=2)
+    seen = gate.stats()["chat"]
     task = asyncio.ensure_future(collect(manager, [prompt(10), prompt(11)]))
-    await asyncio.sleep(0.5)
+    await rows_in_flight(gate, seen)
     gate.kill()
-    await asyncio.sleep(2.0)
+    await asyncio.sleep(2.0)  # the scenario's downtime (not a wait for anything): Gym retries meanwhile
     gate.start()
     outcomes, sink, elapsed = await asyncio.wait_for(task, 60 + MARGIN_S)
     assert outcomes == [RolloutOutcome.COMMITTED] * 2
@@ -572,8 +576,9 @@ async def test_resources_server_killed_mid_run_is_named(fault_gym, gate, tiny_to
     manager = make_manager(fault_gym, tiny_tokenizer, max_infra_attempts=2, max_gym_row_attempts=2,
                            max_consecutive_dropped_prompts=0)
     sink = InMemorySink()
+    seen = gate.stats()["chat"]
     task = asyncio.ensure_future(manager.collect(prompt(30), sink))
-    await asyncio.sleep(0.5)
+    await rows_in_flight(gate, seen)
     t0 = time.monotonic()
     os.kill(pid, signal.SIGKILL)
     with pytest.raises(RolloutRedispatchExhausted) as info:
@@ -594,8 +599,9 @@ async def test_actor_killed_is_restarted_by_ray_and_respins(fault_gym, gate, tin
     gate.set("delay", delay_s=1.0)
     manager = make_manager(fault_gym, tiny_tokenizer, rollout_s=240.0, max_infra_attempts=8,
                            backoff_base_s=2.0, max_backoff_s=10.0)  # calls fail fast while Ray restarts it
+    seen = gate.stats()["chat"]
     task = asyncio.ensure_future(collect(manager, [prompt(40)]))
-    await asyncio.sleep(0.5)
+    await rows_in_flight(gate, seen)
     ray.kill(fault_gym, no_restart=False)
     outcomes, sink, _ = await asyncio.wait_for(task, 400)
     assert outcomes == [RolloutOutcome.COMMITTED], f"last error: {sink.last_error}"

@@ -26,18 +26,16 @@ from gym_bridge.gym.actor import (
     spinup_nemo_gym_actor,
 )
 from gym_bridge.gym.result import GymRowBatch
-from tests.gym_fixtures import (  # noqa: F401 - fixtures
+from tests.gym_fixtures import (
     EQUIVALENCE_AGENT,
     TOOL_AGENT,
     equivalence_row,
-    gym_actor,
     gym_actor_config,
-    scripted_policy,
     stamp,
     tool_call_rows,
 )
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.gym]
 
 PREFIX = "timing/rollout"
 

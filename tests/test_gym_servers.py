@@ -21,7 +21,7 @@ from gym_bridge.gym.servers import (
     wheel_config_path,
 )
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.gym]
 
 _CONFIGS = [
     "responses_api_models/vllm_model/configs/vllm_model_for_training.yaml",

@@ -11,6 +11,7 @@ import torch
 
 from gym_bridge.batched import BatchedDataDict
 from gym_bridge.generation.hf import EngineShutDownError, HFGeneration, HFGenerationConfig
+from gym_bridge.testing import async_wait_until
 
 PROMPTS = [
     "Hello there",
@@ -334,7 +335,7 @@ async def test_cancellation_does_not_break_worker(tiny) -> None:
             return [i async for i, _ in gen.generate_async(data, greedy=True)]
 
         task = asyncio.create_task(consume())
-        await _until(lambda: gen.stats.forward_passes > 0)  # the batch is running
+        await async_wait_until(lambda: gen.stats.forward_passes > 0, 60, "a forward pass")  # the batch is running
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -351,14 +352,6 @@ async def test_cancellation_does_not_break_worker(tiny) -> None:
         gen.shutdown()
 
 
-async def _until(condition, timeout_s: float = 60.0) -> None:
-    """Wait (bounded) until ``condition()`` holds, polling without blocking the loop."""
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not condition():
-        assert asyncio.get_running_loop().time() < deadline, "the condition never held"
-        await asyncio.sleep(0.002)
-
-
 async def _collect(gen: HFGeneration, data: BatchedDataDict) -> dict[int, BatchedDataDict]:
     return {i: out async for i, out in gen.generate_async(data, greedy=True)}
 
@@ -372,7 +365,7 @@ async def test_shutdown_is_idempotent_and_fails_waiters(tiny) -> None:
         return [i async for i, _ in gen.generate_async(data, greedy=True)]
 
     task = asyncio.create_task(consume())
-    await _until(lambda: gen.stats.forward_passes > 0)
+    await async_wait_until(lambda: gen.stats.forward_passes > 0, 60, "a forward pass")  # the batch is running
     worker = gen._worker
     assert worker is not None and worker.is_alive()
     done = threading.Event()
@@ -467,7 +460,7 @@ async def test_a_request_in_flight_at_a_refit_finishes_on_one_version(tiny) -> N
     try:
         long = batch(tok, ["Hello there"], max_new_tokens=[200])
         in_flight = asyncio.create_task(_collect(gen, long))
-        await _until(lambda: gen.stats.forward_passes > 0)  # the row is decoding
+        await async_wait_until(lambda: gen.stats.forward_passes > 0, 60, "the row decoding")
         assert not in_flight.done()
         refit = asyncio.create_task(asyncio.to_thread(gen.update_weights, new_weights, 1))
         old = (await asyncio.wait_for(in_flight, timeout=120))[0]
@@ -492,7 +485,7 @@ async def test_rows_joining_a_running_batch_decode_as_alone(tiny) -> None:
         alone = [gen.generate(batch(tok, [p]), greedy=True) for p in prompts]
         passes = gen.stats.forward_passes
         first = asyncio.create_task(_collect(gen, batch(tok, prompts[:1])))
-        await _until(lambda: gen.stats.forward_passes > passes + 2)  # the first row is decoding
+        await async_wait_until(lambda: gen.stats.forward_passes > passes + 2, 60, "the first row decoding")
         assert not first.done()
         late = [asyncio.create_task(_collect(gen, batch(tok, [p]))) for p in prompts[1:]]
         outs = [(await asyncio.wait_for(t, timeout=120))[0] for t in [first, *late]]

@@ -16,15 +16,15 @@ from gym_bridge.generation.hf import HFGeneration, HFGenerationConfig
 from gym_bridge.gym.actor import spinup_nemo_gym_actor
 from gym_bridge.rollout.manager import RolloutManager
 from gym_bridge.serving import OpenAIServer
-from tests.gym_fixtures import (  # noqa: F401 - fixtures
+from tests.gym_fixtures import (
     EQUIVALENCE_AGENT,
     TOOL_AGENT,
     equivalence_row,
-    gym_actor,
     gym_actor_config,
-    scripted_policy,
     tool_call_rows,
 )
+
+pytestmark = pytest.mark.gym
 
 GEN_CFG = {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": 64, "top_k": None, "stop_strings": None}
 SCRIPTED_LOGPROB = math.log(0.5)
@@ -122,6 +122,7 @@ def hf_gym(ray_session, tiny_model_dir, tiny_tokenizer, tmp_path_factory):
     generation.shutdown()
 
 
+@pytest.mark.slow
 async def test_random_model_logprobs_equal_a_forward_pass(hf_gym, tiny_tokenizer):
     actor, generation, _ = hf_gym
     row = equivalence_row("What is 12 + 7?", "19")

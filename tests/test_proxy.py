@@ -27,6 +27,7 @@ from gym_bridge.generation.hf import HFGeneration, HFGenerationConfig
 from gym_bridge.generation.scripted import ScriptedGeneration
 from gym_bridge.serving import OpenAIServer, build_proxy
 from gym_bridge.serving.drift import HEADER_CORRECTION, HEADER_DRIFT
+from gym_bridge.testing import wait_until
 
 logger = logging.getLogger(__name__)
 
@@ -279,8 +280,7 @@ class StubUpstream:
         self.server = uvicorn.Server(uvicorn.Config(app, log_config=None, lifespan="off"))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.thread.start()
-        while not self.server.started:
-            time.sleep(0.01)
+        wait_until(lambda: self.server.started, 30, "the stub upstream starting")
 
     def stop(self) -> None:
         self.server.should_exit = True

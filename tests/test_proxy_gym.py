@@ -18,6 +18,8 @@ from gym_bridge.rollout.manager import RolloutManager
 from gym_bridge.serving import OpenAIServer, build_proxy
 from tests.gym_fixtures import SERVED_MODEL_NAME, gym_actor_config, tool_call_rows
 
+pytestmark = [pytest.mark.gym, pytest.mark.slow]
+
 GEN_CFG = {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": 64, "top_k": None, "stop_strings": None}
 
 

@@ -321,6 +321,8 @@ def test_async_start_stop(tiny_tokenizer):
     asyncio.run(run())
 
 
+@pytest.mark.e2e
+@pytest.mark.slow
 def test_cli_serve_stops_on_sigterm(tiny_model_dir):
     proc = subprocess.Popen(
         [

@@ -47,6 +47,8 @@ def _tensors(folder: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+@pytest.mark.e2e
+@pytest.mark.slow
 def test_build_is_deterministic_and_offline(tiny_model_dir: Path, tmp_path: Path) -> None:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     proc = subprocess.run(

@@ -172,6 +172,7 @@ def test_chunking_and_content_parts():
     assert message_text(parts) == "hi" and message_text(None) == ""
 
 
+@pytest.mark.slow  # three Ray worker processes that import torch: ~70 s on a loaded 2-core machine
 @pytest.mark.usefixtures("ray_session")
 def test_environment_step_spread_and_metrics():
     cfg = {"num_workers": 2, "stop_strings": ["</answer>"], "reward_functions": [

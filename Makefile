@@ -13,7 +13,7 @@ UV := $(shell uv --version >/dev/null 2>&1 && echo uv || echo "$(PYTHON) -m uv")
 setup:
 	@$(UV) --version >/dev/null 2>&1 || $(PYTHON) -m pip install --quiet --disable-pip-version-check uv
 	@$(UV) --version
-	$(UV) sync --locked
+	$(UV) sync --locked --compile-bytecode
 
 demo: setup
 	$(UV) run gym-bridge eval examples/eval_equivalence_tools.yaml output_dir=runs/demo-$$(date +%Y%m%d-%H%M%S)

@@ -17,6 +17,7 @@ from gym_bridge.generation.scripted import ScriptedGeneration
 from gym_bridge.rollout.env_step import calculate_rewards
 from gym_bridge.rollout.manager import RolloutManager
 from gym_bridge.rollout.native import UNLIMITED_TURNS, AsyncRolloutImpl
+from gym_bridge.gym.result import GymRowResult
 from gym_bridge.rollout.nemo_gym import AsyncNemoGymRolloutImpl, group_metrics
 from gym_bridge.rollout.sync import run_multi_turn_rollout
 from gym_bridge.rollout.truncation import fit_observation, gym_completion_truncated
@@ -195,15 +196,15 @@ def _gym_result(lengths, drift=None):
         if i % 2:
             message["generation_logprobs"] = torch.zeros(n)
         log.append(message)
-    return {"message_log": log, "input_message_log": log[:1], "full_result": {"reward": 1.0}, "token_drift": drift}
+    return GymRowResult(row_index=0, message_log=log, full_result={"reward": 1.0}, reward=1.0, token_drift=drift)
 
 
 def test_gym_completions_keep_truncation_and_drift_apart(tiny_tokenizer):
     impl = AsyncNemoGymRolloutImpl(tiny_tokenizer, {"nemo_gym": object()}, 3, 10, generation_config=GEN_CFG)
-    at_cap = impl._completion(_gym_result([4, 6]), 0, 0)
-    past_cap = impl._completion(_gym_result([4, 7]), 0, 1)
+    at_cap = impl._completion(_gym_result([4, 6]))
+    past_cap = impl._completion(_gym_result([4, 7]))
     drift = {"turn": 1, "position": 3, "expected": [1], "got": [2]}
-    drifted = impl._completion(_gym_result([4, 3], drift=drift), 0, 2)
+    drifted = impl._completion(_gym_result([4, 3], drift=drift))
     assert (at_cap.truncated, at_cap.token_drift) == (True, False)
     assert (past_cap.truncated, past_cap.token_drift) == (False, False)  # NeMo-RL's equality, not ">="
     assert (drifted.truncated, drifted.token_drift) == (False, True)

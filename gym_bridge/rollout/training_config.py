@@ -21,12 +21,19 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from gym_bridge.failures import RolloutTimeouts
-from gym_bridge.gym.actor import NemoGymConfig, spinup_nemo_gym_actors
-from gym_bridge.rollout.manager import RolloutManager
+from gym_bridge.gym.actor import NemoGymConfig
+from gym_bridge.launch import GymLaunchSpec, NemoGymRollouts, start_nemo_gym
+
+__all__ = [
+    "NemoGymRollouts",
+    "TrainingConfigError",
+    "build_nemo_gym_rollouts",
+    "nemo_gym_config_from",
+    "should_use_nemo_gym",
+]
 
 _BRIDGE_KEYS = ("rollout_timeout_s", "max_row_attempts", "num_actors", "split_base_urls")
 
@@ -76,56 +83,36 @@ def nemo_gym_config_from(config: Mapping[str, Any], *, base_urls: list[str] | No
     return NemoGymConfig(model_name=model_name, base_urls=list(urls), overrides=overrides, **fields)
 
 
-@dataclass
-class NemoGymRollouts:
-    """What :func:`build_nemo_gym_rollouts` starts: the manager and the actors it owns."""
-
-    manager: RolloutManager
-    actors: list[Any]
-
-    @property
-    def actor(self) -> Any:
-        """The first (usually the only) actor."""
-        return self.actors[0]
-
-    def shutdown(self, timeout_s: float = 60.0) -> None:
-        """Stop every actor's Gym servers and the actors; safe to call more than once."""
-        import ray
-
-        try:
-            ray.get([actor.shutdown.remote() for actor in self.actors], timeout=timeout_s)
-        finally:
-            for actor in self.actors:
-                ray.kill(actor)
-
-
 def build_nemo_gym_rollouts(
-    config: Mapping[str, Any], tokenizer: Any, *, base_urls: list[str] | None = None, **manager_kwargs: Any
+    config: Mapping[str, Any],
+    tokenizer: Any,
+    *,
+    base_urls: list[str] | None = None,
+    uses_tools: bool = False,
+    preflight: bool = True,
+    **manager_kwargs: Any,
 ) -> NemoGymRollouts:
-    """Start the NemoGym actor(s) and a ``RolloutManager(use_nemo_gym=True)`` from a training config."""
+    """Preflight the endpoints, then start the NemoGym actor(s) and a ``RolloutManager(use_nemo_gym=True)``
+    from a training config (through :func:`gym_bridge.launch.start_nemo_gym`).
+
+    ``uses_tools``: the data offers tools, so every endpoint must accept chats with tools
+    (:func:`gym_bridge.preflight.rows_use_tools` tells from the rows).
+    """
     if not should_use_nemo_gym(config):
         raise TrainingConfigError("the config does not ask for NeMo-Gym: set 'use_nemo_gym: true'")
-    gym_config = nemo_gym_config_from(config, base_urls=base_urls)
-    generation = dict(_get(config, "policy.generation"))
-    actors = spinup_nemo_gym_actors(
-        gym_config,
-        tokenizer,
-        int(_get(config, "env.nemo_gym.num_actors", 1)),
+    spec = GymLaunchSpec(
+        gym=nemo_gym_config_from(config, base_urls=base_urls),
+        num_generations_per_prompt=int(_get(config, "grpo.num_generations_per_prompt")),
+        max_seq_len=int(_get(config, "policy.max_total_sequence_length")),
+        generation_config=dict(_get(config, "policy.generation")),
+        num_actors=int(_get(config, "env.nemo_gym.num_actors", 1)),
         split_base_urls=bool(_get(config, "env.nemo_gym.split_base_urls", False)),
-    )
-    try:
-        manager = RolloutManager(
-            tokenizer=tokenizer,
-            task_to_env={"nemo_gym": actors if len(actors) > 1 else actors[0]},
-            num_generations_per_prompt=int(_get(config, "grpo.num_generations_per_prompt")),
-            max_seq_len=int(_get(config, "policy.max_total_sequence_length")),
-            generation_config=generation,
-            use_nemo_gym=True,
-            timeouts=RolloutTimeouts(rollout_s=_get(config, "env.nemo_gym.rollout_timeout_s", None)),
-            max_gym_row_attempts=int(_get(config, "env.nemo_gym.max_row_attempts", 3)),
+        uses_tools=uses_tools,
+        preflight=preflight,
+        manager_options={
+            "timeouts": RolloutTimeouts(rollout_s=_get(config, "env.nemo_gym.rollout_timeout_s", None)),
+            "max_gym_row_attempts": int(_get(config, "env.nemo_gym.max_row_attempts", 3)),
             **manager_kwargs,
-        )
-    except BaseException:
-        NemoGymRollouts(manager=None, actors=actors).shutdown()  # type: ignore[arg-type]
-        raise
-    return NemoGymRollouts(manager=manager, actors=actors)
+        },
+    )
+    return start_nemo_gym(spec, tokenizer)

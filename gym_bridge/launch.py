@@ -92,9 +92,9 @@ def start_nemo_gym(spec: GymLaunchSpec, tokenizer: Any) -> NemoGymRollouts:
         GymStartupError, ...: an actor could not start its Gym servers (Ray stopped again if started here).
     """
     if spec.preflight:
-        from gym_bridge.preflight import preflight
+        from gym_bridge.preflight import preflight_endpoints
 
-        checks = preflight(
+        checks = preflight_endpoints(
             spec.gym.base_urls, spec.gym.model_name, tools=spec.uses_tools, timeout_s=spec.preflight_timeout_s
         )
         for check in checks:

@@ -34,7 +34,7 @@ __all__ = [
     "PreflightError",
     "check_endpoint",
     "check_endpoints",
-    "preflight",
+    "preflight_endpoints",
     "rows_use_tools",
 ]
 
@@ -316,7 +316,7 @@ def check_endpoints(
     return _run(check_endpoints_async(base_urls, model_name, tools=tools, timeout_s=timeout_s))
 
 
-def preflight(
+def preflight_endpoints(
     base_urls: Sequence[str], model_name: str, *, tools: bool = False, timeout_s: float = 20.0
 ) -> list[EndpointCheck]:
     """Check every endpoint; raise :class:`PreflightError` (one line per failed endpoint) unless all pass."""

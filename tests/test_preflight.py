@@ -18,7 +18,7 @@ from gym_bridge.preflight import (
     PreflightError,
     check_endpoint,
     check_endpoints,
-    preflight,
+    preflight_endpoints,
     rows_use_tools,
 )
 from gym_bridge.serving import AUTO_TOOL_CHOICE_REFUSED, OpenAIServer, ServerFeatures
@@ -138,7 +138,7 @@ def test_a_server_that_never_answers_times_out_within_the_bound():
 def test_preflight_raises_one_line_per_failed_endpoint(good_url, no_tools_url, dead_url):
     assert [c.ok for c in check_endpoints([good_url, no_tools_url], "tiny", tools=True)] == [True, False]
     with pytest.raises(PreflightError) as info:
-        preflight([good_url, no_tools_url, dead_url], "tiny", tools=True)
+        preflight_endpoints([good_url, no_tools_url, dead_url], "tiny", tools=True)
     lines = str(info.value).splitlines()
     assert lines == [
         f"endpoint {no_tools_url}: refuses chats with tools (HTTP 400: {AUTO_TOOL_CHOICE_REFUSED}); "
@@ -146,7 +146,7 @@ def test_preflight_raises_one_line_per_failed_endpoint(good_url, no_tools_url, d
         f"endpoint {dead_url}: nothing answers (connection refused)",
     ]
     assert [c.base_url for c in info.value.failed] == [no_tools_url, dead_url]
-    assert preflight([good_url], "tiny", tools=True)[0].ok
+    assert preflight_endpoints([good_url], "tiny", tools=True)[0].ok
 
 
 def test_rows_use_tools():

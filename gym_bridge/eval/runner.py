@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from gym_bridge.eval.config import EvalConfig
 from gym_bridge.eval.dataset import DatasetRow, file_sha256, load_dataset
-from gym_bridge.eval.report import build_report
+from gym_bridge.eval.report import build_report, describe_model
 from gym_bridge.eval.sink import RunStoreSink
 from gym_bridge.eval.store import RunStore, read_jsonl
 
@@ -94,7 +94,11 @@ def run_eval(config: EvalConfig, *, resume: bool = False, progress: bool = True)
     done = store.open(
         config.fingerprint(file_sha256(config.dataset)),
         resume=resume,
-        meta={"config": config.model_dump(mode="json"), "prompts_total": len(rows)},
+        meta={
+            "config": config.model_dump(mode="json"),
+            "prompts_total": len(rows),
+            "model": describe_model(config.model_dump(mode="json")),
+        },
     )
     pending = [row for row in rows if row.prompt_idx not in done]
     outcome = EvalOutcome(run_dir=config.output_dir, prompts_total=len(rows), done_before=len(rows) - len(pending))

@@ -237,7 +237,8 @@ async def _check(
             EndpointProblem.NO_TOKENIZE,
             f"the server has no /tokenize (HTTP {response.status_code}); Gym's vllm_model reads prompt token ids there",
         )
-    tokens = _json(response, what).get("tokens")
+    body = _json(response, what)
+    tokens = body.get("tokens") if isinstance(body, dict) else None
     if not isinstance(tokens, list) or not tokens:
         raise _Failed(EndpointProblem.NO_TOKENIZE, "POST /tokenize answered without a 'tokens' list")
     if tools:

@@ -16,7 +16,7 @@ setup:
 	$(UV) sync --locked --compile-bytecode
 
 demo: setup
-	$(UV) run gym-bridge eval examples/eval_equivalence_tools.yaml output_dir=runs/demo-$$(date +%Y%m%d-%H%M%S)
+	$(UV) run gym-bridge eval examples/eval_smollm2.yaml output_dir=runs/demo-$$(date +%Y%m%d-%H%M%S)
 
 # The whole suite, then the example suite that uses only the public pytest plugin.
 test: setup

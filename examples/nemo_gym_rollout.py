@@ -18,15 +18,14 @@ from pathlib import Path
 
 import yaml
 
-from gym_bridge.data import datum_from_gym_row
-from gym_bridge.ray_utils import init_ray
-from gym_bridge.rollout.training_config import build_nemo_gym_rollouts
+from gym_bridge import build_nemo_gym_rollouts, datum_from_gym_row, init_ray
+from gym_bridge.preflight import rows_use_tools
 
 
 def load_tokenizer(name: str):
     from transformers import AutoTokenizer
 
-    from gym_bridge.models.tiny import resolve_model_path
+    from gym_bridge.models.registry import resolve_model_path
 
     return AutoTokenizer.from_pretrained(resolve_model_path(name))
 
@@ -42,7 +41,8 @@ async def run(config: dict, base_urls: list[str]) -> None:
         server = OpenAIServer(ScriptedGeneration(tokenizer), tokenizer, served_model_name=config["policy"]["model_name"])
         base_urls = [server.start_in_thread()]
         print(f"serving the scripted policy at {base_urls[0]}")
-    rollouts = build_nemo_gym_rollouts(config, tokenizer, base_urls=base_urls or None)
+    # Checks every endpoint first (tools too when the rows offer them), then starts Gym and the manager.
+    rollouts = build_nemo_gym_rollouts(config, tokenizer, base_urls=base_urls or None, uses_tools=rows_use_tools(rows))
     try:
         data = [datum_from_gym_row(row, idx=i) for i, row in enumerate(rows)]
         records = await asyncio.gather(*(rollouts.manager.run_rollout(datum) for datum in data))

@@ -1,30 +1,118 @@
 """gym-bridge: rollouts for LLM RL training loops and agent evaluations, over NeMo-Gym or natively.
 
-The contract types are re-exported here lazily, so that ``import gym_bridge``
-(and the CLI) does not pay for importing torch until a type is used.
+The public API is importable from here (``from gym_bridge import RolloutManager, NemoGymConfig``).
+Every name is resolved lazily on first use (module ``__getattr__``), so ``import gym_bridge``
+and the CLI pay for torch or Ray only when a name that needs them is used.
 """
 
-from typing import Any
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-_TYPES = (
-    "Completion",
-    "DatumSpec",
-    "EnvironmentReturn",
-    "GenerationConfig",
-    "GenerationDatumSpec",
-    "GenerationOutputSpec",
-    "MessageEntry",
-    "PromptGroupRecord",
-)
+#: public name -> the module that defines it
+_EXPORTS: dict[str, str] = {
+    # contract types
+    "Completion": "gym_bridge.types",
+    "DatumSpec": "gym_bridge.types",
+    "EnvironmentReturn": "gym_bridge.types",
+    "GenerationConfig": "gym_bridge.types",
+    "GenerationDatumSpec": "gym_bridge.types",
+    "GenerationOutputSpec": "gym_bridge.types",
+    "MessageEntry": "gym_bridge.types",
+    "PromptGroupRecord": "gym_bridge.types",
+    # interfaces a user implements
+    "EnvironmentInterface": "gym_bridge.interfaces",
+    "GenerationInterface": "gym_bridge.interfaces",
+    "PolicyInterface": "gym_bridge.interfaces",
+    "RolloutBackend": "gym_bridge.interfaces",
+    # rolling out
+    "RolloutManager": "gym_bridge.rollout.manager",
+    "RolloutOutcome": "gym_bridge.rollout.manager",
+    "InMemorySink": "gym_bridge.rollout.sink",
+    "datum_from_chat": "gym_bridge.data",
+    "datum_from_gym_row": "gym_bridge.data",
+    # NeMo-Gym
+    "NemoGymConfig": "gym_bridge.gym.actor",
+    "spinup_nemo_gym_actor": "gym_bridge.gym.actor",
+    "spinup_nemo_gym_actors": "gym_bridge.gym.actor",
+    "GymLaunchSpec": "gym_bridge.launch",
+    "NemoGymRollouts": "gym_bridge.launch",
+    "launch_nemo_gym": "gym_bridge.launch",
+    "start_nemo_gym": "gym_bridge.launch",
+    "build_nemo_gym_rollouts": "gym_bridge.rollout.training_config",
+    "nemo_gym_config_from": "gym_bridge.rollout.training_config",
+    "should_use_nemo_gym": "gym_bridge.rollout.training_config",
+    "init_ray": "gym_bridge.ray_utils",
+    # endpoints
+    "EndpointCheck": "gym_bridge.preflight",
+    "PreflightError": "gym_bridge.preflight",
+    "check_endpoint": "gym_bridge.preflight",
+    "check_endpoints": "gym_bridge.preflight",
+    "preflight_endpoints": "gym_bridge.preflight",
+    "OpenAIServer": "gym_bridge.serving",
+    # failures, deadlines, retries
+    "RolloutDataFailure": "gym_bridge.failures",
+    "RolloutFailure": "gym_bridge.failures",
+    "RolloutInfraFailure": "gym_bridge.failures",
+    "RolloutRetryPolicy": "gym_bridge.failures",
+    "RolloutTimeout": "gym_bridge.failures",
+    "RolloutTimeouts": "gym_bridge.failures",
+    # evaluation
+    "EvalConfig": "gym_bridge.eval.config",
+    "load_config": "gym_bridge.eval.config",
+    "run_eval": "gym_bridge.eval.runner",
+}
 
-__all__ = [*_TYPES, "__version__"]
+__all__ = [*_EXPORTS, "__version__"]
+
+if TYPE_CHECKING:
+    from gym_bridge.data import datum_from_chat, datum_from_gym_row
+    from gym_bridge.eval.config import EvalConfig, load_config
+    from gym_bridge.eval.runner import run_eval
+    from gym_bridge.failures import (
+        RolloutDataFailure,
+        RolloutFailure,
+        RolloutInfraFailure,
+        RolloutRetryPolicy,
+        RolloutTimeout,
+        RolloutTimeouts,
+    )
+    from gym_bridge.gym.actor import NemoGymConfig, spinup_nemo_gym_actor, spinup_nemo_gym_actors
+    from gym_bridge.interfaces import EnvironmentInterface, GenerationInterface, PolicyInterface, RolloutBackend
+    from gym_bridge.launch import GymLaunchSpec, NemoGymRollouts, launch_nemo_gym, start_nemo_gym
+    from gym_bridge.preflight import EndpointCheck, PreflightError, check_endpoint, check_endpoints, preflight_endpoints
+    from gym_bridge.ray_utils import init_ray
+    from gym_bridge.rollout.manager import RolloutManager, RolloutOutcome
+    from gym_bridge.rollout.sink import InMemorySink
+    from gym_bridge.rollout.training_config import (
+        build_nemo_gym_rollouts,
+        nemo_gym_config_from,
+        should_use_nemo_gym,
+    )
+    from gym_bridge.serving import OpenAIServer
+    from gym_bridge.types import (
+        Completion,
+        DatumSpec,
+        EnvironmentReturn,
+        GenerationConfig,
+        GenerationDatumSpec,
+        GenerationOutputSpec,
+        MessageEntry,
+        PromptGroupRecord,
+    )
 
 
 def __getattr__(name: str) -> Any:
-    if name in _TYPES:
-        from gym_bridge import types
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'gym_bridge' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
 
-        return getattr(types, name)
-    raise AttributeError(f"module 'gym_bridge' has no attribute {name!r}")
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

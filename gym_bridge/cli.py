@@ -105,13 +105,15 @@ def _eval(args: argparse.Namespace) -> int:
         run_eval,
     )
     from gym_bridge.failures import RunConfigurationError
+    from gym_bridge.preflight import PreflightError
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = load_config(args.config, args.overrides)
         outcome = run_eval(config, resume=args.resume, progress=not args.no_progress)
-    except (EvalConfigError, DatasetError, RunDirError, RunConfigurationError) as exc:
-        print(f"gym-bridge eval: {exc}", file=sys.stderr)
+    except (EvalConfigError, DatasetError, RunDirError, RunConfigurationError, PreflightError) as exc:
+        for line in str(exc).splitlines():
+            print(f"gym-bridge eval: {line}", file=sys.stderr)
         return 2
     except EvalInterrupted as exc:
         print(f"gym-bridge eval: {exc}; continue with --resume", file=sys.stderr)
@@ -128,6 +130,15 @@ def _eval(args: argparse.Namespace) -> int:
     print(f"report: {outcome.run_dir / 'report.md'}")
     print(f"metrics: {outcome.run_dir / 'metrics.json'}")
     return 1 if outcome.metrics.get("prompts_failed") else 0
+
+
+def _check_endpoint(args: argparse.Namespace) -> int:
+    from gym_bridge.preflight import check_endpoints
+
+    checks = check_endpoints(args.urls, args.model, tools=args.tools, timeout_s=args.timeout)
+    for check in checks:
+        print(check.line, file=sys.stdout if check.ok else sys.stderr)
+    return 0 if all(check.ok for check in checks) else 2
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -183,6 +194,15 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--resume", action="store_true", help="continue the run in output_dir")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     run.set_defaults(func=_eval)
+    check = commands.add_parser(
+        "check-endpoint",
+        help="check OpenAI-compatible endpoints the way a run does before it starts (see docs/preflight.md)",
+    )
+    check.add_argument("urls", nargs="+", metavar="URL", help="base URL(s), http://host:port/v1")
+    check.add_argument("--model", required=True, help="the served model name the run will send")
+    check.add_argument("--tools", action="store_true", help="also check that chats offering tools are accepted")
+    check.add_argument("--timeout", type=float, default=20.0, help="seconds for each endpoint's checks")
+    check.set_defaults(func=_check_endpoint)
     report = commands.add_parser("report", help="rebuild metrics.json, report.md and report.png of an eval run")
     report.add_argument("run_dir")
     report.set_defaults(func=_report)

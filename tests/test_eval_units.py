@@ -199,7 +199,7 @@ def test_report_from_files(tmp_path: Path) -> None:
 
     store = RunStore(tmp_path)
     store.open({"num_generations_per_prompt": 4}, resume=False,
-               meta={"config": {"pass_threshold": 1.0}, "prompts_total": 4})
+               meta={"config": {"pass_threshold": 1.0}, "prompts_total": 4, "model": "m at http://x/v1"})
     store.append_result({"prompt_idx": 0, "agent": "a", "elapsed_s": 1.0, "finished_at": 10.0,
                          "completions": [completion(1.0), completion(0.0), completion(0.0), completion(0.0)]})
     store.append_result({"prompt_idx": 1, "agent": "a", "elapsed_s": 1.0, "finished_at": 11.0,
@@ -223,6 +223,7 @@ def test_report_from_files(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "metrics.json").read_text())["agents"]["all"]["prompts"] == 3
     assert "| a | 2 |" in (tmp_path / "report.md").read_text()
     assert "| RolloutTimeout | 1 | prompt group exceeded 2.0s \\| via a b |" in (tmp_path / "report.md").read_text()
+    assert metrics["model"] == "m at http://x/v1" and "Model: m at http://x/v1" in (tmp_path / "report.md").read_text()
     png = tmp_path / "report.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert matplotlib.image.imread(png).shape[2] in (3, 4)
@@ -260,3 +261,15 @@ def test_run_store_sink_writes_only_complete_groups_and_one_failure_per_skip(tmp
     assert (failure["prompt_idx"], failure["error"], failure["class"]) == (1, "GymTransportError", "infra")
     with pytest.raises(KeyError, match="not a pending row"):
         sink.reserve(7)
+
+
+def test_the_report_names_the_model() -> None:
+    from gym_bridge.eval.report import describe_model
+
+    smollm2 = build_config({"dataset": "d.jsonl", "config_paths": ["c.yaml"], "output_dir": "o"})
+    assert smollm2.embedded_policy == "smollm2" and smollm2.model_name == "smollm2"
+    assert describe_model(smollm2.model_dump(mode="json")).startswith("smollm2 (SmolLM2-135M-Instruct), embedded")
+    scripted = smollm2.model_copy(update={"embedded_policy": "scripted"})
+    assert "scripted rule-based policy (not a language model" in describe_model(scripted.model_dump(mode="json"))
+    remote = {"base_urls": ["http://gpu-0:8000/v1"], "model_name": "Qwen/Qwen3-4B"}
+    assert describe_model(remote) == "'Qwen/Qwen3-4B' served at http://gpu-0:8000/v1"

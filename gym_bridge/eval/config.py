@@ -36,12 +36,13 @@ class EvalConfig(BaseModel):
         "tiny", description='"tiny", "smollm2" or a local tokenizer folder (default: the embedded model\'s).'
     )
     embedded_policy: Literal["tiny", "smollm2", "scripted"] = Field(
-        "tiny", description="tiny / smollm2: that built-in model served by HFGeneration; scripted: rule-based replies."
+        "smollm2", description="tiny / smollm2: that built-in model served by HFGeneration; scripted: rule-based replies."
     )
     concurrency: int = Field(4, ge=1, description="Prompt groups in flight.")
     rollout_timeout_s: float = Field(600.0, gt=0, description="Deadline of one prompt group, re-dispatches included.")
     request_timeout_s: float = Field(300.0, gt=0, description="Deadline of one Gym /run call.")
     startup_timeout_s: float = Field(180.0, gt=0, description="Deadline for Gym's servers to start.")
+    preflight_timeout_s: float = Field(20.0, gt=0, description="Deadline of each endpoint's preflight checks.")
     max_row_attempts: int = Field(3, ge=1, description="How often rows lost to infrastructure are re-sent.")
     max_infra_attempts: int = Field(3, ge=1, description="Attempts at a prompt group failing for infrastructure.")
     max_data_attempts: int = Field(1, ge=1, description="Attempts at a prompt group failing for its data.")

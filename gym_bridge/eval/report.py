@@ -58,6 +58,19 @@ def _group_metrics(groups: list[dict[str, Any]], threshold: float) -> dict[str, 
     }
 
 
+def describe_model(config: dict[str, Any]) -> str:
+    """What model a run evaluated, in words, from its config (``run.json``'s ``config``)."""
+    if config.get("base_urls"):
+        return f"{config.get('model_name')!r} served at {', '.join(config['base_urls'])}"
+    policy = config.get("embedded_policy", "tiny")
+    if policy == "scripted":
+        return f"the scripted rule-based policy (not a language model; tokenizer {config.get('tokenizer')!r}), embedded"
+    return (
+        f"{policy} ({'SmolLM2-135M-Instruct' if policy == 'smollm2' else 'random-initialised tiny model'}), "
+        f"embedded: gym-bridge's OpenAI-compatible server over HFGeneration, served as {config.get('model_name')!r}"
+    )
+
+
 def compute_metrics(run_dir: str | Path) -> dict[str, Any]:
     """Metrics of the finished groups of a run folder (failures later resolved by a resume are not counted)."""
     run_dir = Path(run_dir)
@@ -80,6 +93,7 @@ def compute_metrics(run_dir: str | Path) -> dict[str, Any]:
     completions = sum(len(r["completions"]) for r in results)
     return {
         "run_dir": str(run_dir),
+        "model": run.get("model") or describe_model(run.get("config", {})),
         "pass_threshold": threshold,
         "num_generations_per_prompt": run.get("fingerprint", {}).get("num_generations_per_prompt"),
         "prompts_total": run.get("prompts_total"),
@@ -114,6 +128,7 @@ def render_markdown(metrics: dict[str, Any]) -> str:
         "# Evaluation report",
         "",
         f"Run folder: `{metrics['run_dir']}`  ",
+        f"Model: {metrics.get('model', 'unknown')}  ",
         f"Prompts: {metrics['prompts_done']} done, {metrics['prompts_failed']} failed"
         + (f", {metrics['prompts_total']} in the dataset" if metrics.get("prompts_total") else "")
         + f"; {metrics['num_generations_per_prompt']} completions per prompt; "

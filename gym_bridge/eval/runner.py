@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from gym_bridge.eval.config import EvalConfig
 from gym_bridge.eval.dataset import DatasetRow, file_sha256, load_dataset
-from gym_bridge.eval.report import build_report
+from gym_bridge.eval.report import build_report, describe_model
 from gym_bridge.eval.sink import RunStoreSink
 from gym_bridge.eval.store import RunStore, read_jsonl
 from gym_bridge.failures import RunConfigurationError
@@ -97,7 +97,11 @@ def run_eval(config: EvalConfig, *, resume: bool = False, progress: bool = True)
     done = store.open(
         config.fingerprint(file_sha256(config.dataset)),
         resume=resume,
-        meta={"config": config.model_dump(mode="json"), "prompts_total": len(rows)},
+        meta={
+            "config": config.model_dump(mode="json"),
+            "prompts_total": len(rows),
+            "model": describe_model(config.model_dump(mode="json")),
+        },
     )
     pending = [row for row in rows if row.prompt_idx not in done]
     outcome = EvalOutcome(run_dir=config.output_dir, prompts_total=len(rows), done_before=len(rows) - len(pending))
@@ -128,45 +132,42 @@ def run_eval(config: EvalConfig, *, resume: bool = False, progress: bool = True)
 def _run_pending(
     config: EvalConfig, pending: list[DatasetRow], store: RunStore, outcome: EvalOutcome, *, progress: bool
 ) -> bool:
-    """Start everything, run the pending groups, stop everything; True when SIGINT stopped it."""
-    import ray
-
-    from gym_bridge.ray_utils import init_ray
+    """Start everything (policy endpoint, then preflight, Ray, Gym: :func:`gym_bridge.launch.start_nemo_gym`),
+    run the pending groups, stop everything; True when SIGINT stopped it."""
+    from gym_bridge.launch import start_nemo_gym
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    started_ray = not ray.is_initialized()
-    init_ray(num_cpus=os.cpu_count() or 2)
-    try:
-        with _policy_endpoint(config) as (base_urls, tokenizer):
-            rollouts = _start_gym(config, base_urls, tokenizer)
+    with _policy_endpoint(config) as (base_urls, tokenizer):
+        rollouts = start_nemo_gym(_launch_spec(config, base_urls, pending), tokenizer)
+        try:
+            previous = read_jsonl(store.results_path)
+            bar = tqdm(
+                total=outcome.prompts_total,
+                initial=outcome.done_before,
+                unit="group",
+                desc="eval",
+                disable=not progress,
+                mininterval=0.5,
+            )
+            state = _Progress(bar=bar)
+            for record in previous:
+                state.reward_sum += math.fsum(c["reward"] for c in record["completions"])
+                state.reward_count += len(record["completions"])
+            outcome.rollouts_started = time.time()
+            gc.freeze()  # start-up's objects leave the collector's view: no long full-GC pauses mid-run
             try:
-                previous = read_jsonl(store.results_path)
-                bar = tqdm(
-                    total=outcome.prompts_total,
-                    initial=outcome.done_before,
-                    unit="group",
-                    desc="eval",
-                    disable=not progress,
-                    mininterval=0.5,
-                )
-                state = _Progress(bar=bar)
-                for record in previous:
-                    state.reward_sum += math.fsum(c["reward"] for c in record["completions"])
-                    state.reward_count += len(record["completions"])
-                outcome.rollouts_started = time.time()
-                gc.freeze()  # start-up's objects leave the collector's view: no long full-GC pauses mid-run
-                try:
-                    return asyncio.run(_dispatch_all(config, pending, store, rollouts.manager, tokenizer, state, outcome))
-                finally:
-                    bar.close()
-                    store.update_run(rollout_stats=rollouts.manager.stats.as_metrics())
+                return asyncio.run(_dispatch_all(config, pending, store, rollouts.manager, tokenizer, state, outcome))
             finally:
-                with _sigint_deferred("stopping NeMo-Gym"):
-                    rollouts.shutdown(timeout_s=config.startup_timeout_s)
-    finally:
-        if started_ray:
-            with _sigint_deferred("stopping Ray"):
-                ray.shutdown()
+                bar.close()
+                store.update_run(rollout_stats=rollouts.manager.stats.as_metrics())
+        finally:
+            with _sigint_deferred("stopping NeMo-Gym"):
+                rollouts.shutdown(timeout_s=config.startup_timeout_s)
+            if rollouts.started_ray:
+                import ray
+
+                with _sigint_deferred("stopping Ray"):
+                    ray.shutdown()
 
 
 @contextmanager
@@ -208,11 +209,12 @@ def _policy_endpoint(config: EvalConfig) -> Iterator[tuple[list[str], Any]]:
                 shutdown()
 
 
-def _start_gym(config: EvalConfig, base_urls: list[str], tokenizer: Any) -> Any:
+def _launch_spec(config: EvalConfig, base_urls: list[str], pending: list[DatasetRow]) -> Any:
+    """What :func:`gym_bridge.launch.start_nemo_gym` starts for this run: one actor on ``base_urls``."""
     from gym_bridge.failures import RolloutTimeouts
-    from gym_bridge.gym.actor import NemoGymConfig, spinup_nemo_gym_actor
-    from gym_bridge.rollout.manager import RolloutManager
-    from gym_bridge.rollout.training_config import NemoGymRollouts
+    from gym_bridge.gym.actor import NemoGymConfig
+    from gym_bridge.launch import GymLaunchSpec
+    from gym_bridge.preflight import rows_use_tools
 
     config_paths = [str(Path(p).resolve()) if Path(p).exists() else p for p in config.config_paths]
     gym_config = NemoGymConfig(
@@ -225,24 +227,19 @@ def _start_gym(config: EvalConfig, base_urls: list[str], tokenizer: Any) -> Any:
         log_dir=(config.output_dir / "gym-logs").resolve(),
         actor_options={"num_cpus": 0},
     )
-    actor = spinup_nemo_gym_actor(gym_config, tokenizer)
-    rollouts = NemoGymRollouts(manager=None, actors=[actor])  # type: ignore[arg-type]
-    try:
-        rollouts.manager = RolloutManager(
-            tokenizer,
-            {"nemo_gym": actor},
-            config.num_generations_per_prompt,
-            config.max_seq_len,
-            generation_config=config.generation_config(),  # type: ignore[arg-type]
-            use_nemo_gym=True,
-            timeouts=RolloutTimeouts(rollout_s=config.rollout_timeout_s),
-            retry_policy=config.retry_policy(),
-        )
-    except BaseException:
-        with _sigint_deferred("stopping NeMo-Gym"):
-            rollouts.shutdown()
-        raise
-    return rollouts
+    return GymLaunchSpec(
+        gym=gym_config,
+        num_generations_per_prompt=config.num_generations_per_prompt,
+        max_seq_len=config.max_seq_len,
+        generation_config=config.generation_config(),
+        uses_tools=rows_use_tools([item.row for item in pending]),
+        preflight_timeout_s=config.preflight_timeout_s,
+        ray_num_cpus=os.cpu_count() or 2,
+        manager_options={
+            "timeouts": RolloutTimeouts(rollout_s=config.rollout_timeout_s),
+            "retry_policy": config.retry_policy(),
+        },
+    )
 
 
 async def _dispatch_all(

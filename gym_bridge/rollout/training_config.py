@@ -35,8 +35,20 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from gym_bridge.failures import RolloutTimeouts
-from gym_bridge.gym.actor import NemoGymConfig, spinup_nemo_gym_actors
-from gym_bridge.rollout.manager import RolloutManager
+from gym_bridge.gym.actor import NemoGymConfig
+from gym_bridge.launch import GymLaunchSpec, NemoGymRollouts, start_nemo_gym
+
+__all__ = [
+    "NemoGymRollouts",
+    "TrainingConfigError",
+    "NemoGymRolloutSettings",
+    "build_nemo_gym_rollouts",
+    "load_training_config",
+    "nemo_gym_config_from",
+    "nemo_gym_generation_config",
+    "nemo_gym_rollout_settings",
+    "should_use_nemo_gym",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -236,56 +248,35 @@ def nemo_gym_rollout_settings(
     )
 
 
-@dataclass
-class NemoGymRollouts:
-    """What :func:`build_nemo_gym_rollouts` starts: the manager and the actors it owns."""
-
-    manager: RolloutManager
-    actors: list[Any]
-
-    @property
-    def actor(self) -> Any:
-        """The first (usually the only) actor."""
-        return self.actors[0]
-
-    def shutdown(self, timeout_s: float = 60.0) -> None:
-        """Stop every actor's Gym servers and the actors; safe to call more than once."""
-        import ray
-
-        try:
-            ray.get([actor.shutdown.remote() for actor in self.actors], timeout=timeout_s)
-        finally:
-            for actor in self.actors:
-                ray.kill(actor)
-
-
 def build_nemo_gym_rollouts(
-    config: Mapping[str, Any], tokenizer: Any, *, base_urls: list[str] | None = None, **manager_kwargs: Any
+    config: Mapping[str, Any],
+    tokenizer: Any,
+    *,
+    base_urls: list[str] | None = None,
+    uses_tools: bool = False,
+    preflight: bool = True,
+    **manager_kwargs: Any,
 ) -> NemoGymRollouts:
-    """Start the NemoGym actor(s) and a ``RolloutManager(use_nemo_gym=True)`` from a training config."""
-    if not should_use_nemo_gym(config):
-        raise TrainingConfigError("the config does not ask for NeMo-Gym: set 'use_nemo_gym: true'")
-    gym_config = nemo_gym_config_from(config, base_urls=base_urls)
-    generation = dict(_get(config, "policy.generation"))
-    actors = spinup_nemo_gym_actors(
-        gym_config,
-        tokenizer,
-        int(_get(config, "env.nemo_gym.num_actors", 1)),
-        split_base_urls=bool(_get(config, "env.nemo_gym.split_base_urls", False)),
-    )
-    try:
-        manager = RolloutManager(
-            tokenizer=tokenizer,
-            task_to_env={"nemo_gym": actors if len(actors) > 1 else actors[0]},
-            num_generations_per_prompt=int(_get(config, "grpo.num_generations_per_prompt")),
-            max_seq_len=int(_get(config, "policy.max_total_sequence_length")),
-            generation_config=generation,
-            use_nemo_gym=True,
-            timeouts=RolloutTimeouts(rollout_s=_get(config, "env.nemo_gym.rollout_timeout_s", None)),
-            max_gym_row_attempts=int(_get(config, "env.nemo_gym.max_row_attempts", 3)),
+    """Preflight the endpoints, then start the NemoGym actor(s) and a ``RolloutManager(use_nemo_gym=True)``
+    from a training config (through :func:`gym_bridge.launch.start_nemo_gym`).
+
+    ``uses_tools``: the data offers tools, so every endpoint must accept chats with tools
+    (:func:`gym_bridge.preflight.rows_use_tools` tells from the rows).
+    """
+    settings = nemo_gym_rollout_settings(config, base_urls=base_urls)
+    spec = GymLaunchSpec(
+        gym=settings.gym,
+        num_generations_per_prompt=settings.num_generations_per_prompt,
+        max_seq_len=settings.max_seq_len,
+        generation_config=settings.generation_config,
+        num_actors=settings.num_actors,
+        split_base_urls=settings.split_base_urls,
+        uses_tools=uses_tools,
+        preflight=preflight,
+        manager_options={
+            "timeouts": RolloutTimeouts(rollout_s=settings.rollout_timeout_s),
+            "max_gym_row_attempts": settings.max_row_attempts,
             **manager_kwargs,
-        )
-    except BaseException:
-        NemoGymRollouts(manager=None, actors=actors).shutdown()  # type: ignore[arg-type]
-        raise
-    return NemoGymRollouts(manager=manager, actors=actors)
+        },
+    )
+    return start_nemo_gym(spec, tokenizer)

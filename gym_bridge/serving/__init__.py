@@ -8,8 +8,10 @@ from importlib import import_module
 from typing import Any
 
 _EXPORTS = {
+    "AUTO_TOOL_CHOICE_REFUSED": "gym_bridge.serving.app",
     "DriftCounter": "gym_bridge.serving.drift",
     "OpenAIServer": "gym_bridge.serving.server",
+    "ServerFeatures": "gym_bridge.serving.app",
     "ServerLimits": "gym_bridge.serving.app",
     "ServingError": "gym_bridge.serving.errors",
     "build_chat_prompt": "gym_bridge.serving.chat",

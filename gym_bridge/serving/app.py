@@ -60,6 +60,23 @@ class ServerLimits:
     max_prompts: int = 64
 
 
+#: vLLM's exact 400 message for a chat with tools when started without a tool-call parser.
+AUTO_TOOL_CHOICE_REFUSED = '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
+
+
+@dataclass(frozen=True)
+class ServerFeatures:
+    """What the server supports; turning one off makes it answer like a vLLM set up without it
+    (for preflight tests and for people who want to see the failure before a run)."""
+
+    auto_tool_choice: bool = True
+    """False: a chat offering tools with ``tool_choice`` auto gets vLLM's 400 :data:`AUTO_TOOL_CHOICE_REFUSED`."""
+    logprobs: bool = True
+    """False: ``logprobs`` is null in every answer, as from a server that does not compute them."""
+    token_ids: bool = True
+    """False: ``return_token_ids`` and ``return_tokens_as_token_ids`` are ignored and no token-id fields are sent."""
+
+
 @dataclass
 class ServingState:
     generation: GenerationInterface
@@ -71,6 +88,7 @@ class ServingState:
     limits: ServerLimits
     vocab_size: int
     token_id_correction: bool = True
+    features: ServerFeatures = field(default_factory=ServerFeatures)
     drift: DriftCounter = field(default_factory=DriftCounter)
 
     @property
@@ -120,6 +138,9 @@ def build_app(state: ServingState) -> FastAPI:
         req = await _parse(request, ChatCompletionRequest, state)
         state.drift.count_request("chat_completions")
         _check_common(req, state)
+        features = state.features
+        if req.tools and req.tool_choice in (None, "auto") and not features.auto_tool_choice:
+            raise ServingError(AUTO_TOOL_CHOICE_REFUSED)
         if req.top_logprobs:
             raise ServingError(
                 "top_logprobs > 0 is not supported: the engine reports only the sampled token's logprob",
@@ -137,7 +158,8 @@ def build_app(state: ServingState) -> FastAPI:
         headers = state.drift.record(prompt)
         samples = await _generate(state, req, prompt.token_ids, req.requested_max_tokens())
         use_tools = bool(req.tools) and req.tool_choice != "none"
-        as_ids = req.return_tokens_as_token_ids is not False
+        as_ids = req.return_tokens_as_token_ids is not False and features.token_ids
+        token_ids = req.return_token_ids and features.token_ids
         choices = []
         for index, sample in enumerate(samples):
             text = _text(state, sample, req.stop_strings())
@@ -148,17 +170,18 @@ def build_app(state: ServingState) -> FastAPI:
             message: dict[str, Any] = {"role": "assistant", "content": parsed.content, "tool_calls": parsed.tool_calls}
             if state.reasoning_parser:
                 message["reasoning_content"] = parsed.reasoning_content
-            message["prompt_token_ids"] = prompt.token_ids
-            message["generation_token_ids"] = sample.token_ids
-            message["generation_log_probs"] = sample.logprobs
+            if features.token_ids:
+                message["prompt_token_ids"] = prompt.token_ids
+                message["generation_token_ids"] = sample.token_ids
+                message["generation_log_probs"] = sample.logprobs
             choice: dict[str, Any] = {
                 "index": index,
                 "message": message,
-                "logprobs": _chat_logprobs(state, sample, as_ids) if req.logprobs else None,
+                "logprobs": _chat_logprobs(state, sample, as_ids) if req.logprobs and features.logprobs else None,
                 "finish_reason": finish,
                 "stop_reason": None,
             }
-            if req.return_token_ids:
+            if token_ids:
                 choice["token_ids"] = sample.token_ids
             if sample.weight_version is not None:
                 choice["weight_version"] = sample.weight_version
@@ -171,7 +194,7 @@ def build_app(state: ServingState) -> FastAPI:
             "choices": choices,
             "usage": _usage(len(prompt.token_ids), samples),
         }
-        if req.return_token_ids:
+        if token_ids:
             body["prompt_token_ids"] = prompt.token_ids
         return JSONResponse(body, headers=_with_weight_version(body, samples, headers))
 

@@ -18,7 +18,7 @@ from typing import Any
 import uvicorn
 
 from gym_bridge.interfaces import GenerationInterface
-from gym_bridge.serving.app import ServerLimits, ServingState, build_app
+from gym_bridge.serving.app import ServerFeatures, ServerLimits, ServingState, build_app
 from gym_bridge.serving.engine import EngineProfile
 
 logger = logging.getLogger(__name__)
@@ -73,9 +73,11 @@ class OpenAIServer:
         limits: ServerLimits | None = None,
         stop_timeout_s: float = 10.0,
         token_id_correction: bool = True,
+        features: ServerFeatures | None = None,
     ) -> None:
         """``token_id_correction=False`` ignores carried token ids and re-tokenises the history,
-        as stock vLLM does (drift is still measured: ``/metrics``)."""
+        as stock vLLM does (drift is still measured: ``/metrics``); ``features`` turns off what a
+        misconfigured vLLM lacks (tools, logprobs, token ids)."""
         self.host = host
         self.port = port
         self.stop_timeout_s = stop_timeout_s
@@ -89,6 +91,7 @@ class OpenAIServer:
             limits=limits or ServerLimits(),
             vocab_size=int(getattr(generation, "vocab_size", None) or len(tokenizer)),
             token_id_correction=token_id_correction,
+            features=features or ServerFeatures(),
         )
         self.app = build_app(self.state)
         self._server: uvicorn.Server | None = None

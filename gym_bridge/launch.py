@@ -1,0 +1,141 @@
+"""The one place that assembles a NeMo-Gym rollout stack: preflight, Ray, NemoGym actors, manager.
+
+``gym-bridge eval``, the training-config helper and the examples all start Gym
+through :func:`start_nemo_gym` (or the context manager :func:`launch_nemo_gym`), so
+the order is the same everywhere: every endpoint is checked first (a bad one fails
+in seconds, before Ray or Gym start), then Ray is started if nothing started it,
+then the actors (each with its own Gym servers), then the ``RolloutManager``.
+A failure at any step undoes the steps before it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from gym_bridge.gym.actor import NemoGymConfig
+    from gym_bridge.rollout.manager import RolloutManager
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["GymLaunchSpec", "NemoGymRollouts", "launch_nemo_gym", "start_nemo_gym"]
+
+
+@dataclass(frozen=True)
+class GymLaunchSpec:
+    """What to start: the actors' Gym config, how many actors, and the manager's settings."""
+
+    gym: NemoGymConfig
+    num_generations_per_prompt: int
+    max_seq_len: int
+    generation_config: Mapping[str, Any]
+    num_actors: int = 1
+    split_base_urls: bool = False
+    uses_tools: bool = False
+    """Some rows offer tools: preflight then checks that every endpoint accepts chats with tools."""
+    preflight: bool = True
+    preflight_timeout_s: float = 20.0
+    ray_num_cpus: int | None = None
+    """CPUs of a Ray started here (None: all); ignored when Ray is already running."""
+    manager_options: Mapping[str, Any] = field(default_factory=dict)
+    """Further ``RolloutManager`` keywords: ``timeouts``, ``retry_policy``, ``max_gym_row_attempts``, ..."""
+
+
+@dataclass
+class NemoGymRollouts:
+    """What :func:`start_nemo_gym` started: the manager, the actors it owns, and whether it started Ray."""
+
+    manager: RolloutManager
+    actors: list[Any]
+    started_ray: bool = False
+
+    @property
+    def actor(self) -> Any:
+        """The first (usually the only) actor."""
+        return self.actors[0]
+
+    def shutdown(self, timeout_s: float = 60.0) -> None:
+        """Stop every actor's Gym servers and the actors; safe to call more than once."""
+        _stop_actors(self.actors, timeout_s)
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        """:meth:`shutdown`, then stop Ray if :func:`start_nemo_gym` started it."""
+        try:
+            self.shutdown(timeout_s)
+        finally:
+            if self.started_ray:
+                import ray
+
+                ray.shutdown()
+                self.started_ray = False
+
+
+def _stop_actors(actors: list[Any], timeout_s: float) -> None:
+    import ray
+
+    try:
+        ray.get([actor.shutdown.remote() for actor in actors], timeout=timeout_s)
+    finally:
+        for actor in actors:
+            ray.kill(actor)
+
+
+def start_nemo_gym(spec: GymLaunchSpec, tokenizer: Any) -> NemoGymRollouts:
+    """Preflight every endpoint, start Ray (unless running), the actors and the manager; the caller stops them.
+
+    Raises:
+        PreflightError: an endpoint failed its checks (nothing was started).
+        GymStartupError, ...: an actor could not start its Gym servers (Ray stopped again if started here).
+    """
+    if spec.preflight:
+        from gym_bridge.preflight import preflight_endpoints
+
+        checks = preflight_endpoints(
+            spec.gym.base_urls, spec.gym.model_name, tools=spec.uses_tools, timeout_s=spec.preflight_timeout_s
+        )
+        for check in checks:
+            logger.info("preflight %s", check.line)
+    import ray
+
+    from gym_bridge.gym.actor import spinup_nemo_gym_actors
+    from gym_bridge.ray_utils import init_ray
+    from gym_bridge.rollout.manager import RolloutManager
+
+    started_ray = not ray.is_initialized()
+    init_ray(num_cpus=spec.ray_num_cpus)
+    try:
+        actors = spinup_nemo_gym_actors(
+            spec.gym, tokenizer, spec.num_actors, split_base_urls=spec.split_base_urls
+        )
+        try:
+            manager = RolloutManager(
+                tokenizer=tokenizer,
+                task_to_env={"nemo_gym": actors if len(actors) > 1 else actors[0]},
+                num_generations_per_prompt=spec.num_generations_per_prompt,
+                max_seq_len=spec.max_seq_len,
+                generation_config=dict(spec.generation_config),  # type: ignore[arg-type]
+                use_nemo_gym=True,
+                **dict(spec.manager_options),
+            )
+        except BaseException:
+            _stop_actors(actors, spec.gym.shutdown_timeout_s + 10)
+            raise
+    except BaseException:
+        if started_ray:
+            ray.shutdown()
+        raise
+    return NemoGymRollouts(manager=manager, actors=actors, started_ray=started_ray)
+
+
+@contextmanager
+def launch_nemo_gym(spec: GymLaunchSpec, tokenizer: Any, *, stop_timeout_s: float = 60.0) -> Iterator[NemoGymRollouts]:
+    """:func:`start_nemo_gym` for a ``with`` block: everything it started is stopped at the end."""
+    rollouts = start_nemo_gym(spec, tokenizer)
+    try:
+        yield rollouts
+    finally:
+        rollouts.close(stop_timeout_s)

@@ -1,0 +1,329 @@
+"""Preflight: check every OpenAI-compatible endpoint in seconds, before Ray or Gym start.
+
+For each ``base_url`` (``http://host:port/v1``), in order, stopping at the first problem:
+
+1. it answers ``GET /v1/models`` (connection refused / timeout / an HTTP error is said so);
+2. ``model_name`` is among the served models (else the served names are listed);
+3. a one-token chat completion with ``logprobs`` and ``return_token_ids`` returns token
+   ids and logprobs, as Gym's ``vllm_model`` and our HTTP engine need;
+4. ``POST /tokenize`` (outside ``/v1``) renders the chat: Gym reads prompt token ids there;
+5. with ``tools=True``: a chat that offers a tool is accepted (vLLM refuses it with a 400
+   unless started with :data:`VLLM_TOOL_FLAGS`).
+
+Each endpoint gives an :class:`EndpointCheck`; :func:`preflight` raises :class:`PreflightError`
+holding one line per failed endpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Coroutine, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, TypeVar
+
+import httpx
+
+__all__ = [
+    "VLLM_TOOL_FLAGS",
+    "EndpointCheck",
+    "EndpointProblem",
+    "PreflightError",
+    "check_endpoint",
+    "check_endpoints",
+    "preflight_endpoints",
+    "rows_use_tools",
+]
+
+#: The flags a vLLM server needs before it accepts chats that offer tools (Hermes-style tool calls).
+VLLM_TOOL_FLAGS = "--enable-auto-tool-choice --tool-call-parser hermes"
+
+_PROBE_MESSAGES = [{"role": "user", "content": "Say OK."}]
+_PROBE_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather of a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+_MAX_DETAIL_CHARS = 300
+
+T = TypeVar("T")
+
+
+class EndpointProblem(str, Enum):
+    """What a failed endpoint lacks; the first one found is reported."""
+
+    UNREACHABLE = "unreachable"
+    TIMEOUT = "timeout"
+    HTTP_ERROR = "http_error"
+    MODEL_NOT_SERVED = "model_not_served"
+    NO_LOGPROBS = "no_logprobs"
+    NO_TOKEN_IDS = "no_token_ids"
+    NO_TOKENIZE = "no_tokenize"
+    TOOLS_REFUSED = "tools_refused"
+
+
+@dataclass(frozen=True)
+class EndpointCheck:
+    """The outcome of checking one endpoint: ``problem`` is None when it passed."""
+
+    base_url: str
+    model_name: str
+    served_models: tuple[str, ...] = ()
+    problem: EndpointProblem | None = None
+    detail: str = ""
+    tools_checked: bool = False
+    elapsed_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.problem is None
+
+    @property
+    def line(self) -> str:
+        """One line for a person: ``<base_url>: <what is wrong>`` or ``<base_url>: ok (...)``."""
+        if self.problem is None:
+            tools = ", tools accepted" if self.tools_checked else ""
+            return f"{self.base_url}: ok (serves {self.model_name!r}, token ids and logprobs{tools}; {self.elapsed_s:.2f} s)"
+        return f"{self.base_url}: {self.detail}"
+
+
+class PreflightError(RuntimeError):
+    """At least one endpoint failed its preflight; ``str()`` is one line per failed endpoint."""
+
+    def __init__(self, checks: Sequence[EndpointCheck]) -> None:
+        self.checks = list(checks)
+        self.failed = [check for check in self.checks if not check.ok]
+        super().__init__("\n".join(f"endpoint {check.line}" for check in self.failed))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (PreflightError, (self.checks,))
+
+
+class _Failed(Exception):
+    def __init__(self, problem: EndpointProblem, detail: str, served: tuple[str, ...] = ()) -> None:
+        super().__init__(detail)
+        self.problem = problem
+        self.detail = detail
+        self.served = served
+
+
+def rows_use_tools(rows: Sequence[dict[str, Any]]) -> bool:
+    """True when a Gym row offers tools (so its agent's chats carry ``tools``)."""
+    return any((row.get("responses_create_params") or {}).get("tools") for row in rows)
+
+
+def _short(text: str) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= _MAX_DETAIL_CHARS else text[: _MAX_DETAIL_CHARS - 3] + "..."
+
+
+def _error_message(response: httpx.Response) -> str:
+    """The server's own message from an error body (OpenAI/vLLM ``error.message``, FastAPI ``detail``)."""
+    try:
+        body = response.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return _short(response.text) or response.reason_phrase
+    if isinstance(body, dict):
+        error = body.get("error")
+        if isinstance(error, dict) and error.get("message"):
+            return _short(str(error["message"]))
+        for key in ("message", "detail", "error"):
+            if body.get(key):
+                return _short(str(body[key]))
+    return _short(response.text)
+
+
+def _refused(exc: BaseException) -> bool:
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, ConnectionRefusedError) or "refused" in str(seen).lower():
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+async def _send(client: httpx.AsyncClient, method: str, url: str, what: str, **kwargs: Any) -> httpx.Response:
+    try:
+        return await client.request(method, url, **kwargs)
+    except httpx.ConnectError as exc:
+        reason = "connection refused" if _refused(exc) else _short(str(exc) or type(exc).__name__)
+        raise _Failed(EndpointProblem.UNREACHABLE, f"nothing answers ({reason})") from exc
+    except httpx.TimeoutException as exc:
+        raise _Failed(EndpointProblem.TIMEOUT, f"no answer to {what} within the timeout ({type(exc).__name__})") from exc
+    except httpx.HTTPError as exc:
+        raise _Failed(EndpointProblem.UNREACHABLE, f"{what} failed: {_short(str(exc) or type(exc).__name__)}") from exc
+
+
+def _json(response: httpx.Response, what: str) -> Any:
+    if response.status_code != 200:
+        raise _Failed(EndpointProblem.HTTP_ERROR, f"{what} answered HTTP {response.status_code}: {_error_message(response)}")
+    try:
+        return response.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise _Failed(EndpointProblem.HTTP_ERROR, f"{what} answered HTTP 200 with a body that is not JSON") from exc
+
+
+def _served_models(body: Any) -> tuple[str, ...]:
+    data = body.get("data") if isinstance(body, dict) else None
+    if not isinstance(data, list):
+        raise _Failed(EndpointProblem.HTTP_ERROR, "GET /v1/models answered without a 'data' list of models")
+    return tuple(str(card.get("id")) for card in data if isinstance(card, dict) and card.get("id") is not None)
+
+
+def _check_token_data(body: Any) -> None:
+    """A one-token chat answer must carry logprobs (``token_id:<int>`` labels) and ``token_ids``."""
+    choices = body.get("choices") if isinstance(body, dict) else None
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        raise _Failed(EndpointProblem.HTTP_ERROR, "the chat completion answer has no choices")
+    choice = choices[0]
+    content = (choice.get("logprobs") or {}).get("content") if isinstance(choice.get("logprobs"), dict) else None
+    if not content or not all(isinstance(item, dict) and isinstance(item.get("logprob"), int | float) for item in content):
+        raise _Failed(
+            EndpointProblem.NO_LOGPROBS,
+            "the server returns no logprobs (choices[0].logprobs.content is empty for logprobs=true); "
+            "Gym needs per-token logprobs: serve the model with vLLM or `gym-bridge serve`",
+        )
+    token_ids = choice.get("token_ids")
+    if not isinstance(token_ids, list) or not token_ids or not all(isinstance(t, int) for t in token_ids):
+        raise _Failed(
+            EndpointProblem.NO_TOKEN_IDS,
+            "the server returns no token ids (no choices[0].token_ids for return_token_ids=true; vLLM >= 0.10.2 has it)",
+        )
+    if not all(str(item.get("token", "")).startswith("token_id:") for item in content):
+        raise _Failed(
+            EndpointProblem.NO_TOKEN_IDS,
+            "the server ignores return_tokens_as_token_ids (logprob tokens are not 'token_id:<int>'); "
+            "Gym reads generated token ids from them",
+        )
+
+
+async def _check(
+    client: httpx.AsyncClient, base_url: str, model_name: str, tools: bool
+) -> tuple[str, ...]:
+    """The served model names, once every check passed; raises :class:`_Failed` at the first problem."""
+    base = base_url.rstrip("/")
+    served = _served_models(_json(await _send(client, "GET", f"{base}/models", "GET /v1/models"), "GET /v1/models"))
+    if model_name not in served:
+        names = ", ".join(repr(name) for name in served) or "no model"
+        raise _Failed(
+            EndpointProblem.MODEL_NOT_SERVED,
+            f"does not serve model {model_name!r}; it serves {names} (set model_name to the served name)",
+            served,
+        )
+    chat = {
+        "model": model_name,
+        "messages": _PROBE_MESSAGES,
+        "max_tokens": 1,
+        "temperature": 0.0,
+        "logprobs": True,
+        "top_logprobs": 0,
+        "return_tokens_as_token_ids": True,
+        "return_token_ids": True,
+    }
+    what = "a one-token chat completion"
+    _check_token_data(_json(await _send(client, "POST", f"{base}/chat/completions", what, json=chat), what))
+    what = "POST /tokenize"
+    response = await _send(
+        client, "POST", f"{base.removesuffix('/v1')}/tokenize", what, json={"model": model_name, "messages": _PROBE_MESSAGES}
+    )
+    if response.status_code in (404, 405):
+        raise _Failed(
+            EndpointProblem.NO_TOKENIZE,
+            f"the server has no /tokenize (HTTP {response.status_code}); Gym's vllm_model reads prompt token ids there",
+        )
+    body = _json(response, what)
+    tokens = body.get("tokens") if isinstance(body, dict) else None
+    if not isinstance(tokens, list) or not tokens:
+        raise _Failed(EndpointProblem.NO_TOKENIZE, "POST /tokenize answered without a 'tokens' list")
+    if tools:
+        what = "a chat completion with tools"
+        response = await _send(client, "POST", f"{base}/chat/completions", what, json={**chat, "tools": [_PROBE_TOOL]})
+        if 400 <= response.status_code < 500:
+            raise _Failed(
+                EndpointProblem.TOOLS_REFUSED,
+                f"refuses chats with tools (HTTP {response.status_code}: {_error_message(response)}); "
+                f"start vLLM with {VLLM_TOOL_FLAGS}",
+            )
+        _json(response, what)
+    return served
+
+
+async def check_endpoint_async(
+    base_url: str,
+    model_name: str,
+    *,
+    tools: bool = False,
+    timeout_s: float = 20.0,
+    transport: httpx.AsyncBaseTransport | None = None,
+) -> EndpointCheck:
+    """Check one endpoint within ``timeout_s`` (every request and the whole check); never raises for the server's faults."""
+    started = time.perf_counter()
+    served: tuple[str, ...] = ()
+    problem: EndpointProblem | None = None
+    detail = ""
+    async with httpx.AsyncClient(timeout=timeout_s, transport=transport, trust_env=False) as client:
+        try:
+            async with asyncio.timeout(timeout_s):
+                served = await _check(client, base_url, model_name, tools)
+        except _Failed as failed:
+            problem, detail, served = failed.problem, failed.detail, failed.served
+        except TimeoutError:
+            problem, detail = EndpointProblem.TIMEOUT, f"the checks did not finish within {timeout_s:g} s"
+    return EndpointCheck(
+        base_url=base_url,
+        model_name=model_name,
+        served_models=served,
+        problem=problem,
+        detail=detail,
+        tools_checked=tools,
+        elapsed_s=time.perf_counter() - started,
+    )
+
+
+async def check_endpoints_async(
+    base_urls: Sequence[str], model_name: str, *, tools: bool = False, timeout_s: float = 20.0
+) -> list[EndpointCheck]:
+    """Check every endpoint concurrently; one result per URL, in order."""
+    return list(
+        await asyncio.gather(*(check_endpoint_async(url, model_name, tools=tools, timeout_s=timeout_s) for url in base_urls))
+    )
+
+
+def _run(coro: Coroutine[Any, Any, T]) -> T:
+    """Run ``coro`` to the end from synchronous code, on a helper thread when this thread already runs a loop."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with ThreadPoolExecutor(1, thread_name_prefix="preflight") as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
+def check_endpoint(base_url: str, model_name: str, *, tools: bool = False, timeout_s: float = 20.0) -> EndpointCheck:
+    """:func:`check_endpoint_async` from synchronous code (runs its own event loop)."""
+    return _run(check_endpoint_async(base_url, model_name, tools=tools, timeout_s=timeout_s))
+
+
+def check_endpoints(
+    base_urls: Sequence[str], model_name: str, *, tools: bool = False, timeout_s: float = 20.0
+) -> list[EndpointCheck]:
+    """:func:`check_endpoints_async` from synchronous code (runs its own event loop)."""
+    return _run(check_endpoints_async(base_urls, model_name, tools=tools, timeout_s=timeout_s))
+
+
+def preflight_endpoints(
+    base_urls: Sequence[str], model_name: str, *, tools: bool = False, timeout_s: float = 20.0
+) -> list[EndpointCheck]:
+    """Check every endpoint; raise :class:`PreflightError` (one line per failed endpoint) unless all pass."""
+    if not base_urls:
+        raise ValueError("preflight needs at least one base_url")
+    checks = check_endpoints(base_urls, model_name, tools=tools, timeout_s=timeout_s)
+    if any(not check.ok for check in checks):
+        raise PreflightError(checks)
+    return checks

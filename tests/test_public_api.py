@@ -1,0 +1,47 @@
+"""The public API: every name in ``gym_bridge.__all__`` imports, and ``import gym_bridge`` stays light."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import gym_bridge
+
+
+def _run(code: str) -> str:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True).stdout
+
+
+def test_importing_the_package_imports_neither_torch_nor_ray():
+    out = _run("import sys, gym_bridge; print(sorted(m for m in ('torch', 'ray', 'transformers') if m in sys.modules))")
+    assert out.strip() == "[]"
+
+
+def test_every_public_name_imports_from_the_package():
+    code = (
+        "import gym_bridge\n"
+        "missing = [n for n in gym_bridge.__all__ if getattr(gym_bridge, n, None) is None]\n"
+        "print(len(gym_bridge.__all__), missing)\n"
+    )
+    count, missing = _run(code).strip().split(" ", 1)
+    assert missing == "[]"
+    assert int(count) == len(gym_bridge.__all__) > 30
+
+
+def test_public_names_are_the_defining_modules_objects():
+    from gym_bridge.gym.actor import NemoGymConfig, spinup_nemo_gym_actor
+    from gym_bridge.rollout.manager import RolloutManager
+
+    assert gym_bridge.RolloutManager is RolloutManager
+    assert gym_bridge.NemoGymConfig is NemoGymConfig
+    assert gym_bridge.spinup_nemo_gym_actor is spinup_nemo_gym_actor
+    assert set(dir(gym_bridge)) >= set(gym_bridge.__all__)
+
+
+def test_an_unknown_name_is_an_attribute_error():
+    try:
+        gym_bridge.NoSuchThing  # noqa: B018
+    except AttributeError as exc:
+        assert "NoSuchThing" in str(exc)
+    else:
+        raise AssertionError("gym_bridge.NoSuchThing resolved")

@@ -595,6 +595,8 @@ async def test_actor_killed_is_restarted_by_ray_and_respins(fault_gym, gate, tin
     """Fault: the NemoGym actor process is killed with rows in flight (on_restart="respin").
     Expected: the stream fails with a Ray actor error (infra); Ray restarts the actor, whose first
     call starts fresh Gym servers; the retried prompt is COMMITTED; the old Gym processes are gone."""
+    await fault_gym.shutdown.remote()  # the test before killed a Gym server: rows need a healthy Gym to be in flight
+    await fault_gym.spinup.remote()
     old_pids = (await fault_gym.server_info.remote())["pids"]
     gate.set("delay", delay_s=1.0)
     manager = make_manager(fault_gym, tiny_tokenizer, rollout_s=240.0, max_infra_attempts=8,

@@ -13,7 +13,6 @@ import torch
 
 from gym_bridge.failures import (
     FailureClass,
-    GymTransportError,
     RolloutDataFailure,
     classify_rollout_failure,
 )
@@ -170,12 +169,13 @@ def test_http_422_from_run_is_a_picklable_data_failure(gym_actor):
     assert str(pickle.loads(pickle.dumps(cause))) == str(cause)
 
 
-def test_http_500_from_run_is_a_picklable_transport_error(gym_actor):
+def test_verify_422_inside_a_run_500_is_a_picklable_data_failure(gym_actor):
     rows = stamp([equivalence_row("Reply with exactly: 4", "4")])
-    del rows[0]["expected_answer"]  # the model call happens, then /verify fails: /run answers 500
+    del rows[0]["expected_answer"]  # the model call happens, then /verify answers 422: /run answers 500
     cause = _cause(_first_error(gym_actor, rows))
-    assert type(cause) is GymTransportError
-    assert "HTTP 500" in str(cause)
+    # Unwrapped, the innermost error is the resources server's 422 on this row: data, not infrastructure.
+    assert type(cause) is RolloutDataFailure, repr(cause)
+    assert "422" in str(cause) and "expected_answer" in str(cause), str(cause)
     assert str(pickle.loads(pickle.dumps(cause))) == str(cause)
     ray.get(gym_actor.health_check.remote(), timeout=10)  # the actor survives failed calls
 

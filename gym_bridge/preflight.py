@@ -22,7 +22,7 @@ import time
 from collections.abc import Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 from typing import Any, TypeVar
 
 import httpx
@@ -55,7 +55,7 @@ _MAX_DETAIL_CHARS = 300
 T = TypeVar("T")
 
 
-class EndpointProblem(str, Enum):
+class EndpointProblem(StrEnum):
     """What a failed endpoint lacks; the first one found is reported."""
 
     UNREACHABLE = "unreachable"

@@ -7,7 +7,6 @@ resumed run must share with the run it continues.
 from __future__ import annotations
 
 import sys
-
 from pathlib import Path
 from typing import Any, Literal
 

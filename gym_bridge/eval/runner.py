@@ -319,7 +319,7 @@ def _sigint_deferred(step: str) -> Iterator[None]:
         previous = None
     try:
         yield
-    except Exception:  # noqa: BLE001 - see the docstring
+    except Exception:  # see the docstring
         logger.exception("%s failed", step)
     finally:
         if previous is not None:

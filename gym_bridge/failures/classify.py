@@ -9,7 +9,7 @@ retried. The other functions turn a raw error into the typed, picklable failure.
 from __future__ import annotations
 
 import sys
-from enum import Enum
+from enum import StrEnum
 from typing import Any
 
 from gym_bridge.failures.errors import (
@@ -33,7 +33,7 @@ __all__ = [
 ]
 
 
-class FailureClass(str, Enum):
+class FailureClass(StrEnum):
     INFRA = "infra"
     DATA = "data"
 

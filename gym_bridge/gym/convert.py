@@ -310,7 +310,7 @@ def _drift_message(drift: dict[str, Any], seen: list[int], prompt: list[int], to
 def _decode(tokenizer: Any, ids: list[int]) -> str:
     try:
         return str(tokenizer.decode(ids))
-    except Exception as exc:  # noqa: BLE001 - only for a diagnostic message
+    except Exception as exc:  # only for a diagnostic message
         return f"<decode failed: {exc}>"
 
 
@@ -338,5 +338,5 @@ def _first_prompt_length(result: dict[str, Any], tokenizer: Any) -> str:
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return f"first prompt ~{len(ids)} tokens by the chat template"
-    except Exception as exc:  # noqa: BLE001 - only for a diagnostic message
+    except Exception as exc:  # only for a diagnostic message
         return f"first prompt length unknown ({type(exc).__name__}: {exc})"

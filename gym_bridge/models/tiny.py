@@ -23,7 +23,6 @@ complete, so concurrent builders never see (or leave) a half-written folder.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 

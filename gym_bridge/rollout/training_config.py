@@ -39,9 +39,9 @@ from gym_bridge.gym.actor import NemoGymConfig
 from gym_bridge.launch import GymLaunchSpec, NemoGymRollouts, start_nemo_gym
 
 __all__ = [
+    "NemoGymRolloutSettings",
     "NemoGymRollouts",
     "TrainingConfigError",
-    "NemoGymRolloutSettings",
     "build_nemo_gym_rollouts",
     "load_training_config",
     "nemo_gym_config_from",

@@ -142,7 +142,7 @@ class OpenAIServer:
             self._task.cancel()
             try:
                 await asyncio.wait_for(self._task, 2.0)
-            except BaseException:  # noqa: BLE001 - we are shutting down; nothing to hand back
+            except BaseException:  # we are shutting down; nothing to hand back
                 pass
         finally:
             if self._sock is not None:
@@ -172,7 +172,7 @@ class OpenAIServer:
             asyncio.set_event_loop(loop)
             try:
                 loop.run_until_complete(self.start())
-            except BaseException as exc:  # noqa: BLE001 - handed to the starting thread
+            except BaseException as exc:  # handed to the starting thread
                 failure.append(exc)
                 ready.set()
                 loop.close()
@@ -195,7 +195,7 @@ class OpenAIServer:
         if self._task is not None:
             try:
                 await asyncio.shield(self._task)
-            except BaseException:  # noqa: BLE001 - stop() handles and logs
+            except BaseException:  # stop() handles and logs
                 pass
         while self._server is not None:  # stop() is still tidying up on this loop
             await asyncio.sleep(0.01)

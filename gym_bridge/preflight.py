@@ -23,7 +23,7 @@ from collections.abc import Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 
@@ -52,7 +52,6 @@ _PROBE_TOOL = {
 }
 _MAX_DETAIL_CHARS = 300
 
-T = TypeVar("T")
 
 
 class EndpointProblem(StrEnum):
@@ -295,7 +294,7 @@ async def check_endpoints_async(
     )
 
 
-def _run(coro: Coroutine[Any, Any, T]) -> T:
+def _run[T](coro: Coroutine[Any, Any, T]) -> T:
     """Run ``coro`` to the end from synchronous code, on a helper thread when this thread already runs a loop."""
     try:
         asyncio.get_running_loop()

@@ -111,10 +111,12 @@ def _link_is_infra(exc: BaseException) -> bool:
     if status is not None:
         return http_status_is_infra(status)
     infra_types = (
-        (RolloutInfraFailure, TimeoutError, ConnectionError)
-        + _loaded_types("ray.exceptions", _RAY_INFRA_NAMES)
-        + _loaded_types("aiohttp", _AIOHTTP_INFRA_NAMES)
-        + _loaded_types("httpx", _HTTPX_INFRA_NAMES)
+        RolloutInfraFailure,
+        TimeoutError,
+        ConnectionError,
+        *_loaded_types("ray.exceptions", _RAY_INFRA_NAMES),
+        *_loaded_types("aiohttp", _AIOHTTP_INFRA_NAMES),
+        *_loaded_types("httpx", _HTTPX_INFRA_NAMES),
     )
     if isinstance(exc, infra_types):
         return True

@@ -194,7 +194,7 @@ class HFGeneration(GenerationInterface):
         input_ids, lengths, rows = self._rows_from_batch(data, greedy)
         loop = asyncio.get_running_loop()
         futures: list[asyncio.Future[RowResult]] = [loop.create_future() for _ in rows]
-        for row, fut in zip(rows, futures):
+        for row, fut in zip(rows, futures, strict=True):
             row.deliver = make_deliver(loop, fut)
         self._ensure_worker()
         for row in rows:

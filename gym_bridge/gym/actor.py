@@ -301,9 +301,8 @@ class NemoGym:
     async def _post(self, client: aiohttp.ClientSession, url: str, row: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
         where = f"NeMo-Gym /run at {url} for {ROW_INDEX_KEY}={row[ROW_INDEX_KEY]} (agent {row['agent_ref']['name']!r})"
         try:
-            async with deadline(self.cfg.request_timeout_s, where):
-                async with client.post(f"{url}/run", json=row) as response:
-                    status, body = response.status, await response.read()
+            async with deadline(self.cfg.request_timeout_s, where), client.post(f"{url}/run", json=row) as response:
+                status, body = response.status, await response.read()
         except RolloutTimeout:
             raise
         except (aiohttp.ClientError, TimeoutError) as exc:

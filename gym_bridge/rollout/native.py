@@ -222,8 +222,8 @@ class AsyncRolloutImpl:
         )
         output = None
         try:
-            async for _, output in self.policy_generation.generate_async(data, greedy=self.greedy):
-                pass
+            async for _, last in self.policy_generation.generate_async(data, greedy=self.greedy):
+                output = last
             if output is None:
                 raise RuntimeError("generate_async yielded no output")
         except Exception as exc:

@@ -20,8 +20,7 @@ from typing import Any
 
 from gym_bridge.failures import GymRowIndexError, RolloutRetryPolicy, RolloutStats, RolloutTimeouts
 from gym_bridge.gym.client import GymClient
-from gym_bridge.gym.convert import incomplete_reason as _incomplete_reason
-from gym_bridge.gym.convert import scalar_fields, without_mask_sample
+from gym_bridge.gym.convert import incomplete_reason as _incomplete_reason, scalar_fields, without_mask_sample
 from gym_bridge.gym.result import GymRowResult
 from gym_bridge.gym.rows import build_rows, validate_row
 from gym_bridge.metrics import calculate_single_metric, pct, summarize

@@ -30,7 +30,7 @@ import asyncio
 import concurrent.futures
 import copy
 from collections.abc import Coroutine, Mapping
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
@@ -43,7 +43,6 @@ from gym_bridge.types import EnvironmentReturn, LLMMessageLogType, MessageEntry,
 
 __all__ = ["calculate_rewards", "generate_responses", "run_multi_turn_rollout", "step_environments"]
 
-T = TypeVar("T")
 
 
 def generate_responses(
@@ -94,7 +93,7 @@ def generate_responses(
     return batch, generated, metrics
 
 
-def _run_sync(coro: Coroutine[Any, Any, T]) -> T:
+def _run_sync[T](coro: Coroutine[Any, Any, T]) -> T:
     """Run ``coro`` to completion from synchronous code, also when called inside a running event loop."""
     try:
         asyncio.get_running_loop()

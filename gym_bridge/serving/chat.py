@@ -81,7 +81,7 @@ def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
     """The first index where ``a`` and ``b`` differ (a length difference counts), or None if equal."""
     if list(a) == list(b):
         return None
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
 def _splice(

@@ -142,6 +142,7 @@ if TYPE_CHECKING:
         PromptGroupRecord as PromptGroupRecord,
     )
 
+
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:

@@ -108,9 +108,7 @@ def start_nemo_gym(spec: GymLaunchSpec, tokenizer: Any) -> NemoGymRollouts:
     started_ray = not ray.is_initialized()
     init_ray(num_cpus=spec.ray_num_cpus)
     try:
-        actors = spinup_nemo_gym_actors(
-            spec.gym, tokenizer, spec.num_actors, split_base_urls=spec.split_base_urls
-        )
+        actors = spinup_nemo_gym_actors(spec.gym, tokenizer, spec.num_actors, split_base_urls=spec.split_base_urls)
         try:
             manager = RolloutManager(
                 tokenizer=tokenizer,

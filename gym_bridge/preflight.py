@@ -53,7 +53,6 @@ _PROBE_TOOL = {
 _MAX_DETAIL_CHARS = 300
 
 
-
 class EndpointProblem(StrEnum):
     """What a failed endpoint lacks; the first one found is reported."""
 
@@ -154,14 +153,18 @@ async def _send(client: httpx.AsyncClient, method: str, url: str, what: str, **k
         reason = "connection refused" if _refused(exc) else _short(str(exc) or type(exc).__name__)
         raise _Failed(EndpointProblem.UNREACHABLE, f"nothing answers ({reason})") from exc
     except httpx.TimeoutException as exc:
-        raise _Failed(EndpointProblem.TIMEOUT, f"no answer to {what} within the timeout ({type(exc).__name__})") from exc
+        raise _Failed(
+            EndpointProblem.TIMEOUT, f"no answer to {what} within the timeout ({type(exc).__name__})"
+        ) from exc
     except httpx.HTTPError as exc:
         raise _Failed(EndpointProblem.UNREACHABLE, f"{what} failed: {_short(str(exc) or type(exc).__name__)}") from exc
 
 
 def _json(response: httpx.Response, what: str) -> Any:
     if response.status_code != 200:
-        raise _Failed(EndpointProblem.HTTP_ERROR, f"{what} answered HTTP {response.status_code}: {_error_message(response)}")
+        raise _Failed(
+            EndpointProblem.HTTP_ERROR, f"{what} answered HTTP {response.status_code}: {_error_message(response)}"
+        )
     try:
         return response.json()
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -182,7 +185,9 @@ def _check_token_data(body: Any) -> None:
         raise _Failed(EndpointProblem.HTTP_ERROR, "the chat completion answer has no choices")
     choice = choices[0]
     content = (choice.get("logprobs") or {}).get("content") if isinstance(choice.get("logprobs"), dict) else None
-    if not content or not all(isinstance(item, dict) and isinstance(item.get("logprob"), int | float) for item in content):
+    if not content or not all(
+        isinstance(item, dict) and isinstance(item.get("logprob"), int | float) for item in content
+    ):
         raise _Failed(
             EndpointProblem.NO_LOGPROBS,
             "the server returns no logprobs (choices[0].logprobs.content is empty for logprobs=true); "
@@ -202,9 +207,7 @@ def _check_token_data(body: Any) -> None:
         )
 
 
-async def _check(
-    client: httpx.AsyncClient, base_url: str, model_name: str, tools: bool
-) -> tuple[str, ...]:
+async def _check(client: httpx.AsyncClient, base_url: str, model_name: str, tools: bool) -> tuple[str, ...]:
     """The served model names, once every check passed; raises :class:`_Failed` at the first problem."""
     base = base_url.rstrip("/")
     served = _served_models(_json(await _send(client, "GET", f"{base}/models", "GET /v1/models"), "GET /v1/models"))
@@ -229,7 +232,11 @@ async def _check(
     _check_token_data(_json(await _send(client, "POST", f"{base}/chat/completions", what, json=chat), what))
     what = "POST /tokenize"
     response = await _send(
-        client, "POST", f"{base.removesuffix('/v1')}/tokenize", what, json={"model": model_name, "messages": _PROBE_MESSAGES}
+        client,
+        "POST",
+        f"{base.removesuffix('/v1')}/tokenize",
+        what,
+        json={"model": model_name, "messages": _PROBE_MESSAGES},
     )
     if response.status_code in (404, 405):
         raise _Failed(
@@ -290,7 +297,9 @@ async def check_endpoints_async(
 ) -> list[EndpointCheck]:
     """Check every endpoint concurrently; one result per URL, in order."""
     return list(
-        await asyncio.gather(*(check_endpoint_async(url, model_name, tools=tools, timeout_s=timeout_s) for url in base_urls))
+        await asyncio.gather(
+            *(check_endpoint_async(url, model_name, tools=tools, timeout_s=timeout_s) for url in base_urls)
+        )
     )
 
 

@@ -21,7 +21,11 @@ def init_ray(*, num_cpus: int | None = None, object_store_memory: int = 256 * 10
     # Ray reads this flag once, at import; honour the environment even if ray was imported first.
     from ray._private import ray_constants
 
-    ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV = os.environ["RAY_ENABLE_UV_RUN_RUNTIME_ENV"] not in ("0", "false", "False")
+    ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV = os.environ["RAY_ENABLE_UV_RUN_RUNTIME_ENV"] not in (
+        "0",
+        "false",
+        "False",
+    )
     if ray.is_initialized():
         return
     if os.environ.get("RAY_ADDRESS"):

@@ -76,9 +76,13 @@ class ArithmeticEnvironment(EnvironmentInterface):
             answers=answers,
         )
 
-    def global_post_process_and_metrics(self, batch: BatchedDataDict[Any]) -> tuple[BatchedDataDict[Any], dict[str, Any]]:
+    def global_post_process_and_metrics(
+        self, batch: BatchedDataDict[Any]
+    ) -> tuple[BatchedDataDict[Any], dict[str, Any]]:
         rewards = batch.get("total_reward")
-        accuracy = float((torch.as_tensor(rewards) == 1.0).float().mean()) if rewards is not None and len(rewards) else 0.0
+        accuracy = (
+            float((torch.as_tensor(rewards) == 1.0).float().mean()) if rewards is not None and len(rewards) else 0.0
+        )
         return batch, {"accuracy": accuracy}
 
 

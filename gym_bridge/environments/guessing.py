@@ -101,7 +101,9 @@ class GuessingGameEnvironment(EnvironmentInterface):
             answers=answers,
         )
 
-    def global_post_process_and_metrics(self, batch: BatchedDataDict[Any]) -> tuple[BatchedDataDict[Any], dict[str, Any]]:
+    def global_post_process_and_metrics(
+        self, batch: BatchedDataDict[Any]
+    ) -> tuple[BatchedDataDict[Any], dict[str, Any]]:
         rewards = batch.get("total_reward")
         win_rate = float((torch.as_tensor(rewards) > 0).float().mean()) if rewards is not None and len(rewards) else 0.0
         return batch, {"win_rate": win_rate}

@@ -35,7 +35,8 @@ class EvalConfig(BaseModel):
         "tiny", description='"tiny", "smollm2" or a local tokenizer folder (default: the embedded model\'s).'
     )
     embedded_policy: Literal["tiny", "smollm2", "scripted"] = Field(
-        "smollm2", description="tiny / smollm2: that built-in model served by HFGeneration; scripted: rule-based replies."
+        "smollm2",
+        description="tiny / smollm2: that built-in model served by HFGeneration; scripted: rule-based replies.",
     )
     concurrency: int = Field(4, ge=1, description="Prompt groups in flight.")
     rollout_timeout_s: float = Field(600.0, gt=0, description="Deadline of one prompt group, re-dispatches included.")

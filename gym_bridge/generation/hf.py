@@ -91,6 +91,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+
 class HFGeneration(GenerationInterface):
     """Generation with a local transformers causal LM; see the module docstring for semantics."""
 

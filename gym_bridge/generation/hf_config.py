@@ -89,4 +89,3 @@ class RowSampling:
 #: Optional per-row keys of a generation batch that override the config's sampling for that row
 #: (a list with one value per row; None in a slot means "use the config").
 PER_ROW_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_new_tokens")
-

@@ -95,6 +95,7 @@ def fail_queued(q: queue.SimpleQueue[Any], err: BaseException) -> None:
 
 def make_deliver(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[Any]) -> Callable[[Any], None]:
     """A thread-safe callback that resolves ``fut`` on ``loop`` with a result or an exception."""
+
     def deliver(result: Any) -> None:
         with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting any more
             loop.call_soon_threadsafe(_resolve, fut, result)

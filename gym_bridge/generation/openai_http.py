@@ -376,7 +376,9 @@ class OpenAIHTTPGeneration(GenerationInterface):
         try:
             return response.json()
         except ValueError:
-            raise RolloutDataFailure(f"{where} returned a body that is not JSON: {shorten(response.text, _BODY_LIMIT)}") from None
+            raise RolloutDataFailure(
+                f"{where} returned a body that is not JSON: {shorten(response.text, _BODY_LIMIT)}"
+            ) from None
 
     # ------------------------------------------------------------------ loops and clients
 

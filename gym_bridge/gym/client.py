@@ -111,7 +111,12 @@ class GymClient:
                 self.stats.gym_row_redispatches += len(pending)
                 logger.warning(
                     "prompt_idx=%d: re-dispatching %d of %d rows (attempt %d) after %s: %s",
-                    prompt_idx, len(pending), n, attempts, type(last_error).__name__, last_error,
+                    prompt_idx,
+                    len(pending),
+                    n,
+                    attempts,
+                    type(last_error).__name__,
+                    last_error,
                 )
             actor = self._pick_actor(failed_actors)
             try:

@@ -133,7 +133,9 @@ def convert_gym_result(
         turn += 1
         prompt = item.get("prompt_token_ids")
         if not isinstance(prompt, list):
-            raise GymResultError(f"model call {turn}: prompt_token_ids must be a list of ints, got {type(prompt).__name__}")
+            raise GymResultError(
+                f"model call {turn}: prompt_token_ids must be a list of ints, got {type(prompt).__name__}"
+            )
         generation = _int_list(item["generation_token_ids"], "generation_token_ids", turn)
         logprobs = item.get("generation_log_probs")
         if not isinstance(logprobs, list) or len(logprobs) != len(generation):

@@ -191,7 +191,10 @@ class AsyncRolloutImpl:
             observation = env_return.observations[0]
             fit = fit_observation(
                 token_tensor(self.tokenizer(observation["content"], add_special_tokens=False)["input_ids"]),
-                input_len=input_len, gen_len=gen_len, max_seq_len=self.max_seq_len, response_truncated=gen_truncated,
+                input_len=input_len,
+                gen_len=gen_len,
+                max_seq_len=self.max_seq_len,
+                response_truncated=gen_truncated,
             )
             obs_ids = fit.token_ids
             stats.truncated = stats.truncated or fit.truncated

@@ -73,7 +73,9 @@ class AsyncNemoGymRolloutImpl:
         """NeMo-RL's positional order. The row budget is ``max_gym_row_attempts`` when given, else
         ``retry_policy.max_gym_row_attempts``, else NeMo-RL's config default of 3."""
         if generation_config is None:
-            raise ValueError("the nemo_gym rollout backend needs generation_config (temperature, top_p, max_new_tokens)")
+            raise ValueError(
+                "the nemo_gym rollout backend needs generation_config (temperature, top_p, max_new_tokens)"
+            )
         unsupported = [key for key in ("stop_strings", "stop_token_ids", "top_k") if generation_config.get(key)]
         if unsupported:
             raise ValueError(
@@ -96,7 +98,9 @@ class AsyncNemoGymRolloutImpl:
         actor = nemo_gym_actor if nemo_gym_actor is not None else (task_to_env or {}).get(NEMO_GYM_TASK)
         actors = list(actor) if isinstance(actor, (list, tuple)) else [actor]
         if not actors or any(a is None for a in actors):
-            raise ValueError("the nemo_gym backend needs a NemoGym actor: pass nemo_gym_actor= or task_to_env['nemo_gym']")
+            raise ValueError(
+                "the nemo_gym backend needs a NemoGym actor: pass nemo_gym_actor= or task_to_env['nemo_gym']"
+            )
         self.actors = actors
         self.tokenizer = tokenizer
         self.num_generations = num_generations_per_prompt
@@ -108,7 +112,9 @@ class AsyncNemoGymRolloutImpl:
         self.mask_env_flagged_samples = mask_env_flagged_samples
         self.full_results_path = Path(full_results_path) if full_results_path is not None else None
         self.stats = stats or RolloutStats()
-        self.client = GymClient(actors, max_row_attempts=max_gym_row_attempts, stats=self.stats, timer_prefix=TIMER_PREFIX)
+        self.client = GymClient(
+            actors, max_row_attempts=max_gym_row_attempts, stats=self.stats, timer_prefix=TIMER_PREFIX
+        )
 
     async def run_rollout(self, datum: DatumSpec) -> PromptGroupRecord:
         t_total = time.perf_counter()

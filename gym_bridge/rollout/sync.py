@@ -44,7 +44,6 @@ from gym_bridge.types import EnvironmentReturn, LLMMessageLogType, MessageEntry,
 __all__ = ["calculate_rewards", "generate_responses", "run_multi_turn_rollout", "step_environments"]
 
 
-
 def generate_responses(
     policy_generation: GenerationInterface,
     generation_input_data: BatchedDataDict[Any],
@@ -87,7 +86,9 @@ def generate_responses(
         "mean_generation_length": sum(lengths) / size if size else 0.0,
         "total_generated_tokens": sum(lengths),
         "_response_truncated": (
-            torch.as_tensor(truncated, dtype=torch.bool) if truncated is not None else torch.zeros(size, dtype=torch.bool)
+            torch.as_tensor(truncated, dtype=torch.bool)
+            if truncated is not None
+            else torch.zeros(size, dtype=torch.bool)
         ),
     }
     return batch, generated, metrics
@@ -221,7 +222,9 @@ def run_multi_turn_rollout(
             observation = env_return.observations[j]
             fit = fit_observation(
                 token_tensor(tokenizer(observation["content"], add_special_tokens=False)["input_ids"]),
-                input_len=input_len, gen_len=gen_len, max_seq_len=max_seq_len,
+                input_len=input_len,
+                gen_len=gen_len,
+                max_seq_len=max_seq_len,
             )
             obs_ids, seq_full = fit.token_ids, fit.truncated
             if seq_full:

@@ -164,4 +164,3 @@ def weight_version_of(samples: list[Sample]) -> int | None:
     """The oldest weight version among ``samples`` (what staleness is measured by), or None if unknown."""
     versions = [s.weight_version for s in samples if s.weight_version is not None]
     return min(versions) if versions else None
-

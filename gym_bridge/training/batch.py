@@ -75,14 +75,16 @@ def train_batch(
     )
     reward_matrix = torch.tensor(rewards).view(len(groups), -1)
     advantages = grpo_advantages(reward_matrix, leave_one_out=leave_one_out, normalize=normalize)
-    batch = BatchedDataDict({
-        "input_ids": flat["token_ids"],
-        "input_lengths": lengths.to(torch.int64),
-        "token_mask": flat["token_mask"].float(),
-        "generation_logprobs": flat["generation_logprobs"].float(),
-        "advantages": advantages.reshape(-1),
-        "rewards": torch.tensor(rewards),
-    })
+    batch = BatchedDataDict(
+        {
+            "input_ids": flat["token_ids"],
+            "input_lengths": lengths.to(torch.int64),
+            "token_mask": flat["token_mask"].float(),
+            "generation_logprobs": flat["generation_logprobs"].float(),
+            "advantages": advantages.reshape(-1),
+            "rewards": torch.tensor(rewards),
+        }
+    )
     stats = GroupStats(
         mean_reward=float(reward_matrix.mean()),
         pass_rate=float((reward_matrix >= pass_threshold).float().mean()),

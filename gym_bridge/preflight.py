@@ -87,7 +87,10 @@ class EndpointCheck:
         """One line for a person: ``<base_url>: <what is wrong>`` or ``<base_url>: ok (...)``."""
         if self.problem is None:
             tools = ", tools accepted" if self.tools_checked else ""
-            return f"{self.base_url}: ok (serves {self.model_name!r}, token ids and logprobs{tools}; {self.elapsed_s:.2f} s)"
+            return (
+                f"{self.base_url}: ok (serves {self.model_name!r}, token ids and logprobs{tools}; "
+                f"{self.elapsed_s:.2f} s)"
+            )
         return f"{self.base_url}: {self.detail}"
 
 
@@ -197,7 +200,8 @@ def _check_token_data(body: Any) -> None:
     if not isinstance(token_ids, list) or not token_ids or not all(isinstance(t, int) for t in token_ids):
         raise _Failed(
             EndpointProblem.NO_TOKEN_IDS,
-            "the server returns no token ids (no choices[0].token_ids for return_token_ids=true; vLLM >= 0.10.2 has it)",
+            "the server returns no token ids "
+            "(no choices[0].token_ids for return_token_ids=true; vLLM >= 0.10.2 has it)",
         )
     if not all(str(item.get("token", "")).startswith("token_id:") for item in content):
         raise _Failed(
@@ -268,7 +272,10 @@ async def check_endpoint_async(
     timeout_s: float = 20.0,
     transport: httpx.AsyncBaseTransport | None = None,
 ) -> EndpointCheck:
-    """Check one endpoint within ``timeout_s`` (every request and the whole check); never raises for the server's faults."""
+    """Check one endpoint within ``timeout_s`` (every request and the whole check).
+
+    Never raises for the server's faults: they are the returned check's ``problem``.
+    """
     started = time.perf_counter()
     served: tuple[str, ...] = ()
     problem: EndpointProblem | None = None

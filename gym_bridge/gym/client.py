@@ -78,7 +78,9 @@ class GymClient:
     async def run_group(
         self, rows: list[dict[str, Any]], *, prompt_idx: int, deadline_s: float | None
     ) -> GymGroupResult:
-        """Roll out one group's stamped rows (``_rowidx`` = position) within ``deadline_s`` seconds, all attempts included.
+        """Roll out one group's stamped rows (``_rowidx`` = position) within ``deadline_s`` seconds.
+
+        The deadline covers every attempt, agent discovery included.
 
         Raises the typed failure of the last attempt (``RolloutTimeout`` at the deadline,
         :class:`GymRowIndexError` for a bad streamed index, data failures at once).

@@ -1,4 +1,7 @@
-"""The model endpoints' side of the NemoGym actor's health watch: bounded TCP probes, and how long each has been down."""
+"""The model endpoints' side of the NemoGym actor's health watch.
+
+Bounded TCP probes, and how long each endpoint has been down.
+"""
 
 from __future__ import annotations
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -37,6 +38,6 @@ def init_ray(*, num_cpus: int | None = None, object_store_memory: int = 256 * 10
         include_dashboard=False,
         _node_ip_address="127.0.0.1",
         ignore_reinit_error=True,
-        logging_level="WARNING",
+        logging_level=logging.WARNING,
         **kwargs,
     )

@@ -59,7 +59,12 @@ class GuessingGameEnvironment(EnvironmentInterface):
         return self.stop_strings_per_turn[min(turn, len(self.stop_strings_per_turn) - 1)]
 
     def step(self, message_log_batch: list[LLMMessageLogType], metadata: list[GuessingMetadata]) -> EnvironmentReturn:
-        observations, next_metadata, next_stops, rewards, terminateds, answers = [], [], [], [], [], []
+        observations: list[dict[str, str]] = []
+        next_metadata: list[dict[str, Any] | None] = []
+        next_stops: list[list[str] | None] = []
+        rewards: list[float] = []
+        terminateds: list[bool] = []
+        answers: list[str | None] = []
         for log, meta in zip(message_log_batch, metadata, strict=True):
             if "target" not in meta:
                 raise KeyError("guessing-game metadata needs a 'target' field")

@@ -137,7 +137,8 @@ class VLMEnvironment(EnvironmentInterface):
     def __init__(self, cfg: VLMEnvConfig | dict[str, Any]) -> None:
         self.cfg = cfg if isinstance(cfg, VLMEnvConfig) else VLMEnvConfig(**cfg)
         worker_cls = ray.remote(num_cpus=0)(VLMVerifyWorker)
-        self.workers = [worker_cls.remote(self.cfg) for _ in range(self.cfg.num_workers)]
+        # Any: Ray types an actor's handle as ``ActorHandle[T] | type[T]``, whose methods lack ``.remote``
+        self.workers: list[Any] = [worker_cls.remote(self.cfg) for _ in range(self.cfg.num_workers)]
         self._next_worker = 0
 
     def _score(self, responses: list[str], truths: list[str]) -> list[dict[str, Any]]:

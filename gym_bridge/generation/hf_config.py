@@ -43,7 +43,7 @@ class HFGenerationConfig(BaseModel):
         ``model_name`` becomes ``model``; ``validation=True`` takes the ``val_*``
         sampling profile. ``overrides`` (e.g. ``device``, ``max_batch_size``) win.
         """
-        sampling = GenerationSamplingParams.from_generation_config(gen_cfg, validation=validation)  # type: ignore[arg-type]
+        sampling = GenerationSamplingParams.from_generation_config(gen_cfg, validation=validation)
         values: dict[str, Any] = {
             "temperature": sampling.temperature,
             "top_p": sampling.top_p,

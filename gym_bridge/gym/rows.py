@@ -124,6 +124,7 @@ def dispatch_target(row: Any, position: int, known_agents: Collection[str]) -> t
     ref = row.get("agent_ref")
     name = ref.get("name") if isinstance(ref, dict) else None
     check_agent(name, known_agents, where=f"row {position} ({ROW_INDEX_KEY}={rowidx}, agent_ref={ref!r})")
+    assert isinstance(name, str)  # check_agent found it among the known (str) agent names
     return rowidx, name
 
 

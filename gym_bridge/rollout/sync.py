@@ -39,7 +39,7 @@ from gym_bridge.failures import RolloutTimeouts, deadline
 from gym_bridge.interfaces import GenerationInterface
 from gym_bridge.rollout.env_step import calculate_rewards, calculate_rewards_async, environment_for, step_by_task
 from gym_bridge.rollout.truncation import fit_observation
-from gym_bridge.types import EnvironmentReturn, LLMMessageLogType, MessageEntry, token_tensor
+from gym_bridge.types import EnvironmentReturn, GenerationDatumSpec, LLMMessageLogType, MessageEntry, token_tensor
 
 __all__ = ["calculate_rewards", "generate_responses", "run_multi_turn_rollout", "step_environments"]
 
@@ -190,7 +190,7 @@ def run_multi_turn_rollout(
         active_batch = batch.select_indices(active)
         token_logs = [[{"token_ids": m["token_ids"]} for m in log] for log in active_batch["message_log"]]
         flat, input_lengths = batched_message_log_to_flat_message(token_logs, pad_value_dict={"token_ids": pad_id})
-        generation_input = BatchedDataDict(
+        generation_input: BatchedDataDict[GenerationDatumSpec] = BatchedDataDict(
             {"input_ids": flat["token_ids"], "input_lengths": input_lengths.to(torch.int64)}
         )
         active_batch, generated, gen_metrics = generate_responses(

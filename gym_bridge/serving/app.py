@@ -206,7 +206,9 @@ def build_app(state: ServingState) -> FastAPI:
             raise ServingError("echo is not supported", param="echo")
         prompts = _completion_prompts(req, state)
         as_ids = bool(req.return_tokens_as_token_ids)
-        choices, prompt_tokens, all_samples = [], 0, []
+        choices: list[dict[str, Any]] = []
+        all_samples: list[Sample] = []
+        prompt_tokens = 0
         for prompt_ids in prompts:
             samples = await _generate(state, req, prompt_ids, req.max_tokens)
             prompt_tokens += len(prompt_ids)

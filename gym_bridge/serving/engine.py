@@ -26,6 +26,7 @@ from gym_bridge.batched import BatchedDataDict
 from gym_bridge.interfaces import GenerationInterface
 from gym_bridge.serving.errors import ServingError
 from gym_bridge.serving.protocol import SamplingFields
+from gym_bridge.types import GenerationDatumSpec
 
 #: Logprobs are floored here so that -inf never reaches JSON (NeMo-RL uses the same floor).
 LOGPROB_FLOOR = -9999.0
@@ -135,7 +136,7 @@ async def generate_rows(
     """
     input_ids = torch.tensor([prompt_ids] * n, dtype=torch.int64)
     per_row = {key: [value] * n for key, value in {**(sampling or {}), "max_new_tokens": max_tokens}.items()}
-    data = BatchedDataDict(
+    data: BatchedDataDict[GenerationDatumSpec] = BatchedDataDict(
         {
             "input_ids": input_ids,
             "input_lengths": torch.full((n,), len(prompt_ids), dtype=torch.int64),

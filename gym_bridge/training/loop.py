@@ -98,13 +98,12 @@ class GRPOTrainer:
     def prompts_for(self, step: int) -> list[DatumSpec]:
         """The step's prompts: the dataset in order, cycling; ``idx`` is unique across the run."""
         per_step = self.cfg.num_prompts_per_step
-        out = []
+        out: list[DatumSpec] = []
         for i in range(per_step):
             position = step * per_step + i
-            datum = dict(self.dataset[position % len(self.dataset)])
-            datum["idx"] = position
-            out.append(datum)  # type: ignore[arg-type]
-        return out  # type: ignore[return-value]
+            datum: DatumSpec = {**self.dataset[position % len(self.dataset)], "idx": position}
+            out.append(datum)
+        return out
 
     async def rollout(self, step: int) -> list[CommittedGroup]:
         """Every prompt of ``step`` through ``manager.collect``; the committed groups with their versions."""

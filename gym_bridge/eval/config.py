@@ -7,6 +7,7 @@ resumed run must share with the run it continues.
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -145,7 +146,7 @@ def _format_errors(exc: ValidationError) -> str:
     return "invalid eval config:\n" + "\n".join(lines)
 
 
-def build_config(data: dict[str, Any], overrides: list[str] = ()) -> EvalConfig:  # type: ignore[assignment]
+def build_config(data: dict[str, Any], overrides: Sequence[str] = ()) -> EvalConfig:
     """Apply ``overrides`` to ``data`` and validate."""
     data = dict(data)
     for text in overrides:
@@ -164,7 +165,7 @@ def build_config(data: dict[str, Any], overrides: list[str] = ()) -> EvalConfig:
         raise EvalConfigError(_format_errors(exc)) from None
 
 
-def load_config(path: str | Path, overrides: list[str] = ()) -> EvalConfig:  # type: ignore[assignment]
+def load_config(path: str | Path, overrides: Sequence[str] = ()) -> EvalConfig:
     """Read a YAML eval config, apply ``key=value`` overrides, validate."""
     path = Path(path)
     try:

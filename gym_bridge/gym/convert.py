@@ -334,8 +334,10 @@ def _first_prompt_length(result: dict[str, Any], tokenizer: Any) -> str:
     messages = params.get("input") if isinstance(params, dict) else None
     if isinstance(messages, str):
         messages = [{"role": "user", "content": messages}]
+    if not isinstance(messages, list):
+        return "first prompt length unknown (no input messages)"
     try:
-        chat = [{"role": m["role"], "content": m["content"]} for m in messages]  # type: ignore[union-attr]
+        chat = [{"role": m["role"], "content": m["content"]} for m in messages]
         ids = tokenizer.apply_chat_template(chat, tokenize=True, add_generation_prompt=True)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]

@@ -309,13 +309,15 @@ class GymServers:
                     raise GymStartupError(self._describe_failure(name, "exited during start-up")) from None
 
     def _wait_until_ready(self, deadline: float) -> None:
+        launcher_proc = self._launcher_proc
+        assert launcher_proc is not None, "the launcher is started first"
         ready: set[str] = set()
         while True:
             self._read_status()
             for name, proc in self._procs.items():
                 if not is_alive(proc):
                     raise GymStartupError(self._describe_failure(name, "exited during start-up"))
-            if self._status.get("phase") == "failed" or not is_alive(self._launcher_proc):  # type: ignore[arg-type]
+            if self._status.get("phase") == "failed" or not is_alive(launcher_proc):
                 raise GymStartupError(self._launcher_failure())
             servers = self._status.get("servers", {})
             if self._status.get("phase") in ("spawning", "ready") and all(s.get("pid") for s in servers.values()):

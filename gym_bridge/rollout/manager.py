@@ -173,8 +173,8 @@ class RolloutManager:
                     self.stats.record_data_retry(reason)
                     continue
                 self.stats.record_data_failure(reason)
-                if config_error:
-                    self._config_watch.config_failure(exc)  # type: ignore[arg-type]  # may stop the run
+                if isinstance(exc, EndpointConfigError):
+                    self._config_watch.config_failure(exc)  # may stop the run
                 else:
                     self._config_watch.other_outcome()
                 if self._skipped_prompts >= policy.max_skipped_prompts:

@@ -121,7 +121,8 @@ class AsyncNemoGymRolloutImpl:
         prompt_idx = int(datum["idx"])
         template = datum.get("extra_env_info")
         validate_row(template, prompt_idx=prompt_idx)  # the agent name is checked by the client, under the deadline
-        rows = build_rows(template, self.num_generations, self.sampling, self.max_new_tokens)  # type: ignore[arg-type]
+        assert template is not None  # validate_row raised for a missing row
+        rows = build_rows(template, self.num_generations, self.sampling, self.max_new_tokens)
         await asyncio.sleep(0)  # let the loop breathe between groups launched together (event-loop lag)
 
         t_run = time.perf_counter()
@@ -136,7 +137,7 @@ class AsyncNemoGymRolloutImpl:
         metrics[f"{TIMER_PREFIX}/run_rollouts"] = run_s
         metrics[f"{TIMER_PREFIX}/compute_metrics"] = time.perf_counter() - t_metrics
         if self.full_results_path is not None:
-            self._append_full_results(prompt_idx, agent, completions)
+            self._append_full_results(self.full_results_path, prompt_idx, agent, completions)
         metrics[f"{TIMER_PREFIX}/total"] = time.perf_counter() - t_total
         return PromptGroupRecord(
             prompt_idx=prompt_idx,
@@ -170,9 +171,9 @@ class AsyncNemoGymRolloutImpl:
             token_drift=drift is not None,
         )
 
-    def _append_full_results(self, prompt_idx: int, agent: str, completions: list[Completion]) -> None:
-        self.full_results_path.parent.mkdir(parents=True, exist_ok=True)  # type: ignore[union-attr]
-        with self.full_results_path.open("a") as f:  # type: ignore[union-attr]
+    def _append_full_results(self, path: Path, prompt_idx: int, agent: str, completions: list[Completion]) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a") as f:
             for i, c in enumerate(completions):
                 line = {"prompt_idx": prompt_idx, "rowidx": i, "agent": agent, "full_result": c.env_extras}
                 f.write(json.dumps(line, default=str) + "\n")

@@ -69,39 +69,77 @@ _EXPORTS: dict[str, str] = {
 __all__ = [*_EXPORTS, "__version__"]
 
 if TYPE_CHECKING:
-    from gym_bridge.data import datum_from_chat, datum_from_gym_row
-    from gym_bridge.eval.config import EvalConfig, load_config
-    from gym_bridge.eval.runner import run_eval
+    # "X as X" marks each name as re-exported for type checkers and linters
+    from gym_bridge.data import (
+        datum_from_chat as datum_from_chat,
+        datum_from_gym_row as datum_from_gym_row,
+    )
+    from gym_bridge.eval.config import (
+        EvalConfig as EvalConfig,
+        load_config as load_config,
+    )
+    from gym_bridge.eval.runner import (
+        run_eval as run_eval,
+    )
     from gym_bridge.failures import (
-        RolloutDataFailure,
-        RolloutFailure,
-        RolloutInfraFailure,
-        RolloutRetryPolicy,
-        RolloutTimeout,
-        RolloutTimeouts,
+        RolloutDataFailure as RolloutDataFailure,
+        RolloutFailure as RolloutFailure,
+        RolloutInfraFailure as RolloutInfraFailure,
+        RolloutRetryPolicy as RolloutRetryPolicy,
+        RolloutTimeout as RolloutTimeout,
+        RolloutTimeouts as RolloutTimeouts,
     )
-    from gym_bridge.gym.actor import NemoGymConfig, spinup_nemo_gym_actor, spinup_nemo_gym_actors
-    from gym_bridge.interfaces import EnvironmentInterface, GenerationInterface, PolicyInterface, RolloutBackend
-    from gym_bridge.launch import GymLaunchSpec, NemoGymRollouts, launch_nemo_gym, start_nemo_gym
-    from gym_bridge.preflight import EndpointCheck, PreflightError, check_endpoint, check_endpoints, preflight_endpoints
-    from gym_bridge.ray_utils import init_ray
-    from gym_bridge.rollout.manager import RolloutManager, RolloutOutcome
-    from gym_bridge.rollout.sink import InMemorySink
+    from gym_bridge.gym.actor import (
+        NemoGymConfig as NemoGymConfig,
+        spinup_nemo_gym_actor as spinup_nemo_gym_actor,
+        spinup_nemo_gym_actors as spinup_nemo_gym_actors,
+    )
+    from gym_bridge.interfaces import (
+        EnvironmentInterface as EnvironmentInterface,
+        GenerationInterface as GenerationInterface,
+        PolicyInterface as PolicyInterface,
+        RolloutBackend as RolloutBackend,
+    )
+    from gym_bridge.launch import (
+        GymLaunchSpec as GymLaunchSpec,
+        NemoGymRollouts as NemoGymRollouts,
+        launch_nemo_gym as launch_nemo_gym,
+        start_nemo_gym as start_nemo_gym,
+    )
+    from gym_bridge.preflight import (
+        EndpointCheck as EndpointCheck,
+        PreflightError as PreflightError,
+        check_endpoint as check_endpoint,
+        check_endpoints as check_endpoints,
+        preflight_endpoints as preflight_endpoints,
+    )
+    from gym_bridge.ray_utils import (
+        init_ray as init_ray,
+    )
+    from gym_bridge.rollout.manager import (
+        RolloutManager as RolloutManager,
+        RolloutOutcome as RolloutOutcome,
+    )
+    from gym_bridge.rollout.sink import (
+        InMemorySink as InMemorySink,
+    )
     from gym_bridge.rollout.training_config import (
-        build_nemo_gym_rollouts,
-        nemo_gym_config_from,
-        should_use_nemo_gym,
+        build_nemo_gym_rollouts as build_nemo_gym_rollouts,
+        nemo_gym_config_from as nemo_gym_config_from,
+        should_use_nemo_gym as should_use_nemo_gym,
     )
-    from gym_bridge.serving import OpenAIServer
+    from gym_bridge.serving import (
+        OpenAIServer as OpenAIServer,
+    )
     from gym_bridge.types import (
-        Completion,
-        DatumSpec,
-        EnvironmentReturn,
-        GenerationConfig,
-        GenerationDatumSpec,
-        GenerationOutputSpec,
-        MessageEntry,
-        PromptGroupRecord,
+        Completion as Completion,
+        DatumSpec as DatumSpec,
+        EnvironmentReturn as EnvironmentReturn,
+        GenerationConfig as GenerationConfig,
+        GenerationDatumSpec as GenerationDatumSpec,
+        GenerationOutputSpec as GenerationOutputSpec,
+        MessageEntry as MessageEntry,
+        PromptGroupRecord as PromptGroupRecord,
     )
 
 

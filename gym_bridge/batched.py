@@ -21,11 +21,9 @@ from __future__ import annotations
 import copy
 from collections import UserDict
 from collections.abc import Mapping, Sequence
-from typing import Any, Generic, Self, TypeVar
+from typing import Any, Self
 
 import torch
-
-DictT = TypeVar("DictT", bound=Mapping[str, Any])
 
 IndicesType = Sequence[int] | torch.Tensor
 
@@ -73,7 +71,7 @@ def _pad_dim0(tensor: torch.Tensor, length: int, value: float) -> torch.Tensor:
     return padded
 
 
-class BatchedDataDict(UserDict, Generic[DictT]):
+class BatchedDataDict[DictT: Mapping[str, Any]](UserDict):
     """A dict of per-sample columns: tensors with the batch on dim 0, or lists.
 
     ``DictT`` names the TypedDict the keys follow, for annotations only:

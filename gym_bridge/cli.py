@@ -169,7 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
         default="hf",
         help="hf: the model; scripted: rule-based replies; instant: a fixed reply, no model (benchmarks)",
     )
-    serve.add_argument("--answer-tokens", type=int, default=16, help="with --policy instant: reply length, EOS included")
+    serve.add_argument(
+        "--answer-tokens", type=int, default=16, help="with --policy instant: reply length, EOS included"
+    )
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--served-model-name", default=None, help="default: the --model value")
@@ -184,11 +186,11 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="URL",
         help="proxy to these OpenAI-compatible servers (e.g. stock vLLM), keeping multi-turn token ids exact",
     )
-    serve.add_argument("--tokenizer", default=None, help="with --upstream: tokenizer folder (default: the upstream's model)")
-    serve.set_defaults(func=_serve)
-    run = commands.add_parser(
-        "eval", help="evaluate a policy on a JSONL dataset of Gym rows (see docs/evaluation.md)"
+    serve.add_argument(
+        "--tokenizer", default=None, help="with --upstream: tokenizer folder (default: the upstream's model)"
     )
+    serve.set_defaults(func=_serve)
+    run = commands.add_parser("eval", help="evaluate a policy on a JSONL dataset of Gym rows (see docs/evaluation.md)")
     run.add_argument("config", help="the eval config (YAML)")
     run.add_argument("overrides", nargs="*", metavar="key=value", help="override config keys, e.g. limit=2")
     run.add_argument("--resume", action="store_true", help="continue the run in output_dir")

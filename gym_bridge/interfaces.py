@@ -152,7 +152,9 @@ class ColocatablePolicyInterface(PolicyInterface):
     def prepare_refit_info(self) -> dict[str, Any] | None: ...
 
     @abc.abstractmethod
-    def stream_weights_via_ipc_zmq(self, buffer_size_bytes: int, kv_scales: dict[str, Any] | None = None) -> list[Any]: ...
+    def stream_weights_via_ipc_zmq(
+        self, buffer_size_bytes: int, kv_scales: dict[str, Any] | None = None
+    ) -> list[Any]: ...
 
     @abc.abstractmethod
     def broadcast_weights_for_collective(

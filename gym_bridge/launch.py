@@ -14,11 +14,12 @@ import logging
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:
     from gym_bridge.gym.actor import NemoGymConfig
     from gym_bridge.rollout.manager import RolloutManager
+    from gym_bridge.types import GenerationConfig
 
 logger = logging.getLogger(__name__)
 
@@ -108,16 +109,15 @@ def start_nemo_gym(spec: GymLaunchSpec, tokenizer: Any) -> NemoGymRollouts:
     started_ray = not ray.is_initialized()
     init_ray(num_cpus=spec.ray_num_cpus)
     try:
-        actors = spinup_nemo_gym_actors(
-            spec.gym, tokenizer, spec.num_actors, split_base_urls=spec.split_base_urls
-        )
+        actors = spinup_nemo_gym_actors(spec.gym, tokenizer, spec.num_actors, split_base_urls=spec.split_base_urls)
         try:
             manager = RolloutManager(
                 tokenizer=tokenizer,
                 task_to_env={"nemo_gym": actors if len(actors) > 1 else actors[0]},
                 num_generations_per_prompt=spec.num_generations_per_prompt,
                 max_seq_len=spec.max_seq_len,
-                generation_config=dict(spec.generation_config),  # type: ignore[arg-type]
+                # the spec holds it as a plain mapping of GenerationConfig keys
+                generation_config=cast("GenerationConfig", dict(spec.generation_config)),
                 use_nemo_gym=True,
                 **dict(spec.manager_options),
             )

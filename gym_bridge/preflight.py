@@ -22,8 +22,8 @@ import time
 from collections.abc import Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from enum import Enum
-from typing import Any, TypeVar
+from enum import StrEnum
+from typing import Any
 
 import httpx
 
@@ -52,10 +52,8 @@ _PROBE_TOOL = {
 }
 _MAX_DETAIL_CHARS = 300
 
-T = TypeVar("T")
 
-
-class EndpointProblem(str, Enum):
+class EndpointProblem(StrEnum):
     """What a failed endpoint lacks; the first one found is reported."""
 
     UNREACHABLE = "unreachable"
@@ -89,7 +87,10 @@ class EndpointCheck:
         """One line for a person: ``<base_url>: <what is wrong>`` or ``<base_url>: ok (...)``."""
         if self.problem is None:
             tools = ", tools accepted" if self.tools_checked else ""
-            return f"{self.base_url}: ok (serves {self.model_name!r}, token ids and logprobs{tools}; {self.elapsed_s:.2f} s)"
+            return (
+                f"{self.base_url}: ok (serves {self.model_name!r}, token ids and logprobs{tools}; "
+                f"{self.elapsed_s:.2f} s)"
+            )
         return f"{self.base_url}: {self.detail}"
 
 
@@ -155,14 +156,18 @@ async def _send(client: httpx.AsyncClient, method: str, url: str, what: str, **k
         reason = "connection refused" if _refused(exc) else _short(str(exc) or type(exc).__name__)
         raise _Failed(EndpointProblem.UNREACHABLE, f"nothing answers ({reason})") from exc
     except httpx.TimeoutException as exc:
-        raise _Failed(EndpointProblem.TIMEOUT, f"no answer to {what} within the timeout ({type(exc).__name__})") from exc
+        raise _Failed(
+            EndpointProblem.TIMEOUT, f"no answer to {what} within the timeout ({type(exc).__name__})"
+        ) from exc
     except httpx.HTTPError as exc:
         raise _Failed(EndpointProblem.UNREACHABLE, f"{what} failed: {_short(str(exc) or type(exc).__name__)}") from exc
 
 
 def _json(response: httpx.Response, what: str) -> Any:
     if response.status_code != 200:
-        raise _Failed(EndpointProblem.HTTP_ERROR, f"{what} answered HTTP {response.status_code}: {_error_message(response)}")
+        raise _Failed(
+            EndpointProblem.HTTP_ERROR, f"{what} answered HTTP {response.status_code}: {_error_message(response)}"
+        )
     try:
         return response.json()
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -183,7 +188,9 @@ def _check_token_data(body: Any) -> None:
         raise _Failed(EndpointProblem.HTTP_ERROR, "the chat completion answer has no choices")
     choice = choices[0]
     content = (choice.get("logprobs") or {}).get("content") if isinstance(choice.get("logprobs"), dict) else None
-    if not content or not all(isinstance(item, dict) and isinstance(item.get("logprob"), int | float) for item in content):
+    if not content or not all(
+        isinstance(item, dict) and isinstance(item.get("logprob"), int | float) for item in content
+    ):
         raise _Failed(
             EndpointProblem.NO_LOGPROBS,
             "the server returns no logprobs (choices[0].logprobs.content is empty for logprobs=true); "
@@ -193,7 +200,8 @@ def _check_token_data(body: Any) -> None:
     if not isinstance(token_ids, list) or not token_ids or not all(isinstance(t, int) for t in token_ids):
         raise _Failed(
             EndpointProblem.NO_TOKEN_IDS,
-            "the server returns no token ids (no choices[0].token_ids for return_token_ids=true; vLLM >= 0.10.2 has it)",
+            "the server returns no token ids "
+            "(no choices[0].token_ids for return_token_ids=true; vLLM >= 0.10.2 has it)",
         )
     if not all(str(item.get("token", "")).startswith("token_id:") for item in content):
         raise _Failed(
@@ -203,9 +211,7 @@ def _check_token_data(body: Any) -> None:
         )
 
 
-async def _check(
-    client: httpx.AsyncClient, base_url: str, model_name: str, tools: bool
-) -> tuple[str, ...]:
+async def _check(client: httpx.AsyncClient, base_url: str, model_name: str, tools: bool) -> tuple[str, ...]:
     """The served model names, once every check passed; raises :class:`_Failed` at the first problem."""
     base = base_url.rstrip("/")
     served = _served_models(_json(await _send(client, "GET", f"{base}/models", "GET /v1/models"), "GET /v1/models"))
@@ -230,7 +236,11 @@ async def _check(
     _check_token_data(_json(await _send(client, "POST", f"{base}/chat/completions", what, json=chat), what))
     what = "POST /tokenize"
     response = await _send(
-        client, "POST", f"{base.removesuffix('/v1')}/tokenize", what, json={"model": model_name, "messages": _PROBE_MESSAGES}
+        client,
+        "POST",
+        f"{base.removesuffix('/v1')}/tokenize",
+        what,
+        json={"model": model_name, "messages": _PROBE_MESSAGES},
     )
     if response.status_code in (404, 405):
         raise _Failed(
@@ -262,7 +272,10 @@ async def check_endpoint_async(
     timeout_s: float = 20.0,
     transport: httpx.AsyncBaseTransport | None = None,
 ) -> EndpointCheck:
-    """Check one endpoint within ``timeout_s`` (every request and the whole check); never raises for the server's faults."""
+    """Check one endpoint within ``timeout_s`` (every request and the whole check).
+
+    Never raises for the server's faults: they are the returned check's ``problem``.
+    """
     started = time.perf_counter()
     served: tuple[str, ...] = ()
     problem: EndpointProblem | None = None
@@ -291,11 +304,13 @@ async def check_endpoints_async(
 ) -> list[EndpointCheck]:
     """Check every endpoint concurrently; one result per URL, in order."""
     return list(
-        await asyncio.gather(*(check_endpoint_async(url, model_name, tools=tools, timeout_s=timeout_s) for url in base_urls))
+        await asyncio.gather(
+            *(check_endpoint_async(url, model_name, tools=tools, timeout_s=timeout_s) for url in base_urls)
+        )
     )
 
 
-def _run(coro: Coroutine[Any, Any, T]) -> T:
+def _run[T](coro: Coroutine[Any, Any, T]) -> T:
     """Run ``coro`` to the end from synchronous code, on a helper thread when this thread already runs a loop."""
     try:
         asyncio.get_running_loop()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -21,7 +22,11 @@ def init_ray(*, num_cpus: int | None = None, object_store_memory: int = 256 * 10
     # Ray reads this flag once, at import; honour the environment even if ray was imported first.
     from ray._private import ray_constants
 
-    ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV = os.environ["RAY_ENABLE_UV_RUN_RUNTIME_ENV"] not in ("0", "false", "False")
+    ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV = os.environ["RAY_ENABLE_UV_RUN_RUNTIME_ENV"] not in (
+        "0",
+        "false",
+        "False",
+    )
     if ray.is_initialized():
         return
     if os.environ.get("RAY_ADDRESS"):
@@ -33,6 +38,6 @@ def init_ray(*, num_cpus: int | None = None, object_store_memory: int = 256 * 10
         include_dashboard=False,
         _node_ip_address="127.0.0.1",
         ignore_reinit_error=True,
-        logging_level="WARNING",
+        logging_level=logging.WARNING,
         **kwargs,
     )

@@ -7,6 +7,7 @@ difference: every ``token_ids`` tensor is int64, including empty ones.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, NotRequired, TypedDict
 
@@ -120,7 +121,11 @@ class GenerationSamplingParams:
     top_k: int | None = None
 
     @classmethod
-    def from_generation_config(cls, cfg: GenerationConfig, *, validation: bool = False) -> GenerationSamplingParams:
+    def from_generation_config(cls, cfg: Mapping[str, Any], *, validation: bool = False) -> GenerationSamplingParams:
+        """The ``val_*`` profile when ``validation`` (each field falling back to the training one), else training's.
+
+        ``cfg`` is a :class:`GenerationConfig` or any mapping with its keys.
+        """
         prefix = "val_" if validation else ""
         return cls(
             temperature=float(cfg.get(f"{prefix}temperature", cfg.get("temperature", 1.0))),
@@ -162,7 +167,7 @@ class EnvironmentReturn(NamedTuple):
     observations: list[dict[str, str]]
     metadata: list[Any]
     next_stop_strings: list[list[str] | None] | None
-    rewards: torch.Tensor
+    rewards: torch.Tensor | dict[str, torch.Tensor]  # [B], or one [B] tensor per reward component
     terminateds: torch.Tensor
     answers: list[str | None] | None
 

@@ -49,7 +49,11 @@ class ArithmeticEnvironment(EnvironmentInterface):
         self.stop_strings = stop_strings
 
     def step(self, message_log_batch: list[LLMMessageLogType], metadata: list[ArithmeticMetadata]) -> EnvironmentReturn:
-        observations, next_metadata, rewards, terminateds, answers = [], [], [], [], []
+        observations: list[dict[str, str]] = []
+        next_metadata: list[dict[str, Any] | None] = []
+        rewards: list[float] = []
+        terminateds: list[bool] = []
+        answers: list[str | None] = []
         for log, meta in zip(message_log_batch, metadata, strict=True):
             if "ground_truth" not in meta:
                 raise KeyError("arithmetic environment metadata needs a 'ground_truth' field")
@@ -76,9 +80,13 @@ class ArithmeticEnvironment(EnvironmentInterface):
             answers=answers,
         )
 
-    def global_post_process_and_metrics(self, batch: BatchedDataDict[Any]) -> tuple[BatchedDataDict[Any], dict[str, Any]]:
+    def global_post_process_and_metrics(
+        self, batch: BatchedDataDict[Any]
+    ) -> tuple[BatchedDataDict[Any], dict[str, Any]]:
         rewards = batch.get("total_reward")
-        accuracy = float((torch.as_tensor(rewards) == 1.0).float().mean()) if rewards is not None and len(rewards) else 0.0
+        accuracy = (
+            float((torch.as_tensor(rewards) == 1.0).float().mean()) if rewards is not None and len(rewards) else 0.0
+        )
         return batch, {"accuracy": accuracy}
 
 

@@ -59,7 +59,12 @@ class GuessingGameEnvironment(EnvironmentInterface):
         return self.stop_strings_per_turn[min(turn, len(self.stop_strings_per_turn) - 1)]
 
     def step(self, message_log_batch: list[LLMMessageLogType], metadata: list[GuessingMetadata]) -> EnvironmentReturn:
-        observations, next_metadata, next_stops, rewards, terminateds, answers = [], [], [], [], [], []
+        observations: list[dict[str, str]] = []
+        next_metadata: list[dict[str, Any] | None] = []
+        next_stops: list[list[str] | None] = []
+        rewards: list[float] = []
+        terminateds: list[bool] = []
+        answers: list[str | None] = []
         for log, meta in zip(message_log_batch, metadata, strict=True):
             if "target" not in meta:
                 raise KeyError("guessing-game metadata needs a 'target' field")
@@ -101,7 +106,9 @@ class GuessingGameEnvironment(EnvironmentInterface):
             answers=answers,
         )
 
-    def global_post_process_and_metrics(self, batch: BatchedDataDict[Any]) -> tuple[BatchedDataDict[Any], dict[str, Any]]:
+    def global_post_process_and_metrics(
+        self, batch: BatchedDataDict[Any]
+    ) -> tuple[BatchedDataDict[Any], dict[str, Any]]:
         rewards = batch.get("total_reward")
         win_rate = float((torch.as_tensor(rewards) > 0).float().mean()) if rewards is not None and len(rewards) else 0.0
         return batch, {"win_rate": win_rate}

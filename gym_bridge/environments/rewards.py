@@ -39,7 +39,9 @@ def extract_tag(text: str, tag: str = "answer") -> str | None:
     return text[start + len(open_tag) : end]
 
 
-def format_reward(ground_truth: str, response: str, think_tag: str = "think", answer_tag: str = "answer") -> RewardResult:
+def format_reward(
+    ground_truth: str, response: str, think_tag: str = "think", answer_tag: str = "answer"
+) -> RewardResult:
     """+0.25 for a ``<think>…</think>`` block, +0.75 for an ``<answer>…</answer>`` block."""
     score = 0.0
     if extract_tag(response, think_tag) is not None:

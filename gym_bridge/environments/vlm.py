@@ -100,8 +100,13 @@ class VLMVerifyWorker:
             reward = 0.0
             for spec, weight in zip(self.cfg.reward_functions, self.weights, strict=True):
                 score, correct = bounded_call(
-                    spec.name, REWARD_FUNCTIONS[spec.name], truth, response, spec.kwargs,
-                    max_chars=self.cfg.max_chars, time_limit_s=self.cfg.reward_time_limit_s,
+                    spec.name,
+                    REWARD_FUNCTIONS[spec.name],
+                    truth,
+                    response,
+                    spec.kwargs,
+                    max_chars=self.cfg.max_chars,
+                    time_limit_s=self.cfg.reward_time_limit_s,
                 )
                 components[spec.name] = score
                 reward += weight * score
@@ -132,7 +137,8 @@ class VLMEnvironment(EnvironmentInterface):
     def __init__(self, cfg: VLMEnvConfig | dict[str, Any]) -> None:
         self.cfg = cfg if isinstance(cfg, VLMEnvConfig) else VLMEnvConfig(**cfg)
         worker_cls = ray.remote(num_cpus=0)(VLMVerifyWorker)
-        self.workers = [worker_cls.remote(self.cfg) for _ in range(self.cfg.num_workers)]
+        # Any: Ray types an actor's handle as ``ActorHandle[T] | type[T]``, whose methods lack ``.remote``
+        self.workers: list[Any] = [worker_cls.remote(self.cfg) for _ in range(self.cfg.num_workers)]
         self._next_worker = 0
 
     def _score(self, responses: list[str], truths: list[str]) -> list[dict[str, Any]]:
@@ -149,7 +155,8 @@ class VLMEnvironment(EnvironmentInterface):
         self, message_log_batch: list[LLMMessageLogType], metadata: list[VLMEnvironmentMetadata]
     ) -> EnvironmentReturn:
         responses = [
-            "".join(message_text(m.get("content")) for m in log if m["role"] == "assistant") for log in message_log_batch
+            "".join(message_text(m.get("content")) for m in log if m["role"] == "assistant")
+            for log in message_log_batch
         ]
         truths = [str(meta["ground_truth"]) for meta in metadata]
         results = self._score(responses, truths)
@@ -167,7 +174,9 @@ class VLMEnvironment(EnvironmentInterface):
             answers=answers,
         )
 
-    def global_post_process_and_metrics(self, batch: BatchedDataDict[Any]) -> tuple[BatchedDataDict[Any], dict[str, Any]]:
+    def global_post_process_and_metrics(
+        self, batch: BatchedDataDict[Any]
+    ) -> tuple[BatchedDataDict[Any], dict[str, Any]]:
         """Zero the rewards of samples that did not end properly (``truncated``), and score the batch.
 
         Metrics: ``accuracy`` (fraction correct), ``mean_reward``, ``reward/<name>/mean`` per
@@ -178,9 +187,7 @@ class VLMEnvironment(EnvironmentInterface):
         size = len(logs)
         if size == 0:
             return batch, {"num_samples": 0}
-        responses = [
-            "".join(message_text(m.get("content")) for m in log if m["role"] == "assistant") for log in logs
-        ]
+        responses = ["".join(message_text(m.get("content")) for m in log if m["role"] == "assistant") for log in logs]
         results = self._score(responses, [str(i["ground_truth"]) for i in infos])
         ended = ~torch.as_tensor(batch.get("truncated", torch.zeros(size, dtype=torch.bool))).bool()
         rewards = torch.as_tensor(batch.get("total_reward", [r["reward"] for r in results]), dtype=torch.float32)

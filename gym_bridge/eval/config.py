@@ -7,7 +7,7 @@ resumed run must share with the run it continues.
 from __future__ import annotations
 
 import sys
-
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -36,7 +36,8 @@ class EvalConfig(BaseModel):
         "tiny", description='"tiny", "smollm2" or a local tokenizer folder (default: the embedded model\'s).'
     )
     embedded_policy: Literal["tiny", "smollm2", "scripted"] = Field(
-        "smollm2", description="tiny / smollm2: that built-in model served by HFGeneration; scripted: rule-based replies."
+        "smollm2",
+        description="tiny / smollm2: that built-in model served by HFGeneration; scripted: rule-based replies.",
     )
     concurrency: int = Field(4, ge=1, description="Prompt groups in flight.")
     rollout_timeout_s: float = Field(600.0, gt=0, description="Deadline of one prompt group, re-dispatches included.")
@@ -145,7 +146,7 @@ def _format_errors(exc: ValidationError) -> str:
     return "invalid eval config:\n" + "\n".join(lines)
 
 
-def build_config(data: dict[str, Any], overrides: list[str] = ()) -> EvalConfig:  # type: ignore[assignment]
+def build_config(data: dict[str, Any], overrides: Sequence[str] = ()) -> EvalConfig:
     """Apply ``overrides`` to ``data`` and validate."""
     data = dict(data)
     for text in overrides:
@@ -164,7 +165,7 @@ def build_config(data: dict[str, Any], overrides: list[str] = ()) -> EvalConfig:
         raise EvalConfigError(_format_errors(exc)) from None
 
 
-def load_config(path: str | Path, overrides: list[str] = ()) -> EvalConfig:  # type: ignore[assignment]
+def load_config(path: str | Path, overrides: Sequence[str] = ()) -> EvalConfig:
     """Read a YAML eval config, apply ``key=value`` overrides, validate."""
     path = Path(path)
     try:

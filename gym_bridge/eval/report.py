@@ -147,9 +147,16 @@ def render_markdown(metrics: dict[str, Any]) -> str:
     failures = metrics["failures"]
     if failures["by_error"]:
         examples = failures.get("example_message", {})
-        lines += ["", "## Failures (see failures.jsonl)", "", "| error | prompts | message (one of them) |", "|---|---|---|"]
         lines += [
-            f"| {name} | {count} | {_cell(examples.get(name, ''))} |" for name, count in sorted(failures["by_error"].items())
+            "",
+            "## Failures (see failures.jsonl)",
+            "",
+            "| error | prompts | message (one of them) |",
+            "|---|---|---|",
+        ]
+        lines += [
+            f"| {name} | {count} | {_cell(examples.get(name, ''))} |"
+            for name, count in sorted(failures["by_error"].items())
         ]
     timing = metrics["timing"]
     lines += [

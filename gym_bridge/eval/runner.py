@@ -299,8 +299,9 @@ async def _dispatch_all(
     try:
         done, _ = await asyncio.wait(workers, return_when=asyncio.FIRST_EXCEPTION)
         for task in done:
-            if not task.cancelled() and task.exception() is not None:
-                raise task.exception()  # type: ignore[misc]
+            failure = None if task.cancelled() else task.exception()
+            if failure is not None:
+                raise failure
     finally:
         for task in workers:
             task.cancel()
@@ -319,7 +320,7 @@ def _sigint_deferred(step: str) -> Iterator[None]:
         previous = None
     try:
         yield
-    except Exception:  # noqa: BLE001 - see the docstring
+    except Exception:  # see the docstring
         logger.exception("%s failed", step)
     finally:
         if previous is not None:

@@ -44,8 +44,9 @@ class RunStoreSink:
     ) -> None:
         prompt_idx = self._slots.pop(slot)
         row = self._rows[prompt_idx]
-        line = group_record(record, agent=row.agent, line=row.line, tokenizer=self.tokenizer,
-                            elapsed_s=self._elapsed(prompt_idx))
+        line = group_record(
+            record, agent=row.agent, line=row.line, tokenizer=self.tokenizer, elapsed_s=self._elapsed(prompt_idx)
+        )
         line["start_weight_version"] = start_weight_version
         line["end_weight_version"] = end_weight_version
         self.store.append_result(line)
@@ -61,8 +62,9 @@ class RunStoreSink:
         row = self._rows[prompt_idx]
         error = error or self._last_error.get(prompt_idx) or RuntimeError("skipped without a recorded error")
         self.store.append_failure(
-            failure_record(error, prompt_idx=prompt_idx, agent=row.agent, line=row.line,
-                           elapsed_s=self._elapsed(prompt_idx))
+            failure_record(
+                error, prompt_idx=prompt_idx, agent=row.agent, line=row.line, elapsed_s=self._elapsed(prompt_idx)
+            )
         )
 
     def _elapsed(self, prompt_idx: int) -> float:

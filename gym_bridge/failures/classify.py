@@ -9,7 +9,7 @@ retried. The other functions turn a raw error into the typed, picklable failure.
 from __future__ import annotations
 
 import sys
-from enum import Enum
+from enum import StrEnum
 from typing import Any
 
 from gym_bridge.failures.errors import (
@@ -33,7 +33,7 @@ __all__ = [
 ]
 
 
-class FailureClass(str, Enum):
+class FailureClass(StrEnum):
     INFRA = "infra"
     DATA = "data"
 
@@ -100,7 +100,8 @@ def _response_status(exc: BaseException) -> int | None:
         return status if isinstance(status, int) and not isinstance(status, bool) else None
     status_errors = _loaded_types("httpx", ("HTTPStatusError",))
     if status_errors and isinstance(exc, status_errors):
-        return int(exc.response.status_code)  # type: ignore[attr-defined]
+        status = getattr(getattr(exc, "response", None), "status_code", None)
+        return int(status) if status is not None else None
     return None
 
 
@@ -111,10 +112,12 @@ def _link_is_infra(exc: BaseException) -> bool:
     if status is not None:
         return http_status_is_infra(status)
     infra_types = (
-        (RolloutInfraFailure, TimeoutError, ConnectionError)
-        + _loaded_types("ray.exceptions", _RAY_INFRA_NAMES)
-        + _loaded_types("aiohttp", _AIOHTTP_INFRA_NAMES)
-        + _loaded_types("httpx", _HTTPX_INFRA_NAMES)
+        RolloutInfraFailure,
+        TimeoutError,
+        ConnectionError,
+        *_loaded_types("ray.exceptions", _RAY_INFRA_NAMES),
+        *_loaded_types("aiohttp", _AIOHTTP_INFRA_NAMES),
+        *_loaded_types("httpx", _HTTPX_INFRA_NAMES),
     )
     if isinstance(exc, infra_types):
         return True
@@ -211,7 +214,8 @@ def classify_environment_failure(exc: Exception, prompt_idx: Any, traj_idx: int)
     if not isinstance(exc, Exception):
         raise TypeError(f"{type(exc).__name__} is not an environment failure and must propagate as is")
     # A RayTaskError's text is the remote traceback; its .cause is the error the environment raised.
-    shown = exc.cause if isinstance(getattr(exc, "cause", None), BaseException) else exc
+    cause = getattr(exc, "cause", None)
+    shown = cause if isinstance(cause, BaseException) else exc
     detail = f"prompt_idx={prompt_idx} traj_idx={traj_idx}: {type(shown).__name__}: {shown}"
     if classify_rollout_failure(exc) is FailureClass.INFRA:
         return EnvironmentUnavailable(f"environment unavailable for {detail}")

@@ -33,6 +33,9 @@ __all__ = [
 class RolloutFailure(Exception):
     """One failed attempt at a prompt."""
 
+    #: The HTTP status an endpoint answered, when one caused it (a proxy hands it on: a 429 stays a 429).
+    http_status: int | None = None
+
 
 # ---- infrastructure: the prompt is fine, the fleet is not --------------------------------------
 

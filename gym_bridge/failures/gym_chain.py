@@ -97,7 +97,8 @@ def _int(value: Any) -> int | None:
 
 def _innermost(value: Any) -> tuple[str, Kind, int | None]:
     if isinstance(value, dict):
-        error = value.get("error") if isinstance(value.get("error"), dict) else value
+        inner = value.get("error")
+        error: dict[Any, Any] = inner if isinstance(inner, dict) else value
         if isinstance(error.get("message"), str):
             return error["message"], "endpoint", _int(error.get("code"))
         detail = value.get("detail")

@@ -22,7 +22,10 @@ __all__ = [
 
 
 def backoff_delay(attempt: int, base_s: float, max_s: float) -> float:
-    """Capped exponential backoff: seconds before retry number ``attempt`` (1-based), ``min(base * 2**(attempt-1), max)``."""
+    """Capped exponential backoff: seconds before retry number ``attempt`` (1-based).
+
+    That is ``min(base * 2**(attempt-1), max)``.
+    """
     return min(base_s * 2 ** (attempt - 1), max_s)
 
 

@@ -34,9 +34,12 @@ def check_input(data: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
 class GeneratedRow(Protocol):
     """What a backend produced for one row."""
 
-    tokens: list[int]
-    logprobs: list[float]
-    truncated: bool
+    @property
+    def tokens(self) -> list[int]: ...
+    @property
+    def logprobs(self) -> list[float]: ...
+    @property
+    def truncated(self) -> bool: ...
 
 
 def assemble_output(

@@ -80,7 +80,6 @@ def check_batch(data: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
     return input_ids, lengths
 
 
-
 def parse_completion(payload: Any, url: str) -> tuple[list[int], list[float], bool]:
     """(generated ids, their logprobs, truncated) from a completions response."""
     where = f"{url}/completions response"

@@ -68,7 +68,11 @@ def build_engine(spec: EngineSpec) -> BuiltEngine:
     if spec.policy == "scripted":
         from gym_bridge.generation.scripted import ScriptedGeneration
 
-        return BuiltEngine(ScriptedGeneration(tokenizer, max_new_tokens=spec.max_new_tokens, think=spec.think), tokenizer, path)
+        return BuiltEngine(
+            ScriptedGeneration(tokenizer, max_new_tokens=spec.max_new_tokens, think=spec.think), tokenizer, path
+        )
     from gym_bridge.generation.instant import InstantGeneration
 
-    return BuiltEngine(InstantGeneration(tokenizer, spec.answer_tokens, max_new_tokens=spec.max_new_tokens), tokenizer, path)
+    return BuiltEngine(
+        InstantGeneration(tokenizer, spec.answer_tokens, max_new_tokens=spec.max_new_tokens), tokenizer, path
+    )

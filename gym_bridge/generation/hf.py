@@ -91,6 +91,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+
 class HFGeneration(GenerationInterface):
     """Generation with a local transformers causal LM; see the module docstring for semantics."""
 
@@ -120,7 +121,10 @@ class HFGeneration(GenerationInterface):
         text_config = (
             self.model.config.get_text_config() if hasattr(self.model.config, "get_text_config") else self.model.config
         )
-        self.max_model_len: int = int(cfg.max_model_len or getattr(text_config, "max_position_embeddings", 2**31 - 1))
+        max_model_len = cfg.max_model_len  # None: the model's own limit
+        if max_model_len is None:
+            max_model_len = int(getattr(text_config, "max_position_embeddings", 2**31 - 1))
+        self.max_model_len: int = max_model_len
         self.vocab_size: int = int(self.model.get_output_embeddings().weight.shape[0])
         self.pad_token_id: int = _first_id(
             tokenizer.pad_token_id, tokenizer.eos_token_id, getattr(text_config, "pad_token_id", None), default=0
@@ -194,7 +198,7 @@ class HFGeneration(GenerationInterface):
         input_ids, lengths, rows = self._rows_from_batch(data, greedy)
         loop = asyncio.get_running_loop()
         futures: list[asyncio.Future[RowResult]] = [loop.create_future() for _ in rows]
-        for row, fut in zip(rows, futures):
+        for row, fut in zip(rows, futures, strict=True):
             row.deliver = make_deliver(loop, fut)
         self._ensure_worker()
         for row in rows:

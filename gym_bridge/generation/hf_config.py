@@ -43,7 +43,7 @@ class HFGenerationConfig(BaseModel):
         ``model_name`` becomes ``model``; ``validation=True`` takes the ``val_*``
         sampling profile. ``overrides`` (e.g. ``device``, ``max_batch_size``) win.
         """
-        sampling = GenerationSamplingParams.from_generation_config(gen_cfg, validation=validation)  # type: ignore[arg-type]
+        sampling = GenerationSamplingParams.from_generation_config(gen_cfg, validation=validation)
         values: dict[str, Any] = {
             "temperature": sampling.temperature,
             "top_p": sampling.top_p,
@@ -89,4 +89,3 @@ class RowSampling:
 #: Optional per-row keys of a generation batch that override the config's sampling for that row
 #: (a list with one value per row; None in a slot means "use the config").
 PER_ROW_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_new_tokens")
-

@@ -177,7 +177,9 @@ class RunningBatch:
         if row.deliver is not None and not row.cancelled:
             row.deliver(row.result)
 
-    def _forward(self, input_ids: torch.Tensor, attention: torch.Tensor, positions: torch.Tensor, cache: Any) -> torch.Tensor:
+    def _forward(
+        self, input_ids: torch.Tensor, attention: torch.Tensor, positions: torch.Tensor, cache: Any
+    ) -> torch.Tensor:
         kwargs: dict[str, Any] = {"logits_to_keep": 1} if self.ctx.logits_to_keep else {}
         out = self.ctx.model(
             input_ids=input_ids,

@@ -8,6 +8,7 @@ has drained), and each finished row is handed back to its waiter's event loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -94,11 +95,10 @@ def fail_queued(q: queue.SimpleQueue[Any], err: BaseException) -> None:
 
 def make_deliver(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[Any]) -> Callable[[Any], None]:
     """A thread-safe callback that resolves ``fut`` on ``loop`` with a result or an exception."""
+
     def deliver(result: Any) -> None:
-        try:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting any more
             loop.call_soon_threadsafe(_resolve, fut, result)
-        except RuntimeError:  # the loop is closed: nobody is waiting any more
-            pass
 
     return deliver
 

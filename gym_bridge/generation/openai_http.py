@@ -47,6 +47,7 @@ from gym_bridge.batched import BatchedDataDict
 from gym_bridge.failures import (
     GenerationUnavailable,
     RolloutDataFailure,
+    RolloutFailure,
     backoff_delay,
     gather_cancel_siblings,
     http_status_is_infra,
@@ -134,8 +135,8 @@ class _Retryable(Exception):
         self.status = status
 
 
-def _with_status(exc: Exception, status: int | None) -> Exception:
-    exc.http_status = status  # type: ignore[attr-defined]
+def _with_status(exc: RolloutFailure, status: int | None) -> RolloutFailure:
+    exc.http_status = status
     return exc
 
 
@@ -376,7 +377,9 @@ class OpenAIHTTPGeneration(GenerationInterface):
         try:
             return response.json()
         except ValueError:
-            raise RolloutDataFailure(f"{where} returned a body that is not JSON: {shorten(response.text, _BODY_LIMIT)}") from None
+            raise RolloutDataFailure(
+                f"{where} returned a body that is not JSON: {shorten(response.text, _BODY_LIMIT)}"
+            ) from None
 
     # ------------------------------------------------------------------ loops and clients
 

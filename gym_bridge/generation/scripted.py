@@ -48,6 +48,8 @@ class ScriptedRow:
     @property
     def logprobs(self) -> list[float]:
         return [SCRIPTED_LOGPROB] * len(self.tokens)
+
+
 _EXACT = re.compile(r"Reply with exactly:\s*(.+?)\s*$", re.DOTALL)
 _WORD = re.compile(r"[A-Za-z][A-Za-z0-9_-]*")
 

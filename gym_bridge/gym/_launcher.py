@@ -66,9 +66,8 @@ def _start_reaper() -> None:
 
 def _server_instances(global_config_dict: Any) -> dict[str, dict[str, Any]]:
     """The ``<name>: {<type>: {<impl>: {entrypoint: ...}}}`` entries, walked as RunHelper walks them."""
-    from omegaconf import DictConfig
-
     from nemo_gym.global_config import NEMO_GYM_RESERVED_TOP_LEVEL_KEYS
+    from omegaconf import DictConfig
 
     servers: dict[str, dict[str, Any]] = {}
     for name, value in global_config_dict.items():
@@ -139,10 +138,9 @@ def main(argv: list[str]) -> int:
     threading.Thread(target=_watch_parent, args=(spec["parent_pid"],), daemon=True).start()
     _start_reaper()
     try:
-        from omegaconf import OmegaConf
-
         import nemo_gym.cli.env as gym_env
         from nemo_gym.global_config import GlobalConfigDictParserConfig, get_global_config_dict
+        from omegaconf import OmegaConf
 
         parser_config = GlobalConfigDictParserConfig(
             initial_global_config_dict=OmegaConf.create(spec["global_config"]),

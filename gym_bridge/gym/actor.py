@@ -211,7 +211,9 @@ class NemoGym:
         pending = Counter(row["agent_ref"]["name"] for row in rows)
         self._check_servers(servers, "before dispatch")
         finished: asyncio.Queue[asyncio.Task[Any]] = asyncio.Queue()
-        tasks = [asyncio.create_task(self._post(client, url, row)) for url, row in zip(urls, rows, strict=True)]
+        tasks: list[asyncio.Task[Any]] = [
+            asyncio.create_task(self._post(client, url, row)) for url, row in zip(urls, rows, strict=True)
+        ]
         # The watch only ever finishes by raising (a Gym server died), which fails the stream.
         tasks.append(asyncio.create_task(self._watch_servers(servers)))
         for task in tasks:
@@ -301,9 +303,8 @@ class NemoGym:
     async def _post(self, client: aiohttp.ClientSession, url: str, row: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
         where = f"NeMo-Gym /run at {url} for {ROW_INDEX_KEY}={row[ROW_INDEX_KEY]} (agent {row['agent_ref']['name']!r})"
         try:
-            async with deadline(self.cfg.request_timeout_s, where):
-                async with client.post(f"{url}/run", json=row) as response:
-                    status, body = response.status, await response.read()
+            async with deadline(self.cfg.request_timeout_s, where), client.post(f"{url}/run", json=row) as response:
+                status, body = response.status, await response.read()
         except RolloutTimeout:
             raise
         except (aiohttp.ClientError, TimeoutError) as exc:
@@ -342,27 +343,6 @@ class NemoGym:
             return gym_row_result(rowidx, converted)
         except GymResultError as exc:
             raise type(exc)(f"{ROW_INDEX_KEY}={rowidx} (agent {row['agent_ref']['name']!r}): {exc}") from None
-
-
-def _loads(body: bytes) -> Any:
-    """orjson for speed; the stdlib for what orjson refuses but Python's json writes (NaN, Infinity),
-    so a NaN logprob is reported as such by the conversion instead of as invalid JSON."""
-    try:
-        return orjson.loads(body)
-    except orjson.JSONDecodeError:
-        return json.loads(body)
-
-
-def _was_restarted() -> bool:
-    """Whether this process is a Ray restart of the actor (False outside Ray)."""
-    try:
-        import ray
-
-        with warnings.catch_warnings():  # Ray's property reads its own deprecated actor_id
-            warnings.simplefilter("ignore", DeprecationWarning)
-            return bool(ray.is_initialized() and ray.get_runtime_context().was_current_actor_reconstructed)
-    except Exception:  # not inside an actor
-        return False
 
 
 def _loads(body: bytes) -> Any:

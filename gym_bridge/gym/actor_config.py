@@ -58,7 +58,8 @@ class NemoGymConfig(BaseModel):
     actor_options: dict[str, Any] = Field(default_factory=dict)
     """Passed to ``ray.remote(NemoGym).options(...)`` (``num_cpus``, ``max_restarts``, ``scheduling_strategy``, ...)."""
     on_restart: Literal["fail", "respin"] = "fail"
-    """After Ray restarts the actor: raise :class:`~gym_bridge.failures.NemoGymRestarted`, or start fresh Gym servers."""
+    """After Ray restarts the actor: raise :class:`~gym_bridge.failures.NemoGymRestarted` ("fail"),
+    or start fresh Gym servers ("respin")."""
     model_server: Literal["vllm_model", "gym_bridge"] = "vllm_model"
     """Gym's model server: its own ``vllm_model`` as ``config_paths`` name it, or gym-bridge's
     (:mod:`gym_bridge.gym_model`: token-faithful, one hop, leaner), which replaces the ``vllm_model`` config."""

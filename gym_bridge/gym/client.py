@@ -78,7 +78,9 @@ class GymClient:
     async def run_group(
         self, rows: list[dict[str, Any]], *, prompt_idx: int, deadline_s: float | None
     ) -> GymGroupResult:
-        """Roll out one group's stamped rows (``_rowidx`` = position) within ``deadline_s`` seconds, all attempts included.
+        """Roll out one group's stamped rows (``_rowidx`` = position) within ``deadline_s`` seconds.
+
+        The deadline covers every attempt, agent discovery included.
 
         Raises the typed failure of the last attempt (``RolloutTimeout`` at the deadline,
         :class:`GymRowIndexError` for a bad streamed index, data failures at once).
@@ -111,7 +113,12 @@ class GymClient:
                 self.stats.gym_row_redispatches += len(pending)
                 logger.warning(
                     "prompt_idx=%d: re-dispatching %d of %d rows (attempt %d) after %s: %s",
-                    prompt_idx, len(pending), n, attempts, type(last_error).__name__, last_error,
+                    prompt_idx,
+                    len(pending),
+                    n,
+                    attempts,
+                    type(last_error).__name__,
+                    last_error,
                 )
             actor = self._pick_actor(failed_actors)
             try:

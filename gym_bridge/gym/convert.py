@@ -133,7 +133,9 @@ def convert_gym_result(
         turn += 1
         prompt = item.get("prompt_token_ids")
         if not isinstance(prompt, list):
-            raise GymResultError(f"model call {turn}: prompt_token_ids must be a list of ints, got {type(prompt).__name__}")
+            raise GymResultError(
+                f"model call {turn}: prompt_token_ids must be a list of ints, got {type(prompt).__name__}"
+            )
         generation = _int_list(item["generation_token_ids"], "generation_token_ids", turn)
         logprobs = item.get("generation_log_probs")
         if not isinstance(logprobs, list) or len(logprobs) != len(generation):
@@ -310,7 +312,7 @@ def _drift_message(drift: dict[str, Any], seen: list[int], prompt: list[int], to
 def _decode(tokenizer: Any, ids: list[int]) -> str:
     try:
         return str(tokenizer.decode(ids))
-    except Exception as exc:  # noqa: BLE001 - only for a diagnostic message
+    except Exception as exc:  # only for a diagnostic message
         return f"<decode failed: {exc}>"
 
 
@@ -332,11 +334,13 @@ def _first_prompt_length(result: dict[str, Any], tokenizer: Any) -> str:
     messages = params.get("input") if isinstance(params, dict) else None
     if isinstance(messages, str):
         messages = [{"role": "user", "content": messages}]
+    if not isinstance(messages, list):
+        return "first prompt length unknown (no input messages)"
     try:
-        chat = [{"role": m["role"], "content": m["content"]} for m in messages]  # type: ignore[union-attr]
+        chat = [{"role": m["role"], "content": m["content"]} for m in messages]
         ids = tokenizer.apply_chat_template(chat, tokenize=True, add_generation_prompt=True)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return f"first prompt ~{len(ids)} tokens by the chat template"
-    except Exception as exc:  # noqa: BLE001 - only for a diagnostic message
+    except Exception as exc:  # only for a diagnostic message
         return f"first prompt length unknown ({type(exc).__name__}: {exc})"

@@ -1,8 +1,12 @@
-"""The model endpoints' side of the NemoGym actor's health watch: bounded TCP probes, and how long each has been down."""
+"""The model endpoints' side of the NemoGym actor's health watch.
+
+Bounded TCP probes, and how long each endpoint has been down.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Sequence
 from urllib.parse import urlsplit
@@ -52,8 +56,6 @@ async def probe_endpoint(base_url: str, timeout_s: float) -> str | None:
     except (OSError, TimeoutError) as exc:
         return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
     writer.close()
-    try:
+    with contextlib.suppress(OSError):
         await writer.wait_closed()
-    except OSError:
-        pass
     return None

@@ -30,9 +30,29 @@ class AgentRef(BaseModel):
 # key is a 422 from the agent's /run). Listed here because importing nemo_gym takes seconds.
 GYM_RESPONSES_CREATE_FIELDS = frozenset(
     {
-        "background", "include", "input", "instructions", "max_output_tokens", "max_tool_calls", "metadata",
-        "model", "parallel_tool_calls", "previous_response_id", "prompt", "reasoning", "service_tier", "store",
-        "stream", "temperature", "text", "tool_choice", "tools", "top_logprobs", "top_p", "truncation", "user",
+        "background",
+        "include",
+        "input",
+        "instructions",
+        "max_output_tokens",
+        "max_tool_calls",
+        "metadata",
+        "model",
+        "parallel_tool_calls",
+        "previous_response_id",
+        "prompt",
+        "reasoning",
+        "service_tier",
+        "store",
+        "stream",
+        "temperature",
+        "text",
+        "tool_choice",
+        "tools",
+        "top_logprobs",
+        "top_p",
+        "truncation",
+        "user",
     }
 )
 
@@ -68,13 +88,13 @@ class GymRow(BaseModel):
 def validate_row(row: Any, *, prompt_idx: int, known_agents: list[str] | None = None) -> GymRow:
     """Check one row before dispatch; raise :class:`InvalidGymRow` naming the prompt, field and reason."""
     if not isinstance(row, dict):
-        raise InvalidGymRow(f"prompt_idx={prompt_idx}: the Gym row (extra_env_info) must be a dict, got {type(row).__name__}")
+        raise InvalidGymRow(
+            f"prompt_idx={prompt_idx}: the Gym row (extra_env_info) must be a dict, got {type(row).__name__}"
+        )
     try:
         parsed = GymRow.model_validate(row)
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc']) or '(row)'}: {err['msg']}" for err in exc.errors()
-        )
+        problems = "; ".join(f"{'.'.join(str(p) for p in err['loc']) or '(row)'}: {err['msg']}" for err in exc.errors())
         raise InvalidGymRow(f"prompt_idx={prompt_idx}: invalid Gym row: {problems}") from None
     if known_agents is not None:
         check_agent(parsed.agent_ref.name, known_agents, where=f"prompt_idx={prompt_idx}")
@@ -104,6 +124,7 @@ def dispatch_target(row: Any, position: int, known_agents: Collection[str]) -> t
     ref = row.get("agent_ref")
     name = ref.get("name") if isinstance(ref, dict) else None
     check_agent(name, known_agents, where=f"row {position} ({ROW_INDEX_KEY}={rowidx}, agent_ref={ref!r})")
+    assert isinstance(name, str)  # check_agent found it among the known (str) agent names
     return rowidx, name
 
 

@@ -65,8 +65,6 @@ class GymServersConfig(BaseModel):
     runs in a private folder linking these and the caller's own ``<server_type>/<impl>`` folders."""
 
 
-
-
 def deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     """``base`` with ``extra`` merged in, dicts recursively, ``extra`` winning (Gym's config layering)."""
     merged = dict(base)

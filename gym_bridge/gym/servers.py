@@ -14,6 +14,7 @@ cleanup registry and process checks in :mod:`gym_bridge.gym.reaper`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -178,10 +179,8 @@ class GymServers:
                 alive = wait_gone(alive, _KILL_WAIT_S)
             if alive:
                 logger.error("NeMo-Gym processes %s survived SIGKILL", sorted(p.pid for p in alive))
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 launcher.wait(timeout=_KILL_WAIT_S)
-            except subprocess.TimeoutExpired:
-                pass
             logger.info("NeMo-Gym servers stopped in %.1fs (logs: %s)", time.monotonic() - started, self.log_dir)
         self._launcher = None
         if self._private_dir is not None:
@@ -310,13 +309,15 @@ class GymServers:
                     raise GymStartupError(self._describe_failure(name, "exited during start-up")) from None
 
     def _wait_until_ready(self, deadline: float) -> None:
+        launcher_proc = self._launcher_proc
+        assert launcher_proc is not None, "the launcher is started first"
         ready: set[str] = set()
         while True:
             self._read_status()
             for name, proc in self._procs.items():
                 if not is_alive(proc):
                     raise GymStartupError(self._describe_failure(name, "exited during start-up"))
-            if self._status.get("phase") == "failed" or not is_alive(self._launcher_proc):  # type: ignore[arg-type]
+            if self._status.get("phase") == "failed" or not is_alive(launcher_proc):
                 raise GymStartupError(self._launcher_failure())
             servers = self._status.get("servers", {})
             if self._status.get("phase") in ("spawning", "ready") and all(s.get("pid") for s in servers.values()):
@@ -361,10 +362,8 @@ class GymServers:
         for root in roots:
             if is_alive(root):
                 found[root.pid] = root
-                try:
+                with contextlib.suppress(psutil.Error):
                     found.update((c.pid, c) for c in root.children(recursive=True))
-                except psutil.Error:
-                    pass
         if self._launcher is not None:
             for proc in psutil.process_iter():
                 try:
@@ -376,12 +375,8 @@ class GymServers:
 
     def _signal(self, procs: list[psutil.Process], signum: int) -> None:
         if self._launcher is not None:
-            try:
+            with contextlib.suppress(OSError):
                 os.killpg(self._launcher.pid, signum)
-            except OSError:
-                pass
         for proc in procs:
-            try:
+            with contextlib.suppress(psutil.Error):
                 proc.send_signal(signum)
-            except psutil.Error:
-                pass

@@ -41,7 +41,8 @@ def spinup_nemo_gym_actors(
     from gym_bridge.gym.actor import NemoGym  # the actor module re-exports these functions
 
     # By value, not ray.put: Ray re-runs the constructor on a restart, and a put object may be gone by then.
-    handles = [
+    # Any: Ray types an actor's handle as ``ActorHandle[T] | type[T]``, whose methods lack ``.remote``
+    handles: list[Any] = [
         ray.remote(NemoGym).options(**cfg.actor_options).remote(cfg, tokenizer)
         for cfg in actor_configs(config, num_actors, split_base_urls=split_base_urls)
     ]

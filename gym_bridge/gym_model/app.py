@@ -134,6 +134,7 @@ class GymModelServer:
         if not isinstance(body, dict):
             raise _HTTPError(400, "the body must be a JSON object")
         await self._ensure_ready()
+        assert self.tokenizer is not None  # _ensure_ready set it or raised
         cfg = self.config
         try:
             turn = responses_to_chat(
@@ -200,6 +201,7 @@ class GymModelServer:
                     self.max_model_len = self.max_model_len or found.max_model_len
                     if self.tokenizer is None:
                         self.tokenizer = await asyncio.to_thread(_load_tokenizer, found.root or found.name)
+            assert self.tokenizer is not None  # configured, or learnt above (else _HTTPError was raised)
             self._vocab_size = len(self.tokenizer)
 
 

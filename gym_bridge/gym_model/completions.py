@@ -127,7 +127,7 @@ class CompletionsClient:
             url = self.base_urls[idx]
             try:
                 status, raw = await self._post(url, body)
-            except (aiohttp.ClientConnectionError, TimeoutError, asyncio.TimeoutError) as exc:
+            except (aiohttp.ClientConnectionError, TimeoutError) as exc:
                 self.router.mark_unhealthy(idx)
                 problem, status = f"{url}/completions: {type(exc).__name__}: {exc}", 503
             else:

@@ -57,7 +57,7 @@ class GymModelConfig(BaseModel):
 
 def load_from_gym_env(environ: dict[str, str] | None = None) -> GymModelConfig:
     """This server's entry of the config Gym passes to every server it starts (``NEMO_GYM_CONFIG_*``)."""
-    from omegaconf import OmegaConf
+    from omegaconf import DictConfig, OmegaConf
 
     env = os.environ if environ is None else environ
     try:
@@ -65,6 +65,8 @@ def load_from_gym_env(environ: dict[str, str] | None = None) -> GymModelConfig:
     except KeyError as exc:
         raise RuntimeError(f"{exc.args[0]} is not set: this server is started by NeMo-Gym's launcher") from None
     config = OmegaConf.create(text)
+    if not isinstance(config, DictConfig):
+        raise RuntimeError(f"{CONFIG_DICT_ENV} is not a mapping of server names to configs")
     entry = config.get(name)
     if entry is None or _SERVER_TYPE not in entry or not entry[_SERVER_TYPE]:
         raise RuntimeError(f"the Gym config has no {name}.{_SERVER_TYPE} entry")

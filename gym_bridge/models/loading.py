@@ -1,4 +1,7 @@
-"""Loading a local transformers causal LM and its tokenizer (a folder, or a built-in name: ``"tiny"``, ``"smollm2"``)."""
+"""Loading a local transformers causal LM and its tokenizer.
+
+The model is a folder, or a built-in name: ``"tiny"``, ``"smollm2"``.
+"""
 
 from __future__ import annotations
 

@@ -79,7 +79,7 @@ def load_from_gguf(gguf: Path) -> tuple[Any, Any]:
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype="float32")
     # The weights are plain float32 tensors now; drop the GGUF "quantizer" so the model saves as a normal one.
-    model.hf_quantizer = None
+    model.hf_quantizer = None  # type: ignore[assignment]  # transformers types model attributes via nn.Module.__getattr__
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.eval()

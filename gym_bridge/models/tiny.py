@@ -23,7 +23,6 @@ complete, so concurrent builders never see (or leave) a half-written folder.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +55,10 @@ SPECIAL_TOKENS = [PAD_TOKEN, BOS_TOKEN, EOS_TOKEN]
 EXTRA_TOKENS = ["<tool_call>", "</tool_call>", "<think>", "</think>", "<tool_response>", "</tool_response>"]
 
 #: Qwen2's pre-tokenizer split (digits one by one, words with their leading space).
-SPLIT_REGEX = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+SPLIT_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"""
+    r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
 VOCAB_SIZE = 1280  # BPE target, added tokens included
 MODEL_CONFIG: dict[str, Any] = {
     "hidden_size": 128,
@@ -108,8 +110,11 @@ Numbers: zero, one, two, three, four, five, six, seven, eight, nine, ten, eleven
 _JSON = """\
 {"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}
 {"name": "calculator", "arguments": {"expression": "12 + 7"}}
-{"type": "function", "function": {"name": "search", "description": "Search the web.", "parameters": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]}}}
-{"type": "function", "function": {"name": "add", "description": "Add two integers.", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}
+{"type": "function", "function": {"name": "search", "description": "Search the web.", \
+"parameters": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]}}}
+{"type": "function", "function": {"name": "add", "description": "Add two integers.", \
+"parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, \
+"required": ["a", "b"]}}}
 {"id": "call_0", "result": 19, "status": "ok", "error": null, "items": [1, 2, 3], "ok": true}
 {"temperature": 21.5, "humidity": 0.4, "city": "Berlin", "forecast": ["sun", "cloud", "rain"]}
 {"role": "user", "content": "What is 3 + 4?"}
@@ -223,7 +228,7 @@ def build_model(tokenizer: Any, *, seed: int = 0) -> Any:
         **MODEL_CONFIG,
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(torch.float32)
+    model = LlamaForCausalLM(config).to(torch.float32)  # type: ignore[arg-type]  # typeshed types functools.wraps'd .to as unbound
     model.eval()
     model.generation_config = GenerationConfig(
         bos_token_id=bos_id,
@@ -274,7 +279,10 @@ def load_tiny(cache_dir: Path | str | None = None, seed: int = 0) -> tuple[Any, 
 
 
 def resolve_model_path(name_or_path: str | Path) -> Path:
-    """A built-in model name (``"tiny"``, ``"smollm2"``) or an existing local folder; see :mod:`gym_bridge.models.registry`."""
+    """A built-in model name (``"tiny"``, ``"smollm2"``) or an existing local folder.
+
+    See :mod:`gym_bridge.models.registry`.
+    """
     from gym_bridge.models.registry import resolve_model_path as resolve
 
     return resolve(name_or_path)

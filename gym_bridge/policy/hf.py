@@ -33,7 +33,6 @@ from gym_bridge.models.loading import causal_lm_on_device
 logger = logging.getLogger(__name__)
 
 
-
 class HFPolicyConfig(BaseModel):
     """Settings of :class:`HFPolicy`."""
 
@@ -129,7 +128,9 @@ class HFPolicy(PolicyInterface):
             self.model.get_input_embeddings().weight.requires_grad_(False)
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad],
-            lr=cfg.learning_rate, betas=cfg.betas, weight_decay=cfg.weight_decay,
+            lr=cfg.learning_rate,
+            betas=cfg.betas,
+            weight_decay=cfg.weight_decay,
         )
         self.steps_taken = 0
 
@@ -246,8 +247,9 @@ class HFPolicy(PolicyInterface):
                             torch.as_tensor(micro["input_ids"]).to(torch.int64),
                             torch.as_tensor(micro["input_lengths"]).to(torch.int64),
                         )
-                        loss, mb_metrics = loss_fn(logprobs, micro, valid_seqs.to(logprobs.device),
-                                                   valid_toks.to(logprobs.device))
+                        loss, mb_metrics = loss_fn(
+                            logprobs, micro, valid_seqs.to(logprobs.device), valid_toks.to(logprobs.device)
+                        )
                     if not eval_mode:
                         loss.backward()
                     total += float(loss.detach())
@@ -298,8 +300,9 @@ class HFPolicy(PolicyInterface):
         if self.tokenizer is not None:
             self.tokenizer.save_pretrained(path)
         if save_optimizer:
-            torch.save({"optimizer": self.optimizer.state_dict(), "steps_taken": self.steps_taken},
-                       path / "optimizer.pt")
+            torch.save(
+                {"optimizer": self.optimizer.state_dict(), "steps_taken": self.steps_taken}, path / "optimizer.pt"
+            )
 
     def load_optimizer(self, path: str | Path) -> None:
         """Restore the optimizer state and step count that :meth:`save_checkpoint` wrote into ``path``."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -21,11 +22,11 @@ class UnknownTaskError(KeyError):
 
 def environment_for(task_name: str | None, task_to_env: Mapping[str, Any]) -> Any:
     """The environment registered for ``task_name``, or an error that names it and the known tasks."""
-    try:
-        return task_to_env[task_name]  # type: ignore[index]
-    except KeyError:
-        known = ", ".join(sorted(task_to_env)) or "(none)"
-        raise UnknownTaskError(f"no environment for task_name={task_name!r}; known tasks: {known}") from None
+    if task_name is not None:
+        with contextlib.suppress(KeyError):
+            return task_to_env[task_name]
+    known = ", ".join(sorted(task_to_env)) or "(none)"
+    raise UnknownTaskError(f"no environment for task_name={task_name!r}; known tasks: {known}")
 
 
 def _dispatch(

@@ -153,8 +153,7 @@ class RolloutManager:
             slot = sink.reserve(prompt_idx)
             try:
                 record = await self.run_rollout(datum)
-                sink.commit(slot, record, start_weight_version=start_version,
-                            end_weight_version=self._weight_version)
+                sink.commit(slot, record, start_weight_version=start_version, end_weight_version=self._weight_version)
             except Exception as exc:
                 _discard_quietly(sink, slot, exc)
                 reason = type(exc).__name__
@@ -174,8 +173,8 @@ class RolloutManager:
                     self.stats.record_data_retry(reason)
                     continue
                 self.stats.record_data_failure(reason)
-                if config_error:
-                    self._config_watch.config_failure(exc)  # type: ignore[arg-type]  # may stop the run
+                if isinstance(exc, EndpointConfigError):
+                    self._config_watch.config_failure(exc)  # may stop the run
                 else:
                     self._config_watch.other_outcome()
                 if self._skipped_prompts >= policy.max_skipped_prompts:
@@ -187,7 +186,9 @@ class RolloutManager:
                     ) from exc
                 self._skipped_prompts += 1
                 self.stats.skipped += 1
-                logger.warning("prompt_idx=%d skipped after %d data failures: %s: %s", prompt_idx, data_attempts, reason, exc)
+                logger.warning(
+                    "prompt_idx=%d skipped after %d data failures: %s: %s", prompt_idx, data_attempts, reason, exc
+                )
                 return RolloutOutcome.SKIPPED
             except BaseException as exc:
                 _discard_quietly(sink, slot, exc)

@@ -37,6 +37,7 @@ from gym_bridge.rollout.truncation import fit_observation
 from gym_bridge.types import (
     Completion,
     DatumSpec,
+    GenerationDatumSpec,
     LLMMessageLogType,
     MessageEntry,
     PromptGroupRecord,
@@ -191,7 +192,10 @@ class AsyncRolloutImpl:
             observation = env_return.observations[0]
             fit = fit_observation(
                 token_tensor(self.tokenizer(observation["content"], add_special_tokens=False)["input_ids"]),
-                input_len=input_len, gen_len=gen_len, max_seq_len=self.max_seq_len, response_truncated=gen_truncated,
+                input_len=input_len,
+                gen_len=gen_len,
+                max_seq_len=self.max_seq_len,
+                response_truncated=gen_truncated,
             )
             obs_ids = fit.token_ids
             stats.truncated = stats.truncated or fit.truncated
@@ -201,7 +205,7 @@ class AsyncRolloutImpl:
             stats.env_tokens += int(obs_ids.numel())
 
             if not stats.terminated and not stats.truncated:
-                next_stops = env_return.next_stop_strings[0]
+                next_stops = env_return.next_stop_strings[0] if env_return.next_stop_strings is not None else None
                 if next_stops is not None:
                     traj.stop_strings = next_stops
                 if env_return.metadata[0] is not None:
@@ -213,7 +217,7 @@ class AsyncRolloutImpl:
     async def _generate(
         self, traj: _Trajectory, input_ids: torch.Tensor, prompt_idx: int, traj_idx: int
     ) -> tuple[MessageEntry, bool, int | None]:
-        data = BatchedDataDict(
+        data: BatchedDataDict[GenerationDatumSpec] = BatchedDataDict(
             {
                 "input_ids": input_ids.unsqueeze(0),
                 "input_lengths": torch.tensor([input_ids.numel()], dtype=torch.int64),
@@ -222,8 +226,8 @@ class AsyncRolloutImpl:
         )
         output = None
         try:
-            async for _, output in self.policy_generation.generate_async(data, greedy=self.greedy):
-                pass
+            async for _, last in self.policy_generation.generate_async(data, greedy=self.greedy):
+                output = last
             if output is None:
                 raise RuntimeError("generate_async yielded no output")
         except Exception as exc:

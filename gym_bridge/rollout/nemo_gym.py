@@ -20,8 +20,7 @@ from typing import Any
 
 from gym_bridge.failures import GymRowIndexError, RolloutRetryPolicy, RolloutStats, RolloutTimeouts
 from gym_bridge.gym.client import GymClient
-from gym_bridge.gym.convert import incomplete_reason as _incomplete_reason
-from gym_bridge.gym.convert import scalar_fields, without_mask_sample
+from gym_bridge.gym.convert import incomplete_reason as _incomplete_reason, scalar_fields, without_mask_sample
 from gym_bridge.gym.result import GymRowResult
 from gym_bridge.gym.rows import build_rows, validate_row
 from gym_bridge.metrics import calculate_single_metric, pct, summarize
@@ -74,7 +73,9 @@ class AsyncNemoGymRolloutImpl:
         """NeMo-RL's positional order. The row budget is ``max_gym_row_attempts`` when given, else
         ``retry_policy.max_gym_row_attempts``, else NeMo-RL's config default of 3."""
         if generation_config is None:
-            raise ValueError("the nemo_gym rollout backend needs generation_config (temperature, top_p, max_new_tokens)")
+            raise ValueError(
+                "the nemo_gym rollout backend needs generation_config (temperature, top_p, max_new_tokens)"
+            )
         unsupported = [key for key in ("stop_strings", "stop_token_ids", "top_k") if generation_config.get(key)]
         if unsupported:
             raise ValueError(
@@ -97,7 +98,9 @@ class AsyncNemoGymRolloutImpl:
         actor = nemo_gym_actor if nemo_gym_actor is not None else (task_to_env or {}).get(NEMO_GYM_TASK)
         actors = list(actor) if isinstance(actor, (list, tuple)) else [actor]
         if not actors or any(a is None for a in actors):
-            raise ValueError("the nemo_gym backend needs a NemoGym actor: pass nemo_gym_actor= or task_to_env['nemo_gym']")
+            raise ValueError(
+                "the nemo_gym backend needs a NemoGym actor: pass nemo_gym_actor= or task_to_env['nemo_gym']"
+            )
         self.actors = actors
         self.tokenizer = tokenizer
         self.num_generations = num_generations_per_prompt
@@ -109,14 +112,17 @@ class AsyncNemoGymRolloutImpl:
         self.mask_env_flagged_samples = mask_env_flagged_samples
         self.full_results_path = Path(full_results_path) if full_results_path is not None else None
         self.stats = stats or RolloutStats()
-        self.client = GymClient(actors, max_row_attempts=max_gym_row_attempts, stats=self.stats, timer_prefix=TIMER_PREFIX)
+        self.client = GymClient(
+            actors, max_row_attempts=max_gym_row_attempts, stats=self.stats, timer_prefix=TIMER_PREFIX
+        )
 
     async def run_rollout(self, datum: DatumSpec) -> PromptGroupRecord:
         t_total = time.perf_counter()
         prompt_idx = int(datum["idx"])
         template = datum.get("extra_env_info")
         validate_row(template, prompt_idx=prompt_idx)  # the agent name is checked by the client, under the deadline
-        rows = build_rows(template, self.num_generations, self.sampling, self.max_new_tokens)  # type: ignore[arg-type]
+        assert template is not None  # validate_row raised for a missing row
+        rows = build_rows(template, self.num_generations, self.sampling, self.max_new_tokens)
         await asyncio.sleep(0)  # let the loop breathe between groups launched together (event-loop lag)
 
         t_run = time.perf_counter()
@@ -131,7 +137,7 @@ class AsyncNemoGymRolloutImpl:
         metrics[f"{TIMER_PREFIX}/run_rollouts"] = run_s
         metrics[f"{TIMER_PREFIX}/compute_metrics"] = time.perf_counter() - t_metrics
         if self.full_results_path is not None:
-            self._append_full_results(prompt_idx, agent, completions)
+            self._append_full_results(self.full_results_path, prompt_idx, agent, completions)
         metrics[f"{TIMER_PREFIX}/total"] = time.perf_counter() - t_total
         return PromptGroupRecord(
             prompt_idx=prompt_idx,
@@ -165,9 +171,9 @@ class AsyncNemoGymRolloutImpl:
             token_drift=drift is not None,
         )
 
-    def _append_full_results(self, prompt_idx: int, agent: str, completions: list[Completion]) -> None:
-        self.full_results_path.parent.mkdir(parents=True, exist_ok=True)  # type: ignore[union-attr]
-        with self.full_results_path.open("a") as f:  # type: ignore[union-attr]
+    def _append_full_results(self, path: Path, prompt_idx: int, agent: str, completions: list[Completion]) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a") as f:
             for i, c in enumerate(completions):
                 line = {"prompt_idx": prompt_idx, "rowidx": i, "agent": agent, "full_result": c.env_extras}
                 f.write(json.dumps(line, default=str) + "\n")

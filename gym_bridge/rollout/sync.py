@@ -30,7 +30,7 @@ import asyncio
 import concurrent.futures
 import copy
 from collections.abc import Coroutine, Mapping
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
@@ -39,11 +39,9 @@ from gym_bridge.failures import RolloutTimeouts, deadline
 from gym_bridge.interfaces import GenerationInterface
 from gym_bridge.rollout.env_step import calculate_rewards, calculate_rewards_async, environment_for, step_by_task
 from gym_bridge.rollout.truncation import fit_observation
-from gym_bridge.types import EnvironmentReturn, LLMMessageLogType, MessageEntry, token_tensor
+from gym_bridge.types import EnvironmentReturn, GenerationDatumSpec, LLMMessageLogType, MessageEntry, token_tensor
 
 __all__ = ["calculate_rewards", "generate_responses", "run_multi_turn_rollout", "step_environments"]
-
-T = TypeVar("T")
 
 
 def generate_responses(
@@ -88,13 +86,15 @@ def generate_responses(
         "mean_generation_length": sum(lengths) / size if size else 0.0,
         "total_generated_tokens": sum(lengths),
         "_response_truncated": (
-            torch.as_tensor(truncated, dtype=torch.bool) if truncated is not None else torch.zeros(size, dtype=torch.bool)
+            torch.as_tensor(truncated, dtype=torch.bool)
+            if truncated is not None
+            else torch.zeros(size, dtype=torch.bool)
         ),
     }
     return batch, generated, metrics
 
 
-def _run_sync(coro: Coroutine[Any, Any, T]) -> T:
+def _run_sync[T](coro: Coroutine[Any, Any, T]) -> T:
     """Run ``coro`` to completion from synchronous code, also when called inside a running event loop."""
     try:
         asyncio.get_running_loop()
@@ -190,7 +190,7 @@ def run_multi_turn_rollout(
         active_batch = batch.select_indices(active)
         token_logs = [[{"token_ids": m["token_ids"]} for m in log] for log in active_batch["message_log"]]
         flat, input_lengths = batched_message_log_to_flat_message(token_logs, pad_value_dict={"token_ids": pad_id})
-        generation_input = BatchedDataDict(
+        generation_input: BatchedDataDict[GenerationDatumSpec] = BatchedDataDict(
             {"input_ids": flat["token_ids"], "input_lengths": input_lengths.to(torch.int64)}
         )
         active_batch, generated, gen_metrics = generate_responses(
@@ -222,7 +222,9 @@ def run_multi_turn_rollout(
             observation = env_return.observations[j]
             fit = fit_observation(
                 token_tensor(tokenizer(observation["content"], add_special_tokens=False)["input_ids"]),
-                input_len=input_len, gen_len=gen_len, max_seq_len=max_seq_len,
+                input_len=input_len,
+                gen_len=gen_len,
+                max_seq_len=max_seq_len,
             )
             obs_ids, seq_full = fit.token_ids, fit.truncated
             if seq_full:

@@ -30,18 +30,18 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from gym_bridge.failures import RolloutTimeouts
 from gym_bridge.gym.actor import NemoGymConfig
 from gym_bridge.launch import GymLaunchSpec, NemoGymRollouts, start_nemo_gym
 
 __all__ = [
+    "NemoGymRolloutSettings",
     "NemoGymRollouts",
     "TrainingConfigError",
-    "NemoGymRolloutSettings",
     "build_nemo_gym_rollouts",
     "load_training_config",
     "nemo_gym_config_from",
@@ -106,10 +106,12 @@ def _register_resolvers() -> None:
 
 def _load_with_defaults(path: Path) -> Any:
     node = OmegaConf.load(path)
+    if not isinstance(node, DictConfig):
+        raise ValueError(f"{path}: a training config must be a mapping, not a list")
     parents = node.pop("defaults", None)
     if parents is None:
         return node
-    merged = OmegaConf.create()
+    merged: DictConfig | ListConfig = OmegaConf.create()
     for parent in [parents] if isinstance(parents, str) else list(parents):
         merged = OmegaConf.merge(merged, _load_with_defaults((path.parent / str(parent)).resolve()))
     return OmegaConf.merge(merged, node)
@@ -124,7 +126,10 @@ def load_training_config(path: str | Path) -> dict[str, Any]:
 def _resolved(config: Any) -> dict[str, Any]:
     _register_resolvers()
     node = config if OmegaConf.is_config(config) else OmegaConf.create(copy.deepcopy(dict(config)))
-    return OmegaConf.to_container(node, resolve=True)  # type: ignore[return-value]
+    container = OmegaConf.to_container(node, resolve=True)
+    if not isinstance(container, dict):
+        raise ValueError(f"a training config must be a mapping, not {type(container).__name__}")
+    return cast("dict[str, Any]", container)  # OmegaConf types keys as any DictKeyType; a YAML config's are str
 
 
 def _has_interpolation(value: Any) -> bool:

@@ -15,7 +15,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
@@ -45,7 +45,6 @@ from gym_bridge.serving.protocol import (
 
 logger = logging.getLogger(__name__)
 
-M = TypeVar("M", bound=BaseModel)
 
 #: Response header naming the weight version that generated the response (engines with refits only).
 WEIGHT_VERSION_HEADER = "x-gym-bridge-weight-version"
@@ -207,7 +206,9 @@ def build_app(state: ServingState) -> FastAPI:
             raise ServingError("echo is not supported", param="echo")
         prompts = _completion_prompts(req, state)
         as_ids = bool(req.return_tokens_as_token_ids)
-        choices, prompt_tokens, all_samples = [], 0, []
+        choices: list[dict[str, Any]] = []
+        all_samples: list[Sample] = []
+        prompt_tokens = 0
         for prompt_ids in prompts:
             samples = await _generate(state, req, prompt_ids, req.max_tokens)
             prompt_tokens += len(prompt_ids)
@@ -269,7 +270,7 @@ def build_app(state: ServingState) -> FastAPI:
     return app
 
 
-async def _parse(request: Request, model: type[M], state: ServingState) -> M:
+async def _parse[M: BaseModel](request: Request, model: type[M], state: ServingState) -> M:
     limit = state.limits.max_body_bytes
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -383,7 +384,7 @@ def _token_label(state: ServingState, token_id: int, as_ids: bool) -> str:
 
 def _chat_logprobs(state: ServingState, sample: Sample, as_ids: bool) -> dict[str, Any]:
     content = []
-    for tok, lp in zip(sample.token_ids, sample.logprobs):
+    for tok, lp in zip(sample.token_ids, sample.logprobs, strict=True):
         label = _token_label(state, tok, as_ids)
         content.append({"token": label, "logprob": lp, "bytes": list(label.encode()), "top_logprobs": []})
     return {"content": content}

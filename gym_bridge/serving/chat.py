@@ -17,7 +17,7 @@ import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 from gym_bridge.serving.errors import ServingError
 from gym_bridge.serving.protocol import TOKEN_FIELDS
@@ -81,7 +81,7 @@ def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
     """The first index where ``a`` and ``b`` differ (a length difference counts), or None if equal."""
     if list(a) == list(b):
         return None
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
 def _splice(
@@ -202,7 +202,7 @@ def _last_assistant_end(messages: list[dict[str, Any]]) -> int:
     raise ServingError("required_prefix_token_ids needs an assistant message to splice after")
 
 
-def _is_id_list(value: Any) -> bool:
+def _is_id_list(value: Any) -> TypeGuard[list[int]]:
     return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
 
 

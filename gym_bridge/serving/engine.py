@@ -26,6 +26,7 @@ from gym_bridge.batched import BatchedDataDict
 from gym_bridge.interfaces import GenerationInterface
 from gym_bridge.serving.errors import ServingError
 from gym_bridge.serving.protocol import SamplingFields
+from gym_bridge.types import GenerationDatumSpec
 
 #: Logprobs are floored here so that -inf never reaches JSON (NeMo-RL uses the same floor).
 LOGPROB_FLOOR = -9999.0
@@ -135,7 +136,7 @@ async def generate_rows(
     """
     input_ids = torch.tensor([prompt_ids] * n, dtype=torch.int64)
     per_row = {key: [value] * n for key, value in {**(sampling or {}), "max_new_tokens": max_tokens}.items()}
-    data = BatchedDataDict(
+    data: BatchedDataDict[GenerationDatumSpec] = BatchedDataDict(
         {
             "input_ids": input_ids,
             "input_lengths": torch.full((n,), len(prompt_ids), dtype=torch.int64),
@@ -157,11 +158,10 @@ async def generate_rows(
     missing = [i for i, s in enumerate(samples) if s is None]
     if missing:
         raise RuntimeError(f"generation returned no output for rows {missing}")
-    return samples  # type: ignore[return-value]
+    return [s for s in samples if s is not None]  # all of them, as checked above
 
 
 def weight_version_of(samples: list[Sample]) -> int | None:
     """The oldest weight version among ``samples`` (what staleness is measured by), or None if unknown."""
     versions = [s.weight_version for s in samples if s.weight_version is not None]
     return min(versions) if versions else None
-

@@ -10,6 +10,7 @@ which suits tests, scripts and Ray actors.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 import threading
@@ -140,10 +141,8 @@ class OpenAIServer:
             logger.warning("server did not stop within %.1f s; forcing it", self.stop_timeout_s)
             self._server.force_exit = True
             self._task.cancel()
-            try:
+            with contextlib.suppress(BaseException):  # we are shutting down; nothing to hand back
                 await asyncio.wait_for(self._task, 2.0)
-            except BaseException:  # noqa: BLE001 - we are shutting down; nothing to hand back
-                pass
         finally:
             if self._sock is not None:
                 self._sock.close()
@@ -172,7 +171,7 @@ class OpenAIServer:
             asyncio.set_event_loop(loop)
             try:
                 loop.run_until_complete(self.start())
-            except BaseException as exc:  # noqa: BLE001 - handed to the starting thread
+            except BaseException as exc:  # handed to the starting thread
                 failure.append(exc)
                 ready.set()
                 loop.close()
@@ -193,10 +192,8 @@ class OpenAIServer:
 
     async def _task_done(self) -> None:
         if self._task is not None:
-            try:
+            with contextlib.suppress(BaseException):  # stop() handles and logs
                 await asyncio.shield(self._task)
-            except BaseException:  # noqa: BLE001 - stop() handles and logs
-                pass
         while self._server is not None:  # stop() is still tidying up on this loop
             await asyncio.sleep(0.01)
 

@@ -83,7 +83,9 @@ def build_proxy(
     base_urls = [normalize_upstream(u) for u in upstreams]
     needs_discovery = upstream_model is None or max_model_len is None or tokenizer is None
     found = discover_upstream(base_urls[0], api_key=api_key) if needs_discovery else None
-    model_name = upstream_model or found.name  # type: ignore[union-attr]
+    model_name = upstream_model or (found.name if found is not None else None)
+    if not model_name:
+        raise ValueError("upstream_model must be a model name, not empty")
     length = max_model_len or (found.max_model_len if found else None)
     if tokenizer is None or isinstance(tokenizer, str):
         from transformers import AutoTokenizer

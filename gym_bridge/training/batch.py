@@ -9,7 +9,7 @@ aligns its logprobs (``logprobs[b, t]`` scores token ``t``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +32,7 @@ class GroupStats:
     samples: int
 
 
-def _trainable_log(message_log: Sequence[dict[str, Any]], where: str) -> list[dict[str, torch.Tensor]]:
+def _trainable_log(message_log: Sequence[Mapping[str, Any]], where: str) -> list[dict[str, torch.Tensor]]:
     out = []
     for i, message in enumerate(message_log):
         token_ids = torch.as_tensor(message["token_ids"], dtype=torch.int64)
@@ -75,14 +75,16 @@ def train_batch(
     )
     reward_matrix = torch.tensor(rewards).view(len(groups), -1)
     advantages = grpo_advantages(reward_matrix, leave_one_out=leave_one_out, normalize=normalize)
-    batch = BatchedDataDict({
-        "input_ids": flat["token_ids"],
-        "input_lengths": lengths.to(torch.int64),
-        "token_mask": flat["token_mask"].float(),
-        "generation_logprobs": flat["generation_logprobs"].float(),
-        "advantages": advantages.reshape(-1),
-        "rewards": torch.tensor(rewards),
-    })
+    batch: BatchedDataDict[Any] = BatchedDataDict(
+        {
+            "input_ids": flat["token_ids"],
+            "input_lengths": lengths.to(torch.int64),
+            "token_mask": flat["token_mask"].float(),
+            "generation_logprobs": flat["generation_logprobs"].float(),
+            "advantages": advantages.reshape(-1),
+            "rewards": torch.tensor(rewards),
+        }
+    )
     stats = GroupStats(
         mean_reward=float(reward_matrix.mean()),
         pass_rate=float((reward_matrix >= pass_threshold).float().mean()),

@@ -120,10 +120,14 @@ def build_grpo_run(config: Mapping[str, Any], out_dir: str | Path, *, resume: bo
         logger.info("resuming from %s at step %d (weight version %d)", checkpoint, state.step, state.weight_version)
     max_len = int(policy_cfg["max_total_sequence_length"])
     generation = dict(_section(config, "policy.generation"))
-    engine = HFGeneration(HFGenerationConfig.from_generation_config(
-        generation, model=weights, max_model_len=max_len, seed=seed + (state.step if state else 0)))
-    server = OpenAIServer(engine, engine.tokenizer, served_model_name=str(policy_cfg["model_name"]),
-                          max_model_len=max_len)
+    engine = HFGeneration(
+        HFGenerationConfig.from_generation_config(
+            generation, model=weights, max_model_len=max_len, seed=seed + (state.step if state else 0)
+        )
+    )
+    server = OpenAIServer(
+        engine, engine.tokenizer, served_model_name=str(policy_cfg["model_name"]), max_model_len=max_len
+    )
     try:
         base_url = server.start_in_thread()
         rollouts = build_nemo_gym_rollouts(config, engine.tokenizer, base_urls=[base_url])
@@ -133,22 +137,31 @@ def build_grpo_run(config: Mapping[str, Any], out_dir: str | Path, *, resume: bo
         raise
     try:
         optimizer = _section(config, "policy.optimizer.kwargs")
-        policy = HFPolicy(HFPolicyConfig(
-            model=weights,
-            learning_rate=float(optimizer.get("lr", 1e-5)),
-            weight_decay=float(optimizer.get("weight_decay", 0.0)),
-            betas=tuple(optimizer.get("betas", (0.9, 0.999))),
-            max_grad_norm=policy_cfg.get("max_grad_norm", 1.0),
-            keep_reference_model=False,
-            freeze_embeddings=bool(policy_cfg.get("freeze_embeddings", False)),
-        ))
+        policy = HFPolicy(
+            HFPolicyConfig(
+                model=weights,
+                learning_rate=float(optimizer.get("lr", 1e-5)),
+                weight_decay=float(optimizer.get("weight_decay", 0.0)),
+                betas=tuple(optimizer.get("betas", (0.9, 0.999))),
+                max_grad_norm=policy_cfg.get("max_grad_norm", 1.0),
+                keep_reference_model=False,
+                freeze_embeddings=bool(policy_cfg.get("freeze_embeddings", False)),
+            )
+        )
         if state is not None:
             policy.load_optimizer(checkpoint)
             engine.update_weights(policy.state_dict_for_refit(), state.weight_version)
         rows = load_gym_rows(_section(config, "data")["path"])
         dataset = [datum_from_gym_row(row, idx=i) for i, row in enumerate(rows)]
-        trainer = GRPOTrainer(loop_cfg, manager=rollouts.manager, policy=policy, engine=engine, dataset=dataset,
-                              out_dir=out_dir, state=state)
+        trainer = GRPOTrainer(
+            loop_cfg,
+            manager=rollouts.manager,
+            policy=policy,
+            engine=engine,
+            dataset=dataset,
+            out_dir=out_dir,
+            state=state,
+        )
     except BaseException:
         rollouts.shutdown()
         server.stop_thread()

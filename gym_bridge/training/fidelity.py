@@ -31,8 +31,12 @@ class OnPolicyError:
         return self.k3_sum / self.tokens if self.tokens else 0.0
 
     def __add__(self, other: OnPolicyError) -> OnPolicyError:
-        return OnPolicyError(self.abs_diff_sum + other.abs_diff_sum, max(self.abs_diff_max, other.abs_diff_max),
-                             self.k3_sum + other.k3_sum, self.tokens + other.tokens)
+        return OnPolicyError(
+            self.abs_diff_sum + other.abs_diff_sum,
+            max(self.abs_diff_max, other.abs_diff_max),
+            self.k3_sum + other.k3_sum,
+            self.tokens + other.tokens,
+        )
 
     def as_metrics(self) -> dict[str, float]:
         """``on_policy/*`` metrics: mean and max abs logprob difference, ``gen_kl_error``, token count."""
@@ -51,7 +55,9 @@ NO_TOKENS = OnPolicyError(0.0, 0.0, 0.0, 0.0)
 
 
 @torch.no_grad()
-def on_policy_error(train_logprobs: torch.Tensor, generation_logprobs: torch.Tensor, mask: torch.Tensor) -> OnPolicyError:
+def on_policy_error(
+    train_logprobs: torch.Tensor, generation_logprobs: torch.Tensor, mask: torch.Tensor
+) -> OnPolicyError:
     """Compare ``[b, S]`` logprobs on the positions where ``mask`` is 1."""
     mask = mask.float()
     if not bool(mask.any()):

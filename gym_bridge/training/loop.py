@@ -88,20 +88,22 @@ class GRPOTrainer:
         self.buffer = StalenessBuffer(cfg.max_trajectory_age_steps)
         self.buffer.dropped_total = self.state.dropped_stale_total
         self.loss = GRPOLoss(cfg.ratio_clip)
-        self.pad_token_id = int(policy.tokenizer.pad_token_id if policy.tokenizer.pad_token_id is not None
-                                else policy.tokenizer.eos_token_id)
+        self.pad_token_id = int(
+            policy.tokenizer.pad_token_id
+            if policy.tokenizer.pad_token_id is not None
+            else policy.tokenizer.eos_token_id
+        )
         manager.set_weight_version(self.state.weight_version)
 
     def prompts_for(self, step: int) -> list[DatumSpec]:
         """The step's prompts: the dataset in order, cycling; ``idx`` is unique across the run."""
         per_step = self.cfg.num_prompts_per_step
-        out = []
+        out: list[DatumSpec] = []
         for i in range(per_step):
             position = step * per_step + i
-            datum = dict(self.dataset[position % len(self.dataset)])
-            datum["idx"] = position
-            out.append(datum)  # type: ignore[arg-type]
-        return out  # type: ignore[return-value]
+            datum: DatumSpec = {**self.dataset[position % len(self.dataset)], "idx": position}
+            out.append(datum)
+        return out
 
     async def rollout(self, step: int) -> list[CommittedGroup]:
         """Every prompt of ``step`` through ``manager.collect``; the committed groups with their versions."""
@@ -109,8 +111,15 @@ class GRPOTrainer:
         await asyncio.gather(*(self.manager.collect(datum, sink) for datum in self.prompts_for(step)))
         return sink.take()
 
-    async def train_step(self, step: int, groups: list[CommittedGroup], rollout_s: float, *, refit_engine: bool = True,
-                         step_started: float | None = None) -> dict[str, Any]:
+    async def train_step(
+        self,
+        step: int,
+        groups: list[CommittedGroup],
+        rollout_s: float,
+        *,
+        refit_engine: bool = True,
+        step_started: float | None = None,
+    ) -> dict[str, Any]:
         """Train on the fresh groups, refit the engine (unless told not to), log one metrics line.
 
         ``step_started`` (a ``perf_counter`` value) adds ``time/step_s``, the whole step's wall time.
@@ -129,8 +138,13 @@ class GRPOTrainer:
         }
         train_s = refit_s = 0.0
         if usable:
-            batch, stats = train_batch(usable, self.pad_token_id, leave_one_out=self.cfg.use_leave_one_out_baseline,
-                                       normalize=self.cfg.normalize_rewards, pass_threshold=self.cfg.pass_threshold)
+            batch, stats = train_batch(
+                usable,
+                self.pad_token_id,
+                leave_one_out=self.cfg.use_leave_one_out_baseline,
+                normalize=self.cfg.normalize_rewards,
+                pass_threshold=self.cfg.pass_threshold,
+            )
             started = time.perf_counter()
             result = await asyncio.to_thread(self.policy.train, batch, self.loss, mbs=self.cfg.train_micro_batch_size)
             train_s = time.perf_counter() - started
@@ -139,18 +153,20 @@ class GRPOTrainer:
             if refit_engine:
                 refit_s = await asyncio.to_thread(refit, self.policy, self.engine, new_version, self.manager)
             self.state.weight_version = new_version
-            metrics.update({
-                "train/mean_reward": stats.mean_reward,
-                "train/pass_rate": stats.pass_rate,
-                "train/mean_generated_tokens": stats.mean_generated_tokens,
-                "train/truncation_rate": stats.truncation_rate,
-                "train/zero_std_groups": stats.zero_std_groups,
-                "train/samples": stats.samples,
-                "train/loss": result["loss"],
-                "train/grad_norm": result["grad_norm"],
-                "train/refit": refit_engine,
-                **error.as_metrics(),
-            })
+            metrics.update(
+                {
+                    "train/mean_reward": stats.mean_reward,
+                    "train/pass_rate": stats.pass_rate,
+                    "train/mean_generated_tokens": stats.mean_generated_tokens,
+                    "train/truncation_rate": stats.truncation_rate,
+                    "train/zero_std_groups": stats.zero_std_groups,
+                    "train/samples": stats.samples,
+                    "train/loss": result["loss"],
+                    "train/grad_norm": result["grad_norm"],
+                    "train/refit": refit_engine,
+                    **error.as_metrics(),
+                }
+            )
         else:
             logger.warning("step %d: no group fresh enough to train on (%d dropped as stale)", step, dropped)
         metrics.update({"time/train_s": train_s, "time/refit_s": refit_s})

@@ -35,21 +35,6 @@ def step_line(m: dict) -> str:
             f"rollout {m['time/rollout_s']:.1f}s train {m['time/train_s']:.1f}s refit {m['time/refit_s']:.2f}s")
 
 
-def start_ray(attempts: int = 3) -> None:
-    """Ray gives its raylet 30 s to register, which a busy 2-core machine can miss: try again."""
-    import ray
-
-    for attempt in range(1, attempts + 1):
-        try:
-            init_ray(num_cpus=2)
-            return
-        except Exception as exc:
-            if attempt == attempts or "timed out during startup" not in str(exc):
-                raise
-            logger.warning("Ray did not start (%s); attempt %d of %d", exc, attempt + 1, attempts)
-            ray.shutdown()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("config")
@@ -66,7 +51,7 @@ def main() -> None:
     if args.async_rollouts:
         config["grpo"].setdefault("async_grpo", {})["enabled"] = True
     out = Path(args.out)
-    start_ray()
+    init_ray(num_cpus=2)
     run = build_grpo_run(config, out)
     try:
         asyncio.run(run.trainer.run(on_step=lambda m: logger.info(step_line(m))))

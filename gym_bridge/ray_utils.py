@@ -8,6 +8,12 @@ from typing import Any
 
 import ray
 
+logger = logging.getLogger(__name__)
+
+#: How often a local start is tried: Ray gives its raylet a fixed 30 s to register, which a busy
+#: 2-core machine can miss ("The current node timed out during startup").
+START_ATTEMPTS = 3
+
 _RAY_ENV_DEFAULTS = {
     # Under `uv run`, Ray would otherwise try to ship the working directory to workers.
     "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",
@@ -16,7 +22,8 @@ _RAY_ENV_DEFAULTS = {
 
 
 def init_ray(*, num_cpus: int | None = None, object_store_memory: int = 256 * 1024**2, **kwargs: Any) -> None:
-    """Connect to a running Ray (``RAY_ADDRESS``) or start a local one bound to 127.0.0.1."""
+    """Connect to a running Ray (``RAY_ADDRESS``) or start a local one bound to 127.0.0.1 (retried when
+    the raylet misses Ray's start-up window on a busy machine)."""
     for key, value in _RAY_ENV_DEFAULTS.items():
         os.environ.setdefault(key, value)
     # Ray reads this flag once, at import; honour the environment even if ray was imported first.
@@ -32,12 +39,20 @@ def init_ray(*, num_cpus: int | None = None, object_store_memory: int = 256 * 10
     if os.environ.get("RAY_ADDRESS"):
         ray.init(ignore_reinit_error=True, **kwargs)
         return
-    ray.init(
-        num_cpus=num_cpus,
-        object_store_memory=object_store_memory,
-        include_dashboard=False,
-        _node_ip_address="127.0.0.1",
-        ignore_reinit_error=True,
-        logging_level=logging.WARNING,
-        **kwargs,
-    )
+    for attempt in range(1, START_ATTEMPTS + 1):
+        try:
+            ray.init(
+                num_cpus=num_cpus,
+                object_store_memory=object_store_memory,
+                include_dashboard=False,
+                _node_ip_address="127.0.0.1",
+                ignore_reinit_error=True,
+                logging_level=logging.WARNING,
+                **kwargs,
+            )
+            return
+        except Exception as exc:
+            if attempt == START_ATTEMPTS or "timed out during startup" not in str(exc):
+                raise
+            logger.warning("Ray did not start (%s); attempt %d of %d", exc, attempt + 1, START_ATTEMPTS)
+            ray.shutdown()

@@ -3,22 +3,20 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
 from typing import Any
 
 from gym_bridge.failures import classify_rollout_failure
+from gym_bridge.gym.convert import incomplete_reason
 from gym_bridge.types import Completion, PromptGroupRecord
 
 
 def termination_reason(completion: Completion) -> str:
     """Why a completion ended: Gym's ``incomplete_details.reason`` (e.g. ``max_output_tokens``),
     ``token_drift``, ``max_seq_len``, or ``stop`` (the model finished)."""
-    extras = completion.env_extras or {}
-    response = extras.get("response")
-    details = response.get("incomplete_details") if isinstance(response, Mapping) else None
-    if isinstance(details, Mapping) and details.get("reason"):
-        return str(details["reason"])
-    if extras.get("token_drift") is not None:
+    reason = incomplete_reason(completion.env_extras)
+    if reason:
+        return reason
+    if completion.token_drift:
         return "token_drift"
     if completion.truncated:
         return "max_seq_len"

@@ -381,6 +381,25 @@ async def test_shutdown_is_idempotent_and_fails_waiters(tiny) -> None:
             pass
 
 
+async def test_a_failure_in_the_first_step_of_a_new_batch_reaches_its_waiters(tiny, monkeypatch) -> None:
+    """The batch is created and fails inside one worker turn: its rows still get the error."""
+    from gym_bridge.generation import hf_decode
+
+    tok, _ = tiny
+    gen = engine(tiny, max_new_tokens=8)
+
+    def broken_step(self) -> None:
+        raise RuntimeError("decode step failed")
+
+    monkeypatch.setattr(hf_decode.RunningBatch, "step", broken_step)
+    with pytest.raises(RuntimeError, match="decode step failed"):
+        await asyncio.wait_for(_collect(gen, batch(tok, PROMPTS[:2])), timeout=30)
+    monkeypatch.undo()
+    outs = await asyncio.wait_for(_collect(gen, batch(tok, PROMPTS[:2])), timeout=60)  # the worker lives on
+    assert sorted(outs) == [0, 1]
+    gen.shutdown()
+
+
 def test_loads_from_config_path(tiny_model_dir: Path, tiny) -> None:
     tok, _ = tiny
     gen = HFGeneration({"model": str(tiny_model_dir), "max_new_tokens": 4})

@@ -364,28 +364,33 @@ class HFGeneration(GenerationInterface):
             weakref.finalize(self, self._queue.put, STOP)
 
     def _admit_and_step(self, batch: RunningBatch | None, pending: list[Row]) -> RunningBatch | None:
-        """One turn of the worker: admit what fits (unless a refit waits), then one decode step."""
-        if not self._pause.is_set() and pending:
-            free = self.cfg.max_batch_size - (len(batch) if batch is not None else 0)
-            joining, pending[:] = pending[:free], pending[free:]
-            if joining:
-                with self._model_lock, torch.inference_mode():
-                    if batch is None:
-                        batch = RunningBatch(self._ctx, self._weight_version)
-                        self.stats.batches_run += 1
-                        self.stats.async_batches_run += 1
-                    elif len(batch):
-                        self.stats.rows_joined_running_batch += len(joining)
-                    try:
+        """One turn of the worker: admit what fits (unless a refit waits), then one decode step.
+
+        On a failure every row of the batch and every joining row gets the exception
+        before it propagates, so no waiter is left hanging (the batch may be new here).
+        """
+        joining: list[Row] = []
+        try:
+            if not self._pause.is_set() and pending:
+                free = self.cfg.max_batch_size - (len(batch) if batch is not None else 0)
+                joining, pending[:] = pending[:free], pending[free:]
+                if joining:
+                    with self._model_lock, torch.inference_mode():
+                        if batch is None:
+                            batch = RunningBatch(self._ctx, self._weight_version)
+                            self.stats.batches_run += 1
+                            self.stats.async_batches_run += 1
+                        elif len(batch):
+                            self.stats.rows_joined_running_batch += len(joining)
                         batch.admit(joining)
-                    except Exception as exc:  # the joining rows are not in the batch yet: fail them here
-                        for row in joining:
-                            if row.deliver is not None and not row.cancelled:
-                                row.deliver(exc)
-                        raise
-        if batch is not None and len(batch):
-            with self._model_lock, torch.inference_mode():
-                batch.step()
+            if batch is not None and len(batch):
+                with self._model_lock, torch.inference_mode():
+                    batch.step()
+        except Exception as exc:
+            for row in (batch.rows if batch is not None else []) + joining:
+                if row.deliver is not None and not row.cancelled:
+                    row.deliver(exc)  # a row already resolved ignores a second delivery
+            raise
         if batch is not None and not len(batch):
             batch = None
         return batch

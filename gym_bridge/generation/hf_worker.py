@@ -66,12 +66,9 @@ def worker_loop(engine_ref: weakref.ref[Any], q: queue.SimpleQueue[Any]) -> None
             break
         try:
             batch = engine._admit_and_step(batch, pending)
-        except Exception as exc:  # hand the failure to every row of the batch
+        except Exception as exc:  # _admit_and_step has handed the failure to every row of the batch
             if not isinstance(exc, EngineShutDownError):
                 logger.exception("HFGeneration batch failed")
-            for row in batch.rows if batch is not None else []:
-                if row.deliver is not None and not row.cancelled:
-                    row.deliver(exc)
             batch = None
         finally:
             del engine

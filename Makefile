@@ -20,7 +20,7 @@ demo: setup
 
 # The whole suite, then the example suite that uses only the public pytest plugin.
 test: setup
-	$(UV) run pytest
+	$(UV) run pytest -n 2 --dist loadgroup
 	$(MAKE) --no-print-directory test-plugin
 
 # The quick lane: no Gym, no subprocess end to end, nothing slow (target: under 90 s).

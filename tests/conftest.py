@@ -3,6 +3,11 @@ session fixture (Ray, the tiny model, the scripted policy, the default Gym actor
 
 The modules that share the session Gym (``gym_actor``) run one after another, and the Gym stops right
 after the last test that uses it instead of idling to the end of the session.
+
+Under pytest-xdist (``make test`` runs ``-n 2 --dist loadgroup``) the suite runs in two lanes, one per
+worker: every module that needs the session Ray, so Ray and each Gym set start once, in one worker;
+every other module (subprocess end-to-end runs with their own Ray, model builds, unit tests) in the
+other. A lane keeps collection order, so each module's fixtures are set up once.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 pytest_plugins = ["gym_bridge.testing"]
 
 SHARED_GYM = "gym_actor"
+RAY_LANE, LOCAL_LANE = "ray", "local"
 _LAST_GYM_USER = pytest.StashKey[pytest.Item | None]()
 
 
@@ -37,13 +43,20 @@ def _uses_shared_gym(item: pytest.Item) -> bool:
     return SHARED_GYM in getattr(item, "fixturenames", ())
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Ship test modules to Ray workers by value; group the shared Gym's users and note the last of them."""
+    """Ship test modules to Ray workers by value; split the modules into the two xdist lanes; group the
+    shared Gym's users and note the last of them."""
     import ray.cloudpickle
 
     modules = {getattr(item, "module", None) for item in items} - {None}
     for module in modules:  # Ray workers cannot import test modules: ship their actors and helpers by value
         ray.cloudpickle.register_pickle_by_value(module)
+
+    ray_modules = {getattr(item, "module", None) for item in items if "ray_session" in getattr(item, "fixturenames", ())}
+    for item in items:  # two lanes of whole modules: each module's fixtures are set up once, in one worker
+        lane = RAY_LANE if getattr(item, "module", None) in ray_modules else LOCAL_LANE
+        item.add_marker(pytest.mark.xdist_group(lane))
 
     users = {getattr(item, "module", None) for item in items if _uses_shared_gym(item)}
     first = next((i for i, item in enumerate(items) if getattr(item, "module", None) in users), None)

@@ -192,14 +192,21 @@ def test_malformed_results(tiny_tokenizer, result):
         ("generation_token_ids", [52, 2.0], GymResultError),
         ("generation_token_ids", [52, 2**64], GymResultError),
         ("prompt_token_ids", [*P1[:-1], "13"], GymResultError),
+        ("generation_token_ids", [52, -1], GymResultError),
+        ("prompt_token_ids", [*P1[:-1], -13], GymResultError),
     ],
-    ids=["null-logprob", "str-logprob", "nested-logprob", "bool-token", "float-token", "huge-token", "str-prompt"],
+    ids=[
+        "null-logprob", "str-logprob", "nested-logprob", "bool-token", "float-token", "huge-token", "str-prompt",
+        "negative-token", "negative-prompt",
+    ],
 )
 def test_bad_token_data(tiny_tokenizer, field, values, error):
     result = _result([_tokens(_message("4"), P1, [52, 2])])
     result["response"]["output"][0][field] = values
-    with pytest.raises(error):
+    with pytest.raises(error) as caught:
         convert_gym_result(result, tiny_tokenizer)
+    if error is GymResultError:
+        assert field in str(caught.value)
 
 
 def test_values_are_exact(tiny_tokenizer):
@@ -307,34 +314,52 @@ _DECODE_TEXT = (
 def _random_turns(ids: list[int], rng, turns: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     cuts = sorted(rng.sample(range(1, len(ids)), 2 * turns - 1))
     bounds = [0, *cuts, len(ids)]
-    pieces = [torch.tensor(ids[a:b], dtype=torch.int64) for a, b in zip(bounds, bounds[1:])]
+    pieces = [ids[a:b] for a, b in zip(bounds, bounds[1:])]
     return pieces[0::2], pieces[1::2]
 
 
+def _check_decode_turns(tokenizer, users: list[list[int]], gens: list[list[int]]) -> None:
+    from gym_bridge.gym.decode import decode_turns
+
+    prompts, generations = decode_turns(tokenizer, users, gens)
+    for k in range(len(users)):
+        whole = [t for pair in zip(users[: k + 1], [*gens[:k], []]) for piece in pair for t in piece]
+        assert prompts[k] == tokenizer.decode(whole)
+        assert generations[k] == tokenizer.decode(gens[k])
+
+
 def test_decode_turns_equals_whole_prompt_decodes_at_any_split(tiny_tokenizer):
-    """Split points inside multi-byte characters (U+FFFD pieces) fall back to whole decodes; the strings never differ."""
+    """Split points inside multi-byte characters (U+FFFD pieces alone) still give the whole prompt's text."""
     import random
 
-    from gym_bridge.gym.decode import _decodes_by_concatenation, decode_turns
+    from gym_bridge.gym.decode import token_bytes_table
 
-    assert _decodes_by_concatenation(tiny_tokenizer)  # the fast path is the one under test
+    assert token_bytes_table(tiny_tokenizer) is not None  # the fast path is the one under test
     ids = tiny_tokenizer.encode(_DECODE_TEXT * 3, add_special_tokens=False)
     rng = random.Random(0)
     split_chars = 0
     for _ in range(300):
         users, gens = _random_turns(ids, rng, rng.randint(1, 8))
-        prompts, generations = decode_turns(tiny_tokenizer, users, gens)
-        for k in range(len(users)):
-            whole = torch.cat([t for pair in zip(users[: k + 1], gens) for t in pair][: 2 * k + 1])
-            assert prompts[k] == tiny_tokenizer.decode(whole)
-            assert generations[k] == tiny_tokenizer.decode(gens[k])
+        _check_decode_turns(tiny_tokenizer, users, gens)
         split_chars += any("\ufffd" in tiny_tokenizer.decode(t) for t in users + gens)
-    assert split_chars > 0  # some splits did cut a character, so the fallback ran
+    assert split_chars > 0  # some splits did cut a character
+
+
+def test_decode_turns_equals_the_tokenizer_on_random_ids_of_the_whole_vocabulary(tiny_tokenizer):
+    """Any id sequence, special tokens and invalid UTF-8 included, decodes as the tokenizer decodes it."""
+    import random
+
+    rng = random.Random(1)
+    vocab = len(tiny_tokenizer)
+    for _ in range(300):
+        ids = [rng.randrange(vocab) for _ in range(rng.randint(2, 80))]
+        _check_decode_turns(tiny_tokenizer, *_random_turns(ids, rng, 1))
 
 
 def test_decode_turns_decodes_whole_prompts_for_other_decoders(tiny_tokenizer):
-    """A tokenizer without a byte-level decoder (or with space clean-up) gets each prompt decoded whole."""
-    from gym_bridge.gym.decode import _decodes_by_concatenation, decode_turns
+    """A tokenizer without a byte-level decoder (or with space clean-up), or an id outside the vocabulary,
+    gets each prompt decoded whole by the tokenizer."""
+    from gym_bridge.gym.decode import decode_turns, token_bytes_table
 
     class CleanUp:
         backend_tokenizer = tiny_tokenizer.backend_tokenizer
@@ -342,14 +367,27 @@ def test_decode_turns_decodes_whole_prompts_for_other_decoders(tiny_tokenizer):
         calls: list[list[int]] = []
 
         def batch_decode(self, seqs):
-            self.calls.extend(s.tolist() for s in seqs)
+            self.calls.extend(list(s) for s in seqs)
             return [tiny_tokenizer.decode(s) for s in seqs]
 
     tok = CleanUp()
-    assert not _decodes_by_concatenation(tok)
-    users = [torch.tensor([1, 2]), torch.tensor([5])]
-    gens = [torch.tensor([3, 4]), torch.tensor([6])]
-    prompts, generations = decode_turns(tok, users, gens)
+    assert token_bytes_table(tok) is None
+    prompts, generations = decode_turns(tok, [[1, 2], [5]], [[3, 4], [6]])
     assert tok.calls == [[1, 2], [1, 2, 3, 4, 5], [3, 4], [6]]
     assert prompts == [tiny_tokenizer.decode([1, 2]), tiny_tokenizer.decode([1, 2, 3, 4, 5])]
     assert generations == [tiny_tokenizer.decode([3, 4]), tiny_tokenizer.decode([6])]
+
+    class Calls:
+        calls: list[list[int]] = []
+
+        def __getattr__(self, name):
+            return getattr(tiny_tokenizer, name)
+
+        def batch_decode(self, seqs):
+            self.calls.extend(list(s) for s in seqs)
+            return tiny_tokenizer.batch_decode(seqs)
+
+    unknown = len(tiny_tokenizer) + 5
+    tok = Calls()
+    decode_turns(tok, [[1, unknown]], [[3]])
+    assert tok.calls == [[1, unknown], [3]]  # left to the tokenizer

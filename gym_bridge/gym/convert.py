@@ -124,7 +124,7 @@ def convert_gym_result(
     output = _output_items(result)
     message_log: list[dict[str, Any]] = []
     seen: list[int] = []
-    converted: list[tuple[dict[str, Any], torch.Tensor, torch.Tensor]] = []
+    converted: list[tuple[dict[str, Any], list[int], list[int]]] = []
     drift: dict[str, Any] | None = None
     turn = -1
     for item in output:
@@ -161,8 +161,9 @@ def convert_gym_result(
         for key in _TOKEN_KEYS:
             item.pop(key, None)
         invalid, malformed = detect_tool_call_and_thinking_flags(item, invalid_tool_call_patterns, thinking_tags)
-        user_ids = _token_tensor(prompt[len(seen) :], turn)
-        generation_ids = _token_tensor(generation, turn)
+        new_prompt = prompt[len(seen) :]
+        user_ids = _token_tensor(new_prompt, "prompt_token_ids", turn)
+        generation_ids = _token_tensor(generation, "generation_token_ids", turn)
         message_log.append({"role": "user", "content": "", "token_ids": user_ids})
         message_log.append(
             {
@@ -174,11 +175,12 @@ def convert_gym_result(
                 "has_malformed_thinking": malformed,
             }
         )
-        converted.append((item, user_ids, generation_ids))
+        converted.append((item, new_prompt, generation))
         seen = prompt + generation
 
     if not converted:
         raise MissingGenerationData(_missing_message(result, output, tokenizer))
+    _check_non_negative(message_log)
     prompt_strs, generation_strs = decode_turns(tokenizer, [u for _, u, _ in converted], [g for _, _, g in converted])
     for (item, _, _), prompt_str, generation_str in zip(converted, prompt_strs, generation_strs, strict=True):
         item["prompt_str"] = prompt_str
@@ -264,11 +266,20 @@ def _tensor(values: list[Any], dtype: torch.dtype) -> torch.Tensor:
     return torch.frombuffer(array.array(_ARRAY_TYPECODES[dtype], values), dtype=dtype)
 
 
-def _token_tensor(token_ids: list[int], turn: int) -> torch.Tensor:
+def _check_non_negative(message_log: list[dict[str, Any]]) -> None:
+    """Token ids are non-negative (one vectorised pass over the row; the types were checked per list)."""
+    ids = torch.cat([message["token_ids"] for message in message_log])
+    if ids.numel() and int(ids.min()) < 0:
+        turn = next(i for i, m in enumerate(message_log) if m["token_ids"].numel() and int(m["token_ids"].min()) < 0)
+        field = "prompt_token_ids" if turn % 2 == 0 else "generation_token_ids"
+        raise GymResultError(f"model call {turn // 2}: {field} has a negative token id")
+
+
+def _token_tensor(token_ids: list[int], name: str, turn: int) -> torch.Tensor:
     try:
         return _tensor(token_ids, TOKEN_DTYPE)
     except OverflowError:
-        raise GymResultError(f"model call {turn}: a token id is outside the int64 range") from None
+        raise GymResultError(f"model call {turn}: {name} has a token id outside the int64 range") from None
 
 
 def _logprob_tensor(logprobs: list[Any], turn: int) -> torch.Tensor:

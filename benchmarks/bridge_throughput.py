@@ -49,7 +49,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import date
 from pathlib import Path
 from typing import Any
@@ -59,6 +59,7 @@ import ray
 from transformers import AutoTokenizer
 
 import conversion_cost
+from spy import RoleProfile, Spy, markdown_table
 from gym_bridge.data import datum_from_gym_row
 from gym_bridge.failures import RolloutTimeouts
 from gym_bridge.gym.actor import NemoGymConfig, spinup_nemo_gym_actor
@@ -73,28 +74,95 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 RESULTS = Path(__file__).with_name("RESULTS.md")
 RAW_WORKER = Path(__file__).with_name("raw_gym_worker.py")
-GYM_CONFIGS = [
-    "responses_api_models/vllm_model/configs/vllm_model_for_training.yaml",
-    "resources_servers/equivalence_rule/configs/lc.yaml",
-]
-AGENT = "lc_equivalence_rule_simple_agent"
+MODEL_CONFIG = "responses_api_models/vllm_model/configs/vllm_model_for_training.yaml"
 MODEL_NAME = "tiny"
 GROUP = 16
 ANSWER_TOKENS = 16
-GENERATION_CONFIG = {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": ANSWER_TOKENS}
 RUN_TIMEOUT_S = 300.0
 TICK_S = 0.01
 
 TARGET_RATIO = 0.95
 TARGET_DEFAULT_RATIO = 1.5
-TARGET_1024_S = 16.0
+TARGET_1024_S = 12.0
 TARGET_CONVERSION_MS = 1.0
 TARGET_LAG_MS = 50.0
 
 log = logging.getLogger("bench-bridge")
 
 
-def equivalence_row(question: str, expected_answer: str) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Workload:
+    """What the rows are: the resources server, its agent, the endpoint's policy and the answer length."""
+
+    name: str
+    resources_config: str
+    agent: str
+    policy: str
+    """``gym-bridge serve --policy``: instant (a fixed answer) or scripted (a tool call, then an answer)."""
+    max_new_tokens: int
+    description: str
+
+    @property
+    def gym_configs(self) -> list[str]:
+        return [MODEL_CONFIG, self.resources_config]
+
+    @property
+    def generation_config(self) -> dict[str, Any]:
+        return {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": self.max_new_tokens}
+
+    def templates(self, groups: int) -> list[dict[str, Any]]:
+        if self.name == "tool":
+            return [weather_row(f"city{g}", self.agent) for g in range(groups)]
+        return [equivalence_row(f"Q{g}: what is 2+2? Reply with exactly: 4", "4", self.agent) for g in range(groups)]
+
+
+WORKLOADS = {
+    "single": Workload(
+        "single", "resources_servers/equivalence_rule/configs/lc.yaml", "lc_equivalence_rule_simple_agent",
+        "instant", ANSWER_TOKENS,
+        f"equivalence_rule lc, single-turn rows; our server with InstantGeneration ({ANSWER_TOKENS}-token answer, "
+        "no model)",
+    ),
+    "tool": Workload(
+        "tool", "resources_servers/example_single_tool_call/configs/example_single_tool_call.yaml",
+        "example_single_tool_call_simple_agent", "scripted", 128,
+        "example_single_tool_call, tool-call rows (two model calls and one tool call per row); our server with "
+        "ScriptedGeneration (a Hermes tool call, then a short answer; no model)",
+    ),
+}  # fmt: skip
+
+
+def weather_row(city: str, agent: str) -> dict[str, Any]:
+    """A tool-call row of example_single_tool_call as its wheel's examples are: get_weather, then an answer."""
+    return {
+        "responses_create_params": {
+            "input": [
+                {"role": "developer", "content": "You are a helpful personal assistant."},
+                {"role": "user", "content": f"what's it like in {city}?"},
+            ],
+            "tools": [
+                {
+                    "type": "function",
+                    "name": "get_weather",
+                    "description": "",
+                    "parameters": {
+                        "type": "object",
+                        "properties": {"city": {"type": "string", "description": ""}},
+                        "required": ["city"],
+                        "additionalProperties": False,
+                    },
+                    "strict": True,
+                }
+            ],
+            "max_output_tokens": 128,
+            "temperature": 1.0,
+            "top_p": 1.0,
+        },
+        "agent_ref": {"type": "responses_api_agents", "name": agent},
+    }
+
+
+def equivalence_row(question: str, expected_answer: str, agent: str) -> dict[str, Any]:
     """A single-turn equivalence_rule row, as ``tests/gym_fixtures.py`` builds them."""
     return {
         "responses_create_params": {
@@ -105,12 +173,8 @@ def equivalence_row(question: str, expected_answer: str) -> dict[str, Any]:
             "top_p": 1.0,
         },
         "expected_answer": expected_answer,
-        "agent_ref": {"type": "responses_api_agents", "name": AGENT},
+        "agent_ref": {"type": "responses_api_agents", "name": agent},
     }
-
-
-def templates(groups: int) -> list[dict[str, Any]]:
-    return [equivalence_row(f"Q{g}: what is 2+2? Reply with exactly: 4", "4") for g in range(groups)]
 
 
 def _free_port() -> int:
@@ -146,11 +210,11 @@ class EndpointProcess:
         assert self.proc is not None
         return self.proc.pid
 
-    def start(self, policy: str, timeout_s: float = 120.0) -> None:
+    def start(self, policy: str, max_new_tokens: int = ANSWER_TOKENS, timeout_s: float = 120.0) -> None:
         command = [
             sys.executable, "-m", "gym_bridge.cli", "serve", "--model", "tiny", "--policy", policy,
             "--port", str(self.port), "--served-model-name", MODEL_NAME,
-            "--max-new-tokens", str(ANSWER_TOKENS), "--answer-tokens", str(ANSWER_TOKENS),
+            "--max-new-tokens", str(max_new_tokens), "--answer-tokens", str(ANSWER_TOKENS),
         ]  # fmt: skip
         with open(self.log_path, "ab") as out:
             self.proc = subprocess.Popen(
@@ -263,6 +327,9 @@ class CpuMeter:
                 with contextlib.suppress(psutil.Error):
                     procs.append(psutil.Process(pid))
             self.roles[role] = procs
+
+    def pids(self) -> dict[str, list[int]]:
+        return {role: [p.pid for p in procs] for role, procs in self.roles.items()}
 
     def snapshot(self) -> dict[str, float]:
         taken = {role: sum(_cpu_s(p) for p in procs) for role, procs in self.roles.items()}
@@ -386,6 +453,7 @@ class Run:
 class Bench:
     """The running pieces, and everything measured."""
 
+    workload: Workload
     manager: Any
     raw: RawGymWorker
     meter: CpuMeter
@@ -406,15 +474,16 @@ class Bench:
         return wall, convert_s
 
     async def raw_gym(self, groups: list[dict[str, Any]], worker: RawGymWorker) -> tuple[float, float]:
-        sampling = GenerationSamplingParams.from_generation_config(GENERATION_CONFIG)  # type: ignore[arg-type]
-        rows = [row for t in groups for row in build_rows(t, GROUP, sampling, ANSWER_TOKENS)]
+        config = self.workload.generation_config
+        sampling = GenerationSamplingParams.from_generation_config(config)  # type: ignore[arg-type]
+        rows = [row for t in groups for row in build_rows(t, GROUP, sampling, self.workload.max_new_tokens)]
         answer = await worker.run(rows)
         if answer["errors"] or answer["ok"] != len(rows):
             raise RuntimeError(f"raw Gym: {answer['errors']} of {len(rows)} rows failed: {answer['first_error']}")
         return float(answer["wall_s"]), 0.0
 
     async def measure(self, mode: str, rows: int) -> Run:
-        groups = templates(rows // GROUP)
+        groups = self.workload.templates(rows // GROUP)
         before = self.meter.snapshot()
         if mode == "bridge":
             wall, convert_s = await self.bridge(groups)
@@ -442,15 +511,17 @@ class Report:
     peak_rows: int
     hf_runs: list[Run]
     load_before: tuple[float, float, float]
+    profiles: dict[str, list[RoleProfile]] = field(default_factory=dict)
+    """``--profile``: mode -> py-spy's view of every process during one more run at the peak."""
     load_after: tuple[float, float, float] = (0.0, 0.0, 0.0)
 
 
-def gym_config(base_url: str, log_dir: Path, model_server: str = "gym_bridge") -> NemoGymConfig:
+def gym_config(base_url: str, log_dir: Path, workload: Workload, model_server: str = "gym_bridge") -> NemoGymConfig:
     return NemoGymConfig(
         model_server=model_server,
         model_name=MODEL_NAME,
         base_urls=[base_url],
-        config_paths=[str(wheel_config_path(p)) for p in GYM_CONFIGS],
+        config_paths=[str(wheel_config_path(p)) for p in workload.gym_configs],
         log_dir=log_dir,
         startup_timeout_s=180,
         shutdown_timeout_s=15,
@@ -459,11 +530,11 @@ def gym_config(base_url: str, log_dir: Path, model_server: str = "gym_bridge") -
     )
 
 
-def default_gym(base_url: str, log_dir: Path) -> GymServers:
+def default_gym(base_url: str, log_dir: Path, workload: Workload) -> GymServers:
     """A default nemo-gym 0.4.0 set-up: Gym's vllm_model_for_training + the same resources server and agent."""
     return GymServers(
         GymServersConfig(
-            config_paths=[str(wheel_config_path(p)) for p in GYM_CONFIGS],
+            config_paths=[str(wheel_config_path(p)) for p in workload.gym_configs],
             policy_base_urls=[base_url],
             policy_model_name=MODEL_NAME,
             log_dir=log_dir,
@@ -497,11 +568,12 @@ async def run_benchmark(args: argparse.Namespace, workdir: Path) -> Report:
     default_servers: GymServers | None = None
     actor = None
     try:
-        await asyncio.to_thread(endpoint.start, "instant")
-        config = gym_config(endpoint.base_url, workdir / "gym-logs", args.model_server)
+        workload = WORKLOADS[args.workload]
+        await asyncio.to_thread(endpoint.start, workload.policy, workload.max_new_tokens)
+        config = gym_config(endpoint.base_url, workdir / "gym-logs", workload, args.model_server)
         actor = await asyncio.to_thread(spinup_nemo_gym_actor, config, tokenizer)
         if default_raw is not None:
-            default_servers = default_gym(endpoint.base_url, workdir / "default-gym-logs")
+            default_servers = default_gym(endpoint.base_url, workdir / "default-gym-logs", workload)
             default_head = await asyncio.to_thread(default_servers.start)
             await default_raw.start(default_head.url, workdir / "default_raw_worker.log")
         info = await _ray(actor.server_info.remote())
@@ -514,7 +586,7 @@ async def run_benchmark(args: argparse.Namespace, workdir: Path) -> Report:
             task_to_env={"nemo_gym": actor},
             num_generations_per_prompt=GROUP,
             max_seq_len=4096,
-            generation_config=dict(GENERATION_CONFIG),
+            generation_config=workload.generation_config,
             use_nemo_gym=True,
             timeouts=RolloutTimeouts(rollout_s=RUN_TIMEOUT_S - 30),
         )
@@ -529,7 +601,7 @@ async def run_benchmark(args: argparse.Namespace, workdir: Path) -> Report:
                 "default_gym": list(default_servers.pids()) if default_servers is not None else [],
             }
         )
-        bench = Bench(manager, raw, meter, default_raw)
+        bench = Bench(workload, manager, raw, meter, default_raw)
         modes = ("bridge", "raw", "default") if default_raw is not None else ("bridge", "raw")
         if args.gc_freeze:
             gc.freeze()  # what a training driver can do once after start-up: full collections skip this heap
@@ -554,8 +626,25 @@ async def run_benchmark(args: argparse.Namespace, workdir: Path) -> Report:
                     else:
                         runs.append(await bench.measure(mode, rows))
 
+        profiles: dict[str, list[RoleProfile]] = {}
+        if args.profile:
+            for mode in modes:
+                log.info("profiling every process of one %s run of %d rows", mode, peak_rows)
+                gym_roles = {"gym": _by_server_type("Gym", info["server_pids"], info["server_types"], info["pids"])}
+                if default_servers is not None:
+                    gym_roles["default_gym"] = _by_server_type(
+                        "default Gym", default_servers.server_pids, default_servers.server_types, default_servers.pids()
+                    )
+                roles: dict[str, list[int]] = {}
+                for role, pids in meter.pids().items():
+                    if pids and _in_path(role, mode):
+                        roles.update(gym_roles.get(role, {role: pids}))
+                with Spy(roles, workdir / f"profile-{mode}") as spy:
+                    await bench.measure(mode, peak_rows)
+                profiles[mode] = spy.profiles()
+
         hf_runs: list[Run] = []
-        if not args.skip_hf:
+        if not args.skip_hf and workload.name == "single":
             log.info("context: the tiny model behind the same Gym servers")
             await asyncio.to_thread(endpoint.stop)
             await asyncio.to_thread(endpoint.start, "hf")
@@ -564,7 +653,7 @@ async def run_benchmark(args: argparse.Namespace, workdir: Path) -> Report:
             hf_runs = [await bench.measure("bridge", GROUP), await bench.measure("raw", GROUP)]
         return Report(
             conversion, runs, lag.lags_s, lag.worst, lag.max_gc_pause_s, rss_idle, rss.peaks, peak_rows, hf_runs,
-            load_before,
+            load_before, profiles,
         )
     finally:
         await raw.stop()
@@ -579,6 +668,31 @@ async def run_benchmark(args: argparse.Namespace, workdir: Path) -> Report:
                 log.exception("stopping the NemoGym actor failed")
         await asyncio.to_thread(endpoint.stop)
         ray.shutdown()
+
+
+_PATHS = {"bridge": {"driver", "actor", "gym", "endpoint"}, "raw": {"raw", "gym", "endpoint"},
+          "default": {"default_raw", "default_gym", "endpoint"}}  # fmt: skip
+
+
+_SERVER_KINDS = {"responses_api_agents": "agent", "resources_servers": "resources", "responses_api_models": "model"}
+
+
+def _by_server_type(
+    prefix: str, server_pids: dict[str, int], server_types: dict[str, str | None], all_pids: Any
+) -> dict[str, list[int]]:
+    """A set of Gym servers' processes by role: agent, resources, model; the head and launcher are the rest."""
+    roles: dict[str, list[int]] = {}
+    for name, pid in server_pids.items():
+        kind = _SERVER_KINDS.get(server_types.get(name) or "", "head")
+        roles.setdefault(f"{prefix} {kind}", []).append(pid)
+    named = set(server_pids.values())
+    roles.setdefault(f"{prefix} head", []).extend(pid for pid in sorted(all_pids) if pid not in named)
+    return roles
+
+
+def _in_path(role: str, mode: str) -> bool:
+    """Whether a role's processes carry the rows of a mode's runs."""
+    return role in _PATHS[mode]
 
 
 # ---- the report -------------------------------------------------------------------------------
@@ -680,14 +794,15 @@ def markdown(report: Report, args: argparse.Namespace) -> str:
         f"{platform.processor() or platform.machine()}, Python {platform.python_version()}, {_git_revision()})",
         "",
         f"Load average before {lb[0]:.2f} / {lb[1]:.2f} / {lb[2]:.2f}, after {la[0]:.2f} / {la[1]:.2f} / {la[2]:.2f} "
-        f"(1 / 5 / 15 min). One set of Gym servers ({args.model_server} + equivalence_rule lc, single-turn rows), "
-        f"our server with InstantGeneration ({ANSWER_TOKENS}-token answer, no model) in its own process. "
+        f"(1 / 5 / 15 min). Workload `{args.workload}`: {WORKLOADS[args.workload].description}, in its own "
+        f"process. One set of Gym servers for the bridge ({args.model_server} + the resources server). "
         f"Bridge: RolloutManager(use_nemo_gym=True) through the NemoGym actor, groups of {GROUP} rows "
         "launched at once. "
         "Raw: RolloutCollectionHelper.run_examples in a separate process, same rows, servers and endpoint. "
         + (
             "Default: a second set of Gym servers as a default nemo-gym 0.4.0 install runs them (Gym's "
-            "vllm_model_for_training + equivalence_rule lc), run_examples in its own process, same rows and endpoint. "
+            "vllm_model_for_training + the same resources server), run_examples in its own process, same rows and "
+            "endpoint. "
             if args.default_baseline
             else ""
         )
@@ -735,6 +850,12 @@ def markdown(report: Report, args: argparse.Namespace) -> str:
             "|---|---|---|---|",
             *(f"| {r.mode} | {r.rows} | {r.wall_s:.2f} | {r.rows_per_s:.1f} |" for r in report.hf_runs),
         ]
+    for mode, profiles in report.profiles.items():
+        title = (
+            f"**Where the CPU goes, {mode} path** (py-spy at 50 Hz on every process during one more run of "
+            f"{report.peak_rows} rows; a sample is a stack seen running, shares are by the leaf frame):"
+        )
+        lines += ["", *markdown_table(title, profiles)]
     return "\n".join(lines) + "\n"
 
 
@@ -755,6 +876,14 @@ def main() -> None:
     parser.add_argument(
         "--no-default-baseline", dest="default_baseline", action="store_false",
         help="skip the default nemo-gym 0.4.0 set-up (its own Gym servers with vllm_model, run_examples)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--workload", choices=sorted(WORKLOADS), default="single",
+        help="single: single-turn equivalence rows, instant answers; tool: tool-call rows, scripted tool calls",
+    )  # fmt: skip
+    parser.add_argument(
+        "--profile", action="store_true",
+        help="after the measured runs, one more run per path at the peak with py-spy on every process",
     )  # fmt: skip
     parser.add_argument("--no-write", action="store_true", help=f"print only; do not append to {RESULTS.name}")
     args = parser.parse_args()

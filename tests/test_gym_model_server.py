@@ -1,16 +1,15 @@
 """gym-bridge's Gym model server against Gym's own ``vllm_model``, on real NeMo-Gym servers.
 
-One Gym server set holds both model servers in front of the scripted policy (our
-OpenAI server), each with its own tool-call and equivalence agents; the same rows
-through both give the same ``/run`` results: every field, every token, every reward.
-Then the NeMo-Gym integration tests run again through a NemoGym actor that selects
-our model server (``NemoGymConfig.model_server="gym_bridge"``), with exact tokens.
+One NemoGym actor selects our model server (``NemoGymConfig.model_server="gym_bridge"``)
+in front of the scripted policy (our OpenAI server); its Gym also runs Gym's own
+``vllm_model`` with a copy of each agent that calls it. The same rows through both
+give the same ``/run`` results: every field, every token, every reward. Then the
+NeMo-Gym integration tests run again through that actor, with exact tokens.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -20,65 +19,63 @@ from omegaconf import OmegaConf
 
 from gym_bridge import gym_model
 from gym_bridge.gym.actor import spinup_nemo_gym_actor
-from gym_bridge.gym.servers import GymServers, GymServersConfig, wheel_config_path
+from gym_bridge.gym.servers import wheel_config_path
 from tests import test_nemo_gym_integration as integration
-from tests.gym_fixtures import (  # noqa: F401 - fixtures
+from tests.gym_fixtures import (
     EQUIVALENCE_AGENT,
     GYM_CONFIGS,
     SERVED_MODEL_NAME,
     TOOL_AGENT,
     equivalence_row,
     gym_actor_config,
-    scripted_policy,
     tool_call_rows,
 )
 
 pytestmark = [pytest.mark.gym, pytest.mark.slow, pytest.mark.timeout(900)]
 
-_BRIDGE = {TOOL_AGENT: "bridge_tool_agent", EQUIVALENCE_AGENT: "bridge_equivalence_agent"}
+_VLLM = {TOOL_AGENT: "vllm_tool_agent", EQUIVALENCE_AGENT: "vllm_equivalence_agent"}
 
 
-def _bridge_overrides(base_url: str) -> dict[str, Any]:
-    """A second model server (ours) and a copy of each agent that calls it instead of ``policy_model``."""
+def _vllm_model_overrides() -> dict[str, Any]:
+    """Gym's own vllm_model beside ours, as ``vllm_model``, and a copy of each agent that calls it."""
     overrides: dict[str, Any] = {
-        "bridge_model": {
-            "responses_api_models": {
-                gym_model.IMPL: {
-                    "entrypoint": "app.py",
-                    "base_url": [base_url],
-                    "api_key": "dummy_key",
-                    "model": SERVED_MODEL_NAME,
-                    "return_token_id_information": True,
-                    "uses_reasoning_parser": True,
-                }
-            }
-        }
+        "vllm_model": OmegaConf.to_container(OmegaConf.load(wheel_config_path(GYM_CONFIGS[0])))["policy_model"]
     }
     for path in GYM_CONFIGS[1:]:
         config = OmegaConf.to_container(OmegaConf.load(wheel_config_path(path)))
-        for agent, copy_name in _BRIDGE.items():
+        for agent, copy_name in _VLLM.items():
             if agent in config:
                 entry = copy.deepcopy(config[agent])
-                entry["responses_api_agents"]["simple_agent"]["model_server"]["name"] = "bridge_model"
+                entry["responses_api_agents"]["simple_agent"]["model_server"]["name"] = "vllm_model"
                 overrides[copy_name] = entry
     return overrides
 
 
 @pytest.fixture(scope="module")
-def both_model_servers(scripted_policy, tmp_path_factory) -> Iterator[GymServers]:
-    config = GymServersConfig(
-        config_paths=[str(wheel_config_path(p)) for p in GYM_CONFIGS],
-        overrides=_bridge_overrides(scripted_policy.base_url),
-        server_dirs={gym_model.SERVER_KEY: gym_model.SERVER_DIR},
-        policy_base_urls=[scripted_policy.base_url],
-        policy_model_name=SERVED_MODEL_NAME,
-        log_dir=tmp_path_factory.mktemp("gym-model-logs"),
-        startup_timeout_s=400,
-        shutdown_timeout_s=15,
-        use_ray=False,
+def bridge_gym_actor(ray_session, scripted_policy, tiny_tokenizer, tmp_path_factory):
+    """A NemoGym actor whose Gym runs gym-bridge's model server in place of vllm_model (Gym's own
+    ``vllm_model`` runs beside it, for the agent copies of the equivalence tests)."""
+    config = gym_actor_config(
+        [scripted_policy.base_url],
+        tmp_path_factory.mktemp("bridge-actor-logs"),
+        model_server="gym_bridge",
+        overrides=_vllm_model_overrides(),
     )
-    with GymServers(config) as servers:
-        yield servers
+    assert str(gym_model.CONFIG_PATH) in config.servers_config().config_paths
+    assert not any("vllm_model" in p for p in config.servers_config().config_paths)
+    handle = spinup_nemo_gym_actor(config, tiny_tokenizer)
+    yield handle
+    try:
+        ray.get(handle.shutdown.remote(), timeout=60)
+    finally:
+        ray.kill(handle)
+
+
+@pytest.fixture(scope="module")
+def server_urls(bridge_gym_actor) -> dict[str, str]:
+    info = ray.get(bridge_gym_actor.server_info.remote(), timeout=60)
+    assert info["server_types"]["policy_model"] == "responses_api_models"
+    return info["urls"]
 
 
 def _rows() -> list[dict[str, Any]]:
@@ -89,9 +86,9 @@ def _rows() -> list[dict[str, Any]]:
     ]
 
 
-def _run(servers: GymServers, agent: str, row: dict[str, Any]) -> dict[str, Any]:
+def _run(urls: dict[str, str], agent: str, row: dict[str, Any]) -> dict[str, Any]:
     row = {**copy.deepcopy(row), "agent_ref": {"type": "responses_api_agents", "name": agent}}
-    response = httpx.post(f"{servers.server_urls[agent]}/run", json=row, timeout=180)
+    response = httpx.post(f"{urls[agent]}/run", json=row, timeout=180)
     assert response.status_code == 200, response.text
     return response.json()
 
@@ -113,52 +110,36 @@ def _normalized(result: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def test_same_rows_give_the_same_gym_results(both_model_servers, tiny_tokenizer):
+def test_same_rows_give_the_same_gym_results(server_urls, tiny_tokenizer):
     for row in _rows():
         agent = row.get("agent_ref", {}).get("name", TOOL_AGENT)
-        theirs = _run(both_model_servers, agent, row)
-        ours = _run(both_model_servers, _BRIDGE[agent], row)
+        theirs = _run(server_urls, _VLLM[agent], row)
+        ours = _run(server_urls, agent, row)
         assert _normalized(ours) == _normalized(theirs)
         turns = [item for item in ours["response"]["output"] if "generation_token_ids" in item]
         assert turns and all(t["generation_token_ids"][-1] == tiny_tokenizer.eos_token_id for t in turns)
         for before, after in zip(turns, turns[1:]):  # each turn's prompt extends the last prompt + generation
             prefix = before["prompt_token_ids"] + before["generation_token_ids"][:-1]
             assert after["prompt_token_ids"][: len(prefix)] == prefix
-    tool = _run(both_model_servers, _BRIDGE[TOOL_AGENT], tool_call_rows()[0])
+    tool = _run(server_urls, TOOL_AGENT, tool_call_rows()[0])
     assert [i["type"] for i in tool["response"]["output"]] == ["function_call", "function_call_output", "message"]
     assert tool["reward"] == 1.0 and tool["response"]["usage"]["input_tokens"] > 0
 
 
-def test_context_overflow_is_an_empty_cut_turn_like_vllm_model(both_model_servers):
+def test_context_overflow_is_an_empty_cut_turn_like_vllm_model(server_urls):
     row = equivalence_row("Reply with exactly: " + "word " * 5000, "x")
-    theirs = _run(both_model_servers, EQUIVALENCE_AGENT, row)
-    ours = _run(both_model_servers, _BRIDGE[EQUIVALENCE_AGENT], row)
+    theirs = _run(server_urls, _VLLM[EQUIVALENCE_AGENT], row)
+    ours = _run(server_urls, EQUIVALENCE_AGENT, row)
     assert _normalized(ours) == _normalized(theirs)
     assert ours["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
     assert "generation_token_ids" not in ours["response"]["output"][0]
 
 
-def test_bad_request_is_a_400_naming_the_field(both_model_servers):
-    url = both_model_servers.server_urls["bridge_model"]
+def test_bad_request_is_a_400_naming_the_field(server_urls):
+    url = server_urls["policy_model"]
     response = httpx.post(f"{url}/v1/responses", json={"input": [{"type": "telepathy"}]}, timeout=30)
     assert response.status_code == 400 and "input[0]" in response.json()["error"]["message"]
     assert httpx.get(f"{url}/", timeout=10).status_code == 200
-
-
-@pytest.fixture(scope="module")
-def bridge_gym_actor(ray_session, scripted_policy, tiny_tokenizer, tmp_path_factory):
-    """A NemoGym actor whose Gym runs gym-bridge's model server in place of vllm_model."""
-    config = gym_actor_config(
-        [scripted_policy.base_url], tmp_path_factory.mktemp("bridge-actor-logs"), model_server="gym_bridge"
-    )
-    assert str(gym_model.CONFIG_PATH) in config.servers_config().config_paths
-    assert not any("vllm_model" in p for p in config.servers_config().config_paths)
-    handle = spinup_nemo_gym_actor(config, tiny_tokenizer)
-    yield handle
-    try:
-        ray.get(handle.shutdown.remote(), timeout=60)
-    finally:
-        ray.kill(handle)
 
 
 @pytest.mark.parametrize(

@@ -24,7 +24,6 @@ from tests import test_nemo_gym_integration as integration
 from tests.gym_fixtures import (
     EQUIVALENCE_AGENT,
     GYM_CONFIGS,
-    SERVED_MODEL_NAME,
     TOOL_AGENT,
     equivalence_row,
     gym_actor_config,

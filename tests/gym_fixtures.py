@@ -2,9 +2,8 @@
 
 The fixtures themselves (``ray_session``, ``tiny_tokenizer``, ``scripted_policy``, ``gym_actor``, ...)
 live in the public plugin :mod:`gym_bridge.testing`, which ``tests/conftest.py`` registers once, so
-every module shares one session Gym. Their names stay importable from here for modules written
-before the plugin: they are plain functions, not fixtures, so importing one registers nothing
-(an imported *fixture* would make pytest start a second, module-private Gym).
+every module shares one session Gym. Ask for them by name; never import one (an imported fixture
+would make pytest start a second, module-private Gym).
 """
 
 from __future__ import annotations
@@ -13,7 +12,6 @@ import copy
 import json
 from typing import Any
 
-from gym_bridge import testing as _plugin
 from gym_bridge.testing import DEFAULT_GYM_CONFIGS, SERVED_MODEL_NAME
 
 GYM_CONFIGS = list(DEFAULT_GYM_CONFIGS)
@@ -70,15 +68,3 @@ def gym_actor_config(base_urls: list[str], log_dir: Any, **kwargs: Any):
         actor_options={"num_cpus": 0},
         **kwargs,
     )
-
-
-def _plain(fixture: Any) -> Any:
-    """The function under a plugin fixture: importable under the fixture's name, invisible to pytest."""
-    return fixture._get_wrapped_function()
-
-
-ray_session = _plain(_plugin.ray_session)
-tiny_model_dir = _plain(_plugin.tiny_model_dir)
-tiny_tokenizer = _plain(_plugin.tiny_tokenizer)
-scripted_policy = _plain(_plugin.scripted_policy)
-gym_actor = _plain(_plugin.gym_actor)

@@ -33,8 +33,9 @@ __all__ = ["ClusterNode", "LocalClusterError", "LocalRayCluster", "NodeSpec"]
 
 logger = logging.getLogger(__name__)
 
-_SOCKET_DIR_BUDGET = 40
-"""Longest temp dir we accept: Ray appends ~60 bytes (session name, ``sockets/plasma_store``) to it."""
+_SOCKET_DIR_BUDGET = 44
+"""Longest node temp dir: Ray appends ~62 bytes (session name, ``sockets/plasma_store``) to it, and a Unix
+socket path holds 107."""
 _START_ATTEMPTS = 3
 _RAY_ENV = {
     "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",  # under `uv run`, Ray would ship the working directory to workers
@@ -144,8 +145,6 @@ class LocalRayCluster:
         """Start the head, then each worker node; each ``ray start`` returns once its node registered."""
         root = Path("/tmp") if Path("/tmp").is_dir() else Path(tempfile.gettempdir())
         self._root = Path(tempfile.mkdtemp(prefix="gbray-", dir=root))
-        if len(str(self._root)) + 3 > _SOCKET_DIR_BUDGET:
-            raise LocalClusterError(f"temp dir {self._root} is too long for Ray's Unix sockets")
         try:
             for i, spec in enumerate(self.specs):
                 self._start_node(spec, head=i == 0)
@@ -225,6 +224,8 @@ class LocalRayCluster:
         assert self._root is not None
         for attempt in range(1, _START_ATTEMPTS + 1):
             node = ClusterNode(spec, Path(tempfile.mkdtemp(prefix=f"{spec.name[:4]}", dir=self._root)), head)
+            if len(str(node.temp_dir)) > _SOCKET_DIR_BUDGET:
+                raise LocalClusterError(f"node {spec.name!r}: temp dir {node.temp_dir} is too long for Ray's sockets")
             if head:
                 self.port = _free_port()
             self.nodes[spec.name] = node

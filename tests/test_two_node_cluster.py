@@ -10,6 +10,8 @@ the "local" lane, whose worker has no other Ray; it disconnects and stops the cl
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -28,6 +30,7 @@ from gym_bridge.testing import async_wait_until
 from tests.gym_fixtures import EQUIVALENCE_AGENT, gym_actor_config
 from tests.test_fault_injection import GYM_CONFIGS, N, make_manager, prompt
 
+logger = logging.getLogger(__name__)
 pytestmark = [pytest.mark.timeout(900), pytest.mark.gym, pytest.mark.slow]
 
 NODES = ("node_a", "node_b")  # the head, then the node this test kills
@@ -117,8 +120,12 @@ async def test_groups_spread_over_two_nodes_and_survive_losing_one(cluster, pinn
     served_before = await async_wait_until(both_served, 120, "groups committed through both nodes", poll_s=0.05)
     committed_before = len(sink.records)
     killed = await asyncio.to_thread(cluster.kill_node, "node_b")
+    killed_at = time.monotonic()
     assert killed and cluster.nodes["node_b"].raylet_pid in killed
     outcomes = await asyncio.wait_for(run, 300)
+    logger.info("node_b killed after %d groups (rows served per node %s); the other %d committed %.1fs later; %s",
+                committed_before, served_before, PROMPTS - committed_before, time.monotonic() - killed_at,
+                {k: v for k, v in manager.stats.as_metrics().items() if v})
 
     assert committed_before < PROMPTS, "the kill came after the run: nothing was left to fail over"
     assert outcomes == [RolloutOutcome.COMMITTED] * PROMPTS, f"last error: {sink.last_error}"

@@ -21,9 +21,8 @@ _RAY_ENV_DEFAULTS = {
 }
 
 
-def init_ray(*, num_cpus: int | None = None, object_store_memory: int = 256 * 1024**2, **kwargs: Any) -> None:
-    """Connect to a running Ray (``RAY_ADDRESS``) or start a local one bound to 127.0.0.1 (retried when
-    the raylet misses Ray's start-up window on a busy machine)."""
+def apply_ray_env() -> None:
+    """Set this process's Ray environment defaults (no uv runtime env, no usage stats) before it joins a Ray."""
     for key, value in _RAY_ENV_DEFAULTS.items():
         os.environ.setdefault(key, value)
     # Ray reads this flag once, at import; honour the environment even if ray was imported first.
@@ -34,6 +33,12 @@ def init_ray(*, num_cpus: int | None = None, object_store_memory: int = 256 * 10
         "false",
         "False",
     )
+
+
+def init_ray(*, num_cpus: int | None = None, object_store_memory: int = 256 * 1024**2, **kwargs: Any) -> None:
+    """Connect to a running Ray (``RAY_ADDRESS``) or start a local one bound to 127.0.0.1 (retried when
+    the raylet misses Ray's start-up window on a busy machine)."""
+    apply_ray_env()
     if ray.is_initialized():
         return
     if os.environ.get("RAY_ADDRESS"):

@@ -214,3 +214,38 @@ async def test_manager_routes_use_nemo_gym_and_task_to_env_actor(make):
     manager = RolloutManager(None, {"nemo_gym": actor}, 4, 100, use_nemo_gym=True, generation_config=GEN_CFG)
     record = await manager.run_rollout(datum())
     assert len(record.completions) == 4
+
+
+async def test_a_dead_actor_gets_no_more_groups(ray_session):
+    """An actor Ray reports dead for good mid-run: its group is re-dispatched to the other actor, and later
+    groups go straight there."""
+    from gym_bridge.gym.client import GymClient
+
+    dead, live = ScriptedStreamActor.remote(), ScriptedStreamActor.remote()
+    try:
+        ray.get([dead.reset.remote([]), live.reset.remote([])])
+        client = GymClient([dead, live], max_row_attempts=2)
+        assert await client.agent_names() == ["agent_a"]  # asked of the first actor while it lived
+        ray.kill(dead, no_restart=True)
+        rows = [{**ROW, "_rowidx": i} for i in range(4)]
+        first = await client.run_group(rows, prompt_idx=0, deadline_s=60)
+        assert sorted(r.row_index for r in first.rows) == [0, 1, 2, 3]
+        assert client.dead_actors == [0] and client.stats.gym_row_redispatches == 4
+        second = await client.run_group(rows, prompt_idx=1, deadline_s=60)
+        assert len(second.rows) == 4 and client.stats.gym_row_redispatches == 4  # straight to the live actor
+        assert ray.get(live.dispatched.remote()) == [[0, 1, 2, 3], [0, 1, 2, 3]]
+    finally:
+        ray.kill(live)
+
+
+async def test_agent_discovery_skips_a_dead_first_actor(ray_session):
+    from gym_bridge.gym.client import GymClient
+
+    dead, live = ScriptedStreamActor.remote(), ScriptedStreamActor.remote()
+    try:
+        ray.get([dead.reset.remote([]), live.reset.remote([])])
+        ray.kill(dead, no_restart=True)
+        client = GymClient([dead, live])
+        assert await client.agent_names() == ["agent_a"] and client.dead_actors == [0]
+    finally:
+        ray.kill(live)

@@ -62,6 +62,7 @@ class GymClient:
         self.stats = stats if stats is not None else RolloutStats()
         self.timer_prefix = timer_prefix
         self._in_flight = [0] * len(self.actors)
+        self._dead: set[int] = set()
         self._known_agents: list[str] | None = None
 
     @property
@@ -70,9 +71,16 @@ class GymClient:
         return list(self._in_flight)
 
     async def agent_names(self) -> list[str] | None:
-        """The running agents (asked once, of the first actor); None for an actor that cannot say."""
-        if self._known_agents is None and hasattr(self.actors[0], "agent_names"):
-            self._known_agents = list(await self.actors[0].agent_names.remote())
+        """The running agents (asked once, of the first live actor); None for an actor that cannot say."""
+        for i, actor in enumerate(self.actors):
+            if self._known_agents is not None or not hasattr(actor, "agent_names"):
+                break
+            if i in self._dead:
+                continue
+            try:
+                self._known_agents = list(await actor.agent_names.remote())
+            except ray.exceptions.ActorDiedError as exc:
+                self._mark_dead(i, exc)
         return self._known_agents
 
     async def run_group(
@@ -92,9 +100,16 @@ class GymClient:
                     check_agent(name, known, where=f"prompt_idx={prompt_idx}")
             return await self._collect(rows, prompt_idx)
 
+    @property
+    def dead_actors(self) -> list[int]:
+        """Indices of the actors Ray reported dead for good (``ActorDiedError``); no group goes to them."""
+        return sorted(self._dead)
+
     def _pick_actor(self, avoid: set[int]) -> int:
-        """The actor with the fewest rows in flight, preferring those not in ``avoid``."""
-        candidates = [i for i in range(len(self.actors)) if i not in avoid] or list(range(len(self.actors)))
+        """The live actor with the fewest rows in flight, preferring those not in ``avoid``."""
+        everyone = range(len(self.actors))
+        live = [i for i in everyone if i not in self._dead] or list(everyone)
+        candidates = [i for i in live if i not in avoid] or live
         return min(candidates, key=lambda i: (self._in_flight[i], i))
 
     async def _collect(self, rows: list[dict[str, Any]], prompt_idx: int) -> GymGroupResult:
@@ -126,6 +141,8 @@ class GymClient:
             except Exception as exc:
                 last_error = exc
                 failed_actors.add(actor)
+                if isinstance(exc, ray.exceptions.ActorDiedError):
+                    self._mark_dead(actor, exc)
                 if classify_rollout_failure(exc) is not FailureClass.INFRA or attempts == self.max_row_attempts:
                     raise
         done = [result for result in results if result is not None]
@@ -136,6 +153,12 @@ class GymClient:
                 f"of {n} after {attempts} attempt(s)"
             ) from last_error
         return GymGroupResult(rows=done, timing=timing)
+
+    def _mark_dead(self, actor: int, exc: BaseException) -> None:
+        """No more groups go to ``actor``: Ray says it is gone for good (a restarting one is ActorUnavailableError)."""
+        if actor not in self._dead and len(self._dead) + 1 < len(self.actors):
+            logger.warning("NemoGym actor %d died (%s); no more groups go to it", actor, exc)
+        self._dead.add(actor)
 
     async def _stream(
         self, actor: int, pending: list[dict[str, Any]], results: list[GymRowResult | None]

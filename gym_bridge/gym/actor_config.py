@@ -56,7 +56,8 @@ class NemoGymConfig(BaseModel):
     log_dir: Path | None = None
     """Per-server Gym logs; default ``<cwd>/gym-logs/...``."""
     actor_options: dict[str, Any] = Field(default_factory=dict)
-    """Passed to ``ray.remote(NemoGym).options(...)`` (``num_cpus``, ``max_restarts``, ``scheduling_strategy``, ...)."""
+    """Passed to ``ray.remote(NemoGym).options(...)`` (``num_cpus``, ``max_restarts``, ``scheduling_strategy``, ...);
+    ``max_concurrency`` defaults to 65,536 (one call per group in flight), not Ray's 1,000."""
     on_restart: Literal["fail", "respin"] = "fail"
     """After Ray restarts the actor: raise :class:`~gym_bridge.failures.NemoGymRestarted` ("fail"),
     or start fresh Gym servers ("respin")."""

@@ -10,6 +10,7 @@ agent discovery included. The result is typed: :class:`GymGroupResult`.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -63,6 +64,7 @@ class GymClient:
         self.timer_prefix = timer_prefix
         self._in_flight = [0] * len(self.actors)
         self._known_agents: list[str] | None = None
+        self._agents_lock = asyncio.Lock()
 
     @property
     def in_flight_rows(self) -> list[int]:
@@ -70,9 +72,14 @@ class GymClient:
         return list(self._in_flight)
 
     async def agent_names(self) -> list[str] | None:
-        """The running agents (asked once, of the first actor); None for an actor that cannot say."""
+        """The running agents (asked once, of the first actor); None for an actor that cannot say.
+
+        Groups launched together share the one question (a lock, not a call per group).
+        """
         if self._known_agents is None and hasattr(self.actors[0], "agent_names"):
-            self._known_agents = list(await self.actors[0].agent_names.remote())
+            async with self._agents_lock:
+                if self._known_agents is None:
+                    self._known_agents = list(await self.actors[0].agent_names.remote())
         return self._known_agents
 
     async def run_group(

@@ -79,6 +79,7 @@ TARGET_MAX_MS = 100.0
 MILESTONES = (0.25, 0.5, 0.75, 1.0)
 AGENT_SERVER = ("lc_equivalence_rule_simple_agent", "responses_api_agents", "simple_agent")
 RESOURCES_SERVER = ("lc_equivalence_rule", "resources_servers", "equivalence_rule")
+VLLM_MODEL_SERVER = ("policy_model", "responses_api_models", "vllm_model")
 
 log = logging.getLogger("bench-scale")
 
@@ -182,10 +183,16 @@ async def count_tasks(interval_s: float, into: list[tuple[float, int]]) -> None:
         await asyncio.sleep(interval_s)
 
 
-def worker_overrides(agent_workers: int, resources_workers: int) -> dict[str, Any]:
-    """Gym config overrides giving the agent and the resources server ``num_workers`` uvicorn workers."""
+def worker_overrides(agent_workers: int, resources_workers: int, model_workers: int) -> dict[str, Any]:
+    """Gym config overrides giving the agent, the resources server and Gym's vllm_model ``num_workers``.
+
+    nemo-gym 0.4.0 runs ``num_workers > 1`` as uvicorn workers that import ``<server module>:app``;
+    only servers that define a module-level ``app`` start that way (vllm_model does; simple_agent
+    and equivalence_rule do not, and exit at start-up).
+    """
     overrides: dict[str, Any] = {}
-    for (name, kind, impl), workers in ((AGENT_SERVER, agent_workers), (RESOURCES_SERVER, resources_workers)):
+    servers = ((AGENT_SERVER, agent_workers), (RESOURCES_SERVER, resources_workers), (VLLM_MODEL_SERVER, model_workers))
+    for (name, kind, impl), workers in servers:
         if workers > 1:
             overrides[name] = {kind: {impl: {"num_workers": workers}}}
     return overrides
@@ -236,7 +243,7 @@ async def run_scale(args: argparse.Namespace, workdir: Path) -> Report:
         config = gym_config(endpoint.base_url, workdir / "gym-logs", args.model_server).model_copy(
             update={
                 "request_timeout_s": deadline_s,
-                "overrides": worker_overrides(args.agent_workers, args.resources_workers),
+                "overrides": worker_overrides(args.agent_workers, args.resources_workers, args.model_workers),
             }
         )
         actor = await asyncio.to_thread(spinup_nemo_gym_actor, config, tokenizer)
@@ -348,7 +355,10 @@ def markdown(report: Report, args: argparse.Namespace) -> str:
         and not report.raised
     )
     peak_tasks = max((n for _, n in report.tasks), default=0)
-    workers = f"agent num_workers={args.agent_workers}, resources num_workers={args.resources_workers}"
+    workers = (
+        f"num_workers: agent {args.agent_workers}, resources {args.resources_workers}"
+        + (f", model {args.model_workers}" if args.model_server == "vllm_model" else "")
+    )
     lines = [
         f"\n## Rows in flight at scale, {date.today()} ({os.cpu_count()} cores, {mem_gib:.0f} GiB, "
         f"{platform.processor() or platform.machine()}, Python {platform.python_version()}, {_git_revision()})",
@@ -437,6 +447,9 @@ def main() -> None:
     parser.add_argument("--agent-workers", type=int, default=1, help="the agent server's num_workers (uvicorn workers)")
     parser.add_argument("--resources-workers", type=int, default=1, help="the resources server's num_workers")
     parser.add_argument(
+        "--model-workers", type=int, default=1, help="num_workers of Gym's vllm_model (with --model-server vllm_model)"
+    )
+    parser.add_argument(
         "--model-server", choices=["gym_bridge", "vllm_model"], default="gym_bridge",
         help="the model server of the actor's Gym: gym-bridge's own (default) or Gym's vllm_model",
     )  # fmt: skip
@@ -447,6 +460,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.groups < 1 or args.group_size < 1:
         parser.error("--groups and --group-size must be >= 1")
+    if args.model_workers > 1 and args.model_server != "vllm_model":
+        parser.error("--model-workers applies to Gym's vllm_model: add --model-server vllm_model")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log.setLevel(logging.INFO)
     workdir = Path(tempfile.mkdtemp(prefix="bench-scale-"))

@@ -111,3 +111,37 @@ def test_actor_admits_every_group_at_once_unless_the_config_says_otherwise():
         "num_cpus": 0,
     }
     assert actor_options(_config(actor_options={"max_concurrency": 8}))["max_concurrency"] == 8
+
+
+def test_rows_waiting_for_a_pooled_connection_are_not_failed_by_the_connect_timeout():
+    """More rows than ``max_connections``: a row waits in the pool longer than ``connect_timeout_s``
+    (aiohttp's ``connect`` would fail it with ConnectionTimeoutError); only the TCP connect is bounded."""
+    from aiohttp import web
+
+    async def scenario() -> list[int]:
+        async def slow(request: web.Request) -> web.Response:
+            await asyncio.sleep(0.15)
+            return web.json_response({"ok": True})
+
+        app = web.Application()
+        app.router.add_post("/run", slow)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        actor = NemoGym(_config(max_connections=1, connect_timeout_s=0.1))
+        try:
+            client = actor._http_client()
+
+            async def post() -> int:
+                async with client.post(f"http://127.0.0.1:{port}/run", json={}) as response:
+                    await response.read()
+                    return response.status
+
+            return await asyncio.wait_for(asyncio.gather(*(post() for _ in range(4))), 10)
+        finally:
+            await actor.shutdown()
+            await runner.cleanup()
+
+    assert asyncio.run(scenario()) == [200] * 4

@@ -308,14 +308,17 @@ class NemoGym:
 
         Its cookie jar stores nothing, as Gym's does: a stored session cookie would send
         later rows into an earlier row's resources-server session and pin its policy URL.
-        Deadlines are ours (``deadline``), so the session has none of its own but connect.
+        Deadlines are ours (``deadline``), so the session has none of its own but the TCP
+        connect (``sock_connect``). Not aiohttp's ``connect``, which also counts the wait for a
+        free connection in the pool: with more rows in flight than ``max_connections`` a row
+        queues there for as long as the rows ahead of it take, bounded by ``request_timeout_s``.
         """
         if self._client is None:
             cfg = self.cfg
             self._client = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=cfg.max_connections, limit_per_host=0),
                 cookie_jar=aiohttp.DummyCookieJar(),
-                timeout=aiohttp.ClientTimeout(total=None, connect=cfg.connect_timeout_s),
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=cfg.connect_timeout_s),
                 json_serialize=lambda obj: orjson.dumps(obj).decode(),
                 trust_env=False,
             )

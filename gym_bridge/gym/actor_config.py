@@ -49,7 +49,8 @@ class NemoGymConfig(BaseModel):
     health_poll_s: float = Field(1.0, gt=0)
     """How often Gym's processes are checked while rows are in flight."""
     max_connections: int = Field(1024, gt=0)
-    """Our client's connection pool towards the agent servers."""
+    """Our client's connection pool towards the agent servers; rows beyond it wait for a free
+    connection (under ``request_timeout_s``, not ``connect_timeout_s``)."""
     on_drift: Literal["raise", "truncate"] = "raise"
     invalid_tool_call_patterns: tuple[str, ...] = DEFAULT_INVALID_TOOL_CALL_PATTERNS
     thinking_tags: tuple[str, ...] = DEFAULT_THINKING_TAGS

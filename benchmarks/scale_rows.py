@@ -38,7 +38,6 @@ import logging
 import os
 import platform
 import shutil
-import statistics
 import tempfile
 import threading
 import time
@@ -49,8 +48,6 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import psutil
-from transformers import AutoTokenizer
-
 from bridge_throughput import (
     ANSWER_TOKENS,
     GENERATION_CONFIG,
@@ -65,6 +62,8 @@ from bridge_throughput import (
     gym_config,
     templates,
 )
+from transformers import AutoTokenizer
+
 from gym_bridge.data import datum_from_gym_row
 from gym_bridge.failures import RolloutRetryPolicy, RolloutTimeouts
 from gym_bridge.gym.actor import spinup_nemo_gym_actor
@@ -261,7 +260,9 @@ async def run_scale(args: argparse.Namespace, workdir: Path) -> Report:
                 max_skipped_prompts=args.groups, max_consecutive_dropped_prompts=args.groups
             ),
         )
-        log.info("actor pid %d, endpoint pid %d; deadline %.0fs per group and per /run", actor_pid, endpoint.pid, deadline_s)
+        log.info(
+            "actor pid %d, endpoint pid %d; deadline %.0fs per group and per /run", actor_pid, endpoint.pid, deadline_s
+        )
 
         with open(workdir / "warmup.jsonl", "w") as out:
             warm = StreamingSink(out, args.group_size, 4, lambda _f: None)
@@ -292,9 +293,7 @@ async def run_scale(args: argparse.Namespace, workdir: Path) -> Report:
             sampler.start()
             try:
                 async with lag:
-                    outcomes = await asyncio.gather(
-                        *(manager.collect(d, sink) for d in data), return_exceptions=True
-                    )
+                    outcomes = await asyncio.gather(*(manager.collect(d, sink) for d in data), return_exceptions=True)
             finally:
                 sampler.stop()
                 tasks_probe.cancel()
@@ -355,9 +354,8 @@ def markdown(report: Report, args: argparse.Namespace) -> str:
         and not report.raised
     )
     peak_tasks = max((n for _, n in report.tasks), default=0)
-    workers = (
-        f"num_workers: agent {args.agent_workers}, resources {args.resources_workers}"
-        + (f", model {args.model_workers}" if args.model_server == "vllm_model" else "")
+    workers = f"num_workers: agent {args.agent_workers}, resources {args.resources_workers}" + (
+        f", model {args.model_workers}" if args.model_server == "vllm_model" else ""
     )
     lines = [
         f"\n## Rows in flight at scale, {date.today()} ({os.cpu_count()} cores, {mem_gib:.0f} GiB, "
@@ -442,7 +440,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--groups", type=int, default=1024, help="prompt groups launched at once (default 1024)")
     parser.add_argument("--group-size", type=int, default=16, help="rows per group (default 16)")
-    parser.add_argument("--deadline-s", type=float, default=None, help="rollout_s and request_timeout_s (default 120 + rows / 10)")
+    parser.add_argument(
+        "--deadline-s", type=float, default=None, help="rollout_s and request_timeout_s (default 120 + rows / 10)"
+    )
     parser.add_argument("--sample-s", type=float, default=0.2, help="RSS and task-count sampling interval")
     parser.add_argument("--agent-workers", type=int, default=1, help="the agent server's num_workers (uvicorn workers)")
     parser.add_argument("--resources-workers", type=int, default=1, help="the resources server's num_workers")
@@ -453,9 +453,13 @@ def main() -> None:
         "--model-server", choices=["gym_bridge", "vllm_model"], default="gym_bridge",
         help="the model server of the actor's Gym: gym-bridge's own (default) or Gym's vllm_model",
     )  # fmt: skip
-    parser.add_argument("--no-gc-freeze", dest="gc_freeze", action="store_false", help="do not gc.freeze() after the warm-up")
+    parser.add_argument(
+        "--no-gc-freeze", dest="gc_freeze", action="store_false", help="do not gc.freeze() after the warm-up"
+    )
     parser.add_argument("--results", type=Path, default=None, help="keep the committed groups' JSON lines here")
-    parser.add_argument("--note", default="", help="a sentence put first in the section (e.g. how contended the machine was)")
+    parser.add_argument(
+        "--note", default="", help="a sentence put first in the section (e.g. how contended the machine was)"
+    )
     parser.add_argument("--no-write", action="store_true", help=f"print only; do not append to {RESULTS.name}")
     args = parser.parse_args()
     if args.groups < 1 or args.group_size < 1:

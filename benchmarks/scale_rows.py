@@ -38,9 +38,11 @@ import logging
 import os
 import platform
 import shutil
+import sys
 import tempfile
 import threading
 import time
+import traceback
 from collections import Counter
 from dataclasses import dataclass, field
 from datetime import date
@@ -174,6 +176,46 @@ class Sampler:
         return max((s[name] for _, s in self.samples), default=0)
 
 
+class StallSampler:
+    """While the driver's loop is stalled (no tick for ``stall_s``), samples where its thread is, every 10 ms.
+
+    A thread, so it sees the loop while the loop cannot run anything; reports the most
+    frequent innermost gym_bridge / asyncio / ray frames, which names what a long tick spent its time in.
+    """
+
+    def __init__(self, stall_s: float = 0.05) -> None:
+        self.stall_s = stall_s
+        self.last_tick = time.monotonic()
+        self.where: Counter[str] = Counter()
+        self._loop_thread = threading.get_ident()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="stall-sampler", daemon=True)
+
+    async def ticks(self) -> None:
+        while True:
+            self.last_tick = time.monotonic()
+            await asyncio.sleep(0.005)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.01):
+            if time.monotonic() - self.last_tick < self.stall_s:
+                continue
+            frame = sys._current_frames().get(self._loop_thread)
+            stack = traceback.extract_stack(frame) if frame is not None else []
+            ours = [f for f in stack if "gym_bridge" in f.filename or "scale_rows" in f.filename]
+            inner = ours[-1] if ours else (stack[-1] if stack else None)
+            if inner is not None:
+                leaf = stack[-1]
+                self.where[f"{Path(inner.filename).name}:{inner.name} > {Path(leaf.filename).name}:{leaf.name}"] += 1
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5.0)
+
+
 async def count_tasks(interval_s: float, into: list[tuple[float, int]]) -> None:
     """Record the number of asyncio tasks alive on this loop every ``interval_s`` (cancel to stop)."""
     t0 = time.monotonic()
@@ -227,6 +269,8 @@ class Report:
     load_before: tuple[float, float, float] = (0.0, 0.0, 0.0)
     load_after: tuple[float, float, float] = (0.0, 0.0, 0.0)
     rss_samples: int = 0
+    stalls: list[tuple[str, int]] = field(default_factory=list)
+    """Where the loop's thread was while no tick ran for 50 ms: (innermost frames, 10 ms samples), most first."""
 
 
 async def run_scale(args: argparse.Namespace, workdir: Path) -> Report:
@@ -288,6 +332,9 @@ async def run_scale(args: argparse.Namespace, workdir: Path) -> Report:
         results_path = workdir / "results.jsonl" if args.results is None else args.results
         lag = LoopLag()
         tasks_probe = asyncio.create_task(count_tasks(args.sample_s, report.tasks), name="task-count")
+        stalls = StallSampler()
+        stall_ticks = asyncio.create_task(stalls.ticks(), name="stall-ticks")
+        stalls.start()
         with open(results_path, "w") as out:
             sink = StreamingSink(out, args.group_size, args.groups, milestone)
             sampler.start()
@@ -297,6 +344,9 @@ async def run_scale(args: argparse.Namespace, workdir: Path) -> Report:
             finally:
                 sampler.stop()
                 tasks_probe.cancel()
+                stall_ticks.cancel()
+                stalls.stop()
+        report.stalls = stalls.where.most_common(5)
         report.wall_s = time.monotonic() - started
         del data
         gc.collect()
@@ -416,6 +466,11 @@ def markdown(report: Report, args: argparse.Namespace) -> str:
         "",
         f"**asyncio tasks on the driver's loop** (idle {report.tasks_idle}, peak {peak_tasks}; sampled every "
         f"{1000 * args.sample_s:.0f} ms): {_task_curve(report)}.",
+        "",
+        "Where the driver's loop was while stalled 50 ms or more (10 ms samples of its thread from another "
+        "thread; innermost gym-bridge frame > innermost frame): "
+        + ("; ".join(f"`{where}` {n}" for where, n in report.stalls) or "no stall")
+        + ".",
     ]
     return "\n".join(lines) + "\n"
 

@@ -145,3 +145,50 @@ def test_rows_waiting_for_a_pooled_connection_are_not_failed_by_the_connect_time
             await runner.cleanup()
 
     assert asyncio.run(scenario()) == [200] * 4
+
+
+class _EmptyStream:
+    def __aiter__(self) -> _EmptyStream:
+        return self
+
+    async def __anext__(self) -> Any:
+        raise StopAsyncIteration
+
+
+class _StreamingActor:
+    """Records the loop iteration in which each ``run_rollouts`` stream was submitted."""
+
+    def __init__(self, clock: list[int]) -> None:
+        self.clock = clock
+        self.submitted_at: list[int] = []
+        self.run_rollouts = self
+
+    def options(self, **_: Any) -> _StreamingActor:
+        return self
+
+    def remote(self, rows: Any, prefix: str) -> _EmptyStream:
+        self.submitted_at.append(self.clock[0])
+        return _EmptyStream()
+
+
+def test_groups_launched_together_submit_their_streams_one_loop_iteration_apart():
+    """1,024 groups submitting in one iteration stalled the driver's loop for ~0.5 s (benchmarks/RESULTS.md)."""
+    clock = [0]
+    actor = _StreamingActor(clock)
+    client = GymClient([actor])
+
+    async def iterations() -> None:
+        while True:
+            clock[0] += 1
+            await asyncio.sleep(0)
+
+    async def scenario() -> None:
+        ticker = asyncio.create_task(iterations())
+        rows = [{"_rowidx": 0}]
+        await asyncio.gather(*(client._stream(0, rows, [None]) for _ in range(16)))
+        ticker.cancel()
+
+    asyncio.run(scenario())
+    assert len(actor.submitted_at) == 16
+    assert len(set(actor.submitted_at)) == 16, actor.submitted_at
+    assert client.in_flight_rows == [0]

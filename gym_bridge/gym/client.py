@@ -64,7 +64,7 @@ class GymClient:
         self.timer_prefix = timer_prefix
         self._in_flight = [0] * len(self.actors)
         self._known_agents: list[str] | None = None
-        self._agents_lock = asyncio.Lock()
+        self._locks: tuple[asyncio.AbstractEventLoop, asyncio.Lock, asyncio.Lock] | None = None
 
     @property
     def in_flight_rows(self) -> list[int]:
@@ -77,7 +77,7 @@ class GymClient:
         Groups launched together share the one question (a lock, not a call per group).
         """
         if self._known_agents is None and hasattr(self.actors[0], "agent_names"):
-            async with self._agents_lock:
+            async with self._loop_locks()[0]:
                 if self._known_agents is None:
                     self._known_agents = list(await self.actors[0].agent_names.remote())
         return self._known_agents
@@ -98,6 +98,13 @@ class GymClient:
                 for name in {row["agent_ref"]["name"] for row in rows}:
                     check_agent(name, known, where=f"prompt_idx={prompt_idx}")
             return await self._collect(rows, prompt_idx)
+
+    def _loop_locks(self) -> tuple[asyncio.Lock, asyncio.Lock]:
+        """(agent question, stream submission) locks of the running loop (a client may outlive a loop)."""
+        loop = asyncio.get_running_loop()
+        if self._locks is None or self._locks[0] is not loop:
+            self._locks = (loop, asyncio.Lock(), asyncio.Lock())
+        return self._locks[1], self._locks[2]
 
     def _pick_actor(self, avoid: set[int]) -> int:
         """The actor with the fewest rows in flight, preferring those not in ``avoid``."""
@@ -151,8 +158,15 @@ class GymClient:
         seen: set[int] = set()
         timing = None
         self._in_flight[actor] += len(pending)
-        stream = self.actors[actor].run_rollouts.options(num_returns="streaming").remote(pending, self.timer_prefix)
+        stream = None
         try:
+            # One submission per loop iteration: 1,024 groups launched together each pickle and submit
+            # their rows, ~0.5 ms apiece, and all at once that stalled the loop for half a second.
+            async with self._loop_locks()[1]:
+                stream = (
+                    self.actors[actor].run_rollouts.options(num_returns="streaming").remote(pending, self.timer_prefix)
+                )
+                await asyncio.sleep(0)
             async for ref in stream:
                 batch = await _unwrapped(ref)
                 if not isinstance(batch, GymRowBatch):
@@ -163,7 +177,7 @@ class GymClient:
                     timing = batch.timing
         finally:
             self._in_flight[actor] -= len(pending) - len(seen)
-            if len(seen) < len(dispatched):
+            if stream is not None and len(seen) < len(dispatched):
                 _cancel_quietly(stream)
         return timing
 

@@ -8,7 +8,7 @@ export TOKENIZERS_PARALLELISM := false
 # uv from PATH when it runs, else the one `make setup` installs for this Python.
 UV := $(shell uv --version >/dev/null 2>&1 && echo uv || echo "$(PYTHON) -m uv")
 
-.PHONY: setup demo test test-fast test-plugin lint clean bench-serve bench-bridge example-gym train-demo
+.PHONY: setup demo test test-fast test-plugin lint clean bench-serve bench-bridge bench-scale example-gym train-demo
 
 setup:
 	@$(UV) --version >/dev/null 2>&1 || $(PYTHON) -m pip install --quiet --disable-pip-version-check uv
@@ -44,6 +44,10 @@ bench-serve: setup
 
 bench-bridge: setup
 	$(UV) run python benchmarks/bridge_throughput.py
+
+# 16,384 rows in flight (1,024 groups of 16) through one NemoGym actor and one manager (~10 min on 2 cores).
+bench-scale: setup
+	$(UV) run python benchmarks/scale_rows.py
 
 example-gym: setup
 	$(UV) run python examples/nemo_gym_rollout.py examples/nemo_gym_grpo.yaml

@@ -216,6 +216,22 @@ async def test_manager_routes_use_nemo_gym_and_task_to_env_actor(make):
     assert len(record.completions) == 4
 
 
+async def _until_dead(actor) -> None:
+    """Until Ray answers calls to ``actor`` with ActorDiedError (a kill takes effect asynchronously)."""
+    from gym_bridge.testing import async_wait_until
+
+    async def died() -> bool:
+        try:
+            await actor.dispatched.remote()
+        except ray.exceptions.ActorDiedError:
+            return True
+        except ray.exceptions.RayActorError:
+            return False
+        return False
+
+    await async_wait_until(died, 30, "the killed actor to be reported dead")
+
+
 async def test_a_dead_actor_gets_no_more_groups(ray_session):
     """An actor Ray reports dead for good mid-run: its group is re-dispatched to the other actor, and later
     groups go straight there."""
@@ -227,6 +243,7 @@ async def test_a_dead_actor_gets_no_more_groups(ray_session):
         client = GymClient([dead, live], max_row_attempts=2)
         assert await client.agent_names() == ["agent_a"]  # asked of the first actor while it lived
         ray.kill(dead, no_restart=True)
+        await _until_dead(dead)
         rows = [{**ROW, "_rowidx": i} for i in range(4)]
         first = await client.run_group(rows, prompt_idx=0, deadline_s=60)
         assert sorted(r.row_index for r in first.rows) == [0, 1, 2, 3]
@@ -245,6 +262,7 @@ async def test_agent_discovery_skips_a_dead_first_actor(ray_session):
     try:
         ray.get([dead.reset.remote([]), live.reset.remote([])])
         ray.kill(dead, no_restart=True)
+        await _until_dead(dead)
         client = GymClient([dead, live])
         assert await client.agent_names() == ["agent_a"] and client.dead_actors == [0]
     finally:

@@ -89,6 +89,9 @@ class NemoGym:
         self._client: aiohttp.ClientSession | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._spinup_lock = asyncio.Lock()
+        self._watch: asyncio.Task[None] | None = None
+        self._watched: GymServers | None = None
+        self._watchers: dict[asyncio.Task[None], int] = {}
         self._restarted = _was_restarted()
         self._endpoints = EndpointWatch(self.cfg.base_urls, self.cfg.connect_timeout_s)
 
@@ -214,10 +217,11 @@ class NemoGym:
         tasks: list[asyncio.Task[Any]] = [
             asyncio.create_task(self._post(client, url, row)) for url, row in zip(urls, rows, strict=True)
         ]
-        # The watch only ever finishes by raising (a Gym server died), which fails the stream.
-        tasks.append(asyncio.create_task(self._watch_servers(servers)))
         for task in tasks:
             task.add_done_callback(finished.put_nowait)
+        # The watch only ever finishes by raising (a Gym server died), which fails every stream.
+        watch = self._join_watch(servers)
+        watch.add_done_callback(finished.put_nowait)
         remaining = len(rows)
         try:
             while remaining:
@@ -249,6 +253,7 @@ class NemoGym:
                 yield GymRowBatch(batch, timing)
                 consumer_s += time.perf_counter() - y0
         finally:
+            self._leave_watch(watch, finished.put_nowait)
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -259,6 +264,28 @@ class NemoGym:
             servers.poll()
         except GymServerDied as exc:
             raise NemoGymUnavailable(f"{when}: {exc}") from None
+
+    def _join_watch(self, servers: GymServers) -> asyncio.Task[None]:
+        """The actor's one health watch, started by the first stream in flight and shared by all.
+
+        One watch, not one per stream: with 1,024 groups in flight a watch per stream
+        made 1,024 process polls and endpoint TCP probes a second.
+        """
+        if self._watch is None or self._watch.done() or self._watched is not servers:
+            self._watch = asyncio.create_task(self._watch_servers(servers), name="nemo-gym-health-watch")
+            self._watched = servers
+        self._watchers[self._watch] = self._watchers.get(self._watch, 0) + 1
+        return self._watch
+
+    def _leave_watch(self, watch: asyncio.Task[None], callback: Any) -> None:
+        """Stop listening to ``watch``; the last stream to leave cancels it."""
+        watch.remove_done_callback(callback)
+        self._watchers[watch] -= 1
+        if not self._watchers[watch]:
+            del self._watchers[watch]
+            watch.cancel()
+            if watch is self._watch:
+                self._watch = self._watched = None
 
     async def _watch_servers(self, servers: GymServers) -> None:
         """Poll Gym's processes and the model endpoints while rows are in flight; a dead one fails the stream, named.
@@ -281,14 +308,17 @@ class NemoGym:
 
         Its cookie jar stores nothing, as Gym's does: a stored session cookie would send
         later rows into an earlier row's resources-server session and pin its policy URL.
-        Deadlines are ours (``deadline``), so the session has none of its own but connect.
+        Deadlines are ours (``deadline``), so the session has none of its own but the TCP
+        connect (``sock_connect``). Not aiohttp's ``connect``, which also counts the wait for a
+        free connection in the pool: with more rows in flight than ``max_connections`` a row
+        queues there for as long as the rows ahead of it take, bounded by ``request_timeout_s``.
         """
         if self._client is None:
             cfg = self.cfg
             self._client = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=cfg.max_connections, limit_per_host=0),
                 cookie_jar=aiohttp.DummyCookieJar(),
-                timeout=aiohttp.ClientTimeout(total=None, connect=cfg.connect_timeout_s),
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=cfg.connect_timeout_s),
                 json_serialize=lambda obj: orjson.dumps(obj).decode(),
                 trust_env=False,
             )

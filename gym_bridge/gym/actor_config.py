@@ -49,14 +49,16 @@ class NemoGymConfig(BaseModel):
     health_poll_s: float = Field(1.0, gt=0)
     """How often Gym's processes are checked while rows are in flight."""
     max_connections: int = Field(1024, gt=0)
-    """Our client's connection pool towards the agent servers."""
+    """Our client's connection pool towards the agent servers; rows beyond it wait for a free
+    connection (under ``request_timeout_s``, not ``connect_timeout_s``)."""
     on_drift: Literal["raise", "truncate"] = "raise"
     invalid_tool_call_patterns: tuple[str, ...] = DEFAULT_INVALID_TOOL_CALL_PATTERNS
     thinking_tags: tuple[str, ...] = DEFAULT_THINKING_TAGS
     log_dir: Path | None = None
     """Per-server Gym logs; default ``<cwd>/gym-logs/...``."""
     actor_options: dict[str, Any] = Field(default_factory=dict)
-    """Passed to ``ray.remote(NemoGym).options(...)`` (``num_cpus``, ``max_restarts``, ``scheduling_strategy``, ...)."""
+    """Passed to ``ray.remote(NemoGym).options(...)`` (``num_cpus``, ``max_restarts``, ``scheduling_strategy``, ...);
+    ``max_concurrency`` defaults to 65,536 (one call per group in flight), not Ray's 1,000."""
     on_restart: Literal["fail", "respin"] = "fail"
     """After Ray restarts the actor: raise :class:`~gym_bridge.failures.NemoGymRestarted` ("fail"),
     or start fresh Gym servers ("respin")."""

@@ -10,6 +10,7 @@ agent discovery included. The result is typed: :class:`GymGroupResult`.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -64,6 +65,7 @@ class GymClient:
         self._in_flight = [0] * len(self.actors)
         self._dead: set[int] = set()
         self._known_agents: list[str] | None = None
+        self._locks: tuple[asyncio.AbstractEventLoop, asyncio.Lock, asyncio.Lock] | None = None
 
     @property
     def in_flight_rows(self) -> list[int]:
@@ -71,16 +73,22 @@ class GymClient:
         return list(self._in_flight)
 
     async def agent_names(self) -> list[str] | None:
-        """The running agents (asked once, of the first live actor); None for an actor that cannot say."""
-        for i, actor in enumerate(self.actors):
-            if self._known_agents is not None or not hasattr(actor, "agent_names"):
-                break
-            if i in self._dead:
-                continue
-            try:
-                self._known_agents = list(await actor.agent_names.remote())
-            except ray.exceptions.ActorDiedError as exc:
-                self._mark_dead(i, exc)
+        """The running agents (asked once, of the first live actor); None for an actor that cannot say.
+
+        Groups launched together share the one question (a lock, not a call per group).
+        """
+        if self._known_agents is not None:
+            return self._known_agents
+        async with self._loop_locks()[0]:
+            for i, actor in enumerate(self.actors):
+                if self._known_agents is not None or not hasattr(actor, "agent_names"):
+                    break
+                if i in self._dead:
+                    continue
+                try:
+                    self._known_agents = list(await actor.agent_names.remote())
+                except ray.exceptions.ActorDiedError as exc:
+                    self._mark_dead(i, exc)
         return self._known_agents
 
     async def run_group(
@@ -104,6 +112,13 @@ class GymClient:
     def dead_actors(self) -> list[int]:
         """Indices of the actors Ray reported dead for good (``ActorDiedError``); no group goes to them."""
         return sorted(self._dead)
+
+    def _loop_locks(self) -> tuple[asyncio.Lock, asyncio.Lock]:
+        """(agent question, stream submission) locks of the running loop (a client may outlive a loop)."""
+        loop = asyncio.get_running_loop()
+        if self._locks is None or self._locks[0] is not loop:
+            self._locks = (loop, asyncio.Lock(), asyncio.Lock())
+        return self._locks[1], self._locks[2]
 
     def _pick_actor(self, avoid: set[int]) -> int:
         """The live actor with the fewest rows in flight, preferring those not in ``avoid``."""
@@ -167,8 +182,15 @@ class GymClient:
         seen: set[int] = set()
         timing = None
         self._in_flight[actor] += len(pending)
-        stream = self.actors[actor].run_rollouts.options(num_returns="streaming").remote(pending, self.timer_prefix)
+        stream = None
         try:
+            # One submission per loop iteration: 1,024 groups launched together each pickle and submit
+            # their rows, ~0.5 ms apiece, and all at once that stalled the loop for half a second.
+            async with self._loop_locks()[1]:
+                stream = (
+                    self.actors[actor].run_rollouts.options(num_returns="streaming").remote(pending, self.timer_prefix)
+                )
+                await asyncio.sleep(0)
             async for ref in stream:
                 batch = await _unwrapped(ref)
                 if not isinstance(batch, GymRowBatch):
@@ -179,7 +201,7 @@ class GymClient:
                     timing = batch.timing
         finally:
             self._in_flight[actor] -= len(pending) - len(seen)
-            if len(seen) < len(dispatched):
+            if stream is not None and len(seen) < len(dispatched):
                 _cancel_quietly(stream)
         return timing
 

@@ -11,6 +11,19 @@ __all__ = ["spinup_nemo_gym_actor", "spinup_nemo_gym_actors"]
 
 logger = logging.getLogger(__name__)
 
+DEFAULT_MAX_CONCURRENCY = 65536
+"""Concurrent calls on one NemoGym actor unless ``actor_options`` says otherwise (Ray's default is 1,000)."""
+
+
+def actor_options(config: NemoGymConfig) -> dict[str, Any]:
+    """``config.actor_options`` over our defaults: ``max_concurrency`` high enough for every group in flight.
+
+    Each prompt group is one ``run_rollouts`` call for as long as its rows take. Ray's
+    default for an async actor, 1,000 concurrent calls, would queue the 1,001st group,
+    and behind it every ``health_check`` and ``shutdown``.
+    """
+    return {"max_concurrency": DEFAULT_MAX_CONCURRENCY, **config.actor_options}
+
 
 def spinup_nemo_gym_actor(config: NemoGymConfig, tokenizer: Any, *, margin_s: float = 60.0) -> Any:
     """Create the actor with ``config.actor_options``, start Gym and install the tokenizer; return the handle.
@@ -43,7 +56,7 @@ def spinup_nemo_gym_actors(
     # By value, not ray.put: Ray re-runs the constructor on a restart, and a put object may be gone by then.
     # Any: Ray types an actor's handle as ``ActorHandle[T] | type[T]``, whose methods lack ``.remote``
     handles: list[Any] = [
-        ray.remote(NemoGym).options(**cfg.actor_options).remote(cfg, tokenizer)
+        ray.remote(NemoGym).options(**actor_options(cfg)).remote(cfg, tokenizer)
         for cfg in actor_configs(config, num_actors, split_base_urls=split_base_urls)
     ]
     try:

@@ -96,7 +96,8 @@ class CompletionsClient:
 
     async def start(self) -> None:
         connector = aiohttp.TCPConnector(limit=0, limit_per_host=self.max_connections, ttl_dns_cache=None)
-        timeout = aiohttp.ClientTimeout(total=self.request_timeout_s, connect=10.0)
+        # sock_connect, not connect: aiohttp's connect also counts the wait for a free pooled connection.
+        timeout = aiohttp.ClientTimeout(total=self.request_timeout_s, sock_connect=10.0)
         self.session = aiohttp.ClientSession(connector=connector, timeout=timeout, json_serialize=_dumps)
 
     async def close(self) -> None:

@@ -1,0 +1,194 @@
+"""What keeps 16,384 rows in flight cheap: one health watch per actor, one agent question per client,
+and an actor that admits every group at once. Unit tests of single functions; no Ray, no Gym."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from gym_bridge.gym.actor import NemoGym, NemoGymConfig
+from gym_bridge.gym.client import GymClient
+from gym_bridge.gym.spinup import DEFAULT_MAX_CONCURRENCY, actor_options
+
+
+def _config(**update: Any) -> NemoGymConfig:
+    return NemoGymConfig(model_name="tiny", base_urls=["http://127.0.0.1:9/v1"], health_poll_s=3600, **update)
+
+
+class _Servers:
+    """Stands in for GymServers: the watch only calls ``poll``."""
+
+    def poll(self) -> None:
+        return None
+
+
+def test_streams_in_flight_share_one_health_watch_and_the_last_one_out_stops_it():
+    async def scenario() -> None:
+        actor = NemoGym(_config())
+        servers = _Servers()
+        callbacks = [lambda _t, i=i: None for i in range(3)]
+        watches = [actor._join_watch(servers) for _ in callbacks]
+        assert watches[0] is watches[1] is watches[2]
+        assert actor._watchers == {watches[0]: 3}
+        for watch, callback in zip(watches[:2], callbacks[:2], strict=True):
+            actor._leave_watch(watch, callback)
+        assert not watches[0].cancelled() and actor._watchers == {watches[0]: 1}
+        actor._leave_watch(watches[2], callbacks[2])
+        await asyncio.sleep(0)
+        assert watches[0].cancelled()
+        assert actor._watchers == {} and actor._watch is None
+
+    asyncio.run(scenario())
+
+
+def test_new_servers_get_a_new_watch_and_the_old_one_stops_with_its_last_stream():
+    async def scenario() -> None:
+        actor = NemoGym(_config())
+        old = actor._join_watch(_Servers())
+        new = actor._join_watch(_Servers())  # after a re-spin: the old watch polls servers that are gone
+        assert old is not new and actor._watchers == {old: 1, new: 1}
+        actor._leave_watch(old, lambda _t: None)
+        await asyncio.sleep(0)
+        assert old.cancelled() and not new.cancelled() and actor._watch is new
+        actor._leave_watch(new, lambda _t: None)
+        await asyncio.sleep(0)
+        assert new.cancelled() and actor._watchers == {}
+
+    asyncio.run(scenario())
+
+
+def test_a_failed_watch_is_replaced_for_the_next_stream():
+    async def scenario() -> None:
+        actor = NemoGym(_config())
+        failed = actor._join_watch(_Servers())
+        failed.cancel()
+        await asyncio.sleep(0)
+        fresh = actor._join_watch(_Servers())
+        assert fresh is not failed and not fresh.done()
+        actor._leave_watch(failed, lambda _t: None)
+        actor._leave_watch(fresh, lambda _t: None)
+        assert actor._watchers == {}
+
+    asyncio.run(scenario())
+
+
+class _Method:
+    def __init__(self, answer: list[str]) -> None:
+        self.answer = answer
+        self.calls = 0
+
+    def remote(self) -> Any:
+        self.calls += 1
+
+        async def reply() -> list[str]:
+            await asyncio.sleep(0.01)
+            return self.answer
+
+        return reply()
+
+
+class _Actor:
+    def __init__(self) -> None:
+        self.agent_names = _Method(["a", "b"])
+
+
+def test_groups_launched_together_ask_the_actor_for_its_agents_once():
+    actor = _Actor()
+    client = GymClient([actor])
+
+    async def scenario() -> list[list[str] | None]:
+        return await asyncio.gather(*(client.agent_names() for _ in range(64)))
+
+    answers = asyncio.run(scenario())
+    assert actor.agent_names.calls == 1
+    assert answers == [["a", "b"]] * 64
+
+
+def test_actor_admits_every_group_at_once_unless_the_config_says_otherwise():
+    assert actor_options(_config())["max_concurrency"] == DEFAULT_MAX_CONCURRENCY > 16384
+    assert actor_options(_config(actor_options={"num_cpus": 0})) == {
+        "max_concurrency": DEFAULT_MAX_CONCURRENCY,
+        "num_cpus": 0,
+    }
+    assert actor_options(_config(actor_options={"max_concurrency": 8}))["max_concurrency"] == 8
+
+
+def test_rows_waiting_for_a_pooled_connection_are_not_failed_by_the_connect_timeout():
+    """More rows than ``max_connections``: a row waits in the pool longer than ``connect_timeout_s``
+    (aiohttp's ``connect`` would fail it with ConnectionTimeoutError); only the TCP connect is bounded."""
+    from aiohttp import web
+
+    async def scenario() -> list[int]:
+        async def slow(request: web.Request) -> web.Response:
+            await asyncio.sleep(0.15)
+            return web.json_response({"ok": True})
+
+        app = web.Application()
+        app.router.add_post("/run", slow)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        actor = NemoGym(_config(max_connections=1, connect_timeout_s=0.1))
+        try:
+            client = actor._http_client()
+
+            async def post() -> int:
+                async with client.post(f"http://127.0.0.1:{port}/run", json={}) as response:
+                    await response.read()
+                    return response.status
+
+            return await asyncio.wait_for(asyncio.gather(*(post() for _ in range(4))), 10)
+        finally:
+            await actor.shutdown()
+            await runner.cleanup()
+
+    assert asyncio.run(scenario()) == [200] * 4
+
+
+class _EmptyStream:
+    def __aiter__(self) -> _EmptyStream:
+        return self
+
+    async def __anext__(self) -> Any:
+        raise StopAsyncIteration
+
+
+class _StreamingActor:
+    """Records the loop iteration in which each ``run_rollouts`` stream was submitted."""
+
+    def __init__(self, clock: list[int]) -> None:
+        self.clock = clock
+        self.submitted_at: list[int] = []
+        self.run_rollouts = self
+
+    def options(self, **_: Any) -> _StreamingActor:
+        return self
+
+    def remote(self, rows: Any, prefix: str) -> _EmptyStream:
+        self.submitted_at.append(self.clock[0])
+        return _EmptyStream()
+
+
+def test_groups_launched_together_submit_their_streams_one_loop_iteration_apart():
+    """1,024 groups submitting in one iteration stalled the driver's loop for ~0.5 s (benchmarks/RESULTS.md)."""
+    clock = [0]
+    actor = _StreamingActor(clock)
+    client = GymClient([actor])
+
+    async def iterations() -> None:
+        while True:
+            clock[0] += 1
+            await asyncio.sleep(0)
+
+    async def scenario() -> None:
+        ticker = asyncio.create_task(iterations())
+        rows = [{"_rowidx": 0}]
+        await asyncio.gather(*(client._stream(0, rows, [None]) for _ in range(16)))
+        ticker.cancel()
+
+    asyncio.run(scenario())
+    assert len(actor.submitted_at) == 16
+    assert len(set(actor.submitted_at)) == 16, actor.submitted_at
+    assert client.in_flight_rows == [0]

@@ -43,10 +43,11 @@ def _uses_shared_gym(item: pytest.Item) -> bool:
     return SHARED_GYM in getattr(item, "fixturenames", ())
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
-def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Ship test modules to Ray workers by value; split the modules into the two xdist lanes; group the
-    shared Gym's users and note the last of them."""
+@pytest.hookimpl(wrapper=True)
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]):
+    """Ship test modules to Ray workers by value; split the modules into the two xdist lanes (before any
+    other implementation runs: xdist reads the lanes in its own); then group the shared Gym's users and
+    note the last of them (after pytest's own reordering)."""
     import ray.cloudpickle
 
     modules = {getattr(item, "module", None) for item in items} - {None}
@@ -57,6 +58,7 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     for item in items:  # two lanes of whole modules: each module's fixtures are set up once, in one worker
         lane = RAY_LANE if getattr(item, "module", None) in ray_modules else LOCAL_LANE
         item.add_marker(pytest.mark.xdist_group(lane))
+    result = yield
 
     users = {getattr(item, "module", None) for item in items if _uses_shared_gym(item)}
     first = next((i for i, item in enumerate(items) if getattr(item, "module", None) in users), None)
@@ -67,6 +69,7 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
             rank.setdefault(module, first if module in users else i)
         items.sort(key=lambda item: rank[getattr(item, "module", None)])  # stable: file order inside a module
     config.stash[_LAST_GYM_USER] = next((item for item in reversed(items) if _uses_shared_gym(item)), None)
+    return result
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)

@@ -11,8 +11,9 @@ agent discovery included. The result is typed: :class:`GymGroupResult`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,6 +114,17 @@ class GymClient:
         """Indices of the actors Ray reported dead for good (``ActorDiedError``); no group goes to them."""
         return sorted(self._dead)
 
+    @contextlib.asynccontextmanager
+    async def loop_turn(self) -> AsyncIterator[None]:
+        """Run the block alone in one event-loop iteration: groups launched together take turns.
+
+        1,024 groups launched at once each build, pickle and submit their rows (~0.1-0.5 ms apiece);
+        done in one iteration, that stalled the loop for up to 0.7 s (benchmarks/RESULTS.md, scale).
+        """
+        async with self._loop_locks()[1]:
+            yield
+            await asyncio.sleep(0)
+
     def _loop_locks(self) -> tuple[asyncio.Lock, asyncio.Lock]:
         """(agent question, stream submission) locks of the running loop (a client may outlive a loop)."""
         loop = asyncio.get_running_loop()
@@ -184,13 +196,10 @@ class GymClient:
         self._in_flight[actor] += len(pending)
         stream = None
         try:
-            # One submission per loop iteration: 1,024 groups launched together each pickle and submit
-            # their rows, ~0.5 ms apiece, and all at once that stalled the loop for half a second.
-            async with self._loop_locks()[1]:
+            async with self.loop_turn():
                 stream = (
                     self.actors[actor].run_rollouts.options(num_returns="streaming").remote(pending, self.timer_prefix)
                 )
-                await asyncio.sleep(0)
             async for ref in stream:
                 batch = await _unwrapped(ref)
                 if not isinstance(batch, GymRowBatch):
@@ -238,6 +247,8 @@ async def _unwrapped(ref: Any) -> Any:
 
 
 def _cancel_quietly(stream: Any) -> None:
+    if not ray.is_initialized():  # nothing to cancel, and ray.cancel would start a local Ray
+        return
     try:
         ray.cancel(stream)
     except Exception as exc:  # the stream may already be finished or its actor gone

@@ -10,7 +10,6 @@ inside Gym, so ``max_rollout_turns`` must be 1.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time
@@ -122,8 +121,8 @@ class AsyncNemoGymRolloutImpl:
         template = datum.get("extra_env_info")
         validate_row(template, prompt_idx=prompt_idx)  # the agent name is checked by the client, under the deadline
         assert template is not None  # validate_row raised for a missing row
-        rows = build_rows(template, self.num_generations, self.sampling, self.max_new_tokens)
-        await asyncio.sleep(0)  # let the loop breathe between groups launched together (event-loop lag)
+        async with self.client.loop_turn():  # groups launched together build their rows in turn
+            rows = build_rows(template, self.num_generations, self.sampling, self.max_new_tokens)
 
         t_run = time.perf_counter()
         group = await self.client.run_group(rows, prompt_idx=prompt_idx, deadline_s=self.timeouts.rollout_s)

@@ -52,7 +52,6 @@ from typing import Any, TextIO
 import psutil
 from bridge_throughput import (
     ANSWER_TOKENS,
-    GENERATION_CONFIG,
     RESULTS,
     EndpointProcess,
     LoopLag,
@@ -62,7 +61,7 @@ from bridge_throughput import (
     _stop_actor,
     _verdict,
     gym_config,
-    templates,
+    WORKLOADS,
 )
 from transformers import AutoTokenizer
 
@@ -74,6 +73,7 @@ from gym_bridge.ray_utils import init_ray
 from gym_bridge.rollout.manager import RolloutManager, RolloutOutcome
 from gym_bridge.types import PromptGroupRecord
 
+SINGLE = WORKLOADS["single"]  # single-turn equivalence rows, instant answers
 TARGET_GROWTH_MIB = 600.0
 TARGET_P99_MS = 20.0
 TARGET_MAX_MS = 100.0
@@ -283,7 +283,7 @@ async def run_scale(args: argparse.Namespace, workdir: Path) -> Report:
     actor = None
     try:
         await asyncio.to_thread(endpoint.start, "instant")
-        config = gym_config(endpoint.base_url, workdir / "gym-logs", args.model_server).model_copy(
+        config = gym_config(endpoint.base_url, workdir / "gym-logs", SINGLE, args.model_server).model_copy(
             update={
                 "request_timeout_s": deadline_s,
                 "overrides": worker_overrides(args.agent_workers, args.resources_workers, args.model_workers),
@@ -296,7 +296,7 @@ async def run_scale(args: argparse.Namespace, workdir: Path) -> Report:
             task_to_env={"nemo_gym": actor},
             num_generations_per_prompt=args.group_size,
             max_seq_len=4096,
-            generation_config=dict(GENERATION_CONFIG),
+            generation_config=SINGLE.generation_config,
             use_nemo_gym=True,
             timeouts=RolloutTimeouts(rollout_s=deadline_s),
             # One attempt each, and no failure stops the run: every failure is counted and named.
@@ -310,7 +310,7 @@ async def run_scale(args: argparse.Namespace, workdir: Path) -> Report:
 
         with open(workdir / "warmup.jsonl", "w") as out:
             warm = StreamingSink(out, args.group_size, 4, lambda _f: None)
-            warm_data = [datum_from_gym_row(row, idx=i) for i, row in enumerate(templates(4))]
+            warm_data = [datum_from_gym_row(row, idx=i) for i, row in enumerate(SINGLE.templates(4))]
             await asyncio.gather(*(manager.collect(d, warm) for d in warm_data))
         if warm.rows != 4 * args.group_size:
             raise RuntimeError(f"the warm-up lost rows: {dict(warm.failures)} {warm.first_failure}")
@@ -322,7 +322,7 @@ async def run_scale(args: argparse.Namespace, workdir: Path) -> Report:
         report.rss_idle = sampler.now()
         report.tasks_idle = len(asyncio.all_tasks())
         gc_before = [s["collections"] for s in gc.get_stats()]
-        data = [datum_from_gym_row(row, idx=i) for i, row in enumerate(templates(args.groups))]
+        data = [datum_from_gym_row(row, idx=i) for i, row in enumerate(SINGLE.templates(args.groups))]
         started = time.monotonic()
 
         def milestone(fraction: float) -> None:

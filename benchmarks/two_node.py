@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import Any
 
 from bridge_throughput import (
-    GENERATION_CONFIG,
     GROUP,
     RESULTS,
     RUN_TIMEOUT_S,
@@ -40,7 +39,7 @@ from bridge_throughput import (
     _git_revision,
     _stop_actor,
     gym_config,
-    templates,
+    WORKLOADS,
 )
 from transformers import AutoTokenizer
 
@@ -51,6 +50,7 @@ from gym_bridge.gym.actor import spinup_nemo_gym_actor
 from gym_bridge.models.tiny import resolve_model_path
 from gym_bridge.rollout.manager import RolloutManager
 
+SINGLE = WORKLOADS["single"]  # single-turn equivalence rows, instant answers
 NODES = ("node_a", "node_b")
 log = logging.getLogger("bench-two-node")
 
@@ -61,7 +61,7 @@ def manager(actors: list[Any], tokenizer: Any) -> RolloutManager:
         task_to_env={"nemo_gym": actors},
         num_generations_per_prompt=GROUP,
         max_seq_len=4096,
-        generation_config=dict(GENERATION_CONFIG),
+        generation_config=SINGLE.generation_config,
         use_nemo_gym=True,
         timeouts=RolloutTimeouts(rollout_s=RUN_TIMEOUT_S - 30),
     )
@@ -69,7 +69,7 @@ def manager(actors: list[Any], tokenizer: Any) -> RolloutManager:
 
 async def rows_per_s(rollouts: RolloutManager, rows: int) -> float:
     """Roll out ``rows`` rows (groups of 16, all launched at once); rows per second of wall time."""
-    data = [datum_from_gym_row(row, idx=i) for i, row in enumerate(templates(rows // GROUP))]
+    data = [datum_from_gym_row(row, idx=i) for i, row in enumerate(SINGLE.templates(rows // GROUP))]
     started = time.perf_counter()
     records = await asyncio.wait_for(asyncio.gather(*(rollouts.run_rollout(d) for d in data)), RUN_TIMEOUT_S)
     wall = time.perf_counter() - started
@@ -88,7 +88,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, list[float]]:
             endpoint.start("instant")
 
             def spin(node: str) -> Any:
-                config = gym_config(endpoint.base_url, workdir / node).model_copy(
+                config = gym_config(endpoint.base_url, workdir / node, SINGLE).model_copy(
                     update={"actor_options": {"num_cpus": 0, "resources": {node: 0.01}}}
                 )
                 return spinup_nemo_gym_actor(config, tokenizer)

@@ -64,14 +64,15 @@ def token_bytes_table(tokenizer: Any) -> list[bytes] | None:
 
     Built from the vocabulary the way the byte-level decoder maps it (a token with a character
     outside the byte alphabet, as an added token may have, stands for its own UTF-8), and
-    checked against ``tokenizer.decode`` id by id; any mismatch means None (decode whole).
+    checked against ``tokenizer.decode`` id by id; any mismatch means None (decode whole), as does a
+    tokenizer that cannot be cached (not weak-referenceable).
     """
     try:
         return _TABLES[tokenizer]
     except KeyError:
         pass
-    except TypeError:  # not weak-referenceable: build each time
-        return _build_table(tokenizer)
+    except TypeError:  # not weak-referenceable, so not cacheable: building per row would cost more than it saves
+        return None
     table = _TABLES[tokenizer] = _build_table(tokenizer)
     return table
 

@@ -40,7 +40,6 @@ import os
 import platform
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -48,21 +47,23 @@ import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import date
 from pathlib import Path
 from typing import Any
 
+import conversion_cost
 import psutil
 import ray
+from results_file import RESULTS, append_results
+from spy import RoleProfile, Spy, markdown_table
 from transformers import AutoTokenizer
 
-import conversion_cost
-from spy import RoleProfile, Spy, markdown_table
 from gym_bridge.data import datum_from_gym_row
 from gym_bridge.failures import RolloutTimeouts
 from gym_bridge.gym.actor import NemoGymConfig, spinup_nemo_gym_actor
+from gym_bridge.gym.reaper import free_port
 from gym_bridge.gym.rows import build_rows
 from gym_bridge.gym.servers import GymServers, GymServersConfig, wheel_config_path
 from gym_bridge.models.tiny import resolve_model_path
@@ -72,7 +73,6 @@ from gym_bridge.types import GenerationSamplingParams
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-RESULTS = Path(__file__).with_name("RESULTS.md")
 RAW_WORKER = Path(__file__).with_name("raw_gym_worker.py")
 MODEL_CONFIG = "responses_api_models/vllm_model/configs/vllm_model_for_training.yaml"
 MODEL_NAME = "tiny"
@@ -101,6 +101,8 @@ class Workload:
     """``gym-bridge serve --policy``: instant (a fixed answer) or scripted (a tool call, then an answer)."""
     max_new_tokens: int
     description: str
+    make_row: Callable[[int, str], dict[str, Any]]
+    """Group ``g``'s row for the agent ``agent``."""
 
     @property
     def gym_configs(self) -> list[str]:
@@ -111,9 +113,7 @@ class Workload:
         return {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": self.max_new_tokens}
 
     def templates(self, groups: int) -> list[dict[str, Any]]:
-        if self.name == "tool":
-            return [weather_row(f"city{g}", self.agent) for g in range(groups)]
-        return [equivalence_row(f"Q{g}: what is 2+2? Reply with exactly: 4", "4", self.agent) for g in range(groups)]
+        return [self.make_row(g, self.agent) for g in range(groups)]
 
 
 WORKLOADS = {
@@ -122,12 +122,14 @@ WORKLOADS = {
         "instant", ANSWER_TOKENS,
         f"equivalence_rule lc, single-turn rows; our server with InstantGeneration ({ANSWER_TOKENS}-token answer, "
         "no model)",
+        lambda g, agent: equivalence_row(f"Q{g}: what is 2+2? Reply with exactly: 4", "4", agent),
     ),
     "tool": Workload(
         "tool", "resources_servers/example_single_tool_call/configs/example_single_tool_call.yaml",
         "example_single_tool_call_simple_agent", "scripted", 128,
         "example_single_tool_call, tool-call rows (two model calls and one tool call per row); our server with "
         "ScriptedGeneration (a Hermes tool call, then a short answer; no model)",
+        lambda g, agent: weather_row(f"city{g}", agent),
     ),
 }  # fmt: skip
 
@@ -175,12 +177,6 @@ def equivalence_row(question: str, expected_answer: str, agent: str) -> dict[str
         "expected_answer": expected_answer,
         "agent_ref": {"type": "responses_api_agents", "name": agent},
     }
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _tail(path: Path, limit: int = 2000) -> str:
@@ -562,7 +558,7 @@ async def run_benchmark(args: argparse.Namespace, workdir: Path) -> Report:
     conversion = conversion_cost.measure_all(tokenizer, args.conversion_iterations)
 
     init_ray(num_cpus=2)  # on the main thread: Ray installs signal handlers
-    endpoint = EndpointProcess(_free_port(), workdir / "endpoint.log")
+    endpoint = EndpointProcess(free_port("127.0.0.1"), workdir / "endpoint.log")
     raw = RawGymWorker()
     default_raw = RawGymWorker() if args.default_baseline else None
     default_servers: GymServers | None = None
@@ -898,10 +894,7 @@ def main() -> None:
     text = markdown(report, args)
     print(text)
     if not args.no_write:
-        if not RESULTS.exists():
-            RESULTS.write_text("# Benchmark results\n\nEach section is one run, newest last.\n")
-        with RESULTS.open("a") as f:
-            f.write(text)
+        append_results(text)
     shutil.rmtree(workdir, ignore_errors=True)
 
 

@@ -52,22 +52,22 @@ from typing import Any, TextIO
 import psutil
 from bridge_throughput import (
     ANSWER_TOKENS,
-    RESULTS,
+    WORKLOADS,
     EndpointProcess,
     LoopLag,
-    _free_port,
     _git_revision,
     _ray,
     _stop_actor,
     _verdict,
     gym_config,
-    WORKLOADS,
 )
+from results_file import RESULTS, append_results
 from transformers import AutoTokenizer
 
 from gym_bridge.data import datum_from_gym_row
 from gym_bridge.failures import RolloutRetryPolicy, RolloutTimeouts
 from gym_bridge.gym.actor import spinup_nemo_gym_actor
+from gym_bridge.gym.reaper import free_port
 from gym_bridge.models.tiny import resolve_model_path
 from gym_bridge.ray_utils import init_ray
 from gym_bridge.rollout.manager import RolloutManager, RolloutOutcome
@@ -279,7 +279,7 @@ async def run_scale(args: argparse.Namespace, workdir: Path) -> Report:
     report = Report(args.groups, args.group_size, deadline_s, load_before=os.getloadavg())
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("tiny"))
     init_ray(num_cpus=2)
-    endpoint = EndpointProcess(_free_port(), workdir / "endpoint.log")
+    endpoint = EndpointProcess(free_port("127.0.0.1"), workdir / "endpoint.log")
     actor = None
     try:
         await asyncio.to_thread(endpoint.start, "instant")
@@ -530,8 +530,7 @@ def main() -> None:
     text = markdown(report, args)
     print(text)
     if not args.no_write:
-        with RESULTS.open("a") as f:
-            f.write(text)
+        append_results(text)
     shutil.rmtree(workdir, ignore_errors=True)
 
 

@@ -18,16 +18,15 @@ import os
 import platform
 import time
 from datetime import date
-from pathlib import Path
 
 import httpx
 import torch
+from results_file import append_results
 
 from gym_bridge.batched import BatchedDataDict
 from gym_bridge.generation.hf import HFGeneration, HFGenerationConfig
 from gym_bridge.serving import OpenAIServer
 
-RESULTS = Path(__file__).with_name("RESULTS.md")
 MESSAGES = [{"role": "user", "content": "Tell me about the weather in Paris today."}]
 
 
@@ -104,7 +103,4 @@ if __name__ == "__main__":
     for model in args.model or ["tiny", "smollm2"]:
         table = asyncio.run(main(model, args.max_tokens, args.rounds, args.concurrency or [1, 8, 32]))
         print(table)
-        if not RESULTS.exists():
-            RESULTS.write_text("# Benchmark results\n\nEach section is one run, newest last.\n")
-        with RESULTS.open("a") as f:
-            f.write(table)
+        append_results(table)

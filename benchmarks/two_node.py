@@ -32,21 +32,21 @@ from typing import Any
 
 from bridge_throughput import (
     GROUP,
-    RESULTS,
     RUN_TIMEOUT_S,
+    WORKLOADS,
     EndpointProcess,
-    _free_port,
     _git_revision,
     _stop_actor,
     gym_config,
-    WORKLOADS,
 )
+from results_file import RESULTS, append_results
 from transformers import AutoTokenizer
 
 from gym_bridge.cluster import LocalRayCluster, NodeSpec
 from gym_bridge.data import datum_from_gym_row
 from gym_bridge.failures import RolloutTimeouts
 from gym_bridge.gym.actor import spinup_nemo_gym_actor
+from gym_bridge.gym.reaper import free_port
 from gym_bridge.models.tiny import resolve_model_path
 from gym_bridge.rollout.manager import RolloutManager
 
@@ -80,7 +80,7 @@ async def rows_per_s(rollouts: RolloutManager, rows: int) -> float:
 
 def run(args: argparse.Namespace, workdir: Path) -> dict[str, list[float]]:
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("tiny"))
-    endpoint = EndpointProcess(_free_port(), workdir / "endpoint.log")
+    endpoint = EndpointProcess(free_port("127.0.0.1"), workdir / "endpoint.log")
     actors: dict[str, Any] = {}
     with LocalRayCluster([NodeSpec(name) for name in NODES]) as cluster:
         cluster.connect()
@@ -161,8 +161,7 @@ def main() -> None:
     text = markdown(results, args, (load_before, os.getloadavg()))
     print(text)
     if not args.no_write:
-        with RESULTS.open("a") as f:
-            f.write(text)
+        append_results(text)
     shutil.rmtree(workdir, ignore_errors=True)
 
 

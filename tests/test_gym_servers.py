@@ -148,6 +148,11 @@ def test_every_server_alive_and_listening_on_loopback(two_sets):
             if servers is b:  # a Ray driver's own gRPC port (set A) listens on all interfaces
                 assert {ip for ip, _ in listening} == {"127.0.0.1"}, (name, listening)
             assert _get("127.0.0.1", url_port)[0] == 200
+            # forked from the launcher's fork server, in the server's own folder, as `cd DIR && python app.py`
+            server = psutil.Process(pid)
+            assert "multiprocessing.forkserver" in " ".join(server.cmdline()), server.cmdline()
+            assert server.parent().ppid() == servers._launcher.pid
+            assert Path(server.cwd()).parent.name == servers.server_types[name], server.cwd()
         head_listeners = {(ip, port) for ip, port in _listening(servers._launcher.pid) if port == servers.head.port}
         assert head_listeners == {("127.0.0.1", servers.head.port)}
 
@@ -223,13 +228,15 @@ def _assert_nothing_left(servers: GymServers, launcher_pid: int | None) -> None:
         assert not _alive(pid)
 
 
-def test_server_that_dies_at_startup(tmp_path):
+@pytest.mark.parametrize("fork_servers", [True, False], ids=["forked", "shell"])
+def test_server_that_dies_at_startup(tmp_path, fork_servers):
     broken = {"entrypoint": "app.py", "domain": "agent"}
     config = GymServersConfig(
         overrides={"broken_server": {"resources_servers": {"no_such_server_module": broken}}},
         log_dir=tmp_path / "logs",
         startup_timeout_s=60,
         use_ray=False,
+        fork_servers=fork_servers,
     )
     servers = GymServers(config)
     t0 = time.monotonic()
@@ -237,7 +244,7 @@ def test_server_that_dies_at_startup(tmp_path):
         servers.start()
     print(f"dead server reported after {time.monotonic() - t0:.1f}s")
     assert time.monotonic() - t0 < 60
-    # the log tail: bash's "cd: .../no_such_server_module: No such file or directory"
+    # the log tail: "cd: .../no_such_server_module: No such file or directory" (from bash, or the fork)
     assert "no_such_server_module: No such file or directory" in str(info.value)
     _assert_nothing_left(servers, servers._launcher_proc.pid)
 

@@ -22,9 +22,12 @@ import sys
 import threading
 import time
 import traceback
+from multiprocessing.context import ForkServerContext
 from pathlib import Path
 from subprocess import DEVNULL, STDOUT, Popen
 from typing import Any
+
+from gym_bridge.gym._forkserver import ForkedServer, fork_context, parse_server_command, start_server
 
 _INSTALL_MARKERS = ("uv venv", "uv pip install")
 
@@ -99,8 +102,9 @@ def _link_venvs(servers: dict[str, dict[str, Any]], venv_dir: Path) -> None:
             link.symlink_to(sys.prefix, target_is_directory=True)
 
 
-def _make_run_command(status: _Status, log_dir: Path):
-    """A stand-in for ``nemo_gym.cli.setup_command.run_command``: one log file per server, no installs."""
+def _make_run_command(status: _Status, log_dir: Path, forks: ForkServerContext | None):
+    """A stand-in for ``nemo_gym.cli.setup_command.run_command``: one log file per server, no installs,
+    and each server forked from ``forks`` (:mod:`gym_bridge.gym._forkserver`) when its command allows."""
     from nemo_gym.global_config import UV_CACHE_DIR_KEY_NAME, get_global_config_dict
 
     def run_command(command: str, working_dir_path: Path, server_name: str = "", project_root: Path | None = None):
@@ -116,12 +120,17 @@ def _make_run_command(status: _Status, log_dir: Path):
         env["PYTHONPATH"] = ":".join(entries)
         env["UV_CACHE_DIR"] = str(get_global_config_dict()[UV_CACHE_DIR_KEY_NAME])
         log_path = log_dir / f"{name.replace('/', '_')}.log"
+        server = parse_server_command(command) if forks is not None else None
         with open(log_path, "ab") as log:
-            log.write(f"$ {shlex.quote(name)} starting\n".encode())
-            log.flush()
-            process = Popen(
-                command, executable="/bin/bash", shell=True, env=env, stdin=DEVNULL, stdout=log, stderr=STDOUT
-            )
+            log.write(f"$ {shlex.quote(name)} starting{' (forked)' if server else ''}\n".encode())
+        process: Popen[bytes] | ForkedServer
+        if forks is not None and server is not None:
+            process = start_server(forks, name, server, env, log_path)
+        else:
+            with open(log_path, "ab") as log:
+                process = Popen(
+                    command, executable="/bin/bash", shell=True, env=env, stdin=DEVNULL, stdout=log, stderr=STDOUT
+                )
         servers = status.data["servers"]
         servers.setdefault(name, {})["pid"] = process.pid
         status.update(servers=servers)
@@ -138,6 +147,7 @@ def main(argv: list[str]) -> int:
     threading.Thread(target=_watch_parent, args=(spec["parent_pid"],), daemon=True).start()
     _start_reaper()
     try:
+        forks = fork_context() if spec.get("fork_servers", True) else None
         import nemo_gym.cli.env as gym_env
         from nemo_gym.global_config import GlobalConfigDictParserConfig, get_global_config_dict
         from omegaconf import OmegaConf
@@ -152,7 +162,7 @@ def main(argv: list[str]) -> int:
         _link_venvs(servers, Path(spec["venv_dir"]))
         head = global_config_dict["head_server"]
         status.update(phase="spawning", servers=servers, head={"host": head["host"], "port": head["port"]})
-        gym_env.run_command = _make_run_command(status, Path(spec["log_dir"]))
+        gym_env.run_command = _make_run_command(status, Path(spec["log_dir"]), forks)
         gym_env.RunHelper().start(global_config_dict_parser_config=parser_config)
     except BaseException as exc:
         summary = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"

@@ -58,6 +58,9 @@ class GymServersConfig(BaseModel):
     """Ray GCS address the servers join; None: the running Ray's, else the servers skip Ray."""
     use_ray: bool = True
     """False: the servers neither start nor join a Ray cluster (fine for servers that never use Ray)."""
+    fork_servers: bool = True
+    """Fork each server from one process that imported NeMo-Gym once (``gym/_forkserver.py``) instead
+    of a fresh ``python app.py`` each; False for servers that need a fresh interpreter."""
     load_env_yaml: bool = False
     """Whether Gym also reads ``env.yaml`` from the cwd or the wheel."""
     server_dirs: dict[str, Path] = Field(default_factory=dict)

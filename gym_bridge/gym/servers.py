@@ -239,6 +239,7 @@ class GymServers:
             "log_dir": str(self.log_dir.absolute()),
             "parent_pid": os.getpid(),
             "skip_load_from_dotenv": not self.config.load_env_yaml,
+            "fork_servers": self.config.fork_servers,
         }
         spec_path = self._private_dir / "launch.json"
         spec_path.touch(mode=0o600)

@@ -5,9 +5,11 @@ own. Gym keeps its config, head server and aiohttp client process-wide, so one
 launcher per ``GymServers`` keeps two of them apart, and the launcher's process
 group holds every server, so killing the group leaves nothing behind.
 
-It changes two things in Gym: each server's output goes to its own log file
-(Gym's ``tee`` wrapper would orphan the servers), and a server whose start
-command would create a venv or install packages is refused. It reports to the
+It changes three things in Gym: each server's output goes to its own log file
+(Gym's ``tee`` wrapper would orphan the servers), a server whose start command
+would create a venv or install packages is refused, and each server is forked
+from a process that imported NeMo-Gym once (:mod:`gym_bridge.gym._forkserver`)
+instead of starting a fresh interpreter. It reports to the
 parent through a JSON status file: ``phase`` (parsing, spawning, ready, failed),
 ``servers`` (name -> host, port, pid, log) and ``error``.
 """

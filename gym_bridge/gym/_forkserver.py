@@ -98,7 +98,7 @@ def _run_server(server: ServerCommand, env: dict[str, str], log_path: str) -> No
     sys.path[:0] = [entry for entry in entries if entry not in sys.path]
     sys.argv = [server.entrypoint]
     try:
-        runpy.run_path(server.entrypoint, run_name="__main__")
+        runpy.run_path(str(server.cwd / server.entrypoint), run_name="__main__")  # __file__ absolute, as Python sets it
     finally:
         atexit._run_exitfuncs()  # what ``python app.py`` runs at exit (Gym's aiohttp and Ray clean-up)
 

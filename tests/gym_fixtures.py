@@ -12,9 +12,18 @@ import copy
 import json
 from typing import Any
 
+from gym_bridge.data import datum_from_gym_row
+from gym_bridge.failures import RolloutRetryPolicy, RolloutTimeouts
+from gym_bridge.rollout.manager import RolloutManager
 from gym_bridge.testing import DEFAULT_GYM_CONFIGS, SERVED_MODEL_NAME
 
 GYM_CONFIGS = list(DEFAULT_GYM_CONFIGS)
+# The smallest Gym set that grades: the model server and the equivalence agent (fault and two-node tests).
+EQUIVALENCE_GYM_CONFIGS = [
+    "responses_api_models/vllm_model/configs/vllm_model_for_training.yaml",
+    "resources_servers/equivalence_rule/configs/lc.yaml",
+]
+N = 4  # rows per prompt in make_manager
 TOOL_AGENT = "example_single_tool_call_simple_agent"
 EQUIVALENCE_AGENT = "lc_equivalence_rule_simple_agent"
 
@@ -68,3 +77,34 @@ def gym_actor_config(base_urls: list[str], log_dir: Any, **kwargs: Any):
         actor_options={"num_cpus": 0},
         **kwargs,
     )
+
+
+def make_manager(actor: Any, tokenizer: Any, *, rollout_s: float = 30.0, **policy: Any) -> RolloutManager:
+    """A manager on one NemoGym actor: N rows per prompt, no retries unless ``policy`` asks for them."""
+    retry = RolloutRetryPolicy(
+        **{
+            "max_infra_attempts": 1,
+            "max_data_attempts": 1,
+            "max_gym_row_attempts": 1,
+            "backoff_base_s": 0.2,
+            "max_backoff_s": 1.0,
+            "max_skipped_prompts": 100,
+            "max_consecutive_dropped_prompts": 100,
+            **policy,
+        }
+    )
+    return RolloutManager(
+        tokenizer,
+        {"nemo_gym": actor},
+        N,
+        4096,
+        generation_config={"temperature": 1.0, "top_p": 1.0, "max_new_tokens": 32},
+        use_nemo_gym=True,
+        timeouts=RolloutTimeouts(rollout_s=rollout_s),
+        retry_policy=retry,
+    )
+
+
+def prompt(k: int) -> dict:
+    """Prompt ``k``: an equivalence row whose right answer is ``k``."""
+    return datum_from_gym_row(equivalence_row(f"Reply with exactly: {k}", str(k)), idx=k)

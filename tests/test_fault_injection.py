@@ -28,9 +28,7 @@ from gym_bridge.failures import (
     EndpointUnavailable,
     GymTransportError,
     RolloutRedispatchExhausted,
-    RolloutRetryPolicy,
     RolloutTimeout,
-    RolloutTimeouts,
     RunConfigurationError,
 )
 from gym_bridge.gym.actor import NemoGymUnavailable, spinup_nemo_gym_actor
@@ -43,16 +41,19 @@ from gym_bridge.rollout.nemo_gym import GymRowIndexError
 from gym_bridge.rollout.sink import InMemorySink
 from gym_bridge.testing import async_wait_until
 from tests.fault_gate import FaultGate
-from tests.gym_fixtures import equivalence_row, gym_actor_config
+from tests.gym_fixtures import (
+    EQUIVALENCE_GYM_CONFIGS,
+    N,
+    equivalence_row,
+    gym_actor_config,
+    make_manager,
+    prompt,
+)
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.gym, pytest.mark.slow]
 
-N = 4
 MARGIN_S = 5.0  # allowed past a deadline: backoff, Ray round trips, a loaded 2-core machine
-GYM_CONFIGS = [
-    "responses_api_models/vllm_model/configs/vllm_model_for_training.yaml",
-    "resources_servers/equivalence_rule/configs/lc.yaml",
-]
+GYM_CONFIGS = EQUIVALENCE_GYM_CONFIGS
 PLANTED_API_KEY = "sk-planted-7f3c9e1d2b"  # Gym's policy_api_key here; must never reach a log or result
 CONTEXT_LENGTH_400 = (
     "This model's maximum context length is 4096 tokens. However, you requested 5000 tokens "
@@ -114,35 +115,6 @@ async def rows_in_flight(gate: FaultGate, seen: int, timeout_s: float = 30.0) ->
     await async_wait_until(
         lambda: asyncio.to_thread(lambda: gate.stats()["chat"] > seen), timeout_s, "a chat request at the gate"
     )
-
-
-def make_manager(actor, tokenizer, *, rollout_s: float = 30.0, **policy) -> RolloutManager:
-    retry = RolloutRetryPolicy(
-        **{
-            "max_infra_attempts": 1,
-            "max_data_attempts": 1,
-            "max_gym_row_attempts": 1,
-            "backoff_base_s": 0.2,
-            "max_backoff_s": 1.0,
-            "max_skipped_prompts": 100,
-            "max_consecutive_dropped_prompts": 100,
-            **policy,
-        }
-    )
-    return RolloutManager(
-        tokenizer,
-        {"nemo_gym": actor},
-        N,
-        4096,
-        generation_config={"temperature": 1.0, "top_p": 1.0, "max_new_tokens": 32},
-        use_nemo_gym=True,
-        timeouts=RolloutTimeouts(rollout_s=rollout_s),
-        retry_policy=retry,
-    )
-
-
-def prompt(k: int) -> dict:
-    return datum_from_gym_row(equivalence_row(f"Reply with exactly: {k}", str(k)), idx=k)
 
 
 async def collect(manager: RolloutManager, prompts: list[dict]) -> tuple[list[RolloutOutcome], InMemorySink, float]:

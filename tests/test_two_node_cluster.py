@@ -27,8 +27,7 @@ from gym_bridge.gym.servers import wheel_config_path
 from gym_bridge.rollout.manager import RolloutOutcome
 from gym_bridge.rollout.sink import InMemorySink
 from gym_bridge.testing import async_wait_until
-from tests.gym_fixtures import EQUIVALENCE_AGENT, gym_actor_config
-from tests.test_fault_injection import GYM_CONFIGS, N, make_manager, prompt
+from tests.gym_fixtures import EQUIVALENCE_AGENT, EQUIVALENCE_GYM_CONFIGS, N, gym_actor_config, make_manager, prompt
 
 logger = logging.getLogger(__name__)
 pytestmark = [pytest.mark.timeout(900), pytest.mark.gym, pytest.mark.slow]
@@ -60,7 +59,7 @@ def pinned_actors(cluster, scripted_policy, tiny_tokenizer, tmp_path_factory) ->
     def spin(node: str) -> Any:
         config = gym_actor_config([scripted_policy.base_url], logs / node).model_copy(
             update={
-                "config_paths": [str(wheel_config_path(p)) for p in GYM_CONFIGS],
+                "config_paths": [str(wheel_config_path(p)) for p in EQUIVALENCE_GYM_CONFIGS],
                 "request_timeout_s": 30.0,
                 "health_poll_s": 0.5,
                 "overrides": {"uvicorn_logging_show_200_ok": True},  # each served /run is a line in the agent's log

@@ -28,7 +28,7 @@ test: setup
 
 # The quick lane: no Gym, no subprocess end to end, nothing slow (target: under 90 s).
 test-fast: setup
-	$(UV) run pytest -m "not gym and not e2e and not slow" -q
+	$(UV) run pytest -n 2 --dist loadgroup -m "not gym and not e2e and not slow" -q
 
 # A user's integration suite outside tests/: only gym_bridge.testing's fixtures.
 test-plugin: setup

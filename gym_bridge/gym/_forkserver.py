@@ -1,39 +1,41 @@
-"""Start Gym servers by forking a process that has already imported NeMo-Gym.
+"""Start Gym servers by forking a process that has already imported NeMo-Gym's dependencies.
 
-Importing ``nemo_gym`` (wandb, pandas, ray, fastapi, openai types) costs each server
-process about 3.5 CPU-seconds; a set of six servers spent 20 s of CPU before any of
+Importing ``nemo_gym`` (wandb, pandas, ray, fastapi, openai and anthropic types) costs each
+server process about 3.5 CPU-seconds; a set of six servers spent 20 s of CPU before any of
 them listened. The launcher instead starts one multiprocessing fork server that imports
-those modules once, and each server is a fork of it that runs its ``app.py`` as
-``__main__`` with the environment, folder and ``sys.path`` Gym's shell command would
-have given it. The servers already run on this interpreter's environment (Gym's venvs
-are links to ``sys.prefix``), so a fork runs the same code as ``python app.py`` did.
+those third-party packages once (:mod:`gym_bridge.gym._server_preload`), and each server is
+a fork of it that runs its ``app.py`` as ``__main__`` with the environment, folder,
+``sys.path`` Gym's shell command would have given it (``argv[0]`` is the full path). NeMo-Gym itself (0.3 s)
+is imported by each server, so its import-time state (``WORKING_DIR`` from the folder, the
+Hugging Face cache variables, its ``atexit`` hooks) is the server's own.
 
 Only the command shape Gym 0.4 builds (``cd DIR && source VENV/bin/activate && K=V ...
-python ENTRYPOINT``) is forked; anything else returns None and runs in a shell as before.
+python ENTRYPOINT``) whose venv is this interpreter's environment (Gym's venvs are links to
+``sys.prefix`` here) is forked; anything else returns None and runs in a shell as before.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
+import gc
 import multiprocessing
+import multiprocessing.process
 import os
 import runpy
 import shlex
 import signal
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass
 from multiprocessing.context import ForkServerContext
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 
-__all__ = ["ForkedServer", "ServerCommand", "fork_context", "parse_server_command", "start_server"]
+import psutil
 
-_PRELOAD = [
-    "nemo_gym.base_resources_server",
-    "nemo_gym.base_responses_api_agent",
-    "nemo_gym.base_responses_api_model",
-]
+__all__ = ["ForkedServer", "ServerCommand", "fork_context", "parse_server_command", "start_server"]
 
 
 @dataclass(frozen=True)
@@ -46,8 +48,9 @@ class ServerCommand:
     entrypoint: str
 
 
-def parse_server_command(command: str) -> ServerCommand | None:
-    """The parts of Gym's server command, or None when it is not the plain shape we can fork."""
+def parse_server_command(command: str, python_prefix: Path) -> ServerCommand | None:
+    """The parts of Gym's server command, or None unless it is the plain shape we can fork and its
+    venv is ``python_prefix`` (the forked server runs this interpreter's packages)."""
     try:
         tokens = shlex.split(command.replace("\\\n", " "))
     except ValueError:
@@ -56,18 +59,20 @@ def parse_server_command(command: str) -> ServerCommand | None:
         case ["cd", cwd, "&&", "source", activate, "&&", *assignments, "python", entrypoint] if activate.endswith(
             "/bin/activate"
         ) and all("=" in a and not a.startswith("=") for a in assignments):
-            variables = dict(a.split("=", 1) for a in assignments)
-            return ServerCommand(Path(cwd), Path(activate).parent.parent, variables, entrypoint)
+            venv = Path(activate).parent.parent
+            if venv.resolve() != python_prefix.resolve():
+                return None
+            return ServerCommand(Path(cwd), venv, dict(a.split("=", 1) for a in assignments), entrypoint)
         case _:
             return None
 
 
 def fork_context() -> ForkServerContext:
     """The fork server context, started now so its imports overlap the launcher's own."""
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(_PRELOAD)
     from multiprocessing import forkserver
 
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["gym_bridge.gym._server_preload"])
     forkserver.ensure_running()
     return context
 
@@ -76,7 +81,7 @@ def start_server(
     context: ForkServerContext, name: str, server: ServerCommand, env: dict[str, str], log_path: Path
 ) -> ForkedServer:
     """Fork one Gym server from ``context``'s fork server; its output goes to ``log_path``."""
-    env = {**env, **server.variables, "VIRTUAL_ENV": str(server.venv)}
+    env = {**env, **server.variables, "VIRTUAL_ENV": str(server.venv), "PWD": str(server.cwd)}
     env["PATH"] = os.pathsep.join(filter(None, [str(server.venv / "bin"), env.get("PATH")]))
     process = context.Process(target=_run_server, args=(server, env, str(log_path)), name=name, daemon=False)
     process.start()
@@ -94,39 +99,67 @@ def _run_server(server: ServerCommand, env: dict[str, str], log_path: str) -> No
     os.environ.clear()
     os.environ.update(env)
     os.chdir(server.cwd)
+    _become_a_main_process(server.cwd)
     entries = [str(server.cwd), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
-    sys.path[:0] = [entry for entry in entries if entry not in sys.path]
-    sys.argv = [server.entrypoint]
+    sys.path[:] = entries + [entry for entry in sys.path if entry not in entries]
+    sys.argv = [server.entrypoint]  # run_path puts the full path in argv[0] while it runs
     try:
         runpy.run_path(str(server.cwd / server.entrypoint), run_name="__main__")  # __file__ absolute, as Python sets it
     finally:
-        atexit._run_exitfuncs()  # what ``python app.py`` runs at exit (Gym's aiohttp and Ray clean-up)
+        _finish_like_the_interpreter()
+
+
+def _become_a_main_process(cwd: Path) -> None:
+    """Undo what multiprocessing set up for its child, so the server's own multiprocessing (a pool,
+    a Manager) works as under ``python app.py``: the platform's start method, no parent process."""
+    multiprocessing.set_start_method(None, force=True)
+    multiprocessing.current_process().name = "MainProcess"
+    multiprocessing.process._parent_process = None  # type: ignore[attr-defined]  # what parent_process() reads
+    multiprocessing.process.ORIGINAL_DIR = str(cwd)  # type: ignore[attr-defined]  # relative paths of children
+
+
+def _finish_like_the_interpreter() -> None:
+    """What Python does when a script ends, which multiprocessing's ``os._exit`` would skip: wait for
+    non-daemon threads, run the ``atexit`` hooks, then collect what the script left (files get flushed)."""
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    gc.collect()
 
 
 class ForkedServer:
-    """The part of :class:`subprocess.Popen` that Gym's ``RunHelper`` uses, for a forked server."""
+    """The part of :class:`subprocess.Popen` that Gym's ``RunHelper`` uses, for a forked server.
+
+    Liveness comes from the process itself: multiprocessing reports every child as exited (255)
+    once the fork server that forked it is gone, though the child is still running.
+    """
 
     def __init__(self, process: BaseProcess) -> None:
         self._process = process
         self.args = process.name
-
-    @property
-    def pid(self) -> int:
-        assert self._process.pid is not None
-        return self._process.pid
+        assert process.pid is not None
+        self.pid: int = process.pid
 
     @property
     def returncode(self) -> int | None:
-        return self._process.exitcode
+        return self.poll()
 
     def poll(self) -> int | None:
-        return self._process.exitcode
+        code = self._process.exitcode
+        if code is not None and self._running():
+            return None  # the fork server died, not the server
+        return code
 
     def wait(self, timeout: float | None = None) -> int:
         self._process.join(timeout)
-        if self._process.exitcode is None:
+        if self._process.exitcode is not None and self._running():  # the fork server died: watch the pid
+            with contextlib.suppress(psutil.NoSuchProcess):
+                psutil.wait_procs([psutil.Process(self.pid)], timeout=timeout)
+        code = self.poll()
+        if code is None:
             raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
-        return self._process.exitcode
+        return code
 
     def communicate(self, input: bytes | None = None, timeout: float | None = None) -> tuple[None, None]:
         """Output went to the server's log file, so there is none to return."""
@@ -134,7 +167,9 @@ class ForkedServer:
         return None, None
 
     def send_signal(self, signum: int) -> None:
-        if self._process.exitcode is None:
+        if self.poll() is not None:
+            return  # reaped: the pid may belong to another process by now
+        with contextlib.suppress(ProcessLookupError):
             os.kill(self.pid, signum)
 
     def terminate(self) -> None:
@@ -142,3 +177,9 @@ class ForkedServer:
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
+
+    def _running(self) -> bool:
+        try:
+            return psutil.Process(self.pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False

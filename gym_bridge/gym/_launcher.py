@@ -122,7 +122,7 @@ def _make_run_command(status: _Status, log_dir: Path, forks: ForkServerContext |
         env["PYTHONPATH"] = ":".join(entries)
         env["UV_CACHE_DIR"] = str(get_global_config_dict()[UV_CACHE_DIR_KEY_NAME])
         log_path = log_dir / f"{name.replace('/', '_')}.log"
-        server = parse_server_command(command) if forks is not None else None
+        server = parse_server_command(command, Path(sys.prefix)) if forks is not None else None
         with open(log_path, "ab") as log:
             log.write(f"$ {shlex.quote(name)} starting{' (forked)' if server else ''}\n".encode())
         process: Popen[bytes] | ForkedServer

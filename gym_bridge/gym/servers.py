@@ -262,7 +262,9 @@ class GymServers:
         cwd = self._working_dir() if self.config.server_dirs else None
         with open(self.launcher_log, "ab") as log:
             self._launcher = subprocess.Popen(
-                [sys.executable, "-m", "gym_bridge.gym._launcher", str(spec_path)],
+                # -P: the launcher's folder stays off sys.path, so a server forked from it gets the
+                # sys.path that `python app.py` would (gym/_forkserver.py)
+                [sys.executable, "-P", "-m", "gym_bridge.gym._launcher", str(spec_path)],
                 cwd=cwd,
                 env=env,
                 stdin=subprocess.DEVNULL,

@@ -1,0 +1,126 @@
+"""Which Gym server commands the launcher forks instead of running in a shell, and what a forked
+server sees: the same as under ``cd DIR && K=V python app.py`` (a real fork server, no Gym set;
+real Gym servers are forked in every Gym test and checked in test_gym_servers)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+from gym_bridge.gym._forkserver import ServerCommand, parse_server_command
+
+_CONFIG_YAML = "policy_model:\n  responses_api_models:\n    vllm_model: {entrypoint: app.py}\n"
+
+
+def _gym_command(setup: str) -> str:
+    """The command NeMo-Gym 0.4's RunHelper.start builds for one server (cli/env.py)."""
+    return f"""{setup} \\
+    && NEMO_GYM_CONFIG_DICT={shlex.quote(_CONFIG_YAML)} \\
+    NEMO_GYM_CONFIG_PATH={shlex.quote("policy_model")} \\
+    python app.py"""
+
+
+def test_the_plain_gym_command_is_forked_with_its_folder_venv_and_variables(tmp_path):
+    venv = tmp_path / "v" / "responses_api_models" / "vllm_model" / ".venv"
+    venv.parent.mkdir(parents=True)
+    venv.symlink_to(sys.prefix)  # what the launcher links
+    parsed = parse_server_command(
+        _gym_command(f"cd /site/responses_api_models/vllm_model && source {venv}/bin/activate"),
+        Path(sys.prefix),
+    )
+    assert parsed == ServerCommand(
+        cwd=Path("/site/responses_api_models/vllm_model"),
+        venv=venv,
+        variables={"NEMO_GYM_CONFIG_DICT": _CONFIG_YAML, "NEMO_GYM_CONFIG_PATH": "policy_model"},
+        entrypoint="app.py",
+    )
+
+
+def test_anything_else_runs_in_a_shell(tmp_path):
+    (tmp_path / "other-venv").mkdir()  # a real venv of its own: its python, not ours, must run the server
+    installs = (
+        "cd /s/x && uv venv --seed /v/.venv && source /v/.venv/bin/activate && uv pip install -r requirements.txt"
+    )
+    for command in [
+        _gym_command(installs),  # a venv to create: refused by the launcher, never forked
+        f"set -o pipefail; ({_gym_command('cd /s/x && source /v/bin/activate')}) 2>&1 | tee -a /l.log",
+        _gym_command("cd /s/x && source /v/bin/activate").replace("python app.py", "python -m app"),
+        "cd /s/x && source /v/bin/activate && python app.py 'unterminated",
+        "cd /s/x && source /v/bin/activate && =x python app.py",
+    ]:
+        assert parse_server_command(command, Path(sys.prefix)) is None, command
+    ours = _gym_command(f"cd /s/x && source {tmp_path / 'other-venv'}/bin/activate")
+    assert parse_server_command(ours, Path(sys.prefix)) is None
+
+
+_PROBE_APP = """
+import json, multiprocessing, os, sys, threading
+import nemo_gym
+open("unclosed.txt", "w").write("kept")  # never closed: Python flushes it at exit
+child = multiprocessing.Process(target=len, args=([],))
+child.start()
+child.join()
+threading.Thread(target=lambda: open("thread.txt", "w").write("joined") if not __import__("time").sleep(0.5) else 0).start()
+print(json.dumps({
+    "start_method": multiprocessing.get_start_method(),
+    "parent_process": multiprocessing.parent_process() is not None,
+    "process_name": multiprocessing.current_process().name,
+    "child_exit": child.exitcode,
+    "cwd": os.getcwd(), "path0": sys.path[0], "file": __file__, "argv": sys.argv,
+    "variable": os.environ["NEMO_GYM_CONFIG_PATH"], "pwd": os.environ["PWD"], "virtual_env": os.environ["VIRTUAL_ENV"],
+    "nemo_gym_working_dir": str(nemo_gym.WORKING_DIR),
+}), flush=True)
+sys.exit(3)
+"""
+
+_FORK_ONE = """
+import os, sys
+from pathlib import Path
+from gym_bridge.gym._forkserver import fork_context, parse_server_command, start_server
+command, log = sys.argv[1], Path(sys.argv[2])
+server = parse_server_command(command, Path(sys.prefix))
+assert server is not None, command
+process = start_server(fork_context(), "probe", server, dict(os.environ), log)
+print(process.wait(120))
+"""
+
+
+def test_a_forked_server_sees_what_python_app_py_would(tmp_path):
+    folder = tmp_path / "resources_servers" / "probe"
+    folder.mkdir(parents=True)
+    (folder / "app.py").write_text(_PROBE_APP)
+    venv = tmp_path / "venvs" / "probe" / ".venv"
+    venv.parent.mkdir(parents=True)
+    venv.symlink_to(sys.prefix)
+    command = f"cd {folder} && source {venv}/bin/activate \\\n    && NEMO_GYM_CONFIG_PATH=probe \\\n    python app.py"
+    log = tmp_path / "probe.log"
+    done = subprocess.run(
+        [sys.executable, "-P", "-c", _FORK_ONE, command, str(log)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["3"], (done.stdout, log.read_text()[-3000:])  # the script's exit code
+    facts = json.loads(next(line for line in log.read_text().splitlines() if line.startswith("{")))
+    assert facts == {
+        "start_method": "fork",  # the platform default, not the fork server's
+        "parent_process": False,
+        "process_name": "MainProcess",
+        "child_exit": 0,
+        "cwd": str(folder),
+        "path0": str(folder),
+        "file": str(folder / "app.py"),
+        "argv": [str(folder / "app.py")],  # the one difference: runpy puts the full path in argv[0]
+        "variable": "probe",
+        "pwd": str(folder),
+        "virtual_env": str(venv),
+        "nemo_gym_working_dir": str(folder),  # NeMo-Gym imported in the server's folder, not the fork server's
+    }
+    assert (folder / "unclosed.txt").read_text() == "kept"
+    assert (folder / "thread.txt").read_text() == "joined"  # non-daemon threads finish before exit

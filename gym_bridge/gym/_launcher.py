@@ -8,7 +8,7 @@ group holds every server, so killing the group leaves nothing behind.
 It changes three things in Gym: each server's output goes to its own log file
 (Gym's ``tee`` wrapper would orphan the servers), a server whose start command
 would create a venv or install packages is refused, and each server is forked
-from a process that imported NeMo-Gym once (:mod:`gym_bridge.gym._forkserver`)
+from a process that imported NeMo-Gym's dependencies once (:mod:`gym_bridge.gym._forkserver`)
 instead of starting a fresh interpreter. It reports to the
 parent through a JSON status file: ``phase`` (parsing, spawning, ready, failed),
 ``servers`` (name -> host, port, pid, log) and ``error``.

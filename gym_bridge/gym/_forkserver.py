@@ -3,11 +3,12 @@
 Importing ``nemo_gym`` (wandb, pandas, ray, fastapi, openai and anthropic types) costs each
 server process about 3.5 CPU-seconds; a set of six servers spent 20 s of CPU before any of
 them listened. The launcher instead starts one multiprocessing fork server that imports
-those third-party packages once (:mod:`gym_bridge.gym._server_preload`), and each server is
-a fork of it that runs its ``app.py`` as ``__main__`` with the environment, folder,
-``sys.path`` Gym's shell command would have given it (``argv[0]`` is the full path). NeMo-Gym itself (0.3 s)
-is imported by each server, so its import-time state (``WORKING_DIR`` from the folder, the
-Hugging Face cache variables, its ``atexit`` hooks) is the server's own.
+those third-party packages once (:mod:`gym_bridge.gym._server_preload`). Each server is a
+fork of it that runs its ``app.py`` as ``__main__`` with the environment, folder and
+``sys.path`` that Gym's shell command would have given it (only ``argv[0]`` differs: it is
+the full path). Each server imports NeMo-Gym itself (0.3 s), so NeMo-Gym's import-time
+state (``WORKING_DIR`` from the folder, the Hugging Face cache variables, its ``atexit``
+hooks) is the server's own.
 
 Only the command shape Gym 0.4 builds (``cd DIR && source VENV/bin/activate && K=V ...
 python ENTRYPOINT``) whose venv is this interpreter's environment (Gym's venvs are links to

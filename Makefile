@@ -11,7 +11,7 @@ export PYTHONDONTWRITEBYTECODE :=
 # uv from PATH when it runs, else the one `make setup` installs for this Python.
 UV := $(shell uv --version >/dev/null 2>&1 && echo uv || echo "$(PYTHON) -m uv")
 
-.PHONY: setup demo test test-fast test-plugin lint clean bench-serve bench-bridge bench-scale example-gym train-demo
+.PHONY: setup demo test test-fast test-plugin lint clean bench-serve bench-bridge bench-scale bench-gym-start example-gym train-demo
 
 setup:
 	@$(UV) --version >/dev/null 2>&1 || $(PYTHON) -m pip install --quiet --disable-pip-version-check uv
@@ -51,6 +51,10 @@ bench-bridge: setup
 # 16,384 rows in flight (1,024 groups of 16) through one NemoGym actor and one manager (~10 min on 2 cores).
 bench-scale: setup
 	$(UV) run python benchmarks/scale_rows.py
+
+# One five-server Gym set started and stopped, forked vs shell, without and with Ray (~3 min on 2 cores).
+bench-gym-start: setup
+	$(UV) run python benchmarks/gym_startup.py
 
 example-gym: setup
 	$(UV) run python examples/nemo_gym_rollout.py examples/nemo_gym_grpo.yaml

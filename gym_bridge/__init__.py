@@ -38,6 +38,7 @@ _EXPORTS: dict[str, str] = {
     "NemoGymConfig": "gym_bridge.gym.actor",
     "spinup_nemo_gym_actor": "gym_bridge.gym.actor",
     "spinup_nemo_gym_actors": "gym_bridge.gym.actor",
+    "stop_nemo_gym_actors": "gym_bridge.gym.actor",
     "GymLaunchSpec": "gym_bridge.launch",
     "NemoGymRollouts": "gym_bridge.launch",
     "launch_nemo_gym": "gym_bridge.launch",
@@ -93,6 +94,7 @@ if TYPE_CHECKING:
         NemoGymConfig as NemoGymConfig,
         spinup_nemo_gym_actor as spinup_nemo_gym_actor,
         spinup_nemo_gym_actors as spinup_nemo_gym_actors,
+        stop_nemo_gym_actors as stop_nemo_gym_actors,
     )
     from gym_bridge.interfaces import (
         EnvironmentInterface as EnvironmentInterface,

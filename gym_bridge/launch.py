@@ -61,7 +61,9 @@ class NemoGymRollouts:
 
     def shutdown(self, timeout_s: float = 60.0) -> None:
         """Stop every actor's Gym servers and the actors; safe to call more than once."""
-        _stop_actors(self.actors, timeout_s)
+        from gym_bridge.gym.spinup import stop_nemo_gym_actors
+
+        stop_nemo_gym_actors(self.actors, timeout_s)
 
     def close(self, timeout_s: float = 60.0) -> None:
         """:meth:`shutdown`, then stop Ray if :func:`start_nemo_gym` started it."""
@@ -73,16 +75,6 @@ class NemoGymRollouts:
 
                 ray.shutdown()
                 self.started_ray = False
-
-
-def _stop_actors(actors: list[Any], timeout_s: float) -> None:
-    import ray
-
-    try:
-        ray.get([actor.shutdown.remote() for actor in actors], timeout=timeout_s)
-    finally:
-        for actor in actors:
-            ray.kill(actor)
 
 
 def start_nemo_gym(spec: GymLaunchSpec, tokenizer: Any) -> NemoGymRollouts:
@@ -103,6 +95,7 @@ def start_nemo_gym(spec: GymLaunchSpec, tokenizer: Any) -> NemoGymRollouts:
     import ray
 
     from gym_bridge.gym.actor import spinup_nemo_gym_actors
+    from gym_bridge.gym.spinup import stop_nemo_gym_actors
     from gym_bridge.ray_utils import init_ray
     from gym_bridge.rollout.manager import RolloutManager
 
@@ -122,7 +115,7 @@ def start_nemo_gym(spec: GymLaunchSpec, tokenizer: Any) -> NemoGymRollouts:
                 **dict(spec.manager_options),
             )
         except BaseException:
-            _stop_actors(actors, spec.gym.shutdown_timeout_s + 10)
+            stop_nemo_gym_actors(actors, spec.gym.shutdown_timeout_s + 10)
             raise
     except BaseException:
         if started_ray:

@@ -59,7 +59,7 @@ from gym_bridge.gym.health import EndpointWatch
 from gym_bridge.gym.result import GymRowBatch, GymRowResult
 from gym_bridge.gym.rows import ROW_INDEX_KEY, dispatch_target
 from gym_bridge.gym.servers import GymServers
-from gym_bridge.gym.spinup import spinup_nemo_gym_actor, spinup_nemo_gym_actors
+from gym_bridge.gym.spinup import spinup_nemo_gym_actor, spinup_nemo_gym_actors, stop_nemo_gym_actors
 
 __all__ = [
     "NemoGym",
@@ -69,6 +69,7 @@ __all__ = [
     "actor_configs",
     "spinup_nemo_gym_actor",
     "spinup_nemo_gym_actors",
+    "stop_nemo_gym_actors",
 ]
 
 logger = logging.getLogger(__name__)

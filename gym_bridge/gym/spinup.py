@@ -7,7 +7,7 @@ from typing import Any
 
 from gym_bridge.gym.actor_config import NemoGymConfig, actor_configs
 
-__all__ = ["spinup_nemo_gym_actor", "spinup_nemo_gym_actors"]
+__all__ = ["spinup_nemo_gym_actor", "spinup_nemo_gym_actors", "stop_nemo_gym_actors"]
 
 logger = logging.getLogger(__name__)
 
@@ -73,3 +73,15 @@ def spinup_nemo_gym_actors(
             raise cause from None
         raise
     return handles
+
+
+def stop_nemo_gym_actors(actors: list[Any], timeout_s: float = 60.0) -> None:
+    """Stop each actor's Gym servers (bounded by ``timeout_s`` in all), then kill the actors, even when a
+    shutdown failed or timed out; the shutdown's error is re-raised after the kills."""
+    import ray
+
+    try:
+        ray.get([actor.shutdown.remote() for actor in actors], timeout=timeout_s)
+    finally:
+        for actor in actors:
+            ray.kill(actor)

@@ -56,13 +56,13 @@ from typing import Any
 import conversion_cost
 import psutil
 import ray
-from results_file import RESULTS, append_results
+from results_file import RESULTS, publish
 from spy import RoleProfile, Spy, markdown_table
 from transformers import AutoTokenizer
 
 from gym_bridge.data import datum_from_gym_row
 from gym_bridge.failures import RolloutTimeouts
-from gym_bridge.gym.actor import NemoGymConfig, spinup_nemo_gym_actor
+from gym_bridge.gym.actor import NemoGymConfig, spinup_nemo_gym_actor, stop_nemo_gym_actors
 from gym_bridge.gym.reaper import free_port
 from gym_bridge.gym.rows import build_rows
 from gym_bridge.gym.servers import GymServers, GymServersConfig, wheel_config_path
@@ -540,13 +540,6 @@ def default_gym(base_url: str, log_dir: Path, workload: Workload) -> GymServers:
     )
 
 
-def _stop_actor(actor: Any) -> None:
-    try:
-        ray.get(actor.shutdown.remote(), timeout=60)
-    finally:
-        ray.kill(actor)
-
-
 async def _ray(ref: Any, timeout_s: float = 60.0) -> Any:
     return await asyncio.wait_for(ref, timeout_s)
 
@@ -659,7 +652,7 @@ async def run_benchmark(args: argparse.Namespace, workdir: Path) -> Report:
             await asyncio.to_thread(default_servers.stop)
         if actor is not None:
             try:
-                await asyncio.to_thread(_stop_actor, actor)
+                await asyncio.to_thread(stop_nemo_gym_actors, [actor])
             except Exception:
                 log.exception("stopping the NemoGym actor failed")
         await asyncio.to_thread(endpoint.stop)
@@ -892,9 +885,7 @@ def main() -> None:
     report = asyncio.run(run_benchmark(args, workdir))
     report.load_after = os.getloadavg()
     text = markdown(report, args)
-    print(text)
-    if not args.no_write:
-        append_results(text)
+    publish(text, write=not args.no_write)
     shutil.rmtree(workdir, ignore_errors=True)
 
 

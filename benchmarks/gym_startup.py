@@ -25,7 +25,7 @@ from pathlib import Path
 import psutil
 import ray
 from bridge_throughput import _git_revision
-from results_file import RESULTS, append_results
+from results_file import RESULTS, publish
 
 from gym_bridge.gym.servers import GymServers, GymServersConfig, wheel_config_path
 from gym_bridge.ray_utils import init_ray
@@ -119,9 +119,7 @@ def main() -> None:
         finally:
             ray.shutdown()
     text = markdown(results, args)
-    print(text)
-    if not args.no_write:
-        append_results(text)
+    publish(text, write=not args.no_write)
 
 
 if __name__ == "__main__":

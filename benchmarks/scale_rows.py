@@ -57,16 +57,15 @@ from bridge_throughput import (
     LoopLag,
     _git_revision,
     _ray,
-    _stop_actor,
     _verdict,
     gym_config,
 )
-from results_file import RESULTS, append_results
+from results_file import RESULTS, publish
 from transformers import AutoTokenizer
 
 from gym_bridge.data import datum_from_gym_row
 from gym_bridge.failures import RolloutRetryPolicy, RolloutTimeouts
-from gym_bridge.gym.actor import spinup_nemo_gym_actor
+from gym_bridge.gym.actor import spinup_nemo_gym_actor, stop_nemo_gym_actors
 from gym_bridge.gym.reaper import free_port
 from gym_bridge.models.tiny import resolve_model_path
 from gym_bridge.ray_utils import init_ray
@@ -367,7 +366,7 @@ async def run_scale(args: argparse.Namespace, workdir: Path) -> Report:
     finally:
         if actor is not None:
             try:
-                await asyncio.to_thread(_stop_actor, actor)
+                await asyncio.to_thread(stop_nemo_gym_actors, [actor])
             except Exception:
                 log.exception("stopping the NemoGym actor failed")
         await asyncio.to_thread(endpoint.stop)
@@ -528,9 +527,7 @@ def main() -> None:
     report = asyncio.run(run_scale(args, workdir))
     report.load_after = os.getloadavg()
     text = markdown(report, args)
-    print(text)
-    if not args.no_write:
-        append_results(text)
+    publish(text, write=not args.no_write)
     shutil.rmtree(workdir, ignore_errors=True)
 
 

@@ -21,7 +21,7 @@ from datetime import date
 
 import httpx
 import torch
-from results_file import append_results
+from results_file import publish
 
 from gym_bridge.batched import BatchedDataDict
 from gym_bridge.generation.hf import HFGeneration, HFGenerationConfig
@@ -102,5 +102,4 @@ if __name__ == "__main__":
     args = parser.parse_args()
     for model in args.model or ["tiny", "smollm2"]:
         table = asyncio.run(main(model, args.max_tokens, args.rounds, args.concurrency or [1, 8, 32]))
-        print(table)
-        append_results(table)
+        publish(table)

@@ -36,16 +36,15 @@ from bridge_throughput import (
     WORKLOADS,
     EndpointProcess,
     _git_revision,
-    _stop_actor,
     gym_config,
 )
-from results_file import RESULTS, append_results
+from results_file import RESULTS, publish
 from transformers import AutoTokenizer
 
 from gym_bridge.cluster import LocalRayCluster, NodeSpec
 from gym_bridge.data import datum_from_gym_row
 from gym_bridge.failures import RolloutTimeouts
-from gym_bridge.gym.actor import spinup_nemo_gym_actor
+from gym_bridge.gym.actor import spinup_nemo_gym_actor, stop_nemo_gym_actors
 from gym_bridge.gym.reaper import free_port
 from gym_bridge.models.tiny import resolve_model_path
 from gym_bridge.rollout.manager import RolloutManager
@@ -112,7 +111,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, list[float]]:
             return results
         finally:
             for actor in actors.values():
-                _stop_actor(actor)
+                stop_nemo_gym_actors([actor])
             endpoint.stop()
 
 
@@ -159,9 +158,7 @@ def main() -> None:
     load_before = os.getloadavg()
     results = run(args, workdir)
     text = markdown(results, args, (load_before, os.getloadavg()))
-    print(text)
-    if not args.no_write:
-        append_results(text)
+    publish(text, write=not args.no_write)
     shutil.rmtree(workdir, ignore_errors=True)
 
 

@@ -30,6 +30,7 @@ import subprocess
 import sys
 import threading
 from dataclasses import dataclass
+from multiprocessing import forkserver
 from multiprocessing.context import ForkServerContext
 from multiprocessing.process import BaseProcess
 from pathlib import Path
@@ -70,8 +71,6 @@ def parse_server_command(command: str, python_prefix: Path) -> ServerCommand | N
 
 def fork_context() -> ForkServerContext:
     """The fork server context, started now so its imports overlap the launcher's own."""
-    from multiprocessing import forkserver
-
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["gym_bridge.gym._server_preload"])
     forkserver.ensure_running()

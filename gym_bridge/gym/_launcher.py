@@ -123,13 +123,13 @@ def _make_run_command(status: _Status, log_dir: Path, forks: ForkServerContext |
         env["UV_CACHE_DIR"] = str(get_global_config_dict()[UV_CACHE_DIR_KEY_NAME])
         log_path = log_dir / f"{name.replace('/', '_')}.log"
         server = parse_server_command(command, Path(sys.prefix)) if forks is not None else None
+        process: Popen[bytes] | ForkedServer
         with open(log_path, "ab") as log:
             log.write(f"$ {shlex.quote(name)} starting{' (forked)' if server else ''}\n".encode())
-        process: Popen[bytes] | ForkedServer
-        if forks is not None and server is not None:
-            process = start_server(forks, name, server, env, log_path)
-        else:
-            with open(log_path, "ab") as log:
+            log.flush()
+            if forks is not None and server is not None:
+                process = start_server(forks, name, server, env, log_path)
+            else:
                 process = Popen(
                     command, executable="/bin/bash", shell=True, env=env, stdin=DEVNULL, stdout=log, stderr=STDOUT
                 )

@@ -53,7 +53,6 @@ from tests.gym_fixtures import (
 pytestmark = [pytest.mark.timeout(600), pytest.mark.gym, pytest.mark.slow]
 
 MARGIN_S = 5.0  # allowed past a deadline: backoff, Ray round trips, a loaded 2-core machine
-GYM_CONFIGS = EQUIVALENCE_GYM_CONFIGS
 PLANTED_API_KEY = "sk-planted-7f3c9e1d2b"  # Gym's policy_api_key here; must never reach a log or result
 CONTEXT_LENGTH_400 = (
     "This model's maximum context length is 4096 tokens. However, you requested 5000 tokens "
@@ -92,7 +91,7 @@ def fault_gym(ray_session, gate, tiny_tokenizer, tmp_path_factory):
     """A NemoGym actor of its own (3 Gym servers) whose endpoint is the gate; Ray may restart it once."""
     config = gym_actor_config([gate.base_url], tmp_path_factory.mktemp("fault-gym-logs")).model_copy(
         update={
-            "config_paths": [str(wheel_config_path(p)) for p in GYM_CONFIGS],
+            "config_paths": [str(wheel_config_path(p)) for p in EQUIVALENCE_GYM_CONFIGS],
             "request_timeout_s": 30.0,
             "health_poll_s": 0.5,
             "on_restart": "respin",

@@ -10,13 +10,16 @@ export PYTHONDONTWRITEBYTECODE :=
 
 # uv from PATH when it runs, else the one `make setup` installs for this Python.
 UV := $(shell uv --version >/dev/null 2>&1 && echo uv || echo "$(PYTHON) -m uv")
+export UV
 
-.PHONY: setup demo test test-fast test-plugin lint clean bench-serve bench-bridge bench-scale bench-gym-start example-gym train-demo
+.PHONY: setup demo test test-gym-compat test-fast test-plugin lint clean bench-serve bench-bridge bench-scale bench-gym-start example-gym train-demo
 
+# The environment runs on Python >= 3.13.14 with nemo-gym 0.7.0. scripts/python313.sh finds that Python (UV_PYTHON,
+# ./.venv's, one uv finds) or, the first time on a machine that has none, builds it from Debian's source package.
 setup:
 	@$(UV) --version >/dev/null 2>&1 || $(PYTHON) -m pip install --quiet --disable-pip-version-check uv
 	@$(UV) --version
-	$(UV) sync --locked
+	@python=$$(bash scripts/python313.sh) && $(UV) sync --locked --python "$$python"
 
 demo: setup
 	$(UV) run gym-bridge eval examples/eval_smollm2.yaml output_dir=runs/demo-$$(date +%Y%m%d-%H%M%S)
@@ -25,6 +28,12 @@ demo: setup
 test: setup
 	$(UV) run pytest -n 2 --dist loadgroup
 	$(MAKE) --no-print-directory test-plugin
+
+# The compatibility lane: the Gym tests on NeMo-RL HEAD's nemo-gym 0.5.1 (Python 3.13) and on 0.4.0 (Python 3.12),
+# each in its own environment (.venv-gym-VERSION); scripts/gym_compat.sh says how each is made.
+test-gym-compat: setup
+	bash scripts/gym_compat.sh 0.5.1
+	bash scripts/gym_compat.sh 0.4.0
 
 # The quick lane: no Gym, no subprocess end to end, nothing slow (target: under 90 s).
 test-fast: setup
@@ -40,7 +49,7 @@ lint: setup
 	$(UV) run mypy
 
 clean:
-	rm -rf .venv .pytest_cache
+	rm -rf .venv .venv-gym-* .pytest_cache
 
 bench-serve: setup
 	$(UV) run python benchmarks/serve_throughput.py

@@ -1,0 +1,129 @@
+"""Everything that differs between the NeMo-Gym versions gym-bridge supports, in one place.
+
+The installed version is read from package metadata, so the driver never imports ``nemo_gym``
+(seconds) to learn it. Every other module reads the fields of :func:`installed_gym`'s
+:class:`GymVersion`; nothing else compares version numbers. Each field names the release that
+changed it, read from the wheels of 0.4.0, 0.5.1, 0.6.0 and 0.7.0 (docs/nemo_gym.md: versions).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+from dataclasses import dataclass, field
+from typing import Any
+
+from packaging.version import Version
+
+__all__ = ["SUPPORTED_GYM", "GymVersion", "UnsupportedGymVersion", "gym_version", "installed_gym"]
+
+SUPPORTED_GYM = (Version("0.4.0"), Version("0.8.0"))
+"""The supported range, lower bound included: what ``pyproject.toml`` admits."""
+
+_BASE_SERVER_TYPES = ("resources_servers", "responses_api_agents", "responses_api_models")
+
+# NeMoGymResponseCreateParamsNonStreaming's fields; the model forbids any other key (a 422 from /run).
+_REQUEST_FIELDS_0_4 = frozenset(
+    {
+        "background",
+        "include",
+        "input",
+        "instructions",
+        "max_output_tokens",
+        "max_tool_calls",
+        "metadata",
+        "model",
+        "parallel_tool_calls",
+        "previous_response_id",
+        "prompt",
+        "reasoning",
+        "service_tier",
+        "store",
+        "stream",
+        "temperature",
+        "text",
+        "tool_choice",
+        "tools",
+        "top_logprobs",
+        "top_p",
+        "truncation",
+        "user",
+    }
+)
+_REQUEST_FIELDS_0_6 = _REQUEST_FIELDS_0_4 | {
+    "context_management",
+    "conversation",
+    "moderation",
+    "prompt_cache_key",
+    "prompt_cache_retention",
+    "safety_identifier",
+    "stream_options",
+}
+
+
+class UnsupportedGymVersion(RuntimeError):
+    """The installed nemo-gym is outside :data:`SUPPORTED_GYM`, or not installed."""
+
+
+@dataclass(frozen=True)
+class GymVersion:
+    """How one NeMo-Gym release starts its servers, what its rows and results hold."""
+
+    version: Version
+    run_command_extra_env: bool
+    """0.7: ``run_command(..., *, global_config_dict, stdout_target, stderr_target, extra_env)``, and the server's
+    ``NEMO_GYM_CONFIG_DICT`` / ``NEMO_GYM_CONFIG_PATH`` arrive in ``extra_env``; before, they are ``K=V`` words of
+    the command itself (``cd D && source V/bin/activate && K=V ... python app.py``)."""
+    run_command_output_targets: bool
+    """0.6: ``run_command`` takes the keyword-only ``global_config_dict``, ``stdout_target``, ``stderr_target``."""
+    server_types: tuple[str, ...]
+    """The ``<type>`` folders a server lives in; 0.6 adds ``environment_servers``."""
+    relays_per_agent: bool
+    """0.6: Gym starts an ``environment_servers/legacy_agent`` relay for every agent that has no environment
+    server (a 5-server set becomes 7). The relay forwards ``/run`` unchanged; we dispatch to the agent itself."""
+    request_fields: frozenset[str]
+    """The keys ``responses_create_params`` may hold; 0.6 adds seven."""
+    result_sample_flags: bool
+    """0.7: ``/run`` results carry ``mask_sample``, ``failure_kind`` and ``failure_reason``."""
+    head_readiness_path: str
+    """The head server's readiness route: ``/readyz`` (0.7, 200 once every server and endpoint answered) or ``/``."""
+    global_config: dict[str, Any] = field(default_factory=dict)
+    """Keys set on every server set: Gym's own wait for the model endpoints is off, since preflight checks them
+    and every rollout call has its own deadline (0.5 waits up to 600 s by default)."""
+
+    @property
+    def label(self) -> str:
+        return f"nemo-gym {self.version}"
+
+
+def gym_version(version: str | Version) -> GymVersion:
+    """The profile of a NeMo-Gym release; :class:`UnsupportedGymVersion` outside :data:`SUPPORTED_GYM`."""
+    v = Version(str(version))
+    low, high = SUPPORTED_GYM
+    if not low <= v < high:
+        raise UnsupportedGymVersion(f"nemo-gym {v} is not supported: gym-bridge supports >={low},<{high}")
+
+    def at_least(release: str) -> bool:
+        return v >= Version(release)
+
+    return GymVersion(
+        version=v,
+        run_command_extra_env=at_least("0.7"),
+        run_command_output_targets=at_least("0.6"),
+        server_types=_BASE_SERVER_TYPES + (("environment_servers",) if at_least("0.6") else ()),
+        relays_per_agent=at_least("0.6"),
+        request_fields=_REQUEST_FIELDS_0_6 if at_least("0.6") else _REQUEST_FIELDS_0_4,
+        result_sample_flags=at_least("0.7"),
+        head_readiness_path="/readyz" if at_least("0.7") else "/",
+        global_config={"model_endpoint_readiness_timeout_seconds": 0} if at_least("0.5") else {},
+    )
+
+
+@functools.cache
+def installed_gym() -> GymVersion:
+    """The profile of the installed nemo-gym, read from its package metadata (no import of ``nemo_gym``)."""
+    try:
+        version = importlib.metadata.version("nemo-gym")
+    except importlib.metadata.PackageNotFoundError:
+        raise UnsupportedGymVersion("nemo-gym is not installed") from None
+    return gym_version(version)

@@ -25,6 +25,7 @@ pytest_plugins = ["gym_bridge.testing"]
 
 SHARED_GYM = "gym_actor"
 RAY_LANE, LOCAL_LANE = "ray", "local"
+GYM_LAYER_MODULES = ("test_gym_", "test_nemo_gym")  # with the gym-marked tests: what the compat lanes run
 _LAST_GYM_USER = pytest.StashKey[pytest.Item | None]()
 
 
@@ -58,6 +59,8 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     for item in items:  # two lanes of whole modules: each module's fixtures are set up once, in one worker
         lane = RAY_LANE if getattr(item, "module", None) in ray_modules else LOCAL_LANE
         item.add_marker(pytest.mark.xdist_group(lane))
+        if item.get_closest_marker("gym") or item.path.name.startswith(GYM_LAYER_MODULES):
+            item.add_marker(pytest.mark.gym_layer)
     result = yield
 
     users = {getattr(item, "module", None) for item in items if _uses_shared_gym(item)}

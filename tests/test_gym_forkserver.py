@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from gym_bridge.gym._forkserver import ServerCommand, parse_server_command
 
 _CONFIG_YAML = "policy_model:\n  responses_api_models:\n    vllm_model: {entrypoint: app.py}\n"
@@ -59,6 +61,8 @@ def test_anything_else_runs_in_a_shell(tmp_path):
 
 _PROBE_APP = """
 import json, multiprocessing, os, sys, threading
+real = lambda paths: [os.path.realpath(p) for p in paths]  # 0.7 runs VENV/bin/python: a link to the same folders
+path_before = real(sys.path)
 import nemo_gym
 open("unclosed.txt", "w").write("kept")  # never closed: Python flushes it at exit
 child = multiprocessing.Process(target=len, args=([],))
@@ -70,9 +74,9 @@ print(json.dumps({
     "parent_process": multiprocessing.parent_process() is not None,
     "process_name": multiprocessing.current_process().name,
     "child_exit": child.exitcode,
-    "cwd": os.getcwd(), "path0": sys.path[0], "file": __file__, "argv": sys.argv,
-    "variable": os.environ["NEMO_GYM_CONFIG_PATH"], "pwd": os.environ["PWD"], "virtual_env": os.environ["VIRTUAL_ENV"],
-    "nemo_gym_working_dir": str(nemo_gym.WORKING_DIR),
+    "cwd": os.getcwd(), "path_before_gym": path_before, "path_after_gym": real(sys.path), "file": __file__,
+    "argv": sys.argv, "variable": os.environ["NEMO_GYM_CONFIG_PATH"], "pwd": os.environ["PWD"],
+    "virtual_env": os.environ["VIRTUAL_ENV"], "nemo_gym_working_dir": str(nemo_gym.WORKING_DIR),
 }), flush=True)
 sys.exit(3)
 """
@@ -89,38 +93,49 @@ print(process.wait(120))
 """
 
 
-def test_a_forked_server_sees_what_python_app_py_would(tmp_path):
-    folder = tmp_path / "resources_servers" / "probe"
-    folder.mkdir(parents=True)
-    (folder / "app.py").write_text(_PROBE_APP)
+def _probe_facts(log: Path) -> dict:
+    return json.loads(next(line for line in log.read_text().splitlines() if line.startswith("{")))
+
+
+@pytest.mark.parametrize("shape", ["variables in the command (Gym 0.4-0.6)", "venv python, variables in env (0.7)"])
+def test_a_forked_server_sees_what_python_app_py_would(tmp_path, shape):
+    """The same probe run by the shell (as Gym would) and forked: everything it sees is the same, but argv[0]."""
     venv = tmp_path / "venvs" / "probe" / ".venv"
     venv.parent.mkdir(parents=True)
     venv.symlink_to(sys.prefix)
-    command = f"cd {folder} && source {venv}/bin/activate \\\n    && NEMO_GYM_CONFIG_PATH=probe \\\n    python app.py"
-    log = tmp_path / "probe.log"
-    done = subprocess.run(
-        [sys.executable, "-P", "-c", _FORK_ONE, command, str(log)],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        cwd=tmp_path,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split() == ["3"], (done.stdout, log.read_text()[-3000:])  # the script's exit code
-    facts = json.loads(next(line for line in log.read_text().splitlines() if line.startswith("{")))
-    assert facts == {
-        "start_method": "fork",  # the platform default, not the fork server's
-        "parent_process": False,
-        "process_name": "MainProcess",
-        "child_exit": 0,
-        "cwd": str(folder),
-        "path0": str(folder),
-        "file": str(folder / "app.py"),
-        "argv": [str(folder / "app.py")],  # the one difference: runpy puts the full path in argv[0]
-        "variable": "probe",
-        "pwd": str(folder),
-        "virtual_env": str(venv),
-        "nemo_gym_working_dir": str(folder),  # NeMo-Gym imported in the server's folder, not the fork server's
-    }
-    assert (folder / "unclosed.txt").read_text() == "kept"
-    assert (folder / "thread.txt").read_text() == "joined"  # non-daemon threads finish before exit
+    facts = {}
+    for how in ("shell", "fork"):
+        folder = tmp_path / how / "resources_servers" / "probe"
+        folder.mkdir(parents=True)
+        (folder / "app.py").write_text(_PROBE_APP)
+        setup = f"cd {folder} && source {venv}/bin/activate"
+        env = {**os.environ, "PYTHONPATH": str(folder)}  # what the launcher's run_command sets
+        if shape.startswith("variables"):
+            command = f"{setup} \\\n    && NEMO_GYM_CONFIG_PATH=probe \\\n    python app.py"
+        else:
+            command = f"{setup} \\\n    && {venv}/bin/python app.py"
+            env["NEMO_GYM_CONFIG_PATH"] = "probe"  # run_command's extra_env
+        log = tmp_path / f"{how}.log"
+        if how == "shell":
+            with open(log, "wb") as out:
+                done = subprocess.run(["bash", "-c", command], env=env, stdout=out, stderr=subprocess.STDOUT, timeout=180)
+            assert done.returncode == 3, log.read_text()[-3000:]
+        else:
+            done = subprocess.run(
+                [sys.executable, "-P", "-c", _FORK_ONE, command, str(log)],
+                capture_output=True,
+                text=True,
+                timeout=180,
+                cwd=tmp_path,
+                env=env,
+            )
+            assert done.returncode == 0, done.stderr[-3000:]
+            assert done.stdout.split() == ["3"], (done.stdout, log.read_text()[-3000:])  # the script's exit code
+        assert (folder / "unclosed.txt").read_text() == "kept"
+        assert (folder / "thread.txt").read_text() == "joined"  # non-daemon threads finish before exit
+        found = _probe_facts(log)
+        found["argv"] = [Path(a).name for a in found["argv"]]  # the one difference: runpy puts the full path in argv[0]
+        facts[how] = json.loads(json.dumps(found).replace(str(tmp_path / how), "<server root>"))
+    assert facts["fork"] == facts["shell"]
+    assert facts["fork"]["start_method"] == "fork"  # the platform default, not the fork server's
+    assert facts["fork"]["nemo_gym_working_dir"] == "<server root>/resources_servers/probe"

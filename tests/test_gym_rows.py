@@ -79,7 +79,7 @@ def test_build_rows_copies_every_level():
 def test_known_create_params_fields_match_the_installed_gym():
     from nemo_gym.openai_utils import NeMoGymResponseCreateParamsNonStreaming as GymParams
 
-    from gym_bridge.gym.rows import GYM_RESPONSES_CREATE_FIELDS
+    from gym_bridge.gym.versions import installed_gym
 
     assert GymParams.model_config.get("extra") == "forbid"
-    assert set(GymParams.model_fields) == GYM_RESPONSES_CREATE_FIELDS
+    assert set(GymParams.model_fields) == installed_gym().request_fields

@@ -10,9 +10,10 @@ the full path). Each server imports NeMo-Gym itself (0.3 s), so NeMo-Gym's impor
 state (``WORKING_DIR`` from the folder, the Hugging Face cache variables, its ``atexit``
 hooks) is the server's own.
 
-Only the command shape Gym 0.4 builds (``cd DIR && source VENV/bin/activate && K=V ...
-python ENTRYPOINT``) whose venv is this interpreter's environment (Gym's venvs are links to
-``sys.prefix`` here) is forked; anything else returns None and runs in a shell as before.
+Only the plain command shapes Gym builds when a server's venv exists (``cd DIR && source
+VENV/bin/activate && K=V ... python ENTRYPOINT``, or 0.7's ``... && VENV/bin/python ENTRYPOINT``)
+whose venv is this interpreter's environment (Gym's venvs are links to ``sys.prefix`` here) are
+forked; anything else returns None and runs in a shell as before.
 """
 
 from __future__ import annotations
@@ -51,16 +52,23 @@ class ServerCommand:
 
 
 def parse_server_command(command: str, python_prefix: Path) -> ServerCommand | None:
-    """The parts of Gym's server command, or None unless it is the plain shape we can fork and its
-    venv is ``python_prefix`` (the forked server runs this interpreter's packages)."""
+    """The parts of Gym's server command, or None unless it is a plain shape we can fork and its
+    venv is ``python_prefix`` (the forked server runs this interpreter's packages).
+
+    The two shapes: ``cd D && source V/bin/activate && K=V ... python ENTRYPOINT`` (Gym 0.4 to 0.6, the
+    config in ``K=V`` words) and ``cd D && source V/bin/activate && V/bin/python ENTRYPOINT`` (0.7, the
+    config in ``run_command``'s ``extra_env``, which the caller puts in the server's environment).
+    """
     try:
         tokens = shlex.split(command.replace("\\\n", " "))
     except ValueError:
         return None
     match tokens:
-        case ["cd", cwd, "&&", "source", activate, "&&", *assignments, "python", entrypoint] if activate.endswith(
-            "/bin/activate"
-        ) and all("=" in a and not a.startswith("=") for a in assignments):
+        case ["cd", cwd, "&&", "source", activate, "&&", *assignments, python, entrypoint] if (
+            activate.endswith("/bin/activate")
+            and all("=" in a and not a.startswith("=") for a in assignments)
+            and python in ("python", str(Path(activate).parent / "python"))
+        ):
             venv = Path(activate).parent.parent
             if venv.resolve() != python_prefix.resolve():
                 return None
@@ -81,8 +89,9 @@ def start_server(
     context: ForkServerContext, name: str, server: ServerCommand, env: dict[str, str], log_path: Path
 ) -> ForkedServer:
     """Fork one Gym server from ``context``'s fork server; its output goes to ``log_path``."""
-    env = {**env, **server.variables, "VIRTUAL_ENV": str(server.venv), "PWD": str(server.cwd)}
-    env["PATH"] = os.pathsep.join(filter(None, [str(server.venv / "bin"), env.get("PATH")]))
+    venv = server.venv.resolve()  # what `source VENV/bin/activate` sets: the path the venv was made at
+    env = {**env, **server.variables, "VIRTUAL_ENV": str(venv), "PWD": str(server.cwd)}
+    env["PATH"] = os.pathsep.join(filter(None, [str(venv / "bin"), env.get("PATH")]))
     process = context.Process(target=_run_server, args=(server, env, str(log_path)), name=name, daemon=False)
     process.start()
     return ForkedServer(process)

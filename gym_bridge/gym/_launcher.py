@@ -25,6 +25,7 @@ import threading
 import time
 import traceback
 from multiprocessing.context import ForkServerContext
+from collections.abc import Mapping
 from pathlib import Path
 from subprocess import DEVNULL, STDOUT, Popen
 from typing import Any
@@ -109,11 +110,23 @@ def _make_run_command(status: _Status, log_dir: Path, forks: ForkServerContext |
     and each server forked from ``forks`` (:mod:`gym_bridge.gym._forkserver`) when its command allows."""
     from nemo_gym.global_config import UV_CACHE_DIR_KEY_NAME, get_global_config_dict
 
-    def run_command(command: str, working_dir_path: Path, server_name: str = "", project_root: Path | None = None):
+    def run_command(
+        command: str,
+        working_dir_path: Path,
+        server_name: str = "",
+        project_root: Path | None = None,
+        *,
+        global_config_dict: Any = None,
+        stdout_target: Any = None,
+        stderr_target: Any = None,
+        extra_env: Mapping[str, str] | None = None,
+    ):
+        """Every Gym version's signature at once (the keywords came in 0.6 and 0.7); output goes to the log."""
         name = server_name or working_dir_path.name
         if any(marker in command for marker in _INSTALL_MARKERS):
             raise RuntimeError(f"refusing to create a venv or install packages for server {name!r}: {command[:300]}")
         env = os.environ.copy()
+        env.update(extra_env or {})
         entries = [str(working_dir_path.absolute())]
         if project_root is not None:
             entries.append(str(project_root.absolute()))

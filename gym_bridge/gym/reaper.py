@@ -130,11 +130,11 @@ def is_alive(proc: psutil.Process) -> bool:
         return False
 
 
-def answers(host: str, port: int) -> bool:
-    """Whether ``GET /`` on the server answers 200 within a second."""
+def answers(host: str, port: int, path: str = "/") -> bool:
+    """Whether ``GET path`` on the server answers 200 within a second."""
     conn = http.client.HTTPConnection(host, port, timeout=1.0)
     try:
-        conn.request("GET", "/")
+        conn.request("GET", path)
         return conn.getresponse().status == 200
     except (OSError, http.client.HTTPException):
         return False

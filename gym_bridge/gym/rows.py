@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from gym_bridge.failures import InvalidGymRow
+from gym_bridge.gym.versions import installed_gym
 from gym_bridge.types import GenerationSamplingParams
 
 ROW_INDEX_KEY = "_rowidx"
@@ -26,37 +27,6 @@ class AgentRef(BaseModel):
     name: str
 
 
-# The fields of nemo-gym 0.4.0's NeMoGymResponseCreateParamsNonStreaming (extra="forbid": any other
-# key is a 422 from the agent's /run). Listed here because importing nemo_gym takes seconds.
-GYM_RESPONSES_CREATE_FIELDS = frozenset(
-    {
-        "background",
-        "include",
-        "input",
-        "instructions",
-        "max_output_tokens",
-        "max_tool_calls",
-        "metadata",
-        "model",
-        "parallel_tool_calls",
-        "previous_response_id",
-        "prompt",
-        "reasoning",
-        "service_tier",
-        "store",
-        "stream",
-        "temperature",
-        "text",
-        "tool_choice",
-        "tools",
-        "top_logprobs",
-        "top_p",
-        "truncation",
-        "user",
-    }
-)
-
-
 class ResponsesCreateParams(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -64,9 +34,10 @@ class ResponsesCreateParams(BaseModel):
     @classmethod
     def _known_keys_only(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            unknown = sorted(set(data) - GYM_RESPONSES_CREATE_FIELDS)
+            gym = installed_gym()
+            unknown = sorted(set(data) - gym.request_fields)
             if unknown:
-                raise ValueError(f"unknown key(s) {unknown} (NeMo-Gym rejects them with 422)")
+                raise ValueError(f"unknown key(s) {unknown} ({gym.label} rejects them with 422)")
         return data
 
     input: str | list[Any]

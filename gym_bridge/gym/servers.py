@@ -45,6 +45,7 @@ from gym_bridge.gym.reaper import (
     wait_gone,
 )
 from gym_bridge.gym.server_config import GymServersConfig, HeadServerAddress, deep_merge, wheel_config_path
+from gym_bridge.gym.versions import installed_gym
 
 __all__ = [
     "GymServerDied",
@@ -60,7 +61,6 @@ logger = logging.getLogger(__name__)
 
 _POLL_INTERVAL_S = 0.25
 _KILL_WAIT_S = 5.0
-_GYM_SERVER_TYPES = ("resources_servers", "responses_api_agents", "responses_api_models")
 
 
 def _running_ray_address() -> str | None:
@@ -82,7 +82,7 @@ class GymServers:
     """One set of NeMo-Gym servers (head server, models, agents, resources servers).
 
     ``start()`` returns the head server's address once every server answers
-    ``GET /``; ``stop()`` is idempotent and leaves no process behind. Usable as a
+    ``GET /`` and the head server says it is ready (``GET /readyz`` from Gym 0.7 on); ``stop()`` is idempotent and leaves no process behind. Usable as a
     context manager.
     """
 
@@ -214,6 +214,7 @@ class GymServers:
             "skip_venv_if_present": True,
             "uv_venv_dir": str(self._private_dir / "venvs"),
             "uv_cache_dir": str(self._private_dir / "uv-cache"),
+            **installed_gym().global_config,
         }
         if cfg.policy_base_urls:
             base["policy_base_url"] = list(cfg.policy_base_urls)
@@ -281,7 +282,7 @@ class GymServers:
         here = Path.cwd()
         links = {
             f"{kind}/{d.name}": d
-            for kind in _GYM_SERVER_TYPES
+            for kind in installed_gym().server_types
             if (here / kind).is_dir()
             for d in (here / kind).iterdir()
             if d.is_dir()
@@ -327,7 +328,8 @@ class GymServers:
                 for name, s in servers.items():
                     if name not in ready and answers(s["host"], s["port"]):
                         ready.add(name)
-                if len(ready) == len(servers) and self.head and answers(self.head.host, self.head.port):
+                head = self.head
+                if len(ready) == len(servers) and head and answers(head.host, head.port, installed_gym().head_readiness_path):
                     return
             if time.monotonic() >= deadline:
                 waiting = [n for n in servers if n not in ready] or ["head_server"]

@@ -58,6 +58,7 @@ class Completion:
     ``truncated`` means what it means in NeMo-RL on the path that made the completion
     (see :mod:`gym_bridge.rollout.truncation`). ``token_drift`` is ours: a Gym turn's
     prompt did not extend the previous turn's tokens (details in ``env_extras["token_drift"]``).
+    ``masked`` and ``failure_kind`` carry the environment's own verdict (Gym 0.7).
     """
 
     message_log: LLMMessageLogType
@@ -65,6 +66,11 @@ class Completion:
     truncated: bool
     reward: float
     token_drift: bool = False
+    masked: bool = False
+    """The environment flagged the reward as no valid measurement (Gym's ``mask_sample``): kept, counted, and
+    left out of the loss and of its group's baseline and std. Never a zero reward in disguise."""
+    failure_kind: str | None = None
+    """Gym's ``failure_kind`` for this sample, if the environment named one."""
 
 
 @dataclass

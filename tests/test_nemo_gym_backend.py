@@ -29,7 +29,7 @@ ROW = {
 }
 
 
-def fake_result(rowidx: int, reward: float = 1.0) -> GymRowResult:
+def fake_result(rowidx: int, reward: float = 1.0, **flags) -> GymRowResult:
     """A converted row as the actor ships it (numpy arrays), built by the same schema reader."""
     user = {"role": "user", "content": "", "token_ids": token_tensor([1, 2, 3])}
     asst = {
@@ -41,10 +41,16 @@ def fake_result(rowidx: int, reward: float = 1.0) -> GymRowResult:
     converted = {
         "message_log": [user, asst],
         "input_message_log": [user],
-        "full_result": {"reward": reward, "solved": reward > 0, "response": {}, "label": "text"},
+        "full_result": {"reward": reward, "solved": reward > 0, "response": {}, "label": "text", **flags},
         "token_drift": None,
     }
     return gym_row_result(rowidx, converted).with_numpy()
+
+
+_MASK_PLANS = {
+    "mask_infra": {"failure_kind": "session_lost", "failure_reason": "the sandbox session reset timed out"},
+    "mask_data": {"failure_kind": "judge_failed", "failure_reason": "the judge answered nothing"},
+}
 
 
 @ray.remote
@@ -82,6 +88,9 @@ class ScriptedStreamActor:
             if plan == "data_failure":
                 raise RolloutDataFailure("NeMo-Gym /run failed with HTTP 422: bad row")
             timing = {f"{timer_prefix}/await_results": 0.1} if k == len(indices) - 1 else None
+            if plan in _MASK_PLANS and i % 2 == 1:  # Gym 0.7's flagged samples, on the odd rows
+                yield GymRowBatch([fake_result(i, reward=0.0, mask_sample=True, **_MASK_PLANS[plan])], timing)
+                continue
             yield GymRowBatch([fake_result(i, reward=float(i))], timing)
             if plan == "duplicate":
                 yield GymRowBatch([fake_result(i)])
@@ -267,3 +276,43 @@ async def test_agent_discovery_skips_a_dead_first_actor(ray_session):
         assert await client.agent_names() == ["agent_a"] and client.dead_actors == [0]
     finally:
         ray.kill(live)
+
+
+async def test_flagged_samples_are_masked_and_counted_never_zero_rewards(make):
+    """Gym 0.7's mask_sample with a verifier's failure_kind: the samples stay (masked), are counted per agent,
+    and the group is complete; nothing is re-sent for a DATA kind."""
+    impl, actor = make(["mask_data"])
+    record = await impl.run_rollout(datum())
+    assert [c.masked for c in record.completions] == [False, True, False, True]
+    assert [c.failure_kind for c in record.completions] == [None, "judge_failed", None, "judge_failed"]
+    assert record.rollout_metrics["masked_rate"] == 0.5 and record.rollout_metrics["agent_a/masked_rate"] == 0.5
+    assert record.rollout_metrics["agent_a/failure_kind/judge_failed"] == 2.0
+    assert ray.get(actor.dispatched.remote()) == [[0, 1, 2, 3]]
+
+
+async def test_infra_flagged_rows_are_resent_then_kept_masked(make):
+    """A row masked for an infrastructure failure_kind (session_lost) is re-sent while the row budget lasts;
+    a row still flagged on the last attempt is kept, masked, not turned into a reward."""
+    impl, actor = make(["mask_infra", "ok"])
+    record = await impl.run_rollout(datum())
+    assert [c.masked for c in record.completions] == [False] * 4 and [c.reward for c in record.completions] == [
+        0.0,
+        1.0,
+        2.0,
+        3.0,
+    ]
+    assert ray.get(actor.dispatched.remote()) == [[0, 1, 2, 3], [1, 3]]
+    assert impl.stats.as_metrics()["rollout/env_failure_redispatch_total/session_lost"] == 2.0
+
+    impl, actor = make(["mask_infra"] * 3, max_gym_row_attempts=3)
+    record = await impl.run_rollout(datum())
+    assert [c.masked for c in record.completions] == [False, True, False, True]
+    assert ray.get(actor.dispatched.remote()) == [[0, 1, 2, 3], [1, 3], [1, 3]]
+
+
+async def test_masking_off_keeps_flagged_samples_and_drops_the_flag(make):
+    """mask_env_flagged_samples=False (NeMo-RL's opt-out): the sample trains, and its flag is gone from env_extras."""
+    impl, _ = make(["mask_data"], mask_env_flagged_samples=False)
+    record = await impl.run_rollout(datum())
+    assert not any(c.masked for c in record.completions)
+    assert all("mask_sample" not in (c.env_extras or {}) for c in record.completions)

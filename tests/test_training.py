@@ -131,3 +131,15 @@ def test_training_raises_logprobs_of_rewarded_tokens_and_leaves_the_prompt_alone
 
 def test_pairs_with_leave_one_out_are_not_rescaled():
     assert grpo_advantages(torch.tensor([[1.0, 0.25]])).tolist() == [[0.75, -0.75]]
+
+
+def test_masked_samples_leave_the_baseline_and_the_loss():
+    """A sample the environment masked (Gym's mask_sample) moves no sibling's advantage and gets none itself."""
+    rewards = torch.tensor([[1.0, 0.0, 0.0, 0.0]])
+    valid = torch.tensor([[True, True, True, False]])
+    masked = grpo_advantages(rewards, valid=valid)
+    three = grpo_advantages(rewards[:, :3])
+    assert torch.allclose(masked[:, :3], three) and masked[0, 3] == 0
+    baseline, std = baseline_and_std_per_group(rewards, valid=valid)
+    assert torch.allclose(baseline[:, :3], baseline_and_std_per_group(rewards[:, :3])[0])
+    assert torch.equal(grpo_advantages(rewards, valid=torch.zeros(1, 4, dtype=torch.bool)), torch.zeros(1, 4))

@@ -26,6 +26,7 @@ __all__ = [
     "classify_environment_failure",
     "classify_generation_failure",
     "classify_rollout_failure",
+    "gym_failure_kind_class",
     "gym_status_failure",
     "http_status_is_infra",
     "shorten",
@@ -39,6 +40,39 @@ class FailureClass(StrEnum):
 
 
 _MAX_CAUSE_LINKS = 8
+
+# NeMo-Gym 0.7's shared failure vocabulary (nemo_gym/failure_kinds.py): the kinds that say the fleet failed
+# (a transport, a sandbox provider, a session, a cancelled or killed process), not the policy or its verifier.
+_INFRA_FAILURE_KINDS = frozenset(
+    {
+        "transport_unreachable",
+        "transport_peer_drop",
+        "transport_timeout",
+        "transport_local_resource",
+        "agent_request_failed",
+        "agent_timeout",
+        "provider_unavailable",
+        "provider_quota_exhausted",
+        "provider_oom_killed",
+        "session_lost",
+        "session_expired",
+        "cancelled",
+        "kill_shaped",
+        "shutdown",
+    }
+)
+
+
+def gym_failure_kind_class(kind: str | None) -> FailureClass | None:
+    """INFRA or DATA for a Gym result's ``failure_kind``; None when it names none.
+
+    The verifier's and the agent's own kinds (``judge_*``, ``verifier_error``, ``agent_run_error``) and
+    ``session_release_failed`` (measured before the release failed) are DATA; so is an unknown or
+    ``<server>:<kind>`` name, as any unrecognised failure is.
+    """
+    if not kind:
+        return None
+    return FailureClass.INFRA if kind in _INFRA_FAILURE_KINDS else FailureClass.DATA
 
 _RAY_INFRA_NAMES = (
     "RayActorError",

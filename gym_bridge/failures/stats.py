@@ -25,9 +25,14 @@ class RolloutStats:
     infra_drops_by_reason: dict[str, int] = field(default_factory=dict)
     max_consecutive_infra_drops: int = 0
     gym_row_redispatches: int = 0
+    env_failure_redispatches_by_kind: dict[str, int] = field(default_factory=dict)
+    """Rows Gym returned masked with an infrastructure ``failure_kind``, re-sent (by kind)."""
 
     def record_redispatch(self, reason: str) -> None:
         _bump(self.redispatches_by_reason, reason)
+
+    def record_env_failure_redispatch(self, failure_kind: str) -> None:
+        _bump(self.env_failure_redispatches_by_kind, failure_kind)
 
     def record_data_retry(self, reason: str) -> None:
         _bump(self.data_retries_by_reason, reason)
@@ -48,6 +53,7 @@ class RolloutStats:
             "rollout/data_retry_total": float(sum(self.data_retries_by_reason.values())),
             "rollout/data_failures_total": float(sum(self.data_failures_by_reason.values())),
             "rollout/gym_row_redispatch_total": float(self.gym_row_redispatches),
+            "rollout/env_failure_redispatch_total": float(sum(self.env_failure_redispatches_by_kind.values())),
             "rollout/infra_drops_total": float(sum(self.infra_drops_by_reason.values())),
             "rollout/max_consecutive_infra_drops": float(self.max_consecutive_infra_drops),
         }
@@ -56,6 +62,7 @@ class RolloutStats:
             ("rollout/data_retry_total", self.data_retries_by_reason),
             ("rollout/data_failures_total", self.data_failures_by_reason),
             ("rollout/infra_drops_total", self.infra_drops_by_reason),
+            ("rollout/env_failure_redispatch_total", self.env_failure_redispatches_by_kind),
         ):
             metrics.update({f"{prefix}/{reason}": float(n) for reason, n in sorted(counter.items())})
         return metrics

@@ -27,6 +27,7 @@ from gym_bridge.failures import (
     RolloutStats,
     classify_rollout_failure,
     deadline,
+    gym_failure_kind_class,
 )
 from gym_bridge.gym.result import GymRowBatch, GymRowResult
 from gym_bridge.gym.rows import ROW_INDEX_KEY, check_agent
@@ -159,12 +160,13 @@ class GymClient:
                     len(pending),
                     n,
                     attempts,
-                    type(last_error).__name__,
-                    last_error,
+                    type(last_error).__name__ if last_error else "masked rows",
+                    last_error or "the environment flagged an infrastructure failure_kind",
                 )
             actor = self._pick_actor(failed_actors)
+            last_attempt = attempts == self.max_row_attempts
             try:
-                timing = await self._stream(actor, pending, results) or timing
+                timing = await self._stream(actor, pending, results, keep_env_failures=last_attempt) or timing
             except Exception as exc:
                 last_error = exc
                 failed_actors.add(actor)
@@ -188,7 +190,12 @@ class GymClient:
         self._dead.add(actor)
 
     async def _stream(
-        self, actor: int, pending: list[dict[str, Any]], results: list[GymRowResult | None]
+        self,
+        actor: int,
+        pending: list[dict[str, Any]],
+        results: list[GymRowResult | None],
+        *,
+        keep_env_failures: bool,
     ) -> dict[str, float] | None:
         dispatched = {row[ROW_INDEX_KEY] for row in pending}
         seen: set[int] = set()
@@ -205,7 +212,7 @@ class GymClient:
                 if not isinstance(batch, GymRowBatch):
                     raise GymTransportError(f"the NemoGym stream sent a {type(batch).__name__}, not a GymRowBatch")
                 for row in batch.rows:
-                    self._accept(actor, row, results, dispatched, seen)
+                    self._accept(actor, row, results, dispatched, seen, keep_env_failures)
                 if batch.timing:
                     timing = batch.timing
         finally:
@@ -215,9 +222,19 @@ class GymClient:
         return timing
 
     def _accept(
-        self, actor: int, row: GymRowResult, results: list[GymRowResult | None], dispatched: set[int], seen: set[int]
+        self,
+        actor: int,
+        row: GymRowResult,
+        results: list[GymRowResult | None],
+        dispatched: set[int],
+        seen: set[int],
+        keep_env_failures: bool,
     ) -> None:
-        """Check one streamed row index and keep the row, its tensors restored."""
+        """Check one streamed row index and keep the row, its tensors restored.
+
+        A row the environment masked for an infrastructure ``failure_kind`` (a lost session, an unreachable
+        provider) is left out, so the next attempt re-sends it, unless this is the last attempt: then it is
+        kept, masked."""
         rowidx = row.row_index
         if not isinstance(rowidx, int) or isinstance(rowidx, bool):
             raise GymRowIndexError(f"row index {rowidx!r} is not an int")
@@ -229,6 +246,10 @@ class GymClient:
             raise GymRowIndexError(f"duplicate row index {rowidx}")
         seen.add(rowidx)
         self._in_flight[actor] -= 1
+        if row.mask_sample and gym_failure_kind_class(row.failure_kind) is FailureClass.INFRA and not keep_env_failures:
+            self.stats.record_env_failure_redispatch(str(row.failure_kind))
+            logger.warning("row %d came back masked (%s: %s); re-sending it", rowidx, row.failure_kind, row.failure_reason)
+            return
         results[rowidx] = row.with_tensors()
 
 

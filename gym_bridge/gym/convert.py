@@ -38,6 +38,7 @@ __all__ = [
     "TokenDrift",
     "convert_gym_result",
     "detect_tool_call_and_thinking_flags",
+    "env_flagged",
     "gym_row_result",
     "incomplete_reason",
     "scalar_fields",
@@ -212,7 +213,25 @@ def gym_row_result(row_index: int, converted: dict[str, Any]) -> GymRowResult:
         token_drift=converted["token_drift"],
         incomplete_reason=incomplete_reason(full_result),
         metrics=scalar_fields(full_result),
+        mask_sample=env_flagged(full_result),
+        failure_kind=_optional_str(full_result, "failure_kind"),
+        failure_reason=_optional_str(full_result, "failure_reason"),
     )
+
+
+def env_flagged(full_result: Mapping[str, Any]) -> bool:
+    """Whether the environment masked this sample: top-level ``mask_sample`` (Gym 0.7) or
+    ``instance_config.mask_sample`` (the field NeMo-RL reads for older Gyms)."""
+    instance_config = full_result.get("instance_config")
+    nested = instance_config.get("mask_sample") if isinstance(instance_config, Mapping) else None
+    return bool(full_result.get("mask_sample")) or bool(nested)
+
+
+def _optional_str(full_result: Mapping[str, Any], key: str) -> str | None:
+    value = full_result.get(key)
+    if value is not None and not isinstance(value, str):
+        raise GymResultError(f"the Gym result's {key} is {value!r}, not a string")
+    return value
 
 
 def incomplete_reason(full_result: Mapping[str, Any] | None) -> str | None:
@@ -233,7 +252,8 @@ def scalar_fields(full_result: Mapping[str, Any]) -> dict[str, float]:
 
 
 def without_mask_sample(full_result: dict[str, Any]) -> None:
-    """Drop ``instance_config.mask_sample``, in place (NeMo-RL's ``mask_env_flagged_samples=False``)."""
+    """Drop ``mask_sample`` and ``instance_config.mask_sample``, in place (``mask_env_flagged_samples=False``)."""
+    full_result.pop("mask_sample", None)
     instance_config = full_result.get("instance_config")
     if isinstance(instance_config, dict):
         instance_config.pop("mask_sample", None)

@@ -37,6 +37,13 @@ class GymRowResult:
     """Gym's ``response.incomplete_details.reason`` (``max_output_tokens``, ...), if any."""
     metrics: dict[str, float] = field(default_factory=dict)
     """The numeric and boolean top-level fields of the result (``reward``, verifier scores)."""
+    mask_sample: bool = False
+    """The environment flagged the reward as no valid measurement: Gym 0.7's ``mask_sample``, or the older
+    ``instance_config.mask_sample``. Such a sample stays out of the loss and of its group's baseline."""
+    failure_kind: str | None = None
+    """Gym 0.7's ``failure_kind`` (``session_lost``, ``judge_failed``, ...), independent of ``mask_sample``."""
+    failure_reason: str | None = None
+    """Gym's human-readable ``failure_reason``: a diagnosis, never a metric label."""
 
     @property
     def input_message_log(self) -> LLMMessageLogType:

@@ -168,6 +168,8 @@ class AsyncNemoGymRolloutImpl:
             truncated=gym_completion_truncated(total, self.max_seq_len),
             reward=reward,
             token_drift=drift is not None,
+            masked=row.mask_sample and self.mask_env_flagged_samples,
+            failure_kind=row.failure_kind,
         )
 
     def _append_full_results(self, path: Path, prompt_idx: int, agent: str, completions: list[Completion]) -> None:
@@ -183,7 +185,9 @@ def group_metrics(
 ) -> dict[str, Any]:
     """NeMo-RL's Gym-path metric keys for one group, plus per-agent ``<agent>/<key>`` metrics.
 
-    Turns are the user messages of a log (one per model call); per-agent metrics
+    ``masked_rate`` (and ``<agent>/masked_rate``) counts the samples the environment masked, and
+    ``<agent>/failure_kind/<kind>`` how many named each failure kind. Turns are the user messages of a log
+    (one per model call); per-agent metrics
     take every numeric or boolean field of the Gym results (means over the
     completions that have the field): ``fields`` per completion when the caller has
     them (:attr:`GymRowResult.metrics`), else read from ``env_extras``.
@@ -209,6 +213,10 @@ def group_metrics(
     metrics["max_output_tokens_rate"] = (
         sum(_incomplete_reason(c.env_extras) == "max_output_tokens" for c in completions) / n
     )
+    metrics["masked_rate"] = sum(c.masked for c in completions) / n
+    metrics[f"{agent}/masked_rate"] = metrics["masked_rate"]
+    for kind in sorted({c.failure_kind for c in completions if c.failure_kind}):
+        metrics[f"{agent}/failure_kind/{kind}"] = float(sum(c.failure_kind == kind for c in completions))
     by_key: dict[str, list[float]] = {}
     for row in fields if fields is not None else [scalar_fields(c.env_extras or {}) for c in completions]:
         for key, value in row.items():

@@ -30,6 +30,8 @@ class GroupStats:
     truncation_rate: float
     zero_std_groups: int
     samples: int
+    masked: int = 0
+    """Samples the environment masked: no loss, no part of any baseline."""
 
 
 def _trainable_log(message_log: Sequence[Mapping[str, Any]], where: str) -> list[dict[str, torch.Tensor]]:
@@ -62,10 +64,14 @@ def train_batch(
     sizes = {len(g.record.completions) for g in groups}
     if len(sizes) != 1:
         raise ValueError(f"groups of different sizes {sorted(sizes)} cannot share a GRPO baseline")
-    logs, rewards, truncated, generated = [], [], [], []
+    logs, rewards, truncated, generated, valid = [], [], [], [], []
     for group in groups:
         for j, completion in enumerate(group.record.completions):
             log = _trainable_log(completion.message_log, f"prompt_idx={group.record.prompt_idx} completion {j}")
+            if completion.masked:  # NeMo-RL's loss_multiplier = 0
+                for message in log:
+                    message["token_mask"] = torch.zeros_like(message["token_mask"])
+            valid.append(not completion.masked)
             logs.append(log)
             rewards.append(float(completion.reward))
             truncated.append(bool(completion.truncated))
@@ -74,7 +80,10 @@ def train_batch(
         logs, pad_value_dict={"token_ids": pad_token_id, "generation_logprobs": 0.0, "token_mask": 0.0}
     )
     reward_matrix = torch.tensor(rewards).view(len(groups), -1)
-    advantages = grpo_advantages(reward_matrix, leave_one_out=leave_one_out, normalize=normalize)
+    valid_matrix = torch.tensor(valid).view(len(groups), -1)
+    advantages = grpo_advantages(
+        reward_matrix, leave_one_out=leave_one_out, normalize=normalize, valid=valid_matrix
+    )
     batch: BatchedDataDict[Any] = BatchedDataDict(
         {
             "input_ids": flat["token_ids"],
@@ -92,5 +101,6 @@ def train_batch(
         truncation_rate=sum(truncated) / len(truncated),
         zero_std_groups=int((reward_matrix.std(dim=1, unbiased=False) == 0).sum()),
         samples=len(rewards),
+        masked=len(valid) - sum(valid),
     )
     return batch, stats

@@ -83,3 +83,39 @@ def test_known_create_params_fields_match_the_installed_gym():
 
     assert GymParams.model_config.get("extra") == "forbid"
     assert set(GymParams.model_fields) == installed_gym().request_fields
+
+
+def test_a_materialized_row_is_refused_in_one_line_naming_it():
+    row = {"task_id": "math-17", "task_input": {"question": "2+2"}}
+    with pytest.raises(InvalidGymRow, match=r"^prompt_idx=4: a materialized Gym row \(task_id='math-17'.*agent_ref$"):
+        validate_row(row, prompt_idx=4)
+
+
+def test_rows_with_the_installed_gyms_newer_request_fields_are_accepted():
+    """Gym 0.6+ adds seven request fields (prompt_cache_key, ...): accepted exactly where the installed Gym has them."""
+    from gym_bridge.gym.versions import installed_gym
+
+    row = {**ROW, "responses_create_params": {**ROW["responses_create_params"], "prompt_cache_key": "k"}}
+    if "prompt_cache_key" in installed_gym().request_fields:
+        assert validate_row(row, prompt_idx=0).responses_create_params.model_extra == {"prompt_cache_key": "k"}
+    else:
+        with pytest.raises(InvalidGymRow, match=r"unknown key\(s\) \['prompt_cache_key'\] \(nemo-gym 0\.[45]"):
+            validate_row(row, prompt_idx=0)
+
+
+@pytest.mark.parametrize(
+    ("kind", "expected"),
+    [
+        ("session_lost", FailureClass.INFRA),
+        ("transport_timeout", FailureClass.INFRA),
+        ("provider_oom_killed", FailureClass.INFRA),
+        ("judge_failed", FailureClass.DATA),
+        ("session_release_failed", FailureClass.DATA),
+        ("my_server:odd", FailureClass.DATA),
+        (None, None),
+    ],
+)
+def test_gym_failure_kinds_map_onto_our_failure_classes(kind, expected):
+    from gym_bridge.failures import gym_failure_kind_class
+
+    assert gym_failure_kind_class(kind) is expected

@@ -62,6 +62,12 @@ def validate_row(row: Any, *, prompt_idx: int, known_agents: list[str] | None = 
         raise InvalidGymRow(
             f"prompt_idx={prompt_idx}: the Gym row (extra_env_info) must be a dict, got {type(row).__name__}"
         )
+    if "agent_ref" not in row and ("task_id" in row or "task_input" in row):
+        raise InvalidGymRow(
+            f"prompt_idx={prompt_idx}: a materialized Gym row (task_id={row.get('task_id')!r}, task_input, no "
+            "agent_ref) is not supported: gym-bridge sends each row to its agent's /run, so the row must name "
+            "its agent in agent_ref"
+        )
     try:
         parsed = GymRow.model_validate(row)
     except ValidationError as exc:

@@ -13,9 +13,10 @@ What runs, all on 127.0.0.1:
   are process-wide);
 - the bridge's Gym runs ``--model-server`` (default ``gym_bridge``: gym-bridge's own model
   server, :mod:`gym_bridge.gym_model`; ``vllm_model``: Gym's);
-- unless ``--no-default-baseline``: a default nemo-gym 0.4.0 set-up as Gym's docs set it up
+- unless ``--no-default-baseline``: a default install of the installed nemo-gym as Gym's docs set it up
   (a second set of Gym servers with ``vllm_model_for_training`` + the same resources
-  server, ``run_examples`` in a second worker) on the same rows and endpoint.
+  server, ``run_examples`` in a second worker; from 0.6 through the agent's ``legacy_agent``
+  relay, as Gym's own collection goes) on the same rows and endpoint.
 
 Measured: rows/s of both (interleaved, median of ``--reps`` after a warm-up) with CPU
 per row of every process; the CPU cost of conversion (``conversion_cost.py``); the
@@ -66,6 +67,7 @@ from gym_bridge.gym.actor import NemoGymConfig, spinup_nemo_gym_actor, stop_nemo
 from gym_bridge.gym.reaper import free_port
 from gym_bridge.gym.rows import build_rows
 from gym_bridge.gym.servers import GymServers, GymServersConfig, wheel_config_path
+from gym_bridge.gym.versions import installed_gym
 from gym_bridge.models.tiny import resolve_model_path
 from gym_bridge.ray_utils import init_ray
 from gym_bridge.rollout.manager import RolloutManager
@@ -527,7 +529,7 @@ def gym_config(base_url: str, log_dir: Path, workload: Workload, model_server: s
 
 
 def default_gym(base_url: str, log_dir: Path, workload: Workload) -> GymServers:
-    """A default nemo-gym 0.4.0 set-up: Gym's vllm_model_for_training + the same resources server and agent."""
+    """A default nemo-gym set-up: Gym's vllm_model_for_training + the same resources server and agent (and relay)."""
     return GymServers(
         GymServersConfig(
             config_paths=[str(wheel_config_path(p)) for p in workload.gym_configs],
@@ -789,9 +791,9 @@ def markdown(report: Report, args: argparse.Namespace) -> str:
         "launched at once. "
         "Raw: RolloutCollectionHelper.run_examples in a separate process, same rows, servers and endpoint. "
         + (
-            "Default: a second set of Gym servers as a default nemo-gym 0.4.0 install runs them (Gym's "
-            "vllm_model_for_training + the same resources server), run_examples in its own process, same rows and "
-            "endpoint. "
+            f"Default: a second set of Gym servers as a default {installed_gym().label} install runs them (Gym's "
+            "vllm_model_for_training + the same resources server), run_examples in its own process (through Gym's "
+            "relays where the version has them), same rows and endpoint. "
             if args.default_baseline
             else ""
         )
@@ -864,7 +866,7 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument(
         "--no-default-baseline", dest="default_baseline", action="store_false",
-        help="skip the default nemo-gym 0.4.0 set-up (its own Gym servers with vllm_model, run_examples)",
+        help="skip the default nemo-gym set-up (its own Gym servers with vllm_model, run_examples)",
     )  # fmt: skip
     parser.add_argument(
         "--workload", choices=sorted(WORKLOADS), default="single",

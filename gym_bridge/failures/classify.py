@@ -74,6 +74,7 @@ def gym_failure_kind_class(kind: str | None) -> FailureClass | None:
         return None
     return FailureClass.INFRA if kind in _INFRA_FAILURE_KINDS else FailureClass.DATA
 
+
 _RAY_INFRA_NAMES = (
     "RayActorError",
     "ActorUnavailableError",

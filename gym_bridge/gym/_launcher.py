@@ -24,8 +24,8 @@ import sys
 import threading
 import time
 import traceback
-from multiprocessing.context import ForkServerContext
 from collections.abc import Mapping
+from multiprocessing.context import ForkServerContext
 from pathlib import Path
 from subprocess import DEVNULL, STDOUT, Popen
 from typing import Any

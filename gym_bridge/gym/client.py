@@ -246,9 +246,12 @@ class GymClient:
             raise GymRowIndexError(f"duplicate row index {rowidx}")
         seen.add(rowidx)
         self._in_flight[actor] -= 1
-        if row.mask_sample and gym_failure_kind_class(row.failure_kind) is FailureClass.INFRA and not keep_env_failures:
+        infra_flagged = row.mask_sample and gym_failure_kind_class(row.failure_kind) is FailureClass.INFRA
+        if infra_flagged and not keep_env_failures:
             self.stats.record_env_failure_redispatch(str(row.failure_kind))
-            logger.warning("row %d came back masked (%s: %s); re-sending it", rowidx, row.failure_kind, row.failure_reason)
+            logger.warning(
+                "row %d came back masked (%s: %s); re-sending it", rowidx, row.failure_kind, row.failure_reason
+            )
             return
         results[rowidx] = row.with_tensors()
 

@@ -81,9 +81,9 @@ if os.environ.get("GYM_BRIDGE_NO_RAY") == "1":
 class GymServers:
     """One set of NeMo-Gym servers (head server, models, agents, resources servers).
 
-    ``start()`` returns the head server's address once every server answers
-    ``GET /`` and the head server says it is ready (``GET /readyz`` from Gym 0.7 on); ``stop()`` is idempotent and leaves no process behind. Usable as a
-    context manager.
+    ``start()`` returns the head server's address once every server answers ``GET /``
+    and the head server says it is ready (``GET /readyz`` from Gym 0.7 on); ``stop()`` is
+    idempotent and leaves no process behind. Usable as a context manager.
     """
 
     def __init__(self, config: GymServersConfig) -> None:
@@ -328,8 +328,8 @@ class GymServers:
                 for name, s in servers.items():
                     if name not in ready and answers(s["host"], s["port"]):
                         ready.add(name)
-                head = self.head
-                if len(ready) == len(servers) and head and answers(head.host, head.port, installed_gym().head_readiness_path):
+                head, readiness = self.head, installed_gym().head_readiness_path
+                if len(ready) == len(servers) and head and answers(head.host, head.port, readiness):
                     return
             if time.monotonic() >= deadline:
                 waiting = [n for n in servers if n not in ready] or ["head_server"]

@@ -81,9 +81,7 @@ def train_batch(
     )
     reward_matrix = torch.tensor(rewards).view(len(groups), -1)
     valid_matrix = torch.tensor(valid).view(len(groups), -1)
-    advantages = grpo_advantages(
-        reward_matrix, leave_one_out=leave_one_out, normalize=normalize, valid=valid_matrix
-    )
+    advantages = grpo_advantages(reward_matrix, leave_one_out=leave_one_out, normalize=normalize, valid=valid_matrix)
     batch: BatchedDataDict[Any] = BatchedDataDict(
         {
             "input_ids": flat["token_ids"],

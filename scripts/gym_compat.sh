@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One lane of `make test-gym-compat`: the Gym tests on an older nemo-gym, in its own environment .venv-gym-VERSION.
-#   0.5.1: NeMo-RL HEAD's Gym, on the default Python (>= 3.13.14). The locked environment is synced, then
-#          nemo-gym 0.5.1 installed over it (as NeMo-RL's environment has it), then gym-bridge installed again:
-#          the lane fails unless that keeps 0.5.1 (no downgrade, no conflict, `uv pip check` clean).
+#   0.5.1: NeMo-RL HEAD's Gym, on the default Python (>= 3.13.14). The locked environment (nemo-gym 0.7.0) is
+#          synced; gym-bridge is installed again over it, then nemo-gym 0.5.1 is installed (as NeMo-RL's environment
+#          has it) and gym-bridge again: the lane fails unless each install keeps that Gym (no downgrade) and
+#          `uv pip check` finds no conflict.
 #   0.4.0: on Python 3.12, where the lock itself resolves nemo-gym 0.4.0.
 # Then it runs the Gym-marked tests and the Gym unit tests (marker gym_layer, tests/conftest.py).
 set -euo pipefail
@@ -31,14 +32,18 @@ esac
 
 say "environment $VENV on $("$python" --version)"
 UV_PROJECT_ENVIRONMENT=$VENV $UV sync --locked --quiet --python "$python"
+gym_version() { "$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("nemo-gym"))'; }
 if [ "$VERSION" = 0.5.1 ]; then
-    $UV pip install --quiet --python "$VENV/bin/python" "nemo-gym==$VERSION"
-    $UV pip install --quiet --python "$VENV/bin/python" -e .
+    for gym in 0.7.0 "$VERSION"; do  # the lock's 0.7.0 first, then NeMo-RL's 0.5.1: installing gym-bridge keeps each
+        $UV pip install --quiet --python "$VENV/bin/python" "nemo-gym==$gym"
+        $UV pip install --quiet --python "$VENV/bin/python" -e .
+        [ "$(gym_version)" = "$gym" ] || { say "installing gym-bridge replaced nemo-gym $gym by $(gym_version)"; exit 1; }
+    done
     # uv pip check, less what pyproject's override-dependencies leave out on purpose (triton, llm, llama-cpp-python)
     problems=$($UV pip check --python "$VENV/bin/python" 2>&1 | grep "^The package" | grep -vE "requires \`(triton|llm|llama-cpp-python)" || true)
     [ -z "$problems" ] || { say "conflicts after installing gym-bridge over nemo-gym $VERSION:"; echo "$problems" >&2; exit 1; }
 fi
-installed=$("$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("nemo-gym"))')
+installed=$(gym_version)
 [ "$installed" = "$VERSION" ] || { say "expected nemo-gym $VERSION in $VENV, found $installed"; exit 1; }
 say "nemo-gym $installed kept; running the Gym tests"
 

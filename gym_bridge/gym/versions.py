@@ -61,6 +61,9 @@ _REQUEST_FIELDS_0_6 = _REQUEST_FIELDS_0_4 | {
 }
 
 
+_RATE_LIMIT_STATUSES = frozenset({429, 502, 503, 504, 520})
+
+
 class UnsupportedGymVersion(RuntimeError):
     """The installed nemo-gym is outside :data:`SUPPORTED_GYM`, or not installed."""
 
@@ -85,6 +88,12 @@ class GymVersion:
     """The keys ``responses_create_params`` may hold; 0.6 adds seven."""
     result_sample_flags: bool
     """0.7: ``/run`` results carry ``mask_sample``, ``failure_kind`` and ``failure_reason``."""
+    model_client_retry_statuses: frozenset[int]
+    """The endpoint statuses Gym's model client (``vllm_model`` -> the policy endpoint) retries, 3 tries in all;
+    0.7 adds 404 and 408, so a wrong model name reaches the endpoint three times per call before it fails."""
+    rate_limits_retried_forever: bool
+    """Up to 0.6 every 429/502/503/504/520 adds a try, so a persistent one ends only at our deadline
+    (``RolloutTimeout``); 0.7 extends tries only between Gym's own servers, so it fails after 3 tries."""
     head_readiness_path: str
     """The head server's readiness route: ``/readyz`` (0.7, 200 once every server and endpoint answered) or ``/``."""
     global_config: dict[str, Any] = field(default_factory=dict)
@@ -114,6 +123,8 @@ def gym_version(version: str | Version) -> GymVersion:
         relays_per_agent=at_least("0.6"),
         request_fields=_REQUEST_FIELDS_0_6 if at_least("0.6") else _REQUEST_FIELDS_0_4,
         result_sample_flags=at_least("0.7"),
+        model_client_retry_statuses=_RATE_LIMIT_STATUSES | ({404, 408, 500} if at_least("0.7") else {500}),
+        rate_limits_retried_forever=not at_least("0.7"),
         head_readiness_path="/readyz" if at_least("0.7") else "/",
         global_config={"model_endpoint_readiness_timeout_seconds": 0} if at_least("0.5") else {},
     )

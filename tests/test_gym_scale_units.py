@@ -185,7 +185,7 @@ def test_groups_launched_together_submit_their_streams_one_loop_iteration_apart(
     async def scenario() -> None:
         ticker = asyncio.create_task(iterations())
         rows = [{"_rowidx": 0}]
-        await asyncio.gather(*(client._stream(0, rows, [None]) for _ in range(16)))
+        await asyncio.gather(*(client._stream(0, rows, [None], keep_env_failures=True) for _ in range(16)))
         ticker.cancel()
 
     asyncio.run(scenario())

@@ -1,6 +1,6 @@
 """gym-bridge's model server translates Responses <-> chat exactly as Gym's ``vllm_model`` (no servers started).
 
-The reference is the installed nemo-gym 0.4.0 itself: its ``ResponsesConverter`` and
+The reference is the installed nemo-gym itself (0.7.0 by default, 0.5.1 and 0.4.0 in the compat lanes): its ``ResponsesConverter`` and
 ``VLLMModel._preprocess_chat_completion_create_params``, run on the same bodies.
 """
 
@@ -9,7 +9,6 @@ from __future__ import annotations
 import copy
 import json
 import re
-from types import SimpleNamespace
 from typing import Any
 
 import orjson
@@ -27,30 +26,40 @@ from tests.gym_fixtures import tool_call_rows
 
 
 def _gym_chat(body: dict[str, Any], **config: Any) -> dict[str, Any]:
-    """The chat body ``vllm_model`` sends upstream for ``body`` (its converter + preprocessing, no I/O)."""
+    """The chat body ``vllm_model`` sends upstream for ``body`` (its converter + preprocessing, no I/O).
+
+    A real ``VLLMModel`` with the installed version's config defaults, built without a server, so a method
+    or option a newer Gym adds is run too (never a stand-in object that lacks it).
+    """
     from nemo_gym.openai_utils import NeMoGymResponseCreateParamsNonStreaming
     from nemo_gym.responses_converter import VLLMConverter
-    from responses_api_models.vllm_model.app import VLLMModel
+    from responses_api_models.vllm_model.app import VLLMModel, VLLMModelConfig
 
     settings = {
+        "host": "127.0.0.1",
+        "port": 1,
+        "entrypoint": "app.py",
+        "name": "policy_model",
+        "base_url": "http://127.0.0.1:1/v1",
+        "api_key": "dummy",
+        "model": "tiny",
         "return_token_id_information": True,
         "uses_reasoning_parser": True,
-        "uses_interleaved_reasoning": True,
-        "replace_developer_role_with_system": False,
-        "chat_template_kwargs": None,
-        "extra_body": None,
-        "model": "tiny",
-        "audio_root": None,
         **config,
     }
+    model_config = VLLMModelConfig.model_validate(settings)
     converter = VLLMConverter(
-        return_token_id_information=True, uses_reasoning_parser=settings["uses_reasoning_parser"]
+        return_token_id_information=True, uses_reasoning_parser=model_config.uses_reasoning_parser
     )
     params = converter.responses_to_chat_completion_create_params(
         NeMoGymResponseCreateParamsNonStreaming.model_validate(copy.deepcopy(body))
     )
-    server = SimpleNamespace(config=SimpleNamespace(**settings), _converter=converter)
-    return VLLMModel._preprocess_chat_completion_create_params(server, None, params.model_dump(exclude_unset=True))
+    class OfflineVLLMModel(VLLMModel):
+        def model_post_init(self, context: Any) -> None:  # no server client, no endpoint checks
+            self._converter = converter
+
+    server = OfflineVLLMModel.model_construct(config=model_config)
+    return server._preprocess_chat_completion_create_params(None, params.model_dump(exclude_unset=True))
 
 
 def _bodies() -> list[dict[str, Any]]:
@@ -173,3 +182,18 @@ def test_bad_requests_name_the_field(body, message):
 def _without_ids(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Items with the random ids (``msg_``/``rs_``) blanked; tool-call ids are kept."""
     return [{**item, "id": None} if item.get("type") in ("message", "reasoning") else item for item in items]
+
+
+@pytest.mark.parametrize(
+    ("path", "served"),
+    [
+        ("/v1/responses", "/v1/responses"),
+        ("/ng-rollout/r-17/v1/responses", "/v1/responses"),
+        ("/ng-rollout/r-17/training-token-capture/v1/responses", "/v1/responses"),
+        ("/elsewhere/v1/responses", "/elsewhere/v1/responses"),
+    ],
+)
+def test_gym_07_rollout_prefixed_routes_reach_the_responses_route(path, served):
+    from gym_bridge.gym_model.app import served_path
+
+    assert served_path(path) == served

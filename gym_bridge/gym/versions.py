@@ -94,6 +94,15 @@ class GymVersion:
     rate_limits_retried_forever: bool
     """Up to 0.6 every 429/502/503/504/520 adds a try, so a persistent one ends only at our deadline
     (``RolloutTimeout``); 0.7 extends tries only between Gym's own servers, so it fails after 3 tries."""
+    converter_flushes_per_turn: bool
+    """0.6: ``vllm_model``'s Responses -> chat converter gives an assistant turn only its own token ids (before,
+    the last ids seen rode on every later assistant message), flushes a buffered assistant item even when it is
+    empty, and leaves ``tool_calls`` out when there are none (before: ``tool_calls: []``)."""
+    output_item_null_fields: dict[str, tuple[str, ...]]
+    """0.7: output items carry more fields, null from ``vllm_model``: ``reasoning.content``, ``message.phase``,
+    ``function_call.namespace`` (by item type)."""
+    response_null_fields: tuple[str, ...]
+    """0.7: ``NeMoGymResponse`` adds ``completed_at``, ``moderation`` and ``prompt_cache_retention`` (null)."""
     head_readiness_path: str
     """The head server's readiness route: ``/readyz`` (0.7, 200 once every server and endpoint answered) or ``/``."""
     global_config: dict[str, Any] = field(default_factory=dict)
@@ -125,6 +134,13 @@ def gym_version(version: str | Version) -> GymVersion:
         result_sample_flags=at_least("0.7"),
         model_client_retry_statuses=_RATE_LIMIT_STATUSES | ({404, 408, 500} if at_least("0.7") else {500}),
         rate_limits_retried_forever=not at_least("0.7"),
+        converter_flushes_per_turn=at_least("0.6"),
+        output_item_null_fields=(
+            {"reasoning": ("content",), "message": ("phase",), "function_call": ("namespace",)}
+            if at_least("0.7")
+            else {}
+        ),
+        response_null_fields=("completed_at", "moderation", "prompt_cache_retention") if at_least("0.7") else (),
         head_readiness_path="/readyz" if at_least("0.7") else "/",
         global_config={"model_endpoint_readiness_timeout_seconds": 0} if at_least("0.5") else {},
     )

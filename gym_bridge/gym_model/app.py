@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import secrets
 from typing import Any
 
@@ -44,6 +45,16 @@ _MAX_BODY = 64 * 1024 * 1024
 _JSON = [(b"content-type", b"application/json")]
 _STARTUP_DISCOVERY_S = 60.0
 _CONTEXT_MARKERS = ("context length", "max_tokens")
+
+
+_ROLLOUT_PREFIX = re.compile(r"^/ng-rollout/[^/]+(?:/training-token-capture)?(?=/)")
+
+
+def served_path(path: str) -> str:
+    """``path`` without Gym 0.7's ``/ng-rollout/<rollout id>[/training-token-capture]`` prefix, which agents add
+    for observability or token capture; served as ``vllm_model`` serves it: the same route (our responses
+    always carry token ids, so there is nothing to capture)."""
+    return _ROLLOUT_PREFIX.sub("", path, count=1)
 
 
 class _HTTPError(Exception):
@@ -84,7 +95,7 @@ class GymModelServer:
             if method == "GET" and path in ("/", "/health"):
                 await _reply(send, 200, b'{"status":"ok"}')
                 return
-            if method != "POST" or path != "/v1/responses":
+            if method != "POST" or served_path(path) != "/v1/responses":
                 raise _HTTPError(404, f"{method} {path} is not served (this model server serves POST /v1/responses)")
             body = await _read_body(receive)
             answer = await self.responses(body, cookie_session)

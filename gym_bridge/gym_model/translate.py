@@ -1,11 +1,12 @@
-"""Responses API <-> chat, as NeMo-Gym 0.4.0's ``vllm_model`` does it, on plain dicts.
+"""Responses API <-> chat, as the installed NeMo-Gym's ``vllm_model`` does it, on plain dicts.
 
 :func:`responses_to_chat` mirrors ``ResponsesConverter.responses_to_chat_completion_create_params``
 plus ``VLLMModel._preprocess_chat_completion_create_params`` (role mapping, chat-template
 kwargs and ``extra_body`` from the config and the row's ``metadata``, ``<think>`` moved
 out of earlier assistant turns). :func:`output_items` and :func:`response_body` mirror
 ``postprocess_assistant_message_dict`` and the ``NeMoGymResponse`` that ``vllm_model``
-returns, field for field. No pydantic on the request path: these run once per model turn.
+returns, field for field. What differs between Gym versions comes from :mod:`gym_bridge.gym.versions`.
+No pydantic on the request path: these run once per model turn.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
+
+from gym_bridge.gym.versions import installed_gym
 
 __all__ = [
     "ChatTurn",
@@ -51,20 +54,30 @@ class ChatTurn:
 
 @dataclass
 class _State:
+    per_turn: bool
+    """Gym 0.6+'s converter (``GymVersion.converter_flushes_per_turn``); before, the last token ids seen ride on
+    every later assistant message and an assistant message always has ``tool_calls``."""
     messages: list[dict[str, Any]] = field(default_factory=list)
     content: str = ""
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
     token_info: dict[str, Any] | None = None
+    buffered: bool = False
+    """An assistant, reasoning or function-call item was seen since the last flush (Gym 0.6+ flushes it even empty)."""
 
     def flush_assistant(self) -> None:
-        # As Gym: the last seen token ids stay in the state and ride on every later assistant message.
-        if not (self.content or self.tool_calls):
+        if not (self.content or self.tool_calls or (self.per_turn and self.buffered)):
+            if self.per_turn:
+                self.token_info = None
             return
-        message: dict[str, Any] = {"content": self.content or None, "role": "assistant", "tool_calls": self.tool_calls}
+        message: dict[str, Any] = {"content": self.content or None, "role": "assistant"}
+        if self.tool_calls or not self.per_turn:
+            message["tool_calls"] = self.tool_calls
         if self.token_info:
             message.update(self.token_info)
         self.messages.append(message)
-        self.content, self.tool_calls = "", []
+        self.content, self.tool_calls, self.buffered = "", [], False
+        if self.per_turn:
+            self.token_info = None
 
 
 def responses_to_chat(
@@ -84,7 +97,7 @@ def responses_to_chat(
         items = raw_input
     else:
         raise TranslationError("input must be a string or a list of items")
-    state = _State()
+    state = _State(per_turn=installed_gym().converter_flushes_per_turn)
     for i, item in enumerate(items):
         if not isinstance(item, dict):
             raise TranslationError(f"input[{i}] must be an object")
@@ -93,9 +106,11 @@ def responses_to_chat(
             if kind == "message":
                 _message(item, state)
             elif kind == "reasoning":
+                state.buffered = True
                 texts = [s["text"] for s in item.get("summary") or []]
                 state.content += "".join(f"<think>{t}</think>" for t in texts if t)
             elif kind == "function_call":
+                state.buffered = True
                 state.tool_calls.append(
                     {
                         "id": item["call_id"],
@@ -176,6 +191,7 @@ def _message(item: dict[str, Any], state: _State) -> None:
                 raise TranslationError(f"unsupported content part type {kind!r}")
         content = parts
     if role == "assistant":
+        state.buffered = True
         if isinstance(content, list):
             state.content += "".join(part.get("text", "") for part in content)
         elif isinstance(content, str):
@@ -270,7 +286,8 @@ def output_items(
         )
     if token_fields is not None:
         items[-1] = {**token_fields, "routed_experts": None, **items[-1]}
-    return items
+    null_fields = installed_gym().output_item_null_fields
+    return [{**item, **dict.fromkeys(null_fields.get(item["type"], ()))} for item in items]
 
 
 def empty_output_items() -> list[dict[str, Any]]:
@@ -333,4 +350,5 @@ def response_body(
         "truncation": get("truncation"),
         "usage": usage_body,
         "user": get("user"),
+        **dict.fromkeys(installed_gym().response_null_fields),
     }

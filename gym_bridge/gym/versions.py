@@ -101,6 +101,11 @@ class GymVersion:
     output_item_null_fields: dict[str, tuple[str, ...]]
     """0.7: output items carry more fields, null from ``vllm_model``: ``reasoning.content``, ``message.phase``,
     ``function_call.namespace`` (by item type)."""
+    response_status: bool
+    """0.6: ``vllm_model``'s response has ``status`` ``"completed"`` or ``"incomplete"`` (before: null)."""
+    usage_details_unknown: bool
+    """0.7: ``usage``'s ``cached_tokens`` and ``reasoning_tokens`` are null when the endpoint does not report them
+    (before: 0)."""
     response_null_fields: tuple[str, ...]
     """0.7: ``NeMoGymResponse`` adds ``completed_at``, ``moderation`` and ``prompt_cache_retention`` (null)."""
     head_readiness_path: str
@@ -140,6 +145,8 @@ def gym_version(version: str | Version) -> GymVersion:
             if at_least("0.7")
             else {}
         ),
+        response_status=at_least("0.6"),
+        usage_details_unknown=at_least("0.7"),
         response_null_fields=("completed_at", "moderation", "prompt_cache_retention") if at_least("0.7") else (),
         head_readiness_path="/readyz" if at_least("0.7") else "/",
         global_config={"model_endpoint_readiness_timeout_seconds": 0} if at_least("0.5") else {},

@@ -310,11 +310,12 @@ def response_body(
     usage_body = None
     if usage is not None:
         prompt, completion = usage
+        unreported = None if installed_gym().usage_details_unknown else 0
         usage_body = {
             "input_tokens": prompt,
-            "input_tokens_details": {"cached_tokens": 0},
+            "input_tokens_details": {"cached_tokens": unreported},
             "output_tokens": completion,
-            "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": unreported},
             "total_tokens": prompt + completion,
         }
     get = echo.get
@@ -344,7 +345,7 @@ def response_body(
         "reasoning": get("reasoning"),
         "safety_identifier": None,
         "service_tier": get("service_tier"),
-        "status": None,
+        "status": ("incomplete" if incomplete else "completed") if installed_gym().response_status else None,
         "text": get("text"),
         "top_logprobs": get("top_logprobs"),
         "truncation": get("truncation"),

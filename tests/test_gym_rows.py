@@ -119,3 +119,18 @@ def test_gym_failure_kinds_map_onto_our_failure_classes(kind, expected):
     from gym_bridge.failures import gym_failure_kind_class
 
     assert gym_failure_kind_class(kind) is expected
+
+
+def test_the_version_seam_reads_the_installed_gym_and_refuses_unsupported_ones():
+    import importlib.metadata
+
+    from gym_bridge.gym.versions import UnsupportedGymVersion, gym_version, installed_gym
+
+    assert str(installed_gym().version) == importlib.metadata.version("nemo-gym")
+    for unsupported in ("0.3.1", "0.8.0"):
+        with pytest.raises(UnsupportedGymVersion, match=f"nemo-gym {unsupported} is not supported"):
+            gym_version(unsupported)
+    old, new = gym_version("0.4.0"), gym_version("0.7.0")
+    assert new.head_readiness_path == "/readyz" and old.head_readiness_path == "/"
+    assert "environment_servers" in new.server_types and "environment_servers" not in old.server_types
+    assert old.request_fields < new.request_fields

@@ -70,15 +70,15 @@ class UnsupportedGymVersion(RuntimeError):
 
 @dataclass(frozen=True)
 class GymVersion:
-    """How one NeMo-Gym release starts its servers, what its rows and results hold."""
+    """How one NeMo-Gym release starts its servers, what its rows and results hold.
+
+    Two differences need no field: the launcher's ``run_command`` stand-in takes every version's signature
+    (0.6 adds keyword-only output targets, 0.7 ``extra_env`` carrying ``NEMO_GYM_CONFIG_*``), the fork server
+    matches both command shapes; and the result flags of 0.7 (``mask_sample``, ``failure_kind``) are read
+    wherever present (older Gyms send ``instance_config.mask_sample`` only).
+    """
 
     version: Version
-    run_command_extra_env: bool
-    """0.7: ``run_command(..., *, global_config_dict, stdout_target, stderr_target, extra_env)``, and the server's
-    ``NEMO_GYM_CONFIG_DICT`` / ``NEMO_GYM_CONFIG_PATH`` arrive in ``extra_env``; before, they are ``K=V`` words of
-    the command itself (``cd D && source V/bin/activate && K=V ... python app.py``)."""
-    run_command_output_targets: bool
-    """0.6: ``run_command`` takes the keyword-only ``global_config_dict``, ``stdout_target``, ``stderr_target``."""
     server_types: tuple[str, ...]
     """The ``<type>`` folders a server lives in; 0.6 adds ``environment_servers``."""
     relays_per_agent: bool
@@ -86,8 +86,6 @@ class GymVersion:
     server (a 5-server set becomes 7). The relay forwards ``/run`` unchanged; we dispatch to the agent itself."""
     request_fields: frozenset[str]
     """The keys ``responses_create_params`` may hold; 0.6 adds seven."""
-    result_sample_flags: bool
-    """0.7: ``/run`` results carry ``mask_sample``, ``failure_kind`` and ``failure_reason``."""
     model_client_retry_statuses: frozenset[int]
     """The endpoint statuses Gym's model client (``vllm_model`` -> the policy endpoint) retries, 3 tries in all;
     0.7 adds 404 and 408, so a wrong model name reaches the endpoint three times per call before it fails."""
@@ -131,12 +129,9 @@ def gym_version(version: str | Version) -> GymVersion:
 
     return GymVersion(
         version=v,
-        run_command_extra_env=at_least("0.7"),
-        run_command_output_targets=at_least("0.6"),
         server_types=_BASE_SERVER_TYPES + (("environment_servers",) if at_least("0.6") else ()),
         relays_per_agent=at_least("0.6"),
         request_fields=_REQUEST_FIELDS_0_6 if at_least("0.6") else _REQUEST_FIELDS_0_4,
-        result_sample_flags=at_least("0.7"),
         model_client_retry_statuses=_RATE_LIMIT_STATUSES | ({404, 408, 500} if at_least("0.7") else {500}),
         rate_limits_retried_forever=not at_least("0.7"),
         converter_flushes_per_turn=at_least("0.6"),

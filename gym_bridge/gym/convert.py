@@ -38,7 +38,6 @@ __all__ = [
     "TokenDrift",
     "convert_gym_result",
     "detect_tool_call_and_thinking_flags",
-    "env_flagged",
     "gym_row_result",
     "incomplete_reason",
     "scalar_fields",
@@ -213,13 +212,13 @@ def gym_row_result(row_index: int, converted: dict[str, Any]) -> GymRowResult:
         token_drift=converted["token_drift"],
         incomplete_reason=incomplete_reason(full_result),
         metrics=scalar_fields(full_result),
-        mask_sample=env_flagged(full_result),
+        mask_sample=_env_flagged(full_result),
         failure_kind=_optional_str(full_result, "failure_kind"),
         failure_reason=_optional_str(full_result, "failure_reason"),
     )
 
 
-def env_flagged(full_result: Mapping[str, Any]) -> bool:
+def _env_flagged(full_result: Mapping[str, Any]) -> bool:
     """Whether the environment masked this sample: top-level ``mask_sample`` (Gym 0.7) or
     ``instance_config.mask_sample`` (the field NeMo-RL reads for older Gyms)."""
     instance_config = full_result.get("instance_config")

@@ -12,7 +12,7 @@ Per row it times, with ``time.process_time`` over many iterations: JSON parsing
 converted result (a stand-in for Ray's transfer from actor to driver; torch
 pickles every tensor through ``torch.save``), the same round trip with the
 tensors sent as numpy arrays and rebuilt on arrival (what the actor could send
-instead), building the ``Completion`` (``gym_row_result`` then ``AsyncNemoGymRolloutImpl._completion``)
+instead), building the ``Completion`` (``gym_row_result`` then ``gym_completion``)
 and the group metrics (per row of a 16-row group), with the garbage collector off. "Conversion"
 is ``convert_gym_result`` plus the ``Completion``.
 
@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from gym_bridge.gym.convert import convert_gym_result, gym_row_result
-from gym_bridge.rollout.nemo_gym import AsyncNemoGymRolloutImpl, group_metrics
+from gym_bridge.rollout.nemo_gym import group_metrics, gym_completion
 
 GROUP = 16
 _TEXT = (
@@ -176,14 +176,6 @@ def _cpu_us_per_row(step: Callable[[], Any], rows: int) -> tuple[Any, float]:
 def measure(tokenizer: Any, case: str, turns: int, total_tokens: int = 2000, iterations: int = 512) -> ConversionCost:
     """Time each step over ``iterations`` copies of one synthetic result (a multiple of 16 rows)."""
     body = synthetic_result(tokenizer, turns, total_tokens)
-    impl = AsyncNemoGymRolloutImpl(
-        tokenizer=tokenizer,
-        task_to_env={},
-        num_generations_per_prompt=GROUP,
-        max_seq_len=total_tokens * 2,
-        generation_config={"temperature": 1.0, "top_p": 1.0, "max_new_tokens": total_tokens},
-        nemo_gym_actor=object(),
-    )
     parsed, parse_us = _cpu_us_per_row(lambda: [json.loads(body) for _ in range(iterations)], iterations)
     converted, convert_us = _cpu_us_per_row(lambda: [convert_gym_result(r, tokenizer) for r in parsed], iterations)
     moved, transfer_us = _cpu_us_per_row(
@@ -194,10 +186,15 @@ def measure(tokenizer: Any, case: str, turns: int, total_tokens: int = 2000, ite
         iterations,
     )
     completions, completion_us = _cpu_us_per_row(
-        lambda: [impl._completion(gym_row_result(i % GROUP, c)) for i, c in enumerate(moved)], iterations
+        lambda: [
+            gym_completion(gym_row_result(i % GROUP, c), max_seq_len=total_tokens * 2, mask_env_flagged_samples=True)
+            for i, c in enumerate(moved)
+        ],
+        iterations,
     )
     _, metrics_us = _cpu_us_per_row(
-        lambda: [group_metrics(completions[i : i + GROUP], "agent") for i in range(0, iterations, GROUP)], iterations
+        lambda: [group_metrics(completions[i : i + GROUP], ["agent"] * GROUP) for i in range(0, iterations, GROUP)],
+        iterations,
     )
     return ConversionCost(
         case, turns, total_tokens, parse_us, convert_us, transfer_us, transfer_numpy_us, completion_us, metrics_us
@@ -207,7 +204,9 @@ def measure(tokenizer: Any, case: str, turns: int, total_tokens: int = 2000, ite
 TURN_COUNTS = (1, 2, 4, 8, 16)
 
 
-def measure_all(tokenizer: Any, iterations: int = 512, turn_counts: tuple[int, ...] = TURN_COUNTS) -> list[ConversionCost]:
+def measure_all(
+    tokenizer: Any, iterations: int = 512, turn_counts: tuple[int, ...] = TURN_COUNTS
+) -> list[ConversionCost]:
     """Warm up, then rows of 2,000 tokens with each turn count (the multi-turn ones are tool calls)."""
     measure(tokenizer, "warm-up", 2, 200, iterations=GROUP)
     return [

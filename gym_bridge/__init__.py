@@ -32,6 +32,19 @@ _EXPORTS: dict[str, str] = {
     "RolloutManager": "gym_bridge.rollout.manager",
     "RolloutOutcome": "gym_bridge.rollout.manager",
     "InMemorySink": "gym_bridge.rollout.sink",
+    "InMemoryReplayBuffer": "gym_bridge.rollout.sink",
+    "ReplayBuffer": "gym_bridge.rollout.sink",
+    "BatchedDataDict": "gym_bridge.batched",
+    "GenerationSamplingParams": "gym_bridge.types",
+    "calculate_single_metric": "gym_bridge.metrics",
+    "pct": "gym_bridge.metrics",
+    # NeMo-RL's whole-batch Gym functions
+    "NemoGymRolloutResult": "gym_bridge.rollout.nemo_gym_batch",
+    "run_async_nemo_gym_rollout": "gym_bridge.rollout.nemo_gym_batch",
+    "run_nemo_gym_rollout_sync": "gym_bridge.rollout.nemo_gym_batch",
+    "should_log_nemo_gym_full_result_tables": "gym_bridge.rollout.nemo_gym_batch",
+    "get_nemo_gym_thinking_tags": "gym_bridge.rollout.reward_shaping",
+    "should_mask_flagged_samples": "gym_bridge.rollout.reward_shaping",
     "datum_from_chat": "gym_bridge.data",
     "datum_from_gym_row": "gym_bridge.data",
     # NeMo-Gym
@@ -55,10 +68,14 @@ _EXPORTS: dict[str, str] = {
     "preflight_endpoints": "gym_bridge.preflight",
     "OpenAIServer": "gym_bridge.serving",
     # failures, deadlines, retries
+    "InvalidGymRow": "gym_bridge.failures",
+    "NoHealthyShards": "gym_bridge.failures",
     "RolloutDataFailure": "gym_bridge.failures",
     "RolloutFailure": "gym_bridge.failures",
     "RolloutInfraFailure": "gym_bridge.failures",
+    "RolloutRedispatchExhausted": "gym_bridge.failures",
     "RolloutRetryPolicy": "gym_bridge.failures",
+    "RolloutStall": "gym_bridge.failures",
     "RolloutTimeout": "gym_bridge.failures",
     "RolloutTimeouts": "gym_bridge.failures",
     # evaluation
@@ -71,6 +88,9 @@ __all__ = [*_EXPORTS, "__version__"]
 
 if TYPE_CHECKING:
     # "X as X" marks each name as re-exported for type checkers and linters
+    from gym_bridge.batched import (
+        BatchedDataDict as BatchedDataDict,
+    )
     from gym_bridge.data import (
         datum_from_chat as datum_from_chat,
         datum_from_gym_row as datum_from_gym_row,
@@ -83,10 +103,14 @@ if TYPE_CHECKING:
         run_eval as run_eval,
     )
     from gym_bridge.failures import (
+        InvalidGymRow as InvalidGymRow,
+        NoHealthyShards as NoHealthyShards,
         RolloutDataFailure as RolloutDataFailure,
         RolloutFailure as RolloutFailure,
         RolloutInfraFailure as RolloutInfraFailure,
+        RolloutRedispatchExhausted as RolloutRedispatchExhausted,
         RolloutRetryPolicy as RolloutRetryPolicy,
+        RolloutStall as RolloutStall,
         RolloutTimeout as RolloutTimeout,
         RolloutTimeouts as RolloutTimeouts,
     )
@@ -108,6 +132,10 @@ if TYPE_CHECKING:
         launch_nemo_gym as launch_nemo_gym,
         start_nemo_gym as start_nemo_gym,
     )
+    from gym_bridge.metrics import (
+        calculate_single_metric as calculate_single_metric,
+        pct as pct,
+    )
     from gym_bridge.preflight import (
         EndpointCheck as EndpointCheck,
         PreflightError as PreflightError,
@@ -122,8 +150,20 @@ if TYPE_CHECKING:
         RolloutManager as RolloutManager,
         RolloutOutcome as RolloutOutcome,
     )
+    from gym_bridge.rollout.nemo_gym_batch import (
+        NemoGymRolloutResult as NemoGymRolloutResult,
+        run_async_nemo_gym_rollout as run_async_nemo_gym_rollout,
+        run_nemo_gym_rollout_sync as run_nemo_gym_rollout_sync,
+        should_log_nemo_gym_full_result_tables as should_log_nemo_gym_full_result_tables,
+    )
+    from gym_bridge.rollout.reward_shaping import (
+        get_nemo_gym_thinking_tags as get_nemo_gym_thinking_tags,
+        should_mask_flagged_samples as should_mask_flagged_samples,
+    )
     from gym_bridge.rollout.sink import (
+        InMemoryReplayBuffer as InMemoryReplayBuffer,
         InMemorySink as InMemorySink,
+        ReplayBuffer as ReplayBuffer,
     )
     from gym_bridge.rollout.training_config import (
         build_nemo_gym_rollouts as build_nemo_gym_rollouts,
@@ -140,6 +180,7 @@ if TYPE_CHECKING:
         GenerationConfig as GenerationConfig,
         GenerationDatumSpec as GenerationDatumSpec,
         GenerationOutputSpec as GenerationOutputSpec,
+        GenerationSamplingParams as GenerationSamplingParams,
         MessageEntry as MessageEntry,
         PromptGroupRecord as PromptGroupRecord,
     )

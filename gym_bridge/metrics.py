@@ -1,11 +1,8 @@
-"""Summary statistics for rollout metrics, under NeMo-RL's key names.
+"""Summary statistics for rollout metrics: NeMo-RL's ``calculate_single_metric`` and ``pct``, same keys and order.
 
-One deliberate difference from NeMo-RL's ``calculate_single_metric``: NeMo-RL
-divides the sum by ``batch_size``, so a metric reported by only some samples
-(a per-agent metric, say) has its mean biased toward zero. Here the mean is over
-the values given, ``sum(values) / len(values)``. ``batch_size`` is accepted only
-to check that no more values than samples were passed; it emits no extra key, so
-metric key sets match NeMo-RL's. Histograms are plain lists of floats (no wandb).
+``calculate_single_metric(values, batch_size, key)`` divides the sum by ``batch_size``,
+as NeMo-RL does: a metric that only some samples report (a per-agent field, say) reads
+as the mean over the batch. Histograms are plain lists of floats (no wandb needed).
 """
 
 from __future__ import annotations
@@ -16,34 +13,35 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 
-def calculate_single_metric(values: Iterable[Any], key: str, batch_size: int | None = None) -> dict[str, Any]:
-    """``{key}/mean``, ``/max``, ``/min``, ``/median``, ``/stddev`` and ``/histogram``.
+def calculate_single_metric(values: Iterable[Any], batch_size: int, key_name: str) -> dict[str, Any]:
+    """``{key_name}/mean`` (sum over ``batch_size``), ``/max``, ``/min``, ``/median``, ``/stddev``, ``/histogram``.
 
-    The mean divides by ``len(values)``, not by ``batch_size`` as NeMo-RL does.
-    ``/stddev`` is the sample standard deviation: NaN for fewer than two values,
-    0.0 for identical values. ``/histogram`` is the list of values as floats.
-    ``batch_size``, when given, must be at least ``len(values)``; it changes nothing else.
+    ``/stddev`` is the sample standard deviation of the values (NaN for one value);
+    ``/histogram`` is the list of values as floats.
 
     Raises:
-        TypeError: ``key`` is not a string (NeMo-RL's order was ``values, batch_size, key``).
-        ValueError: ``values`` is empty, or there are more values than ``batch_size``.
+        TypeError: ``key_name`` is not a string or ``batch_size`` not an int (the order is NeMo-RL's).
+        ValueError: ``values`` is empty, or ``batch_size`` is smaller than the number of values.
     """
-    if not isinstance(key, str):
+    if not isinstance(key_name, str):
         raise TypeError(
-            f"key must be a str, got {key!r}; the signature is calculate_single_metric(values, key, batch_size=None)"
+            f"key_name must be a str, got {key_name!r}; the signature is "
+            "calculate_single_metric(values, batch_size, key_name)"
         )
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool):
+        raise TypeError(f"batch_size must be an int, got {batch_size!r} (metric {key_name!r})")
     floats = [float(v) for v in values]
     if not floats:
-        raise ValueError(f"metric {key!r} has no values to summarise")
-    if batch_size is not None and len(floats) > batch_size:
-        raise ValueError(f"metric {key!r} has {len(floats)} values for a batch of {batch_size}")
+        raise ValueError(f"metric {key_name!r} has no values to summarise")
+    if batch_size < len(floats):
+        raise ValueError(f"metric {key_name!r} has {len(floats)} values for a batch of {batch_size}")
     return {
-        f"{key}/mean": math.fsum(floats) / len(floats),
-        f"{key}/max": max(floats),
-        f"{key}/min": min(floats),
-        f"{key}/median": float(statistics.median(floats)),
-        f"{key}/stddev": statistics.stdev(floats) if len(floats) >= 2 else math.nan,
-        f"{key}/histogram": floats,
+        f"{key_name}/mean": math.fsum(floats) / batch_size,
+        f"{key_name}/max": max(floats),
+        f"{key_name}/min": min(floats),
+        f"{key_name}/median": float(statistics.median(floats)),
+        f"{key_name}/stddev": statistics.stdev(floats) if len(floats) >= 2 else math.nan,
+        f"{key_name}/histogram": floats,
     }
 
 
@@ -61,12 +59,10 @@ def pct(values: Iterable[Any], p: float) -> float:
     return ordered[min(int(n * p / 100), n - 1)]
 
 
-def summarize(
-    values: Iterable[Any], key: str, percentiles: Sequence[float] = (95, 99), batch_size: int | None = None
-) -> dict[str, Any]:
-    """:func:`calculate_single_metric` plus ``{key}/p<P>`` (via :func:`pct`) for each percentile."""
+def summarize(values: Iterable[Any], key_name: str, percentiles: Sequence[float] = (95, 99)) -> dict[str, Any]:
+    """:func:`calculate_single_metric` over all ``values`` plus ``{key_name}/p<P>`` for each percentile."""
     floats = [float(v) for v in values]
-    out = calculate_single_metric(floats, key, batch_size)
+    out = calculate_single_metric(floats, len(floats), key_name)
     for p in percentiles:
-        out[f"{key}/p{p:g}"] = pct(floats, p)
+        out[f"{key_name}/p{p:g}"] = pct(floats, p)
     return out

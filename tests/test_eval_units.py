@@ -84,6 +84,18 @@ def test_invalid_row_is_reported_with_line_and_field(tmp_path: Path) -> None:
         load_dataset(path)
 
 
+def test_every_bad_line_is_reported_at_once(tmp_path: Path) -> None:
+    no_agent = {"responses_create_params": {"input": "hi"}}
+    lines = [json.dumps(GOOD_ROW), json.dumps(no_agent), "{bad", json.dumps(GOOD_ROW), json.dumps(no_agent)]
+    with pytest.raises(DatasetError) as raised:
+        load_dataset(write_lines(tmp_path / "d.jsonl", lines))
+    message = str(raised.value)
+    assert message.startswith("3 bad line(s):")
+    assert "d.jsonl:2: prompt_idx=1: invalid Gym row: agent_ref" in message
+    assert "d.jsonl:3: not valid JSON" in message
+    assert "d.jsonl:5: prompt_idx=4: invalid Gym row: agent_ref" in message
+
+
 def test_limit_stops_before_a_later_bad_line(tmp_path: Path) -> None:
     path = write_lines(tmp_path / "d.jsonl", [json.dumps(GOOD_ROW), "{bad"])
     assert len(load_dataset(path, limit=1)) == 1

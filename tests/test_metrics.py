@@ -8,7 +8,7 @@ from gym_bridge.metrics import calculate_single_metric, pct, summarize
 
 
 def test_calculate_single_metric_keys_and_values():
-    out = calculate_single_metric([1, 2, 3, 10], "reward")
+    out = calculate_single_metric([1, 2, 3, 10], 4, "reward")
     assert set(out) == {
         "reward/mean",
         "reward/max",
@@ -25,35 +25,35 @@ def test_calculate_single_metric_keys_and_values():
     assert all(isinstance(v, float) for v in out["reward/histogram"])
 
 
-def test_mean_divides_by_the_number_of_values_not_the_batch_size():
-    # Two of four samples report the metric. NeMo-RL would report 6 / 4 = 1.5.
-    out = calculate_single_metric([2, 4], "agent/score", batch_size=4)
-    assert out["agent/score/mean"] == 3.0
-    assert set(out) == set(calculate_single_metric([2, 4], "agent/score"))
+def test_mean_divides_by_the_batch_size_as_nemo_rl_does():
+    # Two of four samples report the metric: NeMo-RL reports 6 / 4 = 1.5, and so do we.
+    out = calculate_single_metric([2, 4], 4, "agent/score")
+    assert out["agent/score/mean"] == 1.5
+    assert out["agent/score/max"] == 4.0 and out["agent/score/stddev"] == pytest.approx(math.sqrt(2))
 
 
 def test_more_values_than_batch_size_is_rejected():
     with pytest.raises(ValueError, match="3 values for a batch of 2"):
-        calculate_single_metric([1, 2, 3], "k", batch_size=2)
+        calculate_single_metric([1, 2, 3], 2, "k")
 
 
 def test_stddev_is_nan_for_one_value_and_zero_for_identical_values():
-    assert math.isnan(calculate_single_metric([5], "k")["k/stddev"])
-    assert calculate_single_metric([3, 3, 3], "k")["k/stddev"] == 0.0
+    assert math.isnan(calculate_single_metric([5], 1, "k")["k/stddev"])
+    assert calculate_single_metric([3, 3, 3], 3, "k")["k/stddev"] == 0.0
 
 
 def test_median_of_odd_count():
-    assert calculate_single_metric([9, 1, 5], "k")["k/median"] == 5.0
+    assert calculate_single_metric([9, 1, 5], 3, "k")["k/median"] == 5.0
 
 
 def test_empty_values_name_the_key():
     with pytest.raises(ValueError, match="'turns'"):
-        calculate_single_metric([], "turns")
+        calculate_single_metric([], 4, "turns")
 
 
-def test_nemo_rl_argument_order_is_caught():
-    with pytest.raises(TypeError, match="key must be a str"):
-        calculate_single_metric([1.0], 4, "reward")  # type: ignore[arg-type]
+def test_the_old_argument_order_is_caught():
+    with pytest.raises(TypeError, match="key_name must be a str"):
+        calculate_single_metric([1.0], "reward", 4)  # type: ignore[arg-type]
 
 
 def test_pct_empty_is_zero():

@@ -18,10 +18,10 @@ from gym_bridge.rollout.env_step import calculate_rewards
 from gym_bridge.rollout.manager import RolloutManager
 from gym_bridge.rollout.native import UNLIMITED_TURNS, AsyncRolloutImpl
 from gym_bridge.gym.result import GymRowResult
-from gym_bridge.rollout.nemo_gym import AsyncNemoGymRolloutImpl, group_metrics
+from gym_bridge.rollout.nemo_gym import AsyncNemoGymRolloutImpl, group_metrics, gym_completion
 from gym_bridge.rollout.sync import run_multi_turn_rollout
 from gym_bridge.rollout.truncation import fit_observation, gym_completion_truncated
-from gym_bridge.types import token_tensor
+from gym_bridge.types import Completion, token_tensor
 
 GEN_CFG = {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": 8}
 
@@ -113,7 +113,7 @@ def test_unknown_keywords_are_rejected_naming_keyword_and_backend(tiny_tokenizer
         AsyncNemoGymRolloutImpl(
             tiny_tokenizer, {}, 2, 128, generation_config=GEN_CFG, tq_buffer=None  # type: ignore[call-arg]
         )
-    with pytest.raises(ValueError, match="tq_buffer.*RolloutSink"):
+    with pytest.raises(TypeError, match="tq_buffer must implement the replay-buffer contract"):
         RolloutManager(tiny_tokenizer, {}, 2, 128, policy_generation=scripted, tq_buffer=object())
 
 
@@ -199,17 +199,19 @@ def _gym_result(lengths, drift=None):
     return GymRowResult(row_index=0, message_log=log, full_result={"reward": 1.0}, reward=1.0, token_drift=drift)
 
 
-def test_gym_completions_keep_truncation_and_drift_apart(tiny_tokenizer):
-    impl = AsyncNemoGymRolloutImpl(tiny_tokenizer, {"nemo_gym": object()}, 3, 10, generation_config=GEN_CFG)
-    at_cap = impl._completion(_gym_result([4, 6]))
-    past_cap = impl._completion(_gym_result([4, 7]))
+def test_gym_completions_keep_truncation_and_drift_apart():
+    def completion(row: GymRowResult) -> Completion:
+        return gym_completion(row, max_seq_len=10, mask_env_flagged_samples=True)
+
+    at_cap = completion(_gym_result([4, 6]))
+    past_cap = completion(_gym_result([4, 7]))
     drift = {"turn": 1, "position": 3, "expected": [1], "got": [2]}
-    drifted = impl._completion(_gym_result([4, 3], drift=drift))
+    drifted = completion(_gym_result([4, 3], drift=drift))
     assert (at_cap.truncated, at_cap.token_drift) == (True, False)
     assert (past_cap.truncated, past_cap.token_drift) == (False, False)  # NeMo-RL's equality, not ">="
     assert (drifted.truncated, drifted.token_drift) == (False, True)
     assert drifted.env_extras["token_drift"] == drift
-    metrics = group_metrics([at_cap, past_cap, drifted], "agent")
+    metrics = group_metrics([at_cap, past_cap, drifted], ["agent"] * 3)
     assert metrics["truncation_rate"] == pytest.approx(1 / 3)
     assert metrics["natural_termination_rate"] == pytest.approx(2 / 3)
     assert metrics["token_drift_rate"] == pytest.approx(1 / 3)

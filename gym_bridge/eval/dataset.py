@@ -10,6 +10,8 @@ from typing import Any
 
 from gym_bridge.gym.rows import InvalidGymRow, validate_row
 
+_MAX_REPORTED = 20
+
 
 class DatasetError(ValueError):
     """A dataset line is not a valid Gym row; the message names the file and line number."""
@@ -40,8 +42,9 @@ def load_dataset(path: str | Path, *, limit: int | None = None) -> list[DatasetR
     """Every row of ``path`` (the first ``limit`` when given), parsed and validated.
 
     Raises:
-        DatasetError: the file is missing or empty, a line is not JSON, or a row fails
-            :func:`~gym_bridge.gym.rows.validate_row`; the message names the line.
+        DatasetError: the file is missing or empty, or lines are not JSON or fail
+            :func:`~gym_bridge.gym.rows.validate_row`; the message names every such line
+            (the first ``_MAX_REPORTED`` of them, and how many more).
     """
     path = Path(path)
     try:
@@ -49,21 +52,25 @@ def load_dataset(path: str | Path, *, limit: int | None = None) -> list[DatasetR
     except (OSError, UnicodeDecodeError) as exc:
         raise DatasetError(f"cannot read the dataset {path}: {exc}") from None
     rows: list[DatasetRow] = []
+    problems: list[str] = []
     for line_no, line in enumerate(text.splitlines(), start=1):
-        if limit is not None and len(rows) >= limit:
+        if limit is not None and len(rows) + len(problems) >= limit:
             break
         if not line.strip():
             continue
-        where = f"{path}:{line_no}"
+        where, prompt_idx = f"{path}:{line_no}", len(rows) + len(problems)
         try:
             row = json.loads(line)
+            validate_row(row, prompt_idx=prompt_idx)
         except json.JSONDecodeError as exc:
-            raise DatasetError(f"{where}: not valid JSON: {exc}") from None
-        try:
-            validate_row(row, prompt_idx=len(rows))
+            problems.append(f"{where}: not valid JSON: {exc}")
         except InvalidGymRow as exc:
-            raise DatasetError(f"{where}: {exc}") from None
-        rows.append(DatasetRow(prompt_idx=len(rows), line=line_no, row=row))
+            problems.append(f"{where}: {exc}")
+        else:
+            rows.append(DatasetRow(prompt_idx=prompt_idx, line=line_no, row=row))
+    if problems:
+        more = f"\n... and {len(problems) - _MAX_REPORTED} more" if len(problems) > _MAX_REPORTED else ""
+        raise DatasetError(f"{len(problems)} bad line(s):\n" + "\n".join(problems[:_MAX_REPORTED]) + more)
     if not rows:
         raise DatasetError(f"the dataset {path} has no rows")
     return rows

@@ -8,6 +8,7 @@ The whole exception tree (all defined in :mod:`gym_bridge.failures.errors`)::
      │    │                           NeMo-Gym prompt group, one /run call)
      │    ├── GenerationUnavailable   a generation worker or HTTP endpoint could not serve the request
      │    │    └── EndpointUnavailable  a model endpoint stopped accepting connections mid-run (named)
+     │    ├── NoHealthyShards         every generation endpoint is cooling down after refusing connections
      │    ├── EnvironmentUnavailable  an environment actor died or is unreachable
      │    │    └── NemoGymUnavailable the NemoGym actor has no running Gym servers (a dead one is named)
      │    │         └── NemoGymRestarted  Ray restarted the actor; on_restart="fail" asks for spinup()
@@ -24,6 +25,7 @@ The whole exception tree (all defined in :mod:`gym_bridge.failures.errors`)::
 
     RuntimeError
      ├── RolloutRedispatchExhausted   terminal for the run: too many prompts dropped in a row
+     ├── RolloutStall                 terminal for the run: rollouts in flight, none committed within the stall deadline
      ├── RunConfigurationError        terminal for the run: its first groups all hit one configuration error
      ├── GymServersError              a Gym server set failed (gym/servers.py)
      │    ├── GymStartupError         a server died during start-up or did not answer in time
@@ -76,10 +78,12 @@ from gym_bridge.failures.errors import (
     NaNLogprobs,
     NemoGymRestarted,
     NemoGymUnavailable,
+    NoHealthyShards,
     RolloutDataFailure,
     RolloutFailure,
     RolloutInfraFailure,
     RolloutRedispatchExhausted,
+    RolloutStall,
     RolloutTimeout,
     RunConfigurationError,
     TokenDrift,
@@ -118,11 +122,13 @@ __all__ = [
     "NaNLogprobs",
     "NemoGymRestarted",
     "NemoGymUnavailable",
+    "NoHealthyShards",
     "RolloutDataFailure",
     "RolloutFailure",
     "RolloutInfraFailure",
     "RolloutRedispatchExhausted",
     "RolloutRetryPolicy",
+    "RolloutStall",
     "RolloutStats",
     "RolloutTimeout",
     "RolloutTimeouts",

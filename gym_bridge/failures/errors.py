@@ -20,10 +20,12 @@ __all__ = [
     "NaNLogprobs",
     "NemoGymRestarted",
     "NemoGymUnavailable",
+    "NoHealthyShards",
     "RolloutDataFailure",
     "RolloutFailure",
     "RolloutInfraFailure",
     "RolloutRedispatchExhausted",
+    "RolloutStall",
     "RolloutTimeout",
     "RunConfigurationError",
     "TokenDrift",
@@ -54,6 +56,10 @@ class GenerationUnavailable(RolloutInfraFailure):
 
 class EndpointUnavailable(GenerationUnavailable):
     """A model endpoint stopped accepting connections while rows were in flight (named, with for how long)."""
+
+
+class NoHealthyShards(RolloutInfraFailure):
+    """No generation shard is eligible: every endpoint is cooling down after refusing connections."""
 
 
 class EnvironmentUnavailable(RolloutInfraFailure):
@@ -145,6 +151,10 @@ class TokenDrift(GymResultError):
 
 class RolloutRedispatchExhausted(RuntimeError):
     """Terminal: too many prompts in a row spent their infrastructure retry budget."""
+
+
+class RolloutStall(RuntimeError):
+    """Terminal: rollouts were in flight but none committed within the stall deadline."""
 
 
 class RunConfigurationError(RuntimeError):

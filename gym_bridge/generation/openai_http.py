@@ -46,6 +46,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 from gym_bridge.batched import BatchedDataDict
 from gym_bridge.failures import (
     GenerationUnavailable,
+    NoHealthyShards,
     RolloutDataFailure,
     RolloutFailure,
     backoff_delay,
@@ -347,6 +348,14 @@ class OpenAIHTTPGeneration(GenerationInterface):
             self.stats.rows_completed += 1
             return _RowResult(tokens, logprobs, truncated, idx)
         self.stats.infra_errors += 1
+        if not any(self.router.is_healthy(j) for j in range(len(cfg.base_urls))):
+            raise _with_status(
+                NoHealthyShards(
+                    f"no generation shard is eligible: all {len(cfg.base_urls)} endpoint(s) refused connections and "
+                    f"are cooling down; last of {cfg.max_retries + 1} attempts: {last_error}"
+                ),
+                last_status,
+            )
         raise _with_status(
             GenerationUnavailable(f"generation unavailable after {cfg.max_retries + 1} attempts: {last_error}"),
             last_status,

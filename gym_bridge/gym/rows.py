@@ -108,23 +108,27 @@ def dispatch_target(row: Any, position: int, known_agents: Collection[str]) -> t
 def build_rows(
     template: dict[str, Any], n: int, sampling: GenerationSamplingParams, max_new_tokens: int | None
 ) -> list[dict[str, Any]]:
-    """N deep copies of ``template``, stamped with the sampling profile, the token cap and ``_rowidx``.
+    """N copies of ``template`` stamped by :func:`stamped_row`, ``_rowidx`` 0..N-1."""
+    return [stamped_row(template, i, sampling, max_new_tokens) for i in range(n)]
+
+
+def stamped_row(
+    row: dict[str, Any], rowidx: int, sampling: GenerationSamplingParams, max_new_tokens: int | None
+) -> dict[str, Any]:
+    """A deep copy of ``row`` with the sampling profile, the token cap and ``_rowidx`` (the caller's row is kept).
 
     ``max_output_tokens`` becomes ``min(row value, max_new_tokens)``; the sequence
     budget (``max_seq_len``) is deliberately not translated into it.
     """
-    rows = []
-    for i in range(n):
-        row = _copy_json(template)
-        params = row["responses_create_params"]
-        params["temperature"] = sampling.temperature
-        params["top_p"] = sampling.top_p
-        if max_new_tokens is not None:
-            given = params.get("max_output_tokens")
-            params["max_output_tokens"] = max_new_tokens if given is None else min(int(given), max_new_tokens)
-        row[ROW_INDEX_KEY] = i
-        rows.append(row)
-    return rows
+    copied = _copy_json(row)
+    params = copied["responses_create_params"]
+    params["temperature"] = sampling.temperature
+    params["top_p"] = sampling.top_p
+    if max_new_tokens is not None:
+        given = params.get("max_output_tokens")
+        params["max_output_tokens"] = max_new_tokens if given is None else min(int(given), max_new_tokens)
+    copied[ROW_INDEX_KEY] = rowidx
+    return copied
 
 
 _JSON_SCALARS = (str, int, float, bool, type(None))

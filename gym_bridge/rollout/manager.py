@@ -7,7 +7,8 @@ import enum
 import inspect
 import logging
 from collections.abc import Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from gym_bridge.failures import (
     ConfigFailureWatch,
@@ -22,7 +23,7 @@ from gym_bridge.failures import (
 )
 from gym_bridge.interfaces import GenerationInterface, RolloutBackend
 from gym_bridge.rollout.registry import load_backend
-from gym_bridge.rollout.sink import RolloutSink
+from gym_bridge.rollout.sink import ReplayBuffer, RolloutSink
 from gym_bridge.types import DatumSpec, GenerationConfig, PromptGroupRecord
 
 logger = logging.getLogger(__name__)
@@ -40,8 +41,11 @@ def backend_name_for(use_nemo_gym: bool, backend: str | None) -> str:
     return NEMO_GYM_BACKEND if use_nemo_gym else NATIVE_BACKEND
 
 
-class RolloutOutcome(enum.Enum):
-    """What :meth:`RolloutManager.collect` did with a prompt."""
+class RolloutOutcome(enum.StrEnum):
+    """How :meth:`RolloutManager.generate_and_push` (or ``collect``) finished for one prompt (NeMo-RL's enum).
+
+    ``SKIPPED`` committed nothing: the caller owns the prompt's backpressure permit and the step's shortfall.
+    """
 
     COMMITTED = "committed"
     SKIPPED = "skipped"
@@ -80,11 +84,12 @@ class RolloutManager:
             raise ValueError(f"num_generations_per_prompt must be >= 1, got {num_generations_per_prompt}")
         if max_rollout_turns is not None and max_rollout_turns < 1:
             raise ValueError(f"max_rollout_turns must be >= 1 or None, got {max_rollout_turns}")
-        if tq_buffer is not None:
-            raise ValueError(
-                "tq_buffer is NeMo-RL's transfer-queue buffer, which gym-bridge does not have: "
-                "pass a RolloutSink to RolloutManager.collect(datum, sink) instead"
+        if tq_buffer is not None and not isinstance(tq_buffer, ReplayBuffer):
+            raise TypeError(
+                f"tq_buffer must implement the replay-buffer contract (reserve, async commit, async remove_group) "
+                f"of gym_bridge.ReplayBuffer; got {type(tq_buffer).__name__}"
             )
+        self._tq_buffer = tq_buffer
         self.backend_name = backend_name_for(use_nemo_gym, backend)
         backend_cls = load_backend(self.backend_name)
         self.timeouts = timeouts or RolloutTimeouts()
@@ -130,6 +135,24 @@ class RolloutManager:
             )
         return record
 
+    async def generate_and_push(
+        self,
+        input_sample: DatumSpec,
+        *,
+        target_step: int | None = None,
+        inflight_registry: dict[str, tuple[asyncio.Task[Any], int]] | None = None,
+    ) -> RolloutOutcome:
+        """Roll out one prompt under the retry policy and commit it to ``tq_buffer`` (NeMo-RL's signature).
+
+        Each attempt reserves a fresh slot tagged with the weight version and ``target_step``;
+        ``inflight_registry`` (when given) maps the attempt's slot id to ``(task, start weight
+        version)`` while it rolls out, so a controller can cancel stale attempts. Otherwise as
+        :meth:`collect`.
+        """
+        if self._tq_buffer is None:
+            raise ValueError("generate_and_push needs the tq_buffer given to RolloutManager(...)")
+        return await self._push(input_sample, _BufferSlots(self._tq_buffer, target_step), inflight_registry)
+
     async def collect(self, datum: DatumSpec, sink: RolloutSink) -> RolloutOutcome:
         """Roll out one prompt under the retry policy and commit the complete group to ``sink``.
 
@@ -144,18 +167,35 @@ class RolloutManager:
         Cancellation is never retried. The commit carries the weight version when the
         committed attempt started and when it finished (see :meth:`set_weight_version`).
         """
+        return await self._push(datum, _SinkSlots(sink, int(datum["idx"])), None)
+
+    async def _push(
+        self,
+        datum: DatumSpec,
+        slots: _Slots,
+        inflight_registry: dict[str, tuple[asyncio.Task[Any], int]] | None,
+    ) -> RolloutOutcome:
+        """The one retry loop behind :meth:`generate_and_push` and :meth:`collect`."""
         policy = self.retry_policy
         prompt_idx = int(datum["idx"])
         infra_attempts = data_attempts = 0
         last_infra: BaseException | None = None
         while infra_attempts < policy.max_infra_attempts:
             start_version = self._weight_version
-            slot = sink.reserve(prompt_idx)
+            slot = slots.open(start_version)
             try:
-                record = await self.run_rollout(datum)
-                sink.commit(slot, record, start_weight_version=start_version, end_weight_version=self._weight_version)
+                if inflight_registry is not None:
+                    task = asyncio.current_task()
+                    assert task is not None  # _push always runs inside a task
+                    inflight_registry[slot] = (task, start_version)
+                try:
+                    record = await self.run_rollout(datum)
+                finally:
+                    if inflight_registry is not None:
+                        inflight_registry.pop(slot, None)
+                await slots.commit(slot, record, start_version, self._weight_version)
             except Exception as exc:
-                _discard_quietly(sink, slot, exc)
+                await _drop_quietly(slots, slot, exc)
                 reason = type(exc).__name__
                 if classify_rollout_failure(exc) is FailureClass.INFRA:
                     infra_attempts += 1
@@ -191,7 +231,7 @@ class RolloutManager:
                 )
                 return RolloutOutcome.SKIPPED
             except BaseException as exc:
-                _discard_quietly(sink, slot, exc)
+                await _drop_quietly(slots, slot, exc)
                 raise
             self.stats.committed += 1
             self._config_watch.other_outcome()
@@ -210,6 +250,46 @@ class RolloutManager:
         self.stats.skipped += 1
         logger.warning("prompt_idx=%d dropped after %d infrastructure failures: %s", prompt_idx, infra_attempts, reason)
         return RolloutOutcome.SKIPPED
+
+
+class _Slots(Protocol):
+    """Where one prompt's attempts go: a fresh slot per attempt, committed once or dropped."""
+
+    def open(self, weight_version: int) -> str: ...
+
+    async def commit(self, slot: str, record: PromptGroupRecord, start_version: int, end_version: int) -> None: ...
+
+    async def drop(self, slot: str, error: BaseException) -> None: ...
+
+
+@dataclass(frozen=True)
+class _SinkSlots:
+    sink: RolloutSink
+    prompt_idx: int
+
+    def open(self, weight_version: int) -> str:
+        return self.sink.reserve(self.prompt_idx)
+
+    async def commit(self, slot: str, record: PromptGroupRecord, start_version: int, end_version: int) -> None:
+        self.sink.commit(slot, record, start_weight_version=start_version, end_weight_version=end_version)
+
+    async def drop(self, slot: str, error: BaseException) -> None:
+        self.sink.discard(slot, error)
+
+
+@dataclass(frozen=True)
+class _BufferSlots:
+    buffer: ReplayBuffer
+    target_step: int | None
+
+    def open(self, weight_version: int) -> str:
+        return self.buffer.reserve(weight_version=weight_version, target_step=self.target_step)
+
+    async def commit(self, slot: str, record: PromptGroupRecord, start_version: int, end_version: int) -> None:
+        await self.buffer.commit(slot, record, start_weight_version=start_version, end_weight_version=end_version)
+
+    async def drop(self, slot: str, error: BaseException) -> None:
+        await self.buffer.remove_group(slot)
 
 
 def backend_arguments(
@@ -234,9 +314,9 @@ def backend_arguments(
     return {**chosen, **extra}
 
 
-def _discard_quietly(sink: RolloutSink, slot: str, error: BaseException) -> None:
-    """Discard a failed attempt's slot; a failing discard is logged, never masks the real error."""
+async def _drop_quietly(slots: _Slots, slot: str, error: BaseException) -> None:
+    """Drop a failed attempt's slot; a failing drop is logged, never masks the real error."""
     try:
-        sink.discard(slot, error)
+        await slots.drop(slot, error)
     except Exception as exc:
-        logger.error("discarding slot %s failed: %s: %s", slot, type(exc).__name__, exc)
+        logger.error("dropping slot %s failed: %s: %s", slot, type(exc).__name__, exc)

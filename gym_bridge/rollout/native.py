@@ -253,12 +253,12 @@ def aggregate_trajectory_metrics(samples: list[TrajectoryStats]) -> dict[str, An
     turns = [s.turn_count for s in samples]
     max_gen_per_turn = [max(s.turn_gen_tokens, default=0) for s in samples]
     metrics: dict[str, Any] = {}
-    metrics.update(calculate_single_metric([s.total_reward for s in samples], "total_reward"))
+    metrics.update(calculate_single_metric([s.total_reward for s in samples], n, "total_reward"))
     metrics["total_turns"] = sum(turns)
     metrics.update(summarize(turns, "turns_per_sample"))
-    metrics.update(calculate_single_metric([s.total_tokens for s in samples], "total_tokens_per_sample"))
-    metrics.update(calculate_single_metric([s.assistant_tokens for s in samples], "gen_tokens_per_sample"))
-    metrics.update(calculate_single_metric([s.env_tokens for s in samples], "env_tokens_per_sample"))
+    metrics.update(calculate_single_metric([s.total_tokens for s in samples], n, "total_tokens_per_sample"))
+    metrics.update(calculate_single_metric([s.assistant_tokens for s in samples], n, "gen_tokens_per_sample"))
+    metrics.update(calculate_single_metric([s.env_tokens for s in samples], n, "env_tokens_per_sample"))
     metrics["max_gen_tokens_per_turn/max"] = max(max_gen_per_turn)
     metrics["max_gen_tokens_per_turn/mean"] = sum(max_gen_per_turn) / n
     metrics["max_gen_tokens_per_turn/p95"] = pct(max_gen_per_turn, 95)

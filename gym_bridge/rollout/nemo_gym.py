@@ -24,16 +24,9 @@ from gym_bridge.gym.result import GymRowResult
 from gym_bridge.gym.rows import build_rows, validate_row
 from gym_bridge.metrics import calculate_single_metric, pct, summarize
 from gym_bridge.rollout.truncation import gym_completion_truncated
-from gym_bridge.types import (
-    Completion,
-    DatumSpec,
-    GenerationConfig,
-    GenerationSamplingParams,
-    LLMMessageLogType,
-    PromptGroupRecord,
-)
+from gym_bridge.types import Completion, DatumSpec, GenerationConfig, GenerationSamplingParams, PromptGroupRecord
 
-__all__ = ["NEMO_GYM_TASK", "AsyncNemoGymRolloutImpl", "GymRowIndexError", "group_metrics"]
+__all__ = ["NEMO_GYM_TASK", "AsyncNemoGymRolloutImpl", "GymRowIndexError", "group_metrics", "gym_completion"]
 
 logger = logging.getLogger(__name__)
 
@@ -129,9 +122,12 @@ class AsyncNemoGymRolloutImpl:
         run_s = time.perf_counter() - t_run
 
         t_metrics = time.perf_counter()
-        completions = [self._completion(row) for row in group.rows]
+        completions = [
+            gym_completion(row, max_seq_len=self.max_seq_len, mask_env_flagged_samples=self.mask_env_flagged_samples)
+            for row in group.rows
+        ]
         agent = rows[0]["agent_ref"]["name"]
-        metrics = group_metrics(completions, agent, fields=[row.metrics for row in group.rows])
+        metrics = group_metrics(completions, [agent] * len(completions), fields=[row.metrics for row in group.rows])
         metrics.update(group.timing)
         metrics[f"{TIMER_PREFIX}/run_rollouts"] = run_s
         metrics[f"{TIMER_PREFIX}/compute_metrics"] = time.perf_counter() - t_metrics
@@ -152,26 +148,6 @@ class AsyncNemoGymRolloutImpl:
         """Rows in flight per actor (for metrics and tests)."""
         return self.client.in_flight_rows
 
-    def _completion(self, row: GymRowResult) -> Completion:
-        full_result = row.full_result
-        reward = row.reward
-        if not self.mask_env_flagged_samples:
-            without_mask_sample(full_result)
-        log: LLMMessageLogType = row.message_log
-        total = sum(int(m["token_ids"].numel()) for m in log)
-        drift = row.token_drift
-        if drift is not None:
-            full_result["token_drift"] = drift
-        return Completion(
-            message_log=log,
-            env_extras=full_result,
-            truncated=gym_completion_truncated(total, self.max_seq_len),
-            reward=reward,
-            token_drift=drift is not None,
-            masked=row.mask_sample and self.mask_env_flagged_samples,
-            failure_kind=row.failure_kind,
-        )
-
     def _append_full_results(self, path: Path, prompt_idx: int, agent: str, completions: list[Completion]) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         with path.open("a") as f:
@@ -180,19 +156,41 @@ class AsyncNemoGymRolloutImpl:
                 f.write(json.dumps(line, default=str) + "\n")
 
 
-def group_metrics(
-    completions: list[Completion], agent: str, fields: Sequence[Mapping[str, float]] | None = None
-) -> dict[str, Any]:
-    """NeMo-RL's Gym-path metric keys for one group, plus per-agent ``<agent>/<key>`` metrics.
+def gym_completion(row: GymRowResult, *, max_seq_len: int | None, mask_env_flagged_samples: bool) -> Completion:
+    """One Gym row as a :class:`Completion`: NeMo-RL's length rule for ``truncated``, the environment's mask
+    honoured only when ``mask_env_flagged_samples`` (otherwise its ``mask_sample`` fields are dropped)."""
+    full_result = row.full_result
+    if not mask_env_flagged_samples:
+        without_mask_sample(full_result)
+    total = sum(int(m["token_ids"].numel()) for m in row.message_log)
+    if row.token_drift is not None:
+        full_result["token_drift"] = row.token_drift
+    return Completion(
+        message_log=row.message_log,
+        env_extras=full_result,
+        truncated=gym_completion_truncated(total, max_seq_len),
+        reward=row.reward,
+        token_drift=row.token_drift is not None,
+        masked=row.mask_sample and mask_env_flagged_samples,
+        failure_kind=row.failure_kind,
+    )
 
+
+def group_metrics(
+    completions: Sequence[Completion], agents: Sequence[str], fields: Sequence[Mapping[str, float]] | None = None
+) -> dict[str, Any]:
+    """NeMo-RL's Gym-path metric keys for a group, plus per-agent ``<agent>/<key>`` metrics.
+
+    ``agents`` names each completion's agent (a group may mix agents when a whole batch is one group).
     ``masked_rate`` (and ``<agent>/masked_rate``) counts the samples the environment masked, and
-    ``<agent>/failure_kind/<kind>`` how many named each failure kind. Turns are the user messages of a log
-    (one per model call); per-agent metrics
-    take every numeric or boolean field of the Gym results (means over the
-    completions that have the field): ``fields`` per completion when the caller has
-    them (:attr:`GymRowResult.metrics`), else read from ``env_extras``.
+    ``<agent>/failure_kind/<kind>`` how many named each failure kind. Turns are the user messages of a
+    log (one per model call). Per-agent metrics take every numeric or boolean field of the Gym results,
+    summed over that agent's completions and divided by their count (NeMo-RL's rule): ``fields`` per
+    completion when the caller has them (:attr:`GymRowResult.metrics`), else read from ``env_extras``.
     """
     n = len(completions)
+    if len(agents) != n:
+        raise ValueError(f"group_metrics got {len(agents)} agent names for {n} completions")
     turns = [sum(m["role"] == "user" for m in c.message_log) for c in completions]
     gen = [sum(int(m["token_ids"].numel()) for m in c.message_log if m["role"] == "assistant") for c in completions]
     totals = [sum(int(m["token_ids"].numel()) for m in c.message_log) for c in completions]
@@ -201,27 +199,30 @@ def group_metrics(
         for c in completions
     ]
     metrics: dict[str, Any] = {}
-    metrics.update(calculate_single_metric([c.reward for c in completions], "total_reward"))
+    metrics.update(calculate_single_metric([c.reward for c in completions], n, "total_reward"))
     metrics.update(summarize(turns, "turns_per_sample"))
-    metrics.update(calculate_single_metric(totals, "total_tokens_per_sample"))
-    metrics.update(calculate_single_metric(gen, "gen_tokens_per_sample"))
-    metrics.update(calculate_single_metric(max_turn_gen, "max_gen_tokens_per_turn"))
+    metrics.update(calculate_single_metric(totals, n, "total_tokens_per_sample"))
+    metrics.update(calculate_single_metric(gen, n, "gen_tokens_per_sample"))
+    metrics.update(calculate_single_metric(max_turn_gen, n, "max_gen_tokens_per_turn"))
     metrics["max_gen_tokens_per_turn/p95"] = pct(max_turn_gen, 95)
     metrics["truncation_rate"] = sum(c.truncated for c in completions) / n
     metrics["natural_termination_rate"] = 1.0 - metrics["truncation_rate"]
-    metrics["token_drift_rate"] = sum((c.env_extras or {}).get("token_drift") is not None for c in completions) / n
+    metrics["token_drift_rate"] = sum(c.token_drift for c in completions) / n
     metrics["max_output_tokens_rate"] = (
         sum(_incomplete_reason(c.env_extras) == "max_output_tokens" for c in completions) / n
     )
     metrics["masked_rate"] = sum(c.masked for c in completions) / n
-    metrics[f"{agent}/masked_rate"] = metrics["masked_rate"]
-    for kind in sorted({c.failure_kind for c in completions if c.failure_kind}):
-        metrics[f"{agent}/failure_kind/{kind}"] = float(sum(c.failure_kind == kind for c in completions))
-    by_key: dict[str, list[float]] = {}
-    for row in fields if fields is not None else [scalar_fields(c.env_extras or {}) for c in completions]:
-        for key, value in row.items():
-            by_key.setdefault(key, []).append(value)
-    for key, values in sorted(by_key.items()):
-        metrics.update(calculate_single_metric(values, f"{agent}/{key}"))
+    rows = fields if fields is not None else [scalar_fields(c.env_extras or {}) for c in completions]
+    for agent in sorted(set(agents)):
+        mine = [i for i, name in enumerate(agents) if name == agent]
+        metrics[f"{agent}/masked_rate"] = sum(completions[i].masked for i in mine) / len(mine)
+        for kind in sorted({k for i in mine if (k := completions[i].failure_kind)}):
+            metrics[f"{agent}/failure_kind/{kind}"] = float(sum(completions[i].failure_kind == kind for i in mine))
+        by_key: dict[str, list[float]] = {}
+        for i in mine:
+            for key, value in rows[i].items():
+                by_key.setdefault(key, []).append(value)
+        for key, values in sorted(by_key.items()):
+            metrics.update(calculate_single_metric(values, len(mine), f"{agent}/{key}"))
     metrics["mean_gen_tokens_per_sample"] = metrics["gen_tokens_per_sample/mean"]
     return metrics

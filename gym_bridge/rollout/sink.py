@@ -1,17 +1,23 @@
-"""Where finished prompt groups go: a sink reserves a slot, then commits or discards it.
+"""Where finished prompt groups go: a sink (or NeMo-RL's replay buffer) reserves a slot, then commits or drops it.
 
 ``RolloutManager.collect`` reserves a fresh slot per attempt, commits only a
 complete group, and discards the slot of every failed attempt, so a sink never
 holds a partial or failed group. Each commit says which policy weights produced the
 group: the manager's weight version when the attempt started and when it finished
 (NeMo-RL's ``generate_and_push`` semantics); they differ when a refit landed mid-rollout.
+
+:class:`ReplayBuffer` is the contract of NeMo-RL's ``TQReplayBuffer`` as
+``RolloutManager.generate_and_push`` uses it (``reserve`` tagged with the weight version and
+target step, async ``commit`` and ``remove_group``); :class:`InMemoryReplayBuffer` implements
+it for tests and single-process loops.
 """
 
 from __future__ import annotations
 
 import itertools
+import uuid
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from gym_bridge.types import PromptGroupRecord
 
@@ -78,3 +84,74 @@ class InMemorySink:
         if prompt_idx is not None:
             self.discarded.append(slot)
             self.last_error[prompt_idx] = error
+
+
+@runtime_checkable
+class ReplayBuffer(Protocol):
+    """NeMo-RL's replay-buffer contract for ``generate_and_push``: reserve a slot, then commit or remove it."""
+
+    def reserve(self, *, weight_version: int, target_step: int | None = None) -> str:
+        """A fresh group id for one attempt, tagged with the weights it starts on and the step it targets."""
+
+    async def commit(
+        self, group_id: str, record: PromptGroupRecord, start_weight_version: int, end_weight_version: int
+    ) -> Any:
+        """Store the complete group reserved as ``group_id``; an unknown id raises ``ValueError``."""
+
+    async def remove_group(self, group_id: str) -> int:
+        """Forget the slot ``group_id`` (a failed attempt); an unknown id raises ``ValueError``."""
+
+
+@dataclass
+class BufferSlot:
+    """One reserved slot of :class:`InMemoryReplayBuffer`; ``record`` is set by the commit."""
+
+    group_id: str
+    start_weight_version: int
+    target_step: int | None
+    end_weight_version: int = -1
+    record: PromptGroupRecord | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self.record is not None
+
+
+class InMemoryReplayBuffer:
+    """:class:`ReplayBuffer` in a list: slots in reservation order, ready once committed."""
+
+    def __init__(self) -> None:
+        self.slots: list[BufferSlot] = []
+
+    def reserve(self, *, weight_version: int, target_step: int | None = None) -> str:
+        group_id = str(uuid.uuid4())
+        self.slots.append(BufferSlot(group_id, int(weight_version), target_step))
+        return group_id
+
+    async def commit(
+        self, group_id: str, record: PromptGroupRecord, start_weight_version: int, end_weight_version: int
+    ) -> BufferSlot:
+        slot = self._slot(group_id)
+        if slot.ready:
+            raise ValueError(f"group_id={group_id!r} was already committed")
+        if start_weight_version != slot.start_weight_version:
+            raise ValueError(
+                f"group_id={group_id!r} was reserved on weight version {slot.start_weight_version}, "
+                f"committed as {start_weight_version}"
+            )
+        slot.record, slot.end_weight_version = record, int(end_weight_version)
+        return slot
+
+    async def remove_group(self, group_id: str) -> int:
+        self.slots.remove(self._slot(group_id))
+        return 1
+
+    def ready(self, target_step: int | None = None) -> list[BufferSlot]:
+        """The committed slots (for ``target_step`` when given), in reservation order."""
+        return [s for s in self.slots if s.ready and (target_step is None or s.target_step == target_step)]
+
+    def _slot(self, group_id: str) -> BufferSlot:
+        for slot in self.slots:
+            if slot.group_id == group_id:
+                return slot
+        raise ValueError(f"unknown group_id={group_id!r} (never reserved, or already removed)")

@@ -1,0 +1,416 @@
+"""NeMo-RL's whole-batch Gym functions: ``run_async_nemo_gym_rollout`` and ``run_nemo_gym_rollout_sync``.
+
+NeMo-RL's GRPO (sync and async), validation, distillation and trajectory collector call
+these with a batch whose ``extra_env_info`` holds one Gym row per generation,
+``num_generations`` contiguous rows per prompt. Each prompt group goes through the same
+:class:`~gym_bridge.gym.client.GymClient` and :func:`~gym_bridge.rollout.nemo_gym.gym_completion`
+as the ``nemo_gym`` rollout backend, so both paths check, re-dispatch and convert rows
+alike. Groups come back in completion order, their rows in input order, as
+:class:`NemoGymRolloutResult` with NeMo-RL's ``final_batch`` keys and metric names.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+import warnings
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+import torch
+
+from gym_bridge.batched import BatchedDataDict, batched_message_log_to_flat_message
+from gym_bridge.gym.client import GymClient, GymGroupResult
+from gym_bridge.gym.result import GymRowResult
+from gym_bridge.gym.rows import stamped_row, validate_row
+from gym_bridge.rollout.nemo_gym import (
+    DEFAULT_GYM_ROW_ATTEMPTS,
+    NEMO_GYM_TASK,
+    TIMER_PREFIX,
+    group_metrics as gym_group_metrics,
+    gym_completion,
+)
+from gym_bridge.rollout.reward_shaping import (
+    EffortLevelsConfig,
+    apply_effort_shaping,
+    apply_reward_penalties,
+    build_reward_component_columns,
+    effort_metrics,
+    extract_reward_components,
+    penalty_metrics,
+    resolve_reward_penalty_config,
+    validate_reward_components_match_scalar,
+)
+from gym_bridge.types import NEMO_GYM_TASK_INDEX_KEY, GenerationConfig, GenerationSamplingParams
+
+__all__ = [
+    "NemoGymRolloutResult",
+    "full_result_table",
+    "run_async_nemo_gym_rollout",
+    "run_nemo_gym_rollout_sync",
+    "should_log_nemo_gym_full_result_tables",
+]
+
+logger = logging.getLogger(__name__)
+
+_ENGINE_CONFIG_KEYS = ("vllm_cfg", "trtllm_cfg", "mcore_generation_config")
+
+
+@dataclass
+class NemoGymRolloutResult:
+    """One prompt group (or, with ``returns_entire_batch``, the whole batch) in input-row order."""
+
+    input_ids: torch.Tensor
+    """The first user message of each row, flattened and right-padded with the tokenizer's pad id: [B, L]."""
+    final_batch: BatchedDataDict[Any]
+    """NeMo-RL's keys: ``agent_ref``, ``message_log``, ``length``, ``loss_multiplier``, ``total_reward``,
+    ``truncated``, ``mask_sample`` (when masking) and ``reward/<name>`` per reward component."""
+    rollout_metrics: dict[str, Any]
+    task_index: int | None
+    """The group's ``_ng_task_index`` (NeMo-RL's async collector identity); None when the rows carry none."""
+
+
+async def run_async_nemo_gym_rollout(
+    policy_generation: Any,
+    input_batch: Mapping[str, Any],
+    tokenizer: Any,
+    task_to_env: Mapping[str, Any],
+    generation_config: GenerationConfig,
+    num_generations: int,
+    log_full_result_tables: bool,
+    max_seq_len: int | None = None,
+    max_rollout_turns: int | None = None,
+    greedy: bool = False,
+    effort_config: EffortLevelsConfig | Mapping[str, Any] | None = None,
+    reward_penalty_config: Mapping[str, Any] | Any | None = None,
+    thinking_tags: Sequence[str] | None = None,
+    mask_env_flagged_samples: bool = True,
+    returns_entire_batch: bool = False,
+    sampling_params: GenerationSamplingParams | None = None,
+    deduplicate_multimodal_data: bool = False,
+    debug_payload_metrics: bool = False,
+) -> AsyncIterator[NemoGymRolloutResult]:
+    """Yield complete prompt groups of ``input_batch["extra_env_info"]`` in completion order (NeMo-RL's signature).
+
+    Rows are stamped with ``sampling_params`` (default: the training profile of
+    ``generation_config``) and ``max_output_tokens = min(row's, max_new_tokens)`` on copies;
+    the caller's rows are not changed. The last result carries the timing metrics.
+    Rows lost to an infrastructure failure are re-sent (up to 3 attempts per row) before
+    the group fails; the first group that fails ends the stream and cancels the others.
+
+    Raises:
+        ValueError: an option the Gym path cannot honour (``greedy``, ``max_rollout_turns``, stop strings,
+            ``top_k``), a batch that does not split into groups, or a group mixing agents or task indices.
+        InvalidGymRow: a row that cannot be dispatched, named by its index and field.
+        RolloutFailure: the typed failure of the first group that failed (see :mod:`gym_bridge.failures`).
+    """
+    rows = list(input_batch["extra_env_info"])
+    engine_max_len = _engine_max_model_len(policy_generation, max_seq_len)
+    _check_options(generation_config, sampling_params, greedy, max_rollout_turns, max_seq_len, engine_max_len)
+    sampling = sampling_params or GenerationSamplingParams.from_generation_config(generation_config)
+    if sampling.top_k:
+        raise ValueError("sampling_params.top_k is not supported on the NeMo-Gym path (not an OpenAI parameter)")
+    groups = _split(rows, num_generations, returns_entire_batch)
+    message_logs = input_batch.get("message_log")
+    if message_logs is not None and len(message_logs) != len(rows):
+        raise ValueError(f"input_batch has {len(message_logs)} message logs for {len(rows)} NeMo-Gym rows")
+    max_new_tokens = generation_config.get("max_new_tokens")
+    stamped = [
+        [stamped_row(rows[start + i], i, sampling, max_new_tokens) for i in range(end - start)] for start, end in groups
+    ]
+    shaping = _Shaping(tokenizer, effort_config, reward_penalty_config, thinking_tags)
+    loss_multiplier = _loss_multiplier(input_batch, len(rows))
+    post = _GroupPost(tokenizer, engine_max_len, mask_env_flagged_samples, log_full_result_tables, shaping)
+    client = GymClient(_actors(task_to_env), max_row_attempts=DEFAULT_GYM_ROW_ATTEMPTS, timer_prefix=TIMER_PREFIX)
+
+    started = time.perf_counter()
+    timing: dict[str, float] = {}
+    debug = {"debug/nemo_gym_request_bytes": float(len(orjson.dumps(stamped)))} if debug_payload_metrics else {}
+    tasks = {
+        asyncio.create_task(client.run_group(group_rows, prompt_idx=g, deadline_s=None)): g
+        for g, group_rows in enumerate(stamped)
+    }
+    pending = set(tasks)
+    try:
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=tasks.__getitem__):
+                g = tasks[task]
+                start, end = groups[g]
+                gym_group = task.result()
+                _add_timing(timing, gym_group)
+                result = post.result(rows[start:end], gym_group, loss_multiplier[start:end])
+                if not pending and task is max(done, key=tasks.__getitem__):
+                    result.rollout_metrics.update(_final_timing(timing, time.perf_counter() - started))
+                    result.rollout_metrics.update(debug)
+                yield result
+    finally:
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+
+
+def run_nemo_gym_rollout_sync(
+    policy_generation: Any,
+    input_batch: Mapping[str, Any],
+    tokenizer: Any,
+    task_to_env: Mapping[str, Any],
+    generation_config: GenerationConfig,
+    log_full_result_tables: bool,
+    max_seq_len: int | None = None,
+    max_rollout_turns: int | None = None,
+    greedy: bool = False,
+    effort_config: EffortLevelsConfig | Mapping[str, Any] | None = None,
+    reward_penalty_config: Mapping[str, Any] | Any | None = None,
+    thinking_tags: Sequence[str] | None = None,
+    sampling_params: GenerationSamplingParams | None = None,
+    mask_env_flagged_samples: bool = True,
+    deduplicate_multimodal_data: bool = False,
+    debug_payload_metrics: bool = False,
+) -> NemoGymRolloutResult:
+    """The whole batch as one (possibly mixed-agent) group, in input order (NeMo-RL's signature and order).
+
+    Raises ``RuntimeError`` when called from a running event loop (use the async function there).
+    """
+
+    async def drain() -> NemoGymRolloutResult:
+        last = None
+        async for result in run_async_nemo_gym_rollout(
+            policy_generation,
+            input_batch,
+            tokenizer,
+            task_to_env,
+            generation_config,
+            len(input_batch["extra_env_info"]),
+            log_full_result_tables,
+            max_seq_len=max_seq_len,
+            max_rollout_turns=max_rollout_turns,
+            greedy=greedy,
+            effort_config=effort_config,
+            reward_penalty_config=reward_penalty_config,
+            thinking_tags=thinking_tags,
+            mask_env_flagged_samples=mask_env_flagged_samples,
+            returns_entire_batch=True,
+            sampling_params=sampling_params,
+            deduplicate_multimodal_data=deduplicate_multimodal_data,
+            debug_payload_metrics=debug_payload_metrics,
+        ):
+            last = result
+        if last is None:
+            raise RuntimeError("NeMo-Gym returned no rollouts")
+        return last
+
+    return asyncio.run(drain())
+
+
+class _Shaping:
+    """Effort shaping and reward penalties, resolved once per call (NeMo-RL's order: effort, then penalties)."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        effort_config: EffortLevelsConfig | Mapping[str, Any] | None,
+        reward_penalty_config: Mapping[str, Any] | Any | None,
+        thinking_tags: Sequence[str] | None,
+    ) -> None:
+        if isinstance(effort_config, Mapping):
+            effort_config = EffortLevelsConfig.model_validate(effort_config)
+        self.effort = effort_config
+        tags = list(thinking_tags) if thinking_tags is not None else None
+        self.penalties = resolve_reward_penalty_config(reward_penalty_config, tokenizer, thinking_tags=tags)
+
+    def apply(self, rows: list[dict[str, Any]], gym_rows: list[GymRowResult]) -> dict[str, float]:
+        """Shape the rewards of one group in place (Gym's ``reward`` and ours); return NeMo-RL's shaping metrics."""
+        if self.effort is None and not self.penalties:
+            return {}
+        results = [{"message_log": r.message_log, "full_result": r.full_result} for r in gym_rows]
+        effort = apply_effort_shaping(results, rows, self.effort)
+        counts = apply_reward_penalties(results, self.penalties)
+        for row in gym_rows:
+            reward = float(row.full_result["reward"])
+            row.reward = reward
+            row.metrics["reward"] = reward
+        return {**effort_metrics(effort), **penalty_metrics(self.penalties, counts, len(gym_rows))}
+
+
+@dataclass(frozen=True)
+class _GroupPost:
+    """Turns one finished group into NeMo-RL's ``NemoGymRolloutResult``."""
+
+    tokenizer: Any
+    engine_max_len: int | None
+    mask_env_flagged_samples: bool
+    log_full_result_tables: bool
+    shaping: _Shaping
+
+    def result(self, rows: list[dict[str, Any]], group: GymGroupResult, loss_multiplier: Any) -> NemoGymRolloutResult:
+        metrics = self.shaping.apply(rows, group.rows)
+        completions = [
+            gym_completion(r, max_seq_len=self.engine_max_len, mask_env_flagged_samples=self.mask_env_flagged_samples)
+            for r in group.rows
+        ]
+        agents = [row["agent_ref"]["name"] for row in rows]
+        metrics.update(gym_group_metrics(completions, agents, fields=[r.metrics for r in group.rows]))
+        if self.log_full_result_tables:
+            for agent in sorted(set(agents)):
+                mine = [c.env_extras for c, name in zip(completions, agents, strict=True) if name == agent]
+                metrics[f"{agent}/full_result"] = full_result_table(mine)
+        final_batch: BatchedDataDict[Any] = BatchedDataDict(
+            {
+                "agent_ref": [row["agent_ref"] for row in rows],
+                "message_log": [c.message_log for c in completions],
+                "length": torch.tensor([int(r.input_message_log[0]["token_ids"].numel()) for r in group.rows]),
+                "loss_multiplier": loss_multiplier,
+                "total_reward": torch.tensor([c.reward for c in completions]),
+                "truncated": torch.tensor([c.truncated for c in completions], dtype=torch.bool),
+            }
+        )
+        if self.mask_env_flagged_samples:
+            final_batch["mask_sample"] = torch.tensor([c.masked for c in completions], dtype=torch.bool)
+        full_results = [r.full_result for r in group.rows]
+        components = [extract_reward_components(r) for r in full_results]
+        if any(c is not None for c in components):
+            final_batch.update(build_reward_component_columns(components))
+            validate_reward_components_match_scalar(full_results)
+        pad_id = self.tokenizer.pad_token_id
+        flat, _ = batched_message_log_to_flat_message(
+            [r.input_message_log for r in group.rows],
+            pad_value_dict={"token_ids": pad_id if pad_id is not None else self.tokenizer.eos_token_id},
+        )
+        return NemoGymRolloutResult(
+            input_ids=flat["token_ids"],
+            final_batch=final_batch,
+            rollout_metrics=metrics,
+            task_index=_task_index(rows),
+        )
+
+
+def should_log_nemo_gym_full_result_tables(*, wandb_enabled: bool, wandb_config: Mapping[str, Any]) -> bool:
+    """NeMo-RL's rule: ``{agent}/full_result`` tables only when wandb logs and ``log_nemo_gym_full_result_tables``."""
+    return bool(wandb_enabled) and bool(wandb_config.get("log_nemo_gym_full_result_tables"))
+
+
+def full_result_table(full_results: Sequence[Any]) -> Any:
+    """NeMo-RL's ``{agent}/full_result`` table, one compact JSON per row: a ``wandb.Table`` when wandb is
+    installed, else a plain ``{"columns": ["Full result"], "data": [[json], ...]}``."""
+    data = [[json.dumps(r, separators=(",", ":"), default=str)] for r in full_results]
+    try:
+        from wandb import Table
+    except ImportError:
+        return {"columns": ["Full result"], "data": data}
+    return Table(data=data, columns=["Full result"])
+
+
+def _check_options(
+    generation_config: Mapping[str, Any],
+    sampling_params: GenerationSamplingParams | None,
+    greedy: bool,
+    max_rollout_turns: int | None,
+    max_seq_len: int | None,
+    engine_max_len: int | None,
+) -> None:
+    if greedy:
+        raise ValueError("greedy is not supported on the NeMo-Gym path; pass sampling_params for a validation profile")
+    if max_rollout_turns is not None:
+        raise ValueError("max_rollout_turns must be None on the NeMo-Gym path: the Gym agent ends each episode")
+    for key in ("stop_strings", "stop_token_ids"):
+        if generation_config.get(key):
+            raise ValueError(
+                f"generation_config.{key} is not supported on the NeMo-Gym path (Gym's model server does not "
+                "forward it); setup_nemo_gym_config clears it"
+            )
+    if max_seq_len is not None and engine_max_len is not None and max_seq_len > engine_max_len:
+        warnings.warn(
+            f"policy max_total_sequence_length ({max_seq_len}) is greater than the generation engine's "
+            f"max_model_len ({engine_max_len}); the engine truncates at its own limit",
+            stacklevel=3,
+        )
+
+
+def _split(rows: list[Any], num_generations: int, returns_entire_batch: bool) -> list[tuple[int, int]]:
+    """The ``(start, end)`` of each group; every row is checked before anything is sent."""
+    if num_generations <= 0:
+        raise ValueError(f"num_generations must be greater than zero, got {num_generations}")
+    if not rows:
+        raise ValueError("the NeMo-Gym rollout batch (extra_env_info) is empty")
+    if len(rows) % num_generations:
+        raise ValueError(f"the NeMo-Gym batch has {len(rows)} rows, not divisible by num_generations={num_generations}")
+    if returns_entire_batch and len(rows) != num_generations:
+        raise ValueError(
+            f"returns_entire_batch needs num_generations ({num_generations}) to equal the batch size ({len(rows)})"
+        )
+    for i, row in enumerate(rows):
+        validate_row(row, prompt_idx=i // num_generations)
+    groups = [(start, start + num_generations) for start in range(0, len(rows), num_generations)]
+    if not returns_entire_batch:
+        for g, (start, end) in enumerate(groups):
+            agents = [row["agent_ref"]["name"] for row in rows[start:end]]
+            if len(set(agents)) != 1:
+                raise ValueError(f"prompt group {g} (rows {start}..{end - 1}) mixes NeMo-Gym agents: {agents}")
+            _task_index(rows[start:end])
+    return groups
+
+
+def _task_index(rows: Sequence[Mapping[str, Any]]) -> int | None:
+    """The group's ``_ng_task_index``, checked equal across its rows; None when the first row has none."""
+    if not rows or NEMO_GYM_TASK_INDEX_KEY not in rows[0]:
+        return None
+    indices = [row.get(NEMO_GYM_TASK_INDEX_KEY) for row in rows]
+    first = int(rows[0][NEMO_GYM_TASK_INDEX_KEY])
+    if any(index is None or int(index) != first for index in indices):
+        raise ValueError(f"expected one {NEMO_GYM_TASK_INDEX_KEY} per prompt group, got {indices}")
+    return first
+
+
+def _engine_max_model_len(policy_generation: Any, max_seq_len: int | None) -> int | None:
+    """The engine's ``max_model_len`` from NeMo-RL's generation config, else ``max_total_sequence_length``,
+    else ``max_seq_len`` (our engines carry no such config)."""
+    cfg = getattr(policy_generation, "cfg", None)
+    if isinstance(cfg, Mapping):
+        for key in _ENGINE_CONFIG_KEYS:
+            if isinstance(cfg.get(key), Mapping) and cfg[key].get("max_model_len") is not None:
+                return int(cfg[key]["max_model_len"])
+        if cfg.get("max_total_sequence_length") is not None:
+            return int(cfg["max_total_sequence_length"])
+    return max_seq_len
+
+
+def _loss_multiplier(input_batch: Mapping[str, Any], n: int) -> Any:
+    """The batch's ``loss_multiplier`` column, else ones (NeMo-RL's datasets always set 1.0)."""
+    value = input_batch.get("loss_multiplier")
+    if value is None:
+        return torch.ones(n)
+    if len(value) != n:
+        raise ValueError(f"input_batch has {len(value)} loss_multiplier values for {n} NeMo-Gym rows")
+    return value
+
+
+def _actors(task_to_env: Mapping[str, Any]) -> list[Any]:
+    actor = task_to_env.get(NEMO_GYM_TASK)
+    if actor is None:
+        raise ValueError(f"task_to_env has no {NEMO_GYM_TASK!r} actor (spinup_nemo_gym_actor makes one)")
+    return list(actor) if isinstance(actor, (list, tuple)) else [actor]
+
+
+def _add_timing(total: dict[str, float], group: GymGroupResult) -> None:
+    for key, value in group.timing.items():
+        if not key.endswith("_pct"):
+            total[key] = total.get(key, 0.0) + value
+
+
+def _final_timing(actor_timing: dict[str, float], elapsed: float) -> dict[str, float]:
+    """The actors' await/postprocess seconds summed over groups, and this call's wall time."""
+    out = dict(actor_timing)
+    busy = out.get(f"{TIMER_PREFIX}/await_results", 0.0) + out.get(f"{TIMER_PREFIX}/postprocess_results", 0.0)
+    if busy > 0 and math.isfinite(busy):
+        out[f"{TIMER_PREFIX}/postprocess_results_pct"] = (
+            100.0 * out.get(f"{TIMER_PREFIX}/postprocess_results", 0.0) / busy
+        )
+    out[f"{TIMER_PREFIX}/run_rollouts"] = elapsed
+    out[f"{TIMER_PREFIX}/total"] = elapsed
+    return out

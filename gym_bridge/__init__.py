@@ -68,6 +68,7 @@ _EXPORTS: dict[str, str] = {
     "preflight_endpoints": "gym_bridge.preflight",
     "OpenAIServer": "gym_bridge.serving",
     # failures, deadlines, retries
+    "GymResultError": "gym_bridge.failures",
     "InvalidGymRow": "gym_bridge.failures",
     "NoHealthyShards": "gym_bridge.failures",
     "RolloutDataFailure": "gym_bridge.failures",
@@ -103,6 +104,7 @@ if TYPE_CHECKING:
         run_eval as run_eval,
     )
     from gym_bridge.failures import (
+        GymResultError as GymResultError,
         InvalidGymRow as InvalidGymRow,
         NoHealthyShards as NoHealthyShards,
         RolloutDataFailure as RolloutDataFailure,

@@ -249,6 +249,11 @@ class _GroupPost:
     shaping: _Shaping
 
     def result(self, rows: list[dict[str, Any]], group: GymGroupResult, loss_multiplier: Any) -> NemoGymRolloutResult:
+        full_results = [r.full_result for r in group.rows]
+        components = [extract_reward_components(r) for r in full_results]
+        if any(c is not None for c in components):
+            # The verifier's contract (reward == sum of components) is checked before shaping changes the reward.
+            validate_reward_components_match_scalar(full_results)
         metrics = self.shaping.apply(rows, group.rows)
         completions = [
             gym_completion(r, max_seq_len=self.engine_max_len, mask_env_flagged_samples=self.mask_env_flagged_samples)
@@ -272,11 +277,8 @@ class _GroupPost:
         )
         if self.mask_env_flagged_samples:
             final_batch["mask_sample"] = torch.tensor([c.masked for c in completions], dtype=torch.bool)
-        full_results = [r.full_result for r in group.rows]
-        components = [extract_reward_components(r) for r in full_results]
         if any(c is not None for c in components):
             final_batch.update(build_reward_component_columns(components))
-            validate_reward_components_match_scalar(full_results)
         pad_id = self.tokenizer.pad_token_id
         flat, _ = batched_message_log_to_flat_message(
             [r.input_message_log for r in group.rows],

@@ -63,7 +63,7 @@ from transformers import AutoTokenizer
 
 from gym_bridge.data import datum_from_gym_row
 from gym_bridge.failures import RolloutTimeouts
-from gym_bridge.gym.actor import NemoGymConfig, spinup_nemo_gym_actor, stop_nemo_gym_actors
+from gym_bridge.gym.actor import NemoGymConfig, start_nemo_gym_actor, stop_nemo_gym_actors
 from gym_bridge.gym.reaper import free_port
 from gym_bridge.gym.rows import build_rows
 from gym_bridge.gym.servers import GymServers, GymServersConfig, wheel_config_path
@@ -562,7 +562,7 @@ async def run_benchmark(args: argparse.Namespace, workdir: Path) -> Report:
         workload = WORKLOADS[args.workload]
         await asyncio.to_thread(endpoint.start, workload.policy, workload.max_new_tokens)
         config = gym_config(endpoint.base_url, workdir / "gym-logs", workload, args.model_server)
-        actor = await asyncio.to_thread(spinup_nemo_gym_actor, config, tokenizer)
+        actor = await asyncio.to_thread(start_nemo_gym_actor, config, tokenizer)
         if default_raw is not None:
             default_servers = default_gym(endpoint.base_url, workdir / "default-gym-logs", workload)
             default_head = await asyncio.to_thread(default_servers.start)

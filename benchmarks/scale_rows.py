@@ -65,7 +65,7 @@ from transformers import AutoTokenizer
 
 from gym_bridge.data import datum_from_gym_row
 from gym_bridge.failures import RolloutRetryPolicy, RolloutTimeouts
-from gym_bridge.gym.actor import spinup_nemo_gym_actor, stop_nemo_gym_actors
+from gym_bridge.gym.actor import start_nemo_gym_actor, stop_nemo_gym_actors
 from gym_bridge.gym.reaper import free_port
 from gym_bridge.models.tiny import resolve_model_path
 from gym_bridge.ray_utils import init_ray
@@ -288,7 +288,7 @@ async def run_scale(args: argparse.Namespace, workdir: Path) -> Report:
                 "overrides": worker_overrides(args.agent_workers, args.resources_workers, args.model_workers),
             }
         )
-        actor = await asyncio.to_thread(spinup_nemo_gym_actor, config, tokenizer)
+        actor = await asyncio.to_thread(start_nemo_gym_actor, config, tokenizer)
         actor_pid = await _ray(actor.__ray_call__.remote(lambda _actor: os.getpid()))
         manager = RolloutManager(
             tokenizer=tokenizer,

@@ -44,7 +44,7 @@ from transformers import AutoTokenizer
 from gym_bridge.cluster import LocalRayCluster, NodeSpec
 from gym_bridge.data import datum_from_gym_row
 from gym_bridge.failures import RolloutTimeouts
-from gym_bridge.gym.actor import spinup_nemo_gym_actor, stop_nemo_gym_actors
+from gym_bridge.gym.actor import start_nemo_gym_actor, stop_nemo_gym_actors
 from gym_bridge.gym.reaper import free_port
 from gym_bridge.models.tiny import resolve_model_path
 from gym_bridge.rollout.manager import RolloutManager
@@ -90,7 +90,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, list[float]]:
                 config = gym_config(endpoint.base_url, workdir / node, SINGLE).model_copy(
                     update={"actor_options": {"num_cpus": 0, "resources": {node: 0.01}}}
                 )
-                return spinup_nemo_gym_actor(config, tokenizer)
+                return start_nemo_gym_actor(config, tokenizer)
 
             with ThreadPoolExecutor(len(NODES)) as pool:
                 for node, actor in zip(NODES, pool.map(spin, NODES), strict=True):

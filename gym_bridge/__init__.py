@@ -51,6 +51,8 @@ _EXPORTS: dict[str, str] = {
     "NemoGymConfig": "gym_bridge.gym.actor",
     "spinup_nemo_gym_actor": "gym_bridge.gym.actor",
     "spinup_nemo_gym_actors": "gym_bridge.gym.actor",
+    "start_nemo_gym_actor": "gym_bridge.gym.actor",
+    "setup_nemo_gym_config": "gym_bridge.rollout.training_config",
     "stop_nemo_gym_actors": "gym_bridge.gym.actor",
     "GymLaunchSpec": "gym_bridge.launch",
     "NemoGymRollouts": "gym_bridge.launch",
@@ -120,6 +122,7 @@ if TYPE_CHECKING:
         NemoGymConfig as NemoGymConfig,
         spinup_nemo_gym_actor as spinup_nemo_gym_actor,
         spinup_nemo_gym_actors as spinup_nemo_gym_actors,
+        start_nemo_gym_actor as start_nemo_gym_actor,
         stop_nemo_gym_actors as stop_nemo_gym_actors,
     )
     from gym_bridge.interfaces import (
@@ -170,6 +173,7 @@ if TYPE_CHECKING:
     from gym_bridge.rollout.training_config import (
         build_nemo_gym_rollouts as build_nemo_gym_rollouts,
         nemo_gym_config_from as nemo_gym_config_from,
+        setup_nemo_gym_config as setup_nemo_gym_config,
         should_use_nemo_gym as should_use_nemo_gym,
     )
     from gym_bridge.serving import (

@@ -195,9 +195,9 @@ def nemo_gym_config(gym_configs: list[str], gym_policy: Any, tmp_path_factory: p
 @pytest.fixture(scope="session")
 def gym_actor(ray_session: None, nemo_gym_config: Any, gym_tokenizer: Any) -> Iterator[Any]:
     """One spun-up NemoGym actor for ``nemo_gym_config``, shut down (Gym processes included) at the end."""
-    from gym_bridge.gym.actor import spinup_nemo_gym_actor, stop_nemo_gym_actors
+    from gym_bridge.gym.actor import start_nemo_gym_actor, stop_nemo_gym_actors
 
-    handle = spinup_nemo_gym_actor(nemo_gym_config, gym_tokenizer)
+    handle = start_nemo_gym_actor(nemo_gym_config, gym_tokenizer)
     yield handle
     stop_nemo_gym_actors([handle])
 

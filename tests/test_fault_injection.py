@@ -31,7 +31,7 @@ from gym_bridge.failures import (
     RolloutTimeout,
     RunConfigurationError,
 )
-from gym_bridge.gym.actor import NemoGymUnavailable, spinup_nemo_gym_actor
+from gym_bridge.gym.actor import NemoGymUnavailable, start_nemo_gym_actor
 from gym_bridge.gym.convert import MissingGenerationData
 from gym_bridge.gym.result import GymRowBatch
 from gym_bridge.gym.rows import InvalidGymRow
@@ -100,7 +100,7 @@ def fault_gym(ray_session, gate, tiny_tokenizer, tmp_path_factory):
             "actor_options": {"num_cpus": 0, "max_restarts": 1},
         }
     )
-    actor = spinup_nemo_gym_actor(config, tiny_tokenizer)
+    actor = start_nemo_gym_actor(config, tiny_tokenizer)
     yield actor
     try:
         ray.get(actor.shutdown.remote(), timeout=120)

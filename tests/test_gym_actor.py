@@ -22,7 +22,7 @@ from gym_bridge.gym.actor import (
     NemoGymConfig,
     NemoGymRestarted,
     NemoGymUnavailable,
-    spinup_nemo_gym_actor,
+    start_nemo_gym_actor,
 )
 from gym_bridge.gym.result import GymRowBatch
 from tests.gym_fixtures import (
@@ -238,4 +238,4 @@ def test_spinup_failure_kills_the_actor_and_raises_typed(ray_session, tiny_token
         actor_options={"num_cpus": 0},
     )
     with pytest.raises(GymStartupError, match="(?s)NeMo-Gym failed before the servers were up.*'broken'"):
-        spinup_nemo_gym_actor(config, tiny_tokenizer)
+        start_nemo_gym_actor(config, tiny_tokenizer)

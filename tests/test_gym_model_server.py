@@ -18,7 +18,7 @@ import ray
 from omegaconf import OmegaConf
 
 from gym_bridge import gym_model
-from gym_bridge.gym.actor import spinup_nemo_gym_actor, stop_nemo_gym_actors
+from gym_bridge.gym.actor import start_nemo_gym_actor, stop_nemo_gym_actors
 from gym_bridge.gym.servers import wheel_config_path
 from tests import test_nemo_gym_integration as integration
 from tests.gym_fixtures import (
@@ -62,7 +62,7 @@ def bridge_gym_actor(ray_session, scripted_policy, tiny_tokenizer, tmp_path_fact
     )
     assert str(gym_model.CONFIG_PATH) in config.servers_config().config_paths
     assert not any("vllm_model" in p for p in config.servers_config().config_paths)
-    handle = spinup_nemo_gym_actor(config, tiny_tokenizer)
+    handle = start_nemo_gym_actor(config, tiny_tokenizer)
     yield handle
     stop_nemo_gym_actors([handle])
 

@@ -13,7 +13,7 @@ import torch
 
 from gym_bridge.data import datum_from_gym_row
 from gym_bridge.generation.hf import HFGeneration, HFGenerationConfig
-from gym_bridge.gym.actor import spinup_nemo_gym_actor
+from gym_bridge.gym.actor import start_nemo_gym_actor
 from gym_bridge.rollout.manager import RolloutManager
 from gym_bridge.serving import OpenAIServer
 from tests.gym_fixtures import (
@@ -113,7 +113,7 @@ def hf_gym(ray_session, tiny_model_dir, tiny_tokenizer, tmp_path_factory):
     base_url = server.start_in_thread()
     config = gym_actor_config([base_url], tmp_path_factory.mktemp("hf-gym-logs"))
     config = config.model_copy(update={"config_paths": [p for p in config.config_paths if "single_tool_call" not in p]})
-    actor = spinup_nemo_gym_actor(config, tiny_tokenizer)
+    actor = start_nemo_gym_actor(config, tiny_tokenizer)
     pids = set(ray.get(actor.server_info.remote())["pids"])
     yield actor, generation, pids
     ray.get(actor.shutdown.remote(), timeout=60)

@@ -13,7 +13,7 @@ import torch
 
 from gym_bridge.data import datum_from_gym_row
 from gym_bridge.generation.scripted import ScriptedGeneration
-from gym_bridge.gym.actor import spinup_nemo_gym_actor
+from gym_bridge.gym.actor import start_nemo_gym_actor
 from gym_bridge.rollout.manager import RolloutManager
 from gym_bridge.serving import OpenAIServer, build_proxy
 from tests.gym_fixtures import SERVED_MODEL_NAME, gym_actor_config, tool_call_rows
@@ -40,7 +40,7 @@ def proxied_gym(ray_session, tiny_tokenizer, tmp_path_factory):
     proxy.start_in_thread()
     config = gym_actor_config([proxy.base_url], tmp_path_factory.mktemp("proxy-gym-logs"))
     config = config.model_copy(update={"config_paths": [p for p in config.config_paths if "lc.yaml" not in p]})
-    actor = spinup_nemo_gym_actor(config, tiny_tokenizer)
+    actor = start_nemo_gym_actor(config, tiny_tokenizer)
     yield actor, proxy, upstream
     try:
         ray.get(actor.shutdown.remote(), timeout=60)

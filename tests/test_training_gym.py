@@ -29,7 +29,13 @@ def tiny_config(data_path, log_dir):
             "model_name": "tiny",
             "max_total_sequence_length": 256,
             "optimizer": {"kwargs": {"lr": 1e-3}},
-            "generation": {"backend": "vllm", "max_new_tokens": 6, "temperature": 1.0, "top_p": 1.0},
+            "generation": {
+                "backend": "vllm",
+                "vllm_cfg": {"async_engine": True, "expose_http_server": True},
+                "max_new_tokens": 6,
+                "temperature": 1.0,
+                "top_p": 1.0,
+            },
         },
         "checkpointing": {"enabled": False},
         "env": {"nemo_gym": {

@@ -22,7 +22,7 @@ import pytest
 import ray
 
 from gym_bridge.cluster import LocalRayCluster, NodeSpec
-from gym_bridge.gym.actor import spinup_nemo_gym_actor
+from gym_bridge.gym.actor import start_nemo_gym_actor
 from gym_bridge.gym.servers import wheel_config_path
 from gym_bridge.rollout.manager import RolloutOutcome
 from gym_bridge.rollout.sink import InMemorySink
@@ -66,7 +66,7 @@ def pinned_actors(cluster, scripted_policy, tiny_tokenizer, tmp_path_factory) ->
                 "actor_options": {"num_cpus": 0, "resources": {node: 0.01}},
             }
         )
-        return spinup_nemo_gym_actor(config, tiny_tokenizer)
+        return start_nemo_gym_actor(config, tiny_tokenizer)
 
     with ThreadPoolExecutor(len(NODES)) as pool:
         actors = dict(zip(NODES, pool.map(spin, NODES), strict=True))

@@ -26,6 +26,7 @@ The whole exception tree (all defined in :mod:`gym_bridge.failures.errors`)::
     RuntimeError
      ├── RolloutRedispatchExhausted   terminal for the run: too many prompts dropped in a row
      ├── RolloutStall                 terminal for the run: rollouts in flight, none committed within the stall deadline
+     ├── StepBatchShortfall           terminal for the run: a step kept fewer groups than min_step_batch_fraction
      ├── RunConfigurationError        terminal for the run: its first groups all hit one configuration error
      ├── GymServersError              a Gym server set failed (gym/servers.py)
      │    ├── GymStartupError         a server died during start-up or did not answer in time
@@ -86,6 +87,7 @@ from gym_bridge.failures.errors import (
     RolloutStall,
     RolloutTimeout,
     RunConfigurationError,
+    StepBatchShortfall,
     TokenDrift,
 )
 from gym_bridge.failures.gym_chain import (
@@ -133,6 +135,7 @@ __all__ = [
     "RolloutTimeout",
     "RolloutTimeouts",
     "RunConfigurationError",
+    "StepBatchShortfall",
     "TokenDrift",
     "backoff_delay",
     "classify_environment_failure",

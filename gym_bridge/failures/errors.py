@@ -28,6 +28,7 @@ __all__ = [
     "RolloutStall",
     "RolloutTimeout",
     "RunConfigurationError",
+    "StepBatchShortfall",
     "TokenDrift",
 ]
 
@@ -155,6 +156,10 @@ class RolloutRedispatchExhausted(RuntimeError):
 
 class RolloutStall(RuntimeError):
     """Terminal: rollouts were in flight but none committed within the stall deadline."""
+
+
+class StepBatchShortfall(RuntimeError):
+    """Terminal: a training step kept fewer prompt groups than ``min_step_batch_fraction`` allows."""
 
 
 class RunConfigurationError(RuntimeError):

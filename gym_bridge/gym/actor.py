@@ -59,7 +59,12 @@ from gym_bridge.gym.health import EndpointWatch
 from gym_bridge.gym.result import GymRowBatch, GymRowResult
 from gym_bridge.gym.rows import ROW_INDEX_KEY, dispatch_target
 from gym_bridge.gym.servers import GymServers
-from gym_bridge.gym.spinup import spinup_nemo_gym_actor, spinup_nemo_gym_actors, stop_nemo_gym_actors
+from gym_bridge.gym.spinup import (
+    spinup_nemo_gym_actor,
+    spinup_nemo_gym_actors,
+    start_nemo_gym_actor,
+    stop_nemo_gym_actors,
+)
 
 __all__ = [
     "NemoGym",
@@ -69,6 +74,7 @@ __all__ = [
     "actor_configs",
     "spinup_nemo_gym_actor",
     "spinup_nemo_gym_actors",
+    "start_nemo_gym_actor",
     "stop_nemo_gym_actors",
 ]
 
@@ -80,7 +86,7 @@ _PROGRESS_EVERY = 10
 
 
 class NemoGym:
-    """The actor class; create it with :func:`spinup_nemo_gym_actor` (or ``ray.remote(NemoGym)``)."""
+    """The actor class; create it with :func:`start_nemo_gym_actor` (or NeMo-RL's ``spinup_nemo_gym_actor``)."""
 
     def __init__(self, cfg: NemoGymConfig | dict[str, Any], tokenizer: Any = None) -> None:
         self.cfg = cfg if isinstance(cfg, NemoGymConfig) else NemoGymConfig.model_validate(cfg)
@@ -105,6 +111,10 @@ class NemoGym:
                 raise RuntimeError("spinup() was already called")
             await self._start_servers()
         return dict(self._agent_urls)
+
+    async def _spinup(self) -> dict[str, str]:
+        """NeMo-RL's name for :meth:`spinup`."""
+        return await self.spinup()
 
     async def _start_servers(self) -> None:
         servers = GymServers(self.cfg.servers_config())
@@ -189,9 +199,15 @@ class NemoGym:
     # ---- rollouts -----------------------------------------------------------------------------
 
     async def run_rollouts(
-        self, rows: Sequence[dict[str, Any]], timer_prefix: str = "timing/rollout"
+        self,
+        rows: Sequence[dict[str, Any]],
+        timer_prefix: str = "timing/rollout",
+        deduplicate_multimodal_data: bool = False,
     ) -> AsyncIterator[GymRowBatch]:
         """Yield :class:`GymRowBatch` es in completion order, each row's ``row_index`` its ``_rowidx``.
+
+        NeMo-RL's third argument, ``deduplicate_multimodal_data``, changes nothing here: the
+        converted rows carry no media to leave out.
 
         Every row is posted to its agent's ``/run`` at once. Rows that finish while a
         batch is being converted travel together in the next element (one Ray message

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from gym_bridge.gym.convert import DEFAULT_INVALID_TOOL_CALL_PATTERNS, DEFAULT_THINKING_TAGS
 from gym_bridge.gym.servers import GymServersConfig
@@ -20,6 +20,15 @@ __all__ = ["NemoGymConfig", "actor_configs"]
 _GYM_CONNECTOR_DEFAULTS = {
     "global_aiohttp_connector_limit_per_host": 16384,
     "global_aiohttp_connector_limit": 65536,
+}
+_ROUTED_EXPERTS_DTYPES = ("int8", "int16", "int32")
+# NeMo-RL's options that need model features this package cannot serve or check: refused when switched on.
+_REFUSED_WHEN_SET = {
+    "require_routed_experts": "router replay (R3) needs routed_experts from a vLLM MoE engine; gym-bridge does not "
+    "carry them",
+    "use_fastokens": "fastokens patches NeMo-RL's tokenizer; gym-bridge uses the tokenizer as given",
+    "tokenizer_config": "a multimodal processor for NeMo-RL's VLM Gym path; gym-bridge's Gym path is text only",
+    "pad_dynamic_image_shapes": "multimodal image padding; gym-bridge's Gym path is text only",
 }
 
 
@@ -66,8 +75,56 @@ class NemoGymConfig(BaseModel):
     """Gym's model server: its own ``vllm_model`` as ``config_paths`` name it, or gym-bridge's
     (:mod:`gym_bridge.gym_model`: token-faithful, one hop, leaner), which replaces the ``vllm_model`` config."""
 
+    # ---- NeMo-RL's NemoGymConfig keys -------------------------------------------------------------
+    initial_global_config_dict: dict[str, Any] | None = None
+    """NeMo-RL's name for Gym's global config: its ``config_paths`` join ours, the rest joins ``overrides``."""
+    port_range_low: int | None = Field(None, ge=1, le=65535)
+    """With ``port_range_high``: where Gym picks its servers' ports (default: a free window of ours)."""
+    port_range_high: int | None = Field(None, ge=1, le=65535)
+    require_routed_experts: bool = False
+    routed_experts_dtype: str = "int16"
+    use_fastokens: bool = False
+    tokenizer_config: dict[str, Any] | None = None
+    pad_dynamic_image_shapes: bool = False
+
+    @field_validator("invalid_tool_call_patterns", "thinking_tags", mode="before")
+    @classmethod
+    def _none_is_the_default(cls, value: Any, info: Any) -> Any:
+        """NeMo-RL's ``None`` means "the defaults"."""
+        if value is None:
+            return cls.model_fields[info.field_name].default
+        return value
+
+    @field_validator("routed_experts_dtype")
+    @classmethod
+    def _known_dtype(cls, value: str) -> str:
+        if value not in _ROUTED_EXPERTS_DTYPES:
+            raise ValueError(f"routed_experts_dtype must be one of {', '.join(_ROUTED_EXPERTS_DTYPES)}, got {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _nemo_rl_keys(self) -> NemoGymConfig:
+        """Refuse NeMo-RL's model-feature options when switched on; fold its global-config dict into ours."""
+        for name, why in _REFUSED_WHEN_SET.items():
+            if getattr(self, name):
+                raise ValueError(f"{name} is not supported: {why}")
+        if (self.port_range_low is None) != (self.port_range_high is None):
+            raise ValueError("set port_range_low and port_range_high together")
+        low, high = self.port_range_low, self.port_range_high
+        if low is not None and high is not None and high <= low:
+            raise ValueError(f"port_range_high ({self.port_range_high}) must exceed port_range_low")
+        if self.initial_global_config_dict:
+            initial = dict(self.initial_global_config_dict)
+            paths = initial.pop("config_paths", None) or []
+            self.config_paths = [*self.config_paths, *(p for p in paths if p not in self.config_paths)]
+            self.overrides = {**initial, **self.overrides}
+            self.initial_global_config_dict = None
+        return self
+
     def servers_config(self) -> GymServersConfig:
         overrides = {**_GYM_CONNECTOR_DEFAULTS, **self.overrides}
+        if self.port_range_low is not None:
+            overrides.update(port_range_low=self.port_range_low, port_range_high=self.port_range_high)
         config_paths, server_dirs = list(self.config_paths), {}
         if self.model_server == "gym_bridge":
             from gym_bridge import gym_model

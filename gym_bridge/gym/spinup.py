@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 from gym_bridge.gym.actor_config import NemoGymConfig, actor_configs
 
-__all__ = ["spinup_nemo_gym_actor", "spinup_nemo_gym_actors", "stop_nemo_gym_actors"]
+__all__ = [
+    "NEMO_RL_GYM_KNOBS",
+    "nemo_rl_gym_config",
+    "spinup_nemo_gym_actor",
+    "spinup_nemo_gym_actors",
+    "start_nemo_gym_actor",
+    "stop_nemo_gym_actors",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -25,7 +33,67 @@ def actor_options(config: NemoGymConfig) -> dict[str, Any]:
     return {"max_concurrency": DEFAULT_MAX_CONCURRENCY, **config.actor_options}
 
 
-def spinup_nemo_gym_actor(config: NemoGymConfig, tokenizer: Any, *, margin_s: float = 60.0) -> Any:
+NEMO_RL_GYM_KNOBS = (
+    "invalid_tool_call_patterns",
+    "thinking_tags",
+    "tokenizer_config",
+    "pad_dynamic_image_shapes",
+    "port_range_low",
+    "port_range_high",
+)
+"""Keys of ``env.nemo_gym`` that are NemoGymConfig fields in NeMo-RL, not Gym's global config."""
+
+
+def spinup_nemo_gym_actor(
+    env_configs: Mapping[str, Any],
+    base_urls: list[str],
+    model_name: str,
+    *,
+    tokenizer: Any,
+    enable_router_replay: bool = False,
+    routed_experts_dtype: str = "int16",
+    use_fastokens: bool = False,
+) -> Any:
+    """NeMo-RL's spin-up: the NemoGym actor for ``env_configs["nemo_gym"]`` (NeMo-RL's ``master_config.env``)
+    against ``base_urls``, started, with the tokenizer installed (:func:`nemo_rl_gym_config`, then
+    :func:`start_nemo_gym_actor`)."""
+    config = nemo_rl_gym_config(
+        env_configs,
+        base_urls,
+        model_name,
+        enable_router_replay=enable_router_replay,
+        routed_experts_dtype=routed_experts_dtype,
+        use_fastokens=use_fastokens,
+    )
+    return start_nemo_gym_actor(config, tokenizer)
+
+
+def nemo_rl_gym_config(
+    env_configs: Mapping[str, Any],
+    base_urls: list[str],
+    model_name: str,
+    *,
+    enable_router_replay: bool,
+    routed_experts_dtype: str,
+    use_fastokens: bool,
+) -> NemoGymConfig:
+    """The NemoGymConfig NeMo-RL's spin-up builds: its knobs (:data:`NEMO_RL_GYM_KNOBS`) become fields, the rest
+    of ``env_configs["nemo_gym"]`` is Gym's global config. Options this package cannot serve (router replay,
+    fastokens, a multimodal processor) raise a ``ValidationError`` naming them."""
+    section = dict(env_configs["nemo_gym"])
+    knobs = {key: section.pop(key) for key in NEMO_RL_GYM_KNOBS if key in section}
+    return NemoGymConfig(
+        model_name=model_name,
+        base_urls=list(base_urls),
+        initial_global_config_dict=section,
+        require_routed_experts=enable_router_replay,
+        routed_experts_dtype=routed_experts_dtype,
+        use_fastokens=use_fastokens,
+        **knobs,
+    )
+
+
+def start_nemo_gym_actor(config: NemoGymConfig, tokenizer: Any, *, margin_s: float = 60.0) -> Any:
     """Create the actor with ``config.actor_options``, start Gym and install the tokenizer; return the handle.
 
     Blocks at most ``startup_timeout_s + margin_s``. On failure the actor is shut

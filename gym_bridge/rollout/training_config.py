@@ -28,15 +28,17 @@ from __future__ import annotations
 import copy
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, cast
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
+from pydantic import BaseModel, ValidationError
 
-from gym_bridge.failures import RolloutTimeouts
+from gym_bridge.failures import RolloutRetryPolicy, RolloutTimeouts
 from gym_bridge.gym.actor import NemoGymConfig
 from gym_bridge.launch import GymLaunchSpec, NemoGymRollouts, start_nemo_gym
+from gym_bridge.rollout.async_settings import AsyncGRPOSettings, RolloutFailureSettings, WatchdogSettings
 
 __all__ = [
     "NemoGymRolloutSettings",
@@ -47,18 +49,28 @@ __all__ = [
     "nemo_gym_config_from",
     "nemo_gym_generation_config",
     "nemo_gym_rollout_settings",
+    "setup_nemo_gym_config",
     "should_use_nemo_gym",
+    "start_nemo_gym_rollouts",
 ]
 
 logger = logging.getLogger(__name__)
 
 _BRIDGE_KEYS = ("rollout_timeout_s", "max_row_attempts", "num_actors", "split_base_urls")
-_NEMO_RL_ONLY_GYM_KEYS = ("is_trajectory_collection", "tokenizer_config", "pad_dynamic_image_shapes", "effort_levels")
-"""Keys of ``env.nemo_gym`` that NeMo-RL pops before Gym sees the section; not Gym's, not ours."""
+_NEMO_RL_ONLY_GYM_KEYS = ("is_trajectory_collection", "effort_levels")
+"""Keys of ``env.nemo_gym`` that NeMo-RL pops before Gym sees the section: read into the settings, not Gym's."""
 _READ_KEYS = (
     "use_nemo_gym",
     "env.should_use_nemo_gym",
     "env.nemo_gym",
+    "env.should_mask_flagged_samples",
+    "env.should_log_nemo_gym_responses",
+    "logger.wandb_enabled",
+    "logger.wandb.log_nemo_gym_full_result_tables",
+    "async_rl.rollout_failure",
+    "async_rl.watchdog",
+    "grpo.async_grpo",
+    "reward_penalties",
     "policy.model_name",
     "policy.max_total_sequence_length",
     "policy.generation.model_name",
@@ -72,9 +84,24 @@ _READ_KEYS = (
     "policy.generation.stop_strings",
     "policy.generation.stop_token_ids",
     "grpo.num_generations_per_prompt",
+    "distillation.num_generations_per_prompt",
 )
 """The keys of a training config that the rollout layer reads (a prefix covers its subtree)."""
 _STOP_KEYS = ("stop_strings", "stop_token_ids")
+_NEMO_RL_ENGINES = {
+    "vllm": "vllm_cfg",
+    "dynamo": "vllm_cfg",
+    "megatron": "mcore_generation_config",
+    "trtllm": "trtllm_cfg",
+}
+"""NeMo-RL's generation backends and the section where each says ``expose_http_server``."""
+_RESOLVERS: dict[str, Any] = {
+    "add": lambda a, b: a + b,
+    "mul": lambda a, b: a * b,
+    "div": lambda a, b: a / b,
+    "max": lambda a, b: max(a, b),
+}
+_OVERRIDE = "_override_"
 
 
 class TrainingConfigError(ValueError):
@@ -92,14 +119,60 @@ def _get(config: Mapping[str, Any], dotted: str, default: Any = KeyError) -> Any
     return node
 
 
-def should_use_nemo_gym(config: Mapping[str, Any]) -> bool:
-    """True when the config asks for the NeMo-Gym rollout path."""
-    return bool(config.get("use_nemo_gym") or _get(config, "env.should_use_nemo_gym", False))
+def _section(config: Any, name: str) -> Any:
+    """``config.name`` or ``config[name]``: NeMo-RL passes attribute-style master configs, we take mappings too."""
+    if isinstance(config, Mapping):
+        return config.get(name)
+    return getattr(config, name, None)
+
+
+def should_use_nemo_gym(master_config: Any) -> bool:
+    """True when the config asks for the NeMo-Gym path (``env.should_use_nemo_gym``, or our top-level
+    ``use_nemo_gym``), after NeMo-RL's check that a NeMo-RL generation backend is async and serves HTTP.
+
+    ``master_config`` is a mapping or an attribute-style config with ``env`` and ``policy`` (NeMo-RL's).
+    Raises :class:`TrainingConfigError` naming the key to set when the engine cannot serve Gym.
+    """
+    env = _section(master_config, "env") or {}
+    top = master_config.get("use_nemo_gym") if isinstance(master_config, Mapping) else None
+    if not (env.get("should_use_nemo_gym") or top):
+        return False
+    generation = (_section(master_config, "policy") or {}).get("generation") or {}
+    backend = generation.get("backend")
+    engine_key = _NEMO_RL_ENGINES.get(str(backend))
+    if engine_key is not None:
+        engine = generation.get(engine_key) or {}
+        if backend == "vllm" and not engine.get("async_engine"):
+            raise TrainingConfigError(
+                "NeMo-Gym needs an async generation engine: set policy.generation.vllm_cfg.async_engine: true"
+            )
+        if not engine.get("expose_http_server"):
+            raise TrainingConfigError(
+                f"NeMo-Gym needs the generation server exposed over HTTP: set "
+                f"policy.generation.{engine_key}.expose_http_server: true"
+            )
+    return True
+
+
+def setup_nemo_gym_config(config: Any, tokenizer: Any) -> None:
+    """NeMo-RL's Gym set-up, in place: the vLLM engine async and served over HTTP, stop strings and stop token
+    ids cleared (Gym's model server does not forward them), and for a VLM policy the tokenizer config copied
+    to ``env.nemo_gym.tokenizer_config``. ``tokenizer`` is accepted for NeMo-RL's signature."""
+    policy = _section(config, "policy")
+    generation = policy["generation"]
+    vllm_cfg = generation.setdefault("vllm_cfg", {})
+    vllm_cfg["async_engine"] = True
+    vllm_cfg["expose_http_server"] = True
+    generation["stop_strings"] = None
+    generation["stop_token_ids"] = None
+    if policy.get("is_vlm"):
+        env = _section(config, "env")
+        env.setdefault("nemo_gym", {}).setdefault("tokenizer_config", dict(policy["tokenizer"]))
 
 
 def _register_resolvers() -> None:
-    """The interpolation functions NeMo-RL's recipes register (``${mul:a,b}``, ``${max:a,b}``)."""
-    for name, fn in (("mul", lambda a, b: a * b), ("max", lambda a, b: max(a, b))):
+    """The interpolation functions NeMo-RL registers (``nemo_rl/utils/config.py``): add, mul, div, max."""
+    for name, fn in _RESOLVERS.items():
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn)
 
@@ -113,8 +186,22 @@ def _load_with_defaults(path: Path) -> Any:
         return node
     merged: DictConfig | ListConfig = OmegaConf.create()
     for parent in [parents] if isinstance(parents, str) else list(parents):
-        merged = OmegaConf.merge(merged, _load_with_defaults((path.parent / str(parent)).resolve()))
-    return OmegaConf.merge(merged, node)
+        merged = _merge_with_override(merged, _load_with_defaults((path.parent / str(parent)).resolve()))
+    return _merge_with_override(merged, node)
+
+
+def _merge_with_override(base: Any, child: DictConfig) -> Any:
+    """Merge ``child`` over ``base``; a top-level section of ``child`` marked ``_override_: true`` replaces
+    the parent's section instead of merging into it (NeMo-RL's rule)."""
+    for key in list(child.keys()):
+        if OmegaConf.is_missing(child, key):
+            continue
+        value = child[key]
+        if isinstance(value, DictConfig) and value.get(_OVERRIDE, False):
+            value.pop(_OVERRIDE)
+            if key in base:
+                base.pop(key)
+    return OmegaConf.merge(base, child)
 
 
 def load_training_config(path: str | Path) -> dict[str, Any]:
@@ -157,13 +244,8 @@ def _leaf_paths(node: Any, prefix: str = "") -> list[str]:
 
 def unused_training_keys(config: Mapping[str, Any]) -> list[str]:
     """The dotted keys of ``config`` that the rollout layer does not read (NeMo-RL's trainer settings, ...)."""
-    section = _get(config, "env.nemo_gym", {})
-    section = section if isinstance(section, Mapping) else {}
-    ignored_gym = [f"env.nemo_gym.{key}" for key in _NEMO_RL_ONLY_GYM_KEYS if key in section]
 
     def read(path: str) -> bool:
-        if any(path == key or path.startswith(f"{key}.") for key in ignored_gym):
-            return False
         return any(path == key or path.startswith(f"{key}.") for key in _READ_KEYS)
 
     return [path for path in _leaf_paths(config) if not read(path)]
@@ -221,36 +303,124 @@ def nemo_gym_config_from(config: Mapping[str, Any], *, base_urls: list[str] | No
 
 @dataclass(frozen=True)
 class NemoGymRolloutSettings:
-    """Everything the Gym path takes from a training config, read and checked in one place."""
+    """Everything the Gym path and the GRPO loop take from a training config, read and checked in one place."""
 
     gym: NemoGymConfig
     generation_config: dict[str, Any]
     num_generations_per_prompt: int
     max_seq_len: int
-    rollout_timeout_s: float | None
-    max_row_attempts: int
     num_actors: int
     split_base_urls: bool
+    retry_policy: RolloutRetryPolicy
+    """``async_rl.rollout_failure`` (NeMo-RL's defaults when the section is there), else one attempt of
+    each kind with ``env.nemo_gym.max_row_attempts`` row attempts (ours, default 3)."""
+    timeouts: RolloutTimeouts
+    mask_env_flagged_samples: bool
+    """``env.should_mask_flagged_samples``; absent means True, as in NeMo-RL."""
+    log_full_result_tables: bool
+    """``logger.wandb_enabled`` and ``logger.wandb.log_nemo_gym_full_result_tables``: ``{agent}/full_result``."""
+    log_nemo_gym_responses: bool
+    """``env.should_log_nemo_gym_responses``: Gym keeps the full responses (``full_results.jsonl`` per run)."""
+    is_trajectory_collection: bool
+    """``env.nemo_gym.is_trajectory_collection``: collect trajectories, do not train."""
+    reward_penalties: dict[str, Any] | None
+    effort_levels: dict[str, Any] | None
+    async_grpo: AsyncGRPOSettings
+    watchdog: WatchdogSettings
+    min_step_batch_fraction: float
+
+    @property
+    def rollout_timeout_s(self) -> float | None:
+        return self.timeouts.rollout_s
+
+    @property
+    def max_row_attempts(self) -> int:
+        return self.retry_policy.max_gym_row_attempts
 
 
-def nemo_gym_rollout_settings(
-    config: Mapping[str, Any], *, base_urls: list[str] | None = None
-) -> NemoGymRolloutSettings:
-    """Read a NeMo-RL-style training config (loaded or a dict) for the Gym path; errors name the key."""
+def nemo_gym_rollout_settings(config: Any, *, base_urls: list[str] | None = None) -> NemoGymRolloutSettings:
+    """Read a NeMo-RL-style training config (loaded, a dict, or attribute-style) for the Gym path.
+
+    Errors name the key (:class:`TrainingConfigError`).
+    """
+    if not isinstance(config, Mapping):
+        config = _resolved(config)
     if not should_use_nemo_gym(config):
-        raise TrainingConfigError("the config does not ask for NeMo-Gym: set 'use_nemo_gym: true'")
+        raise TrainingConfigError("the config does not ask for NeMo-Gym: set 'env.should_use_nemo_gym: true'")
     config = _plain(config)
-    timeout = _get(config, "env.nemo_gym.rollout_timeout_s", None)
+    failure = _section_model(RolloutFailureSettings, config, "async_rl.rollout_failure")
+    async_grpo = _section_model(AsyncGRPOSettings, config, "grpo.async_grpo")
+    _warn_unread_async_rl(config)
+    retry_policy, timeouts = _failure_policy(config, failure, async_grpo)
+    section = _get(config, "env.nemo_gym", {}) or {}
+    wandb = _get(config, "logger.wandb", {}) or {}
     return NemoGymRolloutSettings(
         gym=nemo_gym_config_from(config, base_urls=base_urls),
         generation_config=nemo_gym_generation_config(config),
-        num_generations_per_prompt=int(_get(config, "grpo.num_generations_per_prompt")),
+        num_generations_per_prompt=int(
+            _get(config, "grpo.num_generations_per_prompt", None)
+            or _get(config, "distillation.num_generations_per_prompt", None)
+            or _get(config, "grpo.num_generations_per_prompt")  # raises, naming GRPO's key
+        ),
         max_seq_len=int(_get(config, "policy.max_total_sequence_length")),
-        rollout_timeout_s=float(timeout) if timeout is not None else None,
-        max_row_attempts=int(_get(config, "env.nemo_gym.max_row_attempts", 3)),
-        num_actors=int(_get(config, "env.nemo_gym.num_actors", 1)),
-        split_base_urls=bool(_get(config, "env.nemo_gym.split_base_urls", False)),
+        num_actors=int(section.get("num_actors", 1)),
+        split_base_urls=bool(section.get("split_base_urls", False)),
+        retry_policy=retry_policy,
+        timeouts=timeouts,
+        mask_env_flagged_samples=_get(config, "env.should_mask_flagged_samples", None) is not False,
+        log_full_result_tables=bool(_get(config, "logger.wandb_enabled", False))
+        and bool(wandb.get("log_nemo_gym_full_result_tables")),
+        log_nemo_gym_responses=bool(_get(config, "env.should_log_nemo_gym_responses", False)),
+        is_trajectory_collection=bool(section.get("is_trajectory_collection") or False),
+        reward_penalties=_get(config, "reward_penalties", None),
+        effort_levels=section.get("effort_levels"),
+        async_grpo=async_grpo,
+        watchdog=_section_model(WatchdogSettings, config, "async_rl.watchdog"),
+        min_step_batch_fraction=failure.min_step_batch_fraction if failure is not None else 0.0,
     )
+
+
+def _section_model[M: BaseModel](model: type[M], config: Mapping[str, Any], dotted: str) -> M:
+    """``model`` validated from the section at ``dotted`` (its defaults when absent); errors name the key."""
+    try:
+        return model.model_validate(_get(config, dotted, None) or {})
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{dotted}.{'.'.join(str(p) for p in err['loc'])}: {err['msg']}".replace(f"{dotted}.:", f"{dotted}:")
+            for err in exc.errors()
+        )
+        raise TrainingConfigError(problems) from None
+
+
+def _failure_policy(
+    config: Mapping[str, Any], failure: RolloutFailureSettings, async_grpo: AsyncGRPOSettings
+) -> tuple[RolloutRetryPolicy, RolloutTimeouts]:
+    """NeMo-RL's ``async_rl.rollout_failure`` when present; else our ``env.nemo_gym`` keys over one attempt."""
+    ours = {key: _get(config, f"env.nemo_gym.{key}", None) for key in ("rollout_timeout_s", "max_row_attempts")}
+    if _get(config, "async_rl.rollout_failure", None) is not None:
+        clash = [key for key, value in ours.items() if value is not None]
+        if clash:
+            raise TrainingConfigError(
+                f"env.nemo_gym.{clash[0]} and async_rl.rollout_failure.nemo_gym.{clash[0]} both set; keep NeMo-RL's"
+            )
+        dropped = async_grpo.max_generation_failures if async_grpo.enabled else None
+        return failure.retry_policy(max_consecutive_dropped_prompts=dropped), failure.timeouts()
+    timeout = ours["rollout_timeout_s"]
+    policy = RolloutRetryPolicy.single_attempt(max_gym_row_attempts=int(ours["max_row_attempts"] or 3))
+    if async_grpo.enabled:
+        policy = replace(policy, max_consecutive_dropped_prompts=async_grpo.max_generation_failures)
+    return policy, RolloutTimeouts(rollout_s=float(timeout) if timeout is not None else None)
+
+
+def _warn_unread_async_rl(config: Mapping[str, Any]) -> None:
+    section = _get(config, "async_rl", None) or {}
+    unread = sorted(key for key in section if key not in ("rollout_failure", "watchdog"))
+    if unread:
+        logger.warning(
+            "async_rl.%s: NeMo-RL SingleController settings gym-bridge does not use (it reads async_rl.rollout_failure "
+            "and async_rl.watchdog)",
+            ", async_rl.".join(unread),
+        )
 
 
 def build_nemo_gym_rollouts(
@@ -269,6 +439,18 @@ def build_nemo_gym_rollouts(
     (:func:`gym_bridge.preflight.rows_use_tools` tells from the rows).
     """
     settings = nemo_gym_rollout_settings(config, base_urls=base_urls)
+    return start_nemo_gym_rollouts(settings, tokenizer, uses_tools=uses_tools, preflight=preflight, **manager_kwargs)
+
+
+def start_nemo_gym_rollouts(
+    settings: NemoGymRolloutSettings,
+    tokenizer: Any,
+    *,
+    uses_tools: bool = False,
+    preflight: bool = True,
+    **manager_kwargs: Any,
+) -> NemoGymRollouts:
+    """:func:`build_nemo_gym_rollouts` for settings already read."""
     spec = GymLaunchSpec(
         gym=settings.gym,
         num_generations_per_prompt=settings.num_generations_per_prompt,
@@ -279,8 +461,9 @@ def build_nemo_gym_rollouts(
         uses_tools=uses_tools,
         preflight=preflight,
         manager_options={
-            "timeouts": RolloutTimeouts(rollout_s=settings.rollout_timeout_s),
-            "max_gym_row_attempts": settings.max_row_attempts,
+            "timeouts": settings.timeouts,
+            "retry_policy": settings.retry_policy,
+            "mask_env_flagged_samples": settings.mask_env_flagged_samples,
             **manager_kwargs,
         },
     )

@@ -32,7 +32,12 @@ import torch
 from gym_bridge.data import datum_from_gym_row
 from gym_bridge.generation.hf import HFGeneration, HFGenerationConfig
 from gym_bridge.policy.hf import HFPolicy, HFPolicyConfig
-from gym_bridge.rollout.training_config import NemoGymRollouts, build_nemo_gym_rollouts
+from gym_bridge.rollout.training_config import (
+    NemoGymRollouts,
+    NemoGymRolloutSettings,
+    nemo_gym_rollout_settings,
+    start_nemo_gym_rollouts,
+)
 from gym_bridge.serving import OpenAIServer
 from gym_bridge.training.loop import GRPOLoopConfig, GRPOTrainer, load_trainer_state
 
@@ -46,10 +51,10 @@ def _section(config: Mapping[str, Any], dotted: str) -> Mapping[str, Any]:
     return node or {}
 
 
-def loop_config_from(config: Mapping[str, Any]) -> GRPOLoopConfig:
-    """The loop's settings from ``grpo``, ``loss_fn``, ``policy`` and ``checkpointing``."""
+def loop_config_from(config: Mapping[str, Any], settings: NemoGymRolloutSettings) -> GRPOLoopConfig:
+    """The loop's settings from ``grpo``, ``loss_fn``, ``policy``, ``checkpointing`` and the rollout settings
+    (``grpo.async_grpo``, ``async_rl.watchdog``, ``async_rl.rollout_failure.min_step_batch_fraction``)."""
     grpo = _section(config, "grpo")
-    async_grpo = _section(config, "grpo.async_grpo")
     checkpointing = _section(config, "checkpointing")
     values: dict[str, Any] = {
         "num_prompts_per_step": grpo.get("num_prompts_per_step"),
@@ -57,8 +62,12 @@ def loop_config_from(config: Mapping[str, Any]) -> GRPOLoopConfig:
         "use_leave_one_out_baseline": grpo.get("use_leave_one_out_baseline"),
         "normalize_rewards": grpo.get("normalize_rewards"),
         "pass_threshold": grpo.get("pass_threshold"),
-        "async_rollouts": async_grpo.get("enabled"),
-        "max_trajectory_age_steps": async_grpo.get("max_trajectory_age_steps"),
+        "async_rollouts": settings.async_grpo.enabled,
+        "max_trajectory_age_steps": settings.async_grpo.max_trajectory_age_steps,
+        "in_flight_weight_updates": settings.async_grpo.in_flight_weight_updates,
+        "stall_timeout_s": settings.watchdog.stall_timeout_s,
+        "stall_action": settings.watchdog.stall_action,
+        "min_step_batch_fraction": settings.min_step_batch_fraction,
         "ratio_clip": _section(config, "loss_fn").get("ratio_clip_min"),
         "train_micro_batch_size": _section(config, "policy").get("train_micro_batch_size"),
         "checkpoint_every_steps": checkpointing.get("save_period") if checkpointing.get("enabled", True) else None,
@@ -110,7 +119,6 @@ def build_grpo_run(config: Mapping[str, Any], out_dir: str | Path, *, resume: bo
     """
     out_dir = Path(out_dir)
     policy_cfg = _section(config, "policy")
-    loop_cfg = loop_config_from(config)
     seed = int(_section(config, "grpo").get("seed", 0))
     torch.manual_seed(seed)
     checkpoint = out_dir / "checkpoint"
@@ -130,7 +138,9 @@ def build_grpo_run(config: Mapping[str, Any], out_dir: str | Path, *, resume: bo
     )
     try:
         base_url = server.start_in_thread()
-        rollouts = build_nemo_gym_rollouts(config, engine.tokenizer, base_urls=[base_url])
+        settings = nemo_gym_rollout_settings(config, base_urls=[base_url])
+        loop_cfg = loop_config_from(config, settings)
+        rollouts = start_nemo_gym_rollouts(settings, engine.tokenizer)
     except BaseException:
         server.stop_thread()
         engine.shutdown()

@@ -14,15 +14,17 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import shutil
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from gym_bridge.failures import RolloutStall, StepBatchShortfall
 from gym_bridge.rollout.sink import CommittedGroup, InMemorySink
 from gym_bridge.training.batch import train_batch
 from gym_bridge.training.loss import GRPOLoss, sum_on_policy_errors
@@ -48,6 +50,14 @@ class GRPOLoopConfig(BaseModel):
     ratio_clip: float = Field(0.2, gt=0.0)
     async_rollouts: bool = False
     max_trajectory_age_steps: int = Field(1, ge=0)
+    in_flight_weight_updates: bool = False
+    """Async only: refit as soon as a step has trained (True), or first wait for the next step's rollouts (False,
+    NeMo-RL's default). Either way a request in flight finishes on the weights it started with."""
+    stall_timeout_s: float | None = Field(None, gt=0)
+    """A step's rollouts that commit nothing for this long are a stall (``RolloutStall``, or a warning)."""
+    stall_action: Literal["warn", "abort"] = "warn"
+    min_step_batch_fraction: float = Field(0.0, ge=0.0, le=1.0)
+    """A step whose committed groups fall below ``ceil(fraction * num_prompts_per_step)`` stops the run."""
     pass_threshold: float = Field(1.0, description="A completion with reward >= this counts as a pass.")
     train_micro_batch_size: int | None = Field(None, ge=1)
     checkpoint_every_steps: int | None = Field(None, ge=1, description="None: only at the end of the run.")
@@ -106,10 +116,50 @@ class GRPOTrainer:
         return out
 
     async def rollout(self, step: int) -> list[CommittedGroup]:
-        """Every prompt of ``step`` through ``manager.collect``; the committed groups with their versions."""
+        """Every prompt of ``step`` through ``manager.collect``; the committed groups with their versions.
+
+        Raises ``RolloutStall`` when nothing commits for ``stall_timeout_s`` (with ``stall_action: abort``)
+        and ``StepBatchShortfall`` when fewer groups than ``min_step_batch_fraction`` allows committed.
+        """
         sink = InMemorySink()
-        await asyncio.gather(*(self.manager.collect(datum, sink) for datum in self.prompts_for(step)))
-        return sink.take()
+        prompts = self.prompts_for(step)
+        collects = asyncio.gather(*(self.manager.collect(datum, sink) for datum in prompts))
+        try:
+            await self._watch_stall(step, collects, sink)
+        finally:
+            if not collects.done():
+                collects.cancel()
+                await asyncio.gather(collects, return_exceptions=True)
+        groups = sink.take()
+        floor = math.ceil(self.cfg.min_step_batch_fraction * len(prompts))
+        if len(groups) < floor:
+            raise StepBatchShortfall(
+                f"step {step} committed {len(groups)} of {len(prompts)} prompt groups, below the floor of {floor} "
+                f"set by min_step_batch_fraction={self.cfg.min_step_batch_fraction}"
+            )
+        return groups
+
+    async def _watch_stall(self, step: int, collects: asyncio.Future[Any], sink: InMemorySink) -> None:
+        """Wait for the step's rollouts; with ``stall_timeout_s``, warn or raise when none commits that long."""
+        timeout = self.cfg.stall_timeout_s
+        committed, idle_since = 0, time.monotonic()
+        while True:
+            wait = None if timeout is None else max(0.0, idle_since + timeout - time.monotonic())
+            done, _ = await asyncio.wait([collects], timeout=wait)
+            if done:
+                collects.result()
+                return
+            if len(sink.groups) > committed:
+                committed, idle_since = len(sink.groups), time.monotonic()
+                continue
+            message = (
+                f"step {step}: no rollout committed in {timeout:.0f}s ({committed} groups committed so far, "
+                f"stall_timeout_s={timeout})"
+            )
+            if self.cfg.stall_action == "abort":
+                raise RolloutStall(message)
+            logger.warning("rollout stall: %s", message)
+            idle_since = time.monotonic()
 
     async def train_step(
         self,
@@ -119,10 +169,13 @@ class GRPOTrainer:
         *,
         refit_engine: bool = True,
         step_started: float | None = None,
+        refit_after: asyncio.Future[Any] | None = None,
     ) -> dict[str, Any]:
         """Train on the fresh groups, refit the engine (unless told not to), log one metrics line.
 
-        ``step_started`` (a ``perf_counter`` value) adds ``time/step_s``, the whole step's wall time.
+        ``step_started`` (a ``perf_counter`` value) adds ``time/step_s``, the whole step's wall time;
+        ``refit_after``: the refit waits for it to finish (the next step's rollouts, ``in_flight_weight_updates``
+        off), counted in ``time/refit_wait_s``.
         """
         self.buffer.add(groups)
         usable, dropped = self.buffer.take(self.state.weight_version)
@@ -150,6 +203,10 @@ class GRPOTrainer:
             train_s = time.perf_counter() - started
             error = sum_on_policy_errors(result["all_mb_metrics"])
             new_version = self.state.weight_version + 1
+            if refit_after is not None:
+                waited = time.perf_counter()
+                await asyncio.wait([refit_after])
+                metrics["time/refit_wait_s"] = time.perf_counter() - waited
             if refit_engine:
                 refit_s = await asyncio.to_thread(refit, self.policy, self.engine, new_version, self.manager)
             self.state.weight_version = new_version
@@ -190,9 +247,13 @@ class GRPOTrainer:
                 step_started = time.perf_counter()
                 groups = await pending
                 rollout_s = time.perf_counter() - step_started
-                if self.cfg.async_rollouts and step + 1 < last:
+                overlap = self.cfg.async_rollouts and step + 1 < last
+                if overlap:
                     pending = asyncio.ensure_future(self.rollout(step + 1))
-                metrics = await self.train_step(step, groups, rollout_s, step_started=step_started)
+                wait_for = pending if overlap and not self.cfg.in_flight_weight_updates else None
+                metrics = await self.train_step(
+                    step, groups, rollout_s, step_started=step_started, refit_after=wait_for
+                )
                 history.append(metrics)
                 if on_step is not None:
                     on_step(metrics)

@@ -7,10 +7,13 @@ builder the recipe uses; the tests drive its trainer a few small steps at a time
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
 
+from gym_bridge.data import datum_from_gym_row
+from gym_bridge.failures import RolloutStall, StepBatchShortfall
 from gym_bridge.policy import HFPolicy, HFPolicyConfig
 from gym_bridge.training import GRPOLoopConfig, GRPOTrainer, load_trainer_state
 from gym_bridge.training.builder import build_grpo_run
@@ -121,6 +124,43 @@ async def test_async_rollouts_never_train_on_groups_older_than_the_bound(grpo_ru
     history = await relaxed.run()
     assert [m["staleness/trained_start_versions"] for m in history] == [[start], [start], [start + 1]]
     assert [m["staleness/max_age"] for m in history] == [0, 1, 1] and relaxed.buffer.dropped_total == 0
+
+
+async def test_without_in_flight_weight_updates_the_refit_waits_for_the_next_steps_rollouts(grpo_run, tmp_path):
+    waiting = trainer_like(grpo_run, tmp_path / "wait", async_rollouts=True, max_num_steps=2)
+    start = waiting.state.weight_version
+    history = await waiting.run()
+    assert "time/refit_wait_s" in history[0] and "time/refit_wait_s" not in history[1]  # the last step has no next
+    # Step 1 was rolled out entirely before step 0's refit: all of it on the old weights, start and end.
+    assert history[1]["staleness/trained_start_versions"] == [start]
+    in_flight = trainer_like(grpo_run, tmp_path / "in-flight", async_rollouts=True, in_flight_weight_updates=True,
+                             max_num_steps=2)
+    assert not any("time/refit_wait_s" in m for m in await in_flight.run())
+
+
+async def test_a_step_that_commits_nothing_within_the_stall_deadline_stops_the_run(grpo_run, tmp_path, caplog):
+    aborting = trainer_like(grpo_run, tmp_path / "abort", stall_timeout_s=0.01, stall_action="abort")
+    with pytest.raises(RolloutStall, match=r"step 0: no rollout committed in .*stall_timeout_s=0.01"):
+        await aborting.rollout(0)
+    warning = trainer_like(grpo_run, tmp_path / "warn", stall_timeout_s=0.01, stall_action="warn")
+    assert len(await warning.rollout(0)) == 2
+    assert any("rollout stall: step 0" in r.getMessage() for r in caplog.records)
+
+
+async def test_a_step_below_min_step_batch_fraction_stops_the_run(grpo_run, tmp_path):
+    manager = grpo_run.trainer.manager
+    bad = {"responses_create_params": {"input": "x"}}  # no agent_ref: a data failure, skipped
+    trainer = trainer_like(grpo_run, tmp_path, min_step_batch_fraction=0.75)
+    trainer.dataset = [trainer.dataset[0], datum_from_gym_row(bad, idx=99)]
+    policy = manager.retry_policy
+    manager.retry_policy = replace(policy, max_skipped_prompts=10)
+    try:
+        with pytest.raises(StepBatchShortfall, match="step 0 committed 1 of 2 prompt groups, below the floor of 2"):
+            await trainer.rollout(0)
+        trainer.cfg = trainer.cfg.model_copy(update={"min_step_batch_fraction": 0.5})
+        assert len(await trainer.rollout(0)) == 1
+    finally:
+        manager.retry_policy = policy
 
 
 async def test_checkpoint_restores_weights_optimizer_and_state(grpo_run, tmp_path):

@@ -39,7 +39,7 @@ class GenerationInterface(abc.ABC):
         Must not block the event loop.
         """
 
-    def init_collective(self, ip: str, port: int, world_size: int, *, train_world_size: int) -> list[Any]:
+    def init_collective(self, ip: str, port: int, world_size: int, *, train_world_size: int | None = None) -> list[Any]:
         raise NotImplementedError(f"{type(self).__name__} does not join a weight-sync collective")
 
     def prepare_for_generation(self, *args: Any, **kwargs: Any) -> bool:
@@ -79,23 +79,23 @@ class EnvironmentInterface(abc.ABC):
 
 
 class PolicyInterface(abc.ABC):
-    """A trainable policy, as a training loop drives it."""
+    """A trainable policy, as a training loop drives it.
+
+    Abstract: what NeMo-RL's documented interface and NeMo-RL HEAD both require. HEAD's additions
+    (``get_topk_logits``, ``calibrate_qkv_fp8_scales``) and the documented interface's methods HEAD
+    dropped are optional: the default raises ``NotImplementedError`` naming the method, so a policy
+    written to either generation can be instantiated.
+    """
 
     @abc.abstractmethod
     def get_logprobs(self, data: BatchedDataDict[Any], timer: Any = None) -> BatchedDataDict[Any]:
-        """Return ``{"logprobs": Tensor}`` for the token batch."""
+        """Return ``{"logprobs": Tensor}`` for the token batch (:class:`LogprobOutputSpec`)."""
 
     @abc.abstractmethod
     def get_reference_policy_logprobs(
         self, data: BatchedDataDict[Any], micro_batch_size: int | None = None, timer: Any = None
     ) -> BatchedDataDict[Any]:
-        """Return ``{"reference_logprobs": Tensor}``."""
-
-    @abc.abstractmethod
-    def get_topk_logits(
-        self, data: BatchedDataDict[Any], k: int, micro_batch_size: int | None = None, timer: Any = None
-    ) -> BatchedDataDict[Any]:
-        """Return ``{"topk_logits", "topk_indices"}`` aligned to next-token positions."""
+        """Return ``{"reference_logprobs": Tensor}`` (:class:`ReferenceLogprobOutputSpec`)."""
 
     @abc.abstractmethod
     def train(
@@ -108,18 +108,9 @@ class PolicyInterface(abc.ABC):
         mbs: int | None = None,
         timer: Any = None,
     ) -> dict[str, Any]:
-        """One optimisation step (no update when ``eval_mode``); returns metrics."""
-
-    @abc.abstractmethod
-    def calibrate_qkv_fp8_scales(
-        self,
-        data: BatchedDataDict[Any],
-        micro_batch_size: int | None = None,
-        percentile: float = 99.9,
-        margin: float = 1.05,
-        include_q: bool = False,
-    ) -> dict[str, Any]:
-        """Return FP8 KV scales calibrated on ``data``."""
+        """One optimisation step (no update when ``eval_mode``); returns metrics. ``gbs``/``mbs`` are HEAD's
+        keyword-only arguments; callers here always pass them by keyword, so a policy written to the documented
+        interface (positional ``gbs``/``mbs``) is called correctly too."""
 
     @abc.abstractmethod
     def prepare_for_training(self, *args: Any, **kwargs: Any) -> None: ...
@@ -133,13 +124,36 @@ class PolicyInterface(abc.ABC):
     @abc.abstractmethod
     def shutdown(self) -> bool: ...
 
+    def get_topk_logits(
+        self, data: BatchedDataDict[Any], k: int, micro_batch_size: int | None = None, timer: Any = None
+    ) -> BatchedDataDict[Any]:
+        """HEAD: ``{"topk_logits", "topk_indices"}`` aligned to next-token positions (distillation)."""
+        raise NotImplementedError(f"{type(self).__name__}.get_topk_logits is not implemented")
+
+    def calibrate_qkv_fp8_scales(
+        self,
+        data: BatchedDataDict[Any],
+        micro_batch_size: int | None = None,
+        percentile: float = 99.9,
+        margin: float = 1.05,
+        include_q: bool = False,
+    ) -> dict[str, Any]:
+        """HEAD: FP8 KV scales calibrated on ``data``."""
+        raise NotImplementedError(f"{type(self).__name__}.calibrate_qkv_fp8_scales is not implemented")
+
 
 class ColocatablePolicyInterface(PolicyInterface):
-    """A policy that shares GPUs with generation and pushes weights to it."""
+    """A policy that shares GPUs with generation and pushes weights to it.
+
+    Abstract: the refit methods both generations require. HEAD's weight streaming
+    (``stream_weights_via_ipc_zmq``, ``prepare_for_lp_inference``, ...) and the documented IPC methods
+    (``prepare_weights_for_ipc``, ``get_weights_ipc_handles``) default to ``NotImplementedError`` naming
+    themselves; ``init_collective`` takes HEAD's ``train_world_size`` as an optional keyword.
+    """
 
     @abc.abstractmethod
     def init_collective(
-        self, ip: str, port: int, world_size: int, *, train_world_size: int, nccl_peer: str = "nemo"
+        self, ip: str, port: int, world_size: int, *, train_world_size: int | None = None, nccl_peer: str = "nemo"
     ) -> list[Any]: ...
 
     @abc.abstractmethod
@@ -152,11 +166,6 @@ class ColocatablePolicyInterface(PolicyInterface):
     def prepare_refit_info(self) -> dict[str, Any] | None: ...
 
     @abc.abstractmethod
-    def stream_weights_via_ipc_zmq(
-        self, buffer_size_bytes: int, kv_scales: dict[str, Any] | None = None
-    ) -> list[Any]: ...
-
-    @abc.abstractmethod
     def broadcast_weights_for_collective(
         self,
         kv_scales: dict[str, Any] | None = None,
@@ -165,8 +174,21 @@ class ColocatablePolicyInterface(PolicyInterface):
         num_buffers: int | None = None,
     ) -> list[Any]: ...
 
-    @abc.abstractmethod
-    def prepare_for_lp_inference(self, keep_train_buffers: bool = False) -> None: ...
+    def prepare_weights_for_ipc(self, *args: Any, **kwargs: Any) -> Any:
+        """Documented interface: gather the weights' IPC metadata before a refit."""
+        raise NotImplementedError(f"{type(self).__name__}.prepare_weights_for_ipc is not implemented")
+
+    def get_weights_ipc_handles(self, keys: list[str]) -> dict[str, Any]:
+        """Documented interface: the IPC handles of the named weights."""
+        raise NotImplementedError(f"{type(self).__name__}.get_weights_ipc_handles is not implemented")
+
+    def stream_weights_via_ipc_zmq(self, buffer_size_bytes: int, kv_scales: dict[str, Any] | None = None) -> list[Any]:
+        """HEAD: stream the weights to colocated engines over ZMQ."""
+        raise NotImplementedError(f"{type(self).__name__}.stream_weights_via_ipc_zmq is not implemented")
+
+    def prepare_for_lp_inference(self, keep_train_buffers: bool = False) -> None:
+        """HEAD: get ready for logprob inference."""
+        raise NotImplementedError(f"{type(self).__name__}.prepare_for_lp_inference is not implemented")
 
     def offload_to_cpu(self) -> None:
         return None

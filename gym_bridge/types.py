@@ -167,15 +167,31 @@ class GenerationOutputSpec(TypedDict):
     weight_version: NotRequired[torch.Tensor]
 
 
+class LogprobOutputSpec(TypedDict):
+    """``PolicyInterface.get_logprobs`` output: ``logprobs`` [B, S]."""
+
+    logprobs: torch.Tensor
+
+
+class ReferenceLogprobOutputSpec(TypedDict):
+    """``PolicyInterface.get_reference_policy_logprobs`` output: ``reference_logprobs`` [B, S]."""
+
+    reference_logprobs: torch.Tensor
+
+
 class EnvironmentReturn(NamedTuple):
-    """What ``EnvironmentInterface.step`` returns; the positional order is part of the contract."""
+    """What ``EnvironmentInterface.step`` returns; the positional order is part of the contract.
+
+    ``answers`` is NeMo-RL HEAD's sixth field; the documented interface has five, so it defaults to None
+    and environments may return either (a plain 5- or 6-tuple too).
+    """
 
     observations: list[dict[str, str]]
     metadata: list[Any]
     next_stop_strings: list[list[str] | None] | None
     rewards: torch.Tensor | dict[str, torch.Tensor]  # [B], or one [B] tensor per reward component
     terminateds: torch.Tensor
-    answers: list[str | None] | None
+    answers: list[str | None] | None = None
 
 
 def token_tensor(ids: Any) -> torch.Tensor:

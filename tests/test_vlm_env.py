@@ -23,7 +23,14 @@ from gym_bridge.environments.rewards import (
     multiple_choice_reward,
     numeric_reward,
 )
-from gym_bridge.environments.vlm import VLMEnvConfig, VLMVerifyWorker, chunk_to_workers, message_text, vlm_env_actor
+from gym_bridge.environments.vlm import (
+    VLMEnvConfig,
+    VLMEnvironment,
+    VLMEnvSettings,
+    VLMVerifyWorker,
+    chunk_to_workers,
+    message_text,
+)
 
 
 def ans(text, think="ok"):
@@ -153,9 +160,11 @@ def test_bounded_call_turns_hangs_and_crashes_into_zero(caplog):
 
 def test_config_validation():
     with pytest.raises(ValueError, match="unknown reward function 'nope'"):
-        VLMEnvConfig(reward_functions=[{"name": "nope"}])
+        VLMEnvSettings.model_validate(VLMEnvConfig(num_workers=1, reward_functions=[{"name": "nope"}]))
     with pytest.raises(ValueError, match="at least one"):
-        VLMEnvConfig(reward_functions=[])
+        VLMEnvSettings.model_validate({"num_workers": 1, "reward_functions": []})
+    with pytest.raises(ValueError, match="reward_function\\b"):
+        VLMEnvSettings.model_validate({"num_workers": 1, "reward_function": [{"name": "format"}]})
 
 
 def test_worker_combines_weighted_scores():
@@ -175,17 +184,17 @@ def test_chunking_and_content_parts():
 @pytest.mark.slow  # three Ray worker processes that import torch: ~70 s on a loaded 2-core machine
 @pytest.mark.usefixtures("ray_session")
 def test_environment_step_spread_and_metrics():
-    cfg = {"num_workers": 2, "stop_strings": ["</answer>"], "reward_functions": [
-        {"name": "format", "weight": 0.2}, {"name": "exact_alnum", "weight": 0.8}]}
-    env = vlm_env_actor(cfg)
+    cfg = VLMEnvConfig(num_workers=2, stop_strings=["</answer>"], reward_functions=[
+        {"name": "format", "weight": 0.2}, {"name": "exact_alnum", "weight": 0.8}])
+    env = VLMEnvironment.remote(cfg)  # as the documented interface and NeMo-RL HEAD both create it
     try:
         truths = ["cube", "ball", "cone", "cube", "ball", "cone", "cube"]
         replies = [ans("cube"), ans("cube"), "no tags", ans("cube"), "<answer>ball</answer>", ans("x" * 10), ans("cube")]
         logs = [
             [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}},
-                                          {"type": "text", "text": "What shape?"}]},
-             {"role": "assistant", "content": [{"type": "text", "text": r}]}]
-            for r in replies
+                                          {"type": "text", "text": "What shape?"}], "token_ids": torch.arange(5)},
+             {"role": "assistant", "content": [{"type": "text", "text": r}], "token_ids": torch.arange(i + 1)}]
+            for i, r in enumerate(replies)
         ]
         ret = ray.get(env.step.remote(logs, [{"ground_truth": t} for t in truths]))
         expected = [1.0, 0.2, 0.0, 1.0, 0.2 * 0.75 + 0.8, 0.2, 1.0]
@@ -209,6 +218,10 @@ def test_environment_step_spread_and_metrics():
         assert metrics["reward/format/mean"] == pytest.approx((5 + 0.75) / 7)
         assert metrics["fraction_of_samples_properly_ended"] == pytest.approx(6 / 7)
         assert metrics["histogram/reward"] == pytest.approx(expected[:6] + [0.0])
+        # NeMo-RL's documented metrics: prompts are (question, ground truth): cube and ball solved, cone not.
+        assert metrics["pass@samples_per_prompt"] == pytest.approx(2 / 3) and metrics["num_problems_in_batch"] == 7
+        assert (metrics["prompt_lengths"], metrics["generation_lengths"]) == (5.0, 4.0)
+        assert metrics["correct_solution_generation_lengths"] == pytest.approx((1 + 4 + 5) / 3)
         stats = ray.get(env.worker_stats.remote())
         assert sum(s["items_scored"] for s in stats) == 14
     finally:

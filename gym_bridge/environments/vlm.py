@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import threading
-from typing import Any, TypedDict
+from typing import Any, NotRequired, TypedDict
 
 import ray
 import torch
@@ -46,8 +46,19 @@ class RewardFunctionSpec(BaseModel):
         return name
 
 
-class VLMEnvConfig(BaseModel):
-    """Settings of :class:`VLMEnvironment`."""
+class VLMEnvConfig(TypedDict):
+    """The environment's config as NeMo-RL types it (a plain dict); :class:`VLMEnvSettings` checks it."""
+
+    num_workers: int
+    stop_strings: NotRequired[list[str] | None]
+    reward_functions: list[dict[str, Any]]
+    """``{"name": ..., "weight": ..., "kwargs": {...}}`` per reward function."""
+    max_chars: NotRequired[int]
+    reward_time_limit_s: NotRequired[float | None]
+
+
+class VLMEnvSettings(BaseModel):
+    """:class:`VLMEnvConfig`, validated: unknown keys and reward functions are errors naming them."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -85,8 +96,8 @@ def message_text(content: Any) -> str:
 class VLMVerifyWorker:
     """Scores responses against ground truths (a Ray actor inside :class:`VLMEnvironment`)."""
 
-    def __init__(self, cfg: VLMEnvConfig | dict[str, Any]) -> None:
-        self.cfg = cfg if isinstance(cfg, VLMEnvConfig) else VLMEnvConfig(**cfg)
+    def __init__(self, cfg: VLMEnvConfig | VLMEnvSettings | dict[str, Any]) -> None:
+        self.cfg = VLMEnvSettings.model_validate(cfg)
         total = sum(s.weight for s in self.cfg.reward_functions)
         self.weights = [s.weight / total for s in self.cfg.reward_functions]
         self.items_scored = 0
@@ -125,17 +136,40 @@ class VLMVerifyWorker:
         return {"items_scored": self.items_scored, "main_thread": threading.current_thread() is threading.main_thread()}
 
 
+def _tokens(log: LLMMessageLogType, *, assistant: bool) -> int:
+    """Token count of the assistant messages, or of the messages before the first assistant one (the prompt)."""
+    if assistant:
+        return sum(int(torch.as_tensor(m.get("token_ids", [])).numel()) for m in log if m["role"] == "assistant")
+    count = 0
+    for message in log:
+        if message["role"] == "assistant":
+            break
+        count += int(torch.as_tensor(message.get("token_ids", [])).numel())
+    return count
+
+
+def _prompt_text(log: LLMMessageLogType) -> str:
+    """The text before the first assistant message: which prompt a sample answers."""
+    parts = []
+    for message in log:
+        if message["role"] == "assistant":
+            break
+        parts.append(message_text(message.get("content")))
+    return "\n".join(parts)
+
+
 def chunk_to_workers(items: list[Any], num_workers: int) -> list[list[Any]]:
     """Contiguous chunks of ``ceil(len / num_workers)`` items, one list per worker (possibly empty)."""
     size = max(1, math.ceil(len(items) / num_workers))
     return [items[w * size : (w + 1) * size] for w in range(num_workers)]
 
 
-class VLMEnvironment(EnvironmentInterface):
-    """Run as a Ray actor with :func:`vlm_env_actor`; it starts ``num_workers`` verify workers."""
+class VLMEnvironmentImpl(EnvironmentInterface):
+    """The environment's code; :data:`VLMEnvironment` is it as a Ray actor class. Starts ``num_workers`` verify
+    workers."""
 
-    def __init__(self, cfg: VLMEnvConfig | dict[str, Any]) -> None:
-        self.cfg = cfg if isinstance(cfg, VLMEnvConfig) else VLMEnvConfig(**cfg)
+    def __init__(self, cfg: VLMEnvConfig | VLMEnvSettings | dict[str, Any]) -> None:
+        self.cfg = VLMEnvSettings.model_validate(cfg)
         worker_cls = ray.remote(num_cpus=0)(VLMVerifyWorker)
         # Any: Ray types an actor's handle as ``ActorHandle[T] | type[T]``, whose methods lack ``.remote``
         self.workers: list[Any] = [worker_cls.remote(self.cfg) for _ in range(self.cfg.num_workers)]
@@ -179,23 +213,37 @@ class VLMEnvironment(EnvironmentInterface):
     ) -> tuple[BatchedDataDict[Any], dict[str, Any]]:
         """Zero the rewards of samples that did not end properly (``truncated``), and score the batch.
 
-        Metrics: ``accuracy`` (fraction correct), ``mean_reward``, ``reward/<name>/mean`` per
-        reward function, ``histogram/reward`` (a plain list), ``fraction_of_samples_properly_ended``
-        and ``num_samples``. Reads ``message_log``, ``extra_env_info`` and ``total_reward``.
+        NeMo-RL's metrics: ``accuracy``, ``pass@samples_per_prompt`` (share of prompts with a correct sample),
+        ``fraction_of_samples_properly_ended``, ``num_problems_in_batch``, ``generation_lengths`` and
+        ``prompt_lengths`` (mean tokens), ``correct_solution_generation_lengths``; and ours: ``mean_reward``,
+        ``reward/<name>/mean``, ``histogram/reward`` (a plain list), ``num_samples``.
+        Reads ``message_log``, ``extra_env_info`` and ``total_reward``.
         """
         logs, infos = batch["message_log"], batch["extra_env_info"]
         size = len(logs)
         if size == 0:
-            return batch, {"num_samples": 0}
+            return batch, {"num_samples": 0, "num_problems_in_batch": 0}
         responses = ["".join(message_text(m.get("content")) for m in log if m["role"] == "assistant") for log in logs]
         results = self._score(responses, [str(i["ground_truth"]) for i in infos])
         ended = ~torch.as_tensor(batch.get("truncated", torch.zeros(size, dtype=torch.bool))).bool()
         rewards = torch.as_tensor(batch.get("total_reward", [r["reward"] for r in results]), dtype=torch.float32)
         batch["total_reward"] = rewards * ended.float()
+        correct = [bool(r["correct"]) and bool(e) for r, e in zip(results, ended, strict=True)]
+        generated = [_tokens(log, assistant=True) for log in logs]
+        prompt_keys = [(_prompt_text(log), str(info["ground_truth"])) for log, info in zip(logs, infos, strict=True)]
+        solved = {key for key, ok in zip(prompt_keys, correct, strict=True) if ok}
+        correct_lengths = [g for g, ok in zip(generated, correct, strict=True) if ok]
         metrics: dict[str, Any] = {
-            "accuracy": sum(bool(r["correct"]) and bool(e) for r, e in zip(results, ended, strict=True)) / size,
-            "mean_reward": float(batch["total_reward"].mean()),
+            "accuracy": sum(correct) / size,
+            "pass@samples_per_prompt": len(solved) / len(set(prompt_keys)),
             "fraction_of_samples_properly_ended": float(ended.float().mean()),
+            "num_problems_in_batch": size,
+            "generation_lengths": sum(generated) / size,
+            "prompt_lengths": sum(_tokens(log, assistant=False) for log in logs) / size,
+            "correct_solution_generation_lengths": sum(correct_lengths) / len(correct_lengths)
+            if correct_lengths
+            else 0,
+            "mean_reward": float(batch["total_reward"].mean()),
             "num_samples": size,
             "histogram/reward": [float(v) for v in batch["total_reward"]],
         }
@@ -212,6 +260,5 @@ class VLMEnvironment(EnvironmentInterface):
         self.workers = []
 
 
-def vlm_env_actor(cfg: VLMEnvConfig | dict[str, Any]) -> Any:
-    """Start a :class:`VLMEnvironment` as a Ray actor (needs Ray running)."""
-    return ray.remote(num_cpus=0)(VLMEnvironment).remote(cfg)
+VLMEnvironment = ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)(VLMEnvironmentImpl)
+"""The Ray actor class, as NeMo-RL declares it: ``VLMEnvironment.remote(cfg)`` or ``.options(...).remote(cfg)``."""

@@ -63,7 +63,7 @@ def _merge(batch_size: int, calls: list[tuple[list[int], Any]], returns: list[En
     terminateds: list[bool] = [False] * batch_size
     answers: list[Any] = [None] * batch_size
     for (indices, _), ret in zip(calls, returns, strict=True):
-        obs, meta, next_stops, rew, term, ans = ret
+        obs, meta, next_stops, rew, term, ans = _six_fields(ret)
         if len(obs) != len(indices):
             raise ValueError(f"environment returned {len(obs)} observations for {len(indices)} samples")
         for j, i in enumerate(indices):
@@ -81,6 +81,19 @@ def _merge(batch_size: int, calls: list[tuple[list[int], Any]], returns: list[En
         terminateds=torch.tensor(terminateds, dtype=torch.bool),
         answers=answers,
     )
+
+
+def _six_fields(ret: Any) -> tuple[Any, ...]:
+    """An environment's return as six fields: the documented five (``answers`` None) or HEAD's six."""
+    fields = tuple(ret)
+    if len(fields) == 5:
+        return (*fields, None)
+    if len(fields) != 6:
+        raise TypeError(
+            f"an environment's step returned {len(fields)} fields; expected EnvironmentReturn's 5 (observations, "
+            "metadata, next_stop_strings, rewards, terminateds) or 6 (with answers)"
+        )
+    return fields
 
 
 def step_by_task(

@@ -58,7 +58,8 @@ def generate_responses(
     Stop strings: ``batch["stop_strings"]`` when present replace those of
     ``generation_input_data``; otherwise the generation input's own are kept
     (NeMo-RL overwrote them with None). Returns ``(batch, generated ids per row,
-    metrics)``; ``metrics["_response_truncated"]`` is the per-row ``truncated``
+    metrics)``: NeMo-RL's ``mean_generation_length`` and ``max_seqlen`` (the longest prompt plus
+    generation), our ``total_generated_tokens``, and ``_response_truncated``, the per-row ``truncated``
     tensor, for the caller to pop.
     """
     size = int(generation_input_data["input_ids"].shape[0])
@@ -84,6 +85,7 @@ def generate_responses(
     truncated = output.get("truncated")
     metrics = {
         "mean_generation_length": sum(lengths) / size if size else 0.0,
+        "max_seqlen": int(output["unpadded_sequence_lengths"].max()) if size else 0,
         "total_generated_tokens": sum(lengths),
         "_response_truncated": (
             torch.as_tensor(truncated, dtype=torch.bool)

@@ -70,6 +70,7 @@ _EXPORTS: dict[str, str] = {
     "preflight_endpoints": "gym_bridge.preflight",
     "OpenAIServer": "gym_bridge.serving",
     # failures, deadlines, retries
+    "GymBridgeError": "gym_bridge.failures",
     "GymResultError": "gym_bridge.failures",
     "InvalidGymRow": "gym_bridge.failures",
     "NoHealthyShards": "gym_bridge.failures",
@@ -106,6 +107,7 @@ if TYPE_CHECKING:
         run_eval as run_eval,
     )
     from gym_bridge.failures import (
+        GymBridgeError as GymBridgeError,
         GymResultError as GymResultError,
         InvalidGymRow as InvalidGymRow,
         NoHealthyShards as NoHealthyShards,

@@ -29,6 +29,8 @@ from types import TracebackType
 
 import psutil
 
+from gym_bridge.failures import GymBridgeError
+
 __all__ = ["ClusterNode", "LocalClusterError", "LocalRayCluster", "NodeSpec"]
 
 logger = logging.getLogger(__name__)
@@ -44,7 +46,7 @@ _RAY_ENV = {
 }
 
 
-class LocalClusterError(RuntimeError):
+class LocalClusterError(GymBridgeError, RuntimeError):
     """A node of a :class:`LocalRayCluster` did not start, register, connect or stop in time (names the node)."""
 
 

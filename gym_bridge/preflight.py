@@ -27,6 +27,8 @@ from typing import Any
 
 import httpx
 
+from gym_bridge.failures import GymBridgeError
+
 __all__ = [
     "VLLM_TOOL_FLAGS",
     "EndpointCheck",
@@ -94,7 +96,7 @@ class EndpointCheck:
         return f"{self.base_url}: {self.detail}"
 
 
-class PreflightError(RuntimeError):
+class PreflightError(GymBridgeError, RuntimeError):
     """At least one endpoint failed its preflight; ``str()`` is one line per failed endpoint."""
 
     def __init__(self, checks: Sequence[EndpointCheck]) -> None:
@@ -106,7 +108,7 @@ class PreflightError(RuntimeError):
         return (PreflightError, (self.checks,))
 
 
-class _Failed(Exception):
+class _Failed(GymBridgeError):
     def __init__(self, problem: EndpointProblem, detail: str, served: tuple[str, ...] = ()) -> None:
         super().__init__(detail)
         self.problem = problem

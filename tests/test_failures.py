@@ -517,3 +517,32 @@ async def test_gather_rejects_non_awaitables_without_leaking_coroutines():
     with pytest.raises(TypeError, match="int"):
         await gather_cancel_siblings(coro, 3)  # type: ignore[arg-type]
     assert coro.cr_frame is None  # closed, so no "never awaited" warning
+
+
+# Modules that are a subprocess's entry point (importing them starts nothing, but they are not library code).
+_ENTRY_POINTS = {"gym_bridge.gym._forkserver", "gym_bridge.gym._launcher", "gym_bridge.gym._server_preload"}
+
+
+def test_every_exception_class_of_the_package_derives_from_gym_bridge_error():
+    import ast
+    import importlib
+    import pkgutil
+    from pathlib import Path
+
+    from gym_bridge.failures import GymBridgeError
+
+    found = []
+    for info in pkgutil.walk_packages(gym_bridge.__path__, "gym_bridge."):
+        if info.name in _ENTRY_POINTS:
+            source = Path(importlib.util.find_spec(info.name).origin).read_text()
+            bases = [ast.unparse(b) for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ClassDef) for b in n.bases]
+            assert not [b for b in bases if "Error" in b or "Exception" in b], info.name
+            continue
+        module = importlib.import_module(info.name)
+        for value in vars(module).values():
+            # Exception, not BaseException: EvalInterrupted is a KeyboardInterrupt, which no handler of ours may swallow
+            if isinstance(value, type) and issubclass(value, Exception) and value.__module__ == info.name:
+                found.append(value)
+    assert len(found) >= 35
+    strays = [f"{cls.__module__}.{cls.__qualname__}" for cls in found if not issubclass(cls, GymBridgeError)]
+    assert strays == []

@@ -136,3 +136,196 @@ def test_a_config_that_does_not_ask_for_gym_is_refused():
     config.pop("use_nemo_gym")
     with pytest.raises(TrainingConfigError, match="use_nemo_gym"):
         nemo_gym_rollout_settings(config, base_urls=URLS)
+
+
+# ---- NeMo-RL HEAD's async_rl / grpo.async_grpo / master-config shapes ------------------------------------------
+
+
+def gym_config(**sections: dict) -> dict:
+    """The example config with NeMo-RL sections merged in (one level deep)."""
+    config = example()
+    config["env"]["nemo_gym"].pop("rollout_timeout_s")
+    config["env"]["nemo_gym"].pop("max_row_attempts")
+    for name, section in sections.items():
+        config[name] = {**config.get(name, {}), **section}
+    return config
+
+
+def settings_of(config: dict):
+    from gym_bridge.rollout.training_config import nemo_gym_rollout_settings
+
+    return nemo_gym_rollout_settings(config, base_urls=URLS)
+
+
+def test_async_rl_rollout_failure_becomes_nemo_rl_s_retry_policy_and_timeouts():
+    from gym_bridge.failures import RolloutRetryPolicy, RolloutTimeouts
+
+    failure = {
+        "max_infra_attempts_per_prompt": 4,
+        "backoff_base_s": 2.0,
+        "nemo_gym": {"rollout_timeout_s": 900, "max_row_attempts": 5},
+    }
+    settings = settings_of(gym_config(async_rl={"rollout_failure": failure}))
+    assert settings.timeouts == RolloutTimeouts(rollout_s=900.0)
+    assert settings.retry_policy == RolloutRetryPolicy(
+        max_infra_attempts=4, max_data_attempts=2, max_gym_row_attempts=5, backoff_base_s=2.0, max_backoff_s=30.0
+    )  # NeMo-RL's RolloutFailureConfig defaults for the rest
+    assert (settings.rollout_timeout_s, settings.max_row_attempts, settings.min_step_batch_fraction) == (900.0, 5, 0.9)
+    assert settings_of(gym_config()).min_step_batch_fraction == 0.0  # no section: no floor
+
+
+def test_the_dropped_prompt_budget_comes_from_either_section_but_not_two_different_values():
+    failure = {"rollout_failure": {"max_consecutive_dropped_prompts": 2}}
+    on = {"async_grpo": {"enabled": True}}
+    assert settings_of(gym_config(async_rl=failure, grpo=on)).retry_policy.max_consecutive_dropped_prompts == 2
+    on_with_budget = {"async_grpo": {"enabled": True, "max_generation_failures": 4}}
+    assert settings_of(gym_config(grpo=on_with_budget)).retry_policy.max_consecutive_dropped_prompts == 4
+    with pytest.raises(TrainingConfigError, match=r"max_generation_failures \(4\) and .*dropped_prompts \(2\)"):
+        settings_of(gym_config(async_rl=failure, grpo=on_with_budget))
+
+
+@pytest.mark.parametrize(
+    ("async_rl", "message"),
+    [
+        ({"watchdog": {"stall_timeout_s": 60}}, r"async_rl\.watchdog -> async_rl\.stall_watchdog"),
+        ({"rollout_timeout_s": 60}, r"async_rl\.rollout_timeout_s -> async_rl\.rollout_failure\.nemo_gym"),
+        ({"rollout_failure": {"on_data_exhausted": "skip"}}, r"on_data_exhausted -> .*max_skipped_prompts"),
+        ({"generation_router": {"enabled": True}}, r"generation_router\.enabled: true is not supported: gym-bridge"),
+        ({"generation_fleet_health": {"enabled": True}}, r"generation_fleet_health\.enabled: true is not supported"),
+        ({"diagnostics": True}, r"diagnostics: true is not supported"),
+        ({"stall_watchdog": {"gym_subprocess_check": False}}, r"gym_subprocess_check: false is not supported"),
+        ({"stall_watchdog": {"stall_timeout_s": 20, "interval_s": 30}}, r"must be > interval_s \(30.0\)"),
+        (
+            {"stall_watchdog": {"stall_timeout_s": 600}, "rollout_failure": {"nemo_gym": {"rollout_timeout_s": 900}}},
+            r"stall_timeout_s \(600.0\) must be > async_rl\.rollout_failure\.nemo_gym\.rollout_timeout_s \(900.0\)",
+        ),
+        ({"rollout_failure": {"native": {"env_timeout_s": 5}}}, r"native\.env_timeout_s=5: this run uses the nemo_gym"),
+        ({"samplr": {}}, r"async_rl\.samplr: Extra inputs are not permitted"),
+    ],
+)
+def test_async_rl_settings_that_cannot_be_honoured_are_refused_in_one_line(async_rl, message):
+    with pytest.raises(TrainingConfigError, match=message) as raised:
+        settings_of(gym_config(async_rl=async_rl))
+    assert "\n" not in str(raised.value)
+
+
+def test_async_rl_stall_watchdog_and_the_single_controller_pump_keys(caplog):
+    import logging
+
+    from gym_bridge.rollout.async_settings import StallWatchdogSettings
+
+    assert settings_of(gym_config()).stall_watchdog == StallWatchdogSettings.off()
+    pump = {
+        "sampler": {"name": "in_order"},
+        "max_inflight_prompts": 32,
+        "recompute_kv_cache_after_weight_updates": True,
+    }
+    with caplog.at_level(logging.WARNING, logger="gym_bridge.rollout.training_config"):
+        settings = settings_of(gym_config(async_rl={"stall_watchdog": {"stall_action": "abort"}, **pump}))
+    assert (settings.stall_watchdog.stall_timeout_s, settings.stall_watchdog.interval_s) == (600.0, 30.0)  # NeMo-RL's
+    assert settings.stall_watchdog.stall_action == "abort" and settings.async_rl.recompute_kv_cache_after_weight_updates
+    [warning] = [r.getMessage() for r in caplog.records]
+    assert "async_rl.sampler, async_rl.max_inflight_prompts" in warning and "no effect" in warning
+
+
+def test_the_stall_watch_checks_every_interval_and_measures_from_the_last_commit():
+    import asyncio
+    import time
+    from types import SimpleNamespace
+
+    from gym_bridge.failures import RolloutStall
+    from gym_bridge.training.loop import GRPOLoopConfig, GRPOTrainer
+
+    cfg = GRPOLoopConfig(stall_timeout_s=0.3, stall_interval_s=0.02, stall_action="abort")
+    sink = SimpleNamespace(groups=[])
+
+    async def commits_then_hangs() -> None:
+        for _ in range(4):  # a commit every 0.2 s: never a stall
+            await asyncio.sleep(0.2)
+            sink.groups.append(object())
+        await asyncio.sleep(60)
+
+    async def watch() -> float:
+        collects = asyncio.ensure_future(commits_then_hangs())
+        started = time.monotonic()
+        try:
+            with pytest.raises(RolloutStall, match=r"4 groups committed so far"):
+                await GRPOTrainer._watch_stall(SimpleNamespace(cfg=cfg), 0, collects, sink)
+        finally:
+            collects.cancel()
+        return time.monotonic() - started
+
+    elapsed = asyncio.run(watch())
+    assert 0.8 + 0.3 <= elapsed < 0.8 + 0.3 + 0.25  # the last commit, the deadline, within a few intervals
+
+
+def test_attribute_style_master_configs_are_read_as_nemo_rl_passes_them():
+    from omegaconf import OmegaConf
+    from pydantic import BaseModel, ConfigDict
+
+    from gym_bridge.rollout.training_config import setup_nemo_gym_config
+
+    class MasterConfig(BaseModel):  # NeMo-RL's: a pydantic model whose sections are dicts
+        model_config = ConfigDict(extra="allow")
+        env: dict
+        policy: dict
+
+    config = example()
+    config.pop("use_nemo_gym")
+    config["env"]["should_use_nemo_gym"] = True
+    master = MasterConfig(**config)
+    assert should_use_nemo_gym(master)
+    assert settings_of(master).gym.config_paths == config["env"]["nemo_gym"]["config_paths"]
+
+    node = OmegaConf.create({"env": {}, "policy": {"is_vlm": True, "tokenizer": {"name": "vlm"}, "generation": {}}})
+    setup_nemo_gym_config(node, tokenizer=None)  # an OmegaConf node copies what it is given: set in place anyway
+    assert OmegaConf.to_container(node.policy.generation) == {
+        "vllm_cfg": {"async_engine": True, "expose_http_server": True},
+        "stop_strings": None,
+        "stop_token_ids": None,
+    }
+    assert node.env.nemo_gym.tokenizer_config == {"name": "vlm"}
+
+
+@pytest.mark.parametrize(
+    ("generation", "message"),
+    [
+        ({"backend": "trtllm", "trtllm_cfg": {"expose_http_server": True}}, r"trtllm_cfg\.async_engine: true"),
+        ({"backend": "trtllm", "trtllm_cfg": {"async_engine": True}}, r"trtllm_cfg\.expose_http_server: true"),
+        ({"backend": "sglang", "use_async_rollouts": True}, r"backend: sglang does not offer"),
+    ],
+)
+def test_nemo_rl_s_engine_checks_name_the_key_to_set(generation, message):
+    with pytest.raises(TrainingConfigError, match=message):
+        should_use_nemo_gym({"env": {"should_use_nemo_gym": True}, "policy": {"generation": generation}})
+
+
+def test_nemo_gym_config_follows_nemo_rl_for_defaults_global_config_and_ports():
+    import socket
+
+    from gym_bridge.gym.actor import NemoGymConfig
+
+    config = NemoGymConfig(
+        model_name="m",
+        base_urls=URLS,
+        thinking_tags=[],
+        invalid_tool_call_patterns=None,
+        initial_global_config_dict={"config_paths": ["a.yaml"], "effort_levels": {"low_weight": 0.1}, "x": 1},
+    )
+    assert config.thinking_tags == ("<think>", "</think>") and "<tool_call>" in config.invalid_tool_call_patterns
+    assert config.config_paths == ["a.yaml"] and config.overrides == {"x": 1}  # NeMo-RL drops effort_levels too
+    with pytest.raises(ValueError, match="pad_dynamic_image_shapes is not supported"):
+        NemoGymConfig(model_name="m", base_urls=URLS, initial_global_config_dict={"pad_dynamic_image_shapes": True})
+
+    with socket.socket() as held, socket.socket() as probe:
+        held.bind(("127.0.0.1", 0))
+        taken = held.getsockname()[1]
+        try:
+            probe.bind(("127.0.0.1", taken + 1))
+        except OSError:
+            pytest.skip(f"port {taken + 1} is in use")
+        probe.close()
+        ranged = NemoGymConfig(model_name="m", base_urls=URLS, port_range_low=taken, port_range_high=taken + 1)
+        overrides = ranged.servers_config().overrides
+        assert overrides["head_server"] == {"port": taken + 1}  # the head server's port is in the range too
+        assert (overrides["port_range_low"], overrides["port_range_high"]) == (taken, taken + 1)

@@ -18,6 +18,8 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from gym_bridge.failures import GymBridgeError
+
 logger = logging.getLogger(__name__)
 
 RewardResult = tuple[float, bool | None]
@@ -195,7 +197,7 @@ REWARD_FUNCTIONS: dict[str, RewardFunction] = {
 }
 
 
-class RewardTimeout(Exception):
+class RewardTimeout(GymBridgeError):
     """A reward function ran past its time limit."""
 
 

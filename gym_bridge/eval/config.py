@@ -14,8 +14,10 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from gym_bridge.failures import GymBridgeError
 
-class EvalConfigError(ValueError):
+
+class EvalConfigError(GymBridgeError, ValueError):
     """The eval config is unreadable or invalid; the message names the key."""
 
 

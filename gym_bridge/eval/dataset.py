@@ -8,12 +8,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gym_bridge.failures import GymBridgeError
 from gym_bridge.gym.rows import InvalidGymRow, validate_row
 
 _MAX_REPORTED = 20
 
 
-class DatasetError(ValueError):
+class DatasetError(GymBridgeError, ValueError):
     """A dataset line is not a valid Gym row; the message names the file and line number."""
 
 

@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gym_bridge.failures import GymBridgeError
+
 logger = logging.getLogger(__name__)
 
 RUN_FILE = "run.json"
@@ -22,7 +24,7 @@ RESULTS_FILE = "results.jsonl"
 FAILURES_FILE = "failures.jsonl"
 
 
-class RunDirError(RuntimeError):
+class RunDirError(GymBridgeError, RuntimeError):
     """The output folder cannot be used: not empty without resume, or resumed with a changed config."""
 
 

@@ -2,43 +2,48 @@
 
 The whole exception tree (all defined in :mod:`gym_bridge.failures.errors`)::
 
-    RolloutFailure                    one attempt at a prompt failed; the retry policy decides
-     ├── RolloutInfraFailure          the prompt is fine, the fleet is not: retry, maybe elsewhere
-     │    ├── RolloutTimeout          a deadline expired (generation turn, environment step,
-     │    │                           NeMo-Gym prompt group, one /run call)
-     │    ├── GenerationUnavailable   a generation worker or HTTP endpoint could not serve the request
-     │    │    └── EndpointUnavailable  a model endpoint stopped accepting connections mid-run (named)
-     │    ├── NoHealthyShards         every generation endpoint is cooling down after refusing connections
-     │    ├── EnvironmentUnavailable  an environment actor died or is unreachable
-     │    │    └── NemoGymUnavailable the NemoGym actor has no running Gym servers (a dead one is named)
-     │    │         └── NemoGymRestarted  Ray restarted the actor; on_restart="fail" asks for spinup()
-     │    └── GymTransportError       NeMo-Gym /run failed in transport (HTTP 5xx/408/429, broken stream)
-     │         └── GymRowIndexError   the stream returned a bad, repeated or never-sent row index
-     └── RolloutDataFailure           deterministic and prompt-specific: retrying will not help
-          ├── EndpointConfigError     the model endpoint answered 4xx: wrong model, tools refused, bad
-          │                           request (status, endpoint message, Gym server path)
-          ├── InvalidGymRow           a row that cannot be dispatched (names prompt, field, reason)
-          └── GymResultError          a Gym /run result cannot become a message log
-               ├── MissingGenerationData  no model call carried token ids
-               ├── NaNLogprobs        a generation logprob is NaN
-               └── TokenDrift         a turn's prompt does not extend the token history
-
-    RuntimeError
-     ├── RolloutRedispatchExhausted   terminal for the run: too many prompts dropped in a row
-     ├── RolloutStall                 terminal for the run: rollouts in flight, none committed within the stall deadline
-     ├── StepBatchShortfall           terminal for the run: a step kept fewer groups than min_step_batch_fraction
-     ├── RunConfigurationError        terminal for the run: its first groups all hit one configuration error
+    GymBridgeError                    the root of every exception gym-bridge defines
+     ├── RolloutFailure               one attempt at a prompt failed; the retry policy decides
+     │    ├── RolloutInfraFailure     the prompt is fine, the fleet is not: retry, maybe elsewhere
+     │    │    ├── RolloutTimeout     a deadline expired (generation turn, environment step,
+     │    │    │                      NeMo-Gym prompt group, one /run call)
+     │    │    ├── GenerationUnavailable  a generation worker or HTTP endpoint could not serve the request
+     │    │    │    └── EndpointUnavailable  a model endpoint stopped accepting connections mid-run (named)
+     │    │    ├── NoHealthyShards    every generation endpoint is cooling down after refusing connections
+     │    │    ├── EnvironmentUnavailable  an environment actor died or is unreachable
+     │    │    │    └── NemoGymUnavailable  the NemoGym actor has no running Gym servers (a dead one is named)
+     │    │    │         └── NemoGymRestarted  Ray restarted the actor; on_restart="fail" asks for spinup()
+     │    │    └── GymTransportError  NeMo-Gym /run failed in transport (HTTP 5xx/408/429, broken stream)
+     │    │         └── GymRowIndexError  the stream returned a bad, repeated or never-sent row index
+     │    └── RolloutDataFailure      deterministic and prompt-specific: retrying will not help
+     │         ├── EndpointConfigError  the model endpoint answered 4xx: wrong model, tools refused, bad
+     │         │                      request (status, endpoint message, Gym server path)
+     │         ├── InvalidGymRow      a row that cannot be dispatched (names prompt, field, reason)
+     │         └── GymResultError     a Gym /run result cannot become a message log
+     │              ├── MissingGenerationData  no model call carried token ids
+     │              ├── NaNLogprobs   a generation logprob is NaN
+     │              └── TokenDrift    a turn's prompt does not extend the token history
+     │
+     │   also RuntimeError, terminal for the run or outside a rollout attempt:
+     ├── RolloutRedispatchExhausted   too many prompts dropped in a row
+     ├── RolloutStall                 rollouts in flight, none committed within the stall deadline
+     ├── StepBatchShortfall           a step kept fewer groups than min_step_batch_fraction
+     ├── RunConfigurationError        the run's first groups all hit one configuration error
      ├── GymServersError              a Gym server set failed (gym/servers.py)
      │    ├── GymStartupError         a server died during start-up or did not answer in time
      │    └── GymServerDied           a server of a started set is no longer running
      └── EngineShutDownError          the local generation engine was shut down (generation/hf.py)
 
-Configuration and usage errors stay beside the code that checks the input, since they are
-never a rollout attempt's outcome: ``EvalConfigError``, ``DatasetError`` (``ValueError``) and
-``RunDirError`` in :mod:`gym_bridge.eval`, ``TrainingConfigError`` (``ValueError``) in
+Configuration and usage errors subclass ``GymBridgeError`` too but stay beside the code that checks the
+input, since they are never a rollout attempt's outcome: ``EvalConfigError``, ``DatasetError`` (``ValueError``)
+and ``RunDirError`` in :mod:`gym_bridge.eval`, ``TrainingConfigError`` (``ValueError``) in
 :mod:`gym_bridge.rollout.training_config`, ``BackendNotFoundError`` / ``BackendLoadError`` in
-:mod:`gym_bridge.rollout.registry`, and ``ServingError`` (an HTTP answer of our server) in
-:mod:`gym_bridge.serving.errors`.
+:mod:`gym_bridge.rollout.registry`, ``UnknownTaskError`` in :mod:`gym_bridge.rollout.env_step`,
+``UnsupportedGymVersion`` in :mod:`gym_bridge.gym.versions`, ``PreflightError`` in :mod:`gym_bridge.preflight`,
+``LocalClusterError`` in :mod:`gym_bridge.cluster`, ``SmolLM2Unavailable`` in :mod:`gym_bridge.models.smollm2`,
+``RewardTimeout`` in :mod:`gym_bridge.environments.rewards`, ``TranslationError`` and ``CompletionsError`` in
+:mod:`gym_bridge.gym_model`, and ``ServingError`` (an HTTP answer of our server) in :mod:`gym_bridge.serving.errors`.
+``tests/test_failures.py`` checks that every exception class of the package derives from ``GymBridgeError``.
 
 Every class takes a single message string, so it pickles across Ray; the ``__cause__``
 chain does not survive pickling, so the message carries what matters.
@@ -68,6 +73,7 @@ from gym_bridge.failures.errors import (
     EngineShutDownError,
     EnvironmentUnavailable,
     GenerationUnavailable,
+    GymBridgeError,
     GymResultError,
     GymRowIndexError,
     GymServerDied,
@@ -112,6 +118,7 @@ __all__ = [
     "EnvironmentUnavailable",
     "FailureClass",
     "GenerationUnavailable",
+    "GymBridgeError",
     "GymErrorChain",
     "GymResultError",
     "GymRowIndexError",

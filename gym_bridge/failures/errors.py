@@ -9,6 +9,7 @@ __all__ = [
     "EngineShutDownError",
     "EnvironmentUnavailable",
     "GenerationUnavailable",
+    "GymBridgeError",
     "GymResultError",
     "GymRowIndexError",
     "GymServerDied",
@@ -33,7 +34,11 @@ __all__ = [
 ]
 
 
-class RolloutFailure(Exception):
+class GymBridgeError(Exception):
+    """The root of every exception gym-bridge defines: ``except GymBridgeError`` catches all of ours."""
+
+
+class RolloutFailure(GymBridgeError):
     """One failed attempt at a prompt."""
 
     #: The HTTP status an endpoint answered, when one caused it (a proxy hands it on: a 429 stays a 429).
@@ -150,26 +155,26 @@ class TokenDrift(GymResultError):
 # ---- terminal for the run: deliberately not RolloutFailure, so per-attempt handlers miss them ---
 
 
-class RolloutRedispatchExhausted(RuntimeError):
+class RolloutRedispatchExhausted(GymBridgeError, RuntimeError):
     """Terminal: too many prompts in a row spent their infrastructure retry budget."""
 
 
-class RolloutStall(RuntimeError):
+class RolloutStall(GymBridgeError, RuntimeError):
     """Terminal: rollouts were in flight but none committed within the stall deadline."""
 
 
-class StepBatchShortfall(RuntimeError):
+class StepBatchShortfall(GymBridgeError, RuntimeError):
     """Terminal: a training step kept fewer prompt groups than ``min_step_batch_fraction`` allows."""
 
 
-class RunConfigurationError(RuntimeError):
+class RunConfigurationError(GymBridgeError, RuntimeError):
     """Terminal: the first groups of the run all failed with the same configuration error (the message says which)."""
 
 
 # ---- outside a rollout attempt: Gym's server set and the local generation engine ----------------
 
 
-class GymServersError(RuntimeError):
+class GymServersError(GymBridgeError, RuntimeError):
     """A NeMo-Gym server set failed."""
 
 
@@ -181,5 +186,5 @@ class GymServerDied(GymServersError):
     """A server of a started ``GymServers`` is no longer running."""
 
 
-class EngineShutDownError(RuntimeError):
+class EngineShutDownError(GymBridgeError, RuntimeError):
     """The generation engine was shut down before (or while) this request ran."""

@@ -46,6 +46,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 from gym_bridge.batched import BatchedDataDict
 from gym_bridge.failures import (
     GenerationUnavailable,
+    GymBridgeError,
     NoHealthyShards,
     RolloutDataFailure,
     RolloutFailure,
@@ -127,7 +128,7 @@ class _RowResult:
     url_idx: int
 
 
-class _Retryable(Exception):
+class _Retryable(GymBridgeError):
     """One attempt failed in a way worth retrying; ``connection`` marks the URL unhealthy."""
 
     def __init__(self, message: str, *, connection: bool, status: int | None = None) -> None:

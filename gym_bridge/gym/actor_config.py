@@ -6,6 +6,8 @@ actor's HTTP stack; :func:`actor_configs` derives one config per actor.
 
 from __future__ import annotations
 
+import random
+import socket
 from pathlib import Path
 from typing import Any, Literal
 
@@ -30,6 +32,8 @@ _REFUSED_WHEN_SET = {
     "tokenizer_config": "a multimodal processor for NeMo-RL's VLM Gym path; gym-bridge's Gym path is text only",
     "pad_dynamic_image_shapes": "multimodal image padding; gym-bridge's Gym path is text only",
 }
+# NeMo-RL's NemoGym._spinup drops these from Gym's global config: they are its own training knobs.
+_NOT_FOR_GYM = ("effort_levels", "pad_dynamic_image_shapes")
 
 
 class NemoGymConfig(BaseModel):
@@ -79,7 +83,8 @@ class NemoGymConfig(BaseModel):
     initial_global_config_dict: dict[str, Any] | None = None
     """NeMo-RL's name for Gym's global config: its ``config_paths`` join ours, the rest joins ``overrides``."""
     port_range_low: int | None = Field(None, ge=1, le=65535)
-    """With ``port_range_high``: where Gym picks its servers' ports (default: a free window of ours)."""
+    """With ``port_range_high``: where Gym picks its servers' ports and ours the head server's (default: a free
+    window of ours)."""
     port_range_high: int | None = Field(None, ge=1, le=65535)
     require_routed_experts: bool = False
     routed_experts_dtype: str = "int16"
@@ -90,8 +95,8 @@ class NemoGymConfig(BaseModel):
     @field_validator("invalid_tool_call_patterns", "thinking_tags", mode="before")
     @classmethod
     def _none_is_the_default(cls, value: Any, info: Any) -> Any:
-        """NeMo-RL's ``None`` means "the defaults"."""
-        if value is None:
+        """NeMo-RL's ``None`` (or an empty list) means "the defaults"."""
+        if value is None or (isinstance(value, (list, tuple)) and not value):
             return cls.model_fields[info.field_name].default
         return value
 
@@ -115,6 +120,12 @@ class NemoGymConfig(BaseModel):
             raise ValueError(f"port_range_high ({self.port_range_high}) must exceed port_range_low")
         if self.initial_global_config_dict:
             initial = dict(self.initial_global_config_dict)
+            if initial.get("pad_dynamic_image_shapes"):
+                raise ValueError(
+                    f"pad_dynamic_image_shapes is not supported: {_REFUSED_WHEN_SET['pad_dynamic_image_shapes']}"
+                )
+            for key in _NOT_FOR_GYM:
+                initial.pop(key, None)
             paths = initial.pop("config_paths", None) or []
             self.config_paths = [*self.config_paths, *(p for p in paths if p not in self.config_paths)]
             self.overrides = {**initial, **self.overrides}
@@ -122,9 +133,15 @@ class NemoGymConfig(BaseModel):
         return self
 
     def servers_config(self) -> GymServersConfig:
+        """The Gym server set this actor starts; with a port range, the head server's port is a free one in it,
+        picked now (call it on the node that starts the servers, as the actor does)."""
         overrides = {**_GYM_CONNECTOR_DEFAULTS, **self.overrides}
-        if self.port_range_low is not None:
+        if self.port_range_low is not None and self.port_range_high is not None:
             overrides.update(port_range_low=self.port_range_low, port_range_high=self.port_range_high)
+            head = dict(overrides.get("head_server") or {})
+            if "port" not in head:
+                head["port"] = _free_port_in(self.host, self.port_range_low, self.port_range_high)
+                overrides["head_server"] = head
         config_paths, server_dirs = list(self.config_paths), {}
         if self.model_server == "gym_bridge":
             from gym_bridge import gym_model
@@ -143,6 +160,20 @@ class NemoGymConfig(BaseModel):
             shutdown_timeout_s=self.shutdown_timeout_s,
             log_dir=self.log_dir,
         )
+
+
+def _free_port_in(host: str, low: int, high: int) -> int:
+    """A port in ``[low, high]`` that ``host`` can bind now (NeMo-RL picks its Gym head port the same way)."""
+    ports = list(range(low, high + 1))
+    random.shuffle(ports)
+    for port in ports:
+        with socket.socket() as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise ValueError(f"no free port on {host} in port_range_low..port_range_high ({low}..{high})")
 
 
 def actor_configs(config: NemoGymConfig, num_actors: int, *, split_base_urls: bool = False) -> list[NemoGymConfig]:

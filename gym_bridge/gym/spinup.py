@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -42,6 +43,8 @@ NEMO_RL_GYM_KNOBS = (
     "port_range_high",
 )
 """Keys of ``env.nemo_gym`` that are NemoGymConfig fields in NeMo-RL, not Gym's global config."""
+_RUNNER_ONLY_KEYS = ("is_trajectory_collection",)
+"""Keys of ``env.nemo_gym`` NeMo-RL's Gym runner pops before spin-up; dropped here too, so Gym never sees them."""
 
 
 def spinup_nemo_gym_actor(
@@ -56,7 +59,10 @@ def spinup_nemo_gym_actor(
 ) -> Any:
     """NeMo-RL's spin-up: the NemoGym actor for ``env_configs["nemo_gym"]`` (NeMo-RL's ``master_config.env``)
     against ``base_urls``, started, with the tokenizer installed (:func:`nemo_rl_gym_config`, then
-    :func:`start_nemo_gym_actor`)."""
+    :func:`start_nemo_gym_actor`).
+
+    As NeMo-RL's, with ``env.nemo_gym.num_gpu_nodes > 0`` the actor prefers the caller's Ray node (Gym's
+    GPU-hosted servers are placed where the caller expects)."""
     config = nemo_rl_gym_config(
         env_configs,
         base_urls,
@@ -65,6 +71,13 @@ def spinup_nemo_gym_actor(
         routed_experts_dtype=routed_experts_dtype,
         use_fastokens=use_fastokens,
     )
+    if config.overrides.get("num_gpu_nodes") and "scheduling_strategy" not in config.actor_options:
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        if ray.is_initialized():
+            here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=True)
+            config = config.model_copy(update={"actor_options": {**config.actor_options, "scheduling_strategy": here}})
     return start_nemo_gym_actor(config, tokenizer)
 
 
@@ -78,10 +91,15 @@ def nemo_rl_gym_config(
     use_fastokens: bool,
 ) -> NemoGymConfig:
     """The NemoGymConfig NeMo-RL's spin-up builds: its knobs (:data:`NEMO_RL_GYM_KNOBS`) become fields, the rest
-    of ``env_configs["nemo_gym"]`` is Gym's global config. Options this package cannot serve (router replay,
-    fastokens, a multimodal processor) raise a ``ValidationError`` naming them."""
+    of ``env_configs["nemo_gym"]`` is Gym's global config (``$NEMO_GYM_VENV_DIR``, when set, its default
+    ``uv_venv_dir``, as in NeMo-RL). Options this package cannot serve (router replay, fastokens, a multimodal
+    processor) raise a ``ValidationError`` naming them."""
     section = dict(env_configs["nemo_gym"])
     knobs = {key: section.pop(key) for key in NEMO_RL_GYM_KNOBS if key in section}
+    for key in _RUNNER_ONLY_KEYS:
+        section.pop(key, None)
+    if os.environ.get("NEMO_GYM_VENV_DIR"):
+        section.setdefault("uv_venv_dir", os.environ["NEMO_GYM_VENV_DIR"])
     return NemoGymConfig(
         model_name=model_name,
         base_urls=list(base_urls),

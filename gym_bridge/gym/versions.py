@@ -15,6 +15,8 @@ from typing import Any
 
 from packaging.version import Version
 
+from gym_bridge.failures import GymBridgeError
+
 __all__ = ["SUPPORTED_GYM", "GymVersion", "UnsupportedGymVersion", "gym_version", "installed_gym"]
 
 SUPPORTED_GYM = (Version("0.4.0"), Version("0.8.0"))
@@ -64,7 +66,7 @@ _REQUEST_FIELDS_0_6 = _REQUEST_FIELDS_0_4 | {
 _RATE_LIMIT_STATUSES = frozenset({429, 502, 503, 504, 520})
 
 
-class UnsupportedGymVersion(RuntimeError):
+class UnsupportedGymVersion(GymBridgeError, RuntimeError):
     """The installed nemo-gym is outside :data:`SUPPORTED_GYM`, or not installed."""
 
 

@@ -23,6 +23,7 @@ from typing import Any
 import aiohttp
 import orjson
 
+from gym_bridge.failures import GymBridgeError
 from gym_bridge.gym_model.completions import CompletionsClient, CompletionsError, discover
 from gym_bridge.gym_model.config import GymModelConfig, load_from_gym_env
 from gym_bridge.gym_model.translate import (
@@ -57,7 +58,7 @@ def served_path(path: str) -> str:
     return _ROLLOUT_PREFIX.sub("", path, count=1)
 
 
-class _HTTPError(Exception):
+class _HTTPError(GymBridgeError):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
         self.status = status

@@ -21,7 +21,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from gym_bridge.failures import http_status_is_infra
+from gym_bridge.failures import GymBridgeError, http_status_is_infra
 from gym_bridge.generation.routing import SessionRouter
 
 __all__ = ["CompletionsClient", "CompletionsError", "Generated", "discover"]
@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 _BODY_LIMIT = 300
 
 
-class CompletionsError(Exception):
+class CompletionsError(GymBridgeError):
     """A turn the upstream did not generate: ``status`` is handed on to Gym's agent."""
 
     def __init__(self, message: str, status: int) -> None:

@@ -18,6 +18,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from gym_bridge.failures import GymBridgeError
 from gym_bridge.gym.versions import installed_gym
 
 __all__ = [
@@ -34,7 +35,7 @@ _FUNCTION_KEYS = ("name", "description", "parameters")
 _TOKEN_KEYS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
 
 
-class TranslationError(ValueError):
+class TranslationError(GymBridgeError, ValueError):
     """A Responses request this server cannot turn into a chat (a 400 naming the item and field)."""
 
 

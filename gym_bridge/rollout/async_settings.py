@@ -2,12 +2,14 @@
 
 - ``async_rl.rollout_failure`` (NeMo-RL's ``RolloutFailureConfig``, same keys and defaults) becomes a
   :class:`~gym_bridge.failures.RolloutRetryPolicy` and :class:`~gym_bridge.failures.RolloutTimeouts`;
-- ``async_rl.watchdog.stall_timeout_s`` / ``stall_action`` become the GRPO loop's stall watchdog;
+- ``async_rl.stall_watchdog`` becomes the GRPO loop's stall watchdog (:class:`StallWatchdogSettings`);
+- the rest of ``async_rl`` (:class:`AsyncRLSettings`): NeMo-RL's SingleController knobs, each honoured, or
+  refused when set to something gym-bridge cannot do;
 - ``grpo.async_grpo`` (``enabled``, ``max_trajectory_age_steps``, ``max_generation_failures``,
   ``in_flight_weight_updates``, ``recompute_kv_cache_after_weight_updates``) becomes :class:`AsyncGRPOSettings`.
 
-A key in these sections that we do not know is an error naming it; a setting we cannot honour
-(``on_dropped_prompt: replace``) is refused with one line saying why.
+A key in these sections that we do not know is an error naming it, a key NeMo-RL renamed is an error naming
+the new name (as NeMo-RL's own check), and a setting we cannot honour is refused with one line saying why.
 """
 
 from __future__ import annotations
@@ -19,7 +21,29 @@ from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat
 
 from gym_bridge.failures import RolloutRetryPolicy, RolloutTimeouts
 
-__all__ = ["AsyncGRPOSettings", "RolloutFailureSettings", "WatchdogSettings"]
+__all__ = ["AsyncGRPOSettings", "AsyncRLSettings", "RolloutFailureSettings", "StallWatchdogSettings"]
+
+
+_RENAMED_FAILURE_KEYS = {
+    "max_attempts_per_prompt": "max_infra_attempts_per_prompt",
+    "on_data_exhausted": "max_skipped_prompts (0 = the old 'fail_fast')",
+    "max_gym_row_attempts": "nemo_gym.max_row_attempts",
+}
+_RENAMED_ASYNC_RL_KEYS = {
+    "watchdog": "stall_watchdog",
+    "fleet_health": "generation_fleet_health",
+    "policy_router": "generation_router",
+    "rollout_timeout_s": "rollout_failure.nemo_gym.rollout_timeout_s",
+    "generation_timeout_s": "rollout_failure.native.generation_timeout_s",
+    "env_timeout_s": "rollout_failure.native.env_timeout_s",
+}
+
+
+def _refuse_renamed(data: Mapping[str, Any], renamed: Mapping[str, str], prefix: str) -> None:
+    """NeMo-RL's check: a key from before its renames is an error naming the new key, not an unknown key."""
+    stale = [f"{prefix}.{old} -> {prefix}.{new}" for old, new in renamed.items() if old in data]
+    if stale:
+        raise ValueError(f"renamed in NeMo-RL: {'; '.join(stale)}")
 
 
 class _Section(BaseModel):
@@ -59,6 +83,8 @@ class RolloutFailureSettings(_Section):
     @model_validator(mode="before")
     @classmethod
     def _refuse_replace(cls, data: Any) -> Any:
+        if isinstance(data, Mapping):
+            _refuse_renamed(data, _RENAMED_FAILURE_KEYS, "async_rl.rollout_failure")
         if isinstance(data, Mapping) and data.get("on_dropped_prompt") == "replace":
             raise ValueError(
                 "on_dropped_prompt: replace is not supported: gym-bridge's GRPO loop trains a step on the groups "
@@ -95,13 +121,112 @@ class RolloutFailureSettings(_Section):
         )
 
 
-class WatchdogSettings(_Section):
-    """``async_rl.watchdog``: the stall deadline the GRPO loop enforces (``RolloutStall``)."""
+class StallWatchdogSettings(_Section):
+    """``async_rl.stall_watchdog``: NeMo-RL's keys and defaults; the GRPO loop raises ``RolloutStall`` (``abort``)
+    or warns when a step's rollouts commit nothing for ``stall_timeout_s``, checking every ``interval_s``."""
 
-    model_config = ConfigDict(extra="ignore", frozen=True)  # its other keys tune NeMo-RL's SingleController
-
-    stall_timeout_s: PositiveFloat | None = None
+    interval_s: PositiveFloat = 30.0
+    stall_timeout_s: PositiveFloat | None = 600.0
+    """None (only when the section is absent): no stall watch."""
     stall_action: Literal["warn", "abort"] = "warn"
+    gym_subprocess_check: Literal[True] = True
+    """Always on: the NemoGym actor polls its Gym servers' processes while rows are in flight."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unchecked_gym(cls, data: Any) -> Any:
+        if isinstance(data, Mapping) and data.get("gym_subprocess_check") is False:
+            raise ValueError(
+                "gym_subprocess_check: false is not supported: gym-bridge's NemoGym actor always watches its Gym "
+                "servers' processes while rows are in flight, so a dead server is named instead of stalling"
+            )
+        return data
+
+    @model_validator(mode="after")
+    def _timeout_after_interval(self) -> StallWatchdogSettings:
+        if self.stall_timeout_s is not None and self.stall_timeout_s <= self.interval_s:
+            raise ValueError(
+                f"stall_timeout_s ({self.stall_timeout_s}) must be > interval_s ({self.interval_s}); otherwise the "
+                "watchdog reports a stall before it has had a chance to observe one"
+            )
+        return self
+
+    @classmethod
+    def off(cls) -> StallWatchdogSettings:
+        """No ``async_rl.stall_watchdog`` section: no stall watch (our default; NeMo-RL's SingleController has one)."""
+        return cls(stall_timeout_s=None)
+
+
+class _Switch(BaseModel):
+    """A NeMo-RL block gym-bridge lacks: accepted while ``enabled`` is false (its other keys are then inert, as in
+    NeMo-RL), refused when true."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    enabled: bool = False
+
+
+class AsyncRLSettings(_Section):
+    """``async_rl`` (NeMo-RL's ``AsyncRLConfig``) as gym-bridge's GRPO loop and rollout layer honour it.
+
+    Honoured: ``rollout_failure``, ``stall_watchdog``, ``recompute_kv_cache_after_weight_updates`` (our engine
+    keeps no KV cache across a refit, so either value holds). Refused when switched on: ``generation_router``,
+    ``generation_fleet_health``, ``diagnostics``. Accepted but without effect, with one warning: the
+    SingleController pump's ``sampler``, ``min_groups_for_streaming_train``, ``max_inflight_prompts`` and
+    ``max_buffered_rollouts`` (our loop dispatches a step's prompts together; staleness is bounded by
+    ``grpo.async_grpo.max_trajectory_age_steps``).
+    """
+
+    rollout_failure: RolloutFailureSettings = RolloutFailureSettings()
+    stall_watchdog: StallWatchdogSettings = StallWatchdogSettings.off()
+    recompute_kv_cache_after_weight_updates: bool = False
+    generation_router: _Switch = _Switch()
+    generation_fleet_health: _Switch = _Switch()
+    diagnostics: bool = False
+    sampler: dict[str, Any] | None = None
+    min_groups_for_streaming_train: int | None = None
+    max_inflight_prompts: int | None = None
+    max_buffered_rollouts: int | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nemo_rl_checks(cls, data: Any) -> Any:
+        if not isinstance(data, Mapping):
+            return data
+        _refuse_renamed(data, _RENAMED_ASYNC_RL_KEYS, "async_rl")
+        refused = {
+            "generation_router": "gym-bridge hands Gym the endpoints themselves; it has no router in front of them",
+            "generation_fleet_health": "gym-bridge does not quarantine shards; the NemoGym actor probes the "
+            "endpoints while rows are in flight (EndpointWatch) and fails the group when one stops answering",
+        }
+        for name, why in refused.items():
+            if isinstance(data.get(name), Mapping) and data[name].get("enabled"):
+                raise ValueError(f"{name}.enabled: true is not supported: {why}")
+        if data.get("diagnostics"):
+            raise ValueError(
+                "diagnostics: true is not supported: gym-bridge reports through logging; set the 'gym_bridge' "
+                "logger to DEBUG instead"
+            )
+        return data
+
+    @model_validator(mode="after")
+    def _stall_outlasts_rollouts(self) -> AsyncRLSettings:
+        """NeMo-RL's rule: the stall deadline must exceed every rollout deadline, or slow rollouts read as stalls."""
+        stall = self.stall_watchdog.stall_timeout_s
+        deadlines = {
+            "rollout_failure.nemo_gym.rollout_timeout_s": self.rollout_failure.nemo_gym.rollout_timeout_s,
+            "rollout_failure.native.generation_timeout_s": self.rollout_failure.native.generation_timeout_s,
+            "rollout_failure.native.env_timeout_s": self.rollout_failure.native.env_timeout_s,
+        }
+        for name, value in deadlines.items():
+            if stall is not None and value is not None and stall <= value:
+                raise ValueError(f"stall_watchdog.stall_timeout_s ({stall}) must be > async_rl.{name} ({value})")
+        return self
+
+    def without_effect(self) -> list[str]:
+        """The SingleController pump keys that are set: accepted, without effect on gym-bridge's loop."""
+        names = ("sampler", "min_groups_for_streaming_train", "max_inflight_prompts", "max_buffered_rollouts")
+        return [name for name in names if getattr(self, name) is not None]
 
 
 class AsyncGRPOSettings(_Section):

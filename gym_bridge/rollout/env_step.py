@@ -10,10 +10,11 @@ import ray
 import torch
 
 from gym_bridge.batched import get_keys_from_message_log
+from gym_bridge.failures import GymBridgeError
 from gym_bridge.types import EnvironmentReturn, LLMMessageLogType
 
 
-class UnknownTaskError(KeyError):
+class UnknownTaskError(GymBridgeError, KeyError):
     """A sample names a ``task_name`` that has no environment in ``task_to_env``."""
 
     def __str__(self) -> str:

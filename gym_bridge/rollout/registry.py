@@ -13,17 +13,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
 
+from gym_bridge.failures import GymBridgeError
+
 ENTRY_POINT_GROUP = "gym_bridge.rollout_backends"
 
 
-class BackendNotFoundError(LookupError):
+class BackendNotFoundError(GymBridgeError, LookupError):
     """No installed distribution registers a backend of that name."""
 
     def __str__(self) -> str:
         return str(self.args[0])
 
 
-class BackendLoadError(ImportError):
+class BackendLoadError(GymBridgeError, ImportError):
     """A registered backend could not be imported, or is not a rollout backend."""
 
 

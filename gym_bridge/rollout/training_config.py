@@ -10,7 +10,11 @@ existing config just works:
   :class:`~gym_bridge.gym.actor.NemoGymConfig` knows are taken as such, the rest go
   to Gym's global config;
 - ``env.nemo_gym.rollout_timeout_s`` and ``env.nemo_gym.max_row_attempts``: the group
-  deadline and the row re-dispatch budget;
+  deadline and the row re-dispatch budget (or NeMo-RL's ``async_rl.rollout_failure``);
+- ``env.should_mask_flagged_samples``, ``env.should_log_nemo_gym_responses``,
+  ``logger.wandb.log_nemo_gym_full_result_tables``, ``env.nemo_gym.is_trajectory_collection``,
+  ``env.nemo_gym.effort_levels``, ``reward_penalties``: carried in :class:`NemoGymRolloutSettings`;
+- ``async_rl`` and ``grpo.async_grpo`` (:mod:`gym_bridge.rollout.async_settings`): honoured, or refused in one line;
 - ``env.nemo_gym.num_actors`` (default 1) and ``env.nemo_gym.split_base_urls``: several
   NemoGym actors, each with its own Gym servers, sharing the endpoints or splitting them;
 - ``policy.generation``: the generation config; ``policy.max_total_sequence_length``:
@@ -26,19 +30,21 @@ accepted and listed once at debug level.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, cast
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from pydantic import BaseModel, ValidationError
 
-from gym_bridge.failures import RolloutRetryPolicy, RolloutTimeouts
+from gym_bridge.failures import GymBridgeError, RolloutRetryPolicy, RolloutTimeouts
 from gym_bridge.gym.actor import NemoGymConfig
 from gym_bridge.launch import GymLaunchSpec, NemoGymRollouts, start_nemo_gym
-from gym_bridge.rollout.async_settings import AsyncGRPOSettings, RolloutFailureSettings, WatchdogSettings
+from gym_bridge.rollout.async_settings import AsyncGRPOSettings, AsyncRLSettings, StallWatchdogSettings
 
 __all__ = [
     "NemoGymRolloutSettings",
@@ -67,8 +73,7 @@ _READ_KEYS = (
     "env.should_log_nemo_gym_responses",
     "logger.wandb_enabled",
     "logger.wandb.log_nemo_gym_full_result_tables",
-    "async_rl.rollout_failure",
-    "async_rl.watchdog",
+    "async_rl",
     "grpo.async_grpo",
     "reward_penalties",
     "policy.model_name",
@@ -94,7 +99,9 @@ _NEMO_RL_ENGINES = {
     "megatron": "mcore_generation_config",
     "trtllm": "trtllm_cfg",
 }
-"""NeMo-RL's generation backends and the section where each says ``expose_http_server``."""
+"""NeMo-RL's generation backends that can serve Gym, and the section where each says ``expose_http_server``."""
+_ASYNC_ENGINE_KEY = {"vllm": "vllm_cfg", "trtllm": "trtllm_cfg"}
+"""The backends whose engine is async only with ``<section>.async_engine: true`` (dynamo and megatron always are)."""
 _RESOLVERS: dict[str, Any] = {
     "add": lambda a, b: a + b,
     "mul": lambda a, b: a * b,
@@ -104,7 +111,7 @@ _RESOLVERS: dict[str, Any] = {
 _OVERRIDE = "_override_"
 
 
-class TrainingConfigError(ValueError):
+class TrainingConfigError(GymBridgeError, ValueError):
     """A training config lacks a key the rollout layer needs; the message names the key."""
 
 
@@ -139,12 +146,18 @@ def should_use_nemo_gym(master_config: Any) -> bool:
         return False
     generation = (_section(master_config, "policy") or {}).get("generation") or {}
     backend = generation.get("backend")
+    if backend == "sglang":
+        raise TrainingConfigError(
+            "NeMo-Gym needs a generation server exposed over HTTP, which policy.generation.backend: sglang does not "
+            f"offer: use one of {', '.join(_NEMO_RL_ENGINES)}"
+        )
     engine_key = _NEMO_RL_ENGINES.get(str(backend))
     if engine_key is not None:
         engine = generation.get(engine_key) or {}
-        if backend == "vllm" and not engine.get("async_engine"):
+        async_key = _ASYNC_ENGINE_KEY.get(str(backend))
+        if async_key is not None and not engine.get("async_engine"):
             raise TrainingConfigError(
-                "NeMo-Gym needs an async generation engine: set policy.generation.vllm_cfg.async_engine: true"
+                f"NeMo-Gym needs an async generation engine: set policy.generation.{async_key}.async_engine: true"
             )
         if not engine.get("expose_http_server"):
             raise TrainingConfigError(
@@ -160,14 +173,19 @@ def setup_nemo_gym_config(config: Any, tokenizer: Any) -> None:
     to ``env.nemo_gym.tokenizer_config``. ``tokenizer`` is accepted for NeMo-RL's signature."""
     policy = _section(config, "policy")
     generation = policy["generation"]
-    vllm_cfg = generation.setdefault("vllm_cfg", {})
-    vllm_cfg["async_engine"] = True
-    vllm_cfg["expose_http_server"] = True
+    if generation.get("vllm_cfg") is None:
+        generation["vllm_cfg"] = {}
+    # index again after each assignment: an OmegaConf node stores a copy of the dict it is given
+    generation["vllm_cfg"]["async_engine"] = True
+    generation["vllm_cfg"]["expose_http_server"] = True
     generation["stop_strings"] = None
     generation["stop_token_ids"] = None
     if policy.get("is_vlm"):
         env = _section(config, "env")
-        env.setdefault("nemo_gym", {}).setdefault("tokenizer_config", dict(policy["tokenizer"]))
+        if env.get("nemo_gym") is None:
+            env["nemo_gym"] = {}
+        if env["nemo_gym"].get("tokenizer_config") is None:
+            env["nemo_gym"]["tokenizer_config"] = dict(policy["tokenizer"])
 
 
 def _register_resolvers() -> None:
@@ -210,9 +228,27 @@ def load_training_config(path: str | Path) -> dict[str, Any]:
     return _resolved(_load_with_defaults(Path(path)))
 
 
+def _as_plain(config: Any) -> Any:
+    """An attribute-style config (a pydantic model such as NeMo-RL's ``MasterConfig``, a dataclass, a namespace)
+    as nested plain containers; mappings, lists and scalars as they are."""
+    if OmegaConf.is_config(config) or isinstance(config, (str, bytes, int, float, bool)) or config is None:
+        return config
+    if isinstance(config, Mapping):
+        return {key: _as_plain(value) for key, value in config.items()}
+    if isinstance(config, (list, tuple)):
+        return [_as_plain(value) for value in config]
+    if isinstance(config, BaseModel):
+        return _as_plain(config.model_dump())
+    if dataclasses.is_dataclass(config) and not isinstance(config, type):
+        return _as_plain({field.name: getattr(config, field.name) for field in dataclasses.fields(config)})
+    if isinstance(config, SimpleNamespace):
+        return _as_plain(vars(config))
+    return config
+
+
 def _resolved(config: Any) -> dict[str, Any]:
     _register_resolvers()
-    node = config if OmegaConf.is_config(config) else OmegaConf.create(copy.deepcopy(dict(config)))
+    node = config if OmegaConf.is_config(config) else OmegaConf.create(copy.deepcopy(_as_plain(config)))
     container = OmegaConf.to_container(node, resolve=True)
     if not isinstance(container, dict):
         raise ValueError(f"a training config must be a mapping, not {type(container).__name__}")
@@ -243,12 +279,26 @@ def _leaf_paths(node: Any, prefix: str = "") -> list[str]:
 
 
 def unused_training_keys(config: Mapping[str, Any]) -> list[str]:
-    """The dotted keys of ``config`` that the rollout layer does not read (NeMo-RL's trainer settings, ...)."""
+    """The dotted keys of ``config`` that the rollout layer does not read (NeMo-RL's trainer settings, ...).
+
+    The ``env`` sections of native environments (``env.math``, ...) count as read: the Gym path names them once in
+    a warning (they have no effect there, as in NeMo-RL's Gym runners).
+    """
+
+    read_keys = _READ_KEYS + tuple(f"env.{name}" for name in _native_environments(config))
 
     def read(path: str) -> bool:
-        return any(path == key or path.startswith(f"{key}.") for key in _READ_KEYS)
+        return any(path == key or path.startswith(f"{key}.") for key in read_keys)
 
     return [path for path in _leaf_paths(config) if not read(path)]
+
+
+def _native_environments(config: Mapping[str, Any]) -> list[str]:
+    """The ``env`` sections other than ``nemo_gym`` (NeMo-RL's native environments: ``math``, ``dapo``, ...)."""
+    env = _get(config, "env", None)
+    if not isinstance(env, Mapping):
+        return []
+    return sorted(str(name) for name, value in env.items() if name != "nemo_gym" and isinstance(value, Mapping))
 
 
 def nemo_gym_generation_config(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -324,10 +374,18 @@ class NemoGymRolloutSettings:
     is_trajectory_collection: bool
     """``env.nemo_gym.is_trajectory_collection``: collect trajectories, do not train."""
     reward_penalties: dict[str, Any] | None
+    """``reward_penalties`` (NeMo-RL's ``RewardPenaltyConfig`` keys), as written."""
     effort_levels: dict[str, Any] | None
+    """``env.nemo_gym.effort_levels`` (NeMo-RL's ``EffortLevelsConfig`` keys), as written; never sent to Gym."""
     async_grpo: AsyncGRPOSettings
-    watchdog: WatchdogSettings
+    async_rl: AsyncRLSettings
+    """``async_rl``: its ``rollout_failure`` gave ``retry_policy`` and ``timeouts``."""
+    stall_watchdog: StallWatchdogSettings
+    """``async_rl.stall_watchdog``; :meth:`StallWatchdogSettings.off` when the section is absent."""
     min_step_batch_fraction: float
+    """``async_rl.rollout_failure.min_step_batch_fraction`` when that section is there, else 0 (no floor)."""
+    unused_environments: tuple[str, ...] = ()
+    """``env`` sections of NeMo-RL's native environments (``math``, ...): the Gym path does not start them."""
 
     @property
     def rollout_timeout_s(self) -> float | None:
@@ -348,10 +406,12 @@ def nemo_gym_rollout_settings(config: Any, *, base_urls: list[str] | None = None
     if not should_use_nemo_gym(config):
         raise TrainingConfigError("the config does not ask for NeMo-Gym: set 'env.should_use_nemo_gym: true'")
     config = _plain(config)
-    failure = _section_model(RolloutFailureSettings, config, "async_rl.rollout_failure")
+    async_rl = _section_model(AsyncRLSettings, config, "async_rl")
     async_grpo = _section_model(AsyncGRPOSettings, config, "grpo.async_grpo")
-    _warn_unread_async_rl(config)
-    retry_policy, timeouts = _failure_policy(config, failure, async_grpo)
+    _refuse_native_failure_keys(config)
+    _warn_without_effect(async_rl, _native_environments(config))
+    has_failure_section = _get(config, "async_rl.rollout_failure", None) is not None
+    retry_policy, timeouts = _failure_policy(config, async_rl, async_grpo)
     section = _get(config, "env.nemo_gym", {}) or {}
     wandb = _get(config, "logger.wandb", {}) or {}
     return NemoGymRolloutSettings(
@@ -375,8 +435,10 @@ def nemo_gym_rollout_settings(config: Any, *, base_urls: list[str] | None = None
         reward_penalties=_get(config, "reward_penalties", None),
         effort_levels=section.get("effort_levels"),
         async_grpo=async_grpo,
-        watchdog=_section_model(WatchdogSettings, config, "async_rl.watchdog"),
-        min_step_batch_fraction=failure.min_step_batch_fraction if failure is not None else 0.0,
+        async_rl=async_rl,
+        stall_watchdog=async_rl.stall_watchdog,
+        min_step_batch_fraction=async_rl.rollout_failure.min_step_batch_fraction if has_failure_section else 0.0,
+        unused_environments=tuple(_native_environments(config)),
     )
 
 
@@ -386,25 +448,43 @@ def _section_model[M: BaseModel](model: type[M], config: Mapping[str, Any], dott
         return model.model_validate(_get(config, dotted, None) or {})
     except ValidationError as exc:
         problems = "; ".join(
-            f"{dotted}.{'.'.join(str(p) for p in err['loc'])}: {err['msg']}".replace(f"{dotted}.:", f"{dotted}:")
+            f"{dotted}.{'.'.join(str(p) for p in err['loc'])}: {err['msg'].removeprefix('Value error, ')}".replace(
+                f"{dotted}.:", f"{dotted}:"
+            )
             for err in exc.errors()
         )
         raise TrainingConfigError(problems) from None
 
 
 def _failure_policy(
-    config: Mapping[str, Any], failure: RolloutFailureSettings, async_grpo: AsyncGRPOSettings
+    config: Mapping[str, Any], async_rl: AsyncRLSettings, async_grpo: AsyncGRPOSettings
 ) -> tuple[RolloutRetryPolicy, RolloutTimeouts]:
-    """NeMo-RL's ``async_rl.rollout_failure`` when present; else our ``env.nemo_gym`` keys over one attempt."""
+    """NeMo-RL's ``async_rl.rollout_failure`` when present; else our ``env.nemo_gym`` keys over one attempt.
+
+    ``grpo.async_grpo.max_generation_failures`` (async on) bounds the prompts dropped in a row, as
+    ``async_rl.rollout_failure.max_consecutive_dropped_prompts`` does; both set to different values is an error.
+    """
     ours = {key: _get(config, f"env.nemo_gym.{key}", None) for key in ("rollout_timeout_s", "max_row_attempts")}
+    failure = async_rl.rollout_failure
+    generation_failures = (
+        async_grpo.max_generation_failures
+        if async_grpo.enabled and "max_generation_failures" in async_grpo.model_fields_set
+        else None
+    )
     if _get(config, "async_rl.rollout_failure", None) is not None:
         clash = [key for key, value in ours.items() if value is not None]
         if clash:
             raise TrainingConfigError(
                 f"env.nemo_gym.{clash[0]} and async_rl.rollout_failure.nemo_gym.{clash[0]} both set; keep NeMo-RL's"
             )
-        dropped = async_grpo.max_generation_failures if async_grpo.enabled else None
-        return failure.retry_policy(max_consecutive_dropped_prompts=dropped), failure.timeouts()
+        dropped = failure.max_consecutive_dropped_prompts
+        both_set = generation_failures is not None and "max_consecutive_dropped_prompts" in failure.model_fields_set
+        if both_set and generation_failures != dropped:
+            raise TrainingConfigError(
+                f"grpo.async_grpo.max_generation_failures ({generation_failures}) and "
+                f"async_rl.rollout_failure.max_consecutive_dropped_prompts ({dropped}) set the same budget; keep one"
+            )
+        return failure.retry_policy(max_consecutive_dropped_prompts=generation_failures), failure.timeouts()
     timeout = ours["rollout_timeout_s"]
     policy = RolloutRetryPolicy.single_attempt(max_gym_row_attempts=int(ours["max_row_attempts"] or 3))
     if async_grpo.enabled:
@@ -412,14 +492,31 @@ def _failure_policy(
     return policy, RolloutTimeouts(rollout_s=float(timeout) if timeout is not None else None)
 
 
-def _warn_unread_async_rl(config: Mapping[str, Any]) -> None:
-    section = _get(config, "async_rl", None) or {}
-    unread = sorted(key for key in section if key not in ("rollout_failure", "watchdog"))
-    if unread:
+def _refuse_native_failure_keys(config: Mapping[str, Any]) -> None:
+    """NeMo-RL's rule: ``async_rl.rollout_failure.native`` settings on a Gym run would be silently ignored."""
+    native = _get(config, "async_rl.rollout_failure.native", None) or {}
+    populated = [f"{key}={value!r}" for key, value in native.items() if value is not None]
+    if populated:
+        raise TrainingConfigError(
+            f"async_rl.rollout_failure.native.{', '.join(populated)}: this run uses the nemo_gym rollout path, where "
+            "native-only deadlines do nothing; move them under async_rl.rollout_failure.nemo_gym or remove them"
+        )
+
+
+def _warn_without_effect(async_rl: AsyncRLSettings, native_environments: list[str]) -> None:
+    """One warning each for the accepted keys that change nothing on gym-bridge's Gym path."""
+    pump = async_rl.without_effect()
+    if pump:
         logger.warning(
-            "async_rl.%s: NeMo-RL SingleController settings gym-bridge does not use (it reads async_rl.rollout_failure "
-            "and async_rl.watchdog)",
-            ", async_rl.".join(unread),
+            "async_rl.%s: NeMo-RL's SingleController pump settings; gym-bridge's GRPO loop dispatches a step's "
+            "prompts together and bounds staleness by grpo.async_grpo.max_trajectory_age_steps, so they have no effect",
+            ", async_rl.".join(pump),
+        )
+    if native_environments:
+        logger.warning(
+            "env.%s: native environment configs; the NeMo-Gym path starts only env.nemo_gym's servers (as NeMo-RL's "
+            "Gym runners do), so they have no effect",
+            ", env.".join(native_environments),
         )
 
 

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from gym_bridge.failures import GymBridgeError
 
-class ServingError(Exception):
+
+class ServingError(GymBridgeError):
     """A refused request: ``message`` is shown to the client, ``status`` is the HTTP status."""
 
     def __init__(self, message: str, status: int = 400, *, param: str | None = None) -> None:

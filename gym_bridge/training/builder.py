@@ -35,6 +35,7 @@ from gym_bridge.policy.hf import HFPolicy, HFPolicyConfig
 from gym_bridge.rollout.training_config import (
     NemoGymRollouts,
     NemoGymRolloutSettings,
+    TrainingConfigError,
     nemo_gym_rollout_settings,
     start_nemo_gym_rollouts,
 )
@@ -53,7 +54,7 @@ def _section(config: Mapping[str, Any], dotted: str) -> Mapping[str, Any]:
 
 def loop_config_from(config: Mapping[str, Any], settings: NemoGymRolloutSettings) -> GRPOLoopConfig:
     """The loop's settings from ``grpo``, ``loss_fn``, ``policy``, ``checkpointing`` and the rollout settings
-    (``grpo.async_grpo``, ``async_rl.watchdog``, ``async_rl.rollout_failure.min_step_batch_fraction``)."""
+    (``grpo.async_grpo``, ``async_rl.stall_watchdog``, ``async_rl.rollout_failure.min_step_batch_fraction``)."""
     grpo = _section(config, "grpo")
     checkpointing = _section(config, "checkpointing")
     values: dict[str, Any] = {
@@ -65,14 +66,23 @@ def loop_config_from(config: Mapping[str, Any], settings: NemoGymRolloutSettings
         "async_rollouts": settings.async_grpo.enabled,
         "max_trajectory_age_steps": settings.async_grpo.max_trajectory_age_steps,
         "in_flight_weight_updates": settings.async_grpo.in_flight_weight_updates,
-        "stall_timeout_s": settings.watchdog.stall_timeout_s,
-        "stall_action": settings.watchdog.stall_action,
+        "stall_timeout_s": settings.stall_watchdog.stall_timeout_s,
+        "stall_action": settings.stall_watchdog.stall_action,
+        "stall_interval_s": settings.stall_watchdog.interval_s,
         "min_step_batch_fraction": settings.min_step_batch_fraction,
         "ratio_clip": _section(config, "loss_fn").get("ratio_clip_min"),
         "train_micro_batch_size": _section(config, "policy").get("train_micro_batch_size"),
         "checkpoint_every_steps": checkpointing.get("save_period") if checkpointing.get("enabled", True) else None,
     }
     return GRPOLoopConfig(**{key: value for key, value in values.items() if value is not None})
+
+
+def _result_logging(settings: NemoGymRolloutSettings, out_dir: Path) -> dict[str, Any]:
+    """``env.should_log_nemo_gym_responses`` or ``logger.wandb.log_nemo_gym_full_result_tables``: every Gym result
+    goes to ``<run>/nemo_gym_full_results.jsonl`` (one line per completion; NeMo-RL's tables hold the same JSON)."""
+    if settings.log_nemo_gym_responses or settings.log_full_result_tables:
+        return {"full_results_path": out_dir / "nemo_gym_full_results.jsonl"}
+    return {}
 
 
 def load_gym_rows(path: str | Path) -> list[dict[str, Any]]:
@@ -139,8 +149,13 @@ def build_grpo_run(config: Mapping[str, Any], out_dir: str | Path, *, resume: bo
     try:
         base_url = server.start_in_thread()
         settings = nemo_gym_rollout_settings(config, base_urls=[base_url])
+        if settings.is_trajectory_collection:
+            raise TrainingConfigError(
+                "env.nemo_gym.is_trajectory_collection: true collects without training; this GRPO recipe trains. "
+                "Use `gym-bridge eval` to roll out a dataset and keep every result"
+            )
         loop_cfg = loop_config_from(config, settings)
-        rollouts = start_nemo_gym_rollouts(settings, engine.tokenizer)
+        rollouts = start_nemo_gym_rollouts(settings, engine.tokenizer, **_result_logging(settings, out_dir))
     except BaseException:
         server.stop_thread()
         engine.shutdown()

@@ -56,6 +56,8 @@ class GRPOLoopConfig(BaseModel):
     stall_timeout_s: float | None = Field(None, gt=0)
     """A step's rollouts that commit nothing for this long are a stall (``RolloutStall``, or a warning)."""
     stall_action: Literal["warn", "abort"] = "warn"
+    stall_interval_s: float = Field(30.0, gt=0)
+    """How often the stall watch looks for new commits (NeMo-RL's ``async_rl.stall_watchdog.interval_s``)."""
     min_step_batch_fraction: float = Field(0.0, ge=0.0, le=1.0)
     """A step whose committed groups fall below ``ceil(fraction * num_prompts_per_step)`` stops the run."""
     pass_threshold: float = Field(1.0, description="A completion with reward >= this counts as a pass.")
@@ -144,13 +146,16 @@ class GRPOTrainer:
         timeout = self.cfg.stall_timeout_s
         committed, idle_since = 0, time.monotonic()
         while True:
-            wait = None if timeout is None else max(0.0, idle_since + timeout - time.monotonic())
+            remaining = None if timeout is None else max(0.0, idle_since + timeout - time.monotonic())
+            wait = None if remaining is None else min(self.cfg.stall_interval_s, remaining)
             done, _ = await asyncio.wait([collects], timeout=wait)
             if done:
                 collects.result()
                 return
             if len(sink.groups) > committed:
                 committed, idle_since = len(sink.groups), time.monotonic()
+                continue
+            if timeout is None or time.monotonic() - idle_since < timeout:
                 continue
             message = (
                 f"step {step}: no rollout committed in {timeout:.0f}s ({committed} groups committed so far, "

@@ -39,8 +39,6 @@ DEFAULT_GYM_CONFIGS = (
 """The policy model server plus two resources servers shipped in the nemo-gym wheel."""
 SERVED_MODEL_NAME = "tiny"
 """The model name our endpoint serves and Gym's model server asks for."""
-SMOLLM2_MODEL_NAME = "smollm2"
-"""``gym_policy_name`` for SmolLM2 (resolved by :func:`gym_bridge.models.tiny.resolve_model_path`)."""
 
 
 def wait_until(condition: Callable[[], Any], timeout_s: float, what: str, poll_s: float = 0.01) -> Any:

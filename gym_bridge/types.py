@@ -14,7 +14,6 @@ from typing import Any, NamedTuple, NotRequired, TypedDict
 import torch
 
 NEMO_GYM_TASK_INDEX_KEY = "_ng_task_index"
-NEXT_NEMO_GYM_TASK_INDEX_KEY = "next_ng_task_index"
 
 TOKEN_DTYPE = torch.int64
 LOGPROB_DTYPE = torch.float32
@@ -71,6 +70,8 @@ class Completion:
     left out of the loss and of its group's baseline and std. Never a zero reward in disguise."""
     failure_kind: str | None = None
     """Gym's ``failure_kind`` for this sample, if the environment named one."""
+    incomplete_reason: str | None = None
+    """Gym's ``response.incomplete_details.reason`` (``max_output_tokens``, ...), if the response was cut."""
 
 
 @dataclass

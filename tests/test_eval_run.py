@@ -19,6 +19,7 @@ import psutil
 import pytest
 
 from gym_bridge.eval.store import read_jsonl
+from gym_bridge.testing import wait_until
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "eval_equivalence_tools.yaml"
@@ -39,16 +40,17 @@ def results(run: Path) -> list[dict]:
 
 
 def wait_for_results(proc: subprocess.Popen, run: Path, log: Path, count: int, timeout_s: float = 240) -> None:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
+    def written() -> bool:
         if proc.poll() is not None:
             pytest.fail(f"eval exited with {proc.returncode} early:\n{log.read_text()[-3000:]}")
         path = run / "results.jsonl"
-        if path.exists() and path.read_bytes().count(b"\n") >= count:  # complete lines only; no parse per poll
-            return
-        time.sleep(0.05)
-    proc.kill()
-    pytest.fail(f"no {count} results within {timeout_s}s:\n{log.read_text()[-3000:]}")
+        return path.exists() and path.read_bytes().count(b"\n") >= count  # complete lines only; no parse per poll
+
+    try:
+        wait_until(written, timeout_s, f"{count} results written", poll_s=0.05)
+    except TimeoutError:
+        proc.kill()
+        pytest.fail(f"no {count} results within {timeout_s}s:\n{log.read_text()[-3000:]}")
 
 
 def descendants(pid: int) -> list[psutil.Process]:

@@ -287,15 +287,15 @@ def test_the_report_names_the_model() -> None:
     assert describe_model(remote) == "'Qwen/Qwen3-4B' served at http://gpu-0:8000/v1"
 
 
-def test_termination_reason_reads_gyms_incomplete_details_then_drift_then_truncation():
+def test_termination_reason_reads_gyms_incomplete_reason_then_drift_then_truncation():
     from gym_bridge.eval.records import termination_reason
     from gym_bridge.types import Completion
 
-    def completion(extras, *, truncated=False, drift=False):
-        return Completion(message_log=[], env_extras=extras, truncated=truncated, reward=0.0, token_drift=drift)
+    def completion(reason=None, *, truncated=False, drift=False):
+        return Completion(message_log=[], env_extras={}, truncated=truncated, reward=0.0, token_drift=drift,
+                          incomplete_reason=reason)
 
-    cut = {"response": {"incomplete_details": {"reason": "max_output_tokens"}}, "token_drift": {"turn": 1}}
-    assert termination_reason(completion(cut, truncated=True, drift=True)) == "max_output_tokens"
-    assert termination_reason(completion({"token_drift": {"turn": 1}}, truncated=True, drift=True)) == "token_drift"
-    assert termination_reason(completion({"response": {"incomplete_details": None}}, truncated=True)) == "max_seq_len"
-    assert termination_reason(completion({})) == "stop"
+    assert termination_reason(completion("max_output_tokens", truncated=True, drift=True)) == "max_output_tokens"
+    assert termination_reason(completion(truncated=True, drift=True)) == "token_drift"
+    assert termination_reason(completion(truncated=True)) == "max_seq_len"
+    assert termination_reason(completion()) == "stop"

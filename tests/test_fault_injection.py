@@ -376,12 +376,7 @@ async def test_endpoint_killed_mid_run_is_found_within_connect_timeout(fault_gym
                            max_consecutive_dropped_prompts=0)
     sink = InMemorySink()
     task = asyncio.ensure_future(manager.collect(prompt(26), sink))
-    for _ in range(200):  # rows in flight: the gate has seen them
-        if gate.stats()["chat"] > before:
-            break
-        await asyncio.sleep(0.05)
-    else:
-        pytest.fail("no row reached the endpoint")
+    await async_wait_until(lambda: gate.stats()["chat"] > before, 10, "a row reaches the endpoint", poll_s=0.05)
     t0 = time.monotonic()
     gate.kill()
     with pytest.raises(RolloutRedispatchExhausted) as info:

@@ -21,6 +21,7 @@ from gym_bridge.gym.servers import (
     wheel_config_path,
 )
 from gym_bridge.gym.versions import installed_gym
+from gym_bridge.testing import wait_until
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.gym]
 
@@ -203,9 +204,7 @@ def test_poll_names_a_dead_server_then_stop_leaves_nothing(two_sets):
     a, b = two_sets
     victim = b.server_pids["example_single_tool_call"]
     os.kill(victim, signal.SIGKILL)
-    deadline = time.monotonic() + 10
-    while _alive(victim) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    wait_until(lambda: not _alive(victim), 10, "the killed server is gone", poll_s=0.1)
     with pytest.raises(GymServerDied, match="'example_single_tool_call' is no longer running"):
         b.poll()
     a.poll()

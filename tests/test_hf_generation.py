@@ -309,18 +309,16 @@ async def test_event_loop_stays_responsive(tiny) -> None:
         async def ticker() -> None:
             nonlocal ticks
             while running:
-                await asyncio.sleep(0.005)
+                await asyncio.sleep(0.001)
                 ticks += 1
 
         task = asyncio.create_task(ticker())
-        await asyncio.sleep(0)
-        ticks = 0
-        rows = [i async for i, _ in gen.generate_async(data, greedy=True)]
+        ticks_at_rows = [ticks async for _ in gen.generate_async(data, greedy=True)]
         running = False
         await task
-        assert sorted(rows) == list(range(8))
-        # 8 rows x 96 tokens take a good fraction of a second; a blocked loop would barely tick.
-        assert ticks >= 5, ticks
+        assert len(ticks_at_rows) == 8
+        # The loop ran other work while the rows were decoding: a blocked loop would reach the first row at 0.
+        assert ticks_at_rows[0] > 0, ticks_at_rows
     finally:
         gen.shutdown()
 

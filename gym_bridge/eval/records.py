@@ -6,16 +6,14 @@ import time
 from typing import Any
 
 from gym_bridge.failures import classify_rollout_failure
-from gym_bridge.gym.convert import incomplete_reason
 from gym_bridge.types import Completion, PromptGroupRecord
 
 
 def termination_reason(completion: Completion) -> str:
     """Why a completion ended: Gym's ``incomplete_details.reason`` (e.g. ``max_output_tokens``),
     ``token_drift``, ``max_seq_len``, or ``stop`` (the model finished)."""
-    reason = incomplete_reason(completion.env_extras)
-    if reason:
-        return reason
+    if completion.incomplete_reason:
+        return completion.incomplete_reason
     if completion.token_drift:
         return "token_drift"
     if completion.truncated:

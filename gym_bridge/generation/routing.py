@@ -123,10 +123,6 @@ class SessionRouter:
             self._unhealthy_until[idx] = self._clock() + self.cooldown_s
             self.stats.marked_unhealthy += 1
 
-    def mark_healthy(self, idx: int) -> None:
-        with self._lock:
-            self._unhealthy_until[idx] = 0.0
-
     # ------------------------------------------------------------------ internals
 
     def _healthy(self, idx: int, now: float) -> bool:

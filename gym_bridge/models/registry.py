@@ -26,10 +26,6 @@ def _build_smollm2() -> Path:
 BUILTIN_MODELS: dict[str, Callable[[], Path]] = {"tiny": _build_tiny, "smollm2": _build_smollm2}
 
 
-def is_builtin(name: str | Path) -> bool:
-    return str(name) in BUILTIN_MODELS
-
-
 def resolve_model_path(name_or_path: str | Path) -> Path:
     """A built-in model's folder (built on demand), or ``name_or_path`` when it is an existing local path."""
     builder = BUILTIN_MODELS.get(str(name_or_path))

@@ -19,7 +19,7 @@ from typing import Any
 
 from gym_bridge.failures import GymRowIndexError, RolloutRetryPolicy, RolloutStats, RolloutTimeouts
 from gym_bridge.gym.client import GymClient
-from gym_bridge.gym.convert import incomplete_reason as _incomplete_reason, scalar_fields, without_mask_sample
+from gym_bridge.gym.convert import scalar_fields, without_mask_sample
 from gym_bridge.gym.result import GymRowResult
 from gym_bridge.gym.rows import build_rows, validate_row
 from gym_bridge.metrics import calculate_single_metric, pct, summarize
@@ -173,6 +173,7 @@ def gym_completion(row: GymRowResult, *, max_seq_len: int | None, mask_env_flagg
         token_drift=row.token_drift is not None,
         masked=row.mask_sample and mask_env_flagged_samples,
         failure_kind=row.failure_kind,
+        incomplete_reason=row.incomplete_reason,
     )
 
 
@@ -208,9 +209,7 @@ def group_metrics(
     metrics["truncation_rate"] = sum(c.truncated for c in completions) / n
     metrics["natural_termination_rate"] = 1.0 - metrics["truncation_rate"]
     metrics["token_drift_rate"] = sum(c.token_drift for c in completions) / n
-    metrics["max_output_tokens_rate"] = (
-        sum(_incomplete_reason(c.env_extras) == "max_output_tokens" for c in completions) / n
-    )
+    metrics["max_output_tokens_rate"] = sum(c.incomplete_reason == "max_output_tokens" for c in completions) / n
     metrics["masked_rate"] = sum(c.masked for c in completions) / n
     rows = fields if fields is not None else [scalar_fields(c.env_extras or {}) for c in completions]
     for agent in sorted(set(agents)):

@@ -8,7 +8,7 @@ old weights while the trainer scores with new ones).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
@@ -46,9 +46,6 @@ class OnPolicyError:
             "on_policy/gen_kl_error": self.gen_kl_error,
             "on_policy/tokens": self.tokens,
         }
-
-    def to_dict(self) -> dict[str, float]:
-        return asdict(self)
 
 
 NO_TOKENS = OnPolicyError(0.0, 0.0, 0.0, 0.0)

@@ -28,13 +28,15 @@ def test_every_public_name_imports_from_the_package():
     assert int(count) == len(gym_bridge.__all__) > 30
 
 
-def test_public_names_are_the_defining_modules_objects():
-    from gym_bridge.gym.actor import NemoGymConfig, spinup_nemo_gym_actor
-    from gym_bridge.rollout.manager import RolloutManager
+def test_public_names_point_at_the_modules_that_define_them():
+    import importlib
+    import inspect
 
-    assert gym_bridge.RolloutManager is RolloutManager
-    assert gym_bridge.NemoGymConfig is NemoGymConfig
-    assert gym_bridge.spinup_nemo_gym_actor is spinup_nemo_gym_actor
+    for name, module in gym_bridge._EXPORTS.items():
+        value = getattr(gym_bridge, name)
+        assert value is getattr(importlib.import_module(module), name), name
+        if inspect.isclass(value) or inspect.isfunction(value):
+            assert value.__module__ == module, f"{name} is defined in {value.__module__}, listed under {module}"
     assert set(dir(gym_bridge)) >= set(gym_bridge.__all__)
 
 

@@ -1,0 +1,112 @@
+"""The public API, one import per name from the module that defines it: the only list of it.
+
+``gym_bridge/__init__.py`` reads these imports (without running them) to resolve each name lazily on first
+use, and type checkers read them as the package's re-exports. Add a name here and nowhere else.
+"""
+
+from __future__ import annotations
+
+from gym_bridge.batched import (
+    BatchedDataDict as BatchedDataDict,
+)
+from gym_bridge.data import (
+    datum_from_chat as datum_from_chat,
+    datum_from_gym_row as datum_from_gym_row,
+)
+from gym_bridge.eval.config import (
+    EvalConfig as EvalConfig,
+    load_config as load_config,
+)
+from gym_bridge.eval.runner import (
+    run_eval as run_eval,
+)
+from gym_bridge.failures.errors import (
+    GymBridgeError as GymBridgeError,
+    GymResultError as GymResultError,
+    InvalidGymRow as InvalidGymRow,
+    NoHealthyShards as NoHealthyShards,
+    RolloutDataFailure as RolloutDataFailure,
+    RolloutFailure as RolloutFailure,
+    RolloutInfraFailure as RolloutInfraFailure,
+    RolloutRedispatchExhausted as RolloutRedispatchExhausted,
+    RolloutStall as RolloutStall,
+    RolloutTimeout as RolloutTimeout,
+)
+from gym_bridge.failures.retry import (
+    RolloutRetryPolicy as RolloutRetryPolicy,
+    RolloutTimeouts as RolloutTimeouts,
+)
+from gym_bridge.gym.actor_config import (
+    NemoGymConfig as NemoGymConfig,
+)
+from gym_bridge.gym.spinup import (
+    spinup_nemo_gym_actor as spinup_nemo_gym_actor,
+    spinup_nemo_gym_actors as spinup_nemo_gym_actors,
+    start_nemo_gym_actor as start_nemo_gym_actor,
+    stop_nemo_gym_actors as stop_nemo_gym_actors,
+)
+from gym_bridge.interfaces import (
+    EnvironmentInterface as EnvironmentInterface,
+    GenerationInterface as GenerationInterface,
+    PolicyInterface as PolicyInterface,
+    RolloutBackend as RolloutBackend,
+)
+from gym_bridge.launch import (
+    GymLaunchSpec as GymLaunchSpec,
+    NemoGymRollouts as NemoGymRollouts,
+    launch_nemo_gym as launch_nemo_gym,
+    start_nemo_gym as start_nemo_gym,
+)
+from gym_bridge.metrics import (
+    calculate_single_metric as calculate_single_metric,
+    pct as pct,
+)
+from gym_bridge.preflight import (
+    EndpointCheck as EndpointCheck,
+    PreflightError as PreflightError,
+    check_endpoint as check_endpoint,
+    check_endpoints as check_endpoints,
+    preflight_endpoints as preflight_endpoints,
+)
+from gym_bridge.ray_utils import (
+    init_ray as init_ray,
+)
+from gym_bridge.rollout.manager import (
+    RolloutManager as RolloutManager,
+    RolloutOutcome as RolloutOutcome,
+)
+from gym_bridge.rollout.nemo_gym_batch import (
+    NemoGymRolloutResult as NemoGymRolloutResult,
+    run_async_nemo_gym_rollout as run_async_nemo_gym_rollout,
+    run_nemo_gym_rollout_sync as run_nemo_gym_rollout_sync,
+    should_log_nemo_gym_full_result_tables as should_log_nemo_gym_full_result_tables,
+)
+from gym_bridge.rollout.reward_shaping import (
+    get_nemo_gym_thinking_tags as get_nemo_gym_thinking_tags,
+    should_mask_flagged_samples as should_mask_flagged_samples,
+)
+from gym_bridge.rollout.sink import (
+    InMemoryReplayBuffer as InMemoryReplayBuffer,
+    InMemorySink as InMemorySink,
+    ReplayBuffer as ReplayBuffer,
+)
+from gym_bridge.rollout.training_config import (
+    build_nemo_gym_rollouts as build_nemo_gym_rollouts,
+    nemo_gym_config_from as nemo_gym_config_from,
+    setup_nemo_gym_config as setup_nemo_gym_config,
+    should_use_nemo_gym as should_use_nemo_gym,
+)
+from gym_bridge.serving.server import (
+    OpenAIServer as OpenAIServer,
+)
+from gym_bridge.types import (
+    Completion as Completion,
+    DatumSpec as DatumSpec,
+    EnvironmentReturn as EnvironmentReturn,
+    GenerationConfig as GenerationConfig,
+    GenerationDatumSpec as GenerationDatumSpec,
+    GenerationOutputSpec as GenerationOutputSpec,
+    GenerationSamplingParams as GenerationSamplingParams,
+    MessageEntry as MessageEntry,
+    PromptGroupRecord as PromptGroupRecord,
+)

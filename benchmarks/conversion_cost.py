@@ -234,6 +234,6 @@ def markdown(costs: list[ConversionCost], target_ms: float) -> str:
 if __name__ == "__main__":
     from transformers import AutoTokenizer
 
-    from gym_bridge.models.tiny import resolve_model_path
+    from gym_bridge.models.registry import resolve_model_path
 
     print(markdown(measure_all(AutoTokenizer.from_pretrained(resolve_model_path("tiny"))), target_ms=1.0))

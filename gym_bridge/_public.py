@@ -9,6 +9,18 @@ from __future__ import annotations
 from gym_bridge.batched import (
     BatchedDataDict as BatchedDataDict,
 )
+from gym_bridge.build.launch import (
+    GymLaunchSpec as GymLaunchSpec,
+    NemoGymRollouts as NemoGymRollouts,
+    launch_nemo_gym as launch_nemo_gym,
+    start_nemo_gym as start_nemo_gym,
+)
+from gym_bridge.build.training_config import (
+    build_nemo_gym_rollouts as build_nemo_gym_rollouts,
+    nemo_gym_config_from as nemo_gym_config_from,
+    setup_nemo_gym_config as setup_nemo_gym_config,
+    should_use_nemo_gym as should_use_nemo_gym,
+)
 from gym_bridge.data import (
     datum_from_chat as datum_from_chat,
     datum_from_gym_row as datum_from_gym_row,
@@ -51,12 +63,6 @@ from gym_bridge.interfaces import (
     PolicyInterface as PolicyInterface,
     RolloutBackend as RolloutBackend,
 )
-from gym_bridge.launch import (
-    GymLaunchSpec as GymLaunchSpec,
-    NemoGymRollouts as NemoGymRollouts,
-    launch_nemo_gym as launch_nemo_gym,
-    start_nemo_gym as start_nemo_gym,
-)
 from gym_bridge.metrics import (
     calculate_single_metric as calculate_single_metric,
     pct as pct,
@@ -89,12 +95,6 @@ from gym_bridge.rollout.sink import (
     InMemoryReplayBuffer as InMemoryReplayBuffer,
     InMemorySink as InMemorySink,
     ReplayBuffer as ReplayBuffer,
-)
-from gym_bridge.rollout.training_config import (
-    build_nemo_gym_rollouts as build_nemo_gym_rollouts,
-    nemo_gym_config_from as nemo_gym_config_from,
-    setup_nemo_gym_config as setup_nemo_gym_config,
-    should_use_nemo_gym as should_use_nemo_gym,
 )
 from gym_bridge.serving.server import (
     OpenAIServer as OpenAIServer,

@@ -146,7 +146,7 @@ def gym_policy(request: pytest.FixtureRequest, gym_policy_name: str) -> Iterator
         yield request.getfixturevalue("scripted_policy")
         return
     from gym_bridge.generation.hf import HFGeneration, HFGenerationConfig
-    from gym_bridge.models.tiny import resolve_model_path
+    from gym_bridge.models.registry import resolve_model_path
     from gym_bridge.serving import OpenAIServer
 
     if gym_policy_name == "tiny":
@@ -193,7 +193,7 @@ def nemo_gym_config(gym_configs: list[str], gym_policy: Any, tmp_path_factory: p
 @pytest.fixture(scope="session")
 def gym_actor(ray_session: None, nemo_gym_config: Any, gym_tokenizer: Any) -> Iterator[Any]:
     """One spun-up NemoGym actor for ``nemo_gym_config``, shut down (Gym processes included) at the end."""
-    from gym_bridge.gym.actor import start_nemo_gym_actor, stop_nemo_gym_actors
+    from gym_bridge.gym.spinup import start_nemo_gym_actor, stop_nemo_gym_actors
 
     handle = start_nemo_gym_actor(nemo_gym_config, gym_tokenizer)
     yield handle

@@ -31,7 +31,8 @@ from gym_bridge.failures import (
     RolloutTimeout,
     RunConfigurationError,
 )
-from gym_bridge.gym.actor import NemoGymUnavailable, start_nemo_gym_actor
+from gym_bridge.gym.actor import NemoGymUnavailable
+from gym_bridge.gym.spinup import start_nemo_gym_actor
 from gym_bridge.gym.convert import MissingGenerationData
 from gym_bridge.gym.result import GymRowBatch
 from gym_bridge.gym.rows import InvalidGymRow

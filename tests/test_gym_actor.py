@@ -17,13 +17,8 @@ from gym_bridge.failures import (
     classify_rollout_failure,
 )
 from gym_bridge.generation.scripted import ScriptedGeneration
-from gym_bridge.gym.actor import (
-    NemoGym,
-    NemoGymConfig,
-    NemoGymRestarted,
-    NemoGymUnavailable,
-    start_nemo_gym_actor,
-)
+from gym_bridge.gym.actor import NemoGym, NemoGymConfig, NemoGymRestarted, NemoGymUnavailable
+from gym_bridge.gym.spinup import start_nemo_gym_actor
 from gym_bridge.gym.result import GymRowBatch
 from gym_bridge.testing import wait_until
 from tests.gym_fixtures import (

@@ -18,7 +18,7 @@ import ray
 from omegaconf import OmegaConf
 
 from gym_bridge import gym_model
-from gym_bridge.gym.actor import start_nemo_gym_actor, stop_nemo_gym_actors
+from gym_bridge.gym.spinup import start_nemo_gym_actor, stop_nemo_gym_actors
 from gym_bridge.gym.servers import wheel_config_path
 from tests import test_nemo_gym_integration as integration
 from tests.gym_fixtures import (

@@ -16,7 +16,7 @@ from gym_bridge.data import datum_from_gym_row
 from gym_bridge.failures import RolloutStall, StepBatchShortfall
 from gym_bridge.policy import HFPolicy, HFPolicyConfig
 from gym_bridge.training import GRPOLoopConfig, GRPOTrainer, load_trainer_state
-from gym_bridge.training.builder import build_grpo_run
+from gym_bridge.build.grpo_run import build_grpo_run
 
 pytestmark = [pytest.mark.gym, pytest.mark.slow]
 

@@ -22,7 +22,7 @@ import pytest
 import ray
 
 from gym_bridge.cluster import LocalRayCluster, NodeSpec
-from gym_bridge.gym.actor import start_nemo_gym_actor
+from gym_bridge.gym.spinup import start_nemo_gym_actor
 from gym_bridge.gym.servers import wheel_config_path
 from gym_bridge.rollout.manager import RolloutOutcome
 from gym_bridge.rollout.sink import InMemorySink

@@ -132,9 +132,9 @@ def run_eval(config: EvalConfig, *, resume: bool = False, progress: bool = True)
 def _run_pending(
     config: EvalConfig, pending: list[DatasetRow], store: RunStore, outcome: EvalOutcome, *, progress: bool
 ) -> bool:
-    """Start everything (policy endpoint, then preflight, Ray, Gym: :func:`gym_bridge.launch.start_nemo_gym`),
+    """Start everything (policy endpoint, then preflight, Ray, Gym: :func:`gym_bridge.build.launch.start_nemo_gym`),
     run the pending groups, stop everything; True when SIGINT stopped it."""
-    from gym_bridge.launch import start_nemo_gym
+    from gym_bridge.build.launch import start_nemo_gym
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     with _policy_endpoint(config) as (base_urls, tokenizer):
@@ -210,10 +210,10 @@ def _policy_endpoint(config: EvalConfig) -> Iterator[tuple[list[str], Any]]:
 
 
 def _launch_spec(config: EvalConfig, base_urls: list[str], pending: list[DatasetRow]) -> Any:
-    """What :func:`gym_bridge.launch.start_nemo_gym` starts for this run: one actor on ``base_urls``."""
+    """What :func:`gym_bridge.build.launch.start_nemo_gym` starts for this run: one actor on ``base_urls``."""
+    from gym_bridge.build.launch import GymLaunchSpec
     from gym_bridge.failures import RolloutTimeouts
     from gym_bridge.gym.actor import NemoGymConfig
-    from gym_bridge.launch import GymLaunchSpec
     from gym_bridge.preflight import rows_use_tools
 
     config_paths = [str(Path(p).resolve()) if Path(p).exists() else p for p in config.config_paths]
@@ -235,10 +235,8 @@ def _launch_spec(config: EvalConfig, base_urls: list[str], pending: list[Dataset
         uses_tools=rows_use_tools([item.row for item in pending]),
         preflight_timeout_s=config.preflight_timeout_s,
         ray_num_cpus=os.cpu_count() or 2,
-        manager_options={
-            "timeouts": RolloutTimeouts(rollout_s=config.rollout_timeout_s),
-            "retry_policy": config.retry_policy(),
-        },
+        timeouts=RolloutTimeouts(rollout_s=config.rollout_timeout_s),
+        retry_policy=config.retry_policy(),
     )
 
 

@@ -10,15 +10,13 @@ response is a :class:`~gym_bridge.failures.RolloutDataFailure` naming the field.
 from __future__ import annotations
 
 from collections.abc import Hashable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from gym_bridge.failures import RolloutDataFailure
 from gym_bridge.generation.batch import check_input
-
-if TYPE_CHECKING:
-    from gym_bridge.generation.openai_http import OpenAIHTTPGenerationConfig
+from gym_bridge.generation.openai_http_config import OpenAIHTTPGenerationConfig
 
 __all__ = ["SAMPLING_KEYS", "check_batch", "completion_request", "parse_completion", "row_value"]
 

@@ -59,24 +59,8 @@ from gym_bridge.gym.health import EndpointWatch
 from gym_bridge.gym.result import GymRowBatch, GymRowResult
 from gym_bridge.gym.rows import ROW_INDEX_KEY, dispatch_target
 from gym_bridge.gym.servers import GymServers
-from gym_bridge.gym.spinup import (
-    spinup_nemo_gym_actor,
-    spinup_nemo_gym_actors,
-    start_nemo_gym_actor,
-    stop_nemo_gym_actors,
-)
 
-__all__ = [
-    "NemoGym",
-    "NemoGymConfig",
-    "NemoGymRestarted",
-    "NemoGymUnavailable",
-    "actor_configs",
-    "spinup_nemo_gym_actor",
-    "spinup_nemo_gym_actors",
-    "start_nemo_gym_actor",
-    "stop_nemo_gym_actors",
-]
+__all__ = ["NemoGym", "NemoGymConfig", "NemoGymRestarted", "NemoGymUnavailable", "actor_configs"]
 
 logger = logging.getLogger(__name__)
 

@@ -13,12 +13,16 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import psutil
 
-if TYPE_CHECKING:
-    from gym_bridge.gym.servers import GymServers
+
+class Stoppable(Protocol):
+    """What the reaper needs of a server set (``GymServers``): a ``stop()`` that never raises."""
+
+    def stop(self) -> None: ...
+
 
 __all__ = [
     "PORT_WINDOW",
@@ -42,7 +46,7 @@ PORT_WINDOW = 200
 _LOG_TAIL_BYTES = 3000
 
 _instances_lock = threading.Lock()
-_live: set[GymServers] = set()
+_live: set[Stoppable] = set()
 _used_windows: set[int] = set()
 _instance_count = 0
 _handlers_installed = False
@@ -107,14 +111,14 @@ def next_instance_index() -> int:
         return _instance_count
 
 
-def register_live(servers: GymServers) -> None:
+def register_live(servers: Stoppable) -> None:
     """Stop ``servers`` at exit or on SIGTERM/SIGHUP unless :func:`release` d first."""
     _install_cleanup_handlers()
     with _instances_lock:
         _live.add(servers)
 
 
-def release(servers: GymServers, window: int | None) -> None:
+def release(servers: Stoppable, window: int | None) -> None:
     """Forget a stopped set and free its port window."""
     with _instances_lock:
         _live.discard(servers)

@@ -137,7 +137,7 @@ def spinup_nemo_gym_actors(
     """
     import ray
 
-    from gym_bridge.gym.actor import NemoGym  # the actor module re-exports these functions
+    from gym_bridge.gym.actor import NemoGym  # lazily: the actor module imports aiohttp and orjson
 
     # By value, not ray.put: Ray re-runs the constructor on a restart, and a put object may be gone by then.
     # Any: Ray types an actor's handle as ``ActorHandle[T] | type[T]``, whose methods lack ``.remote``

@@ -38,7 +38,6 @@ __all__ = [
     "build_tiny_model",
     "default_cache_dir",
     "load_tiny",
-    "resolve_model_path",
     "tiny_model_path",
 ]
 
@@ -276,13 +275,3 @@ def load_tiny(cache_dir: Path | str | None = None, seed: int = 0) -> tuple[Any, 
     model = AutoModelForCausalLM.from_pretrained(path, dtype="float32")
     model.eval()
     return tokenizer, model
-
-
-def resolve_model_path(name_or_path: str | Path) -> Path:
-    """A built-in model name (``"tiny"``, ``"smollm2"``) or an existing local folder.
-
-    See :mod:`gym_bridge.models.registry`.
-    """
-    from gym_bridge.models.registry import resolve_model_path as resolve
-
-    return resolve(name_or_path)

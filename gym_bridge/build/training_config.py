@@ -14,7 +14,7 @@ existing config just works:
 - ``env.should_mask_flagged_samples``, ``env.should_log_nemo_gym_responses``,
   ``logger.wandb.log_nemo_gym_full_result_tables``, ``env.nemo_gym.is_trajectory_collection``,
   ``env.nemo_gym.effort_levels``, ``reward_penalties``: carried in :class:`NemoGymRolloutSettings`;
-- ``async_rl`` and ``grpo.async_grpo`` (:mod:`gym_bridge.rollout.async_settings`): honoured, or refused in one line;
+- ``async_rl`` and ``grpo.async_grpo`` (:mod:`gym_bridge.build.async_settings`): honoured, or refused in one line;
 - ``env.nemo_gym.num_actors`` (default 1) and ``env.nemo_gym.split_base_urls``: several
   NemoGym actors, each with its own Gym servers, sharing the endpoints or splitting them;
 - ``policy.generation``: the generation config; ``policy.max_total_sequence_length``:
@@ -43,8 +43,8 @@ from pydantic import BaseModel, ValidationError
 
 from gym_bridge.failures import GymBridgeError, RolloutRetryPolicy, RolloutTimeouts
 from gym_bridge.gym.actor import NemoGymConfig
-from gym_bridge.launch import GymLaunchSpec, NemoGymRollouts, start_nemo_gym
-from gym_bridge.rollout.async_settings import AsyncGRPOSettings, AsyncRLSettings, StallWatchdogSettings
+from gym_bridge.build.launch import GymLaunchSpec, NemoGymRollouts, start_nemo_gym
+from gym_bridge.build.async_settings import AsyncGRPOSettings, AsyncRLSettings, StallWatchdogSettings
 
 __all__ = [
     "NemoGymRolloutSettings",
@@ -353,20 +353,17 @@ def nemo_gym_config_from(config: Mapping[str, Any], *, base_urls: list[str] | No
 
 @dataclass(frozen=True)
 class NemoGymRolloutSettings:
-    """Everything the Gym path and the GRPO loop take from a training config, read and checked in one place."""
+    """Everything the Gym path and the GRPO loop take from a training config, read and checked in one place.
 
-    gym: NemoGymConfig
-    generation_config: dict[str, Any]
-    num_generations_per_prompt: int
-    max_seq_len: int
-    num_actors: int
-    split_base_urls: bool
-    retry_policy: RolloutRetryPolicy
-    """``async_rl.rollout_failure`` (NeMo-RL's defaults when the section is there), else one attempt of
-    each kind with ``env.nemo_gym.max_row_attempts`` row attempts (ours, default 3)."""
-    timeouts: RolloutTimeouts
-    mask_env_flagged_samples: bool
-    """``env.should_mask_flagged_samples``; absent means True, as in NeMo-RL."""
+    ``launch`` is what :func:`~gym_bridge.build.launch.start_nemo_gym` starts (one type for both); the rest
+    is for the loop and the batch functions.
+    """
+
+    launch: GymLaunchSpec
+    """The actors' Gym config, N, ``max_seq_len``, the generation config, the actor count, and the manager's
+    timeouts, retry policy (``async_rl.rollout_failure`` with NeMo-RL's defaults when the section is there,
+    else one attempt of each kind with ``env.nemo_gym.max_row_attempts`` row attempts, default 3) and
+    ``mask_env_flagged_samples`` (``env.should_mask_flagged_samples``; absent means True, as in NeMo-RL)."""
     log_full_result_tables: bool
     """``logger.wandb_enabled`` and ``logger.wandb.log_nemo_gym_full_result_tables``: ``{agent}/full_result``."""
     log_nemo_gym_responses: bool
@@ -379,13 +376,50 @@ class NemoGymRolloutSettings:
     """``env.nemo_gym.effort_levels`` (NeMo-RL's ``EffortLevelsConfig`` keys), as written; never sent to Gym."""
     async_grpo: AsyncGRPOSettings
     async_rl: AsyncRLSettings
-    """``async_rl``: its ``rollout_failure`` gave ``retry_policy`` and ``timeouts``."""
+    """``async_rl``: its ``rollout_failure`` gave the retry policy and timeouts."""
     stall_watchdog: StallWatchdogSettings
     """``async_rl.stall_watchdog``; :meth:`StallWatchdogSettings.off` when the section is absent."""
     min_step_batch_fraction: float
     """``async_rl.rollout_failure.min_step_batch_fraction`` when that section is there, else 0 (no floor)."""
     unused_environments: tuple[str, ...] = ()
     """``env`` sections of NeMo-RL's native environments (``math``, ...): the Gym path does not start them."""
+
+    @property
+    def gym(self) -> NemoGymConfig:
+        return self.launch.gym
+
+    @property
+    def generation_config(self) -> dict[str, Any]:
+        return dict(self.launch.generation_config)
+
+    @property
+    def num_generations_per_prompt(self) -> int:
+        return self.launch.num_generations_per_prompt
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.launch.max_seq_len
+
+    @property
+    def num_actors(self) -> int:
+        return self.launch.num_actors
+
+    @property
+    def split_base_urls(self) -> bool:
+        return self.launch.split_base_urls
+
+    @property
+    def retry_policy(self) -> RolloutRetryPolicy:
+        assert self.launch.retry_policy is not None  # nemo_gym_rollout_settings always sets one
+        return self.launch.retry_policy
+
+    @property
+    def timeouts(self) -> RolloutTimeouts:
+        return self.launch.timeouts
+
+    @property
+    def mask_env_flagged_samples(self) -> bool:
+        return self.launch.mask_env_flagged_samples
 
     @property
     def rollout_timeout_s(self) -> float | None:
@@ -414,7 +448,7 @@ def nemo_gym_rollout_settings(config: Any, *, base_urls: list[str] | None = None
     retry_policy, timeouts = _failure_policy(config, async_rl, async_grpo)
     section = _get(config, "env.nemo_gym", {}) or {}
     wandb = _get(config, "logger.wandb", {}) or {}
-    return NemoGymRolloutSettings(
+    launch = GymLaunchSpec(
         gym=nemo_gym_config_from(config, base_urls=base_urls),
         generation_config=nemo_gym_generation_config(config),
         num_generations_per_prompt=int(
@@ -428,6 +462,9 @@ def nemo_gym_rollout_settings(config: Any, *, base_urls: list[str] | None = None
         retry_policy=retry_policy,
         timeouts=timeouts,
         mask_env_flagged_samples=_get(config, "env.should_mask_flagged_samples", None) is not False,
+    )
+    return NemoGymRolloutSettings(
+        launch=launch,
         log_full_result_tables=bool(_get(config, "logger.wandb_enabled", False))
         and bool(wandb.get("log_nemo_gym_full_result_tables")),
         log_nemo_gym_responses=bool(_get(config, "env.should_log_nemo_gym_responses", False)),
@@ -530,7 +567,7 @@ def build_nemo_gym_rollouts(
     **manager_kwargs: Any,
 ) -> NemoGymRollouts:
     """Preflight the endpoints, then start the NemoGym actor(s) and a ``RolloutManager(use_nemo_gym=True)``
-    from a training config (through :func:`gym_bridge.launch.start_nemo_gym`).
+    from a training config (through :func:`gym_bridge.build.launch.start_nemo_gym`).
 
     ``uses_tools``: the data offers tools, so every endpoint must accept chats with tools
     (:func:`gym_bridge.preflight.rows_use_tools` tells from the rows).
@@ -548,20 +585,10 @@ def start_nemo_gym_rollouts(
     **manager_kwargs: Any,
 ) -> NemoGymRollouts:
     """:func:`build_nemo_gym_rollouts` for settings already read."""
-    spec = GymLaunchSpec(
-        gym=settings.gym,
-        num_generations_per_prompt=settings.num_generations_per_prompt,
-        max_seq_len=settings.max_seq_len,
-        generation_config=settings.generation_config,
-        num_actors=settings.num_actors,
-        split_base_urls=settings.split_base_urls,
+    spec = replace(
+        settings.launch,
         uses_tools=uses_tools,
         preflight=preflight,
-        manager_options={
-            "timeouts": settings.timeouts,
-            "retry_policy": settings.retry_policy,
-            "mask_env_flagged_samples": settings.mask_env_flagged_samples,
-            **manager_kwargs,
-        },
+        manager_options={**settings.launch.manager_options, **manager_kwargs},
     )
     return start_nemo_gym(spec, tokenizer)

@@ -10,7 +10,7 @@ Keys read (NeMo-RL's names where NeMo-RL has them):
   ``grpo.normalize_rewards``, ``grpo.use_leave_one_out_baseline``, ``grpo.seed``,
   ``grpo.async_grpo.enabled``, ``grpo.async_grpo.max_trajectory_age_steps``, ``grpo.pass_threshold`` (ours);
 - ``loss_fn.ratio_clip_min``; ``checkpointing.enabled``, ``checkpointing.save_period``;
-- ``env.nemo_gym`` (see :mod:`gym_bridge.rollout.training_config`); ``data.path`` (Gym rows, JSONL).
+- ``env.nemo_gym`` (see :mod:`gym_bridge.build.training_config`); ``data.path`` (Gym rows, JSONL).
 
 The engine is :class:`~gym_bridge.generation.hf.HFGeneration` behind our
 :class:`~gym_bridge.serving.OpenAIServer` (a thread of this process), which Gym's model
@@ -32,7 +32,7 @@ import torch
 from gym_bridge.data import datum_from_gym_row
 from gym_bridge.generation.hf import HFGeneration, HFGenerationConfig
 from gym_bridge.policy.hf import HFPolicy, HFPolicyConfig
-from gym_bridge.rollout.training_config import (
+from gym_bridge.build.training_config import (
     NemoGymRollouts,
     NemoGymRolloutSettings,
     TrainingConfigError,

@@ -16,6 +16,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
+from gym_bridge.failures import RolloutRetryPolicy, RolloutTimeouts
+
 if TYPE_CHECKING:
     from gym_bridge.gym.actor import NemoGymConfig
     from gym_bridge.rollout.manager import RolloutManager
@@ -42,8 +44,12 @@ class GymLaunchSpec:
     preflight_timeout_s: float = 20.0
     ray_num_cpus: int | None = None
     """CPUs of a Ray started here (None: all); ignored when Ray is already running."""
+    timeouts: RolloutTimeouts = field(default_factory=RolloutTimeouts)
+    retry_policy: RolloutRetryPolicy | None = None
+    """None: the manager's default (one attempt of everything)."""
+    mask_env_flagged_samples: bool = True
     manager_options: Mapping[str, Any] = field(default_factory=dict)
-    """Further ``RolloutManager`` keywords: ``timeouts``, ``retry_policy``, ``max_gym_row_attempts``, ..."""
+    """Further ``RolloutManager`` / backend keywords (``full_results_path``, ``max_gym_row_attempts``, ...)."""
 
 
 @dataclass
@@ -94,8 +100,7 @@ def start_nemo_gym(spec: GymLaunchSpec, tokenizer: Any) -> NemoGymRollouts:
             logger.info("preflight %s", check.line)
     import ray
 
-    from gym_bridge.gym.actor import spinup_nemo_gym_actors
-    from gym_bridge.gym.spinup import stop_nemo_gym_actors
+    from gym_bridge.gym.spinup import spinup_nemo_gym_actors, stop_nemo_gym_actors
     from gym_bridge.ray_utils import init_ray
     from gym_bridge.rollout.manager import RolloutManager
 
@@ -112,6 +117,9 @@ def start_nemo_gym(spec: GymLaunchSpec, tokenizer: Any) -> NemoGymRollouts:
                 # the spec holds it as a plain mapping of GenerationConfig keys
                 generation_config=cast("GenerationConfig", dict(spec.generation_config)),
                 use_nemo_gym=True,
+                mask_env_flagged_samples=spec.mask_env_flagged_samples,
+                timeouts=spec.timeouts,
+                retry_policy=spec.retry_policy,
                 **dict(spec.manager_options),
             )
         except BaseException:

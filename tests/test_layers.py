@@ -1,0 +1,108 @@
+"""The layer rules of docs/architecture.md hold for every import in the package, and no two modules import
+each other (directly or round a longer loop). Imports inside functions and under TYPE_CHECKING count too."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "gym_bridge"
+OUTSIDE = {"gym_bridge", "gym_bridge._public"}  # the public API sits outside the layers
+
+
+def module_files() -> dict[str, Path]:
+    files = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        files[name] = path
+    return files
+
+
+def imports(path: Path, modules: set[str]) -> set[str]:
+    """The package modules ``path`` imports: ``from a.b import c`` is ``a.b.c`` when that is a module, else ``a.b``."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("gym_bridge"):
+            for alias in node.names:
+                child = f"{node.module}.{alias.name}"
+                found.add(child if child in modules else node.module)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name.startswith("gym_bridge"))
+    return {name for name in found if name in modules}
+
+
+def layers() -> list[tuple[str, list[str]]]:
+    """(layer, module prefixes) in the order of the table in docs/architecture.md."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    table = text.split("| layer | what | may import |", 1)[1].split("\n\n", 1)[0]
+    rows = []
+    for line in table.strip().splitlines()[1:]:
+        name, what, _ = (cell.strip() for cell in line.strip().strip("|").split("|"))
+        entries = re.findall(r"`([^`]+)`", re.sub(r"\([^)]*\)", "", what))
+        rows.append((name, [f"gym_bridge.{e.rstrip('/').replace('/', '.')}" for e in entries]))
+    return rows
+
+
+def layer_of(module: str, table: list[tuple[str, list[str]]]) -> int:
+    matches = [
+        (len(prefix), rank)
+        for rank, (_, prefixes) in enumerate(table)
+        for prefix in prefixes
+        if module == prefix or module.startswith(prefix + ".")
+    ]
+    assert matches, f"{module} belongs to no layer of docs/architecture.md"
+    return max(matches)[1]
+
+
+def test_no_module_imports_from_a_later_layer():
+    table = layers()
+    assert [name for name, _ in table] == ["bottom", "components", "builders", "recipes and tools"]
+    files = module_files()
+    upward = []
+    for module, path in sorted(files.items()):
+        if module in OUTSIDE:
+            continue
+        mine = layer_of(module, table)
+        for target in sorted(imports(path, set(files)) - OUTSIDE):
+            if layer_of(target, table) > mine:
+                upward.append(f"{module} ({table[mine][0]}) imports {target} ({table[layer_of(target, table)][0]})")
+            if module.startswith("gym_bridge.failures") and not target.startswith("gym_bridge.failures"):
+                upward.append(f"{module} imports {target}: failures/ imports nothing")
+    assert upward == []
+
+
+def test_no_import_loops():
+    files = module_files()
+    graph = {m: imports(p, set(files)) - OUTSIDE - {m} for m, p in files.items() if m not in OUTSIDE}
+    # Tarjan's strongly connected components: a component of more than one module is a loop.
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    loops: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in graph[node]:
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                loops.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    assert loops == []

@@ -57,7 +57,7 @@ from typing import Any
 import conversion_cost
 import psutil
 import ray
-from results_file import RESULTS, publish
+from results_file import RESULTS, git_revision, publish, ray_get, verdict
 from spy import RoleProfile, Spy, markdown_table
 from transformers import AutoTokenizer
 
@@ -71,6 +71,7 @@ from gym_bridge.gym.servers import GymServers, GymServersConfig, wheel_config_pa
 from gym_bridge.gym.versions import installed_gym
 from gym_bridge.models.registry import resolve_model_path
 from gym_bridge.ray_utils import init_ray
+from gym_bridge.testing.gym_rows import equivalence_row
 from gym_bridge.rollout.manager import RolloutManager
 from gym_bridge.types import GenerationSamplingParams
 
@@ -163,21 +164,6 @@ def weather_row(city: str, agent: str) -> dict[str, Any]:
             "temperature": 1.0,
             "top_p": 1.0,
         },
-        "agent_ref": {"type": "responses_api_agents", "name": agent},
-    }
-
-
-def equivalence_row(question: str, expected_answer: str, agent: str) -> dict[str, Any]:
-    """A single-turn equivalence_rule row, as ``tests/gym_fixtures.py`` builds them."""
-    return {
-        "responses_create_params": {
-            "input": [{"role": "user", "content": question}],
-            "tools": [],
-            "max_output_tokens": 64,
-            "temperature": 1.0,
-            "top_p": 1.0,
-        },
-        "expected_answer": expected_answer,
         "agent_ref": {"type": "responses_api_agents", "name": agent},
     }
 
@@ -543,17 +529,13 @@ def default_gym(base_url: str, log_dir: Path, workload: Workload) -> GymServers:
     )
 
 
-async def _ray(ref: Any, timeout_s: float = 60.0) -> Any:
-    return await asyncio.wait_for(ref, timeout_s)
-
-
 async def run_benchmark(args: argparse.Namespace, workdir: Path) -> Report:
     load_before = os.getloadavg()
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("tiny"))
     log.info("conversion cost (%d iterations per case)", args.conversion_iterations)
     conversion = conversion_cost.measure_all(tokenizer, args.conversion_iterations)
 
-    init_ray(num_cpus=2)  # on the main thread: Ray installs signal handlers
+    initray_get(num_cpus=2)  # on the main thread: Ray installs signal handlers
     endpoint = EndpointProcess(free_port("127.0.0.1"), workdir / "endpoint.log")
     raw = RawGymWorker()
     default_raw = RawGymWorker() if args.default_baseline else None
@@ -568,9 +550,9 @@ async def run_benchmark(args: argparse.Namespace, workdir: Path) -> Report:
             default_servers = default_gym(endpoint.base_url, workdir / "default-gym-logs", workload)
             default_head = await asyncio.to_thread(default_servers.start)
             await default_raw.start(default_head.url, workdir / "default_raw_worker.log")
-        info = await _ray(actor.server_info.remote())
+        info = await ray_get(actor.server_info.remote())
         # A lambda travels by value, so the actor needs nothing from this script's module.
-        actor_pid = await _ray(actor.__ray_call__.remote(lambda _actor: os.getpid()))
+        actor_pid = await ray_get(actor.__ray_call__.remote(lambda _actor: os.getpid()))
         log.info("Gym head %s, actor pid %d, endpoint pid %d", info["head"], actor_pid, endpoint.pid)
         await raw.start(info["head"], workdir / "raw_worker.log")
         manager = RolloutManager(
@@ -694,19 +676,6 @@ def _median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
-def _verdict(ok: bool) -> str:
-    return "met" if ok else "MISSED"
-
-
-def _git_revision() -> str:
-    try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        return "unknown"
-    return rev.stdout.strip() + (" + uncommitted changes" if dirty.stdout.strip() else "")
-
-
 def _runs(report: Report, mode: str, rows: int) -> list[Run]:
     return [r for r in report.runs if r.mode == mode and r.rows == rows]
 
@@ -724,7 +693,7 @@ def _throughput_tables(report: Report, concurrency: list[int]) -> Iterator[str]:
         convert_ms = _median([1000 * r.actor_convert_s / r.rows for r in bridge])
         yield (
             f"| {rows} | {rows // GROUP} | {_median(b):.1f} ({min(b):.1f}–{max(b):.1f}) | "
-            f"{_median(g):.1f} ({min(g):.1f}–{max(g):.1f}) | {ratio:.2f} | {_verdict(ratio >= TARGET_RATIO)} | "
+            f"{_median(g):.1f} ({min(g):.1f}–{max(g):.1f}) | {ratio:.2f} | {verdict(ratio >= TARGET_RATIO)} | "
             f"{_median([r.wall_s for r in bridge]):.2f} | {_median([r.wall_s for r in raw]):.2f} | {convert_ms:.2f} |"
         )
     if any(r.mode == "default" for r in report.runs):
@@ -740,7 +709,7 @@ def _throughput_tables(report: Report, concurrency: list[int]) -> Iterator[str]:
             ratio = _median(b) / _median(d)
             yield (
                 f"| {rows} | {_median(b):.1f} ({min(b):.1f}–{max(b):.1f}) | {_median(d):.1f} ({min(d):.1f}–{max(d):.1f}) "
-                f"| {ratio:.2f} | {_verdict(ratio >= TARGET_DEFAULT_RATIO)} "
+                f"| {ratio:.2f} | {verdict(ratio >= TARGET_DEFAULT_RATIO)} "
                 f"| {_median([r.wall_s for r in _runs(report, 'default', rows)]):.2f} |"
             )
     yield ""
@@ -783,7 +752,7 @@ def markdown(report: Report, args: argparse.Namespace) -> str:
     worst = report.worst_tick
     lines = [
         f"\n## Bridge throughput, {date.today()} ({os.cpu_count()} cores, {mem_gib:.0f} GiB, "
-        f"{platform.processor() or platform.machine()}, Python {platform.python_version()}, {_git_revision()})",
+        f"{platform.processor() or platform.machine()}, Python {platform.python_version()}, {git_revision()})",
         "",
         f"Load average before {lb[0]:.2f} / {lb[1]:.2f} / {lb[2]:.2f}, after {la[0]:.2f} / {la[1]:.2f} / {la[2]:.2f} "
         f"(1 / 5 / 15 min). Workload `{args.workload}`: {WORKLOADS[args.workload].description}, in its own "
@@ -805,7 +774,7 @@ def markdown(report: Report, args: argparse.Namespace) -> str:
         *_throughput_tables(report, args.concurrency),
         "",
         f"**{peak} rows through the bridge:** {_median(bridge_peak):.2f} s median "
-        f"(target < {TARGET_1024_S:g} s: {_verdict(_median(bridge_peak) < TARGET_1024_S)}).",
+        f"(target < {TARGET_1024_S:g} s: {verdict(_median(bridge_peak) < TARGET_1024_S)}).",
         "",
         "**Conversion cost** (CPU per row with the garbage collector off, synthetic 2,000-token results, "
         "tiny tokenizer; `benchmarks/conversion_cost.py`):",
@@ -818,7 +787,7 @@ def markdown(report: Report, args: argparse.Namespace) -> str:
         f"| longest GC pause ms | target < {TARGET_LAG_MS:g} ms |",
         "|---|---|---|---|---|---|",
         f"| {len(lags_ms)} | {max_lag:.1f} | {p99_lag:.1f} | {1000 * worst[1]:.1f} / {1000 * worst[2]:.1f} "
-        f"| {1000 * report.max_gc_pause_s:.1f} | {_verdict(max_lag < TARGET_LAG_MS)} |",
+        f"| {1000 * report.max_gc_pause_s:.1f} | {verdict(max_lag < TARGET_LAG_MS)} |",
         "",
         f"**Resident memory** (psutil RSS; idle after the warm-up, peak sampled every 50 ms "
         f"during the {peak}-row bridge runs):",

@@ -24,8 +24,7 @@ from pathlib import Path
 
 import psutil
 import ray
-from bridge_throughput import _git_revision
-from results_file import RESULTS, publish
+from results_file import RESULTS, git_revision, publish, ray_get, verdict
 
 from gym_bridge.gym.servers import GymServers, GymServersConfig, wheel_config_path
 from gym_bridge.ray_utils import init_ray
@@ -85,7 +84,7 @@ def markdown(results: Results, args: argparse.Namespace) -> str:
         for ray in (False, True)
         for fork in (False, True)
     )
-    machine = f"{os.cpu_count()} cores, {platform.machine()}, Python {platform.python_version()}, {_git_revision()}"
+    machine = f"{os.cpu_count()} cores, {platform.machine()}, Python {platform.python_version()}, {git_revision()}"
     return f"""
 
 ## Gym set start-up, {date.today()} ({machine})
@@ -111,7 +110,7 @@ def main() -> None:
         try:
             for use_ray in (False, True):
                 if use_ray:
-                    init_ray(num_cpus=os.cpu_count())
+                    initray_get(num_cpus=os.cpu_count())
                 for rep in range(args.reps):
                     for fork in (False, True):
                         log_dir = Path(workdir) / f"{use_ray}-{fork}-{rep}"

@@ -55,12 +55,9 @@ from bridge_throughput import (
     WORKLOADS,
     EndpointProcess,
     LoopLag,
-    _git_revision,
-    _ray,
-    _verdict,
     gym_config,
 )
-from results_file import RESULTS, publish
+from results_file import RESULTS, git_revision, publish, ray_get, verdict
 from transformers import AutoTokenizer
 
 from gym_bridge.data import datum_from_gym_row
@@ -277,7 +274,7 @@ async def run_scale(args: argparse.Namespace, workdir: Path) -> Report:
     deadline_s = args.deadline_s or 120.0 + rows_total / 10.0
     report = Report(args.groups, args.group_size, deadline_s, load_before=os.getloadavg())
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("tiny"))
-    init_ray(num_cpus=2)
+    initray_get(num_cpus=2)
     endpoint = EndpointProcess(free_port("127.0.0.1"), workdir / "endpoint.log")
     actor = None
     try:
@@ -289,7 +286,7 @@ async def run_scale(args: argparse.Namespace, workdir: Path) -> Report:
             }
         )
         actor = await asyncio.to_thread(start_nemo_gym_actor, config, tokenizer)
-        actor_pid = await _ray(actor.__ray_call__.remote(lambda _actor: os.getpid()))
+        actor_pid = await ray_get(actor.__ray_call__.remote(lambda _actor: os.getpid()))
         manager = RolloutManager(
             tokenizer=tokenizer,
             task_to_env={"nemo_gym": actor},
@@ -408,7 +405,7 @@ def markdown(report: Report, args: argparse.Namespace) -> str:
     )
     lines = [
         f"\n## Rows in flight at scale, {date.today()} ({os.cpu_count()} cores, {mem_gib:.0f} GiB, "
-        f"{platform.processor() or platform.machine()}, Python {platform.python_version()}, {_git_revision()})",
+        f"{platform.processor() or platform.machine()}, Python {platform.python_version()}, {git_revision()})",
         "",
         f"{args.note + ' ' if args.note else ''}"
         f"Load average before {lb[0]:.2f} / {lb[1]:.2f} / {lb[2]:.2f}, after {la[0]:.2f} / {la[1]:.2f} / {la[2]:.2f} "
@@ -441,7 +438,7 @@ def markdown(report: Report, args: argparse.Namespace) -> str:
     lines += [
         "",
         f"Driver + actor growth: **{total_growth:.0f} MiB** (target < {TARGET_GROWTH_MIB:g} MB: "
-        f"{_verdict(total_growth * 1.048576 < TARGET_GROWTH_MIB)}).",
+        f"{verdict(total_growth * 1.048576 < TARGET_GROWTH_MIB)}).",
         "",
         "Growth with the run's length (RSS when this share of the groups had committed; rows still in flight "
         "shrink as groups commit, so what the run itself retains shows as memory that does not come back down):",
@@ -461,7 +458,7 @@ def markdown(report: Report, args: argparse.Namespace) -> str:
         "|---|---|---|---|---|---|---|---|",
         f"| {p50:.1f} | {p99:.1f} | {top:.1f} | {1000 * report.worst_tick[1]:.1f} / {1000 * report.worst_tick[2]:.1f} "
         f"| {1000 * report.max_gc_pause_s:.1f} | {'/'.join(map(str, report.gc_collections))} "
-        f"| {_verdict(p99 < TARGET_P99_MS)} | {_verdict(top < TARGET_MAX_MS)} |",
+        f"| {verdict(p99 < TARGET_P99_MS)} | {verdict(top < TARGET_MAX_MS)} |",
         "",
         f"**asyncio tasks on the driver's loop** (idle {report.tasks_idle}, peak {peak_tasks}; sampled every "
         f"{1000 * args.sample_s:.0f} ms): {_task_curve(report)}.",

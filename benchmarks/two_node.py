@@ -1,5 +1,5 @@
 """Two-node throughput: rows/s of one RolloutManager over 1 NemoGym actor vs 2 actors, one per node of a real
-two-node Ray cluster on this machine (``ray start --head`` + ``ray start --address``, :mod:`gym_bridge.cluster`).
+two-node Ray cluster on this machine (``ray start --head`` + ``ray start --address``, :mod:`gym_bridge.testing.cluster`).
 
 What runs, all on 127.0.0.1: the two-node cluster (custom resources ``node_a`` / ``node_b``), this process
 joined to it; our server with ``InstantGeneration`` (``gym-bridge serve --policy instant``, a fixed 16-token
@@ -35,13 +35,12 @@ from bridge_throughput import (
     RUN_TIMEOUT_S,
     WORKLOADS,
     EndpointProcess,
-    _git_revision,
     gym_config,
 )
-from results_file import RESULTS, publish
+from results_file import RESULTS, git_revision, publish, ray_get, verdict
 from transformers import AutoTokenizer
 
-from gym_bridge.cluster import LocalRayCluster, NodeSpec
+from gym_bridge.testing.cluster import LocalRayCluster, NodeSpec
 from gym_bridge.data import datum_from_gym_row
 from gym_bridge.failures import RolloutTimeouts
 from gym_bridge.gym.spinup import start_nemo_gym_actor, stop_nemo_gym_actors
@@ -123,10 +122,10 @@ def markdown(results: dict[str, list[float]], args: argparse.Namespace, load: tu
         return f"{min(results[k]):.1f}–{max(results[k]):.1f}"
 
     return f"""
-## Two-node cluster, {date.today().isoformat()} ({os.cpu_count()} cores, {platform.machine()}, {_git_revision()})
+## Two-node cluster, {date.today().isoformat()} ({os.cpu_count()} cores, {platform.machine()}, {git_revision()})
 
 Load average before {before}, after {after} (1 / 5 / 15 min). A two-node Ray cluster on this one machine
-(`ray start --head` + `ray start --address`, custom resources `node_a` / `node_b`, `gym_bridge.cluster`);
+(`ray start --head` + `ray start --address`, custom resources `node_a` / `node_b`, `gym_bridge.testing.cluster`);
 one NemoGym actor pinned to each node, each with its own Gym servers (gym-bridge's model server +
 equivalence_rule lc, single-turn rows); our server with InstantGeneration (16-token answer, no model) in
 its own process. {args.rows} rows (groups of {GROUP}) launched at once through one RolloutManager; median of

@@ -14,7 +14,6 @@ import asyncio
 import dataclasses
 import os
 import signal
-import socket
 import time
 from pathlib import Path
 
@@ -32,18 +31,18 @@ from gym_bridge.failures import (
     RunConfigurationError,
 )
 from gym_bridge.gym.actor import NemoGymUnavailable
-from gym_bridge.gym.spinup import start_nemo_gym_actor
 from gym_bridge.gym.convert import MissingGenerationData
+from gym_bridge.gym.reaper import free_port
 from gym_bridge.gym.result import GymRowBatch
 from gym_bridge.gym.rows import InvalidGymRow
 from gym_bridge.gym.servers import wheel_config_path
+from gym_bridge.gym.spinup import start_nemo_gym_actor
 from gym_bridge.gym.versions import installed_gym
 from gym_bridge.rollout.manager import RolloutManager, RolloutOutcome
 from gym_bridge.rollout.nemo_gym import GymRowIndexError
 from gym_bridge.rollout.sink import InMemorySink
 from gym_bridge.testing import async_wait_until
-from tests.fault_gate import FaultGate
-from tests.gym_fixtures import (
+from gym_bridge.testing.gym_rows import (
     EQUIVALENCE_GYM_CONFIGS,
     N,
     equivalence_row,
@@ -51,6 +50,7 @@ from tests.gym_fixtures import (
     make_manager,
     prompt,
 )
+from gym_bridge.testing.fault_gate import FaultGate
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.gym, pytest.mark.slow]
 
@@ -62,15 +62,10 @@ CONTEXT_LENGTH_400 = (
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def gate(scripted_policy, tmp_path_factory):
-    gate = FaultGate(scripted_policy.root_url, _free_port(), tmp_path_factory.mktemp("gate") / "gate.log")
+    gate = FaultGate(scripted_policy.root_url, free_port("127.0.0.1"), tmp_path_factory.mktemp("gate") / "gate.log")
     gate.start()
     yield gate
     gate.kill()

@@ -21,7 +21,7 @@ from gym_bridge.gym.actor import NemoGym, NemoGymConfig, NemoGymRestarted, NemoG
 from gym_bridge.gym.spinup import start_nemo_gym_actor
 from gym_bridge.gym.result import GymRowBatch
 from gym_bridge.testing import wait_until
-from tests.gym_fixtures import (
+from gym_bridge.testing.gym_rows import (
     EQUIVALENCE_AGENT,
     TOOL_AGENT,
     equivalence_row,

@@ -20,7 +20,7 @@ import torch
 
 from gym_bridge.gym.rows import build_rows
 from gym_bridge.types import GenerationSamplingParams
-from tests.gym_fixtures import tool_call_rows
+from gym_bridge.testing.gym_rows import tool_call_rows
 
 pytestmark = [pytest.mark.gym, pytest.mark.timeout(300)]
 

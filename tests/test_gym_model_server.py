@@ -18,10 +18,10 @@ import ray
 from omegaconf import OmegaConf
 
 from gym_bridge import gym_model
-from gym_bridge.gym.spinup import start_nemo_gym_actor, stop_nemo_gym_actors
 from gym_bridge.gym.servers import wheel_config_path
-from tests import test_nemo_gym_integration as integration
-from tests.gym_fixtures import (
+from gym_bridge.gym.spinup import start_nemo_gym_actor, stop_nemo_gym_actors
+from gym_bridge.testing import gym_checks
+from gym_bridge.testing.gym_rows import (
     EQUIVALENCE_AGENT,
     GYM_CONFIGS,
     TOOL_AGENT,
@@ -141,9 +141,9 @@ def test_bad_request_is_a_400_naming_the_field(server_urls):
 @pytest.mark.parametrize(
     "integration_test",
     [
-        integration.test_tool_call_group_is_exact_and_in_order,
-        integration.test_two_agents_and_several_groups_in_flight,
-        integration.test_truncation_flag,
+        gym_checks.check_tool_call_group_is_exact_and_in_order,
+        gym_checks.check_two_agents_and_several_groups_in_flight,
+        gym_checks.check_truncation_flag,
     ],
     ids=lambda f: f.__name__,
 )

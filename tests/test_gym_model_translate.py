@@ -22,7 +22,7 @@ from gym_bridge.gym_model.translate import (
     responses_to_chat,
 )
 from gym_bridge.serving.chat import build_chat_prompt
-from tests.gym_fixtures import tool_call_rows
+from gym_bridge.testing.gym_rows import tool_call_rows
 
 
 def _gym_chat(body: dict[str, Any], **config: Any) -> dict[str, Any]:

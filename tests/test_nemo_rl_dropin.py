@@ -33,7 +33,7 @@ from gym_bridge import (
 )
 from gym_bridge.data import datum_from_gym_row
 from gym_bridge.testing import async_wait_until
-from tests.gym_fixtures import EQUIVALENCE_AGENT, TOOL_AGENT, equivalence_row, tool_call_rows
+from gym_bridge.testing.gym_rows import EQUIVALENCE_AGENT, TOOL_AGENT, equivalence_row, tool_call_rows
 
 pytestmark = pytest.mark.gym
 

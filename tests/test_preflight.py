@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from gym_bridge.gym.reaper import free_port
 from gym_bridge.preflight import (
     VLLM_TOOL_FLAGS,
     EndpointProblem,
@@ -59,15 +60,10 @@ def no_token_ids_url(tiny_tokenizer) -> Iterator[str]:
     yield from _serve(tiny_tokenizer, ServerFeatures(token_ids=False))
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 @pytest.fixture()
 def dead_url() -> str:
-    return f"http://127.0.0.1:{_free_port()}/v1"
+    return f"http://127.0.0.1:{free_port("127.0.0.1")}/v1"
 
 
 def test_a_good_server_passes_every_check_tools_included(good_url):

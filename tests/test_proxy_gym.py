@@ -16,7 +16,7 @@ from gym_bridge.generation.scripted import ScriptedGeneration
 from gym_bridge.gym.spinup import start_nemo_gym_actor
 from gym_bridge.rollout.manager import RolloutManager
 from gym_bridge.serving import OpenAIServer, build_proxy
-from tests.gym_fixtures import SERVED_MODEL_NAME, gym_actor_config, tool_call_rows
+from gym_bridge.testing.gym_rows import SERVED_MODEL_NAME, gym_actor_config, tool_call_rows
 
 pytestmark = [pytest.mark.gym, pytest.mark.slow]
 

@@ -40,7 +40,7 @@ and ``RunDirError`` in :mod:`gym_bridge.eval`, ``TrainingConfigError`` (``ValueE
 :mod:`gym_bridge.build.training_config`, ``BackendNotFoundError`` / ``BackendLoadError`` in
 :mod:`gym_bridge.rollout.registry`, ``UnknownTaskError`` in :mod:`gym_bridge.rollout.env_step`,
 ``UnsupportedGymVersion`` in :mod:`gym_bridge.gym.versions`, ``PreflightError`` in :mod:`gym_bridge.preflight`,
-``LocalClusterError`` in :mod:`gym_bridge.cluster`, ``SmolLM2Unavailable`` in :mod:`gym_bridge.models.smollm2`,
+``LocalClusterError`` in :mod:`gym_bridge.testing.cluster`, ``SmolLM2Unavailable`` in :mod:`gym_bridge.models.smollm2`,
 ``RewardTimeout`` in :mod:`gym_bridge.environments.rewards`, ``TranslationError`` and ``CompletionsError`` in
 :mod:`gym_bridge.gym_model`, and ``ServingError`` (an HTTP answer of our server) in :mod:`gym_bridge.serving.errors`.
 ``tests/test_failures.py`` checks that every exception class of the package derives from ``GymBridgeError``.

@@ -1,6 +1,6 @@
 """A fault-injecting reverse proxy in front of an OpenAI-compatible endpoint, run as its own process.
 
-``FaultGate(upstream).start()`` spawns ``python -m tests.fault_gate`` on 127.0.0.1 (a
+``FaultGate(upstream).start()`` spawns ``python -m gym_bridge.testing.fault_gate`` on 127.0.0.1 (a
 fixed port, so it can be SIGKILLed and started again where Gym expects it). It
 forwards every request to the upstream; ``set(mode, ...)`` makes chat completions
 misbehave:
@@ -25,13 +25,14 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
+
+from gym_bridge.testing import wait_until
 
 CHAT_PATH = "v1/chat/completions"
 
@@ -50,27 +51,38 @@ class FaultGate:
         return f"http://127.0.0.1:{self.port}/v1"
 
     def start(self, timeout_s: float = 30.0) -> None:
-        repo = Path(__file__).resolve().parents[1]
         log = self.log_path.open("ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.fault_gate", "--upstream", self.upstream_root, "--port", str(self.port)],
-            cwd=repo,
+            [
+                sys.executable,
+                "-m",
+                "gym_bridge.testing.fault_gate",
+                "--upstream",
+                self.upstream_root,
+                "--port",
+                str(self.port),
+            ],
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
         log.close()
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the fault gate exited with {self.proc.returncode}; see {self.log_path}")
+        proc = self.proc
+
+        def answering() -> bool:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the fault gate exited with {proc.returncode}; see {self.log_path}")
             try:
                 httpx.get(f"http://127.0.0.1:{self.port}/admin/stats", timeout=1.0).raise_for_status()
-                return
             except httpx.HTTPError:
-                time.sleep(0.1)
-        self.kill()
-        raise TimeoutError(f"the fault gate did not answer within {timeout_s}s; see {self.log_path}")
+                return False
+            return True
+
+        try:
+            wait_until(answering, timeout_s, f"the fault gate answers (see {self.log_path})", poll_s=0.1)
+        except TimeoutError:
+            self.kill()
+            raise
 
     def kill(self) -> None:
         """SIGKILL the gate: connections in flight are cut, new ones are refused."""
@@ -80,7 +92,9 @@ class FaultGate:
         self.proc = None
 
     def set(self, mode: str = "pass", **params: Any) -> None:
-        httpx.post(f"http://127.0.0.1:{self.port}/admin/mode", json={"mode": mode, "times": None, **params}, timeout=5).raise_for_status()
+        httpx.post(
+            f"http://127.0.0.1:{self.port}/admin/mode", json={"mode": mode, "times": None, **params}, timeout=5
+        ).raise_for_status()
 
     def stats(self) -> dict[str, Any]:
         return httpx.get(f"http://127.0.0.1:{self.port}/admin/stats", timeout=5).json()
@@ -115,7 +129,11 @@ def build_app(upstream_root: str) -> FastAPI:
             state["chat"] += 1
             state["auth"] = request.headers.get("authorization")
         if mode == "status":
-            error = {"message": state.get("message", "injected fault"), "type": "BadRequestError", "code": state["status"]}
+            error = {
+                "message": state.get("message", "injected fault"),
+                "type": "BadRequestError",
+                "code": state["status"],
+            }
             return JSONResponse({"error": error, "object": "error"}, status_code=state["status"])
         if mode == "delay":
             await asyncio.sleep(state["delay_s"])

@@ -1,9 +1,8 @@
-"""Helpers for the Gym tests: the wheel's rows, row builders and the session actor's config.
+"""Rows and configs for Gym tests and benchmarks: the wheel's example rows, row builders, the actor's config.
 
 The fixtures themselves (``ray_session``, ``tiny_tokenizer``, ``scripted_policy``, ``gym_actor``, ...)
-live in the public plugin :mod:`gym_bridge.testing`, which ``tests/conftest.py`` registers once, so
-every module shares one session Gym. Ask for them by name; never import one (an imported fixture
-would make pytest start a second, module-private Gym).
+are the plugin's (:mod:`gym_bridge.testing`). Ask for them by name; never import one (an imported
+fixture would make pytest start a second, module-private Gym).
 """
 
 from __future__ import annotations
@@ -16,6 +15,7 @@ from gym_bridge.data import datum_from_gym_row
 from gym_bridge.failures import RolloutRetryPolicy, RolloutTimeouts
 from gym_bridge.rollout.manager import RolloutManager
 from gym_bridge.testing import DEFAULT_GYM_CONFIGS, SERVED_MODEL_NAME
+from gym_bridge.types import DatumSpec
 
 GYM_CONFIGS = list(DEFAULT_GYM_CONFIGS)
 # The smallest Gym set that grades: the model server and the equivalence agent (fault and two-node tests).
@@ -39,7 +39,7 @@ def tool_call_rows() -> list[dict[str, Any]]:
     return rows
 
 
-def equivalence_row(question: str, expected_answer: str) -> dict[str, Any]:
+def equivalence_row(question: str, expected_answer: str, agent: str = EQUIVALENCE_AGENT) -> dict[str, Any]:
     """A single-turn equivalence_rule row (the wheel's examples are 8k-token contexts)."""
     return {
         "responses_create_params": {
@@ -50,7 +50,7 @@ def equivalence_row(question: str, expected_answer: str) -> dict[str, Any]:
             "top_p": 1.0,
         },
         "expected_answer": expected_answer,
-        "agent_ref": {"type": "responses_api_agents", "name": EQUIVALENCE_AGENT},
+        "agent_ref": {"type": "responses_api_agents", "name": agent},
     }
 
 
@@ -105,6 +105,6 @@ def make_manager(actor: Any, tokenizer: Any, *, rollout_s: float = 30.0, **polic
     )
 
 
-def prompt(k: int) -> dict:
+def prompt(k: int) -> DatumSpec:
     """Prompt ``k``: an equivalence row whose right answer is ``k``."""
     return datum_from_gym_row(equivalence_row(f"Reply with exactly: {k}", str(k)), idx=k)

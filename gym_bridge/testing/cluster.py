@@ -17,7 +17,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,6 +29,7 @@ from types import TracebackType
 import psutil
 
 from gym_bridge.failures import GymBridgeError
+from gym_bridge.gym.reaper import free_port
 
 __all__ = ["ClusterNode", "LocalClusterError", "LocalRayCluster", "NodeSpec"]
 
@@ -229,7 +229,7 @@ class LocalRayCluster:
             if len(str(node.temp_dir)) > _SOCKET_DIR_BUDGET:
                 raise LocalClusterError(f"node {spec.name!r}: temp dir {node.temp_dir} is too long for Ray's sockets")
             if head:
-                self.port = _free_port()
+                self.port = free_port("127.0.0.1")
             self.nodes[spec.name] = node
             result = self._run_ray_start(node)
             if result.returncode == 0:
@@ -259,20 +259,20 @@ class LocalRayCluster:
             f"--temp-dir={node.temp_dir}",
             "--disable-usage-stats",
             # Explicit ports: no race for Ray's defaults with a second raylet, and no wait on port files.
-            f"--node-manager-port={_free_port()}",
-            f"--object-manager-port={_free_port()}",
-            f"--dashboard-agent-listen-port={_free_port()}",
-            f"--dashboard-agent-grpc-port={_free_port()}",
-            f"--metrics-export-port={_free_port()}",
-            f"--runtime-env-agent-port={_free_port()}",
+            f"--node-manager-port={free_port("127.0.0.1")}",
+            f"--object-manager-port={free_port("127.0.0.1")}",
+            f"--dashboard-agent-listen-port={free_port("127.0.0.1")}",
+            f"--dashboard-agent-grpc-port={free_port("127.0.0.1")}",
+            f"--metrics-export-port={free_port("127.0.0.1")}",
+            f"--runtime-env-agent-port={free_port("127.0.0.1")}",
         ]  # fmt: skip
         if node.head:
             args += [
                 "--head",
                 f"--port={self.port}",
                 "--include-dashboard=false",
-                f"--dashboard-port={_free_port()}",
-                f"--ray-client-server-port={_free_port()}",
+                f"--dashboard-port={free_port('127.0.0.1')}",
+                f"--ray-client-server-port={free_port('127.0.0.1')}",
                 f"--system-config={json.dumps(self.system_config)}",
             ]
         else:
@@ -322,13 +322,6 @@ class LocalRayCluster:
         gcs = ray.get_runtime_context().gcs_address
         if gcs.rsplit(":", 1)[-1] == str(self.port):
             ray.shutdown()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def _process(pid: int) -> psutil.Process | None:

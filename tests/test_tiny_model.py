@@ -19,9 +19,9 @@ from gym_bridge.models.tiny import (
     RECIPE_TAG,
     build_tiny_model,
     load_tiny,
-    resolve_model_path,
     tiny_model_path,
 )
+from gym_bridge.models.registry import resolve_model_path
 
 # Builds in a fresh interpreter with the hub offline and every socket connect refused,
 # so a build that tried to reach the network would fail here.

@@ -58,6 +58,7 @@ from gym_bridge.gym.spinup import (
     stop_nemo_gym_actors as stop_nemo_gym_actors,
 )
 from gym_bridge.interfaces import (
+    ColocatablePolicyInterface as ColocatablePolicyInterface,
     EnvironmentInterface as EnvironmentInterface,
     GenerationInterface as GenerationInterface,
     PolicyInterface as PolicyInterface,
@@ -76,6 +77,9 @@ from gym_bridge.preflight import (
 )
 from gym_bridge.ray_utils import (
     init_ray as init_ray,
+)
+from gym_bridge.rollout.env_step import (
+    calculate_rewards as calculate_rewards,
 )
 from gym_bridge.rollout.manager import (
     RolloutManager as RolloutManager,
@@ -96,6 +100,10 @@ from gym_bridge.rollout.sink import (
     InMemorySink as InMemorySink,
     ReplayBuffer as ReplayBuffer,
 )
+from gym_bridge.rollout.sync import (
+    generate_responses as generate_responses,
+    run_multi_turn_rollout as run_multi_turn_rollout,
+)
 from gym_bridge.serving.server import (
     OpenAIServer as OpenAIServer,
 )
@@ -107,6 +115,9 @@ from gym_bridge.types import (
     GenerationDatumSpec as GenerationDatumSpec,
     GenerationOutputSpec as GenerationOutputSpec,
     GenerationSamplingParams as GenerationSamplingParams,
+    LogprobOutputSpec as LogprobOutputSpec,
     MessageEntry as MessageEntry,
     PromptGroupRecord as PromptGroupRecord,
+    ReferenceLogprobOutputSpec as ReferenceLogprobOutputSpec,
+    TopkLogitsOutputSpec as TopkLogitsOutputSpec,
 )

@@ -180,15 +180,22 @@ class ReferenceLogprobOutputSpec(TypedDict):
     reference_logprobs: torch.Tensor
 
 
-class EnvironmentReturn(NamedTuple):
+class TopkLogitsOutputSpec(TypedDict):
+    """``PolicyInterface.get_topk_logits`` output: ``topk_logits`` and their token ids ``topk_indices``, [B, S-1, k]."""
+
+    topk_logits: torch.Tensor
+    topk_indices: torch.Tensor
+
+
+class EnvironmentReturn[MetadataT](NamedTuple):
     """What ``EnvironmentInterface.step`` returns; the positional order is part of the contract.
 
     ``answers`` is NeMo-RL HEAD's sixth field; the documented interface has five, so it defaults to None
-    and environments may return either (a plain 5- or 6-tuple too).
+    and environments may return either (a plain 5- or 6-tuple too). Generic in the metadata type, as in HEAD.
     """
 
     observations: list[dict[str, str]]
-    metadata: list[Any]
+    metadata: list[MetadataT]
     next_stop_strings: list[list[str] | None] | None
     rewards: torch.Tensor | dict[str, torch.Tensor]  # [B], or one [B] tensor per reward component
     terminateds: torch.Tensor

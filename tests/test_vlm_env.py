@@ -27,7 +27,7 @@ from gym_bridge.environments.vlm import (
     VLMEnvConfig,
     VLMEnvironment,
     VLMEnvSettings,
-    VLMVerifyWorker,
+    VLMVerifyWorkerImpl,
     chunk_to_workers,
     message_text,
 )
@@ -102,7 +102,7 @@ def test_geo3k():
 
 
 def test_math_rewards_in_a_nemo_rl_geometry3k_config():
-    worker = VLMVerifyWorker(
+    worker = VLMVerifyWorkerImpl(
         {"reward_functions": [{"name": "format", "weight": 0.1}, {"name": "math_expr", "weight": 0.9}]}
     )
     right, wrong = worker.score([ans("\\frac{1}{2}"), ans("1/3")], ["0.5", "0.5"])
@@ -168,7 +168,9 @@ def test_config_validation():
 
 
 def test_worker_combines_weighted_scores():
-    worker = VLMVerifyWorker({"reward_functions": [{"name": "format", "weight": 1}, {"name": "exact_alnum", "weight": 3}]})
+    worker = VLMVerifyWorkerImpl(
+        {"reward_functions": [{"name": "format", "weight": 1}, {"name": "exact_alnum", "weight": 3}]}
+    )
     assert worker.verify([ans("cube"), "<answer>cube</answer>", ans("ball")], ["cube"] * 3) == pytest.approx(
         [1.0, 0.25 * 0.75 + 0.75, 0.25]
     )

@@ -93,8 +93,8 @@ def message_text(content: Any) -> str:
     )
 
 
-class VLMVerifyWorker:
-    """Scores responses against ground truths (a Ray actor inside :class:`VLMEnvironment`)."""
+class VLMVerifyWorkerImpl:
+    """Scores responses against ground truths; :data:`VLMVerifyWorker` is it as a Ray actor class."""
 
     def __init__(self, cfg: VLMEnvConfig | VLMEnvSettings | dict[str, Any]) -> None:
         self.cfg = VLMEnvSettings.model_validate(cfg)
@@ -136,6 +136,10 @@ class VLMVerifyWorker:
         return {"items_scored": self.items_scored, "main_thread": threading.current_thread() is threading.main_thread()}
 
 
+VLMVerifyWorker = ray.remote(num_cpus=0)(VLMVerifyWorkerImpl)
+"""The Ray actor class, as NeMo-RL declares it: ``VLMVerifyWorker.remote(cfg)``, then ``.verify.remote(...)``."""
+
+
 def _tokens(log: LLMMessageLogType, *, assistant: bool) -> int:
     """Token count of the assistant messages, or of the messages before the first assistant one (the prompt)."""
     if assistant:
@@ -170,9 +174,8 @@ class VLMEnvironmentImpl(EnvironmentInterface):
 
     def __init__(self, cfg: VLMEnvConfig | VLMEnvSettings | dict[str, Any]) -> None:
         self.cfg = VLMEnvSettings.model_validate(cfg)
-        worker_cls = ray.remote(num_cpus=0)(VLMVerifyWorker)
         # Any: Ray types an actor's handle as ``ActorHandle[T] | type[T]``, whose methods lack ``.remote``
-        self.workers: list[Any] = [worker_cls.remote(self.cfg) for _ in range(self.cfg.num_workers)]
+        self.workers: list[Any] = [VLMVerifyWorker.remote(self.cfg) for _ in range(self.cfg.num_workers)]
         self._next_worker = 0
 
     def _score(self, responses: list[str], truths: list[str]) -> list[dict[str, Any]]:

@@ -199,9 +199,9 @@ class HFPolicy(PolicyInterface):
         data: BatchedDataDict[Any],
         loss_fn: LossFunction,
         eval_mode: bool = False,
-        *,
         gbs: int | None = None,
         mbs: int | None = None,
+        *,
         timer: Any = None,
     ) -> dict[str, Any]:
         """One optimizer step per global batch of ``gbs`` samples, accumulated over micro-batches of ``mbs``.

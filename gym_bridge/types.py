@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, NotRequired, TypedDict
+from typing import Any, NamedTuple, NotRequired, Protocol, TypedDict
 
 import torch
 
@@ -32,6 +32,48 @@ class MessageEntry(TypedDict, total=False):
 
 
 LLMMessageLogType = list[MessageEntry]
+
+
+class Tokenizer(Protocol):
+    """What gym-bridge uses of a tokenizer; any Hugging Face ``PreTrainedTokenizerBase`` satisfies it."""
+
+    @property
+    def pad_token_id(self) -> int | None: ...
+
+    @property
+    def eos_token_id(self) -> int | None: ...
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def decode(self, token_ids: Any, skip_special_tokens: bool = False) -> str: ...
+
+    def batch_decode(self, sequences: Any, skip_special_tokens: bool = False) -> list[str]: ...
+
+    def apply_chat_template(self, conversation: Any, **kwargs: Any) -> Any: ...
+
+    def __call__(self, text: Any, **kwargs: Any) -> Any: ...
+
+
+def padding_id(tokenizer: Tokenizer) -> int:
+    """The id that pads token batches: the tokenizer's pad token, else its EOS token (as NeMo-RL pads)."""
+    for value in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if value is not None:
+            return int(value)
+    raise ValueError("the tokenizer has neither a pad_token_id nor an eos_token_id to pad batches with")
+
+
+class RemoteMethod(Protocol):
+    """A Ray actor method: ``.remote(...)`` submits a call, ``.options(...)`` sets call options."""
+
+    def remote(self, *args: Any, **kwargs: Any) -> Any: ...
+
+    def options(self, **options: Any) -> RemoteMethod: ...
+
+
+class ActorHandle(Protocol):
+    """A Ray actor handle as gym-bridge calls it: every attribute is a :class:`RemoteMethod`."""
+
+    def __getattr__(self, name: str) -> RemoteMethod: ...
 
 
 class DatumSpec(TypedDict, total=False):

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gym_bridge.failures import GymBridgeError
-from gym_bridge.gym.rows import InvalidGymRow, validate_row
+from gym_bridge.failures import GymBridgeError, InvalidGymRow
+from gym_bridge.gym.rows import validate_row
 
 _MAX_REPORTED = 20
 

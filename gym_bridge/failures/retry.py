@@ -26,7 +26,7 @@ def backoff_delay(attempt: int, base_s: float, max_s: float) -> float:
 
     That is ``min(base * 2**(attempt-1), max)``.
     """
-    return min(base_s * 2 ** (attempt - 1), max_s)
+    return float(min(base_s * 2 ** (attempt - 1), max_s))
 
 
 def _check_seconds(name: str, seconds: float | None) -> None:

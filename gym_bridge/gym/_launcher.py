@@ -24,7 +24,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from multiprocessing.context import ForkServerContext
 from pathlib import Path
 from subprocess import DEVNULL, STDOUT, Popen
@@ -105,7 +105,9 @@ def _link_venvs(servers: dict[str, dict[str, Any]], venv_dir: Path) -> None:
             link.symlink_to(sys.prefix, target_is_directory=True)
 
 
-def _make_run_command(status: _Status, log_dir: Path, forks: ForkServerContext | None):
+def _make_run_command(
+    status: _Status, log_dir: Path, forks: ForkServerContext | None
+) -> Callable[..., Popen[bytes] | ForkedServer]:
     """A stand-in for ``nemo_gym.cli.setup_command.run_command``: one log file per server, no installs,
     and each server forked from ``forks`` (:mod:`gym_bridge.gym._forkserver`) when its command allows."""
     from nemo_gym.global_config import UV_CACHE_DIR_KEY_NAME, get_global_config_dict
@@ -120,7 +122,7 @@ def _make_run_command(status: _Status, log_dir: Path, forks: ForkServerContext |
         stdout_target: Any = None,
         stderr_target: Any = None,
         extra_env: Mapping[str, str] | None = None,
-    ):
+    ) -> Popen[bytes] | ForkedServer:
         """Every Gym version's signature at once (the keywords came in 0.6 and 0.7); output goes to the log."""
         name = server_name or working_dir_path.name
         if any(marker in command for marker in _INSTALL_MARKERS):

@@ -59,6 +59,7 @@ from gym_bridge.gym.health import EndpointWatch
 from gym_bridge.gym.result import GymRowBatch, GymRowResult
 from gym_bridge.gym.rows import ROW_INDEX_KEY, dispatch_target
 from gym_bridge.gym.servers import GymServers
+from gym_bridge.types import Tokenizer
 
 __all__ = ["NemoGym", "NemoGymConfig", "NemoGymRestarted", "NemoGymUnavailable", "actor_configs"]
 
@@ -72,11 +73,11 @@ _PROGRESS_EVERY = 10
 class NemoGym:
     """The actor class; create it with :func:`start_nemo_gym_actor` (or NeMo-RL's ``spinup_nemo_gym_actor``)."""
 
-    def __init__(self, cfg: NemoGymConfig | dict[str, Any], tokenizer: Any = None) -> None:
+    def __init__(self, cfg: NemoGymConfig | dict[str, Any], tokenizer: Tokenizer | None = None) -> None:
         self.cfg = cfg if isinstance(cfg, NemoGymConfig) else NemoGymConfig.model_validate(cfg)
         self._servers: GymServers | None = None
         self._agent_urls: dict[str, str] = {}
-        self._tokenizer: Any = tokenizer
+        self._tokenizer: Tokenizer | None = tokenizer
         self._client: aiohttp.ClientSession | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._spinup_lock = asyncio.Lock()
@@ -133,7 +134,7 @@ class NemoGym:
             raise NemoGymUnavailable("spinup() was never called on this NemoGym actor, or it was shut down")
         return self._servers
 
-    async def set_tokenizer(self, tokenizer: Any) -> None:
+    async def set_tokenizer(self, tokenizer: Tokenizer) -> None:
         """Install the tokenizer when it was not given to the constructor."""
         if self._tokenizer is not None:
             raise RuntimeError("the tokenizer is already set")
@@ -363,6 +364,7 @@ class NemoGym:
             result = _loads(body)
         except ValueError as exc:
             raise GymResultError(f"{ROW_INDEX_KEY}={rowidx}: /run returned invalid JSON: {exc}") from None
+        assert self._tokenizer is not None  # run_rollouts refuses to start without one
         try:
             converted = convert_gym_result(
                 result,

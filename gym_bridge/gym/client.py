@@ -31,6 +31,7 @@ from gym_bridge.failures import (
 )
 from gym_bridge.gym.result import GymRowBatch, GymRowResult
 from gym_bridge.gym.rows import ROW_INDEX_KEY, check_agent
+from gym_bridge.types import ActorHandle
 
 __all__ = ["GymClient", "GymGroupResult"]
 
@@ -50,7 +51,7 @@ class GymClient:
 
     def __init__(
         self,
-        actors: Sequence[Any],
+        actors: Sequence[ActorHandle],
         *,
         max_row_attempts: int = 3,
         stats: RolloutStats | None = None,

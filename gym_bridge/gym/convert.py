@@ -27,7 +27,7 @@ from gym_bridge.failures import (
 )
 from gym_bridge.gym.decode import decode_turns
 from gym_bridge.gym.result import GymRowResult
-from gym_bridge.types import LOGPROB_DTYPE, TOKEN_DTYPE
+from gym_bridge.types import LOGPROB_DTYPE, TOKEN_DTYPE, Tokenizer
 
 __all__ = [
     "DEFAULT_INVALID_TOOL_CALL_PATTERNS",
@@ -97,7 +97,7 @@ def _contains_any(text: str, needles: Sequence[str]) -> bool:
 
 def convert_gym_result(
     result: dict[str, Any],
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     *,
     on_drift: Literal["raise", "truncate"] = "raise",
     invalid_tool_call_patterns: Sequence[str] = DEFAULT_INVALID_TOOL_CALL_PATTERNS,
@@ -326,7 +326,7 @@ def _first_difference(history: list[int], prompt: list[int]) -> int | None:
     return None
 
 
-def _drift_message(drift: dict[str, Any], seen: list[int], prompt: list[int], tokenizer: Any) -> str:
+def _drift_message(drift: dict[str, Any], seen: list[int], prompt: list[int], tokenizer: Tokenizer) -> str:
     i = drift["position"]
     start = max(0, i - _DRIFT_WINDOW)
     return (
@@ -339,14 +339,14 @@ def _drift_message(drift: dict[str, Any], seen: list[int], prompt: list[int], to
     )
 
 
-def _decode(tokenizer: Any, ids: list[int]) -> str:
+def _decode(tokenizer: Tokenizer, ids: list[int]) -> str:
     try:
         return str(tokenizer.decode(ids))
     except Exception as exc:  # only for a diagnostic message
         return f"<decode failed: {exc}>"
 
 
-def _missing_message(result: dict[str, Any], output: list[Any], tokenizer: Any) -> str:
+def _missing_message(result: dict[str, Any], output: list[Any], tokenizer: Tokenizer) -> str:
     types = [item.get("type", "?") if isinstance(item, dict) else type(item).__name__ for item in output]
     response = result.get("response") or {}
     incomplete = response.get("incomplete_details") if isinstance(response, dict) else None
@@ -359,7 +359,7 @@ def _missing_message(result: dict[str, Any], output: list[Any], tokenizer: Any) 
     )
 
 
-def _first_prompt_length(result: dict[str, Any], tokenizer: Any) -> str:
+def _first_prompt_length(result: dict[str, Any], tokenizer: Tokenizer) -> str:
     params = result.get("responses_create_params")
     messages = params.get("input") if isinstance(params, dict) else None
     if isinstance(messages, str):

@@ -19,14 +19,16 @@ from typing import Any
 from tokenizers.decoders import ByteLevel
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
+from gym_bridge.types import Tokenizer
+
 __all__ = ["decode_turns", "token_bytes_table"]
 
-_CHAR_BYTES = {char: byte for byte, char in bytes_to_unicode().items()}
+_CHAR_BYTES: dict[str, int] = {char: byte for byte, char in bytes_to_unicode().items()}  # type: ignore[no-untyped-call]
 _TABLES: weakref.WeakKeyDictionary[Any, list[bytes] | None] = weakref.WeakKeyDictionary()
 
 
 def decode_turns(
-    tokenizer: Any, user_ids: Sequence[Sequence[int]], generation_ids: Sequence[Sequence[int]]
+    tokenizer: Tokenizer, user_ids: Sequence[Sequence[int]], generation_ids: Sequence[Sequence[int]]
 ) -> tuple[list[str], list[str]]:
     """Each model call's ``prompt_str`` (``user_ids[0] + generation_ids[0] + ... + user_ids[k]`` decoded)
     and ``generation_str`` (``generation_ids[k]`` decoded); ids are non-negative ints, as lists."""
@@ -59,7 +61,7 @@ def _decode_by_table(
     return prompt_strs, generation_strs
 
 
-def token_bytes_table(tokenizer: Any) -> list[bytes] | None:
+def token_bytes_table(tokenizer: Tokenizer) -> list[bytes] | None:
     """Each token id's bytes for a byte-level tokenizer without clean-up, else None; built once per tokenizer.
 
     Built from the vocabulary the way the byte-level decoder maps it (a token with a character
@@ -77,7 +79,7 @@ def token_bytes_table(tokenizer: Any) -> list[bytes] | None:
     return table
 
 
-def _build_table(tokenizer: Any) -> list[bytes] | None:
+def _build_table(tokenizer: Tokenizer) -> list[bytes] | None:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if (
         backend is None

@@ -90,7 +90,7 @@ def free_port(host: str) -> int:
     """A port the OS says is free on ``host`` now."""
     with socket.socket() as sock:
         sock.bind((host, 0))
-        return sock.getsockname()[1]
+        return int(sock.getsockname()[1])
 
 
 def reserve_port_window() -> int:

@@ -120,7 +120,7 @@ def stamped_row(
     ``max_output_tokens`` becomes ``min(row value, max_new_tokens)``; the sequence
     budget (``max_seq_len``) is deliberately not translated into it.
     """
-    copied = _copy_json(row)
+    copied: dict[str, Any] = _copy_json(row)
     params = copied["responses_create_params"]
     params["temperature"] = sampling.temperature
     params["top_p"] = sampling.top_p

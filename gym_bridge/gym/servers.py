@@ -67,7 +67,8 @@ def _running_ray_address() -> str | None:
     ray = sys.modules.get("ray")
     if ray is None or not ray.is_initialized():
         return None
-    return ray.get_runtime_context().gcs_address
+    address: str | None = ray.get_runtime_context().gcs_address
+    return address
 
 
 _NO_RAY_SITECUSTOMIZE = """\

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, cast
 
 from gym_bridge.gym.actor_config import NemoGymConfig, actor_configs
+from gym_bridge.types import ActorHandle, Tokenizer
 
 __all__ = [
     "NEMO_RL_GYM_KNOBS",
@@ -52,11 +53,11 @@ def spinup_nemo_gym_actor(
     base_urls: list[str],
     model_name: str,
     *,
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     enable_router_replay: bool = False,
     routed_experts_dtype: str = "int16",
     use_fastokens: bool = False,
-) -> Any:
+) -> ActorHandle:
     """NeMo-RL's spin-up: the NemoGym actor for ``env_configs["nemo_gym"]`` (NeMo-RL's ``master_config.env``)
     against ``base_urls``, started, with the tokenizer installed (:func:`nemo_rl_gym_config`, then
     :func:`start_nemo_gym_actor`).
@@ -111,7 +112,7 @@ def nemo_rl_gym_config(
     )
 
 
-def start_nemo_gym_actor(config: NemoGymConfig, tokenizer: Any, *, margin_s: float = 60.0) -> Any:
+def start_nemo_gym_actor(config: NemoGymConfig, tokenizer: Tokenizer, *, margin_s: float = 60.0) -> ActorHandle:
     """Create the actor with ``config.actor_options``, start Gym and install the tokenizer; return the handle.
 
     Blocks at most ``startup_timeout_s + margin_s``. On failure the actor is shut
@@ -123,12 +124,12 @@ def start_nemo_gym_actor(config: NemoGymConfig, tokenizer: Any, *, margin_s: flo
 
 def spinup_nemo_gym_actors(
     config: NemoGymConfig,
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     num_actors: int,
     *,
     split_base_urls: bool = False,
     margin_s: float = 60.0,
-) -> list[Any]:
+) -> list[ActorHandle]:
     """``num_actors`` NemoGym actors, each with its own Gym servers, started concurrently.
 
     ``config.actor_options`` go to every actor (``scheduling_strategy`` or resources
@@ -140,7 +141,8 @@ def spinup_nemo_gym_actors(
     from gym_bridge.gym.actor import NemoGym  # lazily: the actor module imports aiohttp and orjson
 
     # By value, not ray.put: Ray re-runs the constructor on a restart, and a put object may be gone by then.
-    # Any: Ray types an actor's handle as ``ActorHandle[T] | type[T]``, whose methods lack ``.remote``
+    # Any: Ray types an actor's handle as ``ActorHandle[T] | type[T]``, whose methods lack ``.remote``;
+    # callers get our ActorHandle protocol
     handles: list[Any] = [
         ray.remote(NemoGym).options(**actor_options(cfg)).remote(cfg, tokenizer)
         for cfg in actor_configs(config, num_actors, split_base_urls=split_base_urls)
@@ -153,7 +155,7 @@ def spinup_nemo_gym_actors(
                 ray.get(handle.shutdown.remote(), timeout=config.shutdown_timeout_s + 10)
             except Exception:
                 logger.warning("NemoGym shutdown after a failed spinup did not finish; killing the actor")
-            ray.kill(handle)
+            _kill(handle)
         cause = getattr(exc, "cause", None)
         if isinstance(cause, Exception):
             raise cause from None
@@ -161,7 +163,7 @@ def spinup_nemo_gym_actors(
     return handles
 
 
-def stop_nemo_gym_actors(actors: list[Any], timeout_s: float = 60.0) -> None:
+def stop_nemo_gym_actors(actors: Sequence[ActorHandle], timeout_s: float = 60.0) -> None:
     """Stop each actor's Gym servers (bounded by ``timeout_s`` in all), then kill the actors, even when a
     shutdown failed or timed out; the shutdown's error is re-raised after the kills."""
     import ray
@@ -170,4 +172,11 @@ def stop_nemo_gym_actors(actors: list[Any], timeout_s: float = 60.0) -> None:
         ray.get([actor.shutdown.remote() for actor in actors], timeout=timeout_s)
     finally:
         for actor in actors:
-            ray.kill(actor)
+            _kill(actor)
+
+
+def _kill(actor: ActorHandle) -> None:
+    """``ray.kill`` for our handle protocol (Ray types the argument as its own ``ActorHandle`` class)."""
+    import ray
+
+    ray.kill(cast(Any, actor))

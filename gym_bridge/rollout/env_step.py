@@ -56,7 +56,9 @@ def _stack_rewards(values: list[Any]) -> torch.Tensor | dict[str, torch.Tensor]:
     return torch.stack([torch.as_tensor(v, dtype=torch.float32).reshape(()) for v in values])
 
 
-def _merge(batch_size: int, calls: list[tuple[list[int], Any]], returns: list[EnvironmentReturn]) -> EnvironmentReturn:
+def _merge(
+    batch_size: int, calls: list[tuple[list[int], Any]], returns: list[EnvironmentReturn[Any]]
+) -> EnvironmentReturn[Any]:
     observations: list[Any] = [None] * batch_size
     metadata: list[Any] = [None] * batch_size
     stops: list[Any] = [None] * batch_size
@@ -102,13 +104,13 @@ def step_by_task(
     metadata: Sequence[Any],
     task_names: Sequence[str | None],
     task_to_env: Mapping[str, Any],
-) -> EnvironmentReturn:
+) -> EnvironmentReturn[Any]:
     """Step every sample's environment (Ray actors, all groups in flight at once); blocks."""
     calls = _dispatch(message_logs, metadata, task_names, task_to_env)
     return _merge(len(message_logs), calls, ray.get([ref for _, ref in calls]))
 
 
-def calculate_rewards(batch: Mapping[str, Any], task_to_env: Mapping[str, Any]) -> EnvironmentReturn:
+def calculate_rewards(batch: Mapping[str, Any], task_to_env: Mapping[str, Any]) -> EnvironmentReturn[Any]:
     """NeMo-RL's ``calculate_rewards(batch, task_to_env)``: step the batch's samples, results in input order.
 
     ``batch`` (a :class:`~gym_bridge.batched.BatchedDataDict` or any mapping) holds
@@ -131,7 +133,7 @@ async def calculate_rewards_async(
     metadata: Sequence[Any],
     task_names: Sequence[str | None],
     task_to_env: Mapping[str, Any],
-) -> EnvironmentReturn:
+) -> EnvironmentReturn[Any]:
     """As :func:`step_by_task`, awaiting the actors instead of blocking a thread."""
     calls = _dispatch(message_logs, metadata, task_names, task_to_env)
     returns = [await ref for _, ref in calls]

@@ -24,7 +24,7 @@ from gym_bridge.failures import (
 from gym_bridge.interfaces import GenerationInterface, RolloutBackend
 from gym_bridge.rollout.registry import load_backend
 from gym_bridge.rollout.sink import ReplayBuffer, RolloutSink
-from gym_bridge.types import DatumSpec, GenerationConfig, PromptGroupRecord
+from gym_bridge.types import DatumSpec, GenerationConfig, PromptGroupRecord, Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ class RolloutManager:
 
     def __init__(
         self,
-        tokenizer: Any,
+        tokenizer: Tokenizer,
         task_to_env: Mapping[str, Any] | None,
         num_generations_per_prompt: int,
         max_seq_len: int,

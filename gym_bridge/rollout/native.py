@@ -41,6 +41,7 @@ from gym_bridge.types import (
     LLMMessageLogType,
     MessageEntry,
     PromptGroupRecord,
+    Tokenizer,
     token_tensor,
 )
 
@@ -85,7 +86,7 @@ class AsyncRolloutImpl:
 
     def __init__(
         self,
-        tokenizer: Any,
+        tokenizer: Tokenizer,
         task_to_env: Mapping[str, Any],
         num_generations_per_prompt: int,
         max_seq_len: int,

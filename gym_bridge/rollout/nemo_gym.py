@@ -24,7 +24,15 @@ from gym_bridge.gym.result import GymRowResult
 from gym_bridge.gym.rows import build_rows, validate_row
 from gym_bridge.metrics import calculate_single_metric, pct, summarize
 from gym_bridge.rollout.truncation import gym_completion_truncated
-from gym_bridge.types import Completion, DatumSpec, GenerationConfig, GenerationSamplingParams, PromptGroupRecord
+from gym_bridge.types import (
+    ActorHandle,
+    Completion,
+    DatumSpec,
+    GenerationConfig,
+    GenerationSamplingParams,
+    PromptGroupRecord,
+    Tokenizer,
+)
 
 __all__ = ["NEMO_GYM_TASK", "AsyncNemoGymRolloutImpl", "GymRowIndexError", "group_metrics", "gym_completion"]
 
@@ -46,7 +54,7 @@ class AsyncNemoGymRolloutImpl:
 
     def __init__(
         self,
-        tokenizer: Any,
+        tokenizer: Tokenizer,
         task_to_env: Mapping[str, Any] | None,
         num_generations_per_prompt: int,
         max_seq_len: int,
@@ -88,8 +96,9 @@ class AsyncNemoGymRolloutImpl:
         if max_gym_row_attempts < 1:
             raise ValueError(f"max_gym_row_attempts must be >= 1, got {max_gym_row_attempts}")
         actor = nemo_gym_actor if nemo_gym_actor is not None else (task_to_env or {}).get(NEMO_GYM_TASK)
-        actors = list(actor) if isinstance(actor, (list, tuple)) else [actor]
-        if not actors or any(a is None for a in actors):
+        given = list(actor) if isinstance(actor, (list, tuple)) else [actor]
+        actors: list[ActorHandle] = [a for a in given if a is not None]
+        if not actors or len(actors) != len(given):
             raise ValueError(
                 "the nemo_gym backend needs a NemoGym actor: pass nemo_gym_actor= or task_to_env['nemo_gym']"
             )

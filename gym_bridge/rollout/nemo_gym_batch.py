@@ -46,7 +46,7 @@ from gym_bridge.rollout.reward_shaping import (
     resolve_reward_penalty_config,
     validate_reward_components_match_scalar,
 )
-from gym_bridge.types import NEMO_GYM_TASK_INDEX_KEY, GenerationConfig, GenerationSamplingParams
+from gym_bridge.types import NEMO_GYM_TASK_INDEX_KEY, GenerationConfig, GenerationSamplingParams, Tokenizer, padding_id
 
 __all__ = [
     "NemoGymRolloutResult",
@@ -78,7 +78,7 @@ class NemoGymRolloutResult:
 async def run_async_nemo_gym_rollout(
     policy_generation: Any,
     input_batch: Mapping[str, Any],
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     task_to_env: Mapping[str, Any],
     generation_config: GenerationConfig,
     num_generations: int,
@@ -158,7 +158,7 @@ async def run_async_nemo_gym_rollout(
 def run_nemo_gym_rollout_sync(
     policy_generation: Any,
     input_batch: Mapping[str, Any],
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     task_to_env: Mapping[str, Any],
     generation_config: GenerationConfig,
     log_full_result_tables: bool,
@@ -213,7 +213,7 @@ class _Shaping:
 
     def __init__(
         self,
-        tokenizer: Any,
+        tokenizer: Tokenizer,
         effort_config: EffortLevelsConfig | Mapping[str, Any] | None,
         reward_penalty_config: Mapping[str, Any] | Any | None,
         thinking_tags: Sequence[str] | None,
@@ -242,7 +242,7 @@ class _Shaping:
 class _GroupPost:
     """Turns one finished group into NeMo-RL's ``NemoGymRolloutResult``."""
 
-    tokenizer: Any
+    tokenizer: Tokenizer
     engine_max_len: int | None
     mask_env_flagged_samples: bool
     log_full_result_tables: bool
@@ -279,10 +279,8 @@ class _GroupPost:
             final_batch["mask_sample"] = torch.tensor([c.masked for c in completions], dtype=torch.bool)
         if any(c is not None for c in components):
             final_batch.update(build_reward_component_columns(components))
-        pad_id = self.tokenizer.pad_token_id
         flat, _ = batched_message_log_to_flat_message(
-            [r.input_message_log for r in group.rows],
-            pad_value_dict={"token_ids": pad_id if pad_id is not None else self.tokenizer.eos_token_id},
+            [r.input_message_log for r in group.rows], pad_value_dict={"token_ids": padding_id(self.tokenizer)}
         )
         return NemoGymRolloutResult(
             input_ids=flat["token_ids"],

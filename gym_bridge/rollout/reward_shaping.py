@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict
 
 from gym_bridge.failures import GymResultError
 from gym_bridge.gym.convert import DEFAULT_THINKING_TAGS
+from gym_bridge.types import Tokenizer
 
 __all__ = [
     "PENALTY_FLAGS",
@@ -187,13 +188,13 @@ def _token_id_list(config: Any, key: str) -> list[int] | None:
     return [int(value)] if isinstance(value, int) else [int(v) for v in value]
 
 
-def _single_token_id(tokenizer: Any, text: str) -> int | None:
+def _single_token_id(tokenizer: Tokenizer, text: str) -> int | None:
     """The id ``text`` encodes to when it is exactly one token, else None."""
     ids = tokenizer.encode(text, add_special_tokens=False)
     return int(ids[0]) if len(ids) == 1 else None
 
 
-def _think_token_ids(tags: Sequence[str], explicit: dict[str, int], tokenizer: Any) -> dict[str, int]:
+def _think_token_ids(tags: Sequence[str], explicit: dict[str, int], tokenizer: Tokenizer) -> dict[str, int]:
     """Think-tag ids to add to the configured ones: inferred per missing tag, and only if one tag is configured
     or both tags infer to single tokens."""
     inferred: dict[str, int] = {}
@@ -206,7 +207,7 @@ def _think_token_ids(tags: Sequence[str], explicit: dict[str, int], tokenizer: A
 
 
 def resolve_reward_penalty_config(
-    config: PenaltyConfig | None, tokenizer: Any, thinking_tags: Sequence[str] | None = None
+    config: PenaltyConfig | None, tokenizer: Tokenizer, thinking_tags: Sequence[str] | None = None
 ) -> dict[str, Any] | None:
     """The penalty config as a plain dict, with think-tag ids inferred from the tokenizer where each tag is one token.
 

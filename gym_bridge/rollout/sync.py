@@ -39,7 +39,15 @@ from gym_bridge.failures import RolloutTimeouts, deadline
 from gym_bridge.interfaces import GenerationInterface
 from gym_bridge.rollout.env_step import calculate_rewards, calculate_rewards_async, environment_for, step_by_task
 from gym_bridge.rollout.truncation import fit_observation
-from gym_bridge.types import EnvironmentReturn, GenerationDatumSpec, LLMMessageLogType, MessageEntry, token_tensor
+from gym_bridge.types import (
+    EnvironmentReturn,
+    GenerationDatumSpec,
+    LLMMessageLogType,
+    MessageEntry,
+    Tokenizer,
+    padding_id,
+    token_tensor,
+)
 
 __all__ = ["calculate_rewards", "generate_responses", "run_multi_turn_rollout", "step_environments"]
 
@@ -48,7 +56,7 @@ def generate_responses(
     policy_generation: GenerationInterface,
     generation_input_data: BatchedDataDict[Any],
     batch: BatchedDataDict[Any],
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     input_lengths: torch.Tensor,
     include_logprobs: bool = True,
     greedy: bool = False,
@@ -112,12 +120,12 @@ def step_environments(
     task_names: list[str | None],
     task_to_env: Mapping[str, Any],
     env_s: float | None = None,
-) -> EnvironmentReturn:
+) -> EnvironmentReturn[Any]:
     """:func:`~gym_bridge.rollout.env_step.step_by_task`, bounded by ``env_s`` seconds (``None``: wait forever)."""
     if env_s is None:
         return step_by_task(message_logs, metadata, task_names, task_to_env)
 
-    async def bounded() -> EnvironmentReturn:
+    async def bounded() -> EnvironmentReturn[Any]:
         async with deadline(env_s, "environment step"):
             return await calculate_rewards_async(message_logs, metadata, task_names, task_to_env)
 
@@ -138,7 +146,7 @@ def _owned_copy(input_batch: BatchedDataDict[Any]) -> BatchedDataDict[Any]:
 def run_multi_turn_rollout(
     policy_generation: GenerationInterface,
     input_batch: BatchedDataDict[Any],
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     task_to_env: Mapping[str, Any],
     max_seq_len: int,
     max_rollout_turns: int | None = 999999,
@@ -175,7 +183,7 @@ def run_multi_turn_rollout(
         raise ValueError("cannot roll out an empty batch")
     for name in dict.fromkeys(batch["task_name"]):
         environment_for(name, task_to_env)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad_id = padding_id(tokenizer)
 
     total_reward = torch.zeros(size, dtype=torch.float32)
     components: dict[str, torch.Tensor] = {}

@@ -8,11 +8,12 @@ come from encoding real text with the tokenizer, and every turn's prompt extends
 the previous prompt and generation, so conversion takes its normal path.
 
 Per row it times, with ``time.process_time`` over many iterations: JSON parsing
-(the actor's ``json.loads``), ``convert_gym_result``, a pickle round trip of the
+(the actor's ``json.loads``), ``convert_gym_result`` (message log and the typed ``GymRowResult``), a pickle round
+trip of the
 converted result (a stand-in for Ray's transfer from actor to driver; torch
 pickles every tensor through ``torch.save``), the same round trip with the
 tensors sent as numpy arrays and rebuilt on arrival (what the actor could send
-instead), building the ``Completion`` (``gym_row_result`` then ``gym_completion``)
+instead), building the ``Completion`` (``gym_completion``)
 and the group metrics (per row of a 16-row group), with the garbage collector off. "Conversion"
 is ``convert_gym_result`` plus the ``Completion``.
 
@@ -26,13 +27,11 @@ import json
 import pickle
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-import numpy as np
-import torch
-
-from gym_bridge.gym.convert import convert_gym_result, gym_row_result
+from gym_bridge.gym.convert import convert_gym_result
+from gym_bridge.gym.result import GymRowResult, log_as_numpy
 from gym_bridge.rollout.nemo_gym import group_metrics, gym_completion
 
 GROUP = 16
@@ -144,17 +143,13 @@ def synthetic_result(tokenizer: Any, turns: int, total_tokens: int = 2000) -> by
     return json.dumps(result).encode()
 
 
-def _as_numpy(converted: dict[str, Any]) -> dict[str, Any]:
-    log = [{k: v.numpy() if isinstance(v, torch.Tensor) else v for k, v in m.items()} for m in converted["message_log"]]
-    return {**converted, "message_log": log, "input_message_log": log[:1]}
+def _as_numpy(row: GymRowResult) -> GymRowResult:
+    """A copy of ``row`` with numpy arrays, as the actor ships it (the original keeps its tensors)."""
+    return replace(row, message_log=log_as_numpy([dict(m) for m in row.message_log]))
 
 
-def _as_torch(converted: dict[str, Any]) -> dict[str, Any]:
-    for m in converted["message_log"]:
-        for k, v in m.items():
-            if isinstance(v, np.ndarray):
-                m[k] = torch.from_numpy(v.copy())
-    return converted
+def _as_torch(row: GymRowResult) -> GymRowResult:
+    return row.with_tensors()
 
 
 def _cpu_us_per_row(step: Callable[[], Any], rows: int) -> tuple[Any, float]:
@@ -177,7 +172,9 @@ def measure(tokenizer: Any, case: str, turns: int, total_tokens: int = 2000, ite
     """Time each step over ``iterations`` copies of one synthetic result (a multiple of 16 rows)."""
     body = synthetic_result(tokenizer, turns, total_tokens)
     parsed, parse_us = _cpu_us_per_row(lambda: [json.loads(body) for _ in range(iterations)], iterations)
-    converted, convert_us = _cpu_us_per_row(lambda: [convert_gym_result(r, tokenizer) for r in parsed], iterations)
+    converted, convert_us = _cpu_us_per_row(
+        lambda: [convert_gym_result(r, tokenizer, row_index=i % GROUP) for i, r in enumerate(parsed)], iterations
+    )
     moved, transfer_us = _cpu_us_per_row(
         lambda: [pickle.loads(pickle.dumps((0, c, None), protocol=5))[1] for c in converted], iterations
     )
@@ -187,8 +184,8 @@ def measure(tokenizer: Any, case: str, turns: int, total_tokens: int = 2000, ite
     )
     completions, completion_us = _cpu_us_per_row(
         lambda: [
-            gym_completion(gym_row_result(i % GROUP, c), max_seq_len=total_tokens * 2, mask_env_flagged_samples=True)
-            for i, c in enumerate(moved)
+            gym_completion(c, max_seq_len=total_tokens * 2, mask_env_flagged_samples=True)
+            for c in moved
         ],
         iterations,
     )

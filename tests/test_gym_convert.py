@@ -79,13 +79,13 @@ def _two_turns() -> dict:
 def test_single_turn(tiny_tokenizer):
     result = _result([_tokens(_message("4"), P1, [52, 2])])
     out = convert_gym_result(result, tiny_tokenizer)
-    log = out["message_log"]
+    log = out.message_log
     assert [m["role"] for m in log] == ["user", "assistant"]
     assert log[0]["token_ids"].tolist() == P1 and log[1]["token_ids"].tolist() == [52, 2]
     assert torch.allclose(log[1]["generation_logprobs"], torch.tensor([LP, LP]))
     assert log[0]["content"] == log[1]["content"] == ""
-    assert out["input_message_log"] == log[:1] and out["input_message_log"][0] is log[0]
-    assert out["full_result"] is result and out["token_drift"] is None
+    assert out.input_message_log == log[:1] and out.input_message_log[0] is log[0]
+    assert out.full_result is result and out.token_drift is None
     item = result["response"]["output"][0]
     assert item["prompt_str"] == tiny_tokenizer.decode(P1)
     assert item["generation_str"] == tiny_tokenizer.decode([52, 2])
@@ -94,7 +94,7 @@ def test_single_turn(tiny_tokenizer):
 def test_multi_turn_tool_call_deltas_dtypes_and_popped_arrays(tiny_tokenizer):
     result = _two_turns()
     out = convert_gym_result(result, tiny_tokenizer)
-    log = out["message_log"]
+    log = out.message_log
     assert [m["role"] for m in log] == ["user", "assistant", "user", "assistant"]
     assert log[2]["token_ids"].tolist() == [30, 31]
     assert torch.cat([m["token_ids"] for m in log]).tolist() == P2 + G2
@@ -114,7 +114,7 @@ def test_multi_turn_tool_call_deltas_dtypes_and_popped_arrays(tiny_tokenizer):
 def test_empty_user_delta_is_int64(tiny_tokenizer):
     # A second call whose prompt is exactly the history: the delta is empty but still int64.
     result = _result([_tokens(_call(), P1, G1), _tokens(_message("x"), P1 + G1, G2)])
-    log = convert_gym_result(result, tiny_tokenizer)["message_log"]
+    log = convert_gym_result(result, tiny_tokenizer).message_log
     assert log[2]["token_ids"].numel() == 0 and log[2]["token_ids"].dtype == torch.int64
 
 
@@ -122,7 +122,7 @@ def test_items_without_generation_tokens_are_skipped(tiny_tokenizer):
     reasoning = {"type": "reasoning", "summary": [{"type": "summary_text", "text": "hm"}]}
     empty = _tokens(_message(""), P1, [])
     result = _result([reasoning, empty, _tokens(_message("4"), P1, [52, 2])])
-    log = convert_gym_result(result, tiny_tokenizer)["message_log"]
+    log = convert_gym_result(result, tiny_tokenizer).message_log
     assert len(log) == 2
     assert "prompt_token_ids" in result["response"]["output"][1]  # not a model call: left untouched
 
@@ -149,8 +149,8 @@ def test_drift_truncate_keeps_good_turns_and_reports(tiny_tokenizer):
     result = _two_turns()
     result["response"]["output"][2]["prompt_token_ids"] = P1 + [20, 99, 2, 30, 31]
     out = convert_gym_result(result, tiny_tokenizer, on_drift="truncate")
-    assert [m["role"] for m in out["message_log"]] == ["user", "assistant"]
-    assert out["token_drift"] == {"turn": 1, "position": 5, "expected": [21, 2], "got": [99, 2, 30, 31]}
+    assert [m["role"] for m in out.message_log] == ["user", "assistant"]
+    assert out.token_drift == {"turn": 1, "position": 5, "expected": [21, 2], "got": [99, 2, 30, 31]}
     assert "generation_token_ids" in result["response"]["output"][2]  # the drifting turn keeps its arrays
 
 
@@ -213,7 +213,7 @@ def test_values_are_exact(tiny_tokenizer):
     logprobs = [-0.1, -1e-9, -123.456]
     result = _result([_tokens(_message("4"), [0, 2**31 - 1, 7], [2**32 - 1, 0, 5])])
     result["response"]["output"][0]["generation_log_probs"] = logprobs
-    log = convert_gym_result(result, tiny_tokenizer, on_drift="raise")["message_log"]
+    log = convert_gym_result(result, tiny_tokenizer, on_drift="raise").message_log
     assert log[0]["token_ids"].tolist() == [0, 2**31 - 1, 7]
     assert log[1]["token_ids"].tolist() == [2**32 - 1, 0, 5]
     assert torch.equal(log[1]["generation_logprobs"], torch.tensor(logprobs, dtype=torch.float32))
@@ -254,7 +254,7 @@ def test_flags_reach_the_log_with_custom_patterns(tiny_tokenizer):
     result = _result([_tokens(_message("CALL: f() [[r]]x[[/r]]"), P1, [52, 2])])
     log = convert_gym_result(
         result, tiny_tokenizer, invalid_tool_call_patterns=("CALL:",), thinking_tags=("[[r]]", "[[/r]]")
-    )["message_log"]
+    ).message_log
     assert log[1]["is_invalid_tool_call"] is True and log[1]["has_malformed_thinking"] is True
 
 
@@ -269,8 +269,7 @@ def test_numpy_round_trip_keeps_dtypes_values_and_the_shared_input_message():
         {"role": "assistant", "content": "", "token_ids": torch.tensor([4], dtype=torch.int64),
          "generation_logprobs": torch.tensor([-0.5], dtype=torch.float32), "is_invalid_tool_call": False},
     ]
-    converted = {"message_log": log, "input_message_log": log[:1], "full_result": {"reward": 1}, "token_drift": None}
-    shipped = pickle.loads(pickle.dumps(gym_row_result(7, converted).with_numpy()))
+    shipped = pickle.loads(pickle.dumps(gym_row_result(7, log, {"reward": 1}).with_numpy()))
     assert isinstance(shipped.message_log[0]["token_ids"], np.ndarray)
     back = shipped.with_tensors()
     assert back.row_index == 7 and back.reward == 1.0
@@ -282,14 +281,15 @@ def test_numpy_round_trip_keeps_dtypes_values_and_the_shared_input_message():
     back.message_log[0]["token_ids"][0] = 9  # writable: copied out of the (read-only) received buffer
 
 
-def test_gym_row_result_reads_gyms_schema(tiny_tokenizer):
+def test_the_converted_row_reads_gyms_schema(tiny_tokenizer):
     """Reward, incomplete reason and scalar fields come from Gym's result; a missing or non-finite reward is named."""
-    from gym_bridge.gym.convert import gym_row_result, without_mask_sample
+    from gym_bridge.gym.convert import without_mask_sample
 
     result = _result([_tokens(_message("4"), P1, [52, 2])])
     result["response"]["incomplete_details"] = {"reason": "max_output_tokens"}
     result.update(solved=True, label="text", _private=1.0, instance_config={"mask_sample": True, "k": 1})
-    row = gym_row_result(3, convert_gym_result(result, tiny_tokenizer))
+    row = convert_gym_result(result, tiny_tokenizer, row_index=3)
+    assert row.row_index == 3
     assert row.reward == 1.0 and row.incomplete_reason == "max_output_tokens" and row.token_drift is None
     assert row.metrics == {"reward": 1.0, "solved": 1.0}
     without_mask_sample(row.full_result)
@@ -301,7 +301,7 @@ def test_gym_row_result_reads_gyms_schema(tiny_tokenizer):
         else:
             bad["reward"] = reward
         with pytest.raises(GymResultError, match=needle):
-            gym_row_result(0, convert_gym_result(bad, tiny_tokenizer))
+            convert_gym_result(bad, tiny_tokenizer)
 
 
 

@@ -38,13 +38,8 @@ def fake_result(rowidx: int, reward: float = 1.0, **flags) -> GymRowResult:
         "token_ids": token_tensor([4, 5 + rowidx]),
         "generation_logprobs": torch.tensor([-0.5, -0.25]),
     }
-    converted = {
-        "message_log": [user, asst],
-        "input_message_log": [user],
-        "full_result": {"reward": reward, "solved": reward > 0, "response": {}, "label": "text", **flags},
-        "token_drift": None,
-    }
-    return gym_row_result(rowidx, converted).with_numpy()
+    full_result = {"reward": reward, "solved": reward > 0, "response": {}, "label": "text", **flags}
+    return gym_row_result(rowidx, [user, asst], full_result).with_numpy()
 
 
 _MASK_PLANS = {

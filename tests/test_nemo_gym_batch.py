@@ -40,12 +40,7 @@ class StreamedResults:
                 "token_ids": token_tensor([7, i]),
                 "generation_logprobs": torch.zeros(2),
             }
-            result = {
-                "message_log": [user, reply],
-                "full_result": {"response": {}, **self.fields[i]},
-                "token_drift": None,
-            }
-            converted.append(gym_row_result(i, result).with_numpy())
+            converted.append(gym_row_result(i, [user, reply], {"response": {}, **self.fields[i]}).with_numpy())
         yield GymRowBatch(converted, {f"{timer_prefix}/await_results": 0.0})
 
 

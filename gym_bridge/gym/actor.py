@@ -54,7 +54,7 @@ from gym_bridge.failures import (
     gym_run_failure,
 )
 from gym_bridge.gym.actor_config import NemoGymConfig, actor_configs
-from gym_bridge.gym.convert import convert_gym_result, gym_row_result
+from gym_bridge.gym.convert import convert_gym_result
 from gym_bridge.gym.health import EndpointWatch
 from gym_bridge.gym.result import GymRowBatch, GymRowResult
 from gym_bridge.gym.rows import ROW_INDEX_KEY, dispatch_target
@@ -366,14 +366,14 @@ class NemoGym:
             raise GymResultError(f"{ROW_INDEX_KEY}={rowidx}: /run returned invalid JSON: {exc}") from None
         assert self._tokenizer is not None  # run_rollouts refuses to start without one
         try:
-            converted = convert_gym_result(
+            return convert_gym_result(
                 result,
                 self._tokenizer,
+                row_index=rowidx,
                 on_drift=self.cfg.on_drift,
                 invalid_tool_call_patterns=self.cfg.invalid_tool_call_patterns,
                 thinking_tags=self.cfg.thinking_tags,
             )
-            return gym_row_result(rowidx, converted)
         except GymResultError as exc:
             raise type(exc)(f"{ROW_INDEX_KEY}={rowidx} (agent {row['agent_ref']['name']!r}): {exc}") from None
 

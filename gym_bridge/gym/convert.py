@@ -15,7 +15,7 @@ from __future__ import annotations
 import array
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 
@@ -27,7 +27,7 @@ from gym_bridge.failures import (
 )
 from gym_bridge.gym.decode import decode_turns
 from gym_bridge.gym.result import GymRowResult
-from gym_bridge.types import LOGPROB_DTYPE, TOKEN_DTYPE, Tokenizer
+from gym_bridge.types import LOGPROB_DTYPE, TOKEN_DTYPE, LLMMessageLogType, Tokenizer
 
 __all__ = [
     "DEFAULT_INVALID_TOOL_CALL_PATTERNS",
@@ -99,14 +99,14 @@ def convert_gym_result(
     result: dict[str, Any],
     tokenizer: Tokenizer,
     *,
+    row_index: int = 0,
     on_drift: Literal["raise", "truncate"] = "raise",
     invalid_tool_call_patterns: Sequence[str] = DEFAULT_INVALID_TOOL_CALL_PATTERNS,
     thinking_tags: Sequence[str] = DEFAULT_THINKING_TAGS,
-) -> dict[str, Any]:
-    """Build the message log of one Gym ``/run`` result; mutates ``result`` (see below).
+) -> GymRowResult:
+    """One Gym ``/run`` result as the typed row ``row_index``; mutates ``result`` (see below).
 
-    Returns ``{"message_log", "input_message_log", "full_result", "token_drift"}``:
-    the log alternates user/assistant (one pair per model call), every
+    ``message_log`` alternates user/assistant (one pair per model call), every
     ``token_ids`` is int64 (empty deltas too) and ``generation_logprobs`` float32;
     ``input_message_log`` is ``message_log[:1]`` (the same first dict);
     ``full_result`` is ``result`` with the token arrays popped from every
@@ -115,9 +115,12 @@ def convert_gym_result(
     ``{"turn", "position", "expected", "got"}``: the log then ends at the last
     turn before it, and the items from that turn on keep their token arrays.
 
+    The reward, flags and scalar fields are read by :func:`gym_row_result`.
+
     Raises:
         TokenDrift: a turn's prompt does not extend the history (``on_drift="raise"``).
-        NaNLogprobs, MissingGenerationData, GymResultError: see the module docstring.
+        NaNLogprobs, MissingGenerationData, GymResultError: see the module docstring; also a missing,
+            non-numeric or non-finite reward.
     """
     if on_drift not in ("raise", "truncate"):
         raise ValueError(f"on_drift must be 'raise' or 'truncate', got {on_drift!r}")
@@ -185,17 +188,21 @@ def convert_gym_result(
     for (item, _, _), prompt_str, generation_str in zip(converted, prompt_strs, generation_strs, strict=True):
         item["prompt_str"] = prompt_str
         item["generation_str"] = generation_str
-    return {
-        "message_log": message_log,
-        "input_message_log": message_log[:1],
-        "full_result": result,
-        "token_drift": drift,
-    }
+    return gym_row_result(row_index, message_log, result, token_drift=drift)
 
 
-def gym_row_result(row_index: int, converted: dict[str, Any]) -> GymRowResult:
-    """The typed row of one :func:`convert_gym_result` output: Gym's reward (checked), flags and scalar fields."""
-    full_result = converted["full_result"]
+def gym_row_result(
+    row_index: int,
+    message_log: LLMMessageLogType | list[dict[str, Any]],
+    full_result: dict[str, Any],
+    *,
+    token_drift: dict[str, Any] | None = None,
+) -> GymRowResult:
+    """The typed row of a Gym result whose message log is built: Gym's reward (checked), flags and scalar fields.
+
+    The one reader of Gym's result schema; :func:`convert_gym_result` calls it, and so do tests that build a
+    message log by hand.
+    """
     if "reward" not in full_result:
         raise GymResultError("the Gym result has no 'reward'")
     try:
@@ -206,10 +213,10 @@ def gym_row_result(row_index: int, converted: dict[str, Any]) -> GymRowResult:
         raise GymResultError(f"the Gym reward is {reward}")
     return GymRowResult(
         row_index=row_index,
-        message_log=converted["message_log"],
+        message_log=cast(LLMMessageLogType, message_log),
         full_result=full_result,
         reward=reward,
-        token_drift=converted["token_drift"],
+        token_drift=token_drift,
         incomplete_reason=incomplete_reason(full_result),
         metrics=scalar_fields(full_result),
         mask_sample=_env_flagged(full_result),

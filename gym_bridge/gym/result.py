@@ -1,6 +1,6 @@
 """The typed results that cross from the NemoGym actor to the driver: one Gym row, a streamed batch.
 
-The actor builds them (:func:`gym_bridge.gym.convert.gym_row_result` reads Gym's
+The actor builds them (:func:`gym_bridge.gym.convert.convert_gym_result` reads Gym's
 result schema) with the message log's tensors swapped for numpy arrays: Ray pickles
 an array out of band (~0.1 ms) but a tensor through ``torch.save`` (~0.3 ms each way,
 several per row). :class:`gym_bridge.gym.client.GymClient` restores the tensors.

@@ -377,12 +377,15 @@ class NemoGymRolloutSettings:
     async_grpo: AsyncGRPOSettings
     async_rl: AsyncRLSettings
     """``async_rl``: its ``rollout_failure`` gave the retry policy and timeouts."""
-    stall_watchdog: StallWatchdogSettings
-    """``async_rl.stall_watchdog``; :meth:`StallWatchdogSettings.off` when the section is absent."""
     min_step_batch_fraction: float
     """``async_rl.rollout_failure.min_step_batch_fraction`` when that section is there, else 0 (no floor)."""
     unused_environments: tuple[str, ...] = ()
     """``env`` sections of NeMo-RL's native environments (``math``, ...): the Gym path does not start them."""
+
+    @property
+    def stall_watchdog(self) -> StallWatchdogSettings:
+        """``async_rl.stall_watchdog``; :meth:`StallWatchdogSettings.off` when the section is absent."""
+        return self.async_rl.stall_watchdog
 
     @property
     def gym(self) -> NemoGymConfig:
@@ -443,7 +446,8 @@ def nemo_gym_rollout_settings(config: Any, *, base_urls: list[str] | None = None
     async_rl = _section_model(AsyncRLSettings, config, "async_rl")
     async_grpo = _section_model(AsyncGRPOSettings, config, "grpo.async_grpo")
     _refuse_native_failure_keys(config)
-    _warn_without_effect(async_rl, _native_environments(config))
+    native_environments = _native_environments(config)
+    _warn_without_effect(async_rl, native_environments)
     has_failure_section = _get(config, "async_rl.rollout_failure", None) is not None
     retry_policy, timeouts = _failure_policy(config, async_rl, async_grpo)
     section = _get(config, "env.nemo_gym", {}) or {}
@@ -473,9 +477,8 @@ def nemo_gym_rollout_settings(config: Any, *, base_urls: list[str] | None = None
         effort_levels=section.get("effort_levels"),
         async_grpo=async_grpo,
         async_rl=async_rl,
-        stall_watchdog=async_rl.stall_watchdog,
         min_step_batch_fraction=async_rl.rollout_failure.min_step_batch_fraction if has_failure_section else 0.0,
-        unused_environments=tuple(_native_environments(config)),
+        unused_environments=tuple(native_environments),
     )
 
 

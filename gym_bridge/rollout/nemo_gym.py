@@ -34,7 +34,14 @@ from gym_bridge.types import (
     Tokenizer,
 )
 
-__all__ = ["NEMO_GYM_TASK", "AsyncNemoGymRolloutImpl", "GymRowIndexError", "group_metrics", "gym_completion"]
+__all__ = [
+    "NEMO_GYM_TASK",
+    "AsyncNemoGymRolloutImpl",
+    "GymRowIndexError",
+    "group_metrics",
+    "gym_completion",
+    "nemo_gym_actors",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -95,13 +102,7 @@ class AsyncNemoGymRolloutImpl:
             )
         if max_gym_row_attempts < 1:
             raise ValueError(f"max_gym_row_attempts must be >= 1, got {max_gym_row_attempts}")
-        actor = nemo_gym_actor if nemo_gym_actor is not None else (task_to_env or {}).get(NEMO_GYM_TASK)
-        given = list(actor) if isinstance(actor, (list, tuple)) else [actor]
-        actors: list[ActorHandle] = [a for a in given if a is not None]
-        if not actors or len(actors) != len(given):
-            raise ValueError(
-                "the nemo_gym backend needs a NemoGym actor: pass nemo_gym_actor= or task_to_env['nemo_gym']"
-            )
+        actors = nemo_gym_actors(task_to_env, nemo_gym_actor)
         self.actors = actors
         self.tokenizer = tokenizer
         self.num_generations = num_generations_per_prompt
@@ -163,6 +164,20 @@ class AsyncNemoGymRolloutImpl:
             for i, c in enumerate(completions):
                 line = {"prompt_idx": prompt_idx, "rowidx": i, "agent": agent, "full_result": c.env_extras}
                 f.write(json.dumps(line, default=str) + "\n")
+
+
+def nemo_gym_actors(task_to_env: Mapping[str, Any] | None, explicit: Any = None) -> list[ActorHandle]:
+    """The NemoGym actor(s): ``explicit`` when given, else ``task_to_env["nemo_gym"]`` (where NeMo-RL keeps it);
+    one handle or a list of them (each with its own Gym servers). ``ValueError`` when there is none."""
+    actor = explicit if explicit is not None else (task_to_env or {}).get(NEMO_GYM_TASK)
+    given = list(actor) if isinstance(actor, (list, tuple)) else [actor]
+    actors: list[ActorHandle] = [a for a in given if a is not None]
+    if not actors or len(actors) != len(given):
+        raise ValueError(
+            "the nemo_gym backend needs a NemoGym actor: pass nemo_gym_actor= or task_to_env['nemo_gym'] "
+            "(spinup_nemo_gym_actor makes one)"
+        )
+    return actors
 
 
 def gym_completion(row: GymRowResult, *, max_seq_len: int | None, mask_env_flagged_samples: bool) -> Completion:

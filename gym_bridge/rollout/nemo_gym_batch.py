@@ -30,10 +30,10 @@ from gym_bridge.gym.result import GymRowResult
 from gym_bridge.gym.rows import stamped_row, validate_row
 from gym_bridge.rollout.nemo_gym import (
     DEFAULT_GYM_ROW_ATTEMPTS,
-    NEMO_GYM_TASK,
     TIMER_PREFIX,
     group_metrics as gym_group_metrics,
     gym_completion,
+    nemo_gym_actors,
 )
 from gym_bridge.rollout.reward_shaping import (
     EffortLevelsConfig,
@@ -126,7 +126,9 @@ async def run_async_nemo_gym_rollout(
     shaping = _Shaping(tokenizer, effort_config, reward_penalty_config, thinking_tags)
     loss_multiplier = _loss_multiplier(input_batch, len(rows))
     post = _GroupPost(tokenizer, engine_max_len, mask_env_flagged_samples, log_full_result_tables, shaping)
-    client = GymClient(_actors(task_to_env), max_row_attempts=DEFAULT_GYM_ROW_ATTEMPTS, timer_prefix=TIMER_PREFIX)
+    client = GymClient(
+        nemo_gym_actors(task_to_env), max_row_attempts=DEFAULT_GYM_ROW_ATTEMPTS, timer_prefix=TIMER_PREFIX
+    )
 
     started = time.perf_counter()
     timing: dict[str, float] = {}
@@ -388,13 +390,6 @@ def _loss_multiplier(input_batch: Mapping[str, Any], n: int) -> Any:
     if len(value) != n:
         raise ValueError(f"input_batch has {len(value)} loss_multiplier values for {n} NeMo-Gym rows")
     return value
-
-
-def _actors(task_to_env: Mapping[str, Any]) -> list[Any]:
-    actor = task_to_env.get(NEMO_GYM_TASK)
-    if actor is None:
-        raise ValueError(f"task_to_env has no {NEMO_GYM_TASK!r} actor (spinup_nemo_gym_actor makes one)")
-    return list(actor) if isinstance(actor, (list, tuple)) else [actor]
 
 
 def _add_timing(total: dict[str, float], group: GymGroupResult) -> None:

@@ -1,13 +1,15 @@
-"""GRPO through NeMo-Gym on a CPU: the reward of a real small model rises, step by step.
+"""GRPO through NeMo-Gym on a CPU: a real small model gets better at problems it never trained on.
 
     uv run python examples/grpo_nemo_gym.py examples/grpo_nemo_gym.yaml [--out runs/grpo] [--steps N] [--async]
 
 Each step rolls out a batch of Gym rows N times through real NeMo-Gym servers, which
 call our OpenAI-compatible server (a thread of this process) serving the current
 weights; computes GRPO advantages; trains the policy on the generated tokens; refits
-the new weights into the serving engine; and bumps the weight version. Writes
-``metrics.jsonl``, ``reward_curve.png`` and a checkpoint into the run folder; run
-again with the same ``--out`` to resume.
+the new weights into the serving engine and checks that they arrived; and bumps the
+weight version. Held-out problems are answered greedily through the same Gym servers at
+the start, every ``grpo.val_period`` steps and at the end. Writes ``metrics.jsonl``,
+``val_results.jsonl`` (every held-out answer), ``reward_curve.png`` and a checkpoint into
+the run folder; run again with the same ``--out`` to resume.
 """
 
 from __future__ import annotations
@@ -27,8 +29,13 @@ logger = logging.getLogger("grpo_nemo_gym")
 
 
 def step_line(m: dict) -> str:
+    if m.get("kind") == "val":
+        sets = ", ".join(f"{k.removeprefix('val/')} {v:.3f}" for k, v in sorted(m.items()) if k.endswith("accuracy"))
+        return f"validation after {m['step']:3d} steps: {sets} ({m['time/val_s']:.0f}s)"
     if not m["train/groups"]:
         return f"step {m['step']:3d}: no fresh groups ({m['staleness/dropped']} stale dropped)"
+    if m["train/skipped_zero_advantage"]:
+        return f"step {m['step']:3d}: reward {m['train/mean_reward']:.3f}, every advantage zero: no update"
     return (f"step {m['step']:3d}: reward {m['train/mean_reward']:.3f} pass {m['train/pass_rate']:.2f} "
             f"len {m['train/mean_generated_tokens']:.1f} trunc {m['train/truncation_rate']:.2f} "
             f"|dlogp| {m['on_policy/logprob_abs_diff_mean']:.1e} gen_kl {m['on_policy/gen_kl_error']:.1e} "
@@ -57,8 +64,15 @@ def main() -> None:
         asyncio.run(run.trainer.run(on_step=lambda m: logger.info(step_line(m))))
     finally:
         run.close()
-    steps = [m for m in read_metrics(out / "metrics.jsonl") if m.get("train/groups")]
-    png = plot_reward_curve(steps, out / "reward_curve.png")
+    lines = read_metrics(out / "metrics.jsonl")
+    steps = [m for m in lines if m.get("kind", "train") == "train" and "train/mean_reward" in m]
+    validations = [m for m in lines if m.get("kind") == "val"]
+    png = plot_reward_curve(steps, out / "reward_curve.png", validations=validations)
+    if len(validations) >= 2:
+        first, last = validations[0], validations[-1]
+        for key in sorted(k for k in last if k.startswith("val/") and k.endswith("accuracy")):
+            logger.info("held-out %s: %.3f at step %d -> %.3f at step %d",
+                        key, first.get(key, float("nan")), first["step"], last[key], last["step"])
     logger.info("metrics: %s", out / "metrics.jsonl")
     logger.info("reward curve: %s", png)
     logger.info("checkpoint: %s", out / "checkpoint")

@@ -37,6 +37,7 @@ from gym_bridge.failures.errors import (
     GymResultError as GymResultError,
     InvalidGymRow as InvalidGymRow,
     NoHealthyShards as NoHealthyShards,
+    RefitMismatch as RefitMismatch,
     RolloutDataFailure as RolloutDataFailure,
     RolloutFailure as RolloutFailure,
     RolloutInfraFailure as RolloutInfraFailure,

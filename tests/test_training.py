@@ -9,7 +9,7 @@ import torch
 
 from gym_bridge.rollout.sink import CommittedGroup
 from gym_bridge.training import (
-    GRPOLoss,
+    ClippedPGLoss,
     StalenessBuffer,
     baseline_and_std_per_group,
     grpo_advantages,
@@ -93,11 +93,11 @@ def test_staleness_drops_and_counts_groups_older_than_the_bound():
     fresh, one_old, two_old, refit_mid = group(0, [], 5, 5), group(1, [], 4, 5), group(2, [], 3, 4), group(3, [], 4, 5)
     buffer.add([fresh, one_old, two_old, refit_mid])
     usable, dropped = buffer.take(current_weight_version=5)
-    assert usable == [fresh, one_old, refit_mid] and dropped == 1 and buffer.dropped_total == 1
-    assert buffer.take(5) == ([], 0), "dropped groups are gone, never used later"
+    assert usable == [fresh, one_old, refit_mid] and dropped == [two_old] and buffer.dropped_total == 1
+    assert buffer.take(5) == ([], []), "dropped groups are gone, never used later"
     strict = StalenessBuffer(max_trajectory_age_steps=0)
     strict.add([fresh, one_old])
-    assert strict.take(5) == ([fresh], 1)
+    assert strict.take(5) == ([fresh], [one_old])
     strict.add([group(9, [], 6, 6)])
     with pytest.raises(ValueError, match="prompt_idx=9 claims weight version 6"):
         strict.take(5)
@@ -119,7 +119,7 @@ def test_training_raises_logprobs_of_rewarded_tokens_and_leaves_the_prompt_alone
     before = policy.get_logprobs(probe)["logprobs"]
     probe["generation_logprobs"] = before.clone()
     embedding = policy.model.get_input_embeddings().weight.detach().clone()
-    result = policy.train(probe, GRPOLoss(), mbs=1)
+    result = policy.train(probe, ClippedPGLoss(), mbs=1)
     after = policy.get_logprobs(probe)["logprobs"]
     gen = slice(len(prompt), len(prompt) + 3)
     assert after[0, gen].sum() > before[0, gen].sum() + 1e-3, "the rewarded reply became more likely"

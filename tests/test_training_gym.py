@@ -13,9 +13,12 @@ import pytest
 import torch
 
 from gym_bridge.data import datum_from_gym_row
-from gym_bridge.failures import RolloutStall, StepBatchShortfall
+from gym_bridge.failures import RefitMismatch, RolloutStall, StepBatchShortfall
+from gym_bridge.gym.client import GymClient
 from gym_bridge.policy import HFPolicy, HFPolicyConfig
-from gym_bridge.training import GRPOLoopConfig, GRPOTrainer, load_trainer_state
+from gym_bridge.training import GRPOLoopConfig, GRPOTrainer, GymValidator, ValidationSet, load_trainer_state
+from gym_bridge.training.refit import refit
+from gym_bridge.types import GenerationSamplingParams
 from gym_bridge.build.grpo_run import build_grpo_run
 
 pytestmark = [pytest.mark.gym, pytest.mark.slow]
@@ -68,14 +71,14 @@ def grpo_run(ray_session, tmp_path_factory):
     run.close()
 
 
-def trainer_like(run, tmp_path, **cfg):
+def trainer_like(run, tmp_path, *, engine=None, validator=None, **cfg):
     """A trainer over the module's manager, policy and engine, starting at their current version."""
     from gym_bridge.training import TrainerState
 
     base = run.trainer
     return GRPOTrainer(GRPOLoopConfig(num_prompts_per_step=2, **cfg), manager=base.manager, policy=base.policy,
-                       engine=base.engine, dataset=base.dataset, out_dir=tmp_path,
-                       state=TrainerState(weight_version=base.manager.weight_version))
+                       engine=engine or base.engine, dataset=base.prompts.dataset, out_dir=tmp_path,
+                       state=TrainerState(weight_version=base.manager.weight_version), validator=validator)
 
 
 async def test_sync_steps_are_on_policy_and_tag_every_group_with_its_version(grpo_run, tmp_path):
@@ -110,27 +113,82 @@ async def test_refit_reaches_the_engine_and_a_skipped_refit_shows_at_once(grpo_r
     assert healed["on_policy/logprob_abs_diff_mean"] < ON_POLICY_ATOL, "the refit after step 1 reached the engine"
 
 
-async def test_async_rollouts_never_train_on_groups_older_than_the_bound(grpo_run, tmp_path):
-    strict = trainer_like(grpo_run, tmp_path / "strict", async_rollouts=True, max_trajectory_age_steps=0,
-                          max_num_steps=3)
-    history = await strict.run()
-    assert all(m["staleness/max_age"] == 0 for m in history)
-    # Step 1's rollouts ran on the weights step 0 was training: one version too old, dropped and counted.
-    assert history[1]["train/groups"] == 0 and history[1]["staleness/dropped"] == 2
-    assert history[2]["train/groups"] == 2 and strict.buffer.dropped_total == 2
-    relaxed = trainer_like(grpo_run, tmp_path / "relaxed", async_rollouts=True, max_trajectory_age_steps=1,
+async def test_async_rollouts_run_up_to_the_age_bound_ahead_and_never_train_on_older_groups(grpo_run, tmp_path):
+    relaxed = trainer_like(grpo_run, tmp_path / "one", async_rollouts=True, max_trajectory_age_steps=1,
                            max_num_steps=3)
     start = relaxed.state.weight_version
     history = await relaxed.run()
     assert [m["staleness/trained_start_versions"] for m in history] == [[start], [start], [start + 1]]
     assert [m["staleness/max_age"] for m in history] == [0, 1, 1] and relaxed.buffer.dropped_total == 0
+    # Two steps of lookahead: steps 1 and 2 are rolled out on the weights step 0 trains.
+    two = trainer_like(grpo_run, tmp_path / "two", async_rollouts=True, max_trajectory_age_steps=2,
+                       in_flight_weight_updates=True, max_num_steps=4)
+    start = two.state.weight_version
+    history = await two.run()
+    assert [m["staleness/trained_start_versions"] for m in history] == [[start], [start], [start], [start + 1]]
+    assert [m["staleness/max_age"] for m in history] == [0, 1, 2, 2] and two.buffer.dropped_total == 0
+
+
+async def test_a_group_older_than_the_bound_is_dropped_counted_and_its_prompts_drawn_again(grpo_run, tmp_path):
+    trainer = trainer_like(grpo_run, tmp_path, async_rollouts=True, max_trajectory_age_steps=1)
+    old = await trainer.rollout(0)
+    old_prompts = sorted(json.dumps(g.record.completions[0].env_extras["responses_create_params"]["input"])
+                         for g in old)
+    await trainer.train_step(0, await trainer.rollout(1), 0.0)
+    await trainer.train_step(1, await trainer.rollout(2), 0.0)
+    metrics = await trainer.train_step(2, old, 0.0)  # two versions old
+    assert metrics["train/groups"] == 0 and metrics["staleness/dropped"] == 2
+    assert metrics["staleness/requeued_total"] == 2 and len(trainer.prompts.state.requeued) == 2
+    redone = await trainer.rollout(3)
+    assert sorted(json.dumps(g.record.completions[0].env_extras["responses_create_params"]["input"])
+                  for g in redone) == old_prompts, "the dropped prompts come back first"
+    assert not trainer.prompts.state.requeued
+
+
+async def test_a_step_whose_advantages_are_all_zero_skips_the_optimizer(grpo_run, tmp_path, caplog):
+    trainer = trainer_like(grpo_run, tmp_path)
+    groups = await trainer.rollout(0)
+    for group in groups:
+        for completion in group.record.completions:
+            completion.reward = 0.5
+    steps, version = trainer.policy.steps_taken, trainer.state.weight_version
+    metrics = await trainer.train_step(0, groups, 0.0)
+    assert metrics["train/skipped_zero_advantage"] is True and metrics["time/train_s"] == 0.0
+    assert trainer.policy.steps_taken == steps and trainer.state.weight_version == version
+    assert trainer.engine.weight_version == version, "nothing to refit"
+    assert any("every advantage is zero" in r.getMessage() for r in caplog.records)
+
+
+async def test_greedy_validation_through_gym_at_start_period_and_end(grpo_run, tmp_path):
+    rows = [datum["extra_env_info"] for datum in grpo_run.trainer.prompts.dataset]
+    validator = GymValidator(GymClient(grpo_run.rollouts.actors), [ValidationSet("held", rows[:3]),
+                                                                    ValidationSet("other", rows[3:])],
+                             sampling=GenerationSamplingParams(temperature=0.0), max_new_tokens=6,
+                             results_path=tmp_path / "val_results.jsonl")
+    trainer = trainer_like(grpo_run, tmp_path, max_num_steps=2, val_at_start=True, val_period=1, val_at_end=True,
+                           validator=validator)
+    first = await validator(0, trainer.state.weight_version)
+    again = await validator(0, trainer.state.weight_version)
+    assert first == again, "greedy through Gym: the same weights give the same answers"
+    history = await trainer.run()
+    assert [(m["kind"], m["step"]) for m in history] == [("val", 0), ("train", 0), ("val", 1), ("train", 1),
+                                                         ("val", 2)], "val_at_end and the period do not repeat"
+    lines = [json.loads(line) for line in (tmp_path / "val_results.jsonl").read_text().splitlines()]
+    assert len(lines) == 5 * len(rows)
+    for m in (h for h in history if h["kind"] == "val"):
+        mine = [line for line in lines if line["step"] == m["step"] and line["set"] == "held"][-3:]
+        assert m["val/accuracy"] == sum(line["reward"] >= 1.0 for line in mine) / 3
+        assert set(m) >= {"val/format_rate", "val/mean_tokens", "val/other/accuracy"} and m["val/mean_tokens"] > 0
+        assert all(isinstance(line["reply"], str) for line in mine)
+    assert any(line["reply"] for line in lines), "the graded text is recorded"
 
 
 async def test_without_in_flight_weight_updates_the_refit_waits_for_the_next_steps_rollouts(grpo_run, tmp_path):
     waiting = trainer_like(grpo_run, tmp_path / "wait", async_rollouts=True, max_num_steps=2)
     start = waiting.state.weight_version
     history = await waiting.run()
-    assert "time/refit_wait_s" in history[0] and "time/refit_wait_s" not in history[1]  # the last step has no next
+    assert "time/refit_wait_s" in history[0], history[0]
+    assert "time/refit_wait_s" not in history[1], history[1]  # the last step has no next
     # Step 1 was rolled out entirely before step 0's refit: all of it on the old weights, start and end.
     assert history[1]["staleness/trained_start_versions"] == [start]
     in_flight = trainer_like(grpo_run, tmp_path / "in-flight", async_rollouts=True, in_flight_weight_updates=True,
@@ -150,13 +208,15 @@ async def test_a_step_that_commits_nothing_within_the_stall_deadline_stops_the_r
 async def test_a_step_below_min_step_batch_fraction_stops_the_run(grpo_run, tmp_path):
     manager = grpo_run.trainer.manager
     bad = {"responses_create_params": {"input": "x"}}  # no agent_ref: a data failure, skipped
-    trainer = trainer_like(grpo_run, tmp_path, min_step_batch_fraction=0.75)
-    trainer.dataset = [trainer.dataset[0], datum_from_gym_row(bad, idx=99)]
+    trainer = trainer_like(grpo_run, tmp_path, min_step_batch_fraction=0.75, shuffle_data=False)
+    trainer.prompts.dataset = [trainer.prompts.dataset[0], datum_from_gym_row(bad, idx=99)]
     policy = manager.retry_policy
     manager.retry_policy = replace(policy, max_skipped_prompts=10)
     try:
         with pytest.raises(StepBatchShortfall, match="step 0 committed 1 of 2 prompt groups, below the floor of 2"):
             await trainer.rollout(0)
+        assert trainer.state.requeued_total == 1 and len(trainer.prompts.state.requeued) == 1, "the lost prompt"
+        trainer.prompts.state.requeued.clear()
         trainer.cfg = trainer.cfg.model_copy(update={"min_step_batch_fraction": 0.5})
         assert len(await trainer.rollout(0)) == 1
     finally:
@@ -173,3 +233,46 @@ async def test_checkpoint_restores_weights_optimizer_and_state(grpo_run, tmp_pat
     assert restored.steps_taken == trainer.policy.steps_taken
     for name, tensor in trainer.policy.model.state_dict().items():
         assert torch.equal(restored.model.state_dict()[name], tensor), name
+
+
+class SkippingEngine:
+    """The module's engine, except that from refit ``skip_from`` on it loses the refit: ``"all"`` of it, or only
+    the ``"weights"`` (it reports the new version while serving the old weights)."""
+
+    def __init__(self, engine, skip_from, lose):
+        self.engine, self.skip_from, self.lose, self.refits = engine, skip_from, lose, 0
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def update_weights(self, state_dict, version):
+        self.refits += 1
+        if self.refits < self.skip_from:
+            return self.engine.update_weights(state_dict, version)
+        if self.lose == "weights":
+            return self.engine.update_weights({k: v.clone() for k, v in self.engine.model.state_dict().items()},
+                                              version)
+        return None
+
+
+@pytest.mark.parametrize("lose", ["all", "weights"])
+async def test_a_refit_that_did_not_arrive_late_in_a_run_stops_it(grpo_run, tmp_path, lose):
+    policy, engine, manager = grpo_run.policy, grpo_run.engine, grpo_run.trainer.manager
+    lr = [group["lr"] for group in policy.optimizer.param_groups]
+    for group in policy.optimizer.param_groups:
+        group["lr"] = 1e-7  # learning has slowed: the logprob threshold alone would not notice the lag
+    skipping = SkippingEngine(engine, skip_from=3, lose=lose)
+    trainer = trainer_like(grpo_run, tmp_path, engine=skipping, max_num_steps=4)
+    expected = r"step 2: after the refit the engine serves weight version" if lose == "all" else \
+        r"step 2: the engine reports weight version \d+ but \d+ parameter\(s\) differ"
+    try:
+        with pytest.raises(RefitMismatch, match=expected):
+            await trainer.run()
+        lines = [json.loads(line) for line in trainer.metrics_path.read_text().splitlines()]
+        assert [line["step"] for line in lines] == [0, 1]
+        assert all(line["refit/version_checked"] and line["refit/fingerprint_checked"] for line in lines)
+        assert lines[-1]["on_policy/logprob_abs_diff_max"] < ON_POLICY_ATOL
+    finally:
+        for group, value in zip(policy.optimizer.param_groups, lr, strict=True):
+            group["lr"] = value
+        refit(policy, engine, max(engine.weight_version, trainer.state.weight_version) + 1, manager)

@@ -8,9 +8,16 @@ Keys read (NeMo-RL's names where NeMo-RL has them):
   ``policy.freeze_embeddings`` (ours);
 - ``grpo.num_prompts_per_step``, ``grpo.num_generations_per_prompt``, ``grpo.max_num_steps``,
   ``grpo.normalize_rewards``, ``grpo.use_leave_one_out_baseline``, ``grpo.seed``,
-  ``grpo.async_grpo.enabled``, ``grpo.async_grpo.max_trajectory_age_steps``, ``grpo.pass_threshold`` (ours);
-- ``loss_fn.ratio_clip_min``; ``checkpointing.enabled``, ``checkpointing.save_period``;
-- ``env.nemo_gym`` (see :mod:`gym_bridge.build.training_config`); ``data.path`` (Gym rows, JSONL).
+  ``grpo.async_grpo.enabled``, ``grpo.async_grpo.max_trajectory_age_steps``, ``grpo.val_period``,
+  ``grpo.val_at_start``, ``grpo.val_at_end``, ``grpo.max_val_samples``,
+  ``grpo.val_num_generations_per_prompt`` and ``grpo.pass_threshold`` (ours);
+- ``loss_fn`` (:class:`~gym_bridge.training.loss.ClippedPGLossConfig`'s keys; a NeMo-RL loss variant this
+  loss does not implement is refused); ``checkpointing.enabled``, ``checkpointing.save_period``;
+- ``env.nemo_gym`` (see :mod:`gym_bridge.build.training_config`); ``data.train.data_path`` (or ``data.path``),
+  ``data.validation.data_path`` and ``data.validation.extra_sets`` (ours: name -> path), ``data.shuffle``.
+
+``policy.generation.temperature`` reaches the policy too: the trainer scores tokens with the
+logits divided by the temperature they were sampled with.
 
 The engine is :class:`~gym_bridge.generation.hf.HFGeneration` behind our
 :class:`~gym_bridge.serving.OpenAIServer` (a thread of this process), which Gym's model
@@ -39,8 +46,12 @@ from gym_bridge.build.training_config import (
     nemo_gym_rollout_settings,
     start_nemo_gym_rollouts,
 )
+from gym_bridge.gym.client import GymClient
 from gym_bridge.serving import OpenAIServer
 from gym_bridge.training.loop import GRPOLoopConfig, GRPOTrainer, load_trainer_state
+from gym_bridge.training.loss import ClippedPGLossConfig
+from gym_bridge.training.validation import GymValidator, ValidationSet
+from gym_bridge.types import GenerationSamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -52,12 +63,47 @@ def _section(config: Mapping[str, Any], dotted: str) -> Mapping[str, Any]:
     return node or {}
 
 
+_LOSS_VARIANTS_NOT_IMPLEMENTED = {
+    "disable_ppo_ratio": False,
+    "token_level_loss": True,
+    "sequence_level_importance_ratios": False,
+    "use_kl_in_reward": False,
+    "use_on_policy_kl_approximation": False,
+    "force_on_policy_ratio": False,
+    "use_cispo": False,
+    "positive_example_nll_weight": 0.0,
+}
+
+
+def loss_config_from(config: Mapping[str, Any]) -> ClippedPGLossConfig:
+    """``loss_fn`` as a :class:`ClippedPGLossConfig`; a NeMo-RL variant set away from its default is an error."""
+    section = _section(config, "loss_fn")
+    refused = [
+        f"{key}={section[key]!r}"
+        for key, default in _LOSS_VARIANTS_NOT_IMPLEMENTED.items()
+        if key in section and section[key] != default
+    ]
+    if refused:
+        raise TrainingConfigError(
+            f"loss_fn: {', '.join(refused)} is not implemented by gym-bridge's ClippedPGLoss (token-level clipped PG "
+            "with optional truncated importance sampling and a reference KL); remove the key or set its default"
+        )
+    known = ClippedPGLossConfig.model_fields
+    return ClippedPGLossConfig(**{k: v for k, v in section.items() if k in known and v is not None})
+
+
 def loop_config_from(config: Mapping[str, Any], settings: NemoGymRolloutSettings) -> GRPOLoopConfig:
-    """The loop's settings from ``grpo``, ``loss_fn``, ``policy``, ``checkpointing`` and the rollout settings
-    (``grpo.async_grpo``, ``async_rl.stall_watchdog``, ``async_rl.rollout_failure.min_step_batch_fraction``)."""
+    """The loop's settings from ``grpo``, ``loss_fn``, ``policy``, ``checkpointing``, ``data.shuffle`` and the
+    rollout settings (``grpo.async_grpo``, ``async_rl.stall_watchdog``,
+    ``async_rl.rollout_failure.min_step_batch_fraction``)."""
     grpo = _section(config, "grpo")
     checkpointing = _section(config, "checkpointing")
     values: dict[str, Any] = {
+        "seed": grpo.get("seed"),
+        "shuffle_data": _section(config, "data").get("shuffle"),
+        "val_period": grpo.get("val_period"),
+        "val_at_start": grpo.get("val_at_start"),
+        "val_at_end": grpo.get("val_at_end"),
         "num_prompts_per_step": grpo.get("num_prompts_per_step"),
         "max_num_steps": grpo.get("max_num_steps"),
         "use_leave_one_out_baseline": grpo.get("use_leave_one_out_baseline"),
@@ -70,7 +116,7 @@ def loop_config_from(config: Mapping[str, Any], settings: NemoGymRolloutSettings
         "stall_action": settings.stall_watchdog.stall_action,
         "stall_interval_s": settings.stall_watchdog.interval_s,
         "min_step_batch_fraction": settings.min_step_batch_fraction,
-        "ratio_clip": _section(config, "loss_fn").get("ratio_clip_min"),
+        "loss": loss_config_from(config),
         "train_micro_batch_size": _section(config, "policy").get("train_micro_batch_size"),
         "checkpoint_every_steps": checkpointing.get("save_period") if checkpointing.get("enabled", True) else None,
     }
@@ -83,6 +129,27 @@ def _result_logging(settings: NemoGymRolloutSettings, out_dir: Path) -> dict[str
     if settings.log_nemo_gym_responses or settings.log_full_result_tables:
         return {"full_results_path": out_dir / "nemo_gym_full_results.jsonl"}
     return {}
+
+
+def train_data_path(config: Mapping[str, Any]) -> str:
+    """``data.train.data_path`` (NeMo-RL's key) or ``data.path``."""
+    data = _section(config, "data")
+    path = _section(config, "data.train").get("data_path") or data.get("path")
+    if not path:
+        raise TrainingConfigError("data.train.data_path (or data.path) must name a JSONL file of Gym rows")
+    return str(path)
+
+
+def validation_sets(config: Mapping[str, Any]) -> list[ValidationSet]:
+    """``data.validation.data_path`` (reported as ``val/*``), then ``data.validation.extra_sets`` in order;
+    each cut to ``grpo.max_val_samples`` rows when that is set."""
+    validation = _section(config, "data.validation")
+    limit = _section(config, "grpo").get("max_val_samples")
+    named: list[tuple[str, Any]] = []
+    if validation.get("data_path"):
+        named.append(("validation", validation["data_path"]))
+    named.extend((str(name), path) for name, path in (validation.get("extra_sets") or {}).items())
+    return [ValidationSet(name, load_gym_rows(path)[: limit or None]) for name, path in named]
 
 
 def load_gym_rows(path: str | Path) -> list[dict[str, Any]]:
@@ -101,6 +168,42 @@ def load_gym_rows(path: str | Path) -> list[dict[str, Any]]:
     if not rows:
         raise ValueError(f"{path}: no rows")
     return rows
+
+
+def policy_config(config: Mapping[str, Any], weights: str, loop_cfg: GRPOLoopConfig) -> HFPolicyConfig:
+    """The trained copy's settings: optimizer, clipping, frozen embeddings, and the sampling temperature
+    (so its logprobs are those of the distribution the engine sampled from)."""
+    policy_cfg = _section(config, "policy")
+    optimizer = _section(config, "policy.optimizer.kwargs")
+    return HFPolicyConfig(
+        model=weights,
+        learning_rate=float(optimizer.get("lr", 1e-5)),
+        weight_decay=float(optimizer.get("weight_decay", 0.0)),
+        betas=tuple(optimizer.get("betas", (0.9, 0.999))),
+        max_grad_norm=policy_cfg.get("max_grad_norm", 1.0),
+        temperature=float(_section(config, "policy.generation").get("temperature", 1.0)),
+        keep_reference_model=loop_cfg.loss.reference_policy_kl_penalty > 0,
+        freeze_embeddings=bool(policy_cfg.get("freeze_embeddings", False)),
+    )
+
+
+def validator_from(
+    config: Mapping[str, Any], actors: list[Any], out_dir: Path, *, pass_threshold: float
+) -> GymValidator | None:
+    """A :class:`GymValidator` over the run's Gym actors, or None when the config has no validation data."""
+    sets = validation_sets(config)
+    if not sets:
+        return None
+    generation = _section(config, "policy.generation")
+    return GymValidator(
+        GymClient(actors, timer_prefix="timing/validation"),
+        sets,
+        sampling=GenerationSamplingParams.from_generation_config(generation, validation=True),
+        max_new_tokens=generation.get("max_new_tokens"),
+        num_generations=int(_section(config, "grpo").get("val_num_generations_per_prompt", 1)),
+        pass_threshold=pass_threshold,
+        results_path=out_dir / "val_results.jsonl",
+    )
 
 
 @dataclass
@@ -161,22 +264,11 @@ def build_grpo_run(config: Mapping[str, Any], out_dir: str | Path, *, resume: bo
         engine.shutdown()
         raise
     try:
-        optimizer = _section(config, "policy.optimizer.kwargs")
-        policy = HFPolicy(
-            HFPolicyConfig(
-                model=weights,
-                learning_rate=float(optimizer.get("lr", 1e-5)),
-                weight_decay=float(optimizer.get("weight_decay", 0.0)),
-                betas=tuple(optimizer.get("betas", (0.9, 0.999))),
-                max_grad_norm=policy_cfg.get("max_grad_norm", 1.0),
-                keep_reference_model=False,
-                freeze_embeddings=bool(policy_cfg.get("freeze_embeddings", False)),
-            )
-        )
+        policy = HFPolicy(policy_config(config, weights, loop_cfg))
         if state is not None:
             policy.load_optimizer(checkpoint)
             engine.update_weights(policy.state_dict_for_refit(), state.weight_version)
-        rows = load_gym_rows(_section(config, "data")["path"])
+        rows = load_gym_rows(train_data_path(config))
         dataset = [datum_from_gym_row(row, idx=i) for i, row in enumerate(rows)]
         trainer = GRPOTrainer(
             loop_cfg,
@@ -186,6 +278,7 @@ def build_grpo_run(config: Mapping[str, Any], out_dir: str | Path, *, resume: bo
             dataset=dataset,
             out_dir=out_dir,
             state=state,
+            validator=validator_from(config, rollouts.actors, out_dir, pass_threshold=loop_cfg.pass_threshold),
         )
     except BaseException:
         rollouts.shutdown()

@@ -27,6 +27,7 @@ The whole exception tree (all defined in :mod:`gym_bridge.failures.errors`)::
      │   also RuntimeError, terminal for the run or outside a rollout attempt:
      ├── RolloutRedispatchExhausted   too many prompts dropped in a row
      ├── RolloutStall                 rollouts in flight, none committed within the stall deadline
+     ├── RefitMismatch                the engine does not hold the weights just trained (version or fingerprint)
      ├── StepBatchShortfall           a step kept fewer groups than min_step_batch_fraction
      ├── RunConfigurationError        the run's first groups all hit one configuration error
      ├── GymServersError              a Gym server set failed (gym/servers.py)

@@ -22,6 +22,7 @@ __all__ = [
     "NemoGymRestarted",
     "NemoGymUnavailable",
     "NoHealthyShards",
+    "RefitMismatch",
     "RolloutDataFailure",
     "RolloutFailure",
     "RolloutInfraFailure",
@@ -165,6 +166,10 @@ class RolloutStall(GymBridgeError, RuntimeError):
 
 class StepBatchShortfall(GymBridgeError, RuntimeError):
     """Terminal: a training step kept fewer prompt groups than ``min_step_batch_fraction`` allows."""
+
+
+class RefitMismatch(GymBridgeError, RuntimeError):
+    """Terminal: after a refit the engine does not hold the trained weights (wrong version or fingerprint)."""
 
 
 class RunConfigurationError(GymBridgeError, RuntimeError):

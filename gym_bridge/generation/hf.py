@@ -77,6 +77,7 @@ from gym_bridge.generation.hf_config import (
 from gym_bridge.generation.hf_decode import DecodeContext, Row, RowResult, RunningBatch, decode_to_end
 from gym_bridge.generation.hf_worker import STOP, WAKE, fail_queued, make_deliver, worker_loop
 from gym_bridge.interfaces import GenerationInterface
+from gym_bridge.models.fingerprint import weight_fingerprint
 from gym_bridge.models.loading import causal_lm_on_device
 from gym_bridge.types import GenerationDatumSpec, GenerationOutputSpec
 
@@ -222,6 +223,11 @@ class HFGeneration(GenerationInterface):
     def weight_version(self) -> int:
         """The version of the weights that rows started from now on are generated with."""
         return self._weight_version
+
+    def weight_fingerprint(self) -> dict[str, float]:
+        """:func:`~gym_bridge.models.fingerprint.weight_fingerprint` of the weights rows start on now."""
+        with self._model_lock:
+            return weight_fingerprint(self.model.state_dict())
 
     def update_weights(
         self, state_dict: Mapping[str, torch.Tensor], version: int, *, strict: bool = True, timeout_s: float = 600.0

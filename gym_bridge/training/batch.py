@@ -58,7 +58,7 @@ def train_batch(
     normalize: bool = True,
     pass_threshold: float = 1.0,
 ) -> tuple[BatchedDataDict[Any], GroupStats]:
-    """The right-padded batch ``HFPolicy.train`` takes with :class:`~gym_bridge.training.loss.GRPOLoss`."""
+    """The right-padded batch ``HFPolicy.train`` takes with :class:`~gym_bridge.training.loss.ClippedPGLoss`."""
     if not groups:
         raise ValueError("no groups to build a training batch from")
     sizes = {len(g.record.completions) for g in groups}

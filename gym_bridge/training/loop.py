@@ -1,12 +1,16 @@
 """``GRPOTrainer``: roll out through a ``RolloutManager``, train the policy, refit the engine, bump the version.
 
-One step: ``num_prompts_per_step`` prompts, each rolled out N times through
-``manager.collect`` (any backend; the recipe uses ``nemo_gym``), group-normalised
-advantages, one optimizer step on the generated tokens, a refit of the serving
-engine, and the new weight version on the manager. With ``async_rollouts`` the
-next step's rollouts run while this step trains and refits; every group is checked
-against ``max_trajectory_age_steps`` before it is trained on (too old: dropped and
-counted). Every step appends one line to ``metrics.jsonl``.
+One step: ``num_prompts_per_step`` prompts (the dataset shuffled with ``seed``), each
+rolled out N times through ``manager.collect`` (any backend; the recipe uses
+``nemo_gym``), group-normalised advantages, one optimizer step of
+:class:`~gym_bridge.training.loss.ClippedPGLoss` on the generated tokens (skipped when
+every advantage is zero), a refit of the serving engine checked against its weight
+version and fingerprint, and the new weight version on the manager. With
+``async_rollouts`` the rollouts of up to ``max_trajectory_age_steps`` later steps run
+while this step trains; a group older than that is dropped, counted, and its prompt
+queued again, as is the prompt of a group that never committed. Validation runs at
+start, every ``val_period`` steps and at the end. Every step and every validation
+appends one line to ``metrics.jsonl``.
 """
 
 from __future__ import annotations
@@ -18,19 +22,22 @@ import math
 import shutil
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from gym_bridge.failures import RolloutStall, StepBatchShortfall
 from gym_bridge.rollout.sink import CommittedGroup, InMemorySink
 from gym_bridge.training.batch import train_batch
-from gym_bridge.training.loss import GRPOLoss, sum_on_policy_errors
+from gym_bridge.training.loss import ClippedPGLoss, ClippedPGLossConfig, loss_metrics, sum_on_policy_errors
 from gym_bridge.training.metrics import append_metrics
-from gym_bridge.training.refit import refit
+from gym_bridge.training.prompts import PromptQueue, PromptQueueState
+from gym_bridge.training.refit import check_refit, refit
 from gym_bridge.training.staleness import StalenessBuffer
+from gym_bridge.training.validation import Validator
 from gym_bridge.types import DatumSpec
 
 logger = logging.getLogger(__name__)
@@ -47,7 +54,9 @@ class GRPOLoopConfig(BaseModel):
     max_num_steps: int = Field(40, ge=1)
     use_leave_one_out_baseline: bool = True
     normalize_rewards: bool = True
-    ratio_clip: float = Field(0.2, gt=0.0)
+    loss: ClippedPGLossConfig = Field(default_factory=ClippedPGLossConfig)
+    seed: int = 0
+    shuffle_data: bool = True
     async_rollouts: bool = False
     max_trajectory_age_steps: int = Field(1, ge=0)
     in_flight_weight_updates: bool = False
@@ -61,8 +70,22 @@ class GRPOLoopConfig(BaseModel):
     min_step_batch_fraction: float = Field(0.0, ge=0.0, le=1.0)
     """A step whose committed groups fall below ``ceil(fraction * num_prompts_per_step)`` stops the run."""
     pass_threshold: float = Field(1.0, description="A completion with reward >= this counts as a pass.")
+    val_period: int = Field(0, ge=0, description="Validate every this many steps; 0: never between start and end.")
+    val_at_start: bool = False
+    val_at_end: bool = False
     train_micro_batch_size: int | None = Field(None, ge=1)
     checkpoint_every_steps: int | None = Field(None, ge=1, description="None: only at the end of the run.")
+
+    @model_validator(mode="after")
+    def _async_needs_age(self) -> Self:
+        if self.async_rollouts and self.max_trajectory_age_steps < 1:
+            raise ValueError("async rollouts train on samples at least one step old: max_trajectory_age_steps >= 1")
+        return self
+
+    @property
+    def lookahead(self) -> int:
+        """How many later steps' rollouts may run while a step trains."""
+        return self.max_trajectory_age_steps if self.async_rollouts else 0
 
 
 @dataclass
@@ -72,6 +95,8 @@ class TrainerState:
     step: int = 0
     weight_version: int = 0
     dropped_stale_total: int = 0
+    requeued_total: int = 0
+    prompts: PromptQueueState = field(default_factory=PromptQueueState)
 
 
 class GRPOTrainer:
@@ -87,19 +112,19 @@ class GRPOTrainer:
         dataset: Sequence[DatumSpec],
         out_dir: Path,
         state: TrainerState | None = None,
+        validator: Validator | None = None,
     ) -> None:
-        if not dataset:
-            raise ValueError("the training dataset is empty")
         self.cfg = cfg
         self.manager, self.policy, self.engine = manager, policy, engine
-        self.dataset = list(dataset)
+        self.validator = validator
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.out_dir / "metrics.jsonl"
         self.state = state or TrainerState()
+        self.prompts = PromptQueue(dataset, seed=cfg.seed, shuffle=cfg.shuffle_data, state=self.state.prompts)
         self.buffer = StalenessBuffer(cfg.max_trajectory_age_steps)
         self.buffer.dropped_total = self.state.dropped_stale_total
-        self.loss = GRPOLoss(cfg.ratio_clip)
+        self.loss = ClippedPGLoss(cfg.loss)
         self.pad_token_id = int(
             policy.tokenizer.pad_token_id
             if policy.tokenizer.pad_token_id is not None
@@ -107,24 +132,15 @@ class GRPOTrainer:
         )
         manager.set_weight_version(self.state.weight_version)
 
-    def prompts_for(self, step: int) -> list[DatumSpec]:
-        """The step's prompts: the dataset in order, cycling; ``idx`` is unique across the run."""
-        per_step = self.cfg.num_prompts_per_step
-        out: list[DatumSpec] = []
-        for i in range(per_step):
-            position = step * per_step + i
-            datum: DatumSpec = {**self.dataset[position % len(self.dataset)], "idx": position}
-            out.append(datum)
-        return out
-
     async def rollout(self, step: int) -> list[CommittedGroup]:
-        """Every prompt of ``step`` through ``manager.collect``; the committed groups with their versions.
+        """Draw the step's prompts and send each through ``manager.collect``; the committed groups.
 
-        Raises ``RolloutStall`` when nothing commits for ``stall_timeout_s`` (with ``stall_action: abort``)
-        and ``StepBatchShortfall`` when fewer groups than ``min_step_batch_fraction`` allows committed.
+        A prompt whose group did not commit is queued again. Raises ``RolloutStall`` when nothing
+        commits for ``stall_timeout_s`` (with ``stall_action: abort``) and ``StepBatchShortfall``
+        when fewer groups than ``min_step_batch_fraction`` allows committed.
         """
         sink = InMemorySink()
-        prompts = self.prompts_for(step)
+        prompts = self.prompts.draw(self.cfg.num_prompts_per_step)
         collects = asyncio.gather(*(self.manager.collect(datum, sink) for datum in prompts))
         try:
             await self._watch_stall(step, collects, sink)
@@ -133,6 +149,9 @@ class GRPOTrainer:
                 collects.cancel()
                 await asyncio.gather(collects, return_exceptions=True)
         groups = sink.take()
+        committed = {g.record.prompt_idx for g in groups}
+        lost = self.prompts.requeue(d["idx"] for d in prompts if d["idx"] not in committed)
+        self.state.requeued_total += lost
         floor = math.ceil(self.cfg.min_step_batch_fraction * len(prompts))
         if len(groups) < floor:
             raise StepBatchShortfall(
@@ -174,21 +193,28 @@ class GRPOTrainer:
         *,
         refit_engine: bool = True,
         step_started: float | None = None,
-        refit_after: asyncio.Future[Any] | None = None,
+        refit_after: Sequence[asyncio.Future[Any]] = (),
     ) -> dict[str, Any]:
-        """Train on the fresh groups, refit the engine (unless told not to), log one metrics line.
+        """Train on the fresh groups, refit the engine (unless told not to) and check it, log one metrics line.
 
         ``step_started`` (a ``perf_counter`` value) adds ``time/step_s``, the whole step's wall time;
-        ``refit_after``: the refit waits for it to finish (the next step's rollouts, ``in_flight_weight_updates``
-        off), counted in ``time/refit_wait_s``.
+        ``refit_after``: the refit waits for these to finish (later steps' rollouts, ``in_flight_weight_updates``
+        off), counted in ``time/refit_wait_s``. A batch whose advantages are all zero trains nothing: no
+        optimizer step, no refit, the version stays.
         """
         self.buffer.add(groups)
-        usable, dropped = self.buffer.take(self.state.weight_version)
+        usable, stale = self.buffer.take(self.state.weight_version)
+        requeued = self.prompts.requeue(g.record.prompt_idx for g in stale)
+        self.state.requeued_total += requeued
+        for group in usable:
+            self.prompts.settle(group.record.prompt_idx)
         metrics: dict[str, Any] = {
+            "kind": "train",
             "step": step,
             "weight_version": self.state.weight_version,
-            "staleness/dropped": dropped,
+            "staleness/dropped": len(stale),
             "staleness/dropped_total": self.buffer.dropped_total,
+            "staleness/requeued_total": self.state.requeued_total,
             "staleness/trained_start_versions": sorted({g.start_weight_version for g in usable}),
             "staleness/max_age": max((self.state.weight_version - g.start_weight_version for g in usable), default=0),
             "time/rollout_s": rollout_s,
@@ -203,18 +229,6 @@ class GRPOTrainer:
                 normalize=self.cfg.normalize_rewards,
                 pass_threshold=self.cfg.pass_threshold,
             )
-            started = time.perf_counter()
-            result = await asyncio.to_thread(self.policy.train, batch, self.loss, mbs=self.cfg.train_micro_batch_size)
-            train_s = time.perf_counter() - started
-            error = sum_on_policy_errors(result["all_mb_metrics"])
-            new_version = self.state.weight_version + 1
-            if refit_after is not None:
-                waited = time.perf_counter()
-                await asyncio.wait([refit_after])
-                metrics["time/refit_wait_s"] = time.perf_counter() - waited
-            if refit_engine:
-                refit_s = await asyncio.to_thread(refit, self.policy, self.engine, new_version, self.manager)
-            self.state.weight_version = new_version
             metrics.update(
                 {
                     "train/mean_reward": stats.mean_reward,
@@ -223,14 +237,38 @@ class GRPOTrainer:
                     "train/truncation_rate": stats.truncation_rate,
                     "train/zero_std_groups": stats.zero_std_groups,
                     "train/samples": stats.samples,
-                    "train/loss": result["loss"],
-                    "train/grad_norm": result["grad_norm"],
-                    "train/refit": refit_engine,
-                    **error.as_metrics(),
                 }
             )
+            skip = not bool(torch.as_tensor(batch["advantages"]).ne(0).any())
+            metrics["train/skipped_zero_advantage"] = skip
+            if skip:
+                logger.warning(
+                    "step %d: every advantage is zero (each group's rewards are equal); optimizer step skipped", step
+                )
+            else:
+                started = time.perf_counter()
+                result = await asyncio.to_thread(self._train, batch)
+                train_s = time.perf_counter() - started
+                new_version = self.state.weight_version + 1
+                if refit_after:
+                    waited = time.perf_counter()
+                    await asyncio.wait(refit_after)
+                    metrics["time/refit_wait_s"] = time.perf_counter() - waited
+                if refit_engine:
+                    refit_s = await asyncio.to_thread(refit, self.policy, self.engine, new_version, self.manager)
+                    metrics.update(check_refit(self.policy, self.engine, new_version, step=step))
+                self.state.weight_version = new_version
+                metrics.update(
+                    {
+                        "train/loss": result["loss"],
+                        "train/grad_norm": result["grad_norm"],
+                        "train/refit": refit_engine,
+                        **sum_on_policy_errors(result["all_mb_metrics"]).as_metrics(),
+                        **loss_metrics(result["all_mb_metrics"]),
+                    }
+                )
         else:
-            logger.warning("step %d: no group fresh enough to train on (%d dropped as stale)", step, dropped)
+            logger.warning("step %d: no group fresh enough to train on (%d dropped as stale)", step, len(stale))
         metrics.update({"time/train_s": train_s, "time/refit_s": refit_s})
         if step_started is not None:
             metrics["time/step_s"] = time.perf_counter() - step_started
@@ -239,39 +277,75 @@ class GRPOTrainer:
         append_metrics(self.metrics_path, metrics)
         return metrics
 
+    def _train(self, batch: Any) -> dict[str, Any]:
+        """One optimizer step; reference logprobs first when the loss has a KL penalty."""
+        if self.cfg.loss.reference_policy_kl_penalty:
+            reference = self.policy.get_reference_policy_logprobs(batch, self.cfg.train_micro_batch_size)
+            batch["reference_policy_logprobs"] = reference["reference_logprobs"]
+        return dict(self.policy.train(batch, self.loss, mbs=self.cfg.train_micro_batch_size))
+
+    async def validate(self, step: int) -> dict[str, Any] | None:
+        """One validation with the current weights, logged as its own ``kind: val`` line."""
+        if self.validator is None:
+            return None
+        started = time.perf_counter()
+        metrics: dict[str, Any] = {"kind": "val", "step": step, "weight_version": self.state.weight_version}
+        metrics.update(await self.validator(step, self.state.weight_version))
+        metrics["time/val_s"] = time.perf_counter() - started
+        append_metrics(self.metrics_path, metrics)
+        return metrics
+
+    def _validates_after(self, step: int) -> bool:
+        """Whether validation follows the step that makes ``step`` steps done."""
+        period = self.cfg.val_period
+        return (self.cfg.val_at_end and step == self.cfg.max_num_steps) or bool(period and step % period == 0)
+
     async def run(self, on_step: Any = None) -> list[dict[str, Any]]:
-        """Steps from ``state.step`` to ``max_num_steps``; checkpoints as configured and at the end."""
+        """Steps from ``state.step`` to ``max_num_steps``; validation and checkpoints as configured.
+
+        ``on_step`` gets every metrics line (training steps and validations).
+        """
         history: list[dict[str, Any]] = []
         last = self.cfg.max_num_steps
         step = self.state.step
         if step >= last:
             return history
-        pending: asyncio.Future[list[CommittedGroup]] = asyncio.ensure_future(self.rollout(step))
-        try:
-            while step < last:
-                step_started = time.perf_counter()
-                groups = await pending
-                rollout_s = time.perf_counter() - step_started
-                overlap = self.cfg.async_rollouts and step + 1 < last
-                if overlap:
-                    pending = asyncio.ensure_future(self.rollout(step + 1))
-                wait_for = pending if overlap and not self.cfg.in_flight_weight_updates else None
-                metrics = await self.train_step(
-                    step, groups, rollout_s, step_started=step_started, refit_after=wait_for
-                )
+        pending: dict[int, asyncio.Future[list[CommittedGroup]]] = {}
+        launched = step
+
+        def launch(through: int) -> None:
+            nonlocal launched
+            while launched <= min(through, last - 1):
+                pending[launched] = asyncio.ensure_future(self.rollout(launched))
+                launched += 1
+
+        def record(metrics: dict[str, Any] | None) -> None:
+            if metrics is not None:
                 history.append(metrics)
                 if on_step is not None:
                     on_step(metrics)
+
+        try:
+            if self.cfg.val_at_start and step == 0:
+                record(await self.validate(0))
+            while step < last:
+                step_started = time.perf_counter()
+                launch(step)
+                groups = await pending.pop(step)
+                rollout_s = time.perf_counter() - step_started
+                launch(step + self.cfg.lookahead)
+                wait_for = [] if self.cfg.in_flight_weight_updates else list(pending.values())
+                record(await self.train_step(step, groups, rollout_s, step_started=step_started, refit_after=wait_for))
                 step += 1
+                if self._validates_after(step):
+                    record(await self.validate(step))
                 every = self.cfg.checkpoint_every_steps
                 if step == last or (every and step % every == 0):
                     self.save_checkpoint()
-                if not self.cfg.async_rollouts and step < last:
-                    pending = asyncio.ensure_future(self.rollout(step))
         finally:
-            if not pending.done():
-                pending.cancel()
-                await asyncio.gather(pending, return_exceptions=True)
+            for future in pending.values():
+                future.cancel()
+            await asyncio.gather(*pending.values(), return_exceptions=True)
         return history
 
     @property
@@ -279,11 +353,15 @@ class GRPOTrainer:
         return self.out_dir / "checkpoint"
 
     def save_checkpoint(self) -> Path:
-        """The policy (weights, tokenizer, optimizer) and the trainer state, replacing the previous checkpoint."""
+        """The policy (weights, tokenizer, optimizer) and the trainer state, replacing the previous checkpoint.
+
+        Prompts whose rollouts are still in flight are saved as queued again: a resumed run redoes them.
+        """
         staging = self.out_dir / "checkpoint.partial"
         shutil.rmtree(staging, ignore_errors=True)
         self.policy.save_checkpoint(staging)
-        (staging / STATE_FILE).write_text(json.dumps(asdict(self.state)))
+        state = TrainerState(**{**asdict(self.state), "prompts": self.prompts.checkpoint_state()})
+        (staging / STATE_FILE).write_text(json.dumps(asdict(state)))
         shutil.rmtree(self.checkpoint_dir, ignore_errors=True)
         staging.rename(self.checkpoint_dir)
         return self.checkpoint_dir
@@ -294,4 +372,5 @@ def load_trainer_state(checkpoint_dir: Path) -> TrainerState | None:
     path = Path(checkpoint_dir) / STATE_FILE
     if not path.exists():
         return None
-    return TrainerState(**json.loads(path.read_text()))
+    saved = json.loads(path.read_text())
+    return TrainerState(**{**saved, "prompts": PromptQueueState(**saved.get("prompts", {}))})

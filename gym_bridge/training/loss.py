@@ -1,28 +1,84 @@
-"""The GRPO loss on generated tokens only, measuring on-policy fidelity in the same forward pass.
+"""NeMo-RL's clipped policy-gradient loss on generated tokens, measuring on-policy fidelity in the same pass.
 
-NeMo-RL's clipped policy-gradient loss with ``prev_logprobs`` taken from this very
-forward pass (one optimizer step per batch, so the ratio is 1 and the clip never
-binds; the gradient is REINFORCE's ``-A * grad logp``), averaged over the global
-batch's valid tokens (token-level loss). ``token_mask`` is 1 only on tokens the
-engine generated, so prompt and tool tokens never get a gradient.
+The old policy of the PPO ratio is the engine's sampling logprobs
+(``generation_logprobs``), so the clip acts on whatever is off-policy: an async sample
+from older weights, or an engine that drifted from the trainer. With
+``use_importance_sampling_correction`` the loss is NeMo-RL's decoupled form instead: the
+ratio is taken against the trainer's own weights before this step (one optimizer step
+per batch, so ``curr.detach()``) and each token is weighted by ``exp(prev - gen)``,
+truncated as ``truncated_importance_sampling_type`` says. The loss is averaged over the
+global batch's valid tokens; ``token_mask`` is 1 only on tokens the engine generated.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal, Self
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from gym_bridge.batched import BatchedDataDict
 from gym_bridge.training.fidelity import OnPolicyError, on_policy_error
 
 
-class GRPOLoss:
-    """A :class:`~gym_bridge.policy.hf.LossFunction`; ``data`` needs ``advantages``, ``token_mask``,
-    ``generation_logprobs`` (all aligned to token positions)."""
+class ClippedPGLossConfig(BaseModel):
+    """NeMo-RL's ``loss_fn`` keys that this loss implements (token-level loss only)."""
 
-    def __init__(self, ratio_clip: float = 0.2) -> None:
-        self.ratio_clip = ratio_clip
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    ratio_clip_min: float = Field(0.2, ge=0.0)
+    ratio_clip_max: float = Field(0.2, ge=0.0)
+    ratio_clip_c: float | None = Field(None, gt=1.0, description="Dual clip for negative advantages; None: off.")
+    reference_policy_kl_penalty: float = Field(0.0, ge=0.0)
+    reference_policy_kl_type: Literal["k1", "k2", "k3"] = "k3"
+    use_importance_sampling_correction: bool = False
+    truncated_importance_sampling_type: Literal["tis", "icepop"] | None = None
+    truncated_importance_sampling_ratio: float | None = Field(None, gt=0.0)
+    truncated_importance_sampling_ratio_min: float | None = Field(None, ge=0.0)
+
+    @model_validator(mode="after")
+    def _truncation_is_complete(self) -> Self:
+        kind = self.truncated_importance_sampling_type
+        if kind is None:
+            return self
+        if not self.use_importance_sampling_correction:
+            raise ValueError("truncated_importance_sampling_type needs use_importance_sampling_correction: true")
+        if self.truncated_importance_sampling_ratio is None:
+            raise ValueError(f"truncated_importance_sampling_type {kind!r} needs truncated_importance_sampling_ratio")
+        if kind == "icepop" and self.truncated_importance_sampling_ratio_min is None:
+            raise ValueError("'icepop' truncation needs truncated_importance_sampling_ratio_min")
+        return self
+
+
+def kl_estimate(logprobs: torch.Tensor, reference: torch.Tensor, kind: str) -> torch.Tensor:
+    """Per-token estimate of KL(current || reference) from sampled tokens (Schulman's k1, k2, k3)."""
+    log_ratio = reference - logprobs
+    if kind == "k1":
+        return -log_ratio
+    if kind == "k2":
+        return 0.5 * log_ratio**2
+    return torch.exp(log_ratio) - 1 - log_ratio
+
+
+class ClippedPGLoss:
+    """A :class:`~gym_bridge.policy.hf.LossFunction`; ``data`` needs ``advantages``, ``token_mask`` and
+    ``generation_logprobs`` (aligned to token positions), and ``reference_policy_logprobs`` when the KL
+    penalty is on."""
+
+    def __init__(self, cfg: ClippedPGLossConfig | None = None) -> None:
+        self.cfg = cfg or ClippedPGLossConfig()
+
+    def importance_weights(self, prev: torch.Tensor, gen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(weights, out_of_bounds)``: ``exp(prev - gen)`` truncated per the config, and where it was cut."""
+        weights = torch.nan_to_num(torch.exp(prev - gen), nan=0.0, posinf=0.0, neginf=0.0)
+        cfg, high = self.cfg, self.cfg.truncated_importance_sampling_ratio
+        if cfg.truncated_importance_sampling_type is None or high is None:
+            return weights, torch.zeros_like(weights, dtype=torch.bool)
+        low = cfg.truncated_importance_sampling_ratio_min or 0.0
+        out = (weights > high) | (weights < low)
+        if cfg.truncated_importance_sampling_type == "tis":
+            return weights.clamp(min=low, max=high), out
+        return torch.where(out, torch.zeros_like(weights), weights), out
 
     def __call__(
         self,
@@ -31,19 +87,44 @@ class GRPOLoss:
         global_valid_seqs: torch.Tensor,
         global_valid_toks: torch.Tensor,
     ) -> tuple[torch.Tensor, dict[str, Any]]:
-        mask = torch.as_tensor(data["token_mask"]).float().to(token_logprobs.device)
+        cfg, device, dtype = self.cfg, token_logprobs.device, token_logprobs.dtype
+        mask = torch.as_tensor(data["token_mask"]).float().to(device)
         if data.get("sample_mask") is not None:
-            mask = mask * torch.as_tensor(data["sample_mask"]).float().to(token_logprobs.device)[:, None]
-        advantages = torch.as_tensor(data["advantages"], dtype=token_logprobs.dtype, device=token_logprobs.device)
+            mask = mask * torch.as_tensor(data["sample_mask"]).float().to(device)[:, None]
+        advantages = torch.as_tensor(data["advantages"], dtype=dtype, device=device)
         if advantages.ndim == 1:
             advantages = advantages[:, None]
-        prev = token_logprobs.detach()
+        gen = torch.as_tensor(data["generation_logprobs"], dtype=dtype, device=device)
+        if cfg.use_importance_sampling_correction:
+            prev = token_logprobs.detach()
+            weights, out_of_bounds = self.importance_weights(prev, gen)
+        else:
+            prev = gen
+            weights, out_of_bounds = torch.ones_like(gen), torch.zeros_like(gen, dtype=torch.bool)
         ratio = torch.exp(token_logprobs - prev)
-        clipped = ratio.clamp(1 - self.ratio_clip, 1 + self.ratio_clip)
-        per_token = -torch.minimum(ratio * advantages, clipped * advantages)
+        clamped = ratio.clamp(1 - cfg.ratio_clip_min, 1 + cfg.ratio_clip_max)
+        per_token = torch.maximum(-advantages * ratio, -advantages * clamped)
+        if cfg.ratio_clip_c is not None:
+            dual = torch.minimum(per_token, -advantages * cfg.ratio_clip_c)
+            per_token = torch.where(advantages < 0, dual, per_token)
+        per_token = per_token * weights
+        clipped = (-advantages * clamped > -advantages * ratio).float()
+        kl_sum = 0.0
+        if cfg.reference_policy_kl_penalty:
+            reference = torch.as_tensor(data["reference_policy_logprobs"], dtype=dtype, device=device)
+            per_token_kl = kl_estimate(token_logprobs, reference, cfg.reference_policy_kl_type)
+            kl_sum = float((per_token_kl.detach() * mask).sum())
+            per_token = per_token + cfg.reference_policy_kl_penalty * per_token_kl
         loss = (per_token * mask).sum() / global_valid_toks.clamp(min=1)
-        error = on_policy_error(token_logprobs, torch.as_tensor(data["generation_logprobs"]), mask)
-        return loss, {"loss": float(loss.detach()), "num_valid_tokens": float(mask.sum()), "on_policy": error}
+        error = on_policy_error(token_logprobs, gen, mask)
+        return loss, {
+            "loss": float(loss.detach()),
+            "num_valid_tokens": float(mask.sum()),
+            "on_policy": error,
+            "clipped_tokens": float((clipped * mask).sum()),
+            "is_out_of_bounds_tokens": float((out_of_bounds.float() * mask).sum()),
+            "kl_sum": kl_sum,
+        }
 
 
 def sum_on_policy_errors(mb_metrics: list[dict[str, Any]]) -> OnPolicyError:
@@ -52,3 +133,13 @@ def sum_on_policy_errors(mb_metrics: list[dict[str, Any]]) -> OnPolicyError:
     for metrics in mb_metrics:
         total = total + metrics["on_policy"]
     return total
+
+
+def loss_metrics(mb_metrics: list[dict[str, Any]]) -> dict[str, float]:
+    """``loss/*`` rates over the batch's valid tokens: clipped, importance weight truncated, mean KL."""
+    tokens = sum(m["num_valid_tokens"] for m in mb_metrics) or 1.0
+    return {
+        "loss/clip_fraction": sum(m["clipped_tokens"] for m in mb_metrics) / tokens,
+        "loss/is_oob_ratio": sum(m["is_out_of_bounds_tokens"] for m in mb_metrics) / tokens,
+        "loss/reference_kl": sum(m["kl_sum"] for m in mb_metrics) / tokens,
+    }

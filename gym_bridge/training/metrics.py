@@ -21,8 +21,14 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def plot_reward_curve(steps: Sequence[Mapping[str, Any]], png: Path, title: str = "GRPO through NeMo-Gym") -> Path:
-    """Mean reward and pass rate per step into ``png`` (matplotlib, no display needed)."""
+def plot_reward_curve(
+    steps: Sequence[Mapping[str, Any]],
+    png: Path,
+    title: str = "GRPO through NeMo-Gym",
+    validations: Sequence[Mapping[str, Any]] = (),
+) -> Path:
+    """Mean reward and pass rate per step, and every ``val/*accuracy`` of ``validations`` against the steps
+    done, into ``png`` (matplotlib, no display needed)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -32,8 +38,12 @@ def plot_reward_curve(steps: Sequence[Mapping[str, Any]], png: Path, title: str 
     x = [m["step"] for m in steps]
     ax.plot(x, [m["train/mean_reward"] for m in steps], marker="o", label="mean reward")
     ax.plot(x, [m["train/pass_rate"] for m in steps], marker=".", alpha=0.6, label="pass rate")
+    keys = sorted({k for v in validations for k in v if k.startswith("val/") and k.endswith("accuracy")})
+    for key in keys:
+        points = [(v["step"], v[key]) for v in validations if key in v]
+        ax.plot(*zip(*points, strict=True), marker="s", linestyle="--", label=f"held-out {key.removeprefix('val/')}")
     ax.set_xlabel("step")
-    ax.set_ylabel("reward")
+    ax.set_ylabel("reward / accuracy")
     ax.set_ylim(-0.02, 1.02)
     ax.set_title(title)
     ax.grid(alpha=0.3)

@@ -1,4 +1,5 @@
-"""The refit step: the policy's new weights into the serving engine, then the new version on the manager."""
+"""The refit step: the policy's new weights into the serving engine, the new version on the manager, and
+a direct check that the engine now holds them (its weight version and a weight fingerprint)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,9 @@ import time
 from typing import Any, Protocol
 
 import torch
+
+from gym_bridge.failures import RefitMismatch
+from gym_bridge.models.fingerprint import fingerprint_mismatches, weight_fingerprint
 
 
 class RefitTarget(Protocol):
@@ -25,3 +29,29 @@ def refit(policy: RefitSource, engine: RefitTarget, version: int, manager: Any =
     if manager is not None:
         manager.set_weight_version(version)
     return time.perf_counter() - started
+
+
+def check_refit(policy: RefitSource, engine: Any, version: int, *, step: int) -> dict[str, Any]:
+    """Raise :class:`RefitMismatch` unless ``engine`` reports ``version`` and the policy's weight fingerprint.
+
+    An engine without ``weight_version`` or ``weight_fingerprint`` (a remote vLLM) is checked on what it
+    has; the returned metrics say what was checked.
+    """
+    checked: dict[str, Any] = {"refit/version_checked": False, "refit/fingerprint_checked": False}
+    engine_version = getattr(engine, "weight_version", None)
+    if engine_version is not None:
+        checked["refit/version_checked"] = True
+        if int(engine_version) != version:
+            raise RefitMismatch(
+                f"step {step}: after the refit the engine serves weight version {engine_version}, expected {version}"
+            )
+    fingerprint = getattr(engine, "weight_fingerprint", None)
+    if callable(fingerprint):
+        checked["refit/fingerprint_checked"] = True
+        differ = fingerprint_mismatches(weight_fingerprint(policy.state_dict_for_refit()), fingerprint())
+        if differ:
+            raise RefitMismatch(
+                f"step {step}: the engine reports weight version {version} but {len(differ)} parameter(s) differ "
+                f"from the trained policy (first: {', '.join(differ[:3])}); the refit did not reach the engine"
+            )
+    return checked

@@ -25,9 +25,10 @@ class StalenessBuffer:
     def add(self, groups: Iterable[CommittedGroup]) -> None:
         self.groups.extend(groups)
 
-    def take(self, current_weight_version: int) -> tuple[list[CommittedGroup], int]:
-        """``(usable groups, dropped now)``: every held group is either returned or dropped."""
-        usable, stale = [], 0
+    def take(self, current_weight_version: int) -> tuple[list[CommittedGroup], list[CommittedGroup]]:
+        """``(usable groups, groups dropped now)``: every held group is in exactly one of the two."""
+        usable: list[CommittedGroup] = []
+        stale: list[CommittedGroup] = []
         for group in self.groups:
             if group.start_weight_version > current_weight_version:
                 raise ValueError(
@@ -37,7 +38,7 @@ class StalenessBuffer:
             if current_weight_version - group.start_weight_version <= self.max_trajectory_age_steps:
                 usable.append(group)
             else:
-                stale += 1
+                stale.append(group)
         self.groups = []
-        self.dropped_total += stale
+        self.dropped_total += len(stale)
         return usable, stale

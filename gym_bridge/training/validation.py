@@ -1,0 +1,131 @@
+"""Validation as NeMo-RL runs it: held-out Gym rows through the same Gym path, with the validation sampling
+profile (greedy when ``val_temperature`` is 0), scored by the environment's reward.
+
+Each validation set gives ``val/accuracy`` (the first set) or ``val/<set>/accuracy``, plus
+``format_rate`` (the environment extracted an answer: Gym's ``extracted_answer`` is set),
+``lenient_accuracy`` (the last integer of the reply equals ``expected_answer``: correctness
+without the format) and ``mean_tokens``. Every answer is written to ``val_results.jsonl``
+so that two validations can be compared problem by problem (McNemar's test).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from gym_bridge.gym.client import GymClient
+from gym_bridge.gym.rows import stamped_row
+from gym_bridge.rollout.nemo_gym import gym_completion
+from gym_bridge.types import Completion, GenerationSamplingParams
+
+_INTEGER = re.compile(r"-?\d+")
+
+
+class Validator(Protocol):
+    """What the GRPO loop calls: the metrics of one validation at ``step`` with weights ``weight_version``."""
+
+    async def __call__(self, step: int, weight_version: int) -> dict[str, float]: ...
+
+
+def reply_text(completion: Completion) -> str:
+    """The text the environment graded: every ``output_text`` of the Gym response's messages, joined."""
+    response = (completion.env_extras or {}).get("response") or {}
+    return "".join(
+        str(part.get("text") or "")
+        for item in response.get("output") or []
+        if item.get("type") == "message"
+        for part in item.get("content") or []
+        if part.get("type") == "output_text"
+    )
+
+
+def lenient_correct(reply: str, expected: Any) -> bool | None:
+    """The last integer in ``reply`` equals ``expected``; None when ``expected`` is not an integer."""
+    if not isinstance(expected, str) or not _INTEGER.fullmatch(expected.strip()):
+        return None
+    found = _INTEGER.findall(reply)
+    return bool(found) and int(found[-1]) == int(expected)
+
+
+@dataclass(frozen=True)
+class ValidationSet:
+    """Named held-out Gym rows; the first set of a validator reports as plain ``val/*``."""
+
+    name: str
+    rows: Sequence[Mapping[str, Any]]
+
+
+class GymValidator:
+    """Runs every validation set through ``client`` and scores it; one line per answer in ``results_path``."""
+
+    def __init__(
+        self,
+        client: GymClient,
+        sets: Sequence[ValidationSet],
+        *,
+        sampling: GenerationSamplingParams,
+        max_new_tokens: int | None,
+        num_generations: int = 1,
+        pass_threshold: float = 1.0,
+        results_path: Path | None = None,
+    ) -> None:
+        if not sets or any(not s.rows for s in sets):
+            raise ValueError("validation needs at least one set, each with rows")
+        if num_generations < 1:
+            raise ValueError(f"val_num_generations_per_prompt must be >= 1, got {num_generations}")
+        self.client, self.sets = client, list(sets)
+        self.sampling, self.max_new_tokens = sampling, max_new_tokens
+        self.num_generations, self.pass_threshold = num_generations, pass_threshold
+        self.results_path = results_path
+
+    async def _problem(self, row: Mapping[str, Any], prompt_idx: int) -> list[Completion]:
+        stamped = [stamped_row(dict(row), i, self.sampling, self.max_new_tokens) for i in range(self.num_generations)]
+        group = await self.client.run_group(stamped, prompt_idx=prompt_idx, deadline_s=None)
+        return [gym_completion(r, max_seq_len=None, mask_env_flagged_samples=False) for r in group.rows]
+
+    async def __call__(self, step: int, weight_version: int) -> dict[str, float]:
+        metrics: dict[str, float] = {}
+        records: list[dict[str, Any]] = []
+        for n, vset in enumerate(self.sets):
+            groups = await asyncio.gather(*(self._problem(row, i) for i, row in enumerate(vset.rows)))
+            correct, formatted, lenient, tokens = [], [], [], []
+            for problem, (row, completions) in enumerate(zip(vset.rows, groups, strict=True)):
+                for sample, completion in enumerate(completions):
+                    reply = reply_text(completion)
+                    ok = float(completion.reward) >= self.pass_threshold
+                    loose = lenient_correct(reply, row.get("expected_answer"))
+                    extracted = completion.env_extras.get("extracted_answer") if completion.env_extras else None
+                    correct.append(ok)
+                    formatted.append(extracted is not None)
+                    if loose is not None:
+                        lenient.append(loose)
+                    generated = [m for m in completion.message_log if m.get("role") == "assistant"]
+                    tokens.append(sum(len(m["token_ids"]) for m in generated))
+                    records.append(
+                        {
+                            "step": step,
+                            "weight_version": weight_version,
+                            "set": vset.name,
+                            "problem": problem,
+                            "sample": sample,
+                            "reward": float(completion.reward),
+                            "correct": ok,
+                            "lenient": loose,
+                            "reply": reply,
+                        }
+                    )
+            prefix = "val/" if n == 0 else f"val/{vset.name}/"
+            metrics[f"{prefix}accuracy"] = sum(correct) / len(correct)
+            metrics[f"{prefix}format_rate"] = sum(formatted) / len(formatted)
+            metrics[f"{prefix}mean_tokens"] = sum(tokens) / len(tokens)
+            if lenient:
+                metrics[f"{prefix}lenient_accuracy"] = sum(lenient) / len(lenient)
+        if self.results_path is not None:
+            with self.results_path.open("a") as out:
+                out.writelines(json.dumps(r) + "\n" for r in records)
+        return metrics

@@ -1,0 +1,118 @@
+"""ClippedPGLoss: the clip acts on off-policy samples, truncated importance sampling, the reference KL, and
+the config keys a NeMo-RL user sets (refused when the loss does not implement them)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from gym_bridge.batched import BatchedDataDict
+from gym_bridge.build.grpo_run import loss_config_from, policy_config
+from gym_bridge.build.training_config import TrainingConfigError
+from gym_bridge.training import ClippedPGLoss, ClippedPGLossConfig, GRPOLoopConfig
+from gym_bridge.training.loss import loss_metrics
+
+
+def batch(gen, advantages, **extra):
+    gen = torch.tensor(gen)
+    return BatchedDataDict({"generation_logprobs": gen, "token_mask": torch.ones_like(gen),
+                            "advantages": torch.tensor(advantages), **extra})
+
+
+def loss_and_grad(loss_fn, current, data):
+    current = torch.tensor(current, requires_grad=True)
+    tokens = torch.tensor(float(current.numel()))
+    loss, metrics = loss_fn(current, data, torch.tensor(1.0), tokens)
+    loss.backward()
+    return float(loss.detach()), current.grad, metrics
+
+
+def test_the_clip_acts_on_samples_from_another_policy():
+    # The engine sampled with logprob -1; the trainer now gives log(1.5) - 1 and log(0.5) - 1: ratios 1.5 and 0.5.
+    current = [[math.log(1.5) - 1.0, math.log(0.5) - 1.0, -1.0]]
+    loss, grad, metrics = loss_and_grad(ClippedPGLoss(), current, batch([[-1.0, -1.0, -1.0]], [1.0]))
+    # A > 0: ratio 1.5 is clipped at 1.2 (no gradient); ratio 0.5 is not (min keeps it); ratio 1 trains.
+    assert loss == pytest.approx(-(1.2 + 0.5 + 1.0) / 3)
+    assert grad[0, 0] == 0.0 and grad[0, 1] == pytest.approx(-0.5 / 3) and grad[0, 2] == pytest.approx(-1 / 3)
+    assert metrics["clipped_tokens"] == 1.0
+    _, grad, metrics = loss_and_grad(ClippedPGLoss(), current, batch([[-1.0, -1.0, -1.0]], [-1.0]))
+    assert grad[0, 1] == 0.0 and grad[0, 0] != 0.0, "A < 0: the low ratio is the clipped one"
+    on_policy = loss_and_grad(ClippedPGLoss(), [[-1.0, -2.0]], batch([[-1.0, -2.0]], [1.0]))[2]
+    assert on_policy["clipped_tokens"] == 0.0, "on-policy samples are never clipped"
+
+
+def test_dual_clip_caps_the_loss_of_negative_advantages():
+    current = [[math.log(5.0) - 1.0]]  # ratio 5
+    plain = loss_and_grad(ClippedPGLoss(), current, batch([[-1.0]], [-1.0]))[0]
+    dual = loss_and_grad(ClippedPGLoss(ClippedPGLossConfig(ratio_clip_c=3.0)), current, batch([[-1.0]], [-1.0]))[0]
+    assert plain == pytest.approx(5.0) and dual == pytest.approx(3.0)
+
+
+def test_truncated_importance_sampling_weights_each_token_by_its_clipped_ratio():
+    # IS correction: the ratio is against the trainer's own weights (1), each token weighted by exp(prev - gen).
+    current = [[-1.0, -1.0, -1.0]]
+    gen = [[-1.0 - math.log(3.0), -1.0 - math.log(0.5), -1.0]]  # IS weights 3, 0.5, 1
+    tis = ClippedPGLoss(ClippedPGLossConfig(use_importance_sampling_correction=True,
+                                            truncated_importance_sampling_type="tis",
+                                            truncated_importance_sampling_ratio=2.0))
+    loss, grad, metrics = loss_and_grad(tis, current, batch(gen, [1.0]))
+    assert loss == pytest.approx(-(2.0 + 0.5 + 1.0) / 3), "3 truncated to 2"
+    assert grad[0].tolist() == pytest.approx([-2 / 3, -0.5 / 3, -1 / 3])
+    assert metrics["is_out_of_bounds_tokens"] == 1.0 and metrics["clipped_tokens"] == 0.0
+    icepop = ClippedPGLoss(ClippedPGLossConfig(use_importance_sampling_correction=True,
+                                               truncated_importance_sampling_type="icepop",
+                                               truncated_importance_sampling_ratio=2.0,
+                                               truncated_importance_sampling_ratio_min=0.8))
+    loss, grad, _ = loss_and_grad(icepop, current, batch(gen, [1.0]))
+    assert loss == pytest.approx(-1.0 / 3) and grad[0].tolist() == pytest.approx([0.0, 0.0, -1 / 3])
+    untruncated = ClippedPGLoss(ClippedPGLossConfig(use_importance_sampling_correction=True))
+    assert loss_and_grad(untruncated, current, batch(gen, [1.0]))[0] == pytest.approx(-(3.0 + 0.5 + 1.0) / 3)
+
+
+def test_reference_kl_adds_its_penalty_and_reports_the_mean():
+    current, reference = [[-1.0, -2.0]], torch.tensor([[-1.5, -2.0]])
+    cfg = ClippedPGLossConfig(reference_policy_kl_penalty=0.1)
+    loss, _, metrics = loss_and_grad(ClippedPGLoss(cfg), current,
+                                     batch([[-1.0, -2.0]], [0.0], reference_policy_logprobs=reference))
+    k3 = math.exp(-0.5) - 1 + 0.5
+    assert loss == pytest.approx(0.1 * k3 / 2)
+    assert loss_metrics([metrics])["loss/reference_kl"] == pytest.approx(k3 / 2)
+
+
+def test_incomplete_truncation_settings_are_refused():
+    with pytest.raises(ValueError, match="needs use_importance_sampling_correction"):
+        ClippedPGLossConfig(truncated_importance_sampling_type="tis", truncated_importance_sampling_ratio=2.0)
+    with pytest.raises(ValueError, match="needs truncated_importance_sampling_ratio"):
+        ClippedPGLossConfig(use_importance_sampling_correction=True, truncated_importance_sampling_type="tis")
+    with pytest.raises(ValueError, match="truncated_importance_sampling_ratio_min"):
+        ClippedPGLossConfig(use_importance_sampling_correction=True, truncated_importance_sampling_type="icepop",
+                            truncated_importance_sampling_ratio=2.0)
+
+
+def test_nemo_rl_loss_keys_are_read_and_unimplemented_variants_refused():
+    cfg = loss_config_from({"loss_fn": {"ratio_clip_min": 0.1, "ratio_clip_max": 0.28, "ratio_clip_c": None,
+                                        "reference_policy_kl_penalty": 0.0, "token_level_loss": True,
+                                        "use_importance_sampling_correction": True,
+                                        "truncated_importance_sampling_type": "tis",
+                                        "truncated_importance_sampling_ratio": 2.0, "kl_input_clamp_value": 20.0}})
+    assert (cfg.ratio_clip_min, cfg.ratio_clip_max, cfg.truncated_importance_sampling_ratio) == (0.1, 0.28, 2.0)
+    with pytest.raises(TrainingConfigError, match=r"token_level_loss=False, use_cispo=True is not implemented"):
+        loss_config_from({"loss_fn": {"use_cispo": True, "token_level_loss": False}})
+
+
+def test_the_sampling_temperature_reaches_the_policy():
+    config = {"policy": {"generation": {"temperature": 0.7}, "optimizer": {"kwargs": {"lr": 1e-4}}},
+              "loss_fn": {"reference_policy_kl_penalty": 0.01}}
+    loop = GRPOLoopConfig(loss=loss_config_from(config))
+    cfg = policy_config(config, "tiny", loop)
+    assert cfg.temperature == 0.7 and cfg.learning_rate == 1e-4
+    assert cfg.keep_reference_model, "a KL penalty needs the reference weights"
+
+
+def test_async_rollouts_need_an_age_bound_of_at_least_one_step():
+    with pytest.raises(ValueError, match="max_trajectory_age_steps >= 1"):
+        GRPOLoopConfig(async_rollouts=True, max_trajectory_age_steps=0)
+    assert GRPOLoopConfig(async_rollouts=True, max_trajectory_age_steps=3).lookahead == 3
+    assert GRPOLoopConfig(max_trajectory_age_steps=3).lookahead == 0

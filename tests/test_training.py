@@ -7,9 +7,11 @@ import math
 import pytest
 import torch
 
+from gym_bridge.models.fingerprint import fingerprint_mismatches, weight_fingerprint
 from gym_bridge.rollout.sink import CommittedGroup
 from gym_bridge.training import (
     ClippedPGLoss,
+    PromptQueue,
     StalenessBuffer,
     baseline_and_std_per_group,
     grpo_advantages,
@@ -101,6 +103,34 @@ def test_staleness_drops_and_counts_groups_older_than_the_bound():
     strict.add([group(9, [], 6, 6)])
     with pytest.raises(ValueError, match="prompt_idx=9 claims weight version 6"):
         strict.take(5)
+
+
+def test_fingerprint_sees_a_tiny_update_and_compares_across_dtypes():
+    weights = {"w": torch.randn(300, 70), "b": torch.randn(70)}
+    engine_side = {name: tensor.to(torch.bfloat16) for name, tensor in weights.items()}
+    assert fingerprint_mismatches(weight_fingerprint(weights), weight_fingerprint(engine_side)) == []
+    weights["w"] += 1e-7 * weights["w"].sign()  # an update far below any logprob threshold
+    assert fingerprint_mismatches(weight_fingerprint(weights), weight_fingerprint({**weights})) == []
+    stale_fp32 = {"w": weights["w"] - 1e-7 * weights["w"].sign(), "b": weights["b"]}
+    assert fingerprint_mismatches(weight_fingerprint(weights), weight_fingerprint(stale_fp32)) == ["w"]
+    assert fingerprint_mismatches(weight_fingerprint(weights), weight_fingerprint({"w": weights["w"]})) == ["b"]
+
+
+def test_prompt_queue_shuffles_per_epoch_with_the_seed_and_redraws_requeued_prompts_first():
+    data = [{"n": i} for i in range(6)]
+    first = [p["n"] for p in PromptQueue(data, seed=3).draw(12)]
+    assert first == [p["n"] for p in PromptQueue(data, seed=3).draw(12)], "the seed fixes the order"
+    assert sorted(first[:6]) == sorted(first[6:]) == list(range(6)) and first[:6] != first[6:]
+    assert [p["n"] for p in PromptQueue(data, seed=0, shuffle=False).draw(7)] == [0, 1, 2, 3, 4, 5, 0]
+    queue = PromptQueue(data, seed=3)
+    drawn = queue.draw(3)
+    assert [p["idx"] for p in drawn] == [0, 1, 2]
+    queue.settle(0)
+    assert queue.requeue([1, 0, 99]) == 1, "only prompts in flight come back"
+    again = queue.draw(2)
+    assert again[0]["n"] == drawn[1]["n"] and again[0]["idx"] == 3, "a redrawn prompt gets a fresh idx"
+    state = queue.checkpoint_state()
+    assert sorted(state.requeued) == sorted(p["n"] for p in [drawn[2], *again]) and state.next_idx == 5
 
 
 @pytest.fixture(scope="module")

@@ -224,7 +224,7 @@ class HFGeneration(GenerationInterface):
         """The version of the weights that rows started from now on are generated with."""
         return self._weight_version
 
-    def weight_fingerprint(self) -> dict[str, float]:
+    def weight_fingerprint(self) -> dict[str, torch.Tensor]:
         """:func:`~gym_bridge.models.fingerprint.weight_fingerprint` of the weights rows start on now."""
         with self._model_lock:
             return weight_fingerprint(self.model.state_dict())

@@ -363,10 +363,11 @@ async def test_policies_of_both_generations_train_in_our_grpo_loop(
     )
     steps_before = tiny_policy.steps_taken
     groups = await trainer.rollout(0)
+    groups[0].record.completions[0].reward -= 1.0  # the scripted replies are equal within a group: give it a spread
     metrics = await trainer.train_step(0, groups, rollout_s=0.0, refit_engine=False)
     assert policy.train_calls == [(None, 2)]  # our loop passes mbs by keyword: both signatures take it
     assert tiny_policy.steps_taken == steps_before + 1
-    assert metrics["train/samples"] == 4 and metrics["train/mean_reward"] == 1.0  # 2.0 and 0.0 per prompt
+    assert metrics["train/samples"] == 4 and metrics["train/mean_reward"] == 0.75  # 2.0 and 0.0 per prompt, one -1
     assert math.isfinite(metrics["train/loss"]) and metrics["on_policy/tokens"] > 0
     checkpoint = trainer.save_checkpoint()
     assert {"config.json", "optimizer.pt", STATE_FILE} <= {p.name for p in checkpoint.iterdir()}

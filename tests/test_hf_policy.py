@@ -111,6 +111,18 @@ def test_micro_batching_equals_one_pass(loaded):
         policy.train(batch, policy_gradient_loss, gbs=4, mbs=3)
 
 
+def test_logprobs_from_the_first_trained_position_skip_only_the_prompts_logits(loaded):
+    model, tokenizer = loaded
+    policy = HFPolicy(HFPolicyConfig(keep_reference_model=False), model=model, tokenizer=tokenizer)
+    batch = fixed_batch(tokenizer)
+    ids, lengths = batch["input_ids"], batch["input_lengths"]
+    with torch.no_grad():
+        full = policy._token_logprobs(model, ids, lengths)
+        tail = policy._token_logprobs(model, ids, lengths, first=3)
+    assert bool((tail[:, :3] == 0).all()) and bool((full[:, 1:3] < 0).all())
+    torch.testing.assert_close(tail[:, 3:], full[:, 3:], atol=1e-5, rtol=0)
+
+
 def test_topk_logits_shape(loaded):
     model, tokenizer = loaded
     policy = HFPolicy(model=model, tokenizer=tokenizer, cfg=HFPolicyConfig(keep_reference_model=False))

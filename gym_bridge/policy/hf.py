@@ -136,14 +136,23 @@ class HFPolicy(PolicyInterface):
 
     # ------------------------------------------------------------------ logprobs
 
-    def _token_logprobs(self, model: Any, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """``[b, S]`` logprob of each token given its prefix; 0 at position 0 and on padding."""
+    def _token_logprobs(
+        self, model: Any, input_ids: torch.Tensor, lengths: torch.Tensor, first: int = 1
+    ) -> torch.Tensor:
+        """``[b, S]`` logprob of each token given its prefix; 0 at position 0 and on padding.
+
+        Positions before ``first`` are 0 too, and their logits are never computed: training
+        reads only generated tokens, and the prompt's vocabulary projections are most of the
+        ``[b, S, V]`` logits on a short completion.
+        """
         input_ids, lengths = input_ids.to(self.device), lengths.to(self.device)
         attention = _length_mask(lengths, input_ids.shape[1]).long()
-        logits = model(input_ids=input_ids, attention_mask=attention, use_cache=False).logits
+        first = max(1, min(first, input_ids.shape[1] - 1))
+        keep = {"logits_to_keep": input_ids.shape[1] - first + 1} if first > 1 else {}
+        logits = model(input_ids=input_ids, attention_mask=attention, use_cache=False, **keep).logits
         logp = torch.log_softmax(logits[:, :-1].float() / self.cfg.temperature, dim=-1)
-        picked = logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
-        out = torch.cat([picked.new_zeros((picked.shape[0], 1)), picked], dim=1)
+        picked = logp.gather(-1, input_ids[:, first:, None]).squeeze(-1)
+        out = torch.cat([picked.new_zeros((picked.shape[0], first)), picked], dim=1)
         return out * attention.to(out.dtype)
 
     def _batched_logprobs(self, model: Any, data: Mapping[str, Any], micro_batch_size: int | None) -> torch.Tensor:
@@ -241,11 +250,13 @@ class HFPolicy(PolicyInterface):
                 total = 0.0
                 for m in range(0, gbs, mbs):
                     micro = global_batch.slice(m, m + mbs)
+                    trained = mask[m : m + mbs].any(dim=0).nonzero()
                     with torch.set_grad_enabled(not eval_mode):
                         logprobs = self._token_logprobs(
                             self.model,
                             torch.as_tensor(micro["input_ids"]).to(torch.int64),
                             torch.as_tensor(micro["input_lengths"]).to(torch.int64),
+                            first=int(trained[0]) if len(trained) else 1,
                         )
                         loss, mb_metrics = loss_fn(
                             logprobs, micro, valid_seqs.to(logprobs.device), valid_toks.to(logprobs.device)

@@ -12,7 +12,7 @@ export PYTHONDONTWRITEBYTECODE :=
 UV := $(shell uv --version >/dev/null 2>&1 && echo uv || echo "$(PYTHON) -m uv")
 export UV
 
-.PHONY: setup demo test test-gym-compat test-fast test-plugin lint clean bench-serve bench-bridge bench-scale bench-gym-start example-gym train-demo
+.PHONY: setup demo test test-gym-compat test-fast test-plugin lint clean bench-serve bench-bridge bench-scale bench-gym-start bench-trl example-gym train-demo
 
 # The environment runs on Python >= 3.13.14 with nemo-gym 0.7.0. scripts/python313.sh finds that Python (UV_PYTHON,
 # ./.venv's, one uv finds) or, the first time on a machine that has none, builds it from Debian's source package.
@@ -49,7 +49,7 @@ lint: setup
 	$(UV) run mypy
 
 clean:
-	rm -rf .venv .venv-gym-* .pytest_cache
+	rm -rf .venv .venv-gym-* .venv-trl .pytest_cache
 
 bench-serve: setup
 	$(UV) run python benchmarks/serve_throughput.py
@@ -64,6 +64,12 @@ bench-scale: setup
 # One five-server Gym set started and stopped, forked vs shell, without and with Ray (~3 min on 2 cores).
 bench-gym-start: setup
 	$(UV) run python benchmarks/gym_startup.py
+
+# TRL's GRPOTrainer on the train-demo's task, 3 seeds, in its own environment .venv-trl (trl 1.16.0; ~35 min on
+# 2 cores). benchmarks/train_demo_report.py compares it with a train-demo run.
+bench-trl: setup
+	@python=$$(bash scripts/python313.sh) && UV_PROJECT_ENVIRONMENT=.venv-trl $(UV) sync --locked --group bench-trl --python "$$python"
+	UV_PROJECT_ENVIRONMENT=.venv-trl $(UV) run --no-sync python benchmarks/trl_grpo.py
 
 example-gym: setup
 	$(UV) run python examples/nemo_gym_rollout.py examples/nemo_gym_grpo.yaml

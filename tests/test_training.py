@@ -15,6 +15,7 @@ from gym_bridge.training import (
     StalenessBuffer,
     baseline_and_std_per_group,
     grpo_advantages,
+    mcnemar_exact,
     on_policy_error,
     sum_on_policy_errors,
     train_batch,
@@ -131,6 +132,19 @@ def test_prompt_queue_shuffles_per_epoch_with_the_seed_and_redraws_requeued_prom
     assert again[0]["n"] == drawn[1]["n"] and again[0]["idx"] == 3, "a redrawn prompt gets a fresh idx"
     state = queue.checkpoint_state()
     assert sorted(state.requeued) == sorted(p["n"] for p in [drawn[2], *again]) and state.next_idx == 5
+
+
+def test_mcnemar_exact_counts_discordant_pairs_and_matches_scipys_binomial_test():
+    from scipy.stats import binomtest
+
+    before = [False] * 20 + [True] * 10 + [False] * 5 + [True] * 3
+    after = [True] * 20 + [True] * 10 + [False] * 5 + [False] * 3
+    result = mcnemar_exact(before, after)
+    assert (result.n, result.wrong_to_right, result.right_to_wrong) == (38, 20, 3)
+    assert result.p_value == pytest.approx(binomtest(3, 23, 0.5).pvalue, rel=1e-12)
+    assert mcnemar_exact([True, False], [True, False]).p_value == 1.0, "no discordant pair: no evidence"
+    with pytest.raises(ValueError, match="differ in length"):
+        mcnemar_exact([True], [True, False])
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from gym_bridge.training.metrics import append_metrics, plot_reward_curve, read_
 from gym_bridge.training.prompts import PromptQueue, PromptQueueState
 from gym_bridge.training.refit import check_refit, refit
 from gym_bridge.training.staleness import StalenessBuffer
-from gym_bridge.training.validation import GymValidator, ValidationSet, Validator
+from gym_bridge.training.validation import GymValidator, McNemarResult, ValidationSet, Validator, mcnemar_exact
 
 __all__ = [
     "ClippedPGLoss",
@@ -19,6 +19,7 @@ __all__ = [
     "GRPOTrainer",
     "GroupStats",
     "GymValidator",
+    "McNemarResult",
     "OnPolicyError",
     "PromptQueue",
     "PromptQueueState",
@@ -31,6 +32,7 @@ __all__ = [
     "check_refit",
     "grpo_advantages",
     "load_trainer_state",
+    "mcnemar_exact",
     "on_policy_error",
     "plot_reward_curve",
     "read_metrics",

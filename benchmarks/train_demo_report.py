@@ -1,0 +1,140 @@
+"""The train-demo's targets from its run folders: held-out gain and its McNemar test, lenient and
+other-wording gains, the on-policy error, sync vs async, and TRL's 3-seed band.
+
+    uv run python benchmarks/train_demo_report.py runs/train-demo-SYNC [--async-run runs/...] \\
+        [--trl runs/bench-trl] [--wall-min 13.2] [--no-write]
+
+Reads ``metrics.jsonl`` and ``val_results.jsonl`` of each run (``benchmarks/trl_grpo.py``'s JSON
+for TRL) and appends one section to RESULTS.md. Targets are issue 21's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+from datetime import date
+from pathlib import Path
+from typing import Any
+
+from results_file import git_revision, publish, verdict
+
+from gym_bridge.training.metrics import read_metrics
+from gym_bridge.training.validation import mcnemar_exact
+
+
+def load_run(folder: Path) -> dict[str, Any]:
+    lines = read_metrics(folder / "metrics.jsonl")
+    answers = [json.loads(line) for line in (folder / "val_results.jsonl").read_text().splitlines()]
+    steps = [m for m in lines if m.get("kind") == "train"]
+    return {"steps": steps, "vals": [m for m in lines if m.get("kind") == "val"], "answers": answers}
+
+
+def paired(answers: list[dict[str, Any]], step: int, key: str = "correct") -> list[bool]:
+    """One verdict per problem of the main held-out set at ``step`` (first sample)."""
+    rows = sorted((a["problem"], a[key]) for a in answers if a["step"] == step and a["set"] == "validation"
+                  and a["sample"] == 0)
+    return [bool(v) for _, v in rows]
+
+
+def steps_per_minute(steps: list[dict[str, Any]]) -> float:
+    """Training steps per minute of loop time (rollout, train, refit; validation excluded)."""
+    return 60.0 * len(steps) / sum(m["time/step_s"] for m in steps)
+
+
+def curve(vals: list[dict[str, Any]], key: str = "val/accuracy") -> str:
+    return " -> ".join(f"{v[key]:.3f} (step {v['step']})" for v in vals)
+
+
+def section(sync: dict[str, Any], async_run: dict[str, Any] | None, trl: list[dict[str, Any]],
+            wall_min: float | None) -> str:
+    first, last = sync["vals"][0], sync["vals"][-1]
+    gain = last["val/accuracy"] - first["val/accuracy"]
+    lenient_gain = last["val/lenient_accuracy"] - first["val/lenient_accuracy"]
+    wording_gain = last["val/heldout_wording/accuracy"] - first["val/heldout_wording/accuracy"]
+    test = mcnemar_exact(paired(sync["answers"], first["step"]), paired(sync["answers"], last["step"]))
+    kl = statistics.median(m["on_policy/gen_kl_error"] for m in sync["steps"] if "on_policy/gen_kl_error" in m)
+    out = [
+        f"\n## Train demo: held-out learning through NeMo-Gym, {date.today()} "
+        f"({platform.machine()}, Python {platform.python_version()}, {git_revision()})\n",
+        "| target | measured | verdict |", "|---|---|---|",
+    ]
+    if wall_min is not None:
+        out.append(f"| `make train-demo` <= 15 min incl. start-up | {wall_min:.1f} min | {verdict(wall_min <= 15)} |")
+    out += [
+        f"| held-out greedy accuracy >= +15 points | {first['val/accuracy']:.3f} -> {last['val/accuracy']:.3f} "
+        f"({100 * gain:+.1f}) | {verdict(gain >= 0.15)} |",
+        f"| McNemar p < 0.05 (same {test.n} problems) | {test.wrong_to_right} fixed, {test.right_to_wrong} broken, "
+        f"p = {test.p_value:.2g} | {verdict(test.p_value < 0.05)} |",
+        f"| gain holds under lenient extraction | {first['val/lenient_accuracy']:.3f} -> "
+        f"{last['val/lenient_accuracy']:.3f} ({100 * lenient_gain:+.1f}) | {verdict(lenient_gain >= 0.15)} |",
+        f"| other wording >= +8 points | {first['val/heldout_wording/accuracy']:.3f} -> "
+        f"{last['val/heldout_wording/accuracy']:.3f} ({100 * wording_gain:+.1f}) | {verdict(wording_gain >= 0.08)} |",
+        f"| sync median gen_kl_error < 1e-6 | {kl:.1e} | {verdict(kl < 1e-6)} |",
+    ]
+    sync_rate = steps_per_minute(sync["steps"])
+    if async_run is not None:
+        async_last = async_run["vals"][-1]["val/accuracy"]
+        async_rate = steps_per_minute(async_run["steps"])
+        out += [
+            f"| sync and async final held-out within 5 points | sync {last['val/accuracy']:.3f}, async "
+            f"{async_last:.3f} | {verdict(abs(async_last - last['val/accuracy']) <= 0.05)} |",
+            f"| async steps/min >= sync's | async {async_rate:.2f}, sync {sync_rate:.2f} | "
+            f"{verdict(async_rate >= sync_rate)} |",
+        ]
+    if trl:
+        band = trl_band(trl)
+        ours = {v["step"]: v["val/accuracy"] for v in sync["vals"]}
+        inside = all(ours[s] >= lo for s, (lo, _) in band.items() if s in ours and s > 0)
+        text = ", ".join(f"step {s}: ours {ours.get(s, float('nan')):.3f} vs {lo:.3f}-{hi:.3f}"
+                         for s, (lo, hi) in band.items())
+        out.append(f"| held-out curve inside or above TRL's {len(trl)}-seed band | {text} | {verdict(inside)} |")
+    out += ["", f"Sync held-out: {curve(sync['vals'])}; other wording: "
+            f"{curve(sync['vals'], 'val/heldout_wording/accuracy')}; format rate "
+            f"{first['val/format_rate']:.3f} -> {last['val/format_rate']:.3f}.",
+            f"Sync train reward per step: {' '.join(f'{m['train/mean_reward']:.2f}' for m in sync['steps'])}; "
+            f"{sync_rate:.2f} steps/min, median step {median(sync['steps'], 'time/step_s'):.1f} s "
+            f"(rollout {median(sync['steps'], 'time/rollout_s'):.1f} s, "
+            f"train {median(sync['steps'], 'time/train_s'):.1f} s), "
+            f"validation {median(sync['vals'], 'time/val_s'):.0f} s each."]
+    if async_run is not None:
+        out.append(f"Async held-out: {curve(async_run['vals'])}; dropped stale groups "
+                   f"{async_run['steps'][-1]['staleness/dropped_total']}, median step "
+                   f"{median(async_run['steps'], 'time/step_s'):.1f} s.")
+    for result in trl:
+        out.append(f"TRL seed {result['seed']}: held-out {curve(result['validations'])}; median step "
+                   f"{statistics.median(result['step_s']):.1f} s; reward "
+                   f"{' '.join(f'{r:.2f}' for r in result['train_reward'])}.")
+    return "\n".join(out) + "\n"
+
+
+def median(lines: list[dict[str, Any]], key: str) -> float:
+    return statistics.median(m[key] for m in lines if key in m)
+
+
+def trl_band(results: list[dict[str, Any]]) -> dict[int, tuple[float, float]]:
+    """Per validation step, the lowest and highest held-out accuracy over TRL's seeds."""
+    steps = sorted({v["step"] for r in results for v in r["validations"]})
+    return {
+        s: (min(vals), max(vals))
+        for s in steps
+        if (vals := [v["val/accuracy"] for r in results for v in r["validations"] if v["step"] == s])
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("sync_run", type=Path)
+    parser.add_argument("--async-run", type=Path)
+    parser.add_argument("--trl", type=Path, help="benchmarks/trl_grpo.py's output folder")
+    parser.add_argument("--wall-min", type=float, help="`make train-demo`'s wall time, start-up included")
+    parser.add_argument("--no-write", action="store_true")
+    args = parser.parse_args()
+    trl = [json.loads(p.read_text()) for p in sorted(args.trl.glob("trl_seed*.json"))] if args.trl else []
+    text = section(load_run(args.sync_run), load_run(args.async_run) if args.async_run else None, trl, args.wall_min)
+    publish(text, write=not args.no_write)
+
+
+if __name__ == "__main__":
+    main()

@@ -116,3 +116,12 @@ def test_async_rollouts_need_an_age_bound_of_at_least_one_step():
         GRPOLoopConfig(async_rollouts=True, max_trajectory_age_steps=0)
     assert GRPOLoopConfig(async_rollouts=True, max_trajectory_age_steps=3).lookahead == 3
     assert GRPOLoopConfig(max_trajectory_age_steps=3).lookahead == 0
+
+
+def test_async_without_a_bound_on_off_policy_ratios_is_warned_about(caplog):
+    GRPOLoopConfig(async_rollouts=True)
+    assert "set ratio_clip_c" in caplog.text
+    caplog.clear()
+    GRPOLoopConfig(async_rollouts=True, loss=ClippedPGLossConfig(ratio_clip_c=3.0))
+    GRPOLoopConfig(loss=ClippedPGLossConfig())
+    assert caplog.text == ""

@@ -77,9 +77,18 @@ class GRPOLoopConfig(BaseModel):
     checkpoint_every_steps: int | None = Field(None, ge=1, description="None: only at the end of the run.")
 
     @model_validator(mode="after")
-    def _async_needs_age(self) -> Self:
-        if self.async_rollouts and self.max_trajectory_age_steps < 1:
+    def _async_checks(self) -> Self:
+        if not self.async_rollouts:
+            return self
+        if self.max_trajectory_age_steps < 1:
             raise ValueError("async rollouts train on samples at least one step old: max_trajectory_age_steps >= 1")
+        if self.loss.ratio_clip_c is None and self.loss.truncated_importance_sampling_type is None:
+            logger.warning(
+                "async rollouts without loss_fn.ratio_clip_c or truncated importance sampling: the sampling "
+                "logprobs are the old policy, so a token whose probability rose since it was sampled weighs "
+                "exp(that rise) in a negative-advantage update, unbounded (the train demo collapsed this way); "
+                "set ratio_clip_c (e.g. 3) or truncated_importance_sampling_type"
+            )
         return self
 
     @property

@@ -118,10 +118,12 @@ def test_async_rollouts_need_an_age_bound_of_at_least_one_step():
     assert GRPOLoopConfig(max_trajectory_age_steps=3).lookahead == 0
 
 
-def test_async_without_a_bound_on_off_policy_ratios_is_warned_about(caplog):
-    GRPOLoopConfig(async_rollouts=True)
-    assert "set ratio_clip_c" in caplog.text
-    caplog.clear()
+def test_async_without_importance_sampling_correction_is_warned_about(caplog):
     GRPOLoopConfig(async_rollouts=True, loss=ClippedPGLossConfig(ratio_clip_c=3.0))
+    assert "without loss_fn.use_importance_sampling_correction" in caplog.text
+    caplog.clear()
+    tis = ClippedPGLossConfig(use_importance_sampling_correction=True, truncated_importance_sampling_type="tis",
+                              truncated_importance_sampling_ratio=2.0)
+    GRPOLoopConfig(async_rollouts=True, loss=tis)
     GRPOLoopConfig(loss=ClippedPGLossConfig())
     assert caplog.text == ""

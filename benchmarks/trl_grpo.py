@@ -9,7 +9,8 @@ weight decay, gradient-norm clip, temperature, top-p, completion length, the fro
 embedding, the validation steps. The reward is Gym's own ``math_with_judge`` grader (its
 last-``\\boxed{}`` rule and math-verify call, imported from the installed server), and
 held-out accuracy is greedy, like our validation. ``beta=0``, ``num_iterations=1``,
-``loss_type="dapo"`` (token-level, as NeMo-RL's ``token_level_loss``), a constant learning rate.
+``loss_type="dapo"`` (token-level, as NeMo-RL's ``token_level_loss``), a constant learning rate, fp32
+without gradient checkpointing (TRL defaults to bf16 and checkpointing; both would change the comparison).
 What differs: TRL's advantage is ``(r - group mean) / group std`` where ours uses NeMo-RL's
 leave-one-out baseline; TRL generates with ``model.generate`` in the trainer's process, ours goes
 through the Gym servers and our OpenAI server.
@@ -140,6 +141,8 @@ def run_seed(seed: int, cfg: dict[str, Any], steps: int, out: Path) -> dict[str,
         seed=seed,
         data_seed=seed,
         use_cpu=True,
+        bf16=False,  # TRL's default is bf16 autocast; ours trains and samples in fp32
+        gradient_checkpointing=False,  # TRL's default recomputes activations; ours does not
         max_steps=steps,
         learning_rate=opt["lr"],
         adam_beta1=opt["betas"][0],

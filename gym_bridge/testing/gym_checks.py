@@ -75,7 +75,7 @@ async def check_tool_call_group_is_exact_and_in_order(gym_actor: Any, tiny_token
         extras = completion.env_extras
         assert extras is not None
         assert completion.reward == float(extras["reward"])
-        assert not completion.truncated and extras.get("token_drift") is None
+        assert not completion.truncated and not completion.token_drift
         items = extras["response"]["output"]
         assert [item["type"] for item in items][:2] == ["function_call", "function_call_output"]
         assert all("generation_token_ids" not in item for item in items)  # popped from the logged result

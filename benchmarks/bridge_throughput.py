@@ -42,12 +42,10 @@ import platform
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import date
@@ -64,15 +62,16 @@ from transformers import AutoTokenizer
 from gym_bridge.data import datum_from_gym_row
 from gym_bridge.failures import RolloutTimeouts
 from gym_bridge.gym.actor import NemoGymConfig
-from gym_bridge.gym.spinup import start_nemo_gym_actor, stop_nemo_gym_actors
 from gym_bridge.gym.reaper import free_port
 from gym_bridge.gym.rows import build_rows
 from gym_bridge.gym.servers import GymServers, GymServersConfig, wheel_config_path
+from gym_bridge.gym.spinup import start_nemo_gym_actor, stop_nemo_gym_actors
 from gym_bridge.gym.versions import installed_gym
 from gym_bridge.models.registry import resolve_model_path
 from gym_bridge.ray_utils import init_ray
-from gym_bridge.testing.gym_rows import equivalence_row
 from gym_bridge.rollout.manager import RolloutManager
+from gym_bridge.testing.gym_rows import equivalence_row
+from gym_bridge.testing.process import ServiceProcess
 from gym_bridge.types import GenerationSamplingParams
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -178,60 +177,18 @@ def _tail(path: Path, limit: int = 2000) -> str:
 # ---- the processes this benchmark starts ----------------------------------------------------
 
 
-class EndpointProcess:
+class EndpointProcess(ServiceProcess):
     """``gym-bridge serve`` in a session of its own, on a fixed port so it can be restarted in place."""
 
     def __init__(self, port: int, log_path: Path) -> None:
-        self.port = port
-        self.log_path = log_path
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/v1"
-
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
+        super().__init__("endpoint", port, log_path, ready_path="/v1/models")
 
     def start(self, policy: str, max_new_tokens: int = ANSWER_TOKENS, timeout_s: float = 120.0) -> None:
-        command = [
+        self.spawn([
             sys.executable, "-m", "gym_bridge.cli", "serve", "--model", "tiny", "--policy", policy,
             "--port", str(self.port), "--served-model-name", MODEL_NAME,
             "--max-new-tokens", str(max_new_tokens), "--answer-tokens", str(ANSWER_TOKENS),
-        ]  # fmt: skip
-        with open(self.log_path, "ab") as out:
-            self.proc = subprocess.Popen(
-                command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-            )
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the endpoint exited during start-up:\n{_tail(self.log_path)}")
-            try:
-                with urllib.request.urlopen(f"{self.base_url}/models", timeout=2) as response:
-                    if response.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.25)
-        self.stop()
-        raise TimeoutError(f"the endpoint was not answering after {timeout_s}s:\n{_tail(self.log_path)}")
-
-    def stop(self, timeout_s: float = 20.0) -> None:
-        proc, self.proc = self.proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        for signum, wait_s in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 5.0)):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signum)
-            try:
-                proc.wait(timeout=wait_s)
-                return
-            except subprocess.TimeoutExpired:
-                continue
-        log.error("endpoint process %d survived SIGKILL", proc.pid)
+        ], timeout_s)  # fmt: skip
 
 
 class RawGymWorker:
@@ -535,7 +492,7 @@ async def run_benchmark(args: argparse.Namespace, workdir: Path) -> Report:
     log.info("conversion cost (%d iterations per case)", args.conversion_iterations)
     conversion = conversion_cost.measure_all(tokenizer, args.conversion_iterations)
 
-    initray_get(num_cpus=2)  # on the main thread: Ray installs signal handlers
+    init_ray(num_cpus=2)  # on the main thread: Ray installs signal handlers
     endpoint = EndpointProcess(free_port("127.0.0.1"), workdir / "endpoint.log")
     raw = RawGymWorker()
     default_raw = RawGymWorker() if args.default_baseline else None

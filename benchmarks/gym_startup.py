@@ -24,7 +24,7 @@ from pathlib import Path
 
 import psutil
 import ray
-from results_file import RESULTS, git_revision, publish, ray_get, verdict
+from results_file import RESULTS, git_revision, publish
 
 from gym_bridge.gym.servers import GymServers, GymServersConfig, wheel_config_path
 from gym_bridge.ray_utils import init_ray
@@ -110,7 +110,7 @@ def main() -> None:
         try:
             for use_ray in (False, True):
                 if use_ray:
-                    initray_get(num_cpus=os.cpu_count())
+                    init_ray(num_cpus=os.cpu_count())
                 for rep in range(args.reps):
                     for fork in (False, True):
                         log_dir = Path(workdir) / f"{use_ray}-{fork}-{rep}"

@@ -274,7 +274,7 @@ async def run_scale(args: argparse.Namespace, workdir: Path) -> Report:
     deadline_s = args.deadline_s or 120.0 + rows_total / 10.0
     report = Report(args.groups, args.group_size, deadline_s, load_before=os.getloadavg())
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("tiny"))
-    initray_get(num_cpus=2)
+    init_ray(num_cpus=2)
     endpoint = EndpointProcess(free_port("127.0.0.1"), workdir / "endpoint.log")
     actor = None
     try:

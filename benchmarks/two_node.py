@@ -37,7 +37,7 @@ from bridge_throughput import (
     EndpointProcess,
     gym_config,
 )
-from results_file import RESULTS, git_revision, publish, ray_get, verdict
+from results_file import RESULTS, git_revision, publish
 from transformers import AutoTokenizer
 
 from gym_bridge.testing.cluster import LocalRayCluster, NodeSpec

@@ -21,9 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -32,72 +29,29 @@ import httpx
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
-from gym_bridge.testing import wait_until
+from gym_bridge.testing.process import ServiceProcess
 
 CHAT_PATH = "v1/chat/completions"
 
 
-class FaultGate:
+class FaultGate(ServiceProcess):
     """The test-side handle: start, SIGKILL, restart and steer the gate process."""
 
     def __init__(self, upstream_root: str, port: int, log_path: Path) -> None:
+        super().__init__("fault gate", port, log_path, ready_path="/admin/stats")
         self.upstream_root = upstream_root.rstrip("/")
-        self.port = port
-        self.log_path = log_path
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/v1"
 
     def start(self, timeout_s: float = 30.0) -> None:
-        log = self.log_path.open("ab")
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "gym_bridge.testing.fault_gate",
-                "--upstream",
-                self.upstream_root,
-                "--port",
-                str(self.port),
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        log.close()
-        proc = self.proc
-
-        def answering() -> bool:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the fault gate exited with {proc.returncode}; see {self.log_path}")
-            try:
-                httpx.get(f"http://127.0.0.1:{self.port}/admin/stats", timeout=1.0).raise_for_status()
-            except httpx.HTTPError:
-                return False
-            return True
-
-        try:
-            wait_until(answering, timeout_s, f"the fault gate answers (see {self.log_path})", poll_s=0.1)
-        except TimeoutError:
-            self.kill()
-            raise
-
-    def kill(self) -> None:
-        """SIGKILL the gate: connections in flight are cut, new ones are refused."""
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=10)
-        self.proc = None
+        command = [sys.executable, "-m", "gym_bridge.testing.fault_gate", "--upstream", self.upstream_root]
+        self.spawn([*command, "--port", str(self.port)], timeout_s)
 
     def set(self, mode: str = "pass", **params: Any) -> None:
         httpx.post(
-            f"http://127.0.0.1:{self.port}/admin/mode", json={"mode": mode, "times": None, **params}, timeout=5
+            f"{self.root_url}/admin/mode", json={"mode": mode, "times": None, **params}, timeout=5
         ).raise_for_status()
 
     def stats(self) -> dict[str, Any]:
-        return httpx.get(f"http://127.0.0.1:{self.port}/admin/stats", timeout=5).json()
+        return httpx.get(f"{self.root_url}/admin/stats", timeout=5).json()
 
 
 def build_app(upstream_root: str) -> FastAPI:

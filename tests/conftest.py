@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
 os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -27,6 +29,16 @@ SHARED_GYM = "gym_actor"
 RAY_LANE, LOCAL_LANE = "ray", "local"
 GYM_LAYER_MODULES = ("test_gym_", "test_nemo_gym")  # with the gym-marked tests: what the compat lanes run
 _LAST_GYM_USER = pytest.StashKey[pytest.Item | None]()
+
+
+@pytest.fixture(scope="module")
+def tiny_lm(tiny_model_dir: Path) -> tuple[Any, Any]:
+    """The tiny model's (tokenizer, model) in float32 eval mode, loaded once per module; its engines share them."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    model.eval()
+    return AutoTokenizer.from_pretrained(tiny_model_dir), model
 
 
 @pytest.fixture(scope="session")
@@ -55,7 +67,9 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     for module in modules:  # Ray workers cannot import test modules: ship their actors and helpers by value
         ray.cloudpickle.register_pickle_by_value(module)
 
-    ray_modules = {getattr(item, "module", None) for item in items if "ray_session" in getattr(item, "fixturenames", ())}
+    ray_modules = {
+        getattr(item, "module", None) for item in items if "ray_session" in getattr(item, "fixturenames", ())
+    }
     for item in items:  # two lanes of whole modules: each module's fixtures are set up once, in one worker
         lane = RAY_LANE if getattr(item, "module", None) in ray_modules else LOCAL_LANE
         item.add_marker(pytest.mark.xdist_group(lane))

@@ -12,49 +12,13 @@ import torch
 from gym_bridge.batched import BatchedDataDict
 from gym_bridge.generation.hf import EngineShutDownError, HFGeneration, HFGenerationConfig
 from gym_bridge.testing import async_wait_until
-
-PROMPTS = [
-    "Hello there",
-    "The final answer is 12 + 7 = 19 and then some more words follow here",
-    "x",
-    '{"name": "add", "arguments": {"a": 2}}',
-]
+from gym_bridge.testing.generation import MIXED_PROMPTS, generated, prompt_batch, unpadded
 
 
-@pytest.fixture(scope="module")
-def tiny(tiny_model_dir: Path):
-    """(tokenizer, model) loaded once for the module; engines share them."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    model.eval()
-    return tok, model
-
-
-def engine(tiny, **cfg) -> HFGeneration:
-    tok, model = tiny
+def engine(tiny_lm, **cfg) -> HFGeneration:
+    tok, model = tiny_lm
     cfg.setdefault("max_new_tokens", 12)
     return HFGeneration(HFGenerationConfig(**cfg), model=model, tokenizer=tok)
-
-
-def batch(tok, prompts: list[str], **extra) -> BatchedDataDict:
-    enc = [tok.encode(p, add_special_tokens=False) for p in prompts]
-    width = max(len(e) for e in enc) + 2  # extra right padding beyond the longest row
-    ids = torch.full((len(enc), width), tok.pad_token_id, dtype=torch.int64)
-    for i, e in enumerate(enc):
-        ids[i, : len(e)] = torch.tensor(e)
-    return BatchedDataDict({"input_ids": ids, "input_lengths": torch.tensor([len(e) for e in enc]), **extra})
-
-
-def unpadded(out: BatchedDataDict, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-    n = int(out["unpadded_sequence_lengths"][i])
-    return out["output_ids"][i, :n], out["logprobs"][i, :n]
-
-
-def generated(out: BatchedDataDict, data: BatchedDataDict, i: int) -> list[int]:
-    n_in = int(data["input_lengths"][i])
-    return out["output_ids"][i, n_in : int(out["unpadded_sequence_lengths"][i])].tolist()
 
 
 def recompute(model, seq: torch.Tensor, n_in: int, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,10 +30,10 @@ def recompute(model, seq: torch.Tensor, n_in: int, temperature: float) -> tuple[
     return lp, pred
 
 
-def test_output_contract(tiny) -> None:
-    tok, _ = tiny
-    gen = engine(tiny)
-    data = batch(tok, PROMPTS)
+def test_output_contract(tiny_lm) -> None:
+    tok, _ = tiny_lm
+    gen = engine(tiny_lm)
+    data = prompt_batch(tok, MIXED_PROMPTS)
     out = gen.generate(data, greedy=True)
     assert set(out.keys()) == {
         "output_ids",
@@ -79,7 +43,7 @@ def test_output_contract(tiny) -> None:
         "truncated",
         "weight_version",
     }
-    assert out["weight_version"].dtype == torch.int64 and out["weight_version"].tolist() == [0] * len(PROMPTS)
+    assert out["weight_version"].dtype == torch.int64 and out["weight_version"].tolist() == [0] * len(MIXED_PROMPTS)
     bsz, width = data["input_ids"].shape
     assert out["output_ids"].dtype == torch.int64 and out["logprobs"].dtype == torch.float32
     assert out["generation_lengths"].dtype == torch.int64 and out["unpadded_sequence_lengths"].dtype == torch.int64
@@ -98,13 +62,13 @@ def test_output_contract(tiny) -> None:
 
 
 @pytest.mark.parametrize("greedy", [True, False])
-def test_logprobs_match_full_forward(tiny, greedy: bool) -> None:
-    tok, model = tiny
+def test_logprobs_match_full_forward(tiny_lm, greedy: bool) -> None:
+    tok, model = tiny_lm
     temperature = 1.0 if greedy else 0.7
-    gen = engine(tiny, temperature=temperature, seed=123)
-    data = batch(tok, PROMPTS)
+    gen = engine(tiny_lm, temperature=temperature, seed=123)
+    data = prompt_batch(tok, MIXED_PROMPTS)
     out = gen.generate(data, greedy=greedy)
-    for i in range(len(PROMPTS)):
+    for i in range(len(MIXED_PROMPTS)):
         seq, lps = unpadded(out, i)
         n_in = int(data["input_lengths"][i])
         ref_lp, pred_logits = recompute(model, seq, n_in, temperature)
@@ -113,13 +77,13 @@ def test_logprobs_match_full_forward(tiny, greedy: bool) -> None:
             assert torch.equal(pred_logits.argmax(-1), seq[n_in:])
 
 
-def test_per_row_sampling_overrides(tiny) -> None:
+def test_per_row_sampling_overrides(tiny_lm) -> None:
     """Rows of one batch may carry their own temperature, top_k and max_new_tokens."""
-    tok, model = tiny
-    gen = engine(tiny, temperature=0.7, seed=7)
-    data = batch(
+    tok, model = tiny_lm
+    gen = engine(tiny_lm, temperature=0.7, seed=7)
+    data = prompt_batch(
         tok,
-        PROMPTS[:3],
+        MIXED_PROMPTS[:3],
         temperature=[None, 1.5, 0.0],
         top_k=[None, 1, None],
         max_new_tokens=[5, None, 3],
@@ -134,38 +98,38 @@ def test_per_row_sampling_overrides(tiny) -> None:
         if i > 0:  # top_k=1 and temperature 0 both pick the argmax
             assert torch.equal(pred_logits.argmax(-1), seq[n_in:])
     with pytest.raises(ValueError, match="max_new_tokens has 1 rows"):
-        gen.generate(batch(tok, PROMPTS[:2], max_new_tokens=[3]))
+        gen.generate(prompt_batch(tok, MIXED_PROMPTS[:2], max_new_tokens=[3]))
     with pytest.raises(ValueError, match="row 0: invalid sampling"):
-        gen.generate(batch(tok, PROMPTS[:1], top_p=[0.0]))
+        gen.generate(prompt_batch(tok, MIXED_PROMPTS[:1], top_p=[0.0]))
 
 
-def test_greedy_is_deterministic_and_independent_of_batching(tiny) -> None:
-    tok, _ = tiny
-    gen = engine(tiny, max_batch_size=3)
-    data = batch(tok, PROMPTS)
+def test_greedy_is_deterministic_and_independent_of_batching(tiny_lm) -> None:
+    tok, _ = tiny_lm
+    gen = engine(tiny_lm, max_batch_size=3)
+    data = prompt_batch(tok, MIXED_PROMPTS)
     before = gen.stats.batches_run
     a = gen.generate(data, greedy=True)
     assert gen.stats.batches_run - before == 2  # 4 rows, max_batch_size 3
     b = gen.generate(data, greedy=True)
     assert torch.equal(a["output_ids"], b["output_ids"]) and torch.equal(a["logprobs"], b["logprobs"])
-    for i in range(len(PROMPTS)):  # left padding inside the batch does not change a row
+    for i in range(len(MIXED_PROMPTS)):  # left padding inside the batch does not change a row
         single = gen.generate(data.slice(i, i + 1), greedy=True)
         assert torch.equal(unpadded(single, 0)[0], unpadded(a, i)[0])
         torch.testing.assert_close(unpadded(single, 0)[1], unpadded(a, i)[1], atol=1e-5, rtol=0)
 
 
-def test_sampling_is_seeded_and_filters_only_restrict_choice(tiny) -> None:
-    tok, model = tiny
-    data = batch(tok, PROMPTS)
+def test_sampling_is_seeded_and_filters_only_restrict_choice(tiny_lm) -> None:
+    tok, model = tiny_lm
+    data = prompt_batch(tok, MIXED_PROMPTS)
     kw = {"temperature": 0.9, "top_k": 20, "top_p": 0.5, "max_new_tokens": 10}
-    a = engine(tiny, seed=7, **kw).generate(data)
-    b = engine(tiny, seed=7, **kw).generate(data)
-    c = engine(tiny, seed=8, **kw).generate(data)
+    a = engine(tiny_lm, seed=7, **kw).generate(data)
+    b = engine(tiny_lm, seed=7, **kw).generate(data)
+    c = engine(tiny_lm, seed=8, **kw).generate(data)
     assert torch.equal(a["output_ids"], b["output_ids"])
     assert not torch.equal(a["output_ids"], c["output_ids"])
-    greedy = engine(tiny, **kw).generate(data, greedy=True)
+    greedy = engine(tiny_lm, **kw).generate(data, greedy=True)
     assert not torch.equal(a["output_ids"], greedy["output_ids"])
-    for i in range(len(PROMPTS)):
+    for i in range(len(MIXED_PROMPTS)):
         seq, lps = unpadded(a, i)
         n_in = int(data["input_lengths"][i])
         ref_lp, pred_logits = recompute(model, seq, n_in, 0.9)
@@ -176,10 +140,10 @@ def test_sampling_is_seeded_and_filters_only_restrict_choice(tiny) -> None:
         assert (rank < 20).all()
 
 
-def test_stop_strings(tiny) -> None:
-    tok, _ = tiny
-    gen = engine(tiny, max_new_tokens=12)
-    data = batch(tok, PROMPTS)
+def test_stop_strings(tiny_lm) -> None:
+    tok, _ = tiny_lm
+    gen = engine(tiny_lm, max_new_tokens=12)
+    data = prompt_batch(tok, MIXED_PROMPTS)
     base = gen.generate(data, greedy=True)
     # A row whose text is valid UTF-8 throughout (random byte tokens need not be).
     row = next(i for i in (1, 0, 3, 2) if "\ufffd" not in tok.decode(generated(base, data, i)))
@@ -191,63 +155,65 @@ def test_stop_strings(tiny) -> None:
     n_expected = next(n for n in range(1, len(tokens) + 1) if stop in tok.decode(tokens[:n], skip_special_tokens=False))
     assert n_expected < len(tokens)
 
-    stops = [None] * len(PROMPTS)
+    stops = [None] * len(MIXED_PROMPTS)
     stops[row] = [stop]
-    out = gen.generate(batch(tok, PROMPTS, stop_strings=stops), greedy=True)
+    out = gen.generate(prompt_batch(tok, MIXED_PROMPTS, stop_strings=stops), greedy=True)
     assert generated(out, data, row) == tokens[:n_expected]
     assert not bool(out["truncated"][row])
     assert tok.decode(generated(out, data, row), skip_special_tokens=False).find(stop) >= 0
-    for i in range(len(PROMPTS)):  # other rows are unaffected
+    for i in range(len(MIXED_PROMPTS)):  # other rows are unaffected
         if i != row:
             assert generated(out, data, i) == generated(base, data, i)
 
     # The same stop string from the config applies to every row and merges with row ones.
-    cfg_gen = engine(tiny, max_new_tokens=12, stop_strings=[stop])
-    out2 = cfg_gen.generate(batch(tok, PROMPTS, stop_strings=[["zzzz-never"]] * len(PROMPTS)), greedy=True)
+    cfg_gen = engine(tiny_lm, max_new_tokens=12, stop_strings=[stop])
+    out2 = cfg_gen.generate(
+        prompt_batch(tok, MIXED_PROMPTS, stop_strings=[["zzzz-never"]] * len(MIXED_PROMPTS)), greedy=True
+    )
     assert generated(out2, data, row) == tokens[:n_expected]
     assert not bool(out2["truncated"][row])
 
 
-def test_stop_token_ids(tiny) -> None:
-    tok, _ = tiny
-    data = batch(tok, PROMPTS)
-    base = engine(tiny).generate(data, greedy=True)
+def test_stop_token_ids(tiny_lm) -> None:
+    tok, _ = tiny_lm
+    data = prompt_batch(tok, MIXED_PROMPTS)
+    base = engine(tiny_lm).generate(data, greedy=True)
     row = 1
     tokens = generated(base, data, row)
     stop_tok = tokens[4]
     first = tokens.index(stop_tok)
-    out = engine(tiny, stop_token_ids=[stop_tok]).generate(data, greedy=True)
+    out = engine(tiny_lm, stop_token_ids=[stop_tok]).generate(data, greedy=True)
     assert generated(out, data, row) == tokens[: first + 1]  # the stop token is included
     assert int(out["generation_lengths"][row]) == first + 1
     assert not bool(out["truncated"][row])
 
 
-def test_default_stop_ids_are_eos(tiny) -> None:
-    tok, _ = tiny
-    gen = engine(tiny)
+def test_default_stop_ids_are_eos(tiny_lm) -> None:
+    tok, _ = tiny_lm
+    gen = engine(tiny_lm)
     assert tok.eos_token_id in gen.stop_token_ids
-    assert engine(tiny, stop_token_ids=[]).stop_token_ids == frozenset()
+    assert engine(tiny_lm, stop_token_ids=[]).stop_token_ids == frozenset()
 
 
-def test_max_model_len_cap(tiny) -> None:
-    tok, _ = tiny
-    data = batch(tok, ["Hello there", "The final answer is 12 + 7 = 19 and then some more words"])
+def test_max_model_len_cap(tiny_lm) -> None:
+    tok, _ = tiny_lm
+    data = prompt_batch(tok, ["Hello there", "The final answer is 12 + 7 = 19 and then some more words"])
     lens = data["input_lengths"].tolist()
     limit = lens[0] + 5
     assert lens[1] >= limit
-    out = engine(tiny, max_new_tokens=12, max_model_len=limit).generate(data, greedy=True)
+    out = engine(tiny_lm, max_new_tokens=12, max_model_len=limit).generate(data, greedy=True)
     assert out["generation_lengths"].tolist() == [5, 0]
     assert out["truncated"].tolist() == [True, True]
     assert out["unpadded_sequence_lengths"].tolist() == [limit, lens[1]]
-    ref = engine(tiny, max_new_tokens=12).generate(data, greedy=True)
+    ref = engine(tiny_lm, max_new_tokens=12).generate(data, greedy=True)
     assert generated(out, data, 0) == generated(ref, data, 0)[:5]
     assert torch.equal(out["output_ids"][1, : lens[1]], data["input_ids"][1, : lens[1]])
 
 
-def test_invalid_inputs(tiny) -> None:
-    tok, _ = tiny
-    gen = engine(tiny)
-    data = batch(tok, PROMPTS)
+def test_invalid_inputs(tiny_lm) -> None:
+    tok, _ = tiny_lm
+    gen = engine(tiny_lm)
+    data = prompt_batch(tok, MIXED_PROMPTS)
     with pytest.raises(ValueError):
         gen.generate(BatchedDataDict({"input_ids": data["input_ids"], "input_lengths": torch.tensor([0, 1, 1, 1])}))
     with pytest.raises(ValueError):
@@ -256,11 +222,11 @@ def test_invalid_inputs(tiny) -> None:
         gen.generate(BatchedDataDict({"input_ids": torch.tensor([[10**6]]), "input_lengths": torch.tensor([1])}))
 
 
-async def test_generate_async_yields_every_row_once(tiny) -> None:
-    tok, _ = tiny
-    gen = engine(tiny)
+async def test_generate_async_yields_every_row_once(tiny_lm) -> None:
+    tok, _ = tiny_lm
+    gen = engine(tiny_lm)
     try:
-        data = batch(tok, PROMPTS)
+        data = prompt_batch(tok, MIXED_PROMPTS)
         ref = gen.generate(data, greedy=True)
         seen: list[int] = []
         async for i, out in gen.generate_async(data, greedy=True):
@@ -270,21 +236,21 @@ async def test_generate_async_yields_every_row_once(tiny) -> None:
             assert torch.equal(unpadded(out, 0)[0], unpadded(ref, i)[0])
             torch.testing.assert_close(unpadded(out, 0)[1], unpadded(ref, i)[1], atol=1e-5, rtol=0)
             assert bool(out["truncated"][0]) == bool(ref["truncated"][i])
-        assert sorted(seen) == list(range(len(PROMPTS)))
+        assert sorted(seen) == list(range(len(MIXED_PROMPTS)))
     finally:
         gen.shutdown()
 
 
-async def test_concurrent_requests_are_batched(tiny) -> None:
-    tok, _ = tiny
-    gen = engine(tiny, max_new_tokens=8)
+async def test_concurrent_requests_are_batched(tiny_lm) -> None:
+    tok, _ = tiny_lm
+    gen = engine(tiny_lm, max_new_tokens=8)
     try:
         prompts = [f"Request number {i}: what is {i} + {i}?" for i in range(16)]
-        expected = [gen.generate(batch(tok, [p]), greedy=True) for p in prompts]
+        expected = [gen.generate(prompt_batch(tok, [p]), greedy=True) for p in prompts]
         assert gen.stats.async_batches_run == 0
 
         async def one(p: str):
-            results = [item async for item in gen.generate_async(batch(tok, [p]), greedy=True)]
+            results = [item async for item in gen.generate_async(prompt_batch(tok, [p]), greedy=True)]
             assert len(results) == 1 and results[0][0] == 0
             return results[0][1]
 
@@ -298,11 +264,11 @@ async def test_concurrent_requests_are_batched(tiny) -> None:
         gen.shutdown()
 
 
-async def test_event_loop_stays_responsive(tiny) -> None:
-    tok, _ = tiny
-    gen = engine(tiny, max_new_tokens=96, stop_token_ids=[], max_batch_size=8)
+async def test_event_loop_stays_responsive(tiny_lm) -> None:
+    tok, _ = tiny_lm
+    gen = engine(tiny_lm, max_new_tokens=96, stop_token_ids=[], max_batch_size=8)
     try:
-        data = batch(tok, PROMPTS * 2)
+        data = prompt_batch(tok, MIXED_PROMPTS * 2)
         ticks = 0
         running = True
 
@@ -323,11 +289,11 @@ async def test_event_loop_stays_responsive(tiny) -> None:
         gen.shutdown()
 
 
-async def test_cancellation_does_not_break_worker(tiny) -> None:
-    tok, _ = tiny
-    gen = engine(tiny, max_new_tokens=300, stop_token_ids=[])
+async def test_cancellation_does_not_break_worker(tiny_lm) -> None:
+    tok, _ = tiny_lm
+    gen = engine(tiny_lm, max_new_tokens=300, stop_token_ids=[])
     try:
-        data = batch(tok, PROMPTS)
+        data = prompt_batch(tok, MIXED_PROMPTS)
 
         async def consume():
             return [i async for i, _ in gen.generate_async(data, greedy=True)]
@@ -338,7 +304,7 @@ async def test_cancellation_does_not_break_worker(tiny) -> None:
         with pytest.raises(asyncio.CancelledError):
             await task
         # The worker keeps serving: a new request completes and matches the blocking path.
-        short = batch(tok, ["Hello there"])
+        short = prompt_batch(tok, ["Hello there"])
         got = await asyncio.wait_for(_collect(gen, short), timeout=120)
         assert gen._worker is not None and gen._worker.is_alive()
         # The cancelled rows were dropped mid-batch, never finished.
@@ -354,10 +320,10 @@ async def _collect(gen: HFGeneration, data: BatchedDataDict) -> dict[int, Batche
     return {i: out async for i, out in gen.generate_async(data, greedy=True)}
 
 
-async def test_shutdown_is_idempotent_and_fails_waiters(tiny) -> None:
-    tok, _ = tiny
-    gen = engine(tiny, max_new_tokens=2000, max_model_len=2048, stop_token_ids=[])
-    data = batch(tok, PROMPTS)
+async def test_shutdown_is_idempotent_and_fails_waiters(tiny_lm) -> None:
+    tok, _ = tiny_lm
+    gen = engine(tiny_lm, max_new_tokens=2000, max_model_len=2048, stop_token_ids=[])
+    data = prompt_batch(tok, MIXED_PROMPTS)
 
     async def consume():
         return [i async for i, _ in gen.generate_async(data, greedy=True)]
@@ -379,34 +345,36 @@ async def test_shutdown_is_idempotent_and_fails_waiters(tiny) -> None:
             pass
 
 
-async def test_a_failure_in_the_first_step_of_a_new_batch_reaches_its_waiters(tiny, monkeypatch) -> None:
+async def test_a_failure_in_the_first_step_of_a_new_batch_reaches_its_waiters(tiny_lm, monkeypatch) -> None:
     """The batch is created and fails inside one worker turn: its rows still get the error."""
     from gym_bridge.generation import hf_decode
 
-    tok, _ = tiny
-    gen = engine(tiny, max_new_tokens=8)
+    tok, _ = tiny_lm
+    gen = engine(tiny_lm, max_new_tokens=8)
 
     def broken_step(self) -> None:
         raise RuntimeError("decode step failed")
 
     monkeypatch.setattr(hf_decode.RunningBatch, "step", broken_step)
     with pytest.raises(RuntimeError, match="decode step failed"):
-        await asyncio.wait_for(_collect(gen, batch(tok, PROMPTS[:2])), timeout=30)
+        await asyncio.wait_for(_collect(gen, prompt_batch(tok, MIXED_PROMPTS[:2])), timeout=30)
     monkeypatch.undo()
-    outs = await asyncio.wait_for(_collect(gen, batch(tok, PROMPTS[:2])), timeout=60)  # the worker lives on
+    outs = await asyncio.wait_for(
+        _collect(gen, prompt_batch(tok, MIXED_PROMPTS[:2])), timeout=60
+    )  # the worker lives on
     assert sorted(outs) == [0, 1]
     gen.shutdown()
 
 
-def test_loads_from_config_path(tiny_model_dir: Path, tiny) -> None:
-    tok, _ = tiny
+def test_loads_from_config_path(tiny_model_dir: Path, tiny_lm) -> None:
+    tok, _ = tiny_lm
     gen = HFGeneration({"model": str(tiny_model_dir), "max_new_tokens": 4})
     try:
         assert gen.tokenizer.pad_token_id == tok.pad_token_id
         assert gen.max_model_len == 2048
-        data = batch(tok, ["Hello there"])
+        data = prompt_batch(tok, ["Hello there"])
         a = gen.generate(data, greedy=True)
-        b = engine(tiny, max_new_tokens=4).generate(data, greedy=True)
+        b = engine(tiny_lm, max_new_tokens=4).generate(data, greedy=True)
         assert torch.equal(a["output_ids"], b["output_ids"])
     finally:
         assert gen.shutdown() and gen.shutdown()
@@ -433,11 +401,11 @@ def test_config_from_generation_config() -> None:
         HFGenerationConfig(temperature=-1.0)
 
 
-def _own_copy(tiny) -> tuple[HFGeneration, dict[str, torch.Tensor], torch.nn.Module]:
+def _own_copy(tiny_lm) -> tuple[HFGeneration, dict[str, torch.Tensor], torch.nn.Module]:
     """An engine over a private copy of the tiny model, new weights for it, and a model holding those weights."""
     import copy
 
-    tok, model = tiny
+    tok, model = tiny_lm
     gen = HFGeneration(HFGenerationConfig(max_new_tokens=12), model=copy.deepcopy(model), tokenizer=tok)
     torch.manual_seed(1)
     new_weights = {k: v + 0.05 * torch.randn_like(v) for k, v in model.state_dict().items()}
@@ -446,17 +414,17 @@ def _own_copy(tiny) -> tuple[HFGeneration, dict[str, torch.Tensor], torch.nn.Mod
     return gen, new_weights, refitted
 
 
-def test_update_weights_reaches_the_engine(tiny) -> None:
-    tok, model = tiny
-    gen, new_weights, refitted = _own_copy(tiny)
-    data = batch(tok, PROMPTS, temperature=[0.8] * len(PROMPTS))
+def test_update_weights_reaches_the_engine(tiny_lm) -> None:
+    tok, model = tiny_lm
+    gen, new_weights, refitted = _own_copy(tiny_lm)
+    data = prompt_batch(tok, MIXED_PROMPTS, temperature=[0.8] * len(MIXED_PROMPTS))
     before = gen.generate(data)
-    assert gen.weight_version == 0 and before["weight_version"].tolist() == [0] * len(PROMPTS)
+    assert gen.weight_version == 0 and before["weight_version"].tolist() == [0] * len(MIXED_PROMPTS)
 
     gen.update_weights(new_weights, 1)
     after = gen.generate(data)
-    assert gen.weight_version == 1 and after["weight_version"].tolist() == [1] * len(PROMPTS)
-    for i in range(len(PROMPTS)):
+    assert gen.weight_version == 1 and after["weight_version"].tolist() == [1] * len(MIXED_PROMPTS)
+    for i in range(len(MIXED_PROMPTS)):
         seq, lps = unpadded(after, i)
         n_in = int(data["input_lengths"][i])
         new_lp, _ = recompute(refitted, seq, n_in, 0.8)
@@ -471,18 +439,18 @@ def test_update_weights_reaches_the_engine(tiny) -> None:
     assert gen.weight_version == 1
 
 
-async def test_a_request_in_flight_at_a_refit_finishes_on_one_version(tiny) -> None:
-    tok, model = tiny
-    gen, new_weights, refitted = _own_copy(tiny)
+async def test_a_request_in_flight_at_a_refit_finishes_on_one_version(tiny_lm) -> None:
+    tok, model = tiny_lm
+    gen, new_weights, refitted = _own_copy(tiny_lm)
     try:
-        long = batch(tok, ["Hello there"], max_new_tokens=[200])
+        long = prompt_batch(tok, ["Hello there"], max_new_tokens=[200])
         in_flight = asyncio.create_task(_collect(gen, long))
         await async_wait_until(lambda: gen.stats.forward_passes > 0, 60, "the row decoding")
         assert not in_flight.done()
         refit = asyncio.create_task(asyncio.to_thread(gen.update_weights, new_weights, 1))
         old = (await asyncio.wait_for(in_flight, timeout=120))[0]
         await asyncio.wait_for(refit, timeout=120)
-        later = (await asyncio.wait_for(_collect(gen, batch(tok, ["Hello there"])), timeout=120))[0]
+        later = (await asyncio.wait_for(_collect(gen, prompt_batch(tok, ["Hello there"])), timeout=120))[0]
     finally:
         gen.shutdown()
     assert int(old["generation_lengths"][0]) == 200 and old["weight_version"].tolist() == [0]
@@ -494,17 +462,17 @@ async def test_a_request_in_flight_at_a_refit_finishes_on_one_version(tiny) -> N
         torch.testing.assert_close(lps[n_in:], expected, atol=1e-4, rtol=0)
 
 
-async def test_rows_joining_a_running_batch_decode_as_alone(tiny) -> None:
-    tok, _ = tiny
-    gen = engine(tiny, max_new_tokens=40, stop_token_ids=[], batch_wait_s=0.0)
+async def test_rows_joining_a_running_batch_decode_as_alone(tiny_lm) -> None:
+    tok, _ = tiny_lm
+    gen = engine(tiny_lm, max_new_tokens=40, stop_token_ids=[], batch_wait_s=0.0)
     try:
         prompts = [f"Request number {i}: what is {i} + {i}?" for i in range(6)]
-        alone = [gen.generate(batch(tok, [p]), greedy=True) for p in prompts]
+        alone = [gen.generate(prompt_batch(tok, [p]), greedy=True) for p in prompts]
         passes = gen.stats.forward_passes
-        first = asyncio.create_task(_collect(gen, batch(tok, prompts[:1])))
+        first = asyncio.create_task(_collect(gen, prompt_batch(tok, prompts[:1])))
         await async_wait_until(lambda: gen.stats.forward_passes > passes + 2, 60, "the first row decoding")
         assert not first.done()
-        late = [asyncio.create_task(_collect(gen, batch(tok, [p]))) for p in prompts[1:]]
+        late = [asyncio.create_task(_collect(gen, prompt_batch(tok, [p]))) for p in prompts[1:]]
         outs = [(await asyncio.wait_for(t, timeout=120))[0] for t in [first, *late]]
         # The late rows joined the running batch instead of waiting for it to end ...
         assert gen.stats.rows_joined_running_batch >= 1 and gen.stats.max_rows_in_batch >= 2

@@ -8,7 +8,6 @@ import logging
 import socket
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -23,18 +22,13 @@ from gym_bridge.failures import (
     RolloutDataFailure,
     classify_rollout_failure,
 )
-from gym_bridge.generation.hf import HFGeneration, HFGenerationConfig
 from gym_bridge.generation.completions_wire import completion_request
+from gym_bridge.generation.hf import HFGeneration, HFGenerationConfig
 from gym_bridge.generation.openai_http import OpenAIHTTPGeneration, OpenAIHTTPGenerationConfig
 from gym_bridge.generation.routing import SessionRouter
 from gym_bridge.serving import OpenAIServer
+from gym_bridge.testing.generation import MIXED_PROMPTS, generated, prompt_batch, unpadded
 
-PROMPTS = [
-    "Hello there",
-    "The final answer is 12 + 7 = 19 and then some more words follow here",
-    "x",
-    '{"name": "add", "arguments": {"a": 2}}',
-]
 MAX_NEW = 12
 SECRET = "sk-test-very-secret-0123456789"
 
@@ -53,31 +47,21 @@ class ServerThread:
         self.server.stop_thread()  # idempotent
 
 
-@pytest.fixture(scope="module")
-def tiny(tiny_model_dir: Path):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    model.eval()
-    return tok, model
-
-
-def engine(tiny, **cfg) -> HFGeneration:
-    tok, model = tiny
+def engine(tiny_lm, **cfg) -> HFGeneration:
+    tok, model = tiny_lm
     cfg.setdefault("max_new_tokens", MAX_NEW)
     return HFGeneration(HFGenerationConfig(**cfg), model=model, tokenizer=tok)
 
 
 @pytest.fixture
-def make_servers(tiny) -> Iterator[Any]:
+def make_servers(tiny_lm) -> Iterator[Any]:
     started: list[tuple[ServerThread, HFGeneration]] = []
 
     def make(n: int, **cfg: Any) -> list[ServerThread]:
         out = []
         for _ in range(n):
-            gen = engine(tiny, **cfg)
-            srv = ServerThread(gen, tiny[0])
+            gen = engine(tiny_lm, **cfg)
+            srv = ServerThread(gen, tiny_lm[0])
             started.append((srv, gen))
             out.append(srv)
         return out
@@ -89,10 +73,10 @@ def make_servers(tiny) -> Iterator[Any]:
 
 
 @pytest.fixture(scope="module")
-def pair(tiny) -> Iterator[list[ServerThread]]:
+def pair(tiny_lm) -> Iterator[list[ServerThread]]:
     """Two real servers over the tiny model, temperature 1 profile, kept for the module."""
-    gens = [engine(tiny) for _ in range(2)]
-    servers = [ServerThread(g, tiny[0]) for g in gens]
+    gens = [engine(tiny_lm) for _ in range(2)]
+    servers = [ServerThread(g, tiny_lm[0]) for g in gens]
     yield servers
     for s, g in zip(servers, gens):
         s.stop()
@@ -108,25 +92,6 @@ def client(urls: list[str], tok: Any, **cfg: Any) -> OpenAIHTTPGeneration:
     )
 
 
-def batch(tok, prompts: list[str], **extra) -> BatchedDataDict:
-    enc = [tok.encode(p, add_special_tokens=False) for p in prompts]
-    width = max(len(e) for e in enc) + 2
-    ids = torch.full((len(enc), width), tok.pad_token_id, dtype=torch.int64)
-    for i, e in enumerate(enc):
-        ids[i, : len(e)] = torch.tensor(e)
-    return BatchedDataDict({"input_ids": ids, "input_lengths": torch.tensor([len(e) for e in enc]), **extra})
-
-
-def unpadded(out: BatchedDataDict, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-    n = int(out["unpadded_sequence_lengths"][i])
-    return out["output_ids"][i, :n], out["logprobs"][i, :n]
-
-
-def generated(out: BatchedDataDict, data: BatchedDataDict, i: int) -> list[int]:
-    n_in = int(data["input_lengths"][i])
-    return out["output_ids"][i, n_in : int(out["unpadded_sequence_lengths"][i])].tolist()
-
-
 def dead_url() -> str:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -137,11 +102,11 @@ def dead_url() -> str:
 # ---------------------------------------------------------------------- contract over HTTP
 
 
-def test_output_contract_and_greedy_matches_local(pair, tiny) -> None:
-    tok, _ = tiny
+def test_output_contract_and_greedy_matches_local(pair, tiny_lm) -> None:
+    tok, _ = tiny_lm
     gen = client([s.base_url for s in pair], tok)
     try:
-        data = batch(tok, PROMPTS)
+        data = prompt_batch(tok, MIXED_PROMPTS)
         out = gen.generate(data, greedy=True)
         assert set(out.keys()) == {
             "output_ids",
@@ -168,7 +133,7 @@ def test_output_contract_and_greedy_matches_local(pair, tiny) -> None:
         assert sorted(set(out["gen_leader_worker_idx"])) == [0, 1]  # 4 sessionless rows spread over 2
 
         # Greedy over HTTP equals the local backend, and is deterministic.
-        local = engine(tiny).generate(data, greedy=True)
+        local = engine(tiny_lm).generate(data, greedy=True)
         assert torch.equal(out["output_ids"], local["output_ids"])
         torch.testing.assert_close(out["logprobs"], local["logprobs"], atol=1e-4, rtol=0)
         again = gen.generate(data, greedy=True)
@@ -178,13 +143,13 @@ def test_output_contract_and_greedy_matches_local(pair, tiny) -> None:
 
 
 @pytest.mark.parametrize("greedy", [True, False])
-def test_logprobs_match_full_forward(pair, tiny, greedy: bool) -> None:
-    tok, model = tiny
+def test_logprobs_match_full_forward(pair, tiny_lm, greedy: bool) -> None:
+    tok, model = tiny_lm
     gen = client([pair[0].base_url], tok)
     try:
-        data = batch(tok, PROMPTS)
+        data = prompt_batch(tok, MIXED_PROMPTS)
         out = gen.generate(data, greedy=greedy)
-        for i in range(len(PROMPTS)):
+        for i in range(len(MIXED_PROMPTS)):
             seq, lps = unpadded(out, i)
             n_in = int(data["input_lengths"][i])
             with torch.inference_mode():
@@ -198,11 +163,11 @@ def test_logprobs_match_full_forward(pair, tiny, greedy: bool) -> None:
         gen.shutdown()
 
 
-def test_stop_strings_and_truncation(pair, tiny) -> None:
-    tok, _ = tiny
+def test_stop_strings_and_truncation(pair, tiny_lm) -> None:
+    tok, _ = tiny_lm
     gen = client([pair[0].base_url], tok)
     try:
-        data = batch(tok, PROMPTS)
+        data = prompt_batch(tok, MIXED_PROMPTS)
         base = gen.generate(data, greedy=True)
         row = next(i for i in (1, 0, 3, 2) if "\ufffd" not in tok.decode(generated(base, data, i)))
         tokens = generated(base, data, row)
@@ -212,18 +177,18 @@ def test_stop_strings_and_truncation(pair, tiny) -> None:
             n for n in range(1, len(tokens) + 1) if stop in tok.decode(tokens[:n], skip_special_tokens=False)
         )
         assert n_expected < len(tokens)
-        stops = [None] * len(PROMPTS)
+        stops = [None] * len(MIXED_PROMPTS)
         stops[row] = [stop]
-        out = gen.generate(batch(tok, PROMPTS, stop_strings=stops), greedy=True)
+        out = gen.generate(prompt_batch(tok, MIXED_PROMPTS, stop_strings=stops), greedy=True)
         assert generated(out, data, row) == tokens[:n_expected]
         assert not bool(out["truncated"][row])
-        for i in range(len(PROMPTS)):
+        for i in range(len(MIXED_PROMPTS)):
             if i != row:
                 assert generated(out, data, i) == generated(base, data, i) and bool(out["truncated"][i])
         # Config stop strings merge with row ones.
         cfg_gen = client([pair[0].base_url], tok, stop_strings=[stop])
         try:
-            out2 = cfg_gen.generate(batch(tok, PROMPTS, stop_strings=[["zzzz-never"]] * 4), greedy=True)
+            out2 = cfg_gen.generate(prompt_batch(tok, MIXED_PROMPTS, stop_strings=[["zzzz-never"]] * 4), greedy=True)
             assert generated(out2, data, row) == tokens[:n_expected] and not bool(out2["truncated"][row])
         finally:
             cfg_gen.shutdown()
@@ -239,12 +204,12 @@ def test_stop_strings_and_truncation(pair, tiny) -> None:
         gen.shutdown()
 
 
-async def test_generate_async_yields_every_row(pair, tiny) -> None:
-    tok, _ = tiny
+async def test_generate_async_yields_every_row(pair, tiny_lm) -> None:
+    tok, _ = tiny_lm
     gen = client([s.base_url for s in pair], tok)
     try:
-        data = batch(tok, PROMPTS)
-        ref = engine(tiny).generate(data, greedy=True)
+        data = prompt_batch(tok, MIXED_PROMPTS)
+        ref = engine(tiny_lm).generate(data, greedy=True)
         seen = []
         async for i, out in gen.generate_async(data, greedy=True):
             seen.append(i)
@@ -261,11 +226,11 @@ async def test_generate_async_yields_every_row(pair, tiny) -> None:
 # ---------------------------------------------------------------------- routing and failover
 
 
-def test_sessions_stick_and_both_servers_serve(pair, tiny) -> None:
-    tok, _ = tiny
+def test_sessions_stick_and_both_servers_serve(pair, tiny_lm) -> None:
+    tok, _ = tiny_lm
     gen = client([s.base_url for s in pair], tok, max_new_tokens=2)
     try:
-        data = batch(tok, ["a b", "c d"], session_ids=["s-a", "s-b"])
+        data = prompt_batch(tok, ["a b", "c d"], session_ids=["s-a", "s-b"])
         first = gen.generate(data, greedy=True)["gen_leader_worker_idx"]
         assert sorted(first) == [0, 1]  # two new sessions on an idle fleet land on different servers
         for _ in range(3):
@@ -276,13 +241,13 @@ def test_sessions_stick_and_both_servers_serve(pair, tiny) -> None:
         gen.shutdown()
 
 
-def test_server_stopped_mid_run_fails_over(make_servers, tiny) -> None:
-    tok, _ = tiny
+def test_server_stopped_mid_run_fails_over(make_servers, tiny_lm) -> None:
+    tok, _ = tiny_lm
     a, b = make_servers(2)
     gen = client([a.base_url, b.base_url], tok, max_new_tokens=2, max_retries=3, unhealthy_cooldown_s=60)
     try:
         sessions = [f"s{i}" for i in range(4)]
-        data = batch(tok, ["one", "two", "three", "four"], session_ids=sessions)
+        data = prompt_batch(tok, ["one", "two", "three", "four"], session_ids=sessions)
         before = gen.generate(data, greedy=True)
         assert sorted(set(before["gen_leader_worker_idx"])) == [0, 1]
         a.stop()
@@ -298,13 +263,13 @@ def test_server_stopped_mid_run_fails_over(make_servers, tiny) -> None:
         gen.shutdown()
 
 
-def test_dead_fleet_raises_no_healthy_shards(tiny) -> None:
-    tok, _ = tiny
+def test_dead_fleet_raises_no_healthy_shards(tiny_lm) -> None:
+    tok, _ = tiny_lm
     urls = [dead_url(), dead_url()]
     gen = client(urls, tok, max_retries=3, backoff_base_s=0.05, max_backoff_s=0.1, connect_timeout_s=2)
     try:
         with pytest.raises(NoHealthyShards) as info:
-            gen.generate(batch(tok, ["Hello"]), greedy=True)
+            gen.generate(prompt_batch(tok, ["Hello"]), greedy=True)
         assert classify_rollout_failure(info.value) is FailureClass.INFRA
         assert "all 2 endpoint(s)" in str(info.value) and "4 attempts" in str(info.value)
         assert "127.0.0.1" in str(info.value)
@@ -313,8 +278,8 @@ def test_dead_fleet_raises_no_healthy_shards(tiny) -> None:
         gen.shutdown()
 
 
-def test_4xx_from_real_server_is_data_failure_without_retry(pair, tiny) -> None:
-    tok, _ = tiny
+def test_4xx_from_real_server_is_data_failure_without_retry(pair, tiny_lm) -> None:
+    tok, _ = tiny_lm
     # A token id outside the vocabulary is a request error the server answers with a 400.
     gen = client([pair[0].base_url], tok)
     bad = BatchedDataDict({"input_ids": torch.tensor([[len(tok) + 5]]), "input_lengths": torch.tensor([1])})

@@ -28,19 +28,12 @@ from gym_bridge.generation.scripted import ScriptedGeneration
 from gym_bridge.serving import OpenAIServer, build_proxy
 from gym_bridge.serving.drift import HEADER_CORRECTION, HEADER_DRIFT
 from gym_bridge.testing import wait_until
+from gym_bridge.testing.generation import WEATHER_TOOL
 
 logger = logging.getLogger(__name__)
 
 TRIALS = 100
 MAX_TOKENS = 8
-WEATHER_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Weather in a city.",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-    },
-}
 TOKEN_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
 
 

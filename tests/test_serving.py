@@ -21,16 +21,9 @@ import torch
 from gym_bridge.generation.hf import HFGeneration, HFGenerationConfig
 from gym_bridge.generation.scripted import SCRIPTED_LOGPROB, ScriptedGeneration
 from gym_bridge.serving import OpenAIServer
+from gym_bridge.testing.generation import WEATHER_TOOL
 
 TEMPERATURE = 0.7
-WEATHER_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Weather in a city.",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-    },
-}
 
 
 @pytest.fixture(scope="module")

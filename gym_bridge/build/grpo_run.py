@@ -36,9 +36,6 @@ from typing import Any
 
 import torch
 
-from gym_bridge.data import datum_from_gym_row
-from gym_bridge.generation.hf import HFGeneration, HFGenerationConfig
-from gym_bridge.policy.hf import HFPolicy, HFPolicyConfig
 from gym_bridge.build.training_config import (
     NemoGymRollouts,
     NemoGymRolloutSettings,
@@ -46,7 +43,10 @@ from gym_bridge.build.training_config import (
     nemo_gym_rollout_settings,
     start_nemo_gym_rollouts,
 )
+from gym_bridge.data import datum_from_gym_row
+from gym_bridge.generation.hf import HFGeneration, HFGenerationConfig
 from gym_bridge.gym.client import GymClient
+from gym_bridge.policy.hf import HFPolicy, HFPolicyConfig
 from gym_bridge.serving import OpenAIServer
 from gym_bridge.training.loop import GRPOLoopConfig, GRPOTrainer, load_trainer_state
 from gym_bridge.training.loss import ClippedPGLossConfig
@@ -73,23 +73,29 @@ _LOSS_VARIANTS_NOT_IMPLEMENTED = {
     "use_cispo": False,
     "positive_example_nll_weight": 0.0,
 }
+_OUR_LOSS = (
+    "gym-bridge's ClippedPGLoss (token-level clipped PG with optional truncated importance sampling and a reference KL)"
+)
+_GRPO_OPTIONS_NOT_IMPLEMENTED = {"use_dynamic_sampling": False, "overlong_filtering": False}
 
 
 def loss_config_from(config: Mapping[str, Any]) -> ClippedPGLossConfig:
     """``loss_fn`` as a :class:`ClippedPGLossConfig`; a NeMo-RL variant set away from its default is an error."""
     section = _section(config, "loss_fn")
+    _refuse_unimplemented("loss_fn", section, _LOSS_VARIANTS_NOT_IMPLEMENTED, _OUR_LOSS)
+    known = ClippedPGLossConfig.model_fields
+    return ClippedPGLossConfig(**{k: v for k, v in section.items() if k in known and v is not None})
+
+
+def _refuse_unimplemented(name: str, section: Mapping[str, Any], defaults: Mapping[str, Any], by: str) -> None:
+    """A NeMo-RL option we do not implement, set to anything but its default, is an error that names it."""
     refused = [
-        f"{key}={section[key]!r}"
-        for key, default in _LOSS_VARIANTS_NOT_IMPLEMENTED.items()
-        if key in section and section[key] != default
+        f"{key}={section[key]!r}" for key, default in defaults.items() if key in section and section[key] != default
     ]
     if refused:
         raise TrainingConfigError(
-            f"loss_fn: {', '.join(refused)} is not implemented by gym-bridge's ClippedPGLoss (token-level clipped PG "
-            "with optional truncated importance sampling and a reference KL); remove the key or set its default"
+            f"{name}: {', '.join(refused)} is not implemented by {by}; remove the key or set its default"
         )
-    known = ClippedPGLossConfig.model_fields
-    return ClippedPGLossConfig(**{k: v for k, v in section.items() if k in known and v is not None})
 
 
 def loop_config_from(config: Mapping[str, Any], settings: NemoGymRolloutSettings) -> GRPOLoopConfig:
@@ -97,6 +103,7 @@ def loop_config_from(config: Mapping[str, Any], settings: NemoGymRolloutSettings
     rollout settings (``grpo.async_grpo``, ``async_rl.stall_watchdog``,
     ``async_rl.rollout_failure.min_step_batch_fraction``)."""
     grpo = _section(config, "grpo")
+    _refuse_unimplemented("grpo", grpo, _GRPO_OPTIONS_NOT_IMPLEMENTED, "gym-bridge's GRPO loop")
     checkpointing = _section(config, "checkpointing")
     values: dict[str, Any] = {
         "seed": grpo.get("seed"),

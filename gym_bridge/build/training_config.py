@@ -41,10 +41,10 @@ from typing import Any, cast
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from pydantic import BaseModel, ValidationError
 
+from gym_bridge.build.async_settings import AsyncGRPOSettings, AsyncRLSettings, StallWatchdogSettings
+from gym_bridge.build.launch import GymLaunchSpec, NemoGymRollouts, start_nemo_gym
 from gym_bridge.failures import GymBridgeError, RolloutRetryPolicy, RolloutTimeouts
 from gym_bridge.gym.actor import NemoGymConfig
-from gym_bridge.build.launch import GymLaunchSpec, NemoGymRollouts, start_nemo_gym
-from gym_bridge.build.async_settings import AsyncGRPOSettings, AsyncRLSettings, StallWatchdogSettings
 
 __all__ = [
     "NemoGymRolloutSettings",

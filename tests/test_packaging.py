@@ -1,0 +1,32 @@
+"""Every module of the package ships: each folder is a regular package and no file is git-ignored.
+
+Hatchling leaves git-ignored files out of the wheel, and an editable install hides that: a root-level
+``build/`` pattern once kept ``gym_bridge/build/`` out of every built wheel (and out of ruff's lint).
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "gym_bridge"
+SCRIPT_FOLDERS = {"gym_bridge/gym_model/gym_server"}  # a Gym server folder: Gym runs its app.py as a script
+
+
+def package_files(pattern: str = "*.py") -> list[Path]:
+    return [p for p in PACKAGE.rglob(pattern) if p.is_file() and "__pycache__" not in p.parts]
+
+
+def test_every_folder_of_the_package_is_a_regular_package():
+    folders = {path.parent for path in package_files()}
+    plain = {f.relative_to(ROOT).as_posix() for f in folders if not (f / "__init__.py").exists()}
+    assert plain == SCRIPT_FOLDERS
+
+
+def test_no_file_of_the_package_is_git_ignored():
+    files = [path.relative_to(ROOT).as_posix() for path in package_files("*")]  # configs and templates too
+    found = subprocess.run(
+        ["git", "check-ignore", "--no-index", "--verbose", *files], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert found.returncode == 1, f"git-ignored, so left out of the wheel:\n{found.stdout}{found.stderr}"

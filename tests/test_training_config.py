@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 import pytest
@@ -78,8 +79,8 @@ URLS = ["http://127.0.0.1:9/v1"]
 def test_a_nemo_rl_grpo_yaml_with_stop_strings_loads_unchanged(caplog):
     import logging
 
-    from gym_bridge.rollout.nemo_gym import AsyncNemoGymRolloutImpl
     from gym_bridge.build.training_config import load_training_config, nemo_gym_rollout_settings
+    from gym_bridge.rollout.nemo_gym import AsyncNemoGymRolloutImpl
 
     config = load_training_config(NEMO_RL_YAML)
     assert config["policy"]["generation"]["stop_strings"] == ["</answer>"]  # set, as a user wrote it
@@ -301,8 +302,6 @@ def test_nemo_rl_s_engine_checks_name_the_key_to_set(generation, message):
 
 
 def test_nemo_gym_config_follows_nemo_rl_for_defaults_global_config_and_ports():
-    import socket
-
     from gym_bridge.gym.actor import NemoGymConfig
 
     config = NemoGymConfig(
@@ -317,15 +316,25 @@ def test_nemo_gym_config_follows_nemo_rl_for_defaults_global_config_and_ports():
     with pytest.raises(ValueError, match="pad_dynamic_image_shapes is not supported"):
         NemoGymConfig(model_name="m", base_urls=URLS, initial_global_config_dict={"pad_dynamic_image_shapes": True})
 
-    with socket.socket() as held, socket.socket() as probe:
-        held.bind(("127.0.0.1", 0))
-        taken = held.getsockname()[1]
-        try:
-            probe.bind(("127.0.0.1", taken + 1))
-        except OSError:
-            pytest.skip(f"port {taken + 1} is in use")
-        probe.close()
+    held, taken = _port_with_a_free_neighbour()
+    with held:
         ranged = NemoGymConfig(model_name="m", base_urls=URLS, port_range_low=taken, port_range_high=taken + 1)
         overrides = ranged.servers_config().overrides
         assert overrides["head_server"] == {"port": taken + 1}  # the head server's port is in the range too
         assert (overrides["port_range_low"], overrides["port_range_high"]) == (taken, taken + 1)
+
+
+def _port_with_a_free_neighbour() -> tuple[socket.socket, int]:
+    """A bound socket on port P, where P + 1 was free a moment ago (tries again when P + 1 is taken)."""
+    for _ in range(50):
+        held = socket.socket()
+        held.bind(("127.0.0.1", 0))
+        taken = held.getsockname()[1]
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", taken + 1))
+            except OSError:
+                held.close()
+                continue
+        return held, taken
+    raise AssertionError("no free port with a free neighbour in 50 tries")

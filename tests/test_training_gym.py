@@ -159,6 +159,20 @@ async def test_a_step_whose_advantages_are_all_zero_skips_the_optimizer(grpo_run
     assert any("every advantage is zero" in r.getMessage() for r in caplog.records)
 
 
+async def test_steps_in_which_nothing_passes_say_the_run_has_stopped_learning(grpo_run, tmp_path, caplog):
+    trainer = trainer_like(grpo_run, tmp_path)
+    groups = await trainer.rollout(0)
+    for group in groups:
+        for completion in group.record.completions:
+            completion.reward = 0.0
+    streak = [(await trainer.train_step(step, groups, 0.0))["train/all_wrong_steps_in_a_row"] for step in range(3)]
+    assert streak == [1, 2, 3]
+    alarms = [r.getMessage() for r in caplog.records if "steps in a row" in r.getMessage()]
+    assert alarms == [alarms[0]] and alarms[0].startswith("steps 0-2: no sample of any group passed, 3 steps in a row")
+    groups[0].record.completions[0].reward = 1.0
+    assert (await trainer.train_step(3, groups, 0.0))["train/all_wrong_steps_in_a_row"] == 0
+
+
 async def test_greedy_validation_through_gym_at_start_period_and_end(grpo_run, tmp_path):
     rows = [datum["extra_env_info"] for datum in grpo_run.trainer.prompts.dataset]
     validator = GymValidator(GymClient(grpo_run.rollouts.actors), [ValidationSet("held", rows[:3]),

@@ -43,6 +43,8 @@ from gym_bridge.types import DatumSpec
 logger = logging.getLogger(__name__)
 
 STATE_FILE = "trainer_state.json"
+ALL_WRONG_ALARM_STEPS = 3
+"""Steps in a row in which no sample passed before the loop says the run has stopped learning."""
 
 
 class GRPOLoopConfig(BaseModel):
@@ -133,6 +135,7 @@ class GRPOTrainer:
         self.buffer = StalenessBuffer(cfg.max_trajectory_age_steps)
         self.buffer.dropped_total = self.state.dropped_stale_total
         self.loss = ClippedPGLoss(cfg.loss)
+        self.all_wrong_in_a_row = 0
         self.pad_token_id = int(
             policy.tokenizer.pad_token_id
             if policy.tokenizer.pad_token_id is not None
@@ -249,6 +252,14 @@ class GRPOTrainer:
             )
             skip = not bool(torch.as_tensor(batch["advantages"]).ne(0).any())
             metrics["train/skipped_zero_advantage"] = skip
+            self.all_wrong_in_a_row = self.all_wrong_in_a_row + 1 if skip and stats.pass_rate == 0.0 else 0
+            metrics["train/all_wrong_steps_in_a_row"] = self.all_wrong_in_a_row
+            if self.all_wrong_in_a_row and self.all_wrong_in_a_row % ALL_WRONG_ALARM_STEPS == 0:
+                logger.warning(
+                    "steps %d-%d: no sample of any group passed, %d steps in a row: no group has a reward "
+                    "spread, so nothing updates the policy again; it has likely collapsed (see val/accuracy)",
+                    step - self.all_wrong_in_a_row + 1, step, self.all_wrong_in_a_row,
+                )  # fmt: skip
             if skip:
                 logger.warning(
                     "step %d: every advantage is zero (each group's rewards are equal); optimizer step skipped", step

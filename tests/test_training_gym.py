@@ -145,12 +145,18 @@ async def test_a_group_older_than_the_bound_is_dropped_counted_and_its_prompts_d
     assert not trainer.prompts.state.requeued
 
 
-async def test_a_step_whose_advantages_are_all_zero_skips_the_optimizer(grpo_run, tmp_path, caplog):
-    trainer = trainer_like(grpo_run, tmp_path)
+async def rollout_with_reward(trainer, reward: float) -> list:
+    """Step 0's groups, every completion's reward set to ``reward`` (so every advantage is zero)."""
     groups = await trainer.rollout(0)
     for group in groups:
         for completion in group.record.completions:
-            completion.reward = 0.5
+            completion.reward = reward
+    return groups
+
+
+async def test_a_step_whose_advantages_are_all_zero_skips_the_optimizer(grpo_run, tmp_path, caplog):
+    trainer = trainer_like(grpo_run, tmp_path)
+    groups = await rollout_with_reward(trainer, 0.5)
     steps, version = trainer.policy.steps_taken, trainer.state.weight_version
     metrics = await trainer.train_step(0, groups, 0.0)
     assert metrics["train/skipped_zero_advantage"] is True and metrics["time/train_s"] == 0.0
@@ -161,10 +167,7 @@ async def test_a_step_whose_advantages_are_all_zero_skips_the_optimizer(grpo_run
 
 async def test_steps_in_which_nothing_passes_say_the_run_has_stopped_learning(grpo_run, tmp_path, caplog):
     trainer = trainer_like(grpo_run, tmp_path)
-    groups = await trainer.rollout(0)
-    for group in groups:
-        for completion in group.record.completions:
-            completion.reward = 0.0
+    groups = await rollout_with_reward(trainer, 0.0)
     streak = [(await trainer.train_step(step, groups, 0.0))["train/all_wrong_steps_in_a_row"] for step in range(3)]
     assert streak == [1, 2, 3]
     alarms = [r.getMessage() for r in caplog.records if "steps in a row" in r.getMessage()]

@@ -122,8 +122,12 @@ def runs_table(runs: list[tuple[str, dict[str, Any]]], trl: list[dict[str, Any]]
         wording = last["val/heldout_wording/accuracy"] - first["val/heldout_wording/accuracy"]
         below = [v["step"] for v in run["vals"] if v["step"] in band and v["step"] > 0
                  and v["val/accuracy"] < band[v["step"]][0]]
-        versus = "below at step " + ", ".join(map(str, below)) if below else "inside or above"
-        versus = versus if band else "n/a"
+        if not band:
+            versus = "n/a"
+        elif below:
+            versus = "below at step " + ", ".join(map(str, below))
+        else:
+            versus = "inside or above"
         out.append(f"| {name} | {' -> '.join(f'{v['val/accuracy']:.3f}' for v in run['vals'])} "
                    f"| {100 * (last['val/accuracy'] - first['val/accuracy']):+.1f} "
                    f"| {test.wrong_to_right} / {test.right_to_wrong}, {test.p_value:.2g} | {100 * wording:+.1f} "

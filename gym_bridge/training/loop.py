@@ -38,7 +38,7 @@ from gym_bridge.training.prompts import PromptQueue, PromptQueueState
 from gym_bridge.training.refit import check_refit, refit
 from gym_bridge.training.staleness import StalenessBuffer
 from gym_bridge.training.validation import Validator
-from gym_bridge.types import DatumSpec
+from gym_bridge.types import DatumSpec, padding_id
 
 logger = logging.getLogger(__name__)
 
@@ -136,11 +136,7 @@ class GRPOTrainer:
         self.buffer.dropped_total = self.state.dropped_stale_total
         self.loss = ClippedPGLoss(cfg.loss)
         self.all_wrong_in_a_row = 0
-        self.pad_token_id = int(
-            policy.tokenizer.pad_token_id
-            if policy.tokenizer.pad_token_id is not None
-            else policy.tokenizer.eos_token_id
-        )
+        self.pad_token_id = padding_id(policy.tokenizer)
         manager.set_weight_version(self.state.weight_version)
 
     async def rollout(self, step: int) -> list[CommittedGroup]:

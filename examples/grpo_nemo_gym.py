@@ -22,7 +22,7 @@ from pathlib import Path
 import yaml
 
 from gym_bridge.ray_utils import init_ray
-from gym_bridge.build.grpo_run import build_grpo_run
+from gym_bridge.recipes.grpo_run import build_grpo_run
 from gym_bridge.training.metrics import plot_reward_curve, read_metrics
 
 logger = logging.getLogger("grpo_nemo_gym")

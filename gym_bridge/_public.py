@@ -9,14 +9,10 @@ from __future__ import annotations
 from gym_bridge.batched import (
     BatchedDataDict as BatchedDataDict,
 )
-from gym_bridge.build.launch import (
+from gym_bridge.config.launch_spec import (
     GymLaunchSpec as GymLaunchSpec,
-    NemoGymRollouts as NemoGymRollouts,
-    launch_nemo_gym as launch_nemo_gym,
-    start_nemo_gym as start_nemo_gym,
 )
-from gym_bridge.build.training_config import (
-    build_nemo_gym_rollouts as build_nemo_gym_rollouts,
+from gym_bridge.config.training import (
     nemo_gym_config_from as nemo_gym_config_from,
     setup_nemo_gym_config as setup_nemo_gym_config,
     should_use_nemo_gym as should_use_nemo_gym,
@@ -78,6 +74,12 @@ from gym_bridge.preflight import (
 )
 from gym_bridge.ray_utils import (
     init_ray as init_ray,
+)
+from gym_bridge.recipes.launch import (
+    NemoGymRollouts as NemoGymRollouts,
+    build_nemo_gym_rollouts as build_nemo_gym_rollouts,
+    launch_nemo_gym as launch_nemo_gym,
+    start_nemo_gym as start_nemo_gym,
 )
 from gym_bridge.rollout.env_step import (
     calculate_rewards as calculate_rewards,

@@ -1,7 +1,7 @@
 """Every module of the package ships: each folder is a regular package and no file is git-ignored.
 
-Hatchling leaves git-ignored files out of the wheel, and an editable install hides that: a root-level
-``build/`` pattern once kept ``gym_bridge/build/`` out of every built wheel (and out of ruff's lint).
+Hatchling leaves git-ignored files out of the wheel, and an editable install hides that, so a broad
+ignore pattern (such as ``build/``) matching a package folder would ship a wheel without it.
 """
 
 from __future__ import annotations

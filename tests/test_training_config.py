@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gym_bridge.build.training_config import TrainingConfigError, nemo_gym_config_from, should_use_nemo_gym
+from gym_bridge.config.training import TrainingConfigError, nemo_gym_config_from, should_use_nemo_gym
 
 EXAMPLE = Path(__file__).parents[1] / "examples" / "nemo_gym_grpo.yaml"
 
@@ -79,7 +79,7 @@ URLS = ["http://127.0.0.1:9/v1"]
 def test_a_nemo_rl_grpo_yaml_with_stop_strings_loads_unchanged(caplog):
     import logging
 
-    from gym_bridge.build.training_config import load_training_config, nemo_gym_rollout_settings
+    from gym_bridge.config.training import load_training_config, nemo_gym_rollout_settings
     from gym_bridge.rollout.nemo_gym import AsyncNemoGymRolloutImpl
 
     config = load_training_config(NEMO_RL_YAML)
@@ -87,7 +87,7 @@ def test_a_nemo_rl_grpo_yaml_with_stop_strings_loads_unchanged(caplog):
     with pytest.raises(ValueError, match="stop_strings, stop_token_ids"):  # what the backend alone would say
         AsyncNemoGymRolloutImpl(None, {"nemo_gym": object()}, 4, 1024, generation_config=config["policy"]["generation"])
 
-    with caplog.at_level(logging.DEBUG, logger="gym_bridge.build.training_config"):
+    with caplog.at_level(logging.DEBUG, logger="gym_bridge.config.training"):
         settings = nemo_gym_rollout_settings(config, base_urls=URLS)
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1
@@ -117,7 +117,7 @@ def test_a_nemo_rl_grpo_yaml_with_stop_strings_loads_unchanged(caplog):
 
 
 def test_an_unresolved_yaml_and_defaults_inheritance():
-    from gym_bridge.build.training_config import load_training_config, nemo_gym_rollout_settings
+    from gym_bridge.config.training import load_training_config, nemo_gym_rollout_settings
 
     raw = yaml.safe_load(NEMO_RL_YAML.read_text())  # "${...}" left as strings
     assert raw["policy"]["generation"]["max_new_tokens"] == "${policy.max_total_sequence_length}"
@@ -131,7 +131,7 @@ def test_an_unresolved_yaml_and_defaults_inheritance():
 
 
 def test_a_config_that_does_not_ask_for_gym_is_refused():
-    from gym_bridge.build.training_config import nemo_gym_rollout_settings
+    from gym_bridge.config.training import nemo_gym_rollout_settings
 
     config = example()
     config.pop("use_nemo_gym")
@@ -153,7 +153,7 @@ def gym_config(**sections: dict) -> dict:
 
 
 def settings_of(config: dict):
-    from gym_bridge.build.training_config import nemo_gym_rollout_settings
+    from gym_bridge.config.training import nemo_gym_rollout_settings
 
     return nemo_gym_rollout_settings(config, base_urls=URLS)
 
@@ -213,7 +213,7 @@ def test_async_rl_settings_that_cannot_be_honoured_are_refused_in_one_line(async
 def test_async_rl_stall_watchdog_and_the_single_controller_pump_keys(caplog):
     import logging
 
-    from gym_bridge.build.async_settings import StallWatchdogSettings
+    from gym_bridge.config.async_settings import StallWatchdogSettings
 
     assert settings_of(gym_config()).stall_watchdog == StallWatchdogSettings.off()
     pump = {
@@ -221,7 +221,7 @@ def test_async_rl_stall_watchdog_and_the_single_controller_pump_keys(caplog):
         "max_inflight_prompts": 32,
         "recompute_kv_cache_after_weight_updates": True,
     }
-    with caplog.at_level(logging.WARNING, logger="gym_bridge.build.training_config"):
+    with caplog.at_level(logging.WARNING, logger="gym_bridge.config.training"):
         settings = settings_of(gym_config(async_rl={"stall_watchdog": {"stall_action": "abort"}, **pump}))
     assert (settings.stall_watchdog.stall_timeout_s, settings.stall_watchdog.interval_s) == (600.0, 30.0)  # NeMo-RL's
     assert settings.stall_watchdog.stall_action == "abort" and settings.async_rl.recompute_kv_cache_after_weight_updates
@@ -264,7 +264,7 @@ def test_attribute_style_master_configs_are_read_as_nemo_rl_passes_them():
     from omegaconf import OmegaConf
     from pydantic import BaseModel, ConfigDict
 
-    from gym_bridge.build.training_config import setup_nemo_gym_config
+    from gym_bridge.config.training import setup_nemo_gym_config
 
     class MasterConfig(BaseModel):  # NeMo-RL's: a pydantic model whose sections are dicts
         model_config = ConfigDict(extra="allow")

@@ -19,7 +19,7 @@ from gym_bridge.policy import HFPolicy, HFPolicyConfig
 from gym_bridge.training import GRPOLoopConfig, GRPOTrainer, GymValidator, ValidationSet, load_trainer_state
 from gym_bridge.training.refit import refit
 from gym_bridge.types import GenerationSamplingParams
-from gym_bridge.build.grpo_run import build_grpo_run
+from gym_bridge.recipes.grpo_run import build_grpo_run
 
 pytestmark = [pytest.mark.gym, pytest.mark.slow]
 

@@ -38,7 +38,7 @@ The whole exception tree (all defined in :mod:`gym_bridge.failures.errors`)::
 Configuration and usage errors subclass ``GymBridgeError`` too but stay beside the code that checks the
 input, since they are never a rollout attempt's outcome: ``EvalConfigError``, ``DatasetError`` (``ValueError``)
 and ``RunDirError`` in :mod:`gym_bridge.eval`, ``TrainingConfigError`` (``ValueError``) in
-:mod:`gym_bridge.build.training_config`, ``BackendNotFoundError`` / ``BackendLoadError`` in
+:mod:`gym_bridge.config.training`, ``BackendNotFoundError`` / ``BackendLoadError`` in
 :mod:`gym_bridge.rollout.registry`, ``UnknownTaskError`` in :mod:`gym_bridge.rollout.env_step`,
 ``UnsupportedGymVersion`` in :mod:`gym_bridge.gym.versions`, ``PreflightError`` in :mod:`gym_bridge.preflight`,
 ``LocalClusterError`` in :mod:`gym_bridge.testing.cluster`, ``SmolLM2Unavailable`` in :mod:`gym_bridge.models.smollm2`,

@@ -13,43 +13,26 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, cast
 
-from gym_bridge.failures import RolloutRetryPolicy, RolloutTimeouts
+from gym_bridge.config.launch_spec import GymLaunchSpec
+from gym_bridge.config.training import NemoGymRolloutSettings, nemo_gym_rollout_settings
 
 if TYPE_CHECKING:
-    from gym_bridge.gym.actor import NemoGymConfig
     from gym_bridge.rollout.manager import RolloutManager
     from gym_bridge.types import GenerationConfig
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GymLaunchSpec", "NemoGymRollouts", "launch_nemo_gym", "start_nemo_gym"]
-
-
-@dataclass(frozen=True)
-class GymLaunchSpec:
-    """What to start: the actors' Gym config, how many actors, and the manager's settings."""
-
-    gym: NemoGymConfig
-    num_generations_per_prompt: int
-    max_seq_len: int
-    generation_config: Mapping[str, Any]
-    num_actors: int = 1
-    split_base_urls: bool = False
-    uses_tools: bool = False
-    """Some rows offer tools: preflight then checks that every endpoint accepts chats with tools."""
-    preflight: bool = True
-    preflight_timeout_s: float = 20.0
-    ray_num_cpus: int | None = None
-    """CPUs of a Ray started here (None: all); ignored when Ray is already running."""
-    timeouts: RolloutTimeouts = field(default_factory=RolloutTimeouts)
-    retry_policy: RolloutRetryPolicy | None = None
-    """None: the manager's default (one attempt of everything)."""
-    mask_env_flagged_samples: bool = True
-    manager_options: Mapping[str, Any] = field(default_factory=dict)
-    """Further ``RolloutManager`` / backend keywords (``full_results_path``, ``max_gym_row_attempts``, ...)."""
+__all__ = [
+    "GymLaunchSpec",
+    "NemoGymRollouts",
+    "build_nemo_gym_rollouts",
+    "launch_nemo_gym",
+    "start_nemo_gym",
+    "start_nemo_gym_rollouts",
+]
 
 
 @dataclass
@@ -140,3 +123,40 @@ def launch_nemo_gym(spec: GymLaunchSpec, tokenizer: Any, *, stop_timeout_s: floa
         yield rollouts
     finally:
         rollouts.close(stop_timeout_s)
+
+
+def build_nemo_gym_rollouts(
+    config: Mapping[str, Any],
+    tokenizer: Any,
+    *,
+    base_urls: list[str] | None = None,
+    uses_tools: bool = False,
+    preflight: bool = True,
+    **manager_kwargs: Any,
+) -> NemoGymRollouts:
+    """Preflight the endpoints, then start the NemoGym actor(s) and a ``RolloutManager(use_nemo_gym=True)``
+    from a training config (through :func:`start_nemo_gym`).
+
+    ``uses_tools``: the data offers tools, so every endpoint must accept chats with tools
+    (:func:`gym_bridge.preflight.rows_use_tools` tells from the rows).
+    """
+    settings = nemo_gym_rollout_settings(config, base_urls=base_urls)
+    return start_nemo_gym_rollouts(settings, tokenizer, uses_tools=uses_tools, preflight=preflight, **manager_kwargs)
+
+
+def start_nemo_gym_rollouts(
+    settings: NemoGymRolloutSettings,
+    tokenizer: Any,
+    *,
+    uses_tools: bool = False,
+    preflight: bool = True,
+    **manager_kwargs: Any,
+) -> NemoGymRollouts:
+    """:func:`build_nemo_gym_rollouts` for settings already read."""
+    spec = replace(
+        settings.launch,
+        uses_tools=uses_tools,
+        preflight=preflight,
+        manager_options={**settings.launch.manager_options, **manager_kwargs},
+    )
+    return start_nemo_gym(spec, tokenizer)

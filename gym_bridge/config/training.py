@@ -14,7 +14,7 @@ existing config just works:
 - ``env.should_mask_flagged_samples``, ``env.should_log_nemo_gym_responses``,
   ``logger.wandb.log_nemo_gym_full_result_tables``, ``env.nemo_gym.is_trajectory_collection``,
   ``env.nemo_gym.effort_levels``, ``reward_penalties``: carried in :class:`NemoGymRolloutSettings`;
-- ``async_rl`` and ``grpo.async_grpo`` (:mod:`gym_bridge.build.async_settings`): honoured, or refused in one line;
+- ``async_rl`` and ``grpo.async_grpo`` (:mod:`gym_bridge.config.async_settings`): honoured, or refused in one line;
 - ``env.nemo_gym.num_actors`` (default 1) and ``env.nemo_gym.split_base_urls``: several
   NemoGym actors, each with its own Gym servers, sharing the endpoints or splitting them;
 - ``policy.generation``: the generation config; ``policy.max_total_sequence_length``:
@@ -41,23 +41,20 @@ from typing import Any, cast
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from pydantic import BaseModel, ValidationError
 
-from gym_bridge.build.async_settings import AsyncGRPOSettings, AsyncRLSettings, StallWatchdogSettings
-from gym_bridge.build.launch import GymLaunchSpec, NemoGymRollouts, start_nemo_gym
+from gym_bridge.config.async_settings import AsyncGRPOSettings, AsyncRLSettings, StallWatchdogSettings
+from gym_bridge.config.launch_spec import GymLaunchSpec
 from gym_bridge.failures import GymBridgeError, RolloutRetryPolicy, RolloutTimeouts
 from gym_bridge.gym.actor import NemoGymConfig
 
 __all__ = [
     "NemoGymRolloutSettings",
-    "NemoGymRollouts",
     "TrainingConfigError",
-    "build_nemo_gym_rollouts",
     "load_training_config",
     "nemo_gym_config_from",
     "nemo_gym_generation_config",
     "nemo_gym_rollout_settings",
     "setup_nemo_gym_config",
     "should_use_nemo_gym",
-    "start_nemo_gym_rollouts",
 ]
 
 logger = logging.getLogger(__name__)
@@ -355,7 +352,7 @@ def nemo_gym_config_from(config: Mapping[str, Any], *, base_urls: list[str] | No
 class NemoGymRolloutSettings:
     """Everything the Gym path and the GRPO loop take from a training config, read and checked in one place.
 
-    ``launch`` is what :func:`~gym_bridge.build.launch.start_nemo_gym` starts (one type for both); the rest
+    ``launch`` is what :func:`~gym_bridge.recipes.launch.start_nemo_gym` starts (one type for both); the rest
     is for the loop and the batch functions.
     """
 
@@ -558,40 +555,3 @@ def _warn_without_effect(async_rl: AsyncRLSettings, native_environments: list[st
             "Gym runners do), so they have no effect",
             ", env.".join(native_environments),
         )
-
-
-def build_nemo_gym_rollouts(
-    config: Mapping[str, Any],
-    tokenizer: Any,
-    *,
-    base_urls: list[str] | None = None,
-    uses_tools: bool = False,
-    preflight: bool = True,
-    **manager_kwargs: Any,
-) -> NemoGymRollouts:
-    """Preflight the endpoints, then start the NemoGym actor(s) and a ``RolloutManager(use_nemo_gym=True)``
-    from a training config (through :func:`gym_bridge.build.launch.start_nemo_gym`).
-
-    ``uses_tools``: the data offers tools, so every endpoint must accept chats with tools
-    (:func:`gym_bridge.preflight.rows_use_tools` tells from the rows).
-    """
-    settings = nemo_gym_rollout_settings(config, base_urls=base_urls)
-    return start_nemo_gym_rollouts(settings, tokenizer, uses_tools=uses_tools, preflight=preflight, **manager_kwargs)
-
-
-def start_nemo_gym_rollouts(
-    settings: NemoGymRolloutSettings,
-    tokenizer: Any,
-    *,
-    uses_tools: bool = False,
-    preflight: bool = True,
-    **manager_kwargs: Any,
-) -> NemoGymRollouts:
-    """:func:`build_nemo_gym_rollouts` for settings already read."""
-    spec = replace(
-        settings.launch,
-        uses_tools=uses_tools,
-        preflight=preflight,
-        manager_options={**settings.launch.manager_options, **manager_kwargs},
-    )
-    return start_nemo_gym(spec, tokenizer)

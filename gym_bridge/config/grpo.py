@@ -1,4 +1,4 @@
-"""Assemble a GRPO run through NeMo-Gym from a NeMo-RL-style config: engine, server, Gym, manager, policy.
+"""GRPO settings from a NeMo-RL-style config: the loss, the loop, the policy, the data and validation sets.
 
 Keys read (NeMo-RL's names where NeMo-RL has them):
 
@@ -13,50 +13,40 @@ Keys read (NeMo-RL's names where NeMo-RL has them):
   ``grpo.val_num_generations_per_prompt`` and ``grpo.pass_threshold`` (ours);
 - ``loss_fn`` (:class:`~gym_bridge.training.loss.ClippedPGLossConfig`'s keys; a NeMo-RL loss variant this
   loss does not implement is refused); ``checkpointing.enabled``, ``checkpointing.save_period``;
-- ``env.nemo_gym`` (see :mod:`gym_bridge.build.training_config`); ``data.train.data_path`` (or ``data.path``),
+- ``env.nemo_gym`` (see :mod:`gym_bridge.config.training`); ``data.train.data_path`` (or ``data.path``),
   ``data.validation.data_path`` and ``data.validation.extra_sets`` (ours: name -> path), ``data.shuffle``.
 
 ``policy.generation.temperature`` reaches the policy too: the trainer scores tokens with the
 logits divided by the temperature they were sampled with.
-
-The engine is :class:`~gym_bridge.generation.hf.HFGeneration` behind our
-:class:`~gym_bridge.serving.OpenAIServer` (a thread of this process), which Gym's model
-server calls; the trained copy is an :class:`~gym_bridge.policy.hf.HFPolicy`. A run folder
-with a checkpoint resumes from it: both copies load the checkpoint's weights.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from gym_bridge.build.training_config import (
-    NemoGymRollouts,
-    NemoGymRolloutSettings,
-    TrainingConfigError,
-    nemo_gym_rollout_settings,
-    start_nemo_gym_rollouts,
-)
-from gym_bridge.data import datum_from_gym_row
-from gym_bridge.generation.hf import HFGeneration, HFGenerationConfig
-from gym_bridge.gym.client import GymClient
-from gym_bridge.policy.hf import HFPolicy, HFPolicyConfig
-from gym_bridge.serving import OpenAIServer
-from gym_bridge.training.loop import GRPOLoopConfig, GRPOTrainer, load_trainer_state
+from gym_bridge.config.training import NemoGymRolloutSettings, TrainingConfigError
+from gym_bridge.policy.hf import HFPolicyConfig
+from gym_bridge.training.loop import GRPOLoopConfig
 from gym_bridge.training.loss import ClippedPGLossConfig
-from gym_bridge.training.validation import GymValidator, ValidationSet
-from gym_bridge.types import GenerationSamplingParams
+from gym_bridge.training.validation import ValidationSet
 
-logger = logging.getLogger(__name__)
+__all__ = [
+    "config_section",
+    "load_gym_rows",
+    "loop_config_from",
+    "loss_config_from",
+    "policy_config",
+    "result_logging",
+    "train_data_path",
+    "validation_sets",
+]
 
 
-def _section(config: Mapping[str, Any], dotted: str) -> Mapping[str, Any]:
+def config_section(config: Mapping[str, Any], dotted: str) -> Mapping[str, Any]:
+    """The sub-mapping at ``dotted`` (``a.b.c``); empty when any part is missing."""
     node: Any = config
     for part in dotted.split("."):
         node = (node or {}).get(part) if isinstance(node, Mapping) else None
@@ -81,7 +71,7 @@ _GRPO_OPTIONS_NOT_IMPLEMENTED = {"use_dynamic_sampling": False, "overlong_filter
 
 def loss_config_from(config: Mapping[str, Any]) -> ClippedPGLossConfig:
     """``loss_fn`` as a :class:`ClippedPGLossConfig`; a NeMo-RL variant set away from its default is an error."""
-    section = _section(config, "loss_fn")
+    section = config_section(config, "loss_fn")
     _refuse_unimplemented("loss_fn", section, _LOSS_VARIANTS_NOT_IMPLEMENTED, _OUR_LOSS)
     known = ClippedPGLossConfig.model_fields
     return ClippedPGLossConfig(**{k: v for k, v in section.items() if k in known and v is not None})
@@ -102,12 +92,12 @@ def loop_config_from(config: Mapping[str, Any], settings: NemoGymRolloutSettings
     """The loop's settings from ``grpo``, ``loss_fn``, ``policy``, ``checkpointing``, ``data.shuffle`` and the
     rollout settings (``grpo.async_grpo``, ``async_rl.stall_watchdog``,
     ``async_rl.rollout_failure.min_step_batch_fraction``)."""
-    grpo = _section(config, "grpo")
+    grpo = config_section(config, "grpo")
     _refuse_unimplemented("grpo", grpo, _GRPO_OPTIONS_NOT_IMPLEMENTED, "gym-bridge's GRPO loop")
-    checkpointing = _section(config, "checkpointing")
+    checkpointing = config_section(config, "checkpointing")
     values: dict[str, Any] = {
         "seed": grpo.get("seed"),
-        "shuffle_data": _section(config, "data").get("shuffle"),
+        "shuffle_data": config_section(config, "data").get("shuffle"),
         "val_period": grpo.get("val_period"),
         "val_at_start": grpo.get("val_at_start"),
         "val_at_end": grpo.get("val_at_end"),
@@ -124,13 +114,13 @@ def loop_config_from(config: Mapping[str, Any], settings: NemoGymRolloutSettings
         "stall_interval_s": settings.stall_watchdog.interval_s,
         "min_step_batch_fraction": settings.min_step_batch_fraction,
         "loss": loss_config_from(config),
-        "train_micro_batch_size": _section(config, "policy").get("train_micro_batch_size"),
+        "train_micro_batch_size": config_section(config, "policy").get("train_micro_batch_size"),
         "checkpoint_every_steps": checkpointing.get("save_period") if checkpointing.get("enabled", True) else None,
     }
     return GRPOLoopConfig(**{key: value for key, value in values.items() if value is not None})
 
 
-def _result_logging(settings: NemoGymRolloutSettings, out_dir: Path) -> dict[str, Any]:
+def result_logging(settings: NemoGymRolloutSettings, out_dir: Path) -> dict[str, Any]:
     """``env.should_log_nemo_gym_responses`` or ``logger.wandb.log_nemo_gym_full_result_tables``: every Gym result
     goes to ``<run>/nemo_gym_full_results.jsonl`` (one line per completion; NeMo-RL's tables hold the same JSON)."""
     if settings.log_nemo_gym_responses or settings.log_full_result_tables:
@@ -140,8 +130,8 @@ def _result_logging(settings: NemoGymRolloutSettings, out_dir: Path) -> dict[str
 
 def train_data_path(config: Mapping[str, Any]) -> str:
     """``data.train.data_path`` (NeMo-RL's key) or ``data.path``."""
-    data = _section(config, "data")
-    path = _section(config, "data.train").get("data_path") or data.get("path")
+    data = config_section(config, "data")
+    path = config_section(config, "data.train").get("data_path") or data.get("path")
     if not path:
         raise TrainingConfigError("data.train.data_path (or data.path) must name a JSONL file of Gym rows")
     return str(path)
@@ -150,8 +140,8 @@ def train_data_path(config: Mapping[str, Any]) -> str:
 def validation_sets(config: Mapping[str, Any]) -> list[ValidationSet]:
     """``data.validation.data_path`` (reported as ``val/*``), then ``data.validation.extra_sets`` in order;
     each cut to ``grpo.max_val_samples`` rows when that is set."""
-    validation = _section(config, "data.validation")
-    limit = _section(config, "grpo").get("max_val_samples")
+    validation = config_section(config, "data.validation")
+    limit = config_section(config, "grpo").get("max_val_samples")
     named: list[tuple[str, Any]] = []
     if validation.get("data_path"):
         named.append(("validation", validation["data_path"]))
@@ -180,116 +170,15 @@ def load_gym_rows(path: str | Path) -> list[dict[str, Any]]:
 def policy_config(config: Mapping[str, Any], weights: str, loop_cfg: GRPOLoopConfig) -> HFPolicyConfig:
     """The trained copy's settings: optimizer, clipping, frozen embeddings, and the sampling temperature
     (so its logprobs are those of the distribution the engine sampled from)."""
-    policy_cfg = _section(config, "policy")
-    optimizer = _section(config, "policy.optimizer.kwargs")
+    policy_cfg = config_section(config, "policy")
+    optimizer = config_section(config, "policy.optimizer.kwargs")
     return HFPolicyConfig(
         model=weights,
         learning_rate=float(optimizer.get("lr", 1e-5)),
         weight_decay=float(optimizer.get("weight_decay", 0.0)),
         betas=tuple(optimizer.get("betas", (0.9, 0.999))),
         max_grad_norm=policy_cfg.get("max_grad_norm", 1.0),
-        temperature=float(_section(config, "policy.generation").get("temperature", 1.0)),
+        temperature=float(config_section(config, "policy.generation").get("temperature", 1.0)),
         keep_reference_model=loop_cfg.loss.reference_policy_kl_penalty > 0,
         freeze_embeddings=bool(policy_cfg.get("freeze_embeddings", False)),
     )
-
-
-def validator_from(
-    config: Mapping[str, Any], actors: list[Any], out_dir: Path, *, pass_threshold: float
-) -> GymValidator | None:
-    """A :class:`GymValidator` over the run's Gym actors, or None when the config has no validation data."""
-    sets = validation_sets(config)
-    if not sets:
-        return None
-    generation = _section(config, "policy.generation")
-    return GymValidator(
-        GymClient(actors, timer_prefix="timing/validation"),
-        sets,
-        sampling=GenerationSamplingParams.from_generation_config(generation, validation=True),
-        max_new_tokens=generation.get("max_new_tokens"),
-        num_generations=int(_section(config, "grpo").get("val_num_generations_per_prompt", 1)),
-        pass_threshold=pass_threshold,
-        results_path=out_dir / "val_results.jsonl",
-    )
-
-
-@dataclass
-class GRPORun:
-    """Everything a run started; :meth:`close` stops it all (Gym servers, actors, server, engine)."""
-
-    trainer: GRPOTrainer
-    engine: HFGeneration
-    server: OpenAIServer
-    rollouts: NemoGymRollouts
-    policy: HFPolicy
-
-    def close(self) -> None:
-        try:
-            self.rollouts.shutdown()
-        finally:
-            self.server.stop_thread()
-            self.engine.shutdown()
-            self.policy.shutdown()
-
-
-def build_grpo_run(config: Mapping[str, Any], out_dir: str | Path, *, resume: bool = True) -> GRPORun:
-    """Start the engine, its server, Gym and the manager; load the policy; resume from ``out_dir`` if it can.
-
-    Ray must be initialised (:func:`gym_bridge.ray_utils.init_ray`).
-    """
-    out_dir = Path(out_dir)
-    policy_cfg = _section(config, "policy")
-    seed = int(_section(config, "grpo").get("seed", 0))
-    torch.manual_seed(seed)
-    checkpoint = out_dir / "checkpoint"
-    state = load_trainer_state(checkpoint) if resume else None
-    weights = str(checkpoint) if state is not None else str(policy_cfg["model_name"])
-    if state is not None:
-        logger.info("resuming from %s at step %d (weight version %d)", checkpoint, state.step, state.weight_version)
-    max_len = int(policy_cfg["max_total_sequence_length"])
-    generation = dict(_section(config, "policy.generation"))
-    engine = HFGeneration(
-        HFGenerationConfig.from_generation_config(
-            generation, model=weights, max_model_len=max_len, seed=seed + (state.step if state else 0)
-        )
-    )
-    server = OpenAIServer(
-        engine, engine.tokenizer, served_model_name=str(policy_cfg["model_name"]), max_model_len=max_len
-    )
-    try:
-        base_url = server.start_in_thread()
-        settings = nemo_gym_rollout_settings(config, base_urls=[base_url])
-        if settings.is_trajectory_collection:
-            raise TrainingConfigError(
-                "env.nemo_gym.is_trajectory_collection: true collects without training; this GRPO recipe trains. "
-                "Use `gym-bridge eval` to roll out a dataset and keep every result"
-            )
-        loop_cfg = loop_config_from(config, settings)
-        rollouts = start_nemo_gym_rollouts(settings, engine.tokenizer, **_result_logging(settings, out_dir))
-    except BaseException:
-        server.stop_thread()
-        engine.shutdown()
-        raise
-    try:
-        policy = HFPolicy(policy_config(config, weights, loop_cfg))
-        if state is not None:
-            policy.load_optimizer(checkpoint)
-            engine.update_weights(policy.state_dict_for_refit(), state.weight_version)
-        rows = load_gym_rows(train_data_path(config))
-        dataset = [datum_from_gym_row(row, idx=i) for i, row in enumerate(rows)]
-        trainer = GRPOTrainer(
-            loop_cfg,
-            manager=rollouts.manager,
-            policy=policy,
-            engine=engine,
-            dataset=dataset,
-            out_dir=out_dir,
-            state=state,
-            validator=validator_from(config, rollouts.actors, out_dir, pass_threshold=loop_cfg.pass_threshold),
-        )
-    except BaseException:
-        rollouts.shutdown()
-        server.stop_thread()
-        engine.shutdown()
-        raise
-    return GRPORun(trainer=trainer, engine=engine, server=server, rollouts=rollouts, policy=policy)

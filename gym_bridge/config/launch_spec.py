@@ -1,0 +1,38 @@
+"""GymLaunchSpec: what a Gym rollout stack is made of, as one value (read from a config or written by hand)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from gym_bridge.failures import RolloutRetryPolicy, RolloutTimeouts
+
+if TYPE_CHECKING:
+    from gym_bridge.gym.actor_config import NemoGymConfig
+
+__all__ = ["GymLaunchSpec"]
+
+
+@dataclass(frozen=True)
+class GymLaunchSpec:
+    """What to start: the actors' Gym config, how many actors, and the manager's settings."""
+
+    gym: NemoGymConfig
+    num_generations_per_prompt: int
+    max_seq_len: int
+    generation_config: Mapping[str, Any]
+    num_actors: int = 1
+    split_base_urls: bool = False
+    uses_tools: bool = False
+    """Some rows offer tools: preflight then checks that every endpoint accepts chats with tools."""
+    preflight: bool = True
+    preflight_timeout_s: float = 20.0
+    ray_num_cpus: int | None = None
+    """CPUs of a Ray started here (None: all); ignored when Ray is already running."""
+    timeouts: RolloutTimeouts = field(default_factory=RolloutTimeouts)
+    retry_policy: RolloutRetryPolicy | None = None
+    """None: the manager's default (one attempt of everything)."""
+    mask_env_flagged_samples: bool = True
+    manager_options: Mapping[str, Any] = field(default_factory=dict)
+    """Further ``RolloutManager`` / backend keywords (``full_results_path``, ``max_gym_row_attempts``, ...)."""

@@ -1,0 +1,143 @@
+"""Assemble a GRPO run through NeMo-Gym from a NeMo-RL-style config: engine, server, Gym, manager, policy.
+
+The settings come from :mod:`gym_bridge.config.grpo` and :mod:`gym_bridge.config.training`. The engine is
+ :class:`~gym_bridge.generation.hf.HFGeneration` behind our
+:class:`~gym_bridge.serving.OpenAIServer` (a thread of this process), which Gym's model
+server calls; the trained copy is an :class:`~gym_bridge.policy.hf.HFPolicy`. A run folder
+with a checkpoint resumes from it: both copies load the checkpoint's weights.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gym_bridge.config.grpo import (
+    config_section,
+    load_gym_rows,
+    loop_config_from,
+    policy_config,
+    result_logging,
+    train_data_path,
+    validation_sets,
+)
+from gym_bridge.config.training import TrainingConfigError, nemo_gym_rollout_settings
+from gym_bridge.data import datum_from_gym_row
+from gym_bridge.generation.hf import HFGeneration, HFGenerationConfig
+from gym_bridge.gym.client import GymClient
+from gym_bridge.policy.hf import HFPolicy
+from gym_bridge.recipes.launch import NemoGymRollouts, start_nemo_gym_rollouts
+from gym_bridge.serving import OpenAIServer
+from gym_bridge.training.loop import GRPOTrainer, load_trainer_state
+from gym_bridge.training.validation import GymValidator
+from gym_bridge.types import GenerationSamplingParams
+
+__all__ = ["GRPORun", "build_grpo_run", "validator_from"]
+
+logger = logging.getLogger(__name__)
+
+
+def validator_from(
+    config: Mapping[str, Any], actors: list[Any], out_dir: Path, *, pass_threshold: float
+) -> GymValidator | None:
+    """A :class:`GymValidator` over the run's Gym actors, or None when the config has no validation data."""
+    sets = validation_sets(config)
+    if not sets:
+        return None
+    generation = config_section(config, "policy.generation")
+    return GymValidator(
+        GymClient(actors, timer_prefix="timing/validation"),
+        sets,
+        sampling=GenerationSamplingParams.from_generation_config(generation, validation=True),
+        max_new_tokens=generation.get("max_new_tokens"),
+        num_generations=int(config_section(config, "grpo").get("val_num_generations_per_prompt", 1)),
+        pass_threshold=pass_threshold,
+        results_path=out_dir / "val_results.jsonl",
+    )
+
+
+@dataclass
+class GRPORun:
+    """Everything a run started; :meth:`close` stops it all (Gym servers, actors, server, engine)."""
+
+    trainer: GRPOTrainer
+    engine: HFGeneration
+    server: OpenAIServer
+    rollouts: NemoGymRollouts
+    policy: HFPolicy
+
+    def close(self) -> None:
+        try:
+            self.rollouts.shutdown()
+        finally:
+            self.server.stop_thread()
+            self.engine.shutdown()
+            self.policy.shutdown()
+
+
+def build_grpo_run(config: Mapping[str, Any], out_dir: str | Path, *, resume: bool = True) -> GRPORun:
+    """Start the engine, its server, Gym and the manager; load the policy; resume from ``out_dir`` if it can.
+
+    Ray must be initialised (:func:`gym_bridge.ray_utils.init_ray`).
+    """
+    out_dir = Path(out_dir)
+    policy_cfg = config_section(config, "policy")
+    seed = int(config_section(config, "grpo").get("seed", 0))
+    torch.manual_seed(seed)
+    checkpoint = out_dir / "checkpoint"
+    state = load_trainer_state(checkpoint) if resume else None
+    weights = str(checkpoint) if state is not None else str(policy_cfg["model_name"])
+    if state is not None:
+        logger.info("resuming from %s at step %d (weight version %d)", checkpoint, state.step, state.weight_version)
+    max_len = int(policy_cfg["max_total_sequence_length"])
+    generation = dict(config_section(config, "policy.generation"))
+    engine = HFGeneration(
+        HFGenerationConfig.from_generation_config(
+            generation, model=weights, max_model_len=max_len, seed=seed + (state.step if state else 0)
+        )
+    )
+    server = OpenAIServer(
+        engine, engine.tokenizer, served_model_name=str(policy_cfg["model_name"]), max_model_len=max_len
+    )
+    try:
+        base_url = server.start_in_thread()
+        settings = nemo_gym_rollout_settings(config, base_urls=[base_url])
+        if settings.is_trajectory_collection:
+            raise TrainingConfigError(
+                "env.nemo_gym.is_trajectory_collection: true collects without training; this GRPO recipe trains. "
+                "Use `gym-bridge eval` to roll out a dataset and keep every result"
+            )
+        loop_cfg = loop_config_from(config, settings)
+        rollouts = start_nemo_gym_rollouts(settings, engine.tokenizer, **result_logging(settings, out_dir))
+    except BaseException:
+        server.stop_thread()
+        engine.shutdown()
+        raise
+    try:
+        policy = HFPolicy(policy_config(config, weights, loop_cfg))
+        if state is not None:
+            policy.load_optimizer(checkpoint)
+            engine.update_weights(policy.state_dict_for_refit(), state.weight_version)
+        rows = load_gym_rows(train_data_path(config))
+        dataset = [datum_from_gym_row(row, idx=i) for i, row in enumerate(rows)]
+        trainer = GRPOTrainer(
+            loop_cfg,
+            manager=rollouts.manager,
+            policy=policy,
+            engine=engine,
+            dataset=dataset,
+            out_dir=out_dir,
+            state=state,
+            validator=validator_from(config, rollouts.actors, out_dir, pass_threshold=loop_cfg.pass_threshold),
+        )
+    except BaseException:
+        rollouts.shutdown()
+        server.stop_thread()
+        engine.shutdown()
+        raise
+    return GRPORun(trainer=trainer, engine=engine, server=server, rollouts=rollouts, policy=policy)

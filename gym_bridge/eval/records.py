@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 from typing import Any
 
@@ -21,6 +23,43 @@ def termination_reason(completion: Completion) -> str:
     return "stop"
 
 
+ROW_ID_KEY = "row_id"
+"""The result line's key for :func:`row_id`: what ``gym-bridge compare`` matches runs by."""
+_LOGPROB_DIGITS = 3
+
+
+def row_id(row: Any) -> str:
+    """A dataset row's identity: sha256 of its canonical JSON (sorted keys, no spaces), 16 hex digits.
+
+    The same row has the same id in any file, at any position, so runs of one dataset are matched
+    prompt by prompt even when the files order or subset the rows differently.
+    """
+    canonical = json.dumps(row, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+def trace_record(completion: Completion, tokenizer: Any) -> list[dict[str, Any]]:
+    """The completion's message log as the model saw it, one entry per message: the prompt tokens each model
+    call added (``role`` user: chat template, tool results) as text, and each model call's generated tokens
+    one by one with their sampling logprobs (what the trace viewer shades)."""
+    steps: list[dict[str, Any]] = []
+    for message in completion.message_log:
+        ids = message["token_ids"].tolist()
+        if message["role"] != "assistant":
+            steps.append({"role": message["role"], "text": tokenizer.decode(ids)})
+            continue
+        logprobs = message.get("generation_logprobs")
+        values = logprobs.tolist() if logprobs is not None else []
+        steps.append(
+            {
+                "role": "assistant",
+                "tokens": tokenizer.batch_decode([[t] for t in ids]) if ids else [],
+                "logprobs": [round(float(v), _LOGPROB_DIGITS) for v in values] if len(values) == len(ids) else None,
+            }
+        )
+    return steps
+
+
 def completion_record(completion: Completion, tokenizer: Any) -> dict[str, Any]:
     log = completion.message_log
     assistant = [m for m in log if m["role"] == "assistant"]
@@ -35,6 +74,10 @@ def completion_record(completion: Completion, tokenizer: Any) -> dict[str, Any]:
         "prompt_tokens": sum(int(m["token_ids"].numel()) for m in log if m["role"] != "assistant"),
         "generated_tokens": sum(int(m["token_ids"].numel()) for m in assistant),
         "total_tokens": sum(int(m["token_ids"].numel()) for m in log),
+        "masked": completion.masked,
+        "failure_kind": completion.failure_kind,
+        "token_drift": completion.token_drift,
+        "trace": trace_record(completion, tokenizer),
         "gym_result": completion.env_extras,
     }
 
@@ -44,6 +87,7 @@ def group_record(
 ) -> dict[str, Any]:
     return {
         "prompt_idx": record.prompt_idx,
+        ROW_ID_KEY: row_id(record.extra_env_info),
         "line": line,
         "agent": agent,
         "completions": [completion_record(c, tokenizer) for c in record.completions],

@@ -4,10 +4,15 @@
 A process killed mid-write leaves at most one torn last line; reading tolerates it
 (it is not counted) and opening for resume cuts it off, so the next append starts
 on a fresh line.
+
+While a store is open it holds an exclusive ``flock`` on ``run.lock``, so readers (``gym-bridge compare``,
+``rescore``) can tell a run still being written from a finished or killed one (:func:`writer_active`);
+the kernel releases the lock when the writer exits, even on SIGKILL.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -22,6 +27,7 @@ logger = logging.getLogger(__name__)
 RUN_FILE = "run.json"
 RESULTS_FILE = "results.jsonl"
 FAILURES_FILE = "failures.jsonl"
+LOCK_FILE = "run.lock"
 
 
 class RunDirError(GymBridgeError, RuntimeError):
@@ -73,6 +79,7 @@ class RunStore:
         self.run_path = self.dir / RUN_FILE
         self.done: set[int] = set()
         self._files: dict[Path, Any] = {}
+        self._lock: Any = None
 
     def open(self, fingerprint: dict[str, Any], *, resume: bool, meta: dict[str, Any] | None = None) -> set[int]:
         """Create or reopen the run folder; return the prompt indices already done.
@@ -84,6 +91,7 @@ class RunStore:
                 records a fingerprint that differs (the message names the keys).
         """
         if resume and self.run_path.exists():
+            self._hold_lock()
             recorded = json.loads(self.run_path.read_text()).get("fingerprint", {})
             changed = [
                 f"{key} ({recorded.get(key)!r} -> {fingerprint.get(key)!r})"
@@ -91,6 +99,7 @@ class RunStore:
                 if recorded.get(key) != fingerprint.get(key)
             ]
             if changed:
+                self.close()
                 raise RunDirError(
                     f"cannot resume {self.dir}: the config changed in a way that matters: {'; '.join(changed)}. "
                     "Use a new output_dir, or restore these settings."
@@ -104,9 +113,20 @@ class RunStore:
                     "or choose another output_dir"
                 )
             self.dir.mkdir(parents=True, exist_ok=True)
+            self._hold_lock()
             _write_atomic(self.run_path, {"fingerprint": fingerprint, "created": time.time(), "sessions": []})
         self.update_run(**(meta or {}))
         return set(self.done)
+
+    def _hold_lock(self) -> None:
+        """Take ``run.lock`` for as long as this store is open (see the module docstring)."""
+        lock = (self.dir / LOCK_FILE).open("a")
+        try:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            lock.close()
+            raise RunDirError(f"{self.dir} is being written by another process (it holds {LOCK_FILE})") from None
+        self._lock = lock
 
     def update_run(self, **fields: Any) -> None:
         """Merge ``fields`` into ``run.json`` (atomically replaced)."""
@@ -143,6 +163,23 @@ class RunStore:
         for f in self._files.values():
             f.close()
         self._files.clear()
+        if self._lock is not None:
+            self._lock.close()  # closing the file releases the flock
+            self._lock = None
+
+
+def writer_active(run_dir: str | Path) -> bool:
+    """Whether a process holds ``run_dir``'s store open right now (a run still being written)."""
+    path = Path(run_dir) / LOCK_FILE
+    if not path.exists():
+        return False
+    with path.open("a") as lock:
+        try:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:
+            return True
+        fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+    return False
 
 
 def _write_atomic(path: Path, data: dict[str, Any]) -> None:

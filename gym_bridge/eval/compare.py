@@ -1,0 +1,350 @@
+"""``gym-bridge compare RUN_A RUN_B [RUN_C ...]``: is B better than A, and on which prompts.
+
+Runs are matched prompt by prompt through each result line's ``row_id`` (the dataset row's identity,
+:func:`~gym_bridge.eval.records.row_id`), never by position. Every run after the first is compared with
+the first (the baseline), over the prompts all runs finished, per agent and overall:
+
+- the difference (B - A) in mean reward and in pass@1 / pass@k, each with a paired percentile bootstrap
+  interval over prompts (:func:`~gym_bridge.eval.stats.paired_bootstrap`: seeded, at a stated level);
+- McNemar's exact test on each prompt's verdict (a prompt passes when at least half of its completions
+  pass, i.e. its pass@1 >= 0.5);
+- the prompts whose verdict flipped either way, with their rewards.
+
+Runs with other rows (another dataset) or another grader config (``config_paths``, ``gym_overrides``,
+``pass_threshold``) are refused, except a run that ``gym-bridge rescore`` made from the other: there the
+grader change is the point, and the report states it. Everything is checked before anything is written.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from gym_bridge.eval.passk import default_ks, pass_at_k
+from gym_bridge.eval.runs import LoadedRun, RunGroup, load_run
+from gym_bridge.eval.stats import DEFAULT_LEVEL, DEFAULT_RESAMPLES, mcnemar_exact, paired_bootstrap
+from gym_bridge.failures import GymBridgeError
+
+logger = logging.getLogger(__name__)
+
+COMPARE_MD = "compare.md"
+COMPARE_JSON = "compare.json"
+COMPARE_PNG = "compare.png"
+ALL = "all"
+GRADER_KEYS = ("config_paths", "gym_overrides", "pass_threshold")
+"""What decides a reward: a difference here makes two runs' rewards incomparable."""
+GATED_METRICS = ("mean_reward", "pass@1")
+
+
+class CompareError(GymBridgeError, ValueError):
+    """The runs cannot be compared: other rows, another grader config, nothing shared, bad options."""
+
+
+@dataclass
+class CompareOutcome:
+    report: dict[str, Any]
+    out_dir: Path
+    worse: list[str]
+    """One line per gated comparison in which B is worse than A by more than the margin (empty: none)."""
+
+
+def compare_runs(
+    run_dirs: list[str | Path],
+    out_dir: str | Path,
+    *,
+    level: float = DEFAULT_LEVEL,
+    resamples: int = DEFAULT_RESAMPLES,
+    seed: int = 0,
+    fail_if_worse: float | None = None,
+) -> CompareOutcome:
+    """Compare every run with the first; write ``compare.md``, ``compare.json`` and ``compare.png`` to ``out_dir``.
+
+    Raises:
+        RunReadError: a run folder is missing, being written, or has a malformed line (nothing is written).
+        CompareError: the runs have other rows or another grader config, share no prompt, or an option
+            is out of range (nothing is written).
+    """
+    if len(run_dirs) < 2:
+        raise CompareError("compare needs at least two run folders")
+    if not 0.0 < level < 1.0:
+        raise CompareError(f"--level must be in (0, 1), got {level}")
+    if resamples < 100:
+        raise CompareError(f"--resamples must be >= 100, got {resamples}")
+    if fail_if_worse is not None and fail_if_worse < 0:
+        raise CompareError(f"--fail-if-worse must be >= 0, got {fail_if_worse}")
+    runs = [load_run(d) for d in run_dirs]
+    labels = _labels(runs)
+    base = runs[0]
+    grader_changes = [_check_comparable(base, other) for other in runs[1:]]
+    shared = [g.key for g in base.groups if all(g.key in r.by_key for r in runs[1:])]
+    if not shared:
+        raise CompareError(f"{runs[1].dir} and {base.dir} share no finished prompt")
+    report: dict[str, Any] = {
+        "runs": [
+            {
+                "label": label,
+                "dir": str(run.dir),
+                "model": run.run.get("model"),
+                "prompts_done": len(run.groups),
+                "not_shared": len(run.groups) - len(shared),
+                "rescored_from": (run.run.get("rescore") or {}).get("source"),
+            }
+            for label, run in zip(labels, runs, strict=True)
+        ],
+        "baseline": labels[0],
+        "shared_prompts": len(shared),
+        "level": level,
+        "resamples": resamples,
+        "seed": seed,
+        "pass_threshold": base.pass_threshold,
+        "prompt_passes_when": "pass@1 >= 0.5 (at least half of its completions pass)",
+        "comparisons": [],
+    }
+    worse: list[str] = []
+    for label, other, change in zip(labels[1:], runs[1:], grader_changes, strict=True):
+        comparison = _compare_pair(base, other, shared, level=level, resamples=resamples, seed=seed)
+        comparison.update(a=labels[0], b=label, grader_change=change)
+        if fail_if_worse is not None:
+            comparison["gate"] = _gate(comparison, fail_if_worse, level)
+            worse += [f"{label} vs {labels[0]}: {line}" for line in comparison["gate"]["worse"]]
+        report["comparisons"].append(comparison)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / COMPARE_JSON).write_text(json.dumps(report, indent=1) + "\n")
+    (out / COMPARE_MD).write_text(render_markdown(report))
+    render_plot(report, out / COMPARE_PNG)
+    return CompareOutcome(report=report, out_dir=out, worse=worse)
+
+
+def _labels(runs: list[LoadedRun]) -> list[str]:
+    """Each run's folder name; letters when two folders share a name."""
+    names = [run.dir.resolve().name for run in runs]
+    if len(set(names)) == len(names):
+        return names
+    return [chr(ord("A") + i) if i < 26 else f"run{i}" for i in range(len(runs))]
+
+
+def _is_rescore_of(run: LoadedRun, source: LoadedRun) -> bool:
+    origin = (run.run.get("rescore") or {}).get("source")
+    return origin is not None and Path(origin).resolve() == source.dir.resolve()
+
+
+def _grader(run: LoadedRun) -> dict[str, Any]:
+    fingerprint, config = run.fingerprint, run.config
+    return {
+        "config_paths": fingerprint.get("config_paths", config.get("config_paths")),
+        "gym_overrides": fingerprint.get("gym_overrides", config.get("gym_overrides")),
+        "pass_threshold": run.pass_threshold,
+    }
+
+
+def _check_comparable(base: LoadedRun, other: LoadedRun) -> dict[str, Any] | None:
+    """The grader change between a rescored run and its source (None when the graders are equal).
+
+    Raises:
+        CompareError: another grader config (not a rescore pair), or rows the other run lacks and the
+            datasets differ.
+    """
+    a, b = _grader(base), _grader(other)
+    changed = {key: {"a": a[key], "b": b[key]} for key in GRADER_KEYS if a[key] != b[key]}
+    if changed and not (_is_rescore_of(other, base) or _is_rescore_of(base, other)):
+        key = next(iter(changed))
+        raise CompareError(
+            f"{other.dir}: another grader config than {base.dir}: {key} "
+            f"({changed[key]['b']!r} vs {changed[key]['a']!r})"
+        )
+    same_dataset = base.fingerprint.get("dataset_sha256") == other.fingerprint.get("dataset_sha256")
+    for this, that in ((other, base), (base, other)):
+        extra = [g for g in this.groups if g.key not in that.by_key]
+        if extra and not same_dataset:
+            first = extra[0]
+            raise CompareError(
+                f"{this.dir}: other rows than {that.dir}: {len(extra)} of its {len(this.groups)} rows are not "
+                f"there (first: results.jsonl:{first.line}, row_id {first.key}) and the datasets differ "
+                f"(dataset_sha256)"
+            )
+    return changed or None
+
+
+def _prompt_metrics(group: RunGroup, threshold: float, ks: list[int]) -> list[float]:
+    """Mean reward, then pass@k for each k, of one prompt group."""
+    n = len(group.rewards)
+    c = sum(r >= threshold for r in group.rewards)
+    return [sum(group.rewards) / n, *(pass_at_k(n, c, k) for k in ks)]
+
+
+def _compare_pair(
+    base: LoadedRun, other: LoadedRun, shared: list[str], *, level: float, resamples: int, seed: int
+) -> dict[str, Any]:
+    threshold = base.pass_threshold
+    ks = default_ks(min(min(len(r.by_key[k].rewards) for k in shared) for r in (base, other)))
+    names = ["mean_reward", *(f"pass@{k}" for k in ks)]
+    by_agent: dict[str, list[str]] = {}
+    for key in shared:
+        by_agent.setdefault(base.by_key[key].agent, []).append(key)
+    groups = {**dict(sorted(by_agent.items())), ALL: shared}
+    agents: dict[str, Any] = {}
+    flips: list[dict[str, Any]] = []
+    for agent, keys in groups.items():
+        a = np.array([_prompt_metrics(base.by_key[k], threshold, ks) for k in keys]).T
+        b = np.array([_prompt_metrics(other.by_key[k], threshold, ks) for k in keys]).T
+        intervals = paired_bootstrap(b - a, level=level, resamples=resamples, seed=seed)
+        passed_a, passed_b = (a[1] >= 0.5).tolist(), (b[1] >= 0.5).tolist()
+        test = mcnemar_exact(passed_a, passed_b)
+        agents[agent] = {
+            "prompts": len(keys),
+            "metrics": {
+                name: {"a": float(a[i].mean()), "b": float(b[i].mean()), **intervals[i].as_dict()}
+                for i, name in enumerate(names)
+            },
+            "mcnemar": {
+                "prompts": test.n,
+                "fixed": test.wrong_to_right,
+                "broken": test.right_to_wrong,
+                "p_value": test.p_value,
+            },
+        }
+        if agent == ALL:
+            for key, was, now in zip(keys, passed_a, passed_b, strict=True):
+                if was != now:
+                    flips.append(_flip(base.by_key[key], other.by_key[key], "fixed" if now else "broken"))
+    return {"metrics": names, "agents": agents, "flips": flips}
+
+
+def _flip(a: RunGroup, b: RunGroup, direction: str) -> dict[str, Any]:
+    return {
+        "direction": direction,
+        "row_id": a.key,
+        "agent": a.agent,
+        "prompt_idx": a.prompt_idx,
+        "dataset_line": a.record.get("line"),
+        "prompt": _prompt_preview(a.record),
+        "rewards_a": a.rewards,
+        "rewards_b": b.rewards,
+    }
+
+
+def _prompt_preview(record: dict[str, Any], limit: int = 160) -> str:
+    """The last user message of the row's prompt, on one line (from the first completion's Gym result)."""
+    try:
+        items = record["completions"][0]["gym_result"]["responses_create_params"]["input"]
+    except (KeyError, IndexError, TypeError):
+        return ""
+    if isinstance(items, str):
+        text = items
+    else:
+        users = [i.get("content") for i in items if isinstance(i, dict) and i.get("role") == "user"]
+        text = users[-1] if users and isinstance(users[-1], str) else json.dumps(users[-1] if users else "")
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _gate(comparison: dict[str, Any], delta: float, level: float) -> dict[str, Any]:
+    """B is worse than A by more than ``delta`` when the upper end of the overall interval lies below ``-delta``."""
+    lines = []
+    for name in GATED_METRICS:
+        m = comparison["agents"][ALL]["metrics"][name]
+        if m["high"] < -delta:
+            lines.append(f"{name} {_fmt_interval(m)} at {level:.0%}: worse by more than {delta}")
+    return {"delta": delta, "metrics": list(GATED_METRICS), "worse": lines}
+
+
+def _fmt_interval(m: dict[str, float]) -> str:
+    mark = " ▲" if m["low"] > 0 else (" ▼" if m["high"] < 0 else "")
+    return f"{m['diff']:+.3f} [{m['low']:+.3f}, {m['high']:+.3f}]{mark}"
+
+
+def _cell(text: str) -> str:
+    return " ".join(str(text).split()).replace("|", "\\|")
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    level = report["level"]
+    lines = ["# Comparison", ""]
+    for run in report["runs"]:
+        extra = f"; rescored from `{run['rescored_from']}`" if run.get("rescored_from") else ""
+        lines.append(f"- **{run['label']}**: `{run['dir']}`: {run.get('model') or 'model unknown'}{extra}")
+    lines += [
+        "",
+        f"Baseline: **{report['baseline']}**. {report['shared_prompts']} prompts finished in every run are compared "
+        "(matched by row identity); "
+        + ", ".join(f"{r['label']} has {r['not_shared']} more" for r in report["runs"] if r["not_shared"])
+        + ("." if any(r["not_shared"] for r in report["runs"]) else "no run has others."),
+        f"Differences are B - A with {level:.0%} paired percentile bootstrap intervals over prompts "
+        f"({report['resamples']} resamples, seed {report['seed']}); ▲ / ▼: the interval lies above / below 0. "
+        f"A completion passes when its reward >= {report['pass_threshold']}; a prompt passes (McNemar, flips) when "
+        "at least half of its completions pass. McNemar: exact two-sided binomial test on the prompts that flipped.",
+        "",
+        f"![differences with {level:.0%} intervals]({COMPARE_PNG})",
+    ]
+    for comparison in report["comparisons"]:
+        a, b, names = comparison["a"], comparison["b"], comparison["metrics"]
+        lines += ["", f"## {b} vs {a}", ""]
+        if comparison.get("grader_change"):
+            change = "; ".join(f"{k}: {v['a']!r} -> {v['b']!r}" for k, v in comparison["grader_change"].items())
+            lines += [f"Same responses, another grader (a rescore): {change}.", ""]
+        header = ["agent", "prompts"]
+        for name in names:
+            header += [f"{name} {a}", f"{name} {b}", f"{name} diff"]
+        header.append("McNemar fixed / broken (p)")
+        lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        for agent, row in comparison["agents"].items():
+            cells = [f"**{agent}**" if agent == ALL else agent, str(row["prompts"])]
+            for name in names:
+                m = row["metrics"][name]
+                cells += [f"{m['a']:.3f}", f"{m['b']:.3f}", _fmt_interval(m)]
+            test = row["mcnemar"]
+            cells.append(f"{test['fixed']} / {test['broken']} (p = {test['p_value']:.3g})")
+            lines.append("| " + " | ".join(cells) + " |")
+        gate = comparison.get("gate")
+        if gate is not None:
+            verdict = "; ".join(gate["worse"]) if gate["worse"] else f"not worse by more than {gate['delta']}"
+            lines += ["", f"Gate (--fail-if-worse {gate['delta']} on {', '.join(gate['metrics'])}): {verdict}."]
+        flips = comparison["flips"]
+        lines += ["", f"### Prompts that flipped ({len(flips)})", ""]
+        if flips:
+            lines += [
+                f"| flip | agent | row | prompt | rewards {a} | rewards {b} |",
+                "|---|---|---|---|---|---|",
+            ]
+            for f in flips:
+                rewards_a, rewards_b = (", ".join(f"{r:.2f}" for r in f[k]) for k in ("rewards_a", "rewards_b"))
+                lines.append(
+                    f"| {f['direction']} | {f['agent']} | {f['row_id']} (line {f['dataset_line']}) | "
+                    f"{_cell(f['prompt'])} | {rewards_a} | {rewards_b} |"
+                )
+        else:
+            lines.append("None.")
+    return "\n".join(lines) + "\n"
+
+
+def render_plot(report: dict[str, Any], path: Path) -> None:
+    """Per-agent differences (B - A) in mean reward and pass@1 with their intervals, one colour per comparison."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    comparisons = report["comparisons"]
+    agents = list(comparisons[0]["agents"])
+    fig, axes = plt.subplots(1, 2, figsize=(11, 1.2 + 0.45 * len(agents) * len(comparisons)), squeeze=False)
+    for ax, name in zip(axes[0], GATED_METRICS, strict=True):
+        for j, comparison in enumerate(comparisons):
+            ys = [i + 0.8 * (j - (len(comparisons) - 1) / 2) / max(1, len(comparisons)) for i in range(len(agents))]
+            ms = [comparison["agents"][agent]["metrics"][name] for agent in agents]
+            diffs = [m["diff"] for m in ms]
+            errors = [[m["diff"] - m["low"] for m in ms], [m["high"] - m["diff"] for m in ms]]
+            ax.errorbar(diffs, ys, xerr=errors, fmt="o", capsize=3, label=f"{comparison['b']} - {comparison['a']}")
+        ax.axvline(0.0, color="grey", linewidth=0.8)
+        ax.set_yticks(range(len(agents)), agents, fontsize=8)
+        ax.invert_yaxis()
+        ax.set_title(f"{name}: difference with {report['level']:.0%} interval")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

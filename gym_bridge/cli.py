@@ -153,6 +153,29 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _compare(args: argparse.Namespace) -> int:
+    from gym_bridge.eval.compare import CompareError, compare_runs
+    from gym_bridge.eval.runs import RunReadError
+
+    out = args.out or "compare-" + "-vs-".join(p.rstrip("/").split("/")[-1] for p in args.run_dirs)
+    try:
+        outcome = compare_runs(
+            args.run_dirs,
+            out,
+            level=args.level,
+            resamples=args.resamples,
+            seed=args.seed,
+            fail_if_worse=args.fail_if_worse,
+        )
+    except (CompareError, RunReadError) as exc:
+        print(f"gym-bridge compare: {exc}", file=sys.stderr)
+        return 2
+    print(f"comparison: {outcome.out_dir / 'compare.md'}")
+    for line in outcome.worse:
+        print(f"gym-bridge compare: {line}", file=sys.stderr)
+    return 1 if outcome.worse else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gym-bridge", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -208,6 +231,22 @@ def build_parser() -> argparse.ArgumentParser:
     report = commands.add_parser("report", help="rebuild metrics.json, report.md and report.png of an eval run")
     report.add_argument("run_dir")
     report.set_defaults(func=_report)
+    compare = commands.add_parser(
+        "compare", help="compare eval runs of one dataset with the first, with intervals (see docs/evaluation.md)"
+    )
+    compare.add_argument("run_dirs", nargs="+", metavar="RUN", help="run folders; the first is the baseline")
+    compare.add_argument("--out", default=None, help="output folder (default: ./compare-A-vs-B)")
+    compare.add_argument("--level", type=float, default=0.95, help="confidence level of the intervals")
+    compare.add_argument("--resamples", type=int, default=10_000, help="paired bootstrap resamples")
+    compare.add_argument("--seed", type=int, default=0, help="bootstrap seed")
+    compare.add_argument(
+        "--fail-if-worse",
+        type=float,
+        default=None,
+        metavar="DELTA",
+        help="exit 1 when a run is worse than the first by more than DELTA (mean reward or pass@1) at --level",
+    )
+    compare.set_defaults(func=_compare)
     return parser
 
 

@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pydantic import SecretStr
+
+    from gym_bridge.serving.server import OpenAIServer
 
 
 def _backends(args: argparse.Namespace) -> int:
@@ -29,6 +36,9 @@ def _serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("gym_bridge.cli")
+    from gym_bridge.serving.auth import inbound_api_key
+
+    api_key = inbound_api_key(args.api_key)
     if args.upstream:
         from gym_bridge.serving import build_proxy
 
@@ -39,10 +49,12 @@ def _serve(args: argparse.Namespace) -> int:
             host=args.host,
             port=args.port,
             reasoning_parser=args.reasoning_parser,
+            api_key=_env_key(args.upstream_api_key_env),
+            inbound_api_key=api_key,
         )
         what = "a token-faithful proxy for " + ", ".join(args.upstream)
     else:
-        server = _local_server(args)
+        server = _local_server(args, api_key)
         what = args.model
     generation = server.state.generation
 
@@ -66,7 +78,15 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _local_server(args: argparse.Namespace):
+def _env_key(name: str) -> SecretStr | None:
+    """The API key in the environment variable ``name``; None when it is unset or empty."""
+    from pydantic import SecretStr
+
+    value = os.environ.get(name, "")
+    return SecretStr(value) if value else None
+
+
+def _local_server(args: argparse.Namespace, api_key: SecretStr | None) -> OpenAIServer:
     """Our server over the local model (or the scripted or instant policy on its tokenizer)."""
     from gym_bridge.generation.factory import EngineSpec, build_engine
     from gym_bridge.serving import OpenAIServer
@@ -90,6 +110,7 @@ def _local_server(args: argparse.Namespace):
         port=args.port,
         reasoning_parser=args.reasoning_parser,
         model_path=str(built.model_path),
+        api_key=api_key,
     )
 
 
@@ -135,7 +156,8 @@ def _eval(args: argparse.Namespace) -> int:
 def _check_endpoint(args: argparse.Namespace) -> int:
     from gym_bridge.preflight import check_endpoints
 
-    checks = check_endpoints(args.urls, args.model, tools=args.tools, timeout_s=args.timeout)
+    api_key = args.api_key or _env_key("OPENAI_API_KEY")
+    checks = check_endpoints(args.urls, args.model, tools=args.tools, timeout_s=args.timeout, api_key=api_key)
     for check in checks:
         print(check.line, file=sys.stdout if check.ok else sys.stderr)
     return 0 if all(check.ok for check in checks) else 2
@@ -212,6 +234,18 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--tokenizer", default=None, help="with --upstream: tokenizer folder (default: the upstream's model)"
     )
+    serve.add_argument(
+        "--api-key",
+        default=None,
+        help="require this key as 'Authorization: Bearer' on /v1/* (default: $VLLM_API_KEY; unset: no key), "
+        "as vllm serve --api-key does",
+    )
+    serve.add_argument(
+        "--upstream-api-key-env",
+        default="OPENAI_API_KEY",
+        metavar="VAR",
+        help="with --upstream: the environment variable holding the upstreams' API key (default: OPENAI_API_KEY)",
+    )
     serve.set_defaults(func=_serve)
     run = commands.add_parser("eval", help="evaluate a policy on a JSONL dataset of Gym rows (see docs/evaluation.md)")
     run.add_argument("config", help="the eval config (YAML)")
@@ -227,6 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--model", required=True, help="the served model name the run will send")
     check.add_argument("--tools", action="store_true", help="also check that chats offering tools are accepted")
     check.add_argument("--timeout", type=float, default=20.0, help="seconds for each endpoint's checks")
+    check.add_argument("--api-key", default=None, help="the endpoints' API key (default: $OPENAI_API_KEY)")
     check.set_defaults(func=_check_endpoint)
     report = commands.add_parser("report", help="rebuild metrics.json, report.md and report.png of an eval run")
     report.add_argument("run_dir")

@@ -2,7 +2,8 @@
 
 For each ``base_url`` (``http://host:port/v1``), in order, stopping at the first problem:
 
-1. it answers ``GET /v1/models`` (connection refused / timeout / an HTTP error is said so);
+1. it answers ``GET /v1/models`` (connection refused / timeout / an HTTP error is said so; a 401 or 403
+   is "refused the API key", whether a wrong key or none was sent);
 2. ``model_name`` is among the served models (else the served names are listed);
 3. a one-token chat completion with ``logprobs`` and ``return_token_ids`` returns token
    ids and logprobs, as Gym's ``vllm_model`` and our HTTP engine need;
@@ -10,8 +11,9 @@ For each ``base_url`` (``http://host:port/v1``), in order, stopping at the first
 5. with ``tools=True``: a chat that offers a tool is accepted (vLLM refuses it with a 400
    unless started with :data:`VLLM_TOOL_FLAGS`).
 
-Each endpoint gives an :class:`EndpointCheck`; :func:`preflight` raises :class:`PreflightError`
-holding one line per failed endpoint.
+Each endpoint gives an :class:`EndpointCheck`; :func:`preflight_endpoints` raises :class:`PreflightError`
+holding one line per failed endpoint. ``api_key`` is sent as ``Authorization: Bearer`` on every request
+(an endpoint that needs none ignores it, as vLLM without ``--api-key`` does) and appears in no line.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from enum import StrEnum
 from typing import Any
 
 import httpx
+from pydantic import SecretStr
 
 from gym_bridge.failures import GymBridgeError
 
@@ -60,6 +63,7 @@ class EndpointProblem(StrEnum):
 
     UNREACHABLE = "unreachable"
     TIMEOUT = "timeout"
+    KEY_REFUSED = "key_refused"
     HTTP_ERROR = "http_error"
     MODEL_NOT_SERVED = "model_not_served"
     NO_LOGPROBS = "no_logprobs"
@@ -93,6 +97,8 @@ class EndpointCheck:
                 f"{self.base_url}: ok (serves {self.model_name!r}, token ids and logprobs{tools}; "
                 f"{self.elapsed_s:.2f} s)"
             )
+        if self.problem is EndpointProblem.KEY_REFUSED:
+            return f"{self.base_url} {self.detail}"
         return f"{self.base_url}: {self.detail}"
 
 
@@ -102,7 +108,8 @@ class PreflightError(GymBridgeError, RuntimeError):
     def __init__(self, checks: Sequence[EndpointCheck]) -> None:
         self.checks = list(checks)
         self.failed = [check for check in self.checks if not check.ok]
-        super().__init__("\n".join(f"endpoint {check.line}" for check in self.failed))
+        lines = "\n".join(f"endpoint {check.line}" for check in self.failed)
+        super().__init__(lines or "no endpoint to check: base_urls is empty")
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (PreflightError, (self.checks,))
@@ -153,7 +160,7 @@ def _refused(exc: BaseException) -> bool:
 
 async def _send(client: httpx.AsyncClient, method: str, url: str, what: str, **kwargs: Any) -> httpx.Response:
     try:
-        return await client.request(method, url, **kwargs)
+        response = await client.request(method, url, **kwargs)
     except httpx.ConnectError as exc:
         reason = "connection refused" if _refused(exc) else _short(str(exc) or type(exc).__name__)
         raise _Failed(EndpointProblem.UNREACHABLE, f"nothing answers ({reason})") from exc
@@ -163,6 +170,11 @@ async def _send(client: httpx.AsyncClient, method: str, url: str, what: str, **k
         ) from exc
     except httpx.HTTPError as exc:
         raise _Failed(EndpointProblem.UNREACHABLE, f"{what} failed: {_short(str(exc) or type(exc).__name__)}") from exc
+    if response.status_code in (401, 403):
+        sent = "authorization" in client.headers
+        detail = f"refused the API key ({response.status_code})" + ("" if sent else ": no key was sent")
+        raise _Failed(EndpointProblem.KEY_REFUSED, detail)
+    return response
 
 
 def _json(response: httpx.Response, what: str) -> Any:
@@ -272,9 +284,10 @@ async def check_endpoint_async(
     *,
     tools: bool = False,
     timeout_s: float = 20.0,
+    api_key: SecretStr | str | None = None,
     transport: httpx.AsyncBaseTransport | None = None,
 ) -> EndpointCheck:
-    """Check one endpoint within ``timeout_s`` (every request and the whole check).
+    """Check one endpoint within ``timeout_s`` (every request and the whole check), sending ``api_key``.
 
     Never raises for the server's faults: they are the returned check's ``problem``.
     """
@@ -282,7 +295,9 @@ async def check_endpoint_async(
     served: tuple[str, ...] = ()
     problem: EndpointProblem | None = None
     detail = ""
-    async with httpx.AsyncClient(timeout=timeout_s, transport=transport, trust_env=False) as client:
+    key = api_key.get_secret_value() if isinstance(api_key, SecretStr) else api_key
+    headers = {"Authorization": f"Bearer {key}"} if key else None
+    async with httpx.AsyncClient(timeout=timeout_s, transport=transport, trust_env=False, headers=headers) as client:
         try:
             async with asyncio.timeout(timeout_s):
                 served = await _check(client, base_url, model_name, tools)
@@ -302,12 +317,20 @@ async def check_endpoint_async(
 
 
 async def check_endpoints_async(
-    base_urls: Sequence[str], model_name: str, *, tools: bool = False, timeout_s: float = 20.0
+    base_urls: Sequence[str],
+    model_name: str,
+    *,
+    tools: bool = False,
+    timeout_s: float = 20.0,
+    api_key: SecretStr | str | None = None,
 ) -> list[EndpointCheck]:
     """Check every endpoint concurrently; one result per URL, in order."""
     return list(
         await asyncio.gather(
-            *(check_endpoint_async(url, model_name, tools=tools, timeout_s=timeout_s) for url in base_urls)
+            *(
+                check_endpoint_async(url, model_name, tools=tools, timeout_s=timeout_s, api_key=api_key)
+                for url in base_urls
+            )
         )
     )
 
@@ -322,25 +345,42 @@ def _run[T](coro: Coroutine[Any, Any, T]) -> T:
         return pool.submit(asyncio.run, coro).result()
 
 
-def check_endpoint(base_url: str, model_name: str, *, tools: bool = False, timeout_s: float = 20.0) -> EndpointCheck:
+def check_endpoint(
+    base_url: str,
+    model_name: str,
+    *,
+    tools: bool = False,
+    timeout_s: float = 20.0,
+    api_key: SecretStr | str | None = None,
+) -> EndpointCheck:
     """:func:`check_endpoint_async` from synchronous code (runs its own event loop)."""
-    return _run(check_endpoint_async(base_url, model_name, tools=tools, timeout_s=timeout_s))
+    return _run(check_endpoint_async(base_url, model_name, tools=tools, timeout_s=timeout_s, api_key=api_key))
 
 
 def check_endpoints(
-    base_urls: Sequence[str], model_name: str, *, tools: bool = False, timeout_s: float = 20.0
+    base_urls: Sequence[str],
+    model_name: str,
+    *,
+    tools: bool = False,
+    timeout_s: float = 20.0,
+    api_key: SecretStr | str | None = None,
 ) -> list[EndpointCheck]:
     """:func:`check_endpoints_async` from synchronous code (runs its own event loop)."""
-    return _run(check_endpoints_async(base_urls, model_name, tools=tools, timeout_s=timeout_s))
+    return _run(check_endpoints_async(base_urls, model_name, tools=tools, timeout_s=timeout_s, api_key=api_key))
 
 
 def preflight_endpoints(
-    base_urls: Sequence[str], model_name: str, *, tools: bool = False, timeout_s: float = 20.0
+    base_urls: Sequence[str],
+    model_name: str,
+    *,
+    tools: bool = False,
+    timeout_s: float = 20.0,
+    api_key: SecretStr | str | None = None,
 ) -> list[EndpointCheck]:
     """Check every endpoint; raise :class:`PreflightError` (one line per failed endpoint) unless all pass."""
     if not base_urls:
-        raise ValueError("preflight needs at least one base_url")
-    checks = check_endpoints(base_urls, model_name, tools=tools, timeout_s=timeout_s)
+        raise PreflightError([])
+    checks = check_endpoints(base_urls, model_name, tools=tools, timeout_s=timeout_s, api_key=api_key)
     if any(not check.ok for check in checks):
         raise PreflightError(checks)
     return checks

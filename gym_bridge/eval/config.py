@@ -6,13 +6,14 @@ resumed run must share with the run it continues.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
 from gym_bridge.failures import GymBridgeError
 
@@ -33,6 +34,12 @@ class EvalConfig(BaseModel):
     base_urls: list[str] = Field(default_factory=list, description="OpenAI-compatible endpoints; empty: embedded.")
     model_name: str = Field(
         "tiny", description="The served model name Gym sends to the endpoint (default: the embedded model's name)."
+    )
+    api_key_env_var: str = Field(
+        "OPENAI_API_KEY",
+        min_length=1,
+        description="The environment variable holding the endpoints' API key (unset: none is sent). "
+        "The key itself is never a config key: this file is copied into run.json.",
     )
     tokenizer: str = Field(
         "tiny", description='"tiny", "smollm2" or a local tokenizer folder (default: the embedded model\'s).'
@@ -70,6 +77,13 @@ class EvalConfig(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _named_key_is_set(self) -> EvalConfig:
+        """A key variable named explicitly must hold a key when the run calls endpoints of its own."""
+        if "api_key_env_var" in self.model_fields_set and not self.embedded and self.api_key() is None:
+            raise ValueError(f"api_key_env_var: the environment variable {self.api_key_env_var} is not set")
+        return self
+
+    @model_validator(mode="after")
     def _embedded_model_names(self) -> EvalConfig:
         """An embedded model policy names the tokenizer and served name unless they are given."""
         if self.embedded_policy == "scripted":
@@ -88,6 +102,11 @@ class EvalConfig(BaseModel):
     @property
     def embedded(self) -> bool:
         return not self.base_urls
+
+    def api_key(self) -> SecretStr | None:
+        """The endpoints' API key, read from ``$api_key_env_var`` now; None when it is unset or empty."""
+        value = os.environ.get(self.api_key_env_var, "")
+        return SecretStr(value) if value else None
 
     def retry_policy(self) -> Any:
         """The RolloutRetryPolicy of this run: a failed group is recorded and the run goes on,
@@ -142,7 +161,12 @@ def _format_errors(exc: ValidationError) -> str:
     for err in exc.errors():
         key = ".".join(str(p) for p in err["loc"]) or "(config)"
         message = err["msg"].removeprefix("Value error, ")
-        if err["type"] == "extra_forbidden":
+        if err["type"] == "extra_forbidden" and key == "api_key":
+            message = (
+                "an API key is never written in the config (it is copied into run.json); put it in "
+                "$OPENAI_API_KEY or in the environment variable api_key_env_var names"
+            )
+        elif err["type"] == "extra_forbidden":
             message = f"unknown key; known keys: {', '.join(EvalConfig.model_fields)}"
         lines.append(f"  {key}: {message}")
     return "invalid eval config:\n" + "\n".join(lines)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pydantic import SecretStr
 from tqdm import tqdm
 
 from gym_bridge.eval.config import EvalConfig
@@ -132,13 +133,15 @@ def run_eval(config: EvalConfig, *, resume: bool = False, progress: bool = True)
 def _run_pending(
     config: EvalConfig, pending: list[DatasetRow], store: RunStore, outcome: EvalOutcome, *, progress: bool
 ) -> bool:
-    """Start everything (policy endpoint, then preflight, Ray, Gym: :func:`gym_bridge.build.launch.start_nemo_gym`),
+    """Start everything (policy endpoint, then preflight, Ray, Gym: :func:`gym_bridge.recipes.launch.start_nemo_gym`),
     run the pending groups, stop everything; True when SIGINT stopped it."""
-    from gym_bridge.build.launch import start_nemo_gym
+    from gym_bridge.recipes.launch import start_nemo_gym
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     with _policy_endpoint(config) as (base_urls, tokenizer):
-        rollouts = start_nemo_gym(_launch_spec(config, base_urls, pending), tokenizer)
+        spec = _launch_spec(config, base_urls, pending)
+        _preflight(spec)
+        rollouts = start_nemo_gym(spec, tokenizer)
         try:
             previous = read_jsonl(store.results_path)
             bar = tqdm(
@@ -168,6 +171,21 @@ def _run_pending(
 
                 with _sigint_deferred("stopping Ray"):
                     ray.shutdown()
+
+
+def _preflight(spec: Any) -> None:
+    """Check every endpoint with the run's API key, before Ray or Gym start (raises ``PreflightError``)."""
+    from gym_bridge.preflight import preflight_endpoints
+
+    checks = preflight_endpoints(
+        spec.gym.base_urls,
+        spec.gym.model_name,
+        tools=spec.uses_tools,
+        timeout_s=spec.preflight_timeout_s,
+        api_key=spec.gym.api_key,
+    )
+    for check in checks:
+        logger.info("preflight %s", check.line)
 
 
 @contextmanager
@@ -210,14 +228,16 @@ def _policy_endpoint(config: EvalConfig) -> Iterator[tuple[list[str], Any]]:
 
 
 def _launch_spec(config: EvalConfig, base_urls: list[str], pending: list[DatasetRow]) -> Any:
-    """What :func:`gym_bridge.build.launch.start_nemo_gym` starts for this run: one actor on ``base_urls``."""
-    from gym_bridge.build.launch import GymLaunchSpec
+    """What :func:`gym_bridge.recipes.launch.start_nemo_gym` starts for this run: one actor on ``base_urls``."""
     from gym_bridge.failures import RolloutTimeouts
     from gym_bridge.gym.actor import NemoGymConfig
     from gym_bridge.preflight import rows_use_tools
+    from gym_bridge.recipes.launch import GymLaunchSpec
 
     config_paths = [str(Path(p).resolve()) if Path(p).exists() else p for p in config.config_paths]
+    key = SecretStr("dummy_key") if config.embedded else config.api_key()  # the embedded server needs none
     gym_config = NemoGymConfig(
+        **({"api_key": key} if key is not None else {}),
         model_name=config.model_name,
         base_urls=base_urls,
         config_paths=config_paths,
@@ -233,6 +253,7 @@ def _launch_spec(config: EvalConfig, base_urls: list[str], pending: list[Dataset
         max_seq_len=config.max_seq_len,
         generation_config=config.generation_config(),
         uses_tools=rows_use_tools([item.row for item in pending]),
+        preflight=False,  # run by _preflight, with the API key
         preflight_timeout_s=config.preflight_timeout_s,
         ray_num_cpus=os.cpu_count() or 2,
         timeouts=RolloutTimeouts(rollout_s=config.rollout_timeout_s),

@@ -112,7 +112,7 @@ class _LoopResources:
 
     def __init__(self, cfg: OpenAIHTTPGenerationConfig, transport: httpx.AsyncBaseTransport | None) -> None:
         headers = {}
-        if cfg.api_key is not None:
+        if cfg.api_key is not None and cfg.api_key.get_secret_value():
             headers["Authorization"] = f"Bearer {cfg.api_key.get_secret_value()}"
         # Pool waits are bounded by our semaphore; the attempt itself by request_timeout_s.
         timeout = httpx.Timeout(cfg.request_timeout_s, connect=cfg.connect_timeout_s, pool=None)

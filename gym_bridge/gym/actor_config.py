@@ -6,6 +6,7 @@ actor's HTTP stack; :func:`actor_configs` derives one config per actor.
 
 from __future__ import annotations
 
+import os
 import random
 import socket
 from pathlib import Path
@@ -45,8 +46,14 @@ class NemoGymConfig(BaseModel):
     """The served model name; Gym's ``policy_model_name``."""
     base_urls: list[str]
     """OpenAI-compatible endpoints (``http://host:port/v1``), one per data-parallel shard."""
+    api_key_env_var: str = Field("OPENAI_API_KEY", min_length=1)
+    """The environment variable holding the endpoints' API key, read on the process that builds this config.
+    Unset: no key (Gym sends NeMo-RL's ``"dummy_key"``), unless this name was set explicitly, which then
+    requires the variable."""
     api_key: SecretStr = SecretStr("dummy_key")
-    """Sent by Gym's model server to the endpoints (Gym's ``policy_api_key``); never logged."""
+    """Sent by Gym's model server to the endpoints as a ``Bearer`` token (Gym's ``policy_api_key``); never logged.
+    Default: ``$api_key_env_var``. Only a ``SecretStr`` is taken: a plain string is a key written into a config
+    file, which gets copied into run folders and logs."""
     config_paths: list[str] = Field(default_factory=list)
     """Gym YAML configs; absolute, or relative to the actor's cwd, else to the nemo-gym wheel."""
     overrides: dict[str, Any] = Field(default_factory=dict)
@@ -99,6 +106,28 @@ class NemoGymConfig(BaseModel):
         if value is None or (isinstance(value, (list, tuple)) and not value):
             return cls.model_fields[info.field_name].default
         return value
+
+    @field_validator("api_key", mode="before")
+    @classmethod
+    def _no_literal_key(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            raise ValueError(
+                "api_key is not taken as text (a config file is copied into run folders); put the key in an "
+                "environment variable and name it with api_key_env_var (default OPENAI_API_KEY)"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _key_from_environment(self) -> NemoGymConfig:
+        """``api_key`` from ``$api_key_env_var`` unless given; a variable named explicitly must be set."""
+        if "api_key" in self.model_fields_set:
+            return self
+        value = os.environ.get(self.api_key_env_var, "")
+        if value:
+            self.api_key = SecretStr(value)
+        elif "api_key_env_var" in self.model_fields_set:
+            raise ValueError(f"api_key_env_var: the environment variable {self.api_key_env_var} is not set")
+        return self
 
     @field_validator("routed_experts_dtype")
     @classmethod

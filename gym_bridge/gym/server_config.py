@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["GymServersConfig", "HeadServerAddress", "deep_merge", "wheel_config_path"]
 
@@ -66,6 +69,39 @@ class GymServersConfig(BaseModel):
     server_dirs: dict[str, Path] = Field(default_factory=dict)
     """Extra server folders, ``"<server_type>/<impl>" -> folder``, for Gym's cwd-first lookup: Gym then
     runs in a private folder linking these and the caller's own ``<server_type>/<impl>`` folders."""
+
+    @model_validator(mode="after")
+    def _policy_fields_win(self) -> GymServersConfig:
+        """Gym's ``policy_base_url``, ``policy_model_name`` and ``policy_api_key`` come from the fields above
+        whenever they are set, whatever ``overrides`` say: NeMo-RL's NemoGym actor overwrites the same three
+        keys of the global config from its own config (``environments/nemo_gym.py``). ``policy_api_key`` is
+        always set. An override that differs is dropped with a warning naming the key, never its value."""
+        ours: dict[str, Any] = {"policy_api_key": self.policy_api_key.get_secret_value()}
+        if self.policy_base_urls:
+            ours["policy_base_url"] = list(self.policy_base_urls)
+        if self.policy_model_name:
+            ours["policy_model_name"] = self.policy_model_name
+        shadowed = [key for key in ours if key in self.overrides]
+        if not shadowed:
+            return self
+        differ = sorted(key for key in shadowed if _as_global(key, self.overrides[key]) != ours[key])
+        if differ:
+            logger.warning(
+                "Gym global config %s ignored: the actor config sets %s (as NeMo-RL's NemoGym actor does)",
+                ", ".join(differ),
+                "it" if len(differ) == 1 else "them",
+            )
+        self.overrides = {key: value for key, value in self.overrides.items() if key not in shadowed}
+        return self
+
+
+def _as_global(key: str, value: Any) -> Any:
+    """An override's value as the global config would hold it (a secret's text, one URL as a one-item list)."""
+    if isinstance(value, SecretStr):
+        return value.get_secret_value()
+    if key == "policy_base_url" and isinstance(value, str):
+        return [value]
+    return list(value) if isinstance(value, tuple) else value
 
 
 def deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:

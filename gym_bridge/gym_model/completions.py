@@ -20,6 +20,7 @@ from typing import Any
 
 import aiohttp
 import orjson
+from pydantic import SecretStr
 
 from gym_bridge.failures import GymBridgeError, http_status_is_infra
 from gym_bridge.generation.routing import SessionRouter
@@ -77,7 +78,7 @@ class CompletionsClient:
         base_urls: list[str],
         model: str,
         *,
-        api_key: str | None = None,
+        api_key: SecretStr | str | None = None,
         max_connections: int = 1024,
         request_timeout_s: float = 1800.0,
         retry_budget_s: float = 300.0,
@@ -86,8 +87,9 @@ class CompletionsClient:
         self.base_urls = [u.rstrip("/") for u in base_urls]
         self.model = model
         self.headers = {"Content-Type": "application/json"}
-        if api_key:
-            self.headers["Authorization"] = f"Bearer {api_key}"
+        key = api_key.get_secret_value() if isinstance(api_key, SecretStr) else api_key
+        if key:
+            self.headers["Authorization"] = f"Bearer {key}"
         self.max_connections = max_connections
         self.request_timeout_s = request_timeout_s
         self.retry_budget_s = retry_budget_s

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 __all__ = ["GymModelConfig", "load_from_gym_env"]
 
@@ -28,7 +28,8 @@ class GymModelConfig(BaseModel):
     port: int = Field(ge=0, le=65535)
     base_url: list[str] = Field(min_length=1)
     """OpenAI-compatible endpoints, each ending in ``/v1`` (a string is one endpoint)."""
-    api_key: str = "dummy_key"
+    api_key: SecretStr = SecretStr("dummy_key")
+    """Sent to the endpoints as a ``Bearer`` token (Gym's ``policy_api_key``); never logged."""
     model: str
     """The name sent upstream (Gym's ``policy_model_name``)."""
     return_token_id_information: bool = True

@@ -9,6 +9,7 @@ from typing import Any
 
 _EXPORTS = {
     "AUTO_TOOL_CHOICE_REFUSED": "gym_bridge.serving.app",
+    "ApiKeyMiddleware": "gym_bridge.serving.auth",
     "DriftCounter": "gym_bridge.serving.drift",
     "OpenAIServer": "gym_bridge.serving.server",
     "ServerFeatures": "gym_bridge.serving.app",

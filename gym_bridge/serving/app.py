@@ -74,6 +74,9 @@ class ServerFeatures:
     """False: ``logprobs`` is null in every answer, as from a server that does not compute them."""
     token_ids: bool = True
     """False: ``return_token_ids`` and ``return_tokens_as_token_ids`` are ignored and no token-id fields are sent."""
+    clamp_max_tokens: bool = False
+    """True: a chat's ``max_tokens`` beyond the room its prompt leaves is cut to that room, as NeMo-RL's training
+    server does (``vllm_worker_async``); False: vLLM's 400."""
 
 
 @dataclass
@@ -155,7 +158,9 @@ def build_app(state: ServingState) -> FastAPI:
             splice=state.token_id_correction,
         )
         headers = state.drift.record(prompt)
-        samples = await _generate(state, req, prompt.token_ids, req.requested_max_tokens())
+        samples = await _generate(
+            state, req, prompt.token_ids, req.requested_max_tokens(), clamp=features.clamp_max_tokens
+        )
         use_tools = bool(req.tools) and req.tool_choice != "none"
         as_ids = req.return_tokens_as_token_ids is not False and features.token_ids
         token_ids = req.return_token_ids and features.token_ids
@@ -338,10 +343,10 @@ def _completion_prompts(req: CompletionRequest, state: ServingState) -> list[lis
 
 
 async def _generate(
-    state: ServingState, req: SamplingFields, prompt_ids: list[int], requested: int | None
+    state: ServingState, req: SamplingFields, prompt_ids: list[int], requested: int | None, *, clamp: bool = False
 ) -> list[Sample]:
     greedy = resolve_greedy(req, state.profile)
-    max_tokens = max_tokens_for(requested, len(prompt_ids), state.profile)
+    max_tokens = max_tokens_for(requested, len(prompt_ids), state.profile, clamp=clamp)
     sampling = (
         {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k}
         if state.profile.per_request_sampling

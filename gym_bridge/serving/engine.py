@@ -11,7 +11,9 @@ generator.
 
 ``max_tokens`` is sent to the engine per row; for an engine that ignores it, a
 longer generation is cut after the fact (finish ``length``). Without per-request
-sampling the engine's ``max_new_tokens`` also caps it.
+sampling the engine's ``max_new_tokens`` also caps it. A ``max_tokens`` beyond the
+room the prompt leaves in the context is vLLM's 400, unless the server clamps it
+(:class:`~gym_bridge.serving.app.ServerFeatures` ``clamp_max_tokens``, NeMo-RL's chat server).
 """
 
 from __future__ import annotations
@@ -104,8 +106,9 @@ def resolve_greedy(req: SamplingFields, profile: EngineProfile) -> bool:
     return False
 
 
-def max_tokens_for(requested: int | None, prompt_len: int, profile: EngineProfile) -> int:
-    """The generation budget; a prompt that leaves no room is a 400 mentioning the context length."""
+def max_tokens_for(requested: int | None, prompt_len: int, profile: EngineProfile, *, clamp: bool = False) -> int:
+    """The generation budget, with vLLM's 400s: a prompt that leaves no room, and a ``max_tokens`` beyond the room
+    the prompt leaves (``clamp=True`` cuts that one to the room instead, as NeMo-RL's chat server does)."""
     room = profile.max_model_len - prompt_len
     if room <= 0:
         raise ServingError(
@@ -113,8 +116,17 @@ def max_tokens_for(requested: int | None, prompt_len: int, profile: EngineProfil
             f"{prompt_len} input tokens, which leaves no room for generation (context length exceeded).",
             param="messages",
         )
+    if requested is not None and requested > room:
+        if not clamp:
+            raise ServingError(
+                f"'max_tokens' or 'max_completion_tokens' is too large: {requested}. This model's maximum context "
+                f"length is {profile.max_model_len} tokens and your request has {prompt_len} input tokens "
+                f"({requested} > {profile.max_model_len} - {prompt_len}).",
+                param="max_tokens",
+            )
+        requested = room
     if requested is not None and profile.per_request_sampling:
-        return min(room, requested)
+        return requested
     budget = min(room, profile.max_new_tokens)
     return budget if requested is None else min(budget, requested)
 

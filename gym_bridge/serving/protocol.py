@@ -9,10 +9,21 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 #: Extra fields Gym puts on assistant messages of earlier turns; stripped before rendering.
 TOKEN_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs", "routed_experts")
+
+#: The chat roles the OpenAI API defines; any other role is a 400, as from vLLM.
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+
+
+def check_roles(messages: list[dict[str, Any]] | None) -> None:
+    """Refuse a message whose ``role`` is missing or not one of :data:`CHAT_ROLES` (naming its index)."""
+    for i, message in enumerate(messages or ()):
+        role = message.get("role")
+        if role not in CHAT_ROLES:
+            raise ValueError(f"message {i} has role {role!r}; the roles are {', '.join(CHAT_ROLES)}")
 
 
 class _Request(BaseModel):
@@ -51,6 +62,12 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     required_prefix_token_ids: list[int] | None = None
 
+    @field_validator("messages")
+    @classmethod
+    def _known_roles(cls, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        check_roles(messages)
+        return messages
+
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
@@ -73,6 +90,12 @@ class TokenizeRequest(_Request):
     add_special_tokens: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     required_prefix_token_ids: list[int] | None = None
+
+    @field_validator("messages")
+    @classmethod
+    def _known_roles(cls, messages: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        check_roles(messages)
+        return messages
 
 
 class DetokenizeRequest(_Request):

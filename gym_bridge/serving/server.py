@@ -17,9 +17,11 @@ import threading
 from typing import Any
 
 import uvicorn
+from pydantic import SecretStr
 
 from gym_bridge.interfaces import GenerationInterface
 from gym_bridge.serving.app import ServerFeatures, ServerLimits, ServingState, build_app
+from gym_bridge.serving.auth import ApiKeyMiddleware, open_port_warning
 from gym_bridge.serving.engine import EngineProfile
 
 logger = logging.getLogger(__name__)
@@ -75,10 +77,16 @@ class OpenAIServer:
         stop_timeout_s: float = 10.0,
         token_id_correction: bool = True,
         features: ServerFeatures | None = None,
+        api_key: SecretStr | str | None = None,
     ) -> None:
         """``token_id_correction=False`` ignores carried token ids and re-tokenises the history,
         as stock vLLM does (drift is still measured: ``/metrics``); ``features`` turns off what a
-        misconfigured vLLM lacks (tools, logprobs, token ids)."""
+        misconfigured vLLM lacks (tools, logprobs, token ids). ``api_key`` (None or empty: none)
+        is required as a ``Bearer`` token on ``/v1/*``, as vLLM's ``--api-key`` is
+        (:class:`~gym_bridge.serving.auth.ApiKeyMiddleware`)."""
+        if isinstance(api_key, str):
+            api_key = SecretStr(api_key)
+        self.api_key = api_key if api_key is not None and api_key.get_secret_value() else None
         self.host = host
         self.port = port
         self.stop_timeout_s = stop_timeout_s
@@ -94,7 +102,8 @@ class OpenAIServer:
             token_id_correction=token_id_correction,
             features=features or ServerFeatures(),
         )
-        self.app = build_app(self.state)
+        self.fastapi = build_app(self.state)
+        self.app: Any = self.fastapi if self.api_key is None else ApiKeyMiddleware(self.fastapi, self.api_key)
         self._server: uvicorn.Server | None = None
         self._task: asyncio.Task[None] | None = None
         self._sock: socket.socket | None = None
@@ -127,6 +136,9 @@ class OpenAIServer:
             await asyncio.sleep(0.01)
         host = f"[{self.host}]" if ":" in self.host else self.host
         self.base_url = f"http://{host}:{port}/v1"
+        warning = open_port_warning(self.host, port, self.api_key)
+        if warning is not None:
+            logger.warning(warning)
         logger.info("OpenAI-compatible server for %r listening on %s", self.state.served_model_name, self.base_url)
         return self.base_url
 

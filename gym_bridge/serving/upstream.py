@@ -14,12 +14,18 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+from pydantic import SecretStr
 
+from gym_bridge.failures import GymBridgeError
 from gym_bridge.generation.openai_http import OpenAIHTTPGeneration, OpenAIHTTPGenerationConfig
 from gym_bridge.serving.app import ServerLimits
 from gym_bridge.serving.server import OpenAIServer
 
 logger = logging.getLogger(__name__)
+
+
+class UpstreamError(GymBridgeError, ValueError):
+    """The proxy cannot be built: no upstream given, or the first one's ``/v1/models`` cannot say what it serves."""
 
 
 @dataclass(frozen=True)
@@ -37,18 +43,32 @@ def normalize_upstream(url: str) -> str:
     return url if url.endswith("/v1") else url + "/v1"
 
 
-def discover_upstream(base_url: str, *, timeout_s: float = 10.0, api_key: str | None = None) -> UpstreamModel:
-    """Ask ``{base_url}/models`` for the served name, model path and context length (vLLM reports all three)."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    response = httpx.get(f"{base_url}/models", timeout=timeout_s, headers=headers)
-    response.raise_for_status()
-    cards = response.json().get("data") or []
-    if not cards:
-        raise ValueError(f"{base_url}/models lists no model")
-    card = cards[0]
+def discover_upstream(
+    base_url: str, *, timeout_s: float = 10.0, api_key: SecretStr | str | None = None
+) -> UpstreamModel:
+    """Ask ``{base_url}/models`` for the served name, model path and context length (vLLM reports all three).
+
+    Raises :class:`UpstreamError` when nothing answers, the key is refused, or no model is listed.
+    """
+    key = api_key.get_secret_value() if isinstance(api_key, SecretStr) else api_key
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    try:
+        response = httpx.get(f"{base_url}/models", timeout=timeout_s, headers=headers)
+    except httpx.HTTPError as exc:
+        raise UpstreamError(f"upstream {base_url}: GET /models failed ({type(exc).__name__}: {exc})") from None
+    if response.status_code in (401, 403):
+        raise UpstreamError(f"upstream {base_url} refused the API key ({response.status_code})")
+    if response.status_code != 200:
+        raise UpstreamError(f"upstream {base_url}: GET /models answered HTTP {response.status_code}")
+    try:
+        cards = response.json().get("data") or []
+        card = cards[0]
+        name = str(card["id"])
+    except (ValueError, AttributeError, IndexError, KeyError, TypeError):
+        raise UpstreamError(f"upstream {base_url}: GET /models lists no model") from None
     length = card.get("max_model_len")
     return UpstreamModel(
-        name=str(card["id"]), root=card.get("root"), max_model_len=int(length) if isinstance(length, int) else None
+        name=name, root=card.get("root"), max_model_len=int(length) if isinstance(length, int) else None
     )
 
 
@@ -62,7 +82,8 @@ def build_proxy(
     port: int = 0,
     reasoning_parser: bool = False,
     max_model_len: int | None = None,
-    api_key: str | None = None,
+    api_key: SecretStr | str | None = None,
+    inbound_api_key: SecretStr | str | None = None,
     limits: ServerLimits | None = None,
     http_options: dict[str, Any] | None = None,
     transport: httpx.AsyncBaseTransport | None = None,
@@ -73,25 +94,33 @@ def build_proxy(
     the first upstream reports. ``upstream_model`` (the name sent upstream),
     ``served_model_name`` (the name clients use; default the upstream's) and
     ``max_model_len`` are asked of the first upstream's ``/v1/models`` when not given.
+    ``api_key`` is sent to the upstreams (``Authorization: Bearer``); ``inbound_api_key`` is what the proxy
+    itself requires of its clients on ``/v1/*``, as ``vllm serve --api-key`` does.
     ``http_options`` override :class:`OpenAIHTTPGenerationConfig` fields (retries,
     timeouts, connections); ``transport`` replaces the generation requests' network
     (tests; discovery still asks the real upstream).
     The server is returned unstarted: ``start()`` / ``start_in_thread()``.
     """
     if not upstreams:
-        raise ValueError("build_proxy needs at least one upstream URL")
+        raise UpstreamError("build_proxy needs at least one upstream URL")
     base_urls = [normalize_upstream(u) for u in upstreams]
     needs_discovery = upstream_model is None or max_model_len is None or tokenizer is None
     found = discover_upstream(base_urls[0], api_key=api_key) if needs_discovery else None
     model_name = upstream_model or (found.name if found is not None else None)
     if not model_name:
-        raise ValueError("upstream_model must be a model name, not empty")
+        raise UpstreamError("upstream_model must be a model name, not empty")
     length = max_model_len or (found.max_model_len if found else None)
     if tokenizer is None or isinstance(tokenizer, str):
         from transformers import AutoTokenizer
 
         path = tokenizer or (found.root if found else None) or model_name
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path)
+        except (OSError, ValueError) as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise UpstreamError(
+                f"cannot load the tokenizer {path!r} (pass --tokenizer a local folder): {first}"
+            ) from None
     if length is None:
         model_max = getattr(tokenizer, "model_max_length", None)
         length = model_max if isinstance(model_max, int) and 0 < model_max < 2**31 else None
@@ -104,7 +133,7 @@ def build_proxy(
         "max_retries": 2,  # connection failures move to another upstream; clients retry the rest
         "backoff_base_s": 0.1,
         "max_backoff_s": 1.0,
-        "api_key": api_key,
+        "api_key": SecretStr(api_key) if isinstance(api_key, str) else api_key,
     }
     options.update(http_options or {})
     generation = OpenAIHTTPGeneration(OpenAIHTTPGenerationConfig(**options), transport=transport)
@@ -119,4 +148,5 @@ def build_proxy(
         model_path=getattr(tokenizer, "name_or_path", None) or model_name,
         max_model_len=length,
         limits=limits,
+        api_key=inbound_api_key,
     )

@@ -140,7 +140,7 @@ def _run_pending(
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     with _policy_endpoint(config) as (base_urls, tokenizer):
         spec = _launch_spec(config, base_urls, pending)
-        _preflight(spec)
+        _preflight(spec, None if config.embedded else config.api_key())
         rollouts = start_nemo_gym(spec, tokenizer)
         try:
             previous = read_jsonl(store.results_path)
@@ -173,8 +173,9 @@ def _run_pending(
                     ray.shutdown()
 
 
-def _preflight(spec: Any) -> None:
-    """Check every endpoint with the run's API key, before Ray or Gym start (raises ``PreflightError``)."""
+def _preflight(spec: Any, api_key: SecretStr | None) -> None:
+    """Check every endpoint with the run's API key (None: none is sent, so a refusal says so), before Ray or
+    Gym start (raises ``PreflightError``)."""
     from gym_bridge.preflight import preflight_endpoints
 
     checks = preflight_endpoints(
@@ -182,7 +183,7 @@ def _preflight(spec: Any) -> None:
         spec.gym.model_name,
         tools=spec.uses_tools,
         timeout_s=spec.preflight_timeout_s,
-        api_key=spec.gym.api_key,
+        api_key=api_key,
     )
     for check in checks:
         logger.info("preflight %s", check.line)

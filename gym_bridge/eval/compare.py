@@ -213,6 +213,7 @@ def _compare_pair(
             for key, was, now in zip(keys, passed_a, passed_b, strict=True):
                 if was != now:
                     flips.append(_flip(base.by_key[key], other.by_key[key], "fixed" if now else "broken"))
+    flips.sort(key=lambda f: (f["direction"] != "fixed", f["prompt_idx"]))
     return {"metrics": names, "agents": agents, "flips": flips}
 
 

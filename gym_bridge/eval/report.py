@@ -1,4 +1,5 @@
-"""``metrics.json``, ``report.md`` and ``report.png`` of a run folder, from its files alone."""
+"""``metrics.json``, ``report.md``, ``report.png`` and the trace viewer ``report.html`` of a run folder, from its
+files alone."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 
 from gym_bridge.eval.passk import default_ks, pass_at_k
 from gym_bridge.eval.store import FAILURES_FILE, RESULTS_FILE, RUN_FILE, read_jsonl
+from gym_bridge.eval.viewer import VIEWER_FILE, build_viewer
 from gym_bridge.metrics import pct
 
 METRICS_FILE = "metrics.json"
@@ -136,6 +138,8 @@ def render_markdown(metrics: dict[str, Any]) -> str:
         "",
         f"![rewards and pass@k]({PLOT_FILE})",
         "",
+        f"Every prompt group and completion, turn by turn: [{VIEWER_FILE}]({VIEWER_FILE}) (open it in a browser).",
+        "",
         "| agent | prompts | mean reward | " + " | ".join(ks) + " | gen tokens (mean) | turns (mean) | truncated |",
         "|---|---|---|" + "---|" * len(ks) + "---|---|---|",
     ]
@@ -204,7 +208,8 @@ def render_plot(metrics: dict[str, Any], rewards: dict[str, list[float]], path: 
 
 
 def build_report(run_dir: str | Path) -> dict[str, Any]:
-    """Write ``metrics.json``, ``report.md`` and ``report.png`` into ``run_dir``; return the metrics."""
+    """Write ``metrics.json``, ``report.md``, ``report.png`` and ``report.html`` into ``run_dir``; return the
+    metrics."""
     run_dir = Path(run_dir)
     metrics = compute_metrics(run_dir)
     rewards: dict[str, list[float]] = defaultdict(list)
@@ -213,6 +218,7 @@ def build_report(run_dir: str | Path) -> dict[str, Any]:
     (run_dir / METRICS_FILE).write_text(json.dumps(metrics, indent=1) + "\n")
     (run_dir / REPORT_FILE).write_text(render_markdown(metrics))
     render_plot(metrics, rewards, run_dir / PLOT_FILE)
+    build_viewer(run_dir)
     return metrics
 
 

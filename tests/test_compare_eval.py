@@ -1,0 +1,130 @@
+"""Two real ``gym-bridge eval`` runs of one dataset (real Ray, real Gym servers, embedded policies), then the
+commands that read them: ``compare`` (the scripted policy beats the random tiny model, with an interval above 0,
+on exactly the prompts it answers) and ``rescore`` (Gym's own /verify again under another grading rule changes
+exactly the rewards that rule changes, and nothing is regenerated).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from difflib import SequenceMatcher
+from pathlib import Path
+
+import pytest
+
+from gym_bridge.eval.runs import load_run
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO / "examples" / "eval_equivalence_tools.yaml"
+ROWS = REPO / "examples" / "data" / "gym_rows.jsonl"
+N = 2
+
+pytestmark = [pytest.mark.gym, pytest.mark.e2e, pytest.mark.slow]
+
+
+def cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+    return subprocess.run([sys.executable, "-m", "gym_bridge.cli", *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=timeout)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    """The equivalence-tools example run twice: the random tiny model, then the scripted policy."""
+    root = tmp_path_factory.mktemp("compare-runs")
+    folders = {}
+    for policy in ("tiny", "scripted"):
+        folder = root / policy
+        done = cli("eval", str(EXAMPLE), f"output_dir={folder}", f"embedded_policy={policy}",
+                   f"num_generations_per_prompt={N}", "max_new_tokens=24", "--no-progress")  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        folders[policy] = folder
+    return folders
+
+
+def verdicts(run: Path) -> dict[int, bool]:
+    """Each prompt's verdict as compare defines it: at least half of its completions have reward 1."""
+    return {g.prompt_idx: sum(r >= 1.0 for r in g.rewards) >= len(g.rewards) / 2 for g in load_run(run).groups}
+
+
+@pytest.mark.timeout(900)
+def test_scripted_beats_tiny_with_an_interval_above_zero(runs: dict[str, Path], tmp_path: Path) -> None:
+    out = tmp_path / "cmp"
+    done = cli("compare", str(runs["tiny"]), str(runs["scripted"]), "--out", str(out), "--fail-if-worse", "0")
+    assert done.returncode == 0, done.stderr
+    report = json.loads((out / "compare.json").read_text())
+    assert report["shared_prompts"] == 6
+    comparison = report["comparisons"][0]
+    overall = comparison["agents"]["all"]["metrics"]
+    assert overall["mean_reward"]["low"] > 0 and overall["pass@1"]["low"] > 0, overall
+
+    tiny, scripted = verdicts(runs["tiny"]), verdicts(runs["scripted"])
+    assert sum(scripted.values()) == 5, "the scripted policy answers all but the open question"
+    expected_fixed = sorted(i for i in scripted if scripted[i] and not tiny[i])
+    expected_broken = sorted(i for i in scripted if tiny[i] and not scripted[i])
+    flips = comparison["flips"]
+    assert sorted(f["prompt_idx"] for f in flips if f["direction"] == "fixed") == expected_fixed
+    assert sorted(f["prompt_idx"] for f in flips if f["direction"] == "broken") == expected_broken
+    assert len(expected_fixed) >= 4
+    assert all(len(f["rewards_a"]) == len(f["rewards_b"]) == N for f in flips)
+    assert "Reply with exactly: 42" in (out / "compare.md").read_text()
+
+    # The gate: scripted -> tiny is worse by more than 0.2 at 95 %.
+    gated = cli("compare", str(runs["scripted"]), str(runs["tiny"]), "--out", str(tmp_path / "gate"),
+                "--fail-if-worse", "0.2")  # fmt: skip
+    assert gated.returncode == 1 and "worse by more than 0.2" in gated.stderr
+
+
+def output_text(gym_result: dict) -> str:
+    """The text equivalence_rule grades: every output_text block of the response's messages."""
+    return "".join(part["text"] for item in gym_result["response"]["output"] if item["type"] == "message"
+                   for part in item["content"] if part["type"] == "output_text")  # fmt: skip
+
+
+@pytest.mark.timeout(900)
+def test_rescore_with_another_grading_rule_changes_exactly_its_rewards(runs: dict[str, Path], tmp_path: Path) -> None:
+    source = tmp_path / "source"
+    shutil.copytree(runs["scripted"], source)
+    lines = (source / "results.jsonl").read_text().splitlines()
+    broken = json.loads(lines[0])
+    del broken["completions"][1]["gym_result"]["response"]  # a stored result that cannot be verified again
+    (source / "results.jsonl").write_text("\n".join([json.dumps(broken), *lines[1:]]) + "\n")
+    out = tmp_path / "rescored"
+    done = cli("rescore", str(source), "--out", str(out),
+               "gym_overrides.lc_equivalence_rule.resources_servers.equivalence_rule.grading_rule=seq_match")  # fmt: skip
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "1 could not be verified" in done.stdout
+    unverified = json.loads((out / "rescore.json").read_text())["unverified"]
+    assert [(u["prompt_idx"], u["completion"]) for u in unverified] == [(broken["prompt_idx"], 1)]
+    assert "no response" in unverified[0]["reason"]
+    before, after = load_run(source), load_run(out)
+    kept = after.groups[0].record["completions"][1]
+    assert kept["rescored"] is False and kept["reward"] == broken["completions"][1]["reward"], "listed, not dropped"
+    assert [g.key for g in before.groups] == [g.key for g in after.groups]
+    assert json.loads((out / "run.json").read_text())["rescore"]["source"] == str(source.resolve())
+    changed = 0
+    for old, new in zip(before.groups, after.groups, strict=True):
+        for c_old, c_new in zip(old.record["completions"], new.record["completions"], strict=True):
+            assert c_new["text"] == c_old["text"] and c_new["trace"] == c_old["trace"], "the response is unchanged"
+            assert c_new["previous_reward"] == c_old["reward"]
+            if not c_new["rescored"]:
+                continue
+            if old.agent == "lc_equivalence_rule_simple_agent":
+                answer = c_old["gym_result"]["expected_answer"]
+                said = " ".join(output_text(c_old["gym_result"]).strip().lower().split())
+                expected = SequenceMatcher(None, said, " ".join(answer.strip().lower().split())).ratio()
+                assert c_new["reward"] == pytest.approx(expected), (said, answer)
+            else:
+                assert c_new["reward"] == c_old["reward"], "another server's rewards do not change"
+            changed += c_new["reward"] != c_old["reward"]
+    assert changed >= 1, "seq_match gives partial credit to the answer exact matching scored 0"
+
+    # compare shows what the grader change did, and says it is a rescore
+    shown = cli("compare", str(source), str(out), "--out", str(tmp_path / "cmp"))
+    assert shown.returncode == 0, shown.stderr
+    assert re.search(r"another grader \(a rescore\): gym_overrides", (tmp_path / "cmp" / "compare.md").read_text())

@@ -198,6 +198,29 @@ def _compare(args: argparse.Namespace) -> int:
     return 1 if outcome.worse else 0
 
 
+def _rescore(args: argparse.Namespace) -> int:
+    import logging
+
+    from gym_bridge.eval.config import EvalConfigError
+    from gym_bridge.eval.rescore import RescoreError, rescore_run
+    from gym_bridge.eval.runs import RunReadError
+    from gym_bridge.failures import GymServersError
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    out = args.out or f"{args.run_dir.rstrip('/')}-rescored"
+    try:
+        outcome = rescore_run(args.run_dir, out, config_file=args.config, overrides=args.overrides)
+    except (RescoreError, RunReadError, EvalConfigError, GymServersError) as exc:
+        print(f"gym-bridge rescore: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", file=sys.stderr)
+        return 2
+    print(
+        f"{outcome.completions} completions verified again: {outcome.changed} rewards changed, "
+        f"{len(outcome.unverified)} could not be verified (listed in {outcome.out_dir / 'rescore.json'})"
+    )
+    print(f"report: {outcome.out_dir / 'report.md'}")
+    return 1 if outcome.unverified else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gym-bridge", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -282,6 +305,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="exit 1 when a run is worse than the first by more than DELTA (mean reward or pass@1) at --level",
     )
     compare.set_defaults(func=_compare)
+    rescore = commands.add_parser(
+        "rescore", help="grade a run's stored responses again through Gym's /verify, into a new run folder"
+    )
+    rescore.add_argument("run_dir", help="the finished run folder")
+    rescore.add_argument(
+        "overrides", nargs="*", metavar="key=value", help="grader settings to change, e.g. gym_overrides.x.y=z"
+    )
+    rescore.add_argument("--config", default=None, help="take config_paths, gym_overrides, pass_threshold from here")
+    rescore.add_argument("--out", default=None, help="the new run folder (default: RUN_DIR-rescored)")
+    rescore.set_defaults(func=_rescore)
     return parser
 
 

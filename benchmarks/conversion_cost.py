@@ -27,11 +27,10 @@ import json
 import pickle
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from gym_bridge.gym.convert import convert_gym_result
-from gym_bridge.gym.result import GymRowResult, log_as_numpy
 from gym_bridge.rollout.nemo_gym import group_metrics, gym_completion
 
 GROUP = 16
@@ -52,7 +51,7 @@ class ConversionCost:
     parse_us: float
     convert_us: float
     transfer_us: float
-    transfer_numpy_us: float
+    transfer_nemo_rl_us: float
     completion_us: float
     metrics_us: float
 
@@ -143,15 +142,6 @@ def synthetic_result(tokenizer: Any, turns: int, total_tokens: int = 2000) -> by
     return json.dumps(result).encode()
 
 
-def _as_numpy(row: GymRowResult) -> GymRowResult:
-    """A copy of ``row`` with numpy arrays, as the actor ships it (the original keeps its tensors)."""
-    return replace(row, message_log=log_as_numpy([dict(m) for m in row.message_log]))
-
-
-def _as_torch(row: GymRowResult) -> GymRowResult:
-    return row.with_tensors()
-
-
 def _cpu_us_per_row(step: Callable[[], Any], rows: int) -> tuple[Any, float]:
     """CPU per row of ``step`` with the garbage collector off, as ``timeit`` does.
 
@@ -178,8 +168,8 @@ def measure(tokenizer: Any, case: str, turns: int, total_tokens: int = 2000, ite
     moved, transfer_us = _cpu_us_per_row(
         lambda: [pickle.loads(pickle.dumps((0, c, None), protocol=5))[1] for c in converted], iterations
     )
-    _, transfer_numpy_us = _cpu_us_per_row(
-        lambda: [_as_torch(pickle.loads(pickle.dumps((0, _as_numpy(c), None), protocol=5))[1]) for c in converted],
+    _, transfer_nemo_rl_us = _cpu_us_per_row(
+        lambda: [pickle.loads(pickle.dumps((0, c.as_nemo_rl_result(), None), protocol=5))[1] for c in converted],
         iterations,
     )
     completions, completion_us = _cpu_us_per_row(
@@ -194,7 +184,7 @@ def measure(tokenizer: Any, case: str, turns: int, total_tokens: int = 2000, ite
         iterations,
     )
     return ConversionCost(
-        case, turns, total_tokens, parse_us, convert_us, transfer_us, transfer_numpy_us, completion_us, metrics_us
+        case, turns, total_tokens, parse_us, convert_us, transfer_us, transfer_nemo_rl_us, completion_us, metrics_us
     )
 
 
@@ -214,7 +204,7 @@ def measure_all(
 
 def markdown(costs: list[ConversionCost], target_ms: float) -> str:
     lines = [
-        "| case | tokens | parse µs | convert µs | pickle round trip µs (as numpy) | Completion µs "
+        "| case | tokens | parse µs | convert µs | pickle round trip µs (NeMo-RL's per-row dict) | Completion µs "
         f"| group metrics µs | conversion (convert + Completion) ms | target < {target_ms:g} ms |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
@@ -222,7 +212,7 @@ def markdown(costs: list[ConversionCost], target_ms: float) -> str:
         verdict = "met" if c.conversion_ms < target_ms else "MISSED"
         lines.append(
             f"| {c.case} | {c.tokens} | {c.parse_us:.0f} | {c.convert_us:.0f} | "
-            f"{c.transfer_us:.0f} ({c.transfer_numpy_us:.0f}) | "
+            f"{c.transfer_us:.0f} ({c.transfer_nemo_rl_us:.0f}) | "
             f"{c.completion_us:.0f} | {c.metrics_us:.0f} | {c.conversion_ms:.3f} | {verdict} |"
         )
     return "\n".join(lines) + "\n"

@@ -399,10 +399,10 @@ class TamperingRelay:
     async def agent_names(self):
         return await self.inner.agent_names.remote()
 
-    async def run_rollouts(self, rows, timer_prefix):
+    async def run_row_batches(self, rows, timer_prefix):
         self.calls += 1
         k = 0
-        async for ref in self.inner.run_rollouts.options(num_returns="streaming").remote(rows, timer_prefix):
+        async for ref in self.inner.run_row_batches.options(num_returns="streaming").remote(rows, timer_prefix):
             batch = await ref
             for result in batch.rows:
                 rowidx = result.row_index

@@ -6,20 +6,20 @@ import math
 import pickle
 import time
 
-import numpy as np
 import pytest
 import ray
 import torch
 
 from gym_bridge.failures import (
     FailureClass,
+    InvalidGymRow,
     RolloutDataFailure,
     classify_rollout_failure,
 )
 from gym_bridge.generation.scripted import ScriptedGeneration
 from gym_bridge.gym.actor import NemoGym, NemoGymConfig, NemoGymRestarted, NemoGymUnavailable
-from gym_bridge.gym.spinup import start_nemo_gym_actor
 from gym_bridge.gym.result import GymRowBatch
+from gym_bridge.gym.spinup import start_nemo_gym_actor
 from gym_bridge.testing import wait_until
 from gym_bridge.testing.gym_rows import (
     EQUIVALENCE_AGENT,
@@ -36,14 +36,14 @@ PREFIX = "timing/rollout"
 
 
 def _stream(actor, rows, prefix=PREFIX):
-    """``(rowidx, GymRowResult with tensors, timing or None)`` per row, flattened from the actor's batches."""
+    """``(rowidx, GymRowResult, timing or None)`` per row, flattened from the actor's batches."""
     items = []
-    for ref in actor.run_rollouts.options(num_returns="streaming").remote(rows, prefix):
+    for ref in actor.run_row_batches.options(num_returns="streaming").remote(rows, prefix):
         batch = ray.get(ref, timeout=120)
         assert isinstance(batch, GymRowBatch) and batch.rows, "the actor streamed an empty batch"
         for row in batch.rows:
-            assert all(isinstance(m["token_ids"], np.ndarray) for m in row.message_log), "tensors crossed Ray"
-        items += [(row.row_index, row.with_tensors(), None) for row in batch.rows]
+            assert all(isinstance(m["token_ids"], torch.Tensor) for m in row.message_log), "tensors restored"
+        items += [(row.row_index, row, None) for row in batch.rows]
         items[-1] = (*items[-1][:2], batch.timing)
     return items
 
@@ -116,6 +116,34 @@ def test_message_logs_dtypes_and_scripted_tokens(mixed_results, tiny_tokenizer):
         assert whole == model_calls[-1]["prompt_str"] + model_calls[-1]["generation_str"]
 
 
+def test_run_rollouts_streams_nemo_rls_per_row_tuples(gym_actor, tiny_tokenizer):
+    """NeMo-RL's own rollout code does ``rowidx, result, timing = await ref`` per element of ``run_rollouts``
+    and turns the result's token fields into tensors with ``torch.tensor``: the actor streams exactly that."""
+    rows = stamp(tool_call_rows()[:3])
+    stream = gym_actor.run_rollouts.options(num_returns="streaming").remote(rows, PREFIX)
+    items = [ray.get(ref, timeout=120) for ref in stream]
+    assert sorted(rowidx for rowidx, _, _ in items) == [0, 1, 2]
+    assert [timing is not None for _, _, timing in items] == [False, False, True]
+    assert f"{PREFIX}/await_results" in items[-1][2]
+    for _, result, _ in items:
+        assert set(result) == {"message_log", "input_message_log", "full_result"}
+        assert result["input_message_log"] == result["message_log"][:1]
+        ids = torch.tensor(result["message_log"][1]["token_ids"])
+        logprobs = torch.tensor(result["message_log"][1]["generation_logprobs"])
+        assert ids.dtype == torch.int64 and logprobs.dtype == torch.float32 and len(ids) == len(logprobs) > 0
+        assert "reward" in result["full_result"]
+
+
+def test_set_tokenizer_replaces_the_tokenizer(ray_session, tmp_path):
+    """NeMo-RL's distillation re-installs the tokenizer on a running actor; the second call replaces the first."""
+    actor = ray.remote(NemoGym).options(num_cpus=0).remote(gym_actor_config(["http://127.0.0.1:9/v1"], tmp_path))
+    try:
+        assert ray.get(actor.set_tokenizer.remote("first"), timeout=30) is None
+        assert ray.get(actor.set_tokenizer.remote("second"), timeout=30) is None
+    finally:
+        ray.kill(actor)
+
+
 def test_tool_call_episodes_have_two_contiguous_calls(mixed_results):
     rows, items = mixed_results
     tool_items = [(idx, r) for idx, r, _ in items if rows[idx]["agent_ref"]["name"] == TOOL_AGENT]
@@ -153,7 +181,7 @@ def test_rows_need_an_int_rowidx(gym_actor):
 
 
 def test_empty_rows(gym_actor):
-    assert isinstance(_cause(_first_error(gym_actor, [])), ValueError)
+    assert isinstance(_cause(_first_error(gym_actor, [])), InvalidGymRow)
 
 
 def test_http_422_from_run_is_a_picklable_data_failure(gym_actor):

@@ -259,7 +259,7 @@ def test_flags_reach_the_log_with_custom_patterns(tiny_tokenizer):
 
 
 def test_numpy_round_trip_keeps_dtypes_values_and_the_shared_input_message():
-    """A GymRowResult crosses pickle (Ray's transport) with numpy arrays and comes back with the same tensors."""
+    """A GymRowResult pickles (Ray's transport) its tensors as numpy arrays and unpickles the same tensors."""
     import numpy as np
 
     from gym_bridge.gym.convert import gym_row_result
@@ -269,9 +269,11 @@ def test_numpy_round_trip_keeps_dtypes_values_and_the_shared_input_message():
         {"role": "assistant", "content": "", "token_ids": torch.tensor([4], dtype=torch.int64),
          "generation_logprobs": torch.tensor([-0.5], dtype=torch.float32), "is_invalid_tool_call": False},
     ]
-    shipped = pickle.loads(pickle.dumps(gym_row_result(7, log, {"reward": 1}).with_numpy()))
-    assert isinstance(shipped.message_log[0]["token_ids"], np.ndarray)
-    back = shipped.with_tensors()
+    row = gym_row_result(7, log, {"reward": 1})
+    state = row.__getstate__()
+    assert isinstance(state["message_log"][0]["token_ids"], np.ndarray)
+    assert isinstance(row.message_log[0]["token_ids"], torch.Tensor)  # pickling leaves the original alone
+    back = pickle.loads(pickle.dumps(row, protocol=5))
     assert back.row_index == 7 and back.reward == 1.0
     assert back.input_message_log[0] is back.message_log[0]
     assert back.message_log[0]["token_ids"].dtype == torch.int64
@@ -283,17 +285,14 @@ def test_numpy_round_trip_keeps_dtypes_values_and_the_shared_input_message():
 
 def test_the_converted_row_reads_gyms_schema(tiny_tokenizer):
     """Reward, incomplete reason and scalar fields come from Gym's result; a missing or non-finite reward is named."""
-    from gym_bridge.gym.convert import without_mask_sample
-
     result = _result([_tokens(_message("4"), P1, [52, 2])])
     result["response"]["incomplete_details"] = {"reason": "max_output_tokens"}
     result.update(solved=True, label="text", _private=1.0, instance_config={"mask_sample": True, "k": 1})
     row = convert_gym_result(result, tiny_tokenizer, row_index=3)
     assert row.row_index == 3
     assert row.reward == 1.0 and row.incomplete_reason == "max_output_tokens" and row.token_drift is None
-    assert row.metrics == {"reward": 1.0, "solved": 1.0}
-    without_mask_sample(row.full_result)
-    assert row.full_result["instance_config"] == {"k": 1}
+    assert row.metrics == {"reward": 1.0, "solved": 1.0, "_private": 1.0}
+    assert row.mask_sample is True and row.full_result["instance_config"] == {"mask_sample": True, "k": 1}
     for reward, needle in [(None, "no 'reward'"), (math.nan, "reward is nan"), ("x", "'x' is not a number")]:
         bad = _result([_tokens(_message("4"), P1, [52, 2])])
         if reward is None:

@@ -21,8 +21,15 @@ def test_calculate_single_metric_keys_and_values():
     assert out["reward/max"] == 10.0 and out["reward/min"] == 1.0
     assert out["reward/median"] == 2.5
     assert out["reward/stddev"] == pytest.approx(math.sqrt(50 / 3))
-    assert out["reward/histogram"] == [1.0, 2.0, 3.0, 10.0]
-    assert all(isinstance(v, float) for v in out["reward/histogram"])
+    assert out["reward/histogram"] == [1, 2, 3, 10]
+
+
+def test_values_keep_their_type_as_in_nemo_rl():
+    """NeMo-RL casts nothing: an int metric's max, min and histogram stay ints, a bool's max a bool."""
+    ints = calculate_single_metric([3, 1, 2], 3, "turns")
+    assert type(ints["turns/max"]) is int and type(ints["turns/min"]) is int
+    assert [type(v) for v in ints["turns/histogram"]] == [int, int, int]
+    assert calculate_single_metric([True, False], 2, "solved")["solved/max"] is True
 
 
 def test_mean_divides_by_the_batch_size_as_nemo_rl_does():
@@ -30,11 +37,6 @@ def test_mean_divides_by_the_batch_size_as_nemo_rl_does():
     out = calculate_single_metric([2, 4], 4, "agent/score")
     assert out["agent/score/mean"] == 1.5
     assert out["agent/score/max"] == 4.0 and out["agent/score/stddev"] == pytest.approx(math.sqrt(2))
-
-
-def test_more_values_than_batch_size_is_rejected():
-    with pytest.raises(ValueError, match="3 values for a batch of 2"):
-        calculate_single_metric([1, 2, 3], 2, "k")
 
 
 def test_stddev_is_nan_for_one_value_and_zero_for_identical_values():
@@ -46,14 +48,9 @@ def test_median_of_odd_count():
     assert calculate_single_metric([9, 1, 5], 3, "k")["k/median"] == 5.0
 
 
-def test_empty_values_name_the_key():
-    with pytest.raises(ValueError, match="'turns'"):
+def test_empty_values_raise_as_nemo_rl_does():
+    with pytest.raises(ValueError):
         calculate_single_metric([], 4, "turns")
-
-
-def test_the_old_argument_order_is_caught():
-    with pytest.raises(TypeError, match="key_name must be a str"):
-        calculate_single_metric([1.0], "reward", 4)  # type: ignore[arg-type]
 
 
 def test_pct_empty_is_zero():

@@ -39,7 +39,7 @@ def fake_result(rowidx: int, reward: float = 1.0, **flags) -> GymRowResult:
         "generation_logprobs": torch.tensor([-0.5, -0.25]),
     }
     full_result = {"reward": reward, "solved": reward > 0, "response": {}, "label": "text", **flags}
-    return gym_row_result(rowidx, [user, asst], full_result).with_numpy()
+    return gym_row_result(rowidx, [user, asst], full_result)
 
 
 _MASK_PLANS = {
@@ -68,7 +68,7 @@ class ScriptedStreamActor:
     def dispatched(self):
         return self.calls
 
-    async def run_rollouts(self, rows, timer_prefix):
+    async def run_row_batches(self, rows, timer_prefix):
         plan = self.plans.pop(0) if self.plans else "ok"
         indices = [r["_rowidx"] for r in rows]
         self.calls.append(indices)
@@ -138,7 +138,7 @@ async def test_group_in_generation_order_with_metrics(make):
 
 
 async def test_only_missing_rows_are_redispatched(make):
-    impl, actor = make(["drop_last_then_fail", "ok"])
+    impl, actor = make(["drop_last_then_fail", "ok"], max_gym_row_attempts=3)
     record = await impl.run_rollout(datum())
     assert await actor.dispatched.remote() == [[0, 1, 2, 3], [3]]
     assert [c.reward for c in record.completions] == [0.0, 1.0, 2.0, 3.0]
@@ -161,7 +161,7 @@ async def test_data_failure_is_not_redispatched(make):
 
 @pytest.mark.parametrize(
     ("plan", "needle"),
-    [("duplicate", "duplicate row index 0"), ("stale", "outside the expected range")],
+    [("duplicate", "duplicate row index 0"), ("stale", "99 came back, which was not dispatched")],
 )
 async def test_bad_row_indices_are_rejected(make, plan, needle):
     impl, _ = make([plan] * 3, max_gym_row_attempts=1)
@@ -184,7 +184,8 @@ async def test_agent_discovery_is_under_the_group_deadline(make):
 
 
 async def test_stream_elements_must_be_typed_batches(make, stream_actor):
-    """The client accepts only GymRowBatch elements: a stray tuple (the old wire format) is a transport failure."""
+    """The client accepts only GymRowBatch elements: a stray tuple (NeMo-RL's per-row shape) is a transport
+    failure."""
     impl, _ = make(["legacy_tuple"], max_gym_row_attempts=1)
     with pytest.raises(GymTransportError, match="not a GymRowBatch"):
         await impl.run_rollout(datum())
@@ -288,7 +289,7 @@ async def test_flagged_samples_are_masked_and_counted_never_zero_rewards(make):
 async def test_infra_flagged_rows_are_resent_then_kept_masked(make):
     """A row masked for an infrastructure failure_kind (session_lost) is re-sent while the row budget lasts;
     a row still flagged on the last attempt is kept, masked, not turned into a reward."""
-    impl, actor = make(["mask_infra", "ok"])
+    impl, actor = make(["mask_infra", "ok"], max_gym_row_attempts=3)
     record = await impl.run_rollout(datum())
     assert [c.masked for c in record.completions] == [False] * 4 and [c.reward for c in record.completions] == [
         0.0,
@@ -305,9 +306,17 @@ async def test_infra_flagged_rows_are_resent_then_kept_masked(make):
     assert ray.get(actor.dispatched.remote()) == [[0, 1, 2, 3], [1, 3], [1, 3]]
 
 
-async def test_masking_off_keeps_flagged_samples_and_drops_the_flag(make):
-    """mask_env_flagged_samples=False (NeMo-RL's opt-out): the sample trains, and its flag is gone from env_extras."""
+async def test_masking_off_keeps_flagged_samples_and_gyms_result_as_it_came(make):
+    """mask_env_flagged_samples=False (NeMo-RL's opt-out): the sample trains; Gym's result is not edited."""
     impl, _ = make(["mask_data"], mask_env_flagged_samples=False)
     record = await impl.run_rollout(datum())
     assert not any(c.masked for c in record.completions)
-    assert all("mask_sample" not in (c.env_extras or {}) for c in record.completions)
+    assert [bool((c.env_extras or {}).get("mask_sample")) for c in record.completions] == [False, True, False, True]
+
+
+async def test_masking_off_keeps_infra_flagged_rows_instead_of_resending_them(make):
+    """Without masking, a row Gym flagged for an infrastructure failure_kind is kept as it came (NeMo-RL)."""
+    impl, actor = make(["mask_infra"], mask_env_flagged_samples=False, max_gym_row_attempts=3)
+    record = await impl.run_rollout(datum())
+    assert ray.get(actor.dispatched.remote()) == [[0, 1, 2, 3]]
+    assert not any(c.masked for c in record.completions)

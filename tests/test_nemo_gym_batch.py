@@ -29,7 +29,7 @@ class StreamedResults:
     async def agent_names(self):
         return [AGENT]
 
-    async def run_rollouts(self, rows, timer_prefix):
+    async def run_row_batches(self, rows, timer_prefix):
         converted = []
         for row in rows:
             i = row["_rowidx"]
@@ -40,7 +40,7 @@ class StreamedResults:
                 "token_ids": token_tensor([7, i]),
                 "generation_logprobs": torch.zeros(2),
             }
-            converted.append(gym_row_result(i, [user, reply], {"response": {}, **self.fields[i]}).with_numpy())
+            converted.append(gym_row_result(i, [user, reply], {"response": {}, **self.fields[i]}))
         yield GymRowBatch(converted, {f"{timer_prefix}/await_results": 0.0})
 
 

@@ -90,6 +90,27 @@ def test_backends_take_nemo_rl_positional_arguments(tiny_tokenizer, scripted):
     assert explicit.max_gym_row_attempts == 2
 
 
+def test_the_gym_backend_is_built_with_the_keywords_nemo_rls_manager_passes(tiny_tokenizer, scripted):
+    """NeMo-RL's RolloutManager hands its impl every keyword it has (policy_generation among them); its impl
+    takes **kwargs, so ours does too. Without a retry policy a row gets one attempt (NeMo-RL's single_attempt)."""
+    gym = AsyncNemoGymRolloutImpl(
+        tokenizer=tiny_tokenizer,
+        task_to_env={"nemo_gym": object()},
+        num_generations_per_prompt=2,
+        max_seq_len=256,
+        max_rollout_turns=1,
+        policy_generation=scripted,
+        generation_config=GEN_CFG,
+        mask_env_flagged_samples=True,
+        timeouts=RolloutTimeouts(),
+        retry_policy=None,
+        stats=RolloutStats(),
+    )
+    assert gym.max_gym_row_attempts == 1 and gym.client.resend_env_infra_failures is True
+    unmasked = AsyncNemoGymRolloutImpl(tiny_tokenizer, {"nemo_gym": object()}, 2, 256, 1, GEN_CFG, False)
+    assert unmasked.client.resend_env_infra_failures is False  # without masking, Gym's flagged rows are kept
+
+
 def test_retry_policy_reaches_the_gym_backend_through_the_manager(tiny_tokenizer):
     policy = RolloutRetryPolicy.single_attempt(max_gym_row_attempts=5)
     manager = RolloutManager(

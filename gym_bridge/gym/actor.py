@@ -3,8 +3,13 @@
 Lifecycle: ``NemoGym(cfg, tokenizer)`` is cheap; the tokenizer travels once, with
 the constructor arguments (shipping it per call would stall the actor's event loop
 on deserialization), so Ray keeps it for restarts. ``spinup()`` starts the servers;
-``run_rollouts(rows, prefix)`` is an async generator consumed with
-``num_returns="streaming"``; ``shutdown()`` is idempotent and never raises.
+``shutdown()`` is idempotent and never raises.
+
+Two streams, each an async generator consumed with ``num_returns="streaming"``:
+``run_rollouts(rows, prefix)`` yields NeMo-RL's ``(rowidx, result, timing)`` per row, the
+contract NeMo-RL's own rollout functions and manager consume; ``run_row_batches(rows, prefix)``
+yields :class:`GymRowBatch` es (the rows that finished together, typed), which our
+:class:`~gym_bridge.gym.client.GymClient` consumes: one Ray message per batch instead of per row.
 
 When Ray restarts the actor (``actor_options={"max_restarts": ...}``), the Gym servers
 died with the old process. ``cfg.on_restart="fail"`` makes every call raise
@@ -47,6 +52,7 @@ from gym_bridge.failures import (
     GymResultError,
     GymServerDied,
     GymTransportError,
+    InvalidGymRow,
     NemoGymRestarted,
     NemoGymUnavailable,
     RolloutTimeout,
@@ -56,7 +62,7 @@ from gym_bridge.failures import (
 from gym_bridge.gym.actor_config import NemoGymConfig, actor_configs
 from gym_bridge.gym.convert import convert_gym_result
 from gym_bridge.gym.health import EndpointWatch
-from gym_bridge.gym.result import GymRowBatch, GymRowResult
+from gym_bridge.gym.result import GymRowBatch, GymRowResult, NemoRLRowResult
 from gym_bridge.gym.rows import ROW_INDEX_KEY, dispatch_target
 from gym_bridge.gym.servers import GymServers
 from gym_bridge.types import Tokenizer
@@ -135,9 +141,8 @@ class NemoGym:
         return self._servers
 
     async def set_tokenizer(self, tokenizer: Tokenizer) -> None:
-        """Install the tokenizer when it was not given to the constructor."""
-        if self._tokenizer is not None:
-            raise RuntimeError("the tokenizer is already set")
+        """Install the tokenizer rows are decoded with, replacing any earlier one (NeMo-RL's distillation
+        re-installs it this way)."""
         self._tokenizer = tokenizer
 
     async def health_check(self) -> None:
@@ -185,19 +190,28 @@ class NemoGym:
 
     async def run_rollouts(
         self,
-        rows: Sequence[dict[str, Any]],
+        nemo_gym_examples: Sequence[dict[str, Any]],
         timer_prefix: str = "timing/rollout",
         deduplicate_multimodal_data: bool = False,
+    ) -> AsyncIterator[tuple[int, NemoRLRowResult, dict[str, float] | None]]:
+        """NeMo-RL's stream: ``(rowidx, result, timing)`` per row in completion order, ``timing`` on the last.
+
+        ``result`` is NeMo-RL's dict (:meth:`GymRowResult.as_nemo_rl_result`). NeMo-RL's third argument,
+        ``deduplicate_multimodal_data``, changes nothing here: the converted rows carry no media to leave out.
+        """
+        async for batch in self.run_row_batches(nemo_gym_examples, timer_prefix):
+            last = len(batch.rows) - 1
+            for i, row in enumerate(batch.rows):
+                yield row.row_index, row.as_nemo_rl_result(), batch.timing if i == last else None
+
+    async def run_row_batches(
+        self, rows: Sequence[dict[str, Any]], timer_prefix: str = "timing/rollout"
     ) -> AsyncIterator[GymRowBatch]:
         """Yield :class:`GymRowBatch` es in completion order, each row's ``row_index`` its ``_rowidx``.
 
-        NeMo-RL's third argument, ``deduplicate_multimodal_data``, changes nothing here: the
-        converted rows carry no media to leave out.
-
         Every row is posted to its agent's ``/run`` at once. Rows that finish while a
         batch is being converted travel together in the next element (one Ray message
-        instead of one per row), their message logs as numpy arrays
-        (:meth:`GymRowResult.with_tensors` restores the tensors). The
+        instead of one per row). The
         element that completes the call carries ``timing``: ``{prefix}/await_results``,
         ``{prefix}/postprocess_results`` and ``{prefix}/postprocess_results_pct``
         (seconds; pct of this generator's own time, consumer time excluded).
@@ -205,9 +219,9 @@ class NemoGym:
         """
         servers = await self._ready()
         if not rows:
-            raise ValueError("run_rollouts() needs at least one row")
+            raise InvalidGymRow("run_rollouts() needs at least one row")
         if self._tokenizer is None:
-            raise RuntimeError("set_tokenizer must be called before run_rollouts")
+            raise NemoGymUnavailable("set_tokenizer must be called before run_rollouts")
         urls = [self._route(i, row) for i, row in enumerate(rows)]
         client = self._http_client()
         loop = asyncio.get_running_loop()
@@ -356,7 +370,7 @@ class NemoGym:
         self._check_servers(self._servers, f"{where} failed because a Gym server died")
 
     def _convert_batch(self, posted: list[tuple[dict[str, Any], bytes]]) -> list[GymRowResult]:
-        return [self._convert(row, body).with_numpy() for row, body in posted]
+        return [self._convert(row, body) for row, body in posted]
 
     def _convert(self, row: dict[str, Any], body: bytes) -> GymRowResult:
         rowidx = row[ROW_INDEX_KEY]

@@ -2,9 +2,10 @@
 
 It discovers the running agents, checks the group's agent, picks the actor (the one
 with the fewest rows in flight from this client, avoiding actors that already failed
-this group), streams the rows through ``NemoGym.run_rollouts``, checks every row index
-that comes back, restores the message logs' tensors, and re-dispatches only the rows
-that never arrived after an infrastructure failure. One deadline spans all of it,
+this group), streams the rows through ``NemoGym.run_row_batches``, checks every row index
+that comes back, and re-dispatches only the rows that never arrived after an infrastructure
+failure (and, with ``resend_env_infra_failures``, the rows the environment masked for an
+infrastructure ``failure_kind``). One deadline spans all of it,
 agent discovery included. The result is typed: :class:`GymGroupResult`.
 """
 
@@ -56,6 +57,7 @@ class GymClient:
         max_row_attempts: int = 3,
         stats: RolloutStats | None = None,
         timer_prefix: str = "timing/rollout",
+        resend_env_infra_failures: bool = True,
     ) -> None:
         if not actors or any(actor is None for actor in actors):
             raise ValueError("GymClient needs at least one NemoGym actor")
@@ -65,6 +67,7 @@ class GymClient:
         self.max_row_attempts = max_row_attempts
         self.stats = stats if stats is not None else RolloutStats()
         self.timer_prefix = timer_prefix
+        self.resend_env_infra_failures = resend_env_infra_failures
         self._in_flight = [0] * len(self.actors)
         self._dead: set[int] = set()
         self._known_agents: list[str] | None = None
@@ -154,7 +157,7 @@ class GymClient:
             if not pending:
                 break
             if attempts > 1:
-                self.stats.gym_row_redispatches += len(pending)
+                self.stats.record_gym_row_redispatch(len(pending))
                 logger.warning(
                     "prompt_idx=%d: re-dispatching %d of %d rows (attempt %d) after %s: %s",
                     prompt_idx,
@@ -206,7 +209,9 @@ class GymClient:
         try:
             async with self.loop_turn():
                 stream = (
-                    self.actors[actor].run_rollouts.options(num_returns="streaming").remote(pending, self.timer_prefix)
+                    self.actors[actor]
+                    .run_row_batches.options(num_returns="streaming")
+                    .remote(pending, self.timer_prefix)
                 )
             async for ref in stream:
                 batch = await _unwrapped(ref)
@@ -231,30 +236,30 @@ class GymClient:
         seen: set[int],
         keep_env_failures: bool,
     ) -> None:
-        """Check one streamed row index and keep the row, its tensors restored.
+        """Check one streamed row index and keep the row.
 
-        A row the environment masked for an infrastructure ``failure_kind`` (a lost session, an unreachable
-        provider) is left out, so the next attempt re-sends it, unless this is the last attempt: then it is
-        kept, masked."""
+        With ``resend_env_infra_failures``, a row the environment masked for an infrastructure
+        ``failure_kind`` (a lost session, an unreachable provider) is left out, so the next attempt
+        re-sends it, unless this is the last attempt: then it is kept, masked."""
         rowidx = row.row_index
-        if not isinstance(rowidx, int) or isinstance(rowidx, bool):
-            raise GymRowIndexError(f"row index {rowidx!r} is not an int")
-        if not 0 <= rowidx < len(results):
-            raise GymRowIndexError(f"row index {rowidx} is outside the expected range [0, {len(results)})")
         if rowidx not in dispatched:
-            raise GymRowIndexError(f"row index {rowidx} came back, which was not dispatched in this attempt")
+            raise GymRowIndexError(f"row index {rowidx!r} came back, which was not dispatched in this attempt")
         if rowidx in seen:
             raise GymRowIndexError(f"duplicate row index {rowidx}")
         seen.add(rowidx)
         self._in_flight[actor] -= 1
-        infra_flagged = row.mask_sample and gym_failure_kind_class(row.failure_kind) is FailureClass.INFRA
-        if infra_flagged and not keep_env_failures:
+        if self.resend_env_infra_failures and not keep_env_failures and _infra_flagged(row):
             self.stats.record_env_failure_redispatch(str(row.failure_kind))
             logger.warning(
                 "row %d came back masked (%s: %s); re-sending it", rowidx, row.failure_kind, row.failure_reason
             )
             return
-        results[rowidx] = row.with_tensors()
+        results[rowidx] = row
+
+
+def _infra_flagged(row: GymRowResult) -> bool:
+    """The environment masked the row for an infrastructure ``failure_kind``."""
+    return row.mask_sample and gym_failure_kind_class(row.failure_kind) is FailureClass.INFRA
 
 
 async def _unwrapped(ref: Any) -> Any:

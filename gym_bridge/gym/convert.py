@@ -41,7 +41,6 @@ __all__ = [
     "gym_row_result",
     "incomplete_reason",
     "scalar_fields",
-    "without_mask_sample",
 ]
 
 DEFAULT_INVALID_TOOL_CALL_PATTERNS: tuple[str, ...] = (
@@ -249,20 +248,9 @@ def incomplete_reason(full_result: Mapping[str, Any] | None) -> str | None:
 
 
 def scalar_fields(full_result: Mapping[str, Any]) -> dict[str, float]:
-    """The numeric and boolean top-level fields of a Gym result (``reward``, verifier scores), as floats."""
-    return {
-        key: float(value)
-        for key, value in full_result.items()
-        if isinstance(value, (int, float, bool)) and not key.startswith("_")
-    }
-
-
-def without_mask_sample(full_result: dict[str, Any]) -> None:
-    """Drop ``mask_sample`` and ``instance_config.mask_sample``, in place (``mask_env_flagged_samples=False``)."""
-    full_result.pop("mask_sample", None)
-    instance_config = full_result.get("instance_config")
-    if isinstance(instance_config, dict):
-        instance_config.pop("mask_sample", None)
+    """The numeric and boolean top-level fields of a Gym result (``reward``, verifier scores), as floats: what
+    NeMo-RL summarises per agent."""
+    return {key: float(value) for key, value in full_result.items() if isinstance(value, (int, float, bool))}
 
 
 def _output_items(result: Any) -> list[Any]:

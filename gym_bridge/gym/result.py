@@ -1,22 +1,33 @@
 """The typed results that cross from the NemoGym actor to the driver: one Gym row, a streamed batch.
 
 The actor builds them (:func:`gym_bridge.gym.convert.convert_gym_result` reads Gym's
-result schema) with the message log's tensors swapped for numpy arrays: Ray pickles
-an array out of band (~0.1 ms) but a tensor through ``torch.save`` (~0.3 ms each way,
-several per row). :class:`gym_bridge.gym.client.GymClient` restores the tensors.
+result schema). A :class:`GymRowResult` pickles its message log's tensors as numpy arrays and
+unpickles them as tensors again: Ray pickles an array out of band (~0.1 ms) but a tensor through
+``torch.save`` (~0.3 ms each way, several per row), and neither end converts by hand.
+:meth:`GymRowResult.as_nemo_rl_result` is the per-row dict NeMo-RL's own actor streams.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, TypedDict, cast
 
 import numpy as np
 import torch
 
 from gym_bridge.types import LLMMessageLogType
 
-__all__ = ["GymRowBatch", "GymRowResult", "log_as_numpy", "log_as_tensors"]
+__all__ = ["GymRowBatch", "GymRowResult", "NemoRLRowResult", "log_as_numpy", "log_as_tensors"]
+
+
+class NemoRLRowResult(TypedDict):
+    """One element of NeMo-RL's actor stream, ``(rowidx, result, timing)``: its ``result``.
+
+    Token fields are numpy arrays, which NeMo-RL's consumers turn into tensors (``_tensorize_by_key``)."""
+
+    message_log: list[dict[str, Any]]
+    input_message_log: list[dict[str, Any]]
+    full_result: dict[str, Any]
 
 
 @dataclass(slots=True)
@@ -26,7 +37,7 @@ class GymRowResult:
     row_index: int
     """The row's ``_rowidx`` (its position in the group)."""
     message_log: LLMMessageLogType
-    """User/assistant pairs, one per model call; numpy arrays in transit, tensors after :meth:`with_tensors`."""
+    """User/assistant pairs, one per model call, with int64 ``token_ids`` and float32 ``generation_logprobs``."""
     full_result: dict[str, Any]
     """Gym's ``/run`` result, token arrays popped and ``prompt_str`` / ``generation_str`` added."""
     reward: float
@@ -50,15 +61,21 @@ class GymRowResult:
         """The first user message: the prompt as NeMo-RL records it."""
         return self.message_log[:1]
 
-    def with_numpy(self) -> GymRowResult:
-        """Swap the message log's tensors for numpy arrays, in place, for the trip through Ray."""
-        log_as_numpy(self.message_log)
-        return self
+    def __getstate__(self) -> dict[str, Any]:
+        """The fields, with the message log's tensors as numpy arrays (pickled out of band by Ray)."""
+        state = {name: getattr(self, name) for name in self.__dataclass_fields__}
+        state["message_log"] = log_as_numpy(_copied(self.message_log))
+        return state
 
-    def with_tensors(self) -> GymRowResult:
-        """Swap numpy arrays back for tensors, in place (copying read-only arrays out of Ray's store)."""
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for name, value in state.items():
+            object.__setattr__(self, name, value)
         log_as_tensors(self.message_log)
-        return self
+
+    def as_nemo_rl_result(self) -> NemoRLRowResult:
+        """The dict NeMo-RL's ``NemoGym.run_rollouts`` yields for this row, token fields as numpy arrays."""
+        log = cast(list[dict[str, Any]], log_as_numpy(_copied(self.message_log)))
+        return {"message_log": log, "input_message_log": log[:1], "full_result": self.full_result}
 
 
 @dataclass(slots=True)
@@ -91,3 +108,8 @@ def log_as_tensors(message_log: LLMMessageLogType) -> LLMMessageLogType:
             if isinstance(value, np.ndarray):
                 entry[key] = torch.from_numpy(value if value.flags.writeable else value.copy())
     return message_log
+
+
+def _copied(message_log: LLMMessageLogType) -> LLMMessageLogType:
+    """A shallow copy of each message, so a converted copy leaves the original's tensors alone."""
+    return cast(LLMMessageLogType, [dict(m) for m in message_log])

@@ -19,7 +19,7 @@ from typing import Any
 
 from gym_bridge.failures import GymRowIndexError, RolloutRetryPolicy, RolloutStats, RolloutTimeouts
 from gym_bridge.gym.client import GymClient
-from gym_bridge.gym.convert import scalar_fields, without_mask_sample
+from gym_bridge.gym.convert import scalar_fields
 from gym_bridge.gym.result import GymRowResult
 from gym_bridge.gym.rows import build_rows, validate_row
 from gym_bridge.metrics import calculate_single_metric, pct, summarize
@@ -47,7 +47,6 @@ logger = logging.getLogger(__name__)
 
 NEMO_GYM_TASK = "nemo_gym"
 TIMER_PREFIX = "timing/rollout"
-DEFAULT_GYM_ROW_ATTEMPTS = 3
 
 
 class AsyncNemoGymRolloutImpl:
@@ -57,6 +56,10 @@ class AsyncNemoGymRolloutImpl:
     (where NeMo-RL keeps it); either may be a list of actors (each with its own Gym
     servers, same configs), and each attempt then goes to the one with the fewest rows
     in flight from this backend, avoiding actors that already failed this group.
+
+    It is constructed as NeMo-RL's ``RolloutManager`` constructs its ``AsyncNemoGymRolloutImpl``: with
+    ``policy_generation``, which the Gym path does not use (Gym's model server calls the endpoint). Any other
+    keyword is a ``TypeError``, so a misspelt option is never silently dropped.
     """
 
     def __init__(
@@ -76,9 +79,15 @@ class AsyncNemoGymRolloutImpl:
         max_gym_row_attempts: int | None = None,
         greedy: bool = False,
         full_results_path: str | Path | None = None,
+        resend_env_infra_failures: bool = True,
+        policy_generation: Any = None,
     ) -> None:
         """NeMo-RL's positional order. The row budget is ``max_gym_row_attempts`` when given, else
-        ``retry_policy.max_gym_row_attempts``, else NeMo-RL's config default of 3."""
+        ``retry_policy.max_gym_row_attempts``, else one attempt (NeMo-RL's ``single_attempt()``).
+
+        ``resend_env_infra_failures`` (ours; NeMo-RL's behaviour is False): a row the environment masked
+        for an infrastructure ``failure_kind`` is re-sent within the row budget instead of entering the
+        group masked. It applies only with ``mask_env_flagged_samples``; without masking such rows are kept."""
         if generation_config is None:
             raise ValueError(
                 "the nemo_gym rollout backend needs generation_config (temperature, top_p, max_new_tokens)"
@@ -97,9 +106,7 @@ class AsyncNemoGymRolloutImpl:
                 "multi-turn episodes are driven by the Gym agent"
             )
         if max_gym_row_attempts is None:
-            max_gym_row_attempts = (
-                retry_policy.max_gym_row_attempts if retry_policy is not None else DEFAULT_GYM_ROW_ATTEMPTS
-            )
+            max_gym_row_attempts = (retry_policy or RolloutRetryPolicy.single_attempt()).max_gym_row_attempts
         if max_gym_row_attempts < 1:
             raise ValueError(f"max_gym_row_attempts must be >= 1, got {max_gym_row_attempts}")
         actors = nemo_gym_actors(task_to_env, nemo_gym_actor)
@@ -115,7 +122,11 @@ class AsyncNemoGymRolloutImpl:
         self.full_results_path = Path(full_results_path) if full_results_path is not None else None
         self.stats = stats or RolloutStats()
         self.client = GymClient(
-            actors, max_row_attempts=max_gym_row_attempts, stats=self.stats, timer_prefix=TIMER_PREFIX
+            actors,
+            max_row_attempts=max_gym_row_attempts,
+            stats=self.stats,
+            timer_prefix=TIMER_PREFIX,
+            resend_env_infra_failures=resend_env_infra_failures and mask_env_flagged_samples,
         )
 
     async def run_rollout(self, datum: DatumSpec) -> PromptGroupRecord:
@@ -182,13 +193,12 @@ def nemo_gym_actors(task_to_env: Mapping[str, Any] | None, explicit: Any = None)
 
 def gym_completion(row: GymRowResult, *, max_seq_len: int | None, mask_env_flagged_samples: bool) -> Completion:
     """One Gym row as a :class:`Completion`: NeMo-RL's length rule for ``truncated``, the environment's mask
-    honoured only when ``mask_env_flagged_samples`` (otherwise its ``mask_sample`` fields are dropped)."""
+    honoured only when ``mask_env_flagged_samples``. Gym's result is kept as it came (``env_extras``), plus
+    ``token_drift`` details when the log was cut at a drift."""
     full_result = row.full_result
-    if not mask_env_flagged_samples:
-        without_mask_sample(full_result)
-    total = sum(int(m["token_ids"].numel()) for m in row.message_log)
     if row.token_drift is not None:
-        full_result["token_drift"] = row.token_drift
+        full_result = {**full_result, "token_drift": row.token_drift}
+    total = sum(int(m["token_ids"].numel()) for m in row.message_log)
     return Completion(
         message_log=row.message_log,
         env_extras=full_result,

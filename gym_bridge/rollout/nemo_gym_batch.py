@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 import time
 import warnings
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -29,7 +28,6 @@ from gym_bridge.gym.client import GymClient, GymGroupResult
 from gym_bridge.gym.result import GymRowResult
 from gym_bridge.gym.rows import stamped_row, validate_row
 from gym_bridge.rollout.nemo_gym import (
-    DEFAULT_GYM_ROW_ATTEMPTS,
     TIMER_PREFIX,
     group_metrics as gym_group_metrics,
     gym_completion,
@@ -59,6 +57,11 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _ENGINE_CONFIG_KEYS = ("vllm_cfg", "trtllm_cfg", "mcore_generation_config")
+_POSTPROCESS_TIMERS = tuple(
+    f"{TIMER_PREFIX}/{step}"
+    for step in ("prepare_for_metrics_calculation", "aggregate_metrics", "per_agent_misc_metrics")
+)
+"""NeMo-RL's timers of one group's post-processing, summed over the call's groups."""
 
 
 @dataclass
@@ -100,8 +103,8 @@ async def run_async_nemo_gym_rollout(
     Rows are stamped with ``sampling_params`` (default: the training profile of
     ``generation_config``) and ``max_output_tokens = min(row's, max_new_tokens)`` on copies;
     the caller's rows are not changed. The last result carries the timing metrics.
-    Rows lost to an infrastructure failure are re-sent (up to 3 attempts per row) before
-    the group fails; the first group that fails ends the stream and cancels the others.
+    As in NeMo-RL, each row gets one attempt: the first group that fails ends the stream and
+    cancels the others.
 
     Raises:
         ValueError: an option the Gym path cannot honour (``greedy``, ``max_rollout_turns``, stop strings,
@@ -127,11 +130,15 @@ async def run_async_nemo_gym_rollout(
     loss_multiplier = _loss_multiplier(input_batch, len(rows))
     post = _GroupPost(tokenizer, engine_max_len, mask_env_flagged_samples, log_full_result_tables, shaping)
     client = GymClient(
-        nemo_gym_actors(task_to_env), max_row_attempts=DEFAULT_GYM_ROW_ATTEMPTS, timer_prefix=TIMER_PREFIX
+        nemo_gym_actors(task_to_env),
+        max_row_attempts=1,
+        timer_prefix=TIMER_PREFIX,
+        resend_env_infra_failures=False,
     )
 
     started = time.perf_counter()
     timing: dict[str, float] = {}
+    awaited = 0.0
     debug = {"debug/nemo_gym_request_bytes": float(len(orjson.dumps(stamped)))} if debug_payload_metrics else {}
     tasks = {
         asyncio.create_task(client.run_group(group_rows, prompt_idx=g, deadline_s=None)): g
@@ -140,15 +147,18 @@ async def run_async_nemo_gym_rollout(
     pending = set(tasks)
     try:
         while pending:
+            waiting = time.perf_counter()
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            awaited += time.perf_counter() - waiting
             for task in sorted(done, key=tasks.__getitem__):
                 g = tasks[task]
                 start, end = groups[g]
                 gym_group = task.result()
-                _add_timing(timing, gym_group)
+                _add_timing(timing, gym_group.timing)
                 result = post.result(rows[start:end], gym_group, loss_multiplier[start:end])
+                _add_timing(timing, post.timing(result))
                 if not pending and task is max(done, key=tasks.__getitem__):
-                    result.rollout_metrics.update(_final_timing(timing, time.perf_counter() - started))
+                    result.rollout_metrics.update(_final_timing(timing, awaited, time.perf_counter() - started))
                     result.rollout_metrics.update(debug)
                 yield result
     finally:
@@ -250,7 +260,13 @@ class _GroupPost:
     log_full_result_tables: bool
     shaping: _Shaping
 
+    @staticmethod
+    def timing(result: NemoGymRolloutResult) -> dict[str, float]:
+        """The post-processing steps' seconds of one group, as NeMo-RL's timer names them."""
+        return {key: result.rollout_metrics.pop(key) for key in _POSTPROCESS_TIMERS}
+
     def result(self, rows: list[dict[str, Any]], group: GymGroupResult, loss_multiplier: Any) -> NemoGymRolloutResult:
+        t0 = time.perf_counter()
         full_results = [r.full_result for r in group.rows]
         components = [extract_reward_components(r) for r in full_results]
         if any(c is not None for c in components):
@@ -262,18 +278,22 @@ class _GroupPost:
             for r in group.rows
         ]
         agents = [row["agent_ref"]["name"] for row in rows]
+        t1 = time.perf_counter()
         metrics.update(gym_group_metrics(completions, agents, fields=[r.metrics for r in group.rows]))
+        t2 = time.perf_counter()
         if self.log_full_result_tables:
             for agent in sorted(set(agents)):
                 mine = [c.env_extras for c, name in zip(completions, agents, strict=True) if name == agent]
                 metrics[f"{agent}/full_result"] = full_result_table(mine)
+        t3 = time.perf_counter()
+        metrics.update(zip(_POSTPROCESS_TIMERS, (t1 - t0, t2 - t1, t3 - t2), strict=True))
         final_batch: BatchedDataDict[Any] = BatchedDataDict(
             {
                 "agent_ref": [row["agent_ref"] for row in rows],
                 "message_log": [c.message_log for c in completions],
                 "length": torch.tensor([int(r.input_message_log[0]["token_ids"].numel()) for r in group.rows]),
                 "loss_multiplier": loss_multiplier,
-                "total_reward": torch.tensor([c.reward for c in completions]),
+                "total_reward": torch.tensor([r.full_result["reward"] for r in group.rows]),
                 "truncated": torch.tensor([c.truncated for c in completions], dtype=torch.bool),
             }
         )
@@ -392,20 +412,22 @@ def _loss_multiplier(input_batch: Mapping[str, Any], n: int) -> Any:
     return value
 
 
-def _add_timing(total: dict[str, float], group: GymGroupResult) -> None:
-    for key, value in group.timing.items():
+def _add_timing(total: dict[str, float], timing: Mapping[str, float]) -> None:
+    """Sum seconds over groups (percentages are recomputed at the end)."""
+    for key, value in timing.items():
         if not key.endswith("_pct"):
             total[key] = total.get(key, 0.0) + value
 
 
-def _final_timing(actor_timing: dict[str, float], elapsed: float) -> dict[str, float]:
-    """The actors' await/postprocess seconds summed over groups, and this call's wall time."""
-    out = dict(actor_timing)
-    busy = out.get(f"{TIMER_PREFIX}/await_results", 0.0) + out.get(f"{TIMER_PREFIX}/postprocess_results", 0.0)
-    if busy > 0 and math.isfinite(busy):
-        out[f"{TIMER_PREFIX}/postprocess_results_pct"] = (
-            100.0 * out.get(f"{TIMER_PREFIX}/postprocess_results", 0.0) / busy
-        )
+def _final_timing(summed: dict[str, float], awaited: float, elapsed: float) -> dict[str, float]:
+    """NeMo-RL's timing keys for the whole call: ``await_results`` is the wall time this call waited for
+    groups (not the actors' waits summed over concurrent groups), ``postprocess_results`` the actors'
+    conversion time summed, its ``_pct`` a share of the call's wall time, as NeMo-RL's actor divides by
+    its one stream's total; the per-group post-processing steps summed."""
+    out = dict(summed)
+    out[f"{TIMER_PREFIX}/await_results"] = awaited
+    postprocess = out.get(f"{TIMER_PREFIX}/postprocess_results", 0.0)
+    out[f"{TIMER_PREFIX}/postprocess_results_pct"] = 100.0 * postprocess / elapsed if elapsed > 0 else 0.0
     out[f"{TIMER_PREFIX}/run_rollouts"] = elapsed
     out[f"{TIMER_PREFIX}/total"] = elapsed
     return out

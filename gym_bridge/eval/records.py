@@ -5,10 +5,12 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gym_bridge.failures import classify_rollout_failure
-from gym_bridge.types import Completion, PromptGroupRecord
+
+if TYPE_CHECKING:  # torch stays out of the readers' imports (compare, the viewer)
+    from gym_bridge.types import Completion, PromptGroupRecord
 
 
 def termination_reason(completion: Completion) -> str:

@@ -115,7 +115,7 @@ def _dataset_rows(source: LoadedRun) -> dict[str, dict[str, Any]]:
     if file_sha256(Path(path)) != source.fingerprint.get("dataset_sha256"):
         logger.warning("the dataset %s changed since the run: the stored Gym results' fields are used", path)
         return {}
-    rows = {}
+    rows: dict[str, dict[str, Any]] = {}
     for line in Path(path).read_text(encoding="utf-8").splitlines():
         if line.strip():
             row = json.loads(line)

@@ -27,7 +27,7 @@ def _items(response: Any) -> list[dict[str, Any]]:
     """Gym's response output items, reduced to what a reader needs: messages, tool calls, tool results."""
     if not isinstance(response, dict):
         return []
-    items = []
+    items: list[dict[str, Any]] = []
     for item in response.get("output") or []:
         if not isinstance(item, dict):
             continue

@@ -117,25 +117,12 @@ def _local_server(args: argparse.Namespace, api_key: SecretStr | None) -> OpenAI
 def _eval(args: argparse.Namespace) -> int:
     import logging
 
-    from gym_bridge.eval import (
-        DatasetError,
-        EvalConfigError,
-        EvalInterrupted,
-        RunDirError,
-        load_config,
-        run_eval,
-    )
-    from gym_bridge.failures import RunConfigurationError
-    from gym_bridge.preflight import PreflightError
+    from gym_bridge.eval import EvalInterrupted, load_config, run_eval
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = load_config(args.config, args.overrides)
         outcome = run_eval(config, resume=args.resume, progress=not args.no_progress)
-    except (EvalConfigError, DatasetError, RunDirError, RunConfigurationError, PreflightError) as exc:
-        for line in str(exc).splitlines():
-            print(f"gym-bridge eval: {line}", file=sys.stderr)
-        return 2
     except EvalInterrupted as exc:
         print(f"gym-bridge eval: {exc}; continue with --resume", file=sys.stderr)
         return 130
@@ -223,6 +210,7 @@ def _rescore(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gym-bridge", description=__doc__)
+    parser.add_argument("--traceback", action="store_true", help="on an error, show the whole traceback")
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("backends", help="list the registered rollout backends").set_defaults(func=_backends)
     tiny = commands.add_parser("build-tiny", help="build (or reuse) the embedded tiny model and print its folder")
@@ -315,12 +303,31 @@ def build_parser() -> argparse.ArgumentParser:
     rescore.add_argument("--config", default=None, help="take config_paths, gym_overrides, pass_threshold from here")
     rescore.add_argument("--out", default=None, help="the new run folder (default: RUN_DIR-rescored)")
     rescore.set_defaults(func=_rescore)
+    for sub in commands.choices.values():
+        sub.add_argument(
+            "--traceback",
+            action="store_true",
+            default=argparse.SUPPRESS,
+            help="on an error, show the whole traceback instead of one line",
+        )
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one subcommand. The one error boundary: any :class:`~gym_bridge.failures.GymBridgeError` (every
+    error a user's input can cause) ends as ``gym-bridge <command>: <message>`` on stderr, one line per line
+    of the message, with exit code 2; ``--traceback`` shows the whole traceback instead."""
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    from gym_bridge.failures import GymBridgeError
+
+    try:
+        return int(args.func(args))
+    except GymBridgeError as exc:
+        if args.traceback:
+            raise
+        for line in str(exc).splitlines() or [type(exc).__name__]:
+            print(f"gym-bridge {args.command}: {line}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -168,8 +168,8 @@ def _format_errors(exc: ValidationError) -> str:
             )
         elif err["type"] == "extra_forbidden":
             message = f"unknown key; known keys: {', '.join(EvalConfig.model_fields)}"
-        lines.append(f"  {key}: {message}")
-    return "invalid eval config:\n" + "\n".join(lines)
+        lines.append(f"{key}: {message}")
+    return "invalid eval config: " + "; ".join(lines)
 
 
 def build_config(data: dict[str, Any], overrides: Sequence[str] = ()) -> EvalConfig:

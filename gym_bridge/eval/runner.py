@@ -25,7 +25,7 @@ from typing import Any
 from pydantic import SecretStr
 from tqdm import tqdm
 
-from gym_bridge.eval.config import EvalConfig
+from gym_bridge.eval.config import EvalConfig, EvalConfigError
 from gym_bridge.eval.dataset import DatasetRow, file_sha256, load_dataset
 from gym_bridge.eval.report import build_report, describe_model
 from gym_bridge.eval.sink import RunStoreSink
@@ -197,7 +197,13 @@ def _policy_endpoint(config: EvalConfig) -> Iterator[tuple[list[str], Any]]:
     from gym_bridge.models.registry import resolve_model_path
 
     if not config.embedded:
-        yield list(config.base_urls), AutoTokenizer.from_pretrained(resolve_model_path(config.tokenizer))
+        path = resolve_model_path(config.tokenizer)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path)
+        except (OSError, ValueError) as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise EvalConfigError(f"tokenizer: cannot load a tokenizer from {path}: {first}") from exc
+        yield list(config.base_urls), tokenizer
         return
     from gym_bridge.generation.factory import EngineSpec, build_engine
     from gym_bridge.serving import OpenAIServer

@@ -9,9 +9,16 @@ from typing import Any, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
+from gym_bridge.failures import GymBridgeError
+
 logger = logging.getLogger(__name__)
 
-__all__ = ["GymServersConfig", "HeadServerAddress", "deep_merge", "wheel_config_path"]
+
+class GymConfigNotFound(GymBridgeError, FileNotFoundError):
+    """A Gym config path that is not in the installed nemo-gym wheel (or nemo-gym is not installed)."""
+
+
+__all__ = ["GymConfigNotFound", "GymServersConfig", "HeadServerAddress", "deep_merge", "wheel_config_path"]
 
 
 class HeadServerAddress(NamedTuple):
@@ -30,10 +37,10 @@ def wheel_config_path(relative: str | Path) -> Path:
     """
     spec = importlib.util.find_spec("nemo_gym")
     if spec is None or spec.origin is None:
-        raise FileNotFoundError("nemo_gym is not installed")
+        raise GymConfigNotFound("nemo_gym is not installed")
     path = Path(spec.origin).parent.parent / relative
     if not path.exists():
-        raise FileNotFoundError(f"{relative} is not in the installed nemo-gym wheel ({path})")
+        raise GymConfigNotFound(f"{relative} is not in the installed nemo-gym wheel ({path})")
     return path
 
 

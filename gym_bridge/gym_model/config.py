@@ -7,11 +7,17 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
-__all__ = ["GymModelConfig", "load_from_gym_env"]
+from gym_bridge.failures import GymBridgeError
+
+__all__ = ["GymModelConfig", "GymModelConfigError", "load_from_gym_env"]
 
 CONFIG_DICT_ENV = "NEMO_GYM_CONFIG_DICT"
 CONFIG_PATH_ENV = "NEMO_GYM_CONFIG_PATH"
 _SERVER_TYPE = "responses_api_models"
+
+
+class GymModelConfigError(GymBridgeError, RuntimeError):
+    """The environment does not hold the config NeMo-Gym's launcher gives the servers it starts."""
 
 
 class GymModelConfig(BaseModel):
@@ -64,13 +70,13 @@ def load_from_gym_env(environ: dict[str, str] | None = None) -> GymModelConfig:
     try:
         text, name = env[CONFIG_DICT_ENV], env[CONFIG_PATH_ENV]
     except KeyError as exc:
-        raise RuntimeError(f"{exc.args[0]} is not set: this server is started by NeMo-Gym's launcher") from None
+        raise GymModelConfigError(f"{exc.args[0]} is not set: this server is started by NeMo-Gym's launcher") from None
     config = OmegaConf.create(text)
     if not isinstance(config, DictConfig):
-        raise RuntimeError(f"{CONFIG_DICT_ENV} is not a mapping of server names to configs")
+        raise GymModelConfigError(f"{CONFIG_DICT_ENV} is not a mapping of server names to configs")
     entry = config.get(name)
     if entry is None or _SERVER_TYPE not in entry or not entry[_SERVER_TYPE]:
-        raise RuntimeError(f"the Gym config has no {name}.{_SERVER_TYPE} entry")
+        raise GymModelConfigError(f"the Gym config has no {name}.{_SERVER_TYPE} entry")
     impl = next(iter(entry[_SERVER_TYPE]))
     values = OmegaConf.to_container(entry[_SERVER_TYPE][impl], resolve=True)
     assert isinstance(values, dict)

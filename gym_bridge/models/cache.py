@@ -19,7 +19,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from gym_bridge.failures import GymBridgeError
+
 logger = logging.getLogger(__name__)
+
+
+class ModelCacheError(GymBridgeError, OSError):
+    """The model cache folder cannot be created or written, or a finished build cannot be moved into place."""
+
 
 #: Environment variable naming the default cache folder.
 CACHE_ENV = "GYM_BRIDGE_CACHE"
@@ -52,11 +59,14 @@ def build_atomically(final: Path, marker_file: str, write: Callable[[Path], dict
     """
     if is_complete(final, marker_file):
         return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    _sweep_abandoned(final)
     tmp = final.parent / f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        _sweep_abandoned(final)
         tmp.mkdir()
+    except OSError as exc:
+        raise ModelCacheError(f"cannot write the model cache folder {final.parent}: {exc.strerror or exc}") from exc
+    try:
         marker = write(tmp)
         (tmp / marker_file).write_text(json.dumps(marker, indent=2, sort_keys=True) + "\n")
         for _ in range(3):
@@ -70,7 +80,7 @@ def build_atomically(final: Path, marker_file: str, write: Callable[[Path], dict
                     _remove(final, f".{final.name}.stale-{uuid.uuid4().hex[:8]}")
         if is_complete(final, marker_file):
             return final
-        raise RuntimeError(f"could not move the model build into place at {final}")
+        raise ModelCacheError(f"could not move the model build into place at {final}")
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

@@ -9,7 +9,13 @@ from typing import Any, Literal
 
 import torch
 
+from gym_bridge.failures import GymBridgeError
 from gym_bridge.models.registry import resolve_model_path
+
+
+class ModelLoadError(GymBridgeError, OSError):
+    """A local folder that transformers cannot load as a causal LM and its tokenizer."""
+
 
 DType = Literal["float32", "bfloat16", "float16"]
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -20,7 +26,11 @@ def load_causal_lm(name_or_path: str, dtype: DType = "float32") -> tuple[Any, An
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = resolve_model_path(name_or_path)
-    return AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
+    try:
+        return AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
+    except (OSError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelLoadError(f"cannot load a causal LM and its tokenizer from {path}: {first}") from exc
 
 
 def causal_lm_on_device(

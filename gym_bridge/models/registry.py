@@ -9,6 +9,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+from gym_bridge.failures import GymBridgeError
+
+
+class ModelNotFoundError(GymBridgeError, FileNotFoundError):
+    """A model name that is neither a built-in model nor an existing local path."""
+
 
 def _build_tiny() -> Path:
     from gym_bridge.models.tiny import build_tiny_model
@@ -27,14 +33,15 @@ BUILTIN_MODELS: dict[str, Callable[[], Path]] = {"tiny": _build_tiny, "smollm2":
 
 
 def resolve_model_path(name_or_path: str | Path) -> Path:
-    """A built-in model's folder (built on demand), or ``name_or_path`` when it is an existing local path."""
+    """A built-in model's folder (built on demand), or ``name_or_path`` when it is an existing local path
+    (else :class:`ModelNotFoundError`)."""
     builder = BUILTIN_MODELS.get(str(name_or_path))
     if builder is not None:
         return builder()
     path = Path(name_or_path).expanduser()
     if not path.exists():
         names = ", ".join(repr(n) for n in BUILTIN_MODELS)
-        raise FileNotFoundError(
+        raise ModelNotFoundError(
             f"model {str(name_or_path)!r} is neither a built-in model ({names}) nor an existing local path "
             "(downloads are not supported: pass a folder saved with save_pretrained)"
         )

@@ -19,12 +19,17 @@ from typing import Any
 import uvicorn
 from pydantic import SecretStr
 
+from gym_bridge.failures import GymBridgeError
 from gym_bridge.interfaces import GenerationInterface
 from gym_bridge.serving.app import ServerFeatures, ServerLimits, ServingState, build_app
 from gym_bridge.serving.auth import ApiKeyMiddleware, open_port_warning
 from gym_bridge.serving.engine import EngineProfile
 
 logger = logging.getLogger(__name__)
+
+
+class ServerBindError(GymBridgeError, OSError):
+    """The server cannot listen on its host and port (in use, not an address of this machine, no permission)."""
 
 
 class _AccessFilter(logging.Filter):
@@ -53,6 +58,9 @@ def _listening_socket(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
         sock.listen(2048)
         sock.setblocking(False)
+    except OSError as exc:
+        sock.close()
+        raise ServerBindError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
     except BaseException:
         sock.close()
         raise

@@ -45,6 +45,9 @@ from gym_bridge.failures.retry import (
     RolloutRetryPolicy as RolloutRetryPolicy,
     RolloutTimeouts as RolloutTimeouts,
 )
+from gym_bridge.failures.stats import (
+    RolloutStats as RolloutStats,
+)
 from gym_bridge.gym.actor_config import (
     NemoGymConfig as NemoGymConfig,
 )
@@ -87,6 +90,12 @@ from gym_bridge.rollout.env_step import (
 from gym_bridge.rollout.manager import (
     RolloutManager as RolloutManager,
     RolloutOutcome as RolloutOutcome,
+)
+from gym_bridge.rollout.native import (
+    AsyncRolloutImpl as AsyncRolloutImpl,
+)
+from gym_bridge.rollout.nemo_gym import (
+    AsyncNemoGymRolloutImpl as AsyncNemoGymRolloutImpl,
 )
 from gym_bridge.rollout.nemo_gym_batch import (
     NemoGymRolloutResult as NemoGymRolloutResult,

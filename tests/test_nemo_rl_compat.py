@@ -241,3 +241,42 @@ def test_gym_completions_keep_truncation_and_drift_apart():
 def test_sync_rollout_refuses_multimodal_deduplication_it_cannot_do():
     with pytest.raises(ValueError, match="deduplicate_multimodal_data"):
         run_multi_turn_rollout(None, BatchedDataDict({"message_log": [[]]}), None, {}, 10, None, False, True)
+
+
+def test_should_use_nemo_gym_refuses_what_nemo_rls_asserts_refuse():
+    """NeMo-RL asserts on a backend without an async HTTP server and on megatron's removed async_engine key."""
+    from gym_bridge.config.training import TrainingConfigError, should_use_nemo_gym
+
+    def config(generation: dict) -> dict:
+        return {"env": {"should_use_nemo_gym": True}, "policy": {"generation": generation}}
+
+    for backend in ("sglang", "hf"):
+        with pytest.raises(TrainingConfigError, match=f"backend: {backend} does not offer"):
+            should_use_nemo_gym(config({"backend": backend}))
+    megatron = {"backend": "megatron", "mcore_generation_config": {"async_engine": True, "expose_http_server": True}}
+    with pytest.raises(TrainingConfigError, match="async_engine: Megatron inference is always async"):
+        should_use_nemo_gym(config(megatron))
+    del megatron["mcore_generation_config"]["async_engine"]
+    assert should_use_nemo_gym(config(megatron))
+
+
+def test_the_managers_max_seq_len_is_the_engines_context_as_in_nemo_rl():
+    """NeMo-RL's single controller sizes the manager with vllm_cfg.max_model_len, not the trainer's length."""
+    from gym_bridge.config.training import nemo_gym_rollout_settings
+
+    config = {
+        "env": {"should_use_nemo_gym": True, "nemo_gym": {"config_paths": []}},
+        "policy": {
+            "model_name": "m",
+            "max_total_sequence_length": 512,
+            "generation": {
+                "backend": "vllm",
+                "vllm_cfg": {"max_model_len": 384, "async_engine": True, "expose_http_server": True},
+                "max_new_tokens": 64,
+            },
+        },
+        "grpo": {"num_generations_per_prompt": 2},
+    }
+    assert nemo_gym_rollout_settings(config, base_urls=["http://127.0.0.1:9/v1"]).launch.max_seq_len == 384
+    del config["policy"]["generation"]["vllm_cfg"]["max_model_len"]
+    assert nemo_gym_rollout_settings(config, base_urls=["http://127.0.0.1:9/v1"]).launch.max_seq_len == 512

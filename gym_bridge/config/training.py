@@ -85,6 +85,8 @@ _READ_KEYS = (
     "policy.generation.val_top_k",
     "policy.generation.stop_strings",
     "policy.generation.stop_token_ids",
+    "policy.generation.backend",
+    "policy.generation.vllm_cfg.max_model_len",
     "grpo.num_generations_per_prompt",
     "distillation.num_generations_per_prompt",
 )
@@ -143,24 +145,30 @@ def should_use_nemo_gym(master_config: Any) -> bool:
         return False
     generation = (_section(master_config, "policy") or {}).get("generation") or {}
     backend = generation.get("backend")
-    if backend == "sglang":
-        raise TrainingConfigError(
-            "NeMo-Gym needs a generation server exposed over HTTP, which policy.generation.backend: sglang does not "
-            f"offer: use one of {', '.join(_NEMO_RL_ENGINES)}"
-        )
+    if backend is None:
+        return True
     engine_key = _NEMO_RL_ENGINES.get(str(backend))
-    if engine_key is not None:
-        engine = generation.get(engine_key) or {}
-        async_key = _ASYNC_ENGINE_KEY.get(str(backend))
-        if async_key is not None and not engine.get("async_engine"):
-            raise TrainingConfigError(
-                f"NeMo-Gym needs an async generation engine: set policy.generation.{async_key}.async_engine: true"
-            )
-        if not engine.get("expose_http_server"):
-            raise TrainingConfigError(
-                f"NeMo-Gym needs the generation server exposed over HTTP: set "
-                f"policy.generation.{engine_key}.expose_http_server: true"
-            )
+    if engine_key is None:
+        raise TrainingConfigError(
+            f"NeMo-Gym needs an async generation server exposed over HTTP, which policy.generation.backend: {backend} "
+            f"does not offer: use one of {', '.join(_NEMO_RL_ENGINES)}"
+        )
+    engine = generation.get(engine_key) or {}
+    async_key = _ASYNC_ENGINE_KEY.get(str(backend))
+    if async_key is not None and not engine.get("async_engine"):
+        raise TrainingConfigError(
+            f"NeMo-Gym needs an async generation engine: set policy.generation.{async_key}.async_engine: true"
+        )
+    if backend == "megatron" and engine.get("async_engine") is not None:
+        raise TrainingConfigError(
+            "policy.generation.mcore_generation_config.async_engine: Megatron inference is always async and "
+            "NeMo-RL no longer accepts the key; remove it"
+        )
+    if not engine.get("expose_http_server"):
+        raise TrainingConfigError(
+            f"NeMo-Gym needs the generation server exposed over HTTP: set "
+            f"policy.generation.{engine_key}.expose_http_server: true"
+        )
     return True
 
 
@@ -345,7 +353,15 @@ def nemo_gym_config_from(config: Mapping[str, Any], *, base_urls: list[str] | No
     known = set(NemoGymConfig.model_fields) - {"model_name", "base_urls", "overrides"}
     fields = {key: section.pop(key) for key in list(section) if key in known}
     overrides = {**section.pop("overrides", {}), **section}
-    return NemoGymConfig(model_name=model_name, base_urls=list(urls), overrides=overrides, **fields)
+    try:
+        return NemoGymConfig(model_name=model_name, base_urls=list(urls), overrides=overrides, **fields)
+    except ValidationError as exc:
+        raise TrainingConfigError(
+            "; ".join(
+                f"env.nemo_gym{''.join(f'.{p}' for p in err['loc'])}: {err['msg'].removeprefix('Value error, ')}"
+                for err in exc.errors()
+            )
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -457,7 +473,7 @@ def nemo_gym_rollout_settings(config: Any, *, base_urls: list[str] | None = None
             or _get(config, "distillation.num_generations_per_prompt", None)
             or _get(config, "grpo.num_generations_per_prompt")  # raises, naming GRPO's key
         ),
-        max_seq_len=int(_get(config, "policy.max_total_sequence_length")),
+        max_seq_len=_manager_max_seq_len(config),
         num_actors=int(section.get("num_actors", 1)),
         split_base_urls=bool(section.get("split_base_urls", False)),
         retry_policy=retry_policy,
@@ -477,6 +493,16 @@ def nemo_gym_rollout_settings(config: Any, *, base_urls: list[str] | None = None
         min_step_batch_fraction=async_rl.rollout_failure.min_step_batch_fraction if has_failure_section else 0.0,
         unused_environments=tuple(native_environments),
     )
+
+
+def _manager_max_seq_len(config: Mapping[str, Any]) -> int:
+    """The engine's context, as NeMo-RL's single controller sizes its manager: ``vllm_cfg.max_model_len`` for a
+    vLLM backend that sets it, else ``policy.max_total_sequence_length``."""
+    if _get(config, "policy.generation.backend", None) == "vllm":
+        max_model_len = _get(config, "policy.generation.vllm_cfg.max_model_len", None)
+        if max_model_len is not None:
+            return int(max_model_len)
+    return int(_get(config, "policy.max_total_sequence_length"))
 
 
 def _section_model[M: BaseModel](model: type[M], config: Mapping[str, Any], dotted: str) -> M:

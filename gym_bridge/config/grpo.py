@@ -7,7 +7,11 @@ Keys read (NeMo-RL's names where NeMo-RL has them):
   ``weight_decay``, ``betas``), ``policy.max_grad_norm``, ``policy.train_micro_batch_size``,
   ``policy.freeze_embeddings`` (ours);
 - ``grpo.num_prompts_per_step``, ``grpo.num_generations_per_prompt``, ``grpo.max_num_steps``,
-  ``grpo.normalize_rewards``, ``grpo.use_leave_one_out_baseline``, ``grpo.seed``,
+  ``grpo.normalize_rewards``, ``grpo.use_leave_one_out_baseline`` (``grpo.adv_estimator.*`` of the same names
+  when set: NeMo-RL's estimator reads those), ``grpo.seed``, ``grpo.overlong_filtering``,
+  ``grpo.invalid_tool_call_advantage``, ``grpo.malformed_thinking_advantage``, ``grpo.advantage_clip_low``,
+  ``grpo.advantage_clip_high``, ``grpo.seq_logprob_error_threshold``, ``reward_penalties`` and
+  ``env.nemo_gym.effort_levels`` / ``thinking_tags`` (through the rollout settings),
   ``grpo.async_grpo.enabled``, ``grpo.async_grpo.max_trajectory_age_steps``, ``grpo.val_period``,
   ``grpo.val_at_start``, ``grpo.val_at_end``, ``grpo.max_val_samples``,
   ``grpo.val_num_generations_per_prompt`` and ``grpo.pass_threshold`` (ours);
@@ -18,6 +22,10 @@ Keys read (NeMo-RL's names where NeMo-RL has them):
 
 ``policy.generation.temperature`` reaches the policy too: the trainer scores tokens with the
 logits divided by the temperature they were sampled with.
+
+A NeMo-RL option this trainer does not implement is refused with :class:`TrainingConfigError` naming its
+dotted key when set away from NeMo-RL's default; the keys of NeMo-RL's Gym recipes that change nothing on
+this trainer by nature are listed, with the reason, in :data:`gym_bridge.config.no_effect.NO_EFFECT_KEYS`.
 """
 
 from __future__ import annotations
@@ -26,6 +34,8 @@ import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+from pydantic import ValidationError
 
 from gym_bridge.config.training import NemoGymRolloutSettings, TrainingConfigError
 from gym_bridge.policy.hf import HFPolicyConfig
@@ -66,7 +76,35 @@ _LOSS_VARIANTS_NOT_IMPLEMENTED = {
 _OUR_LOSS = (
     "gym-bridge's ClippedPGLoss (token-level clipped PG with optional truncated importance sampling and a reference KL)"
 )
-_GRPO_OPTIONS_NOT_IMPLEMENTED = {"use_dynamic_sampling": False, "overlong_filtering": False}
+_GRPO_OPTIONS_NOT_IMPLEMENTED = {
+    "use_dynamic_sampling": False,
+    "val_start_at": -1,
+    "stop_at_validation_metric": None,
+}
+"""``grpo`` options of NeMo-RL's ``GRPOConfig`` this loop lacks, with NeMo-RL's defaults."""
+_GRPO_NESTED_NOT_IMPLEMENTED = {
+    "grpo.reward_scaling": {"enabled": False},
+    "grpo.reward_shaping": {"enabled": False},
+    "policy.router_replay": {"enabled": False},
+    "policy.sequence_packing": {"enabled": False},
+    "policy.dynamic_batching": {"enabled": False},
+    "policy.scheduler": {},
+    "on_policy_distillation": {"enabled": False},
+    "data_plane": {"enabled": False},
+}
+"""Sections whose switch NeMo-RL's Gym recipes turn on; this trainer implements none of them. ``policy.scheduler``
+(an LR schedule) is refused whenever it lists a scheduler: the optimizer keeps a constant learning rate."""
+_ADVANTAGE_ESTIMATORS = ("grpo", "gdpo", "opd", "reinforce_plus_plus")
+"""NeMo-RL 7ea279a's estimators (``_create_advantage_estimator``); ``grpo`` is its default and the one we have."""
+_LOOP_KEYS = {
+    "seed": "grpo.seed",
+    "shuffle_data": "data.shuffle",
+    "val_period": "grpo.val_period",
+    "num_prompts_per_step": "grpo.num_prompts_per_step",
+    "max_num_steps": "grpo.max_num_steps",
+    "train_micro_batch_size": "policy.train_micro_batch_size",
+    "checkpoint_every_steps": "checkpointing.save_period",
+}
 
 
 def loss_config_from(config: Mapping[str, Any]) -> ClippedPGLossConfig:
@@ -74,18 +112,67 @@ def loss_config_from(config: Mapping[str, Any]) -> ClippedPGLossConfig:
     section = config_section(config, "loss_fn")
     _refuse_unimplemented("loss_fn", section, _LOSS_VARIANTS_NOT_IMPLEMENTED, _OUR_LOSS)
     known = ClippedPGLossConfig.model_fields
-    return ClippedPGLossConfig(**{k: v for k, v in section.items() if k in known and v is not None})
+    try:
+        return ClippedPGLossConfig(**{k: v for k, v in section.items() if k in known and v is not None})
+    except ValidationError as exc:
+        raise TrainingConfigError(_problems(exc, {name: f"loss_fn.{name}" for name in known})) from None
+
+
+def _problems(exc: ValidationError, keys: Mapping[str, str]) -> str:
+    """A validation error's problems, each named by the config key it came from."""
+    return "; ".join(
+        f"{keys.get(str(err['loc'][0]), str(err['loc'][0])) if err['loc'] else 'config'}: "
+        f"{err['msg'].removeprefix('Value error, ')}"
+        for err in exc.errors()
+    )
 
 
 def _refuse_unimplemented(name: str, section: Mapping[str, Any], defaults: Mapping[str, Any], by: str) -> None:
-    """A NeMo-RL option we do not implement, set to anything but its default, is an error that names it."""
+    """A NeMo-RL option we do not implement, set to anything but its default, is an error that names its key."""
     refused = [
-        f"{key}={section[key]!r}" for key, default in defaults.items() if key in section and section[key] != default
+        f"{name}.{key}={section[key]!r}"
+        for key, default in defaults.items()
+        if key in section and section[key] != default
     ]
     if refused:
+        raise TrainingConfigError(f"{', '.join(refused)} is not implemented by {by}; remove the key or set its default")
+
+
+def _refuse_unimplemented_sections(config: Mapping[str, Any]) -> None:
+    """Sections NeMo-RL switches on that this trainer lacks: one line naming the first such key."""
+    for dotted, defaults in _GRPO_NESTED_NOT_IMPLEMENTED.items():
+        section = config_section(config, dotted)
+        if dotted == "policy.scheduler":
+            if section:
+                raise TrainingConfigError(
+                    "policy.scheduler is not implemented by gym-bridge's HFPolicy (a constant learning rate); "
+                    "remove the section"
+                )
+            continue
+        _refuse_unimplemented(dotted, section, defaults, "gym-bridge's GRPO trainer")
+
+
+def _advantage_key(grpo: Mapping[str, Any], name: str) -> Any:
+    """``grpo.adv_estimator.<name>`` (what NeMo-RL's estimator reads) or ``grpo.<name>``; both set and different
+    is an error naming both."""
+    estimator, top = config_section(grpo, "adv_estimator").get(name), grpo.get(name)
+    if estimator is not None and top is not None and estimator != top:
         raise TrainingConfigError(
-            f"{name}: {', '.join(refused)} is not implemented by {by}; remove the key or set its default"
+            f"grpo.adv_estimator.{name} ({estimator!r}) and grpo.{name} ({top!r}) differ; NeMo-RL's advantage "
+            f"estimator reads grpo.adv_estimator.{name}: set one value"
         )
+    return estimator if estimator is not None else top
+
+
+def _refuse_estimator(grpo: Mapping[str, Any]) -> None:
+    name = config_section(grpo, "adv_estimator").get("name", "grpo")
+    if name == "grpo":
+        return
+    known = f"NeMo-RL's {name!r} estimator" if name in _ADVANTAGE_ESTIMATORS else f"an unknown estimator {name!r}"
+    raise TrainingConfigError(
+        f"grpo.adv_estimator.name={name!r}: {known} is not implemented by gym-bridge's GRPO trainer, which has "
+        "NeMo-RL's default 'grpo' estimator only"
+    )
 
 
 def loop_config_from(config: Mapping[str, Any], settings: NemoGymRolloutSettings) -> GRPOLoopConfig:
@@ -94,6 +181,14 @@ def loop_config_from(config: Mapping[str, Any], settings: NemoGymRolloutSettings
     ``async_rl.rollout_failure.min_step_batch_fraction``)."""
     grpo = config_section(config, "grpo")
     _refuse_unimplemented("grpo", grpo, _GRPO_OPTIONS_NOT_IMPLEMENTED, "gym-bridge's GRPO loop")
+    _refuse_unimplemented_sections(config)
+    _refuse_estimator(grpo)
+    loss = loss_config_from(config)
+    if grpo.get("skip_reference_policy_logprobs_calculation") and loss.reference_policy_kl_penalty:
+        raise TrainingConfigError(
+            "grpo.skip_reference_policy_logprobs_calculation: true needs loss_fn.reference_policy_kl_penalty: 0 "
+            "(NeMo-RL asserts the same); the loop computes reference logprobs only for the KL penalty"
+        )
     checkpointing = config_section(config, "checkpointing")
     values: dict[str, Any] = {
         "seed": grpo.get("seed"),
@@ -103,8 +198,18 @@ def loop_config_from(config: Mapping[str, Any], settings: NemoGymRolloutSettings
         "val_at_end": grpo.get("val_at_end"),
         "num_prompts_per_step": grpo.get("num_prompts_per_step"),
         "max_num_steps": grpo.get("max_num_steps"),
-        "use_leave_one_out_baseline": grpo.get("use_leave_one_out_baseline"),
-        "normalize_rewards": grpo.get("normalize_rewards"),
+        "max_num_epochs": grpo.get("max_num_epochs", 1),
+        "use_leave_one_out_baseline": _advantage_key(grpo, "use_leave_one_out_baseline"),
+        "normalize_rewards": _advantage_key(grpo, "normalize_rewards"),
+        "overlong_filtering": grpo.get("overlong_filtering"),
+        "invalid_tool_call_advantage": grpo.get("invalid_tool_call_advantage"),
+        "malformed_thinking_advantage": grpo.get("malformed_thinking_advantage"),
+        "advantage_clip_low": grpo.get("advantage_clip_low"),
+        "advantage_clip_high": grpo.get("advantage_clip_high"),
+        "seq_logprob_error_threshold": grpo.get("seq_logprob_error_threshold"),
+        "effort_levels": settings.effort_levels,
+        "reward_penalties": settings.reward_penalties,
+        "thinking_tags": settings.gym.thinking_tags,
         "pass_threshold": grpo.get("pass_threshold"),
         "async_rollouts": settings.async_grpo.enabled,
         "max_trajectory_age_steps": settings.async_grpo.max_trajectory_age_steps,
@@ -113,17 +218,23 @@ def loop_config_from(config: Mapping[str, Any], settings: NemoGymRolloutSettings
         "stall_action": settings.stall_watchdog.stall_action,
         "stall_interval_s": settings.stall_watchdog.interval_s,
         "min_step_batch_fraction": settings.min_step_batch_fraction,
-        "loss": loss_config_from(config),
+        "loss": loss,
         "train_micro_batch_size": config_section(config, "policy").get("train_micro_batch_size"),
         "checkpoint_every_steps": checkpointing.get("save_period") if checkpointing.get("enabled", True) else None,
     }
-    return GRPOLoopConfig(**{key: value for key, value in values.items() if value is not None})
+    try:
+        return GRPOLoopConfig(**{key: value for key, value in values.items() if value is not None})
+    except ValidationError as exc:
+        keys = {name: _LOOP_KEYS.get(name, f"grpo.{name}") for name in GRPOLoopConfig.model_fields}
+        keys.update({"effort_levels": "env.nemo_gym.effort_levels", "reward_penalties": "reward_penalties"})
+        raise TrainingConfigError(_problems(exc, keys)) from None
 
 
 def result_logging(settings: NemoGymRolloutSettings, out_dir: Path) -> dict[str, Any]:
-    """``env.should_log_nemo_gym_responses`` or ``logger.wandb.log_nemo_gym_full_result_tables``: every Gym result
-    goes to ``<run>/nemo_gym_full_results.jsonl`` (one line per completion; NeMo-RL's tables hold the same JSON)."""
-    if settings.log_nemo_gym_responses or settings.log_full_result_tables:
+    """Every Gym result goes to ``<run>/nemo_gym_full_results.jsonl`` (one line per completion), NeMo-RL's local
+    per-step dump, unless ``env.should_log_nemo_gym_responses`` says Gym logs the responses itself (NeMo-RL's
+    meaning); ``logger.wandb.log_nemo_gym_full_result_tables`` writes it too (NeMo-RL's tables hold the same JSON)."""
+    if not settings.log_nemo_gym_responses or settings.log_full_result_tables:
         return {"full_results_path": out_dir / "nemo_gym_full_results.jsonl"}
     return {}
 

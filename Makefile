@@ -12,7 +12,7 @@ export PYTHONDONTWRITEBYTECODE :=
 UV := $(shell uv --version >/dev/null 2>&1 && echo uv || echo "$(PYTHON) -m uv")
 export UV
 
-.PHONY: setup demo test test-gym-compat test-fast test-plugin lint clean bench-serve bench-bridge bench-scale bench-gym-start bench-trl example-gym train-demo
+.PHONY: setup demo test test-gym-compat test-fast test-plugin test-browser check-nemo-rl lint clean bench-serve bench-bridge bench-scale bench-gym-start bench-trl example-gym train-demo
 
 # The environment runs on Python >= 3.13.14 with nemo-gym 0.7.0. scripts/python313.sh finds that Python (UV_PYTHON,
 # ./.venv's, one uv finds) or, the first time on a machine that has none, builds it from Debian's source package.
@@ -24,10 +24,23 @@ setup:
 demo: setup
 	$(UV) run gym-bridge eval examples/eval_smollm2.yaml output_dir=runs/demo-$$(date +%Y%m%d-%H%M%S)
 
-# The whole suite, then the example suite that uses only the public pytest plugin.
+# The whole suite (the browser test has its own target), then the example suite that uses only the public pytest plugin.
 test: setup
-	$(UV) run pytest -n 2 --dist loadgroup
+	$(UV) run pytest -n 2 --dist loadgroup -m "not browser"
 	$(MAKE) --no-print-directory test-plugin
+
+# The trace viewer in a real headless browser: Debian's chromium and chromium-driver (`apt-get install chromium
+# chromium-driver`; browser downloads are not reachable here). Without them this target fails, saying so.
+test-browser: setup
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
+		{ echo "make test-browser: needs Debian's chromium and chromium-driver (apt-get install chromium chromium-driver)" >&2; exit 2; }
+	$(UV) run pytest -m browser -q tests/test_viewer_browser.py
+
+# NeMo-RL's own rollout, manager and GRPO code (from a checkout: NEMO_RL_SRC=...) against ours on real Gym servers.
+# Not in CI, which cannot fetch NeMo-RL; docs/nemo_rl_migration.md has the last result.
+check-nemo-rl: setup
+	@test -n "$(NEMO_RL_SRC)" || { echo "make check-nemo-rl: set NEMO_RL_SRC to a NeMo-RL checkout (github NVIDIA-NeMo/RL)" >&2; exit 2; }
+	$(UV) run python scripts/check_nemo_rl.py --nemo-rl-src "$(NEMO_RL_SRC)"
 
 # The compatibility lane: the Gym tests on NeMo-RL HEAD's nemo-gym 0.5.1 (Python 3.13) and on 0.4.0 (Python 3.12),
 # each in its own environment (.venv-gym-VERSION); scripts/gym_compat.sh says how each is made.

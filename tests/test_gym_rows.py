@@ -7,7 +7,7 @@ import pickle
 import pytest
 
 from gym_bridge.failures import FailureClass, classify_rollout_failure
-from gym_bridge.gym.rows import InvalidGymRow, build_rows, validate_row
+from gym_bridge.gym.rows import InvalidGymRow, ValidGymRow, build_rows, validate_row
 from gym_bridge.types import GenerationSamplingParams
 
 ROW = {
@@ -18,9 +18,19 @@ ROW = {
 
 
 def test_a_good_row_passes_and_keeps_extra_fields():
-    parsed = validate_row(ROW, prompt_idx=0, known_agents=["simple_agent"])
-    assert parsed.agent_ref.name == "simple_agent"
-    assert parsed.model_extra == {"expected_answer": "42"}
+    valid = validate_row(ROW, prompt_idx=0, known_agents=["simple_agent"])
+    assert isinstance(valid, ValidGymRow) and valid == ROW and valid.agent_name == "simple_agent"
+    assert valid["expected_answer"] == "42"
+
+
+def test_a_valid_row_is_not_validated_again_but_its_agent_is_checked():
+    """The row is validated where it enters; later steps take the ValidGymRow as it is."""
+    valid = validate_row(ROW, prompt_idx=0)
+    assert validate_row(valid, prompt_idx=0) is valid
+    with pytest.raises(InvalidGymRow, match="'simple_agent' is not a running agent"):
+        validate_row(valid, prompt_idx=0, known_agents=["other"])
+    stamped = build_rows(valid, 2, GenerationSamplingParams(temperature=0.5, top_p=0.9), 8)
+    assert [type(row) for row in stamped] == [dict, dict] and valid == ROW  # copies; the entered row is unchanged
 
 
 @pytest.mark.parametrize(
@@ -97,7 +107,7 @@ def test_rows_with_the_installed_gyms_newer_request_fields_are_accepted():
 
     row = {**ROW, "responses_create_params": {**ROW["responses_create_params"], "prompt_cache_key": "k"}}
     if "prompt_cache_key" in installed_gym().request_fields:
-        assert validate_row(row, prompt_idx=0).responses_create_params.model_extra == {"prompt_cache_key": "k"}
+        assert validate_row(row, prompt_idx=0)["responses_create_params"]["prompt_cache_key"] == "k"
     else:
         with pytest.raises(InvalidGymRow, match=r"unknown key\(s\) \['prompt_cache_key'\] \(nemo-gym 0\.[45]"):
             validate_row(row, prompt_idx=0)

@@ -26,7 +26,7 @@ __all__ = ["AsyncGRPOSettings", "AsyncRLSettings", "RolloutFailureSettings", "St
 
 _RENAMED_FAILURE_KEYS = {
     "max_attempts_per_prompt": "max_infra_attempts_per_prompt",
-    "on_data_exhausted": "max_skipped_prompts (0 = the old 'fail_fast')",
+    "on_data_exhausted": "max_skipped_prompts (fail_fast is 0)",
     "max_gym_row_attempts": "nemo_gym.max_row_attempts",
 }
 _RENAMED_ASYNC_RL_KEYS = {

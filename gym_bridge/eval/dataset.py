@@ -61,8 +61,7 @@ def load_dataset(path: str | Path, *, limit: int | None = None) -> list[DatasetR
             continue
         where, prompt_idx = f"{path}:{line_no}", len(rows) + len(problems)
         try:
-            row = json.loads(line)
-            validate_row(row, prompt_idx=prompt_idx)
+            row = validate_row(json.loads(line), prompt_idx=prompt_idx)
         except json.JSONDecodeError as exc:
             problems.append(f"{where}: not valid JSON: {exc}")
         except InvalidGymRow as exc:

@@ -42,8 +42,11 @@ and ``RunDirError`` in :mod:`gym_bridge.eval`, ``TrainingConfigError`` (``ValueE
 :mod:`gym_bridge.rollout.registry`, ``UnknownTaskError`` in :mod:`gym_bridge.rollout.env_step`,
 ``UnsupportedGymVersion`` in :mod:`gym_bridge.gym.versions`, ``PreflightError`` in :mod:`gym_bridge.preflight`,
 ``LocalClusterError`` in :mod:`gym_bridge.testing.cluster`, ``SmolLM2Unavailable`` in :mod:`gym_bridge.models.smollm2`,
-``RewardTimeout`` in :mod:`gym_bridge.environments.rewards`, ``TranslationError`` and ``CompletionsError`` in
-:mod:`gym_bridge.gym_model`, and ``ServingError`` (an HTTP answer of our server) in :mod:`gym_bridge.serving.errors`.
+``RewardTimeout`` in :mod:`gym_bridge.environments.rewards`, ``TranslationError``, ``CompletionsError`` and
+``GymModelConfigError`` in :mod:`gym_bridge.gym_model`, ``GymConfigNotFound`` in :mod:`gym_bridge.gym.server_config`,
+``ModelNotFoundError``, ``ModelLoadError`` and ``ModelCacheError`` in :mod:`gym_bridge.models`, ``ServerBindError``
+and ``UpstreamError`` in :mod:`gym_bridge.serving`, and ``ServingError`` (an HTTP answer of our server) in
+:mod:`gym_bridge.serving.errors`. ``gym-bridge``'s ``main()`` prints any of them as one line, exit code 2.
 ``tests/test_failures.py`` checks that every exception class of the package derives from ``GymBridgeError``.
 
 Every class takes a single message string, so it pickles across Ray; the ``__cause__``

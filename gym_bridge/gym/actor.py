@@ -74,6 +74,7 @@ logger = logging.getLogger(__name__)
 _AGENT_SERVER_TYPE = "responses_api_agents"
 _ERROR_BODY_LIMIT = 65536  # Gym nests each server's error escaped inside the next: keep it whole to unwrap it
 _PROGRESS_EVERY = 10
+_JSON_HEADERS = {"Content-Type": "application/json"}
 
 
 class NemoGym:
@@ -335,7 +336,6 @@ class NemoGym:
                 connector=aiohttp.TCPConnector(limit=cfg.max_connections, limit_per_host=0),
                 cookie_jar=aiohttp.DummyCookieJar(),
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=cfg.connect_timeout_s),
-                json_serialize=lambda obj: orjson.dumps(obj).decode(),
                 trust_env=False,
             )
         return self._client
@@ -348,8 +348,12 @@ class NemoGym:
 
     async def _post(self, client: aiohttp.ClientSession, url: str, row: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
         where = f"NeMo-Gym /run at {url} for {ROW_INDEX_KEY}={row[ROW_INDEX_KEY]} (agent {row['agent_ref']['name']!r})"
+        request = orjson.dumps(row)  # bytes, as aiohttp sends them: no str in between
         try:
-            async with deadline(self.cfg.request_timeout_s, where), client.post(f"{url}/run", json=row) as response:
+            async with (
+                deadline(self.cfg.request_timeout_s, where),
+                client.post(f"{url}/run", data=request, headers=_JSON_HEADERS) as response,
+            ):
                 status, body = response.status, await response.read()
         except RolloutTimeout:
             raise

@@ -124,7 +124,7 @@ class GymClient:
         """Run the block alone in one event-loop iteration: groups launched together take turns.
 
         1,024 groups launched at once each build, pickle and submit their rows (~0.1-0.5 ms apiece);
-        done in one iteration, that stalled the loop for up to 0.7 s (benchmarks/RESULTS.md, scale).
+        in one iteration that is up to 0.7 s in which the loop serves nothing else (benchmarks/RESULTS.md, scale).
         """
         async with self._loop_locks()[1]:
             yield

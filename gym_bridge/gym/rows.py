@@ -1,8 +1,12 @@
-"""Gym input rows: validation before anything is sent, and building N rows per prompt.
+"""Gym input rows: validation where a row enters, and building N rows per prompt.
 
 A row is what NeMo-Gym's agent ``/run`` endpoint takes: ``responses_create_params``
 (OpenAI Responses "create" parameters, ``input`` required), ``agent_ref`` naming the
 agent server, and any verifier fields, which are passed through untouched.
+
+A row is validated once, where it enters (the eval dataset, a batch function, the rollout
+backend): :func:`validate_row` returns a :class:`ValidGymRow`, which every later step takes
+as it is. The NemoGym actor's :func:`dispatch_target` is the cheap check at its public boundary.
 """
 
 from __future__ import annotations
@@ -56,8 +60,25 @@ class GymRow(BaseModel):
     agent_ref: AgentRef
 
 
-def validate_row(row: Any, *, prompt_idx: int, known_agents: list[str] | None = None) -> GymRow:
-    """Check one row before dispatch; raise :class:`InvalidGymRow` naming the prompt, field and reason."""
+class ValidGymRow(dict[str, Any]):
+    """A Gym row :func:`validate_row` accepted: still a plain dict (NeMo-RL's ``extra_env_info``), so it goes
+    wherever a row goes, and the type says it need not be validated again. Edit a copy, not the row."""
+
+    __slots__ = ()
+
+    @property
+    def agent_name(self) -> str:
+        return str(self["agent_ref"]["name"])
+
+
+def validate_row(row: Any, *, prompt_idx: int, known_agents: list[str] | None = None) -> ValidGymRow:
+    """Check one row where it enters; raise :class:`InvalidGymRow` naming the prompt, field and reason.
+
+    A :class:`ValidGymRow` is returned as it is (its agent still checked against ``known_agents``)."""
+    if isinstance(row, ValidGymRow):
+        if known_agents is not None:
+            check_agent(row.agent_name, known_agents, where=f"prompt_idx={prompt_idx}")
+        return row
     if not isinstance(row, dict):
         raise InvalidGymRow(
             f"prompt_idx={prompt_idx}: the Gym row (extra_env_info) must be a dict, got {type(row).__name__}"
@@ -75,7 +96,7 @@ def validate_row(row: Any, *, prompt_idx: int, known_agents: list[str] | None = 
         raise InvalidGymRow(f"prompt_idx={prompt_idx}: invalid Gym row: {problems}") from None
     if known_agents is not None:
         check_agent(parsed.agent_ref.name, known_agents, where=f"prompt_idx={prompt_idx}")
-    return parsed
+    return ValidGymRow(row)
 
 
 def check_agent(name: Any, known_agents: Collection[str], *, where: str) -> None:
@@ -120,7 +141,7 @@ def stamped_row(
     ``max_output_tokens`` becomes ``min(row value, max_new_tokens)``; the sequence
     budget (``max_seq_len``) is deliberately not translated into it.
     """
-    copied: dict[str, Any] = _copy_json(row)
+    copied: dict[str, Any] = {key: _copy_json(value) for key, value in row.items()}
     params = copied["responses_create_params"]
     params["temperature"] = sampling.temperature
     params["top_p"] = sampling.top_p
@@ -138,7 +159,7 @@ def _copy_json(value: Any) -> Any:
     """A deep copy, about 10x faster than ``copy.deepcopy`` for the dicts, lists and scalars a row is made of.
 
     Building a group copies its row N times on the driver's event loop, so 64 groups
-    launched at once stalled the loop for ~50 ms with ``deepcopy``. Anything else
+    launched at once hold the loop for ~50 ms with ``deepcopy``. Anything else
     (a tuple, a custom object) is still copied by ``copy.deepcopy``.
     """
     kind = type(value)

@@ -77,7 +77,11 @@ def start_nemo_gym(spec: GymLaunchSpec, tokenizer: Any) -> NemoGymRollouts:
         from gym_bridge.preflight import preflight_endpoints
 
         checks = preflight_endpoints(
-            spec.gym.base_urls, spec.gym.model_name, tools=spec.uses_tools, timeout_s=spec.preflight_timeout_s
+            spec.gym.base_urls,
+            spec.gym.model_name,
+            tools=spec.uses_tools,
+            timeout_s=spec.preflight_timeout_s,
+            api_key=spec.gym.api_key,
         )
         for check in checks:
             logger.info("preflight %s", check.line)

@@ -132,9 +132,8 @@ class AsyncNemoGymRolloutImpl:
     async def run_rollout(self, datum: DatumSpec) -> PromptGroupRecord:
         t_total = time.perf_counter()
         prompt_idx = int(datum["idx"])
-        template = datum.get("extra_env_info")
-        validate_row(template, prompt_idx=prompt_idx)  # the agent name is checked by the client, under the deadline
-        assert template is not None  # validate_row raised for a missing row
+        # The agent name is checked by the client, under the deadline; a ValidGymRow is not validated again.
+        template = validate_row(datum.get("extra_env_info"), prompt_idx=prompt_idx)
         async with self.client.loop_turn():  # groups launched together build their rows in turn
             rows = build_rows(template, self.num_generations, self.sampling, self.max_new_tokens)
 

@@ -355,7 +355,8 @@ def _check_options(
 
 
 def _split(rows: list[Any], num_generations: int, returns_entire_batch: bool) -> list[tuple[int, int]]:
-    """The ``(start, end)`` of each group; every row is checked before anything is sent."""
+    """The ``(start, end)`` of each group; every row is validated (in ``rows``, as a ``ValidGymRow``) before
+    anything is sent."""
     if num_generations <= 0:
         raise ValueError(f"num_generations must be greater than zero, got {num_generations}")
     if not rows:
@@ -366,8 +367,7 @@ def _split(rows: list[Any], num_generations: int, returns_entire_batch: bool) ->
         raise ValueError(
             f"returns_entire_batch needs num_generations ({num_generations}) to equal the batch size ({len(rows)})"
         )
-    for i, row in enumerate(rows):
-        validate_row(row, prompt_idx=i // num_generations)
+    rows[:] = [validate_row(row, prompt_idx=i // num_generations) for i, row in enumerate(rows)]
     groups = [(start, start + num_generations) for start in range(0, len(rows), num_generations)]
     if not returns_entire_batch:
         for g, (start, end) in enumerate(groups):

@@ -101,7 +101,7 @@ def test_every_nemo_rl_gym_key_is_read_and_honoured(every_key):
     assert loop.async_rollouts and loop.max_trajectory_age_steps == 2 and loop.in_flight_weight_updates
     assert (loop.stall_timeout_s, loop.stall_action, loop.min_step_batch_fraction) == (1200.0, "abort", 0.75)
     assert loop_config_from({"grpo": {"use_dynamic_sampling": False, "overlong_filtering": False}}, settings)
-    with pytest.raises(TrainingConfigError, match=r"grpo: use_dynamic_sampling=True is not implemented by gym-bridge"):
+    with pytest.raises(TrainingConfigError, match=r"grpo.use_dynamic_sampling=True is not implemented by gym-bridge"):
         loop_config_from({"grpo": {"use_dynamic_sampling": True}}, settings)  # never a silent fixed-size batch
 
 

@@ -10,7 +10,12 @@ import torch
 from gym_bridge.models.fingerprint import fingerprint_mismatches, weight_fingerprint
 from gym_bridge.rollout.sink import CommittedGroup
 from gym_bridge.training import (
+    AdvantageSettings,
     ClippedPGLoss,
+    RewardShaper,
+    clip_advantages,
+    message_level_advantages,
+    seq_logprob_error_mask,
     PromptQueue,
     StalenessBuffer,
     baseline_and_std_per_group,
@@ -66,12 +71,13 @@ def group(idx, completions, start=0, end=0):
 def test_batch_trains_only_generated_tokens_with_their_sampling_logprobs():
     groups = [group(0, [completion([5, 6, 7], [8, 9], [-0.5, -0.25], 1.0),
                         completion([5, 6, 7], [10], [-2.0], 0.0, truncated=True)])]
-    batch, stats = train_batch(groups, pad_token_id=0, leave_one_out=False)
+    batch, stats = train_batch(groups, pad_token_id=0, settings=AdvantageSettings(leave_one_out=False))
     assert batch["input_ids"].tolist() == [[5, 6, 7, 8, 9], [5, 6, 7, 10, 0]]
     assert batch["input_lengths"].tolist() == [5, 4]
     assert batch["token_mask"].tolist() == [[0, 0, 0, 1, 1], [0, 0, 0, 1, 0]]
     assert batch["generation_logprobs"].tolist() == [[0, 0, 0, -0.5, -0.25], [0, 0, 0, -2.0, 0]]
-    assert batch["advantages"].tolist() == pytest.approx([0.7071, -0.7071], abs=1e-4)
+    assert batch["advantages"][:, 0].tolist() == pytest.approx([0.7071, -0.7071], abs=1e-4)
+    assert batch["advantages"].shape == (2, 5) and batch["sample_mask"].tolist() == [1.0, 1.0]
     assert (stats.mean_reward, stats.pass_rate, stats.truncation_rate) == (0.5, 0.5, 0.5)
     assert stats.mean_generated_tokens == 1.5 and stats.zero_std_groups == 0
     bad = [group(1, [completion([1], [2, 3], [-1.0], 1.0)] * 2)]
@@ -187,3 +193,102 @@ def test_masked_samples_leave_the_baseline_and_the_loss():
     baseline, std = baseline_and_std_per_group(rewards, valid=valid)
     assert torch.allclose(baseline[:, :3], baseline_and_std_per_group(rewards[:, :3])[0])
     assert torch.equal(grpo_advantages(rewards, valid=torch.zeros(1, 4, dtype=torch.bool)), torch.zeros(1, 4))
+
+
+def flagged(prompt, reply, reward, *, invalid=False, malformed=False, truncated=False, env_extras=None):
+    done = completion(prompt, reply, [-0.5] * len(reply), reward, truncated=truncated)
+    done.message_log[1].update(is_invalid_tool_call=invalid, has_malformed_thinking=malformed)
+    done.env_extras = env_extras
+    return done
+
+
+def test_message_level_penalties_overwrite_flagged_turns_then_the_clip_bounds_everything():
+    logs = [
+        [{"role": "user", "token_ids": [1, 2]}, {"role": "assistant", "token_ids": [3, 4], "generation_logprobs": [0, 0],
+          "is_invalid_tool_call": True, "has_malformed_thinking": True},
+         {"role": "user", "token_ids": [5]}, {"role": "assistant", "token_ids": [6], "generation_logprobs": [0],
+                                              "has_malformed_thinking": True}],
+        [{"role": "user", "token_ids": [1, 2]}, {"role": "assistant", "token_ids": [7, 8, 9], "generation_logprobs": [0] * 3,
+                                                 "is_invalid_tool_call": True}],
+    ]
+    advantages = torch.tensor([[0.5] * 6, [-0.5] * 6])
+    out, metrics = message_level_advantages(advantages, logs, invalid_tool_call_advantage=-5.0,
+                                            malformed_thinking_advantage=-3.0)
+    # An invalid tool call wins over malformed thinking in the same turn; prompts and padding keep theirs.
+    assert out.tolist() == [[0.5, 0.5, -5.0, -5.0, 0.5, -3.0], [-0.5, -0.5, -5.0, -5.0, -5.0, -0.5]]
+    assert advantages[0, 2] == 0.5, "the caller's tensor is not written"
+    assert metrics == {"invalid_tool_call_rate": 2 / 3, "malformed_thinking_rate": 1 / 3, "num_invalid_tool_calls": 2.0,
+                       "num_malformed_thinking": 1.0, "num_assistant_messages": 3.0}
+    only_thinking, _ = message_level_advantages(advantages, logs, malformed_thinking_advantage=-3.0)
+    assert only_thinking[0].tolist() == [0.5, 0.5, -3.0, -3.0, 0.5, -3.0] and only_thinking[1].eq(-0.5).all()
+    assert message_level_advantages(advantages, logs) == (advantages, {})
+    assert clip_advantages(out, -2.0, 0.25).tolist() == [[0.25, 0.25, -2.0, -2.0, 0.25, -2.0],
+                                                         [-0.5, -0.5, -2.0, -2.0, -2.0, -0.5]]
+    assert torch.equal(clip_advantages(out), out)
+
+
+def test_the_batch_applies_penalties_clip_and_overlong_filtering_per_token_and_per_sample():
+    groups = [group(0, [flagged([1], [2, 3], 1.0, invalid=True), flagged([1], [4, 5], 0.0),
+                        flagged([1], [6, 7], 1.0, truncated=True), flagged([1], [8, 9], 0.0)])]
+    settings = AdvantageSettings(leave_one_out=False, overlong_filtering=True, invalid_tool_call_advantage=-5.0,
+                                 advantage_clip_low=-2.0)
+    batch, stats = train_batch(groups, pad_token_id=0, settings=settings)
+    # rewards 1, 0, 1, 0: mean 0.5, std 0.5774 (Bessel) -> +-0.866; the truncated sample stays in the baseline.
+    a = 0.5 / (math.sqrt(1 / 3) + 1e-6)
+    expected = torch.tensor([[-2.0, -2.0], [-a, -a], [a, a], [-a, -a]])
+    torch.testing.assert_close(batch["advantages"][:, 1:], expected)
+    assert batch["sample_mask"].tolist() == [1.0, 1.0, 0.0, 1.0]
+    assert stats.overlong_filtered == 1 and stats.advantage_metrics["num_invalid_tool_calls"] == 1.0
+    unfiltered, _ = train_batch(groups, pad_token_id=0, settings=AdvantageSettings(leave_one_out=False))
+    assert unfiltered["sample_mask"].tolist() == [1.0] * 4 and unfiltered["advantages"][0, 1] == pytest.approx(a)
+
+
+def test_seq_logprob_error_mask_drops_sequences_over_the_threshold_by_hand():
+    token_mask = torch.tensor([[0.0, 1, 1], [0, 1, 0], [0, 1, 1], [0, 0, 0]])
+    gen = torch.tensor([[0.0, -1.0, -1.0], [0, -1.0, 0], [0, -1.0, -2.0], [0, 0, 0]])
+    prev = torch.tensor([[0.0, -1.0, -1.5], [0, -1.0, 0], [0, -2.0, -3.0], [0, 0, 0]])
+    sample_mask, rewards = torch.tensor([1.0, 1.0, 1.0, 1.0]), torch.tensor([1.0, 0.0, 1.0, 0.0])
+    errors = [(1 + math.exp(0.5)) / 2, 1.0, math.e]  # the fourth sequence has no trained token: no statistic
+    kept, metrics = seq_logprob_error_mask(token_mask, sample_mask, prev, gen, rewards, 1.2)
+    assert kept.tolist() == [0.0, 1.0, 0.0, 1.0]
+    assert metrics["max_seq_mult_prob_error"] == pytest.approx(math.e)
+    assert metrics["mean_seq_mult_prob_error"] == pytest.approx(sum(errors) / 3)
+    assert metrics["min_seq_mult_prob_error"] == pytest.approx(1.0)
+    assert metrics["max_seq_mult_prob_error_after_mask"] == pytest.approx(1.0)
+    assert metrics["num_masked_seqs"] == 2 and metrics["masked_correct_pct"] == 1.0
+    same, unmasked = seq_logprob_error_mask(token_mask, sample_mask, prev, gen, rewards, None)
+    assert torch.equal(same, sample_mask) and unmasked["num_masked_seqs"] == 0
+    assert unmasked["mean_seq_mult_prob_error_after_mask"] == unmasked["mean_seq_mult_prob_error"]
+    already_out, counted = seq_logprob_error_mask(token_mask, torch.tensor([0.0, 1, 1, 1]), prev, gen, rewards, 1.2)
+    assert already_out.tolist() == [0.0, 1.0, 0.0, 1.0] and counted["num_masked_seqs"] == 1, "counted once"
+
+
+class OneTokenTags:
+    def encode(self, text, add_special_tokens=False):
+        return {"<think>": [90], "</think>": [91]}.get(text, [1, 2])
+
+
+def gym_result(text):
+    return {"reward": 1.0, "response": {"output": [{"type": "message", "content": [{"type": "output_text", "text": text}]}]}}
+
+
+def test_reward_shaper_applies_nemo_rls_penalties_and_effort_shaping_to_committed_groups():
+    row = {"responses_create_params": {"input": [{"role": "user", "content": "be brief /low"}]}}
+    empty = flagged([1], [2, 3], 1.0, env_extras=gym_result(""))
+    answered = flagged([1], [2, 3, 4, 5], 1.0, env_extras=gym_result("42"))
+    groups = [CommittedGroup(PromptGroupRecord(0, [], row, {}, [empty, answered], {}), 0, 0)]
+    penalties = RewardShaper(OneTokenTags(), reward_penalties={"penalize_empty_final_answer": True})
+    shaped, metrics = penalties.shape_groups(groups)
+    assert [c.reward for c in shaped[0].record.completions] == [0.0, 1.0]
+    assert metrics == {"empty_final_answer_rate": 0.5}
+    assert empty.reward == 1.0 and empty.env_extras["reward"] == 1.0, "the committed result is left as Gym gave it"
+    effort = RewardShaper(OneTokenTags(), effort_levels={"low_weight": 2.0, "low_ub": 8, "low_string": "/low",
+                                                         "low_penalty": 1.0})
+    shaped, metrics = effort.shape_groups(groups)
+    # length 2: min(1, 2 * (1 - 2/8)) = 1 -> 1 + 1 * 1; length 4: min(1, 2 * 0.5) = 1 -> 2
+    assert [c.reward for c in shaped[0].record.completions] == [2.0, 2.0]
+    assert metrics["mean_length_low"] == 3.0 and metrics["mean_length_reward_low"] == 1.0
+    off = RewardShaper(OneTokenTags(), reward_penalties={"penalize_empty_final_answer": False})
+    assert not off.enabled and off.shape_groups(groups) == (groups, {})
+    with pytest.raises(ValueError, match="no NeMo-Gym result"):
+        penalties.shape([row], [completion([1], [2], [0.0], 1.0)])

@@ -98,7 +98,7 @@ def test_nemo_rl_loss_keys_are_read_and_unimplemented_variants_refused():
                                         "truncated_importance_sampling_type": "tis",
                                         "truncated_importance_sampling_ratio": 2.0, "kl_input_clamp_value": 20.0}})
     assert (cfg.ratio_clip_min, cfg.ratio_clip_max, cfg.truncated_importance_sampling_ratio) == (0.1, 0.28, 2.0)
-    with pytest.raises(TrainingConfigError, match=r"token_level_loss=False, use_cispo=True is not implemented"):
+    with pytest.raises(TrainingConfigError, match=r"loss_fn.token_level_loss=False, loss_fn.use_cispo=True is not implemented"):
         loss_config_from({"loss_fn": {"use_cispo": True, "token_level_loss": False}})
 
 
@@ -127,3 +127,53 @@ def test_async_without_importance_sampling_correction_is_warned_about(caplog):
     GRPOLoopConfig(async_rollouts=True, loss=tis)
     GRPOLoopConfig(loss=ClippedPGLossConfig())
     assert caplog.text == ""
+
+
+def test_the_reference_kl_is_clamped_as_nemo_rls_by_default():
+    from gym_bridge.training.loss import kl_estimate
+
+    logprobs, reference = torch.tensor([0.0, 0.0, 0.0]), torch.tensor([-30.0, 3.0, 0.5])
+    k3 = [math.exp(r) - 1 - r for r in (-20.0, 3.0, 0.5)]  # the log-ratio clamped to +-20 first
+    expected = [min(v, 10.0) for v in k3]  # then the estimate to +-10
+    assert kl_estimate(logprobs, reference, "k3", 20.0, 10.0).tolist() == pytest.approx(expected)
+    assert kl_estimate(logprobs, reference, "k1", None, None).tolist() == pytest.approx([30.0, -3.0, -0.5])
+    assert ClippedPGLossConfig().kl_input_clamp_value == 20.0 and ClippedPGLossConfig().kl_output_clamp_value == 10.0
+    off = loss_config_from({"loss_fn": {"kl_input_clamp_value": None, "kl_output_clamp_value": None}})
+    assert (off.kl_input_clamp_value, off.kl_output_clamp_value) == (None, None)
+
+
+def test_grpo_advantage_keys_are_read_and_the_estimator_and_reference_skip_are_checked():
+    from gym_bridge.config.grpo import loop_config_from
+    from gym_bridge.config.training import nemo_gym_rollout_settings
+
+    config = {
+        "env": {"should_use_nemo_gym": True, "nemo_gym": {"config_paths": ["a.yaml"],
+                                                          "effort_levels": {"low_weight": 1.0, "low_string": "/low"}}},
+        "policy": {"model_name": "tiny", "max_total_sequence_length": 64, "generation": {"max_new_tokens": 8}},
+        "reward_penalties": {"penalize_empty_final_answer": True},
+        "grpo": {"num_prompts_per_step": 2, "num_generations_per_prompt": 2, "overlong_filtering": True,
+                 "invalid_tool_call_advantage": -5.0, "malformed_thinking_advantage": -4.0,
+                 "advantage_clip_low": -3.0, "advantage_clip_high": 3.0, "seq_logprob_error_threshold": 2.0,
+                 "adv_estimator": {"name": "grpo", "normalize_rewards": False}},
+    }
+    settings = nemo_gym_rollout_settings(config, base_urls=["http://127.0.0.1:1/v1"])
+    loop = loop_config_from(config, settings)
+    assert loop.advantage_settings.overlong_filtering and not loop.normalize_rewards
+    assert (loop.invalid_tool_call_advantage, loop.malformed_thinking_advantage) == (-5.0, -4.0)
+    assert (loop.advantage_clip_low, loop.advantage_clip_high, loop.seq_logprob_error_threshold) == (-3.0, 3.0, 2.0)
+    assert loop.effort_levels.low_string == "/low" and loop.reward_penalties == {"penalize_empty_final_answer": True}
+    assert loop.max_num_epochs == 1, "NeMo-RL's default epoch bound"
+
+    def refused(grpo=None, **top):
+        with pytest.raises(TrainingConfigError) as raised:
+            loop_config_from({**config, "grpo": {**config["grpo"], **(grpo or {})}, **top}, settings)
+        return str(raised.value)
+
+    assert "grpo.adv_estimator.name='gdpo'" in refused({"adv_estimator": {"name": "gdpo"}})
+    assert "grpo.adv_estimator.normalize_rewards" in refused({"normalize_rewards": True})
+    assert "grpo.skip_reference_policy_logprobs_calculation" in refused(
+        {"skip_reference_policy_logprobs_calculation": True}, loss_fn={"reference_policy_kl_penalty": 0.01})
+    assert "policy.router_replay.enabled=True" in refused(policy={**config["policy"], "router_replay": {"enabled": True}})
+    assert "policy.train_global_batch_size=8" in refused(policy={**config["policy"], "train_global_batch_size": 8})
+    assert loop_config_from({**config, "grpo": {**config["grpo"], "skip_reference_policy_logprobs_calculation": True}},
+                            settings)

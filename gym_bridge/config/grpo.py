@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,8 +43,10 @@ from gym_bridge.policy.hf import HFPolicyConfig
 from gym_bridge.training.loop import GRPOLoopConfig
 from gym_bridge.training.loss import ClippedPGLossConfig
 from gym_bridge.training.validation import ValidationSet
+from gym_bridge.types import GenerationSamplingParams
 
 __all__ = [
+    "ValidationOptions",
     "config_section",
     "load_gym_rows",
     "loop_config_from",
@@ -51,6 +54,7 @@ __all__ = [
     "policy_config",
     "result_logging",
     "train_data_path",
+    "validation_options",
     "validation_sets",
 ]
 
@@ -73,29 +77,54 @@ _LOSS_VARIANTS_NOT_IMPLEMENTED = {
     "use_cispo": False,
     "positive_example_nll_weight": 0.0,
 }
+_NULLABLE_LOSS_KEYS = ("kl_input_clamp_value", "kl_output_clamp_value")
+"""Loss keys whose None means something (no clamp); for the others None means NeMo-RL's default."""
 _OUR_LOSS = (
     "gym-bridge's ClippedPGLoss (token-level clipped PG with optional truncated importance sampling and a reference KL)"
 )
-_GRPO_OPTIONS_NOT_IMPLEMENTED = {
-    "use_dynamic_sampling": False,
-    "val_start_at": -1,
-    "stop_at_validation_metric": None,
+_NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
+    "grpo.use_dynamic_sampling": (False,),
+    "grpo.val_start_at": (-1,),
+    "grpo.stop_at_validation_metric": (None,),
+    "grpo.stop_at_validation_threshold": (None,),
+    "grpo.reward_scaling.enabled": (False,),
+    "grpo.reward_shaping.enabled": (False,),
+    "policy.router_replay.enabled": (False,),
+    "policy.megatron_cfg.enabled": (False,),
+    "policy.draft.enabled": (False,),
+    "policy.is_vlm": (False,),
+    "policy.quant_cfg": (None,),
+    "policy.hf_config_overrides": (None, {}),
+    "policy.scheduler": (None, []),
+    "policy.optimizer.name": ("torch.optim.AdamW",),
+    "policy.optimizer.kwargs.eps": (1e-8,),
+    "policy.tokenizer.chat_template": (None,),
+    "policy.tokenizer.chat_template_kwargs": (None, {}),
+    "on_policy_distillation.enabled": (False,),
+    "data_plane.enabled": (False,),
+    "data.use_multiple_dataloader": (False,),
+    "data.train.dataset_name": ("NemoGymDataset",),
+    "data.validation.dataset_name": ("NemoGymDataset",),
+    "data.default.dataset_name": ("NemoGymDataset",),
+    "data.default.prompt_file": (None,),
+    "data.default.system_prompt_file": (None,),
 }
-"""``grpo`` options of NeMo-RL's ``GRPOConfig`` this loop lacks, with NeMo-RL's defaults."""
-_GRPO_NESTED_NOT_IMPLEMENTED = {
-    "grpo.reward_scaling": {"enabled": False},
-    "grpo.reward_shaping": {"enabled": False},
-    "policy.router_replay": {"enabled": False},
-    "policy.sequence_packing": {"enabled": False},
-    "policy.dynamic_batching": {"enabled": False},
-    "policy.scheduler": {},
-    "on_policy_distillation": {"enabled": False},
-    "data_plane": {"enabled": False},
-}
-"""Sections whose switch NeMo-RL's Gym recipes turn on; this trainer implements none of them. ``policy.scheduler``
-(an LR schedule) is refused whenever it lists a scheduler: the optimizer keeps a constant learning rate."""
+"""NeMo-RL keys (with the values that leave its behaviour at what this trainer does) whose features this trainer
+lacks: the GRPO loop (dynamic sampling, delayed validation, early stop, reward scaling and DAPO shaping), the
+policy (Megatron, MTP drafts, MoE routing replay, VLMs, quantisation, HF config overrides, LR schedules, an
+optimizer other than torch AdamW with eps 1e-8, chat templates other than the tokenizer's own), distillation,
+the data plane, and NeMo-RL's data pipeline (datasets other than JSONL Gym rows, prompt files)."""
 _ADVANTAGE_ESTIMATORS = ("grpo", "gdpo", "opd", "reinforce_plus_plus")
 """NeMo-RL 7ea279a's estimators (``_create_advantage_estimator``); ``grpo`` is its default and the one we have."""
+_POLICY_KEYS = {
+    "learning_rate": "policy.optimizer.kwargs.lr",
+    "weight_decay": "policy.optimizer.kwargs.weight_decay",
+    "betas": "policy.optimizer.kwargs.betas",
+    "max_grad_norm": "policy.max_grad_norm",
+    "temperature": "policy.generation.temperature",
+    "freeze_embeddings": "policy.freeze_embeddings",
+    "logprob_batch_size": "policy.logprob_batch_size",
+}
 _LOOP_KEYS = {
     "seed": "grpo.seed",
     "shuffle_data": "data.shuffle",
@@ -113,7 +142,9 @@ def loss_config_from(config: Mapping[str, Any]) -> ClippedPGLossConfig:
     _refuse_unimplemented("loss_fn", section, _LOSS_VARIANTS_NOT_IMPLEMENTED, _OUR_LOSS)
     known = ClippedPGLossConfig.model_fields
     try:
-        return ClippedPGLossConfig(**{k: v for k, v in section.items() if k in known and v is not None})
+        return ClippedPGLossConfig(
+            **{k: v for k, v in section.items() if k in known and (v is not None or k in _NULLABLE_LOSS_KEYS)}
+        )
     except ValidationError as exc:
         raise TrainingConfigError(_problems(exc, {name: f"loss_fn.{name}" for name in known})) from None
 
@@ -138,18 +169,35 @@ def _refuse_unimplemented(name: str, section: Mapping[str, Any], defaults: Mappi
         raise TrainingConfigError(f"{', '.join(refused)} is not implemented by {by}; remove the key or set its default")
 
 
-def _refuse_unimplemented_sections(config: Mapping[str, Any]) -> None:
-    """Sections NeMo-RL switches on that this trainer lacks: one line naming the first such key."""
-    for dotted, defaults in _GRPO_NESTED_NOT_IMPLEMENTED.items():
-        section = config_section(config, dotted)
-        if dotted == "policy.scheduler":
-            if section:
-                raise TrainingConfigError(
-                    "policy.scheduler is not implemented by gym-bridge's HFPolicy (a constant learning rate); "
-                    "remove the section"
-                )
-            continue
-        _refuse_unimplemented(dotted, section, defaults, "gym-bridge's GRPO trainer")
+def _lookup(config: Mapping[str, Any], dotted: str) -> tuple[bool, Any]:
+    node: Any = config
+    for part in dotted.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return False, None
+        node = node[part]
+    return True, node
+
+
+def _refuse_not_implemented(config: Mapping[str, Any]) -> None:
+    """Each :data:`_NOT_IMPLEMENTED` key set to another value is an error naming it, in one line."""
+    for dotted, allowed in _NOT_IMPLEMENTED.items():
+        present, value = _lookup(config, dotted)
+        if present and value not in allowed:
+            raise TrainingConfigError(
+                f"{dotted}={value!r} is not implemented by gym-bridge's GRPO trainer; remove the key or set "
+                f"{' or '.join(repr(a) for a in allowed)}"
+            )
+
+
+def _check_batch_size(config: Mapping[str, Any], grpo: Mapping[str, Any]) -> None:
+    """``policy.train_global_batch_size`` must be one step's samples: the loop takes one optimizer step per step."""
+    gbs = config_section(config, "policy").get("train_global_batch_size")
+    step = (grpo.get("num_prompts_per_step") or 0) * (grpo.get("num_generations_per_prompt") or 0)
+    if gbs is not None and step and gbs != step:
+        raise TrainingConfigError(
+            f"policy.train_global_batch_size={gbs}: gym-bridge's GRPO loop takes one optimizer step per step, on "
+            f"num_prompts_per_step * num_generations_per_prompt = {step} samples; set it to {step} or remove it"
+        )
 
 
 def _advantage_key(grpo: Mapping[str, Any], name: str) -> Any:
@@ -180,9 +228,9 @@ def loop_config_from(config: Mapping[str, Any], settings: NemoGymRolloutSettings
     rollout settings (``grpo.async_grpo``, ``async_rl.stall_watchdog``,
     ``async_rl.rollout_failure.min_step_batch_fraction``)."""
     grpo = config_section(config, "grpo")
-    _refuse_unimplemented("grpo", grpo, _GRPO_OPTIONS_NOT_IMPLEMENTED, "gym-bridge's GRPO loop")
-    _refuse_unimplemented_sections(config)
+    _refuse_not_implemented(config)
     _refuse_estimator(grpo)
+    _check_batch_size(config, grpo)
     loss = loss_config_from(config)
     if grpo.get("skip_reference_policy_logprobs_calculation") and loss.reference_policy_kl_penalty:
         raise TrainingConfigError(
@@ -248,11 +296,32 @@ def train_data_path(config: Mapping[str, Any]) -> str:
     return str(path)
 
 
+@dataclass(frozen=True)
+class ValidationOptions:
+    """How validation rolls out: ``grpo.val_num_generations_per_prompt``, ``grpo.max_val_samples`` and
+    ``policy.generation``'s validation sampling profile (``val_temperature``, ``val_top_p``, ``val_top_k``)."""
+
+    num_generations: int
+    max_samples: int | None
+    sampling: GenerationSamplingParams
+    max_new_tokens: int | None
+
+
+def validation_options(config: Mapping[str, Any]) -> ValidationOptions:
+    grpo, generation = config_section(config, "grpo"), config_section(config, "policy.generation")
+    return ValidationOptions(
+        num_generations=int(grpo.get("val_num_generations_per_prompt") or 1),
+        max_samples=grpo.get("max_val_samples"),
+        sampling=GenerationSamplingParams.from_generation_config(generation, validation=True),
+        max_new_tokens=generation.get("max_new_tokens"),
+    )
+
+
 def validation_sets(config: Mapping[str, Any]) -> list[ValidationSet]:
     """``data.validation.data_path`` (reported as ``val/*``), then ``data.validation.extra_sets`` in order;
     each cut to ``grpo.max_val_samples`` rows when that is set."""
     validation = config_section(config, "data.validation")
-    limit = config_section(config, "grpo").get("max_val_samples")
+    limit = validation_options(config).max_samples
     named: list[tuple[str, Any]] = []
     if validation.get("data_path"):
         named.append(("validation", validation["data_path"]))
@@ -283,13 +352,21 @@ def policy_config(config: Mapping[str, Any], weights: str, loop_cfg: GRPOLoopCon
     (so its logprobs are those of the distribution the engine sampled from)."""
     policy_cfg = config_section(config, "policy")
     optimizer = config_section(config, "policy.optimizer.kwargs")
-    return HFPolicyConfig(
-        model=weights,
-        learning_rate=float(optimizer.get("lr", 1e-5)),
-        weight_decay=float(optimizer.get("weight_decay", 0.0)),
-        betas=tuple(optimizer.get("betas", (0.9, 0.999))),
-        max_grad_norm=policy_cfg.get("max_grad_norm", 1.0),
-        temperature=float(config_section(config, "policy.generation").get("temperature", 1.0)),
-        keep_reference_model=loop_cfg.loss.reference_policy_kl_penalty > 0,
-        freeze_embeddings=bool(policy_cfg.get("freeze_embeddings", False)),
-    )
+    try:
+        return HFPolicyConfig(
+            model=weights,
+            learning_rate=float(optimizer.get("lr", 1e-5)),
+            weight_decay=float(optimizer.get("weight_decay", 0.0)),
+            betas=tuple(optimizer.get("betas", (0.9, 0.999))),
+            max_grad_norm=policy_cfg.get("max_grad_norm", 1.0),
+            temperature=float(config_section(config, "policy.generation").get("temperature", 1.0)),
+            keep_reference_model=loop_cfg.loss.reference_policy_kl_penalty > 0,
+            freeze_embeddings=bool(policy_cfg.get("freeze_embeddings", False)),
+            **(
+                {"logprob_batch_size": int(policy_cfg["logprob_batch_size"])}
+                if policy_cfg.get("logprob_batch_size")
+                else {}
+            ),
+        )
+    except ValidationError as exc:
+        raise TrainingConfigError(_problems(exc, _POLICY_KEYS)) from None

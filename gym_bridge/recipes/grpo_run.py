@@ -24,6 +24,7 @@ from gym_bridge.config.grpo import (
     policy_config,
     result_logging,
     train_data_path,
+    validation_options,
     validation_sets,
 )
 from gym_bridge.config.training import TrainingConfigError, nemo_gym_rollout_settings
@@ -33,31 +34,49 @@ from gym_bridge.gym.client import GymClient
 from gym_bridge.policy.hf import HFPolicy
 from gym_bridge.recipes.launch import NemoGymRollouts, start_nemo_gym_rollouts
 from gym_bridge.serving import OpenAIServer
-from gym_bridge.training.loop import GRPOTrainer, load_trainer_state
+from gym_bridge.training.loop import GRPOLoopConfig, GRPOTrainer, load_trainer_state
+from gym_bridge.training.rewards import RewardShaper
 from gym_bridge.training.validation import GymValidator
-from gym_bridge.types import GenerationSamplingParams
 
-__all__ = ["GRPORun", "build_grpo_run", "validator_from"]
+__all__ = ["GRPORun", "build_grpo_run", "reward_shaper_from", "validator_from"]
 
 logger = logging.getLogger(__name__)
 
 
 def validator_from(
-    config: Mapping[str, Any], actors: list[Any], out_dir: Path, *, pass_threshold: float
+    config: Mapping[str, Any],
+    actors: list[Any],
+    out_dir: Path,
+    *,
+    pass_threshold: float,
+    reward_shaper: RewardShaper | None = None,
 ) -> GymValidator | None:
-    """A :class:`GymValidator` over the run's Gym actors, or None when the config has no validation data."""
+    """A :class:`GymValidator` over the run's Gym actors, or None when the config has no validation data.
+
+    ``reward_shaper`` shapes validation rewards as training's are (NeMo-RL's ``validate`` does the same)."""
     sets = validation_sets(config)
     if not sets:
         return None
-    generation = config_section(config, "policy.generation")
+    options = validation_options(config)
     return GymValidator(
         GymClient(actors, timer_prefix="timing/validation"),
         sets,
-        sampling=GenerationSamplingParams.from_generation_config(generation, validation=True),
-        max_new_tokens=generation.get("max_new_tokens"),
-        num_generations=int(config_section(config, "grpo").get("val_num_generations_per_prompt", 1)),
+        sampling=options.sampling,
+        max_new_tokens=options.max_new_tokens,
+        num_generations=options.num_generations,
         pass_threshold=pass_threshold,
         results_path=out_dir / "val_results.jsonl",
+        reward_shaper=reward_shaper,
+    )
+
+
+def reward_shaper_from(loop_cfg: GRPOLoopConfig, tokenizer: Any) -> RewardShaper:
+    """The loop's effort levels, reward penalties and thinking tags over ``tokenizer``."""
+    return RewardShaper(
+        tokenizer,
+        effort_levels=loop_cfg.effort_levels,
+        reward_penalties=loop_cfg.reward_penalties,
+        thinking_tags=loop_cfg.thinking_tags,
     )
 
 
@@ -133,7 +152,13 @@ def build_grpo_run(config: Mapping[str, Any], out_dir: str | Path, *, resume: bo
             dataset=dataset,
             out_dir=out_dir,
             state=state,
-            validator=validator_from(config, rollouts.actors, out_dir, pass_threshold=loop_cfg.pass_threshold),
+            validator=validator_from(
+                config,
+                rollouts.actors,
+                out_dir,
+                pass_threshold=loop_cfg.pass_threshold,
+                reward_shaper=reward_shaper_from(loop_cfg, engine.tokenizer),
+            ),
         )
     except BaseException:
         rollouts.shutdown()

@@ -1,18 +1,25 @@
 """Training through the bridge: GRPO advantages, the loss, on-policy fidelity, refit, staleness, validation,
 the loop."""
 
-from gym_bridge.training.advantages import baseline_and_std_per_group, grpo_advantages
-from gym_bridge.training.batch import GroupStats, train_batch
-from gym_bridge.training.fidelity import OnPolicyError, on_policy_error
+from gym_bridge.training.advantages import (
+    baseline_and_std_per_group,
+    clip_advantages,
+    grpo_advantages,
+    message_level_advantages,
+)
+from gym_bridge.training.batch import AdvantageSettings, GroupStats, train_batch
+from gym_bridge.training.fidelity import OnPolicyError, on_policy_error, seq_logprob_error_mask
 from gym_bridge.training.loop import GRPOLoopConfig, GRPOTrainer, TrainerState, load_trainer_state
 from gym_bridge.training.loss import ClippedPGLoss, ClippedPGLossConfig, sum_on_policy_errors
 from gym_bridge.training.metrics import append_metrics, plot_reward_curve, read_metrics
 from gym_bridge.training.prompts import PromptQueue, PromptQueueState
 from gym_bridge.training.refit import check_refit, refit
+from gym_bridge.training.rewards import RewardShaper
 from gym_bridge.training.staleness import StalenessBuffer
 from gym_bridge.training.validation import GymValidator, McNemarResult, ValidationSet, Validator, mcnemar_exact
 
 __all__ = [
+    "AdvantageSettings",
     "ClippedPGLoss",
     "ClippedPGLossConfig",
     "GRPOLoopConfig",
@@ -23,6 +30,7 @@ __all__ = [
     "OnPolicyError",
     "PromptQueue",
     "PromptQueueState",
+    "RewardShaper",
     "StalenessBuffer",
     "TrainerState",
     "ValidationSet",
@@ -30,13 +38,16 @@ __all__ = [
     "append_metrics",
     "baseline_and_std_per_group",
     "check_refit",
+    "clip_advantages",
     "grpo_advantages",
     "load_trainer_state",
     "mcnemar_exact",
+    "message_level_advantages",
     "on_policy_error",
     "plot_reward_curve",
     "read_metrics",
     "refit",
+    "seq_logprob_error_mask",
     "sum_on_policy_errors",
     "train_batch",
 ]

@@ -1,4 +1,4 @@
-"""GRPO advantages: group baselines and group-normalised rewards, as NeMo-RL computes them.
+"""GRPO advantages: group baselines and group-normalised rewards, then NeMo-RL's message-level penalties and clip.
 
 ``baseline_and_std_per_group`` is NeMo-RL's ``calculate_baseline_and_std_per_prompt``
 for groups of equal size (every sample valid): with the leave-one-out baseline, a
@@ -6,9 +6,17 @@ sample's baseline and std are those of the *other* samples of its group (Bessel-
 ``grpo_advantages`` is ``reward - baseline``, divided by ``std + epsilon`` only where
 ``std > 0`` (NeMo-RL's ``normalize_advantages_with_epsilon``): a group whose rewards are
 all equal gets advantage 0, never a division by zero.
+
+On the token-level advantages, in NeMo-RL's order: ``message_level_advantages`` overwrites the tokens of
+assistant messages NeMo-Gym flagged (``grpo.invalid_tool_call_advantage``, ``grpo.malformed_thinking_advantage``),
+then ``clip_advantages`` clamps everything to ``[grpo.advantage_clip_low, grpo.advantage_clip_high]``, the
+penalty values included.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -58,4 +66,54 @@ def grpo_advantages(
         advantages[scale] = advantages[scale] / (std[scale] + epsilon)
     if valid is not None:
         advantages = advantages * valid.to(advantages.dtype)
+    return advantages
+
+
+def message_level_advantages(
+    advantages: torch.Tensor,
+    message_logs: Sequence[Sequence[Mapping[str, Any]]],
+    *,
+    invalid_tool_call_advantage: float | None = None,
+    malformed_thinking_advantage: float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """NeMo-RL's message-level advantage penalties on token-level ``advantages`` ``[B, S]``.
+
+    Each generated assistant message (one with ``generation_logprobs``) that NeMo-Gym flagged
+    ``is_invalid_tool_call`` gets ``invalid_tool_call_advantage`` on every one of its tokens; otherwise, when
+    flagged ``has_malformed_thinking``, ``malformed_thinking_advantage``. Token positions are those of the
+    message log flattened in order, as the batch is. Returns the (new) advantages and NeMo-RL's rates and
+    counts; with neither value set, ``advantages`` unchanged and no metrics.
+    """
+    if invalid_tool_call_advantage is None and malformed_thinking_advantage is None:
+        return advantages, {}
+    advantages = advantages.clone()
+    invalid = malformed = assistant = 0
+    for i, message_log in enumerate(message_logs):
+        offset = 0
+        for message in message_log:
+            length = len(message["token_ids"])
+            if message["role"] == "assistant" and "generation_logprobs" in message:
+                assistant += 1
+                if invalid_tool_call_advantage is not None and message.get("is_invalid_tool_call", False):
+                    invalid += 1
+                    advantages[i, offset : offset + length] = invalid_tool_call_advantage
+                elif malformed_thinking_advantage is not None and message.get("has_malformed_thinking", False):
+                    malformed += 1
+                    advantages[i, offset : offset + length] = malformed_thinking_advantage
+            offset += length
+    return advantages, {
+        "invalid_tool_call_rate": invalid / max(assistant, 1),
+        "malformed_thinking_rate": malformed / max(assistant, 1),
+        "num_invalid_tool_calls": float(invalid),
+        "num_malformed_thinking": float(malformed),
+        "num_assistant_messages": float(assistant),
+    }
+
+
+def clip_advantages(advantages: torch.Tensor, low: float | None = None, high: float | None = None) -> torch.Tensor:
+    """``advantages`` clamped to ``[low, high]`` (either bound None: open), NeMo-RL's ``advantage_clip_*``."""
+    if low is not None:
+        advantages = advantages.clamp(min=low)
+    if high is not None:
+        advantages = advantages.clamp(max=high)
     return advantages

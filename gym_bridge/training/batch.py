@@ -5,19 +5,25 @@ exactly what the engine saw and produced). Only messages that carry
 ``generation_logprobs`` (the engine's own tokens) are trained on; their sampling
 logprobs sit at the same positions, aligned as :class:`~gym_bridge.policy.hf.HFPolicy`
 aligns its logprobs (``logprobs[b, t]`` scores token ``t``).
+
+``sample_mask`` is NeMo-RL's ``loss_multiplier``: 0 for a sample the environment masked and, with
+``overlong_filtering``, for a truncated one. A truncated sample stays in its group's baseline (NeMo-RL's
+GRPO estimator counts every sample); an environment-masked one does not (see ``GroupStats.masked``).
+``advantages`` are token-level ``[B, S]``, as NeMo-RL's estimator returns them, so that the message-level
+penalties and the clip (:mod:`gym_bridge.training.advantages`) apply per token.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from gym_bridge.batched import BatchedDataDict, batched_message_log_to_flat_message
 from gym_bridge.rollout.sink import CommittedGroup
-from gym_bridge.training.advantages import grpo_advantages
+from gym_bridge.training.advantages import clip_advantages, grpo_advantages, message_level_advantages
 
 
 @dataclass(frozen=True)
@@ -32,6 +38,23 @@ class GroupStats:
     samples: int
     masked: int = 0
     """Samples the environment masked: no loss, no part of any baseline."""
+    overlong_filtered: int = 0
+    """Truncated samples ``overlong_filtering`` left out of the loss (they stay in their group's baseline)."""
+    advantage_metrics: Mapping[str, float] = field(default_factory=dict)
+    """NeMo-RL's message-level penalty rates and counts, when a penalty is configured."""
+
+
+@dataclass(frozen=True)
+class AdvantageSettings:
+    """NeMo-RL's ``grpo`` keys that shape the advantages and the loss multiplier."""
+
+    leave_one_out: bool = True
+    normalize: bool = True
+    overlong_filtering: bool = False
+    invalid_tool_call_advantage: float | None = None
+    malformed_thinking_advantage: float | None = None
+    advantage_clip_low: float | None = None
+    advantage_clip_high: float | None = None
 
 
 def _trainable_log(message_log: Sequence[Mapping[str, Any]], where: str) -> list[dict[str, torch.Tensor]]:
@@ -54,9 +77,8 @@ def train_batch(
     groups: Sequence[CommittedGroup],
     pad_token_id: int,
     *,
-    leave_one_out: bool = True,
-    normalize: bool = True,
     pass_threshold: float = 1.0,
+    settings: AdvantageSettings = AdvantageSettings(),
 ) -> tuple[BatchedDataDict[Any], GroupStats]:
     """The right-padded batch ``HFPolicy.train`` takes with :class:`~gym_bridge.training.loss.ClippedPGLoss`."""
     if not groups:
@@ -64,7 +86,7 @@ def train_batch(
     sizes = {len(g.record.completions) for g in groups}
     if len(sizes) != 1:
         raise ValueError(f"groups of different sizes {sorted(sizes)} cannot share a GRPO baseline")
-    logs, rewards, truncated, generated, valid = [], [], [], [], []
+    logs, rewards, truncated, generated, valid, sources = [], [], [], [], [], []
     for group in groups:
         for j, completion in enumerate(group.record.completions):
             log = _trainable_log(completion.message_log, f"prompt_idx={group.record.prompt_idx} completion {j}")
@@ -73,6 +95,7 @@ def train_batch(
                     message["token_mask"] = torch.zeros_like(message["token_mask"])
             valid.append(not completion.masked)
             logs.append(log)
+            sources.append(completion.message_log)
             rewards.append(float(completion.reward))
             truncated.append(bool(completion.truncated))
             generated.append(float(sum(m["token_mask"].sum() for m in log)))
@@ -81,14 +104,30 @@ def train_batch(
     )
     reward_matrix = torch.tensor(rewards).view(len(groups), -1)
     valid_matrix = torch.tensor(valid).view(len(groups), -1)
-    advantages = grpo_advantages(reward_matrix, leave_one_out=leave_one_out, normalize=normalize, valid=valid_matrix)
+    per_sample = grpo_advantages(
+        reward_matrix, leave_one_out=settings.leave_one_out, normalize=settings.normalize, valid=valid_matrix
+    ).reshape(-1)
+    advantages, penalty_metrics = message_level_advantages(
+        per_sample[:, None].expand(flat["token_ids"].shape).clone(),
+        sources,
+        invalid_tool_call_advantage=settings.invalid_tool_call_advantage,
+        malformed_thinking_advantage=settings.malformed_thinking_advantage,
+    )
+    advantages = clip_advantages(advantages, settings.advantage_clip_low, settings.advantage_clip_high)
+    filtered = (
+        torch.tensor(truncated) & torch.tensor(valid)
+        if settings.overlong_filtering
+        else torch.zeros(len(valid), dtype=torch.bool)
+    )
+    sample_mask = (torch.tensor(valid) & ~filtered).float()
     batch: BatchedDataDict[Any] = BatchedDataDict(
         {
             "input_ids": flat["token_ids"],
             "input_lengths": lengths.to(torch.int64),
             "token_mask": flat["token_mask"].float(),
             "generation_logprobs": flat["generation_logprobs"].float(),
-            "advantages": advantages.reshape(-1),
+            "advantages": advantages,
+            "sample_mask": sample_mask,
             "rewards": torch.tensor(rewards),
         }
     )
@@ -100,5 +139,7 @@ def train_batch(
         zero_std_groups=int((reward_matrix.std(dim=1, unbiased=False) == 0).sum()),
         samples=len(rewards),
         masked=len(valid) - sum(valid),
+        overlong_filtered=int(filtered.sum()),
+        advantage_metrics=penalty_metrics,
     )
     return batch, stats

@@ -4,6 +4,9 @@
 KL(P_gen || P_train), ``exp(r) - 1 - r`` with ``r = train - gen``, over the masked tokens.
 A refit that did not reach the engine shows up here at once (the engine samples from
 old weights while the trainer scores with new ones).
+
+``seq_logprob_error_mask`` is NeMo-RL's ``grpo.seq_logprob_error_threshold``: sequences whose
+multiplicative probability error exceeds the threshold are left out of the loss.
 """
 
 from __future__ import annotations
@@ -68,3 +71,55 @@ def on_policy_error(
         k3_sum=float(k3.sum()),
         tokens=float(mask.sum()),
     )
+
+
+@torch.no_grad()
+def seq_logprob_error_mask(
+    token_mask: torch.Tensor,
+    sample_mask: torch.Tensor,
+    prev_logprobs: torch.Tensor,
+    generation_logprobs: torch.Tensor,
+    rewards: torch.Tensor,
+    threshold: float | None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """NeMo-RL's sequence-level logprob error: ``(sample_mask, metrics)``.
+
+    A sequence's error is the mean over its trained tokens of ``exp(|gen - prev|)`` (``prev``: the trainer's
+    logprobs before this step), the per-sequence form of ``token_mult_prob_error``. With ``threshold`` set, a
+    sequence whose error exceeds it leaves the loss (its ``sample_mask`` entry becomes 0); its reward and its
+    place in the group baseline stay. Sequences with no trained token count in no statistic.
+    ``masked_correct_pct`` is the share of masked sequences whose reward is exactly 1.
+    """
+    token_mask, sample_mask = token_mask[:, 1:].float(), sample_mask.float()
+    lp_error = (generation_logprobs[:, 1:].float() - prev_logprobs[:, 1:].float()).abs()
+    mask = token_mask * sample_mask.unsqueeze(-1)
+    denom = mask.sum(dim=-1)
+    valid = denom > 0
+    error = torch.zeros_like(denom)
+    error[valid] = ((torch.exp(lp_error * mask) * mask).sum(dim=-1) / denom.clamp(min=1))[valid]
+
+    def stats(keep: torch.Tensor, suffix: str = "") -> dict[str, float]:
+        kept = error[keep]
+        return {
+            f"{name}_seq_mult_prob_error{suffix}": float(fn(kept)) if kept.numel() else 0.0
+            for name, fn in (("max", torch.max), ("mean", torch.mean), ("min", torch.min))
+        }
+
+    metrics = stats(valid)
+    if threshold is None:
+        return sample_mask, {
+            **metrics,
+            **stats(valid, "_after_mask"),
+            "num_masked_seqs": 0.0,
+            "masked_correct_pct": 0.0,
+        }
+    kept = (error <= threshold).float() * sample_mask
+    dropped = (sample_mask - kept).bool()
+    num_masked = int(dropped.sum())
+    correct = int((rewards.reshape(-1)[dropped] == 1).sum()) if num_masked else 0
+    return kept, {
+        **metrics,
+        **stats(kept.bool() & valid, "_after_mask"),
+        "num_masked_seqs": float(num_masked),
+        "masked_correct_pct": correct / num_masked if num_masked else 0.0,
+    }

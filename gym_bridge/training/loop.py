@@ -2,7 +2,9 @@
 
 One step: ``num_prompts_per_step`` prompts (the dataset shuffled with ``seed``), each
 rolled out N times through ``manager.collect`` (any backend; the recipe uses
-``nemo_gym``), group-normalised advantages, one optimizer step of
+``nemo_gym``), NeMo-RL's Gym reward shaping (effort levels, reward penalties), group-normalised
+advantages with NeMo-RL's message-level penalties and clip, overlong filtering and the
+sequence-level logprob-error mask when configured, one optimizer step of
 :class:`~gym_bridge.training.loss.ClippedPGLoss` on the generated tokens (skipped when
 every advantage is zero), a refit of the serving engine checked against its weight
 version and fingerprint, and the new weight version on the manager. With
@@ -30,12 +32,15 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from gym_bridge.failures import RolloutStall, StepBatchShortfall
+from gym_bridge.rollout.reward_shaping import EffortLevelsConfig
 from gym_bridge.rollout.sink import CommittedGroup, InMemorySink
-from gym_bridge.training.batch import train_batch
+from gym_bridge.training.batch import AdvantageSettings, train_batch
+from gym_bridge.training.fidelity import seq_logprob_error_mask
 from gym_bridge.training.loss import ClippedPGLoss, ClippedPGLossConfig, loss_metrics, sum_on_policy_errors
 from gym_bridge.training.metrics import append_metrics
 from gym_bridge.training.prompts import PromptQueue, PromptQueueState
 from gym_bridge.training.refit import check_refit, refit
+from gym_bridge.training.rewards import RewardShaper
 from gym_bridge.training.staleness import StalenessBuffer
 from gym_bridge.training.validation import Validator
 from gym_bridge.types import DatumSpec, padding_id
@@ -54,8 +59,29 @@ class GRPOLoopConfig(BaseModel):
 
     num_prompts_per_step: int = Field(8, ge=1)
     max_num_steps: int = Field(40, ge=1)
+    max_num_epochs: int | None = Field(None, ge=1)
+    """NeMo-RL's epoch bound: the run ends after ``max_num_epochs * (len(dataset) // num_prompts_per_step)`` steps
+    when that is fewer than ``max_num_steps`` (NeMo-RL's dataloader drops the last partial batch); None: no bound."""
     use_leave_one_out_baseline: bool = True
     normalize_rewards: bool = True
+    overlong_filtering: bool = False
+    """Truncated samples leave the loss (NeMo-RL's ``loss_multiplier`` 0) and stay in their group's baseline."""
+    invalid_tool_call_advantage: float | None = None
+    """The advantage of every token of an assistant message NeMo-Gym flagged ``is_invalid_tool_call``."""
+    malformed_thinking_advantage: float | None = None
+    """The advantage of every token of an assistant message NeMo-Gym flagged ``has_malformed_thinking``."""
+    advantage_clip_low: float | None = None
+    advantage_clip_high: float | None = None
+    """Token advantages are clamped to ``[low, high]`` after the message-level penalties; None: open."""
+    seq_logprob_error_threshold: float | None = None
+    """Sequences whose multiplicative probability error (trainer before the step vs sampler) exceeds this
+    leave the loss; the trainer's logprobs come from one extra forward pass before training."""
+    effort_levels: EffortLevelsConfig | None = None
+    """``env.nemo_gym.effort_levels``: NeMo-RL's length shaping of low-effort prompts' rewards."""
+    reward_penalties: dict[str, Any] | None = None
+    """``reward_penalties``: NeMo-RL's reward-zeroing penalties (``RewardPenaltyConfig`` keys)."""
+    thinking_tags: tuple[str, ...] | None = None
+    """``env.nemo_gym.thinking_tags`` for the malformed-think-tag penalty; None: ``<think>``, ``</think>``."""
     loss: ClippedPGLossConfig = Field(default_factory=ClippedPGLossConfig)
     seed: int = 0
     shuffle_data: bool = True
@@ -91,6 +117,18 @@ class GRPOLoopConfig(BaseModel):
                 "without ratio_clip_c); with the correction and truncated_importance_sampling_type 'tis' it learns"
             )
         return self
+
+    @property
+    def advantage_settings(self) -> AdvantageSettings:
+        return AdvantageSettings(
+            leave_one_out=self.use_leave_one_out_baseline,
+            normalize=self.normalize_rewards,
+            overlong_filtering=self.overlong_filtering,
+            invalid_tool_call_advantage=self.invalid_tool_call_advantage,
+            malformed_thinking_advantage=self.malformed_thinking_advantage,
+            advantage_clip_low=self.advantage_clip_low,
+            advantage_clip_high=self.advantage_clip_high,
+        )
 
     @property
     def lookahead(self) -> int:
@@ -132,9 +170,24 @@ class GRPOTrainer:
         self.metrics_path = self.out_dir / "metrics.jsonl"
         self.state = state or TrainerState()
         self.prompts = PromptQueue(dataset, seed=cfg.seed, shuffle=cfg.shuffle_data, state=self.state.prompts)
+        self.max_steps = cfg.max_num_steps
+        if cfg.max_num_epochs is not None:
+            steps_per_epoch = len(dataset) // cfg.num_prompts_per_step
+            if steps_per_epoch < 1:
+                raise ValueError(
+                    f"max_num_epochs needs at least num_prompts_per_step={cfg.num_prompts_per_step} prompts, "
+                    f"the dataset has {len(dataset)}"
+                )
+            self.max_steps = min(self.max_steps, cfg.max_num_epochs * steps_per_epoch)
         self.buffer = StalenessBuffer(cfg.max_trajectory_age_steps)
         self.buffer.dropped_total = self.state.dropped_stale_total
         self.loss = ClippedPGLoss(cfg.loss)
+        self.reward_shaper = RewardShaper(
+            policy.tokenizer,
+            effort_levels=cfg.effort_levels,
+            reward_penalties=cfg.reward_penalties,
+            thinking_tags=cfg.thinking_tags,
+        )
         self.all_wrong_in_a_row = 0
         self.pad_token_id = padding_id(policy.tokenizer)
         manager.set_weight_version(self.state.weight_version)
@@ -229,12 +282,9 @@ class GRPOTrainer:
         }
         train_s = refit_s = 0.0
         if usable:
+            usable, shaping_metrics = self.reward_shaper.shape_groups(usable)
             batch, stats = train_batch(
-                usable,
-                self.pad_token_id,
-                leave_one_out=self.cfg.use_leave_one_out_baseline,
-                normalize=self.cfg.normalize_rewards,
-                pass_threshold=self.cfg.pass_threshold,
+                usable, self.pad_token_id, pass_threshold=self.cfg.pass_threshold, settings=self.cfg.advantage_settings
             )
             metrics.update(
                 {
@@ -244,9 +294,12 @@ class GRPOTrainer:
                     "train/truncation_rate": stats.truncation_rate,
                     "train/zero_std_groups": stats.zero_std_groups,
                     "train/samples": stats.samples,
+                    **({"train/overlong_filtered": stats.overlong_filtered} if self.cfg.overlong_filtering else {}),
+                    **{f"train/{key}": value for key, value in {**shaping_metrics, **stats.advantage_metrics}.items()},
                 }
             )
-            skip = not bool(torch.as_tensor(batch["advantages"]).ne(0).any())
+            trained = torch.as_tensor(batch["token_mask"]) * torch.as_tensor(batch["sample_mask"])[:, None]
+            skip = not bool((torch.as_tensor(batch["advantages"]) * trained).ne(0).any())
             metrics["train/skipped_zero_advantage"] = skip
             self.all_wrong_in_a_row = self.all_wrong_in_a_row + 1 if skip and stats.pass_rate == 0.0 else 0
             metrics["train/all_wrong_steps_in_a_row"] = self.all_wrong_in_a_row
@@ -275,6 +328,7 @@ class GRPOTrainer:
                 self.state.weight_version = new_version
                 metrics.update(
                     {
+                        **{f"train/{key}": value for key, value in result.get("seq_logprob_error", {}).items()},
                         "train/loss": result["loss"],
                         "train/grad_norm": result["grad_norm"],
                         "train/refit": refit_engine,
@@ -293,11 +347,25 @@ class GRPOTrainer:
         return metrics
 
     def _train(self, batch: Any) -> dict[str, Any]:
-        """One optimizer step; reference logprobs first when the loss has a KL penalty."""
+        """One optimizer step; first the sequence-level logprob-error mask when ``seq_logprob_error_threshold``
+        is set, and reference logprobs when the loss has a KL penalty."""
+        seq_metrics: dict[str, float] = {}
+        if self.cfg.seq_logprob_error_threshold is not None:
+            prev = self.policy.get_logprobs(batch)["logprobs"]
+            batch["sample_mask"], seq_metrics = seq_logprob_error_mask(
+                batch["token_mask"],
+                batch["sample_mask"],
+                prev,
+                batch["generation_logprobs"],
+                batch["rewards"],
+                self.cfg.seq_logprob_error_threshold,
+            )
+            seq_metrics["num_masked_seqs_by_logprob_error"] = seq_metrics.pop("num_masked_seqs")
         if self.cfg.loss.reference_policy_kl_penalty:
             reference = self.policy.get_reference_policy_logprobs(batch, self.cfg.train_micro_batch_size)
             batch["reference_policy_logprobs"] = reference["reference_logprobs"]
-        return dict(self.policy.train(batch, self.loss, mbs=self.cfg.train_micro_batch_size))
+        result = dict(self.policy.train(batch, self.loss, mbs=self.cfg.train_micro_batch_size))
+        return {**result, "seq_logprob_error": seq_metrics}
 
     async def validate(self, step: int) -> dict[str, Any] | None:
         """One validation with the current weights, logged as its own ``kind: val`` line."""
@@ -313,15 +381,15 @@ class GRPOTrainer:
     def _validates_after(self, step: int) -> bool:
         """Whether validation follows the step that makes ``step`` steps done."""
         period = self.cfg.val_period
-        return (self.cfg.val_at_end and step == self.cfg.max_num_steps) or bool(period and step % period == 0)
+        return (self.cfg.val_at_end and step == self.max_steps) or bool(period and step % period == 0)
 
     async def run(self, on_step: Any = None) -> list[dict[str, Any]]:
-        """Steps from ``state.step`` to ``max_num_steps``; validation and checkpoints as configured.
+        """Steps from ``state.step`` to ``max_steps``; validation and checkpoints as configured.
 
         ``on_step`` gets every metrics line (training steps and validations).
         """
         history: list[dict[str, Any]] = []
-        last = self.cfg.max_num_steps
+        last = self.max_steps
         step = self.state.step
         if step >= last:
             return history

@@ -31,6 +31,10 @@ class ClippedPGLossConfig(BaseModel):
     ratio_clip_c: float | None = Field(None, gt=1.0, description="Dual clip for negative advantages; None: off.")
     reference_policy_kl_penalty: float = Field(0.0, ge=0.0)
     reference_policy_kl_type: Literal["k1", "k2", "k3"] = "k3"
+    kl_input_clamp_value: float | None = Field(20.0, gt=0.0)
+    """The reference log-ratio is clamped to +-this before the KL estimate (NeMo-RL's default 20); None: no clamp."""
+    kl_output_clamp_value: float | None = Field(10.0, gt=0.0)
+    """The per-token KL estimate is clamped to +-this (NeMo-RL's default 10); None: no clamp."""
     use_importance_sampling_correction: bool = False
     truncated_importance_sampling_type: Literal["tis", "icepop"] | None = None
     truncated_importance_sampling_ratio: float | None = Field(None, gt=0.0)
@@ -50,14 +54,27 @@ class ClippedPGLossConfig(BaseModel):
         return self
 
 
-def kl_estimate(logprobs: torch.Tensor, reference: torch.Tensor, kind: str) -> torch.Tensor:
-    """Per-token estimate of KL(current || reference) from sampled tokens (Schulman's k1, k2, k3)."""
+def kl_estimate(
+    logprobs: torch.Tensor,
+    reference: torch.Tensor,
+    kind: str,
+    input_clamp: float | None = None,
+    output_clamp: float | None = None,
+) -> torch.Tensor:
+    """Per-token estimate of KL(current || reference) from sampled tokens (Schulman's k1, k2, k3), with NeMo-RL's
+    clamps: the log-ratio to ``+-input_clamp``, the estimate to ``+-output_clamp`` (None: no clamp)."""
     log_ratio = reference - logprobs
+    if input_clamp is not None:
+        log_ratio = log_ratio.clamp(min=-input_clamp, max=input_clamp)
     if kind == "k1":
-        return -log_ratio
-    if kind == "k2":
-        return 0.5 * log_ratio**2
-    return torch.exp(log_ratio) - 1 - log_ratio
+        kl = -log_ratio
+    elif kind == "k2":
+        kl = 0.5 * log_ratio**2
+    else:
+        kl = torch.exp(log_ratio) - 1 - log_ratio
+    if output_clamp is not None:
+        kl = kl.clamp(min=-output_clamp, max=output_clamp)
+    return kl
 
 
 class ClippedPGLoss:
@@ -112,7 +129,13 @@ class ClippedPGLoss:
         kl_sum = 0.0
         if cfg.reference_policy_kl_penalty:
             reference = torch.as_tensor(data["reference_policy_logprobs"], dtype=dtype, device=device)
-            per_token_kl = kl_estimate(token_logprobs, reference, cfg.reference_policy_kl_type)
+            per_token_kl = kl_estimate(
+                token_logprobs,
+                reference,
+                cfg.reference_policy_kl_type,
+                cfg.kl_input_clamp_value,
+                cfg.kl_output_clamp_value,
+            )
             kl_sum = float((per_token_kl.detach() * mask).sum())
             per_token = per_token + cfg.reference_policy_kl_penalty * per_token_kl
         loss = (per_token * mask).sum() / global_valid_toks.clamp(min=1)

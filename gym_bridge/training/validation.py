@@ -5,7 +5,9 @@ Each validation set gives ``val/accuracy`` (the first set) or ``val/<set>/accura
 ``format_rate`` (the environment extracted an answer: Gym's ``extracted_answer`` is set),
 ``lenient_accuracy`` (the last integer of the reply equals ``expected_answer``: correctness
 without the format) and ``mean_tokens``. Every answer is written to ``val_results.jsonl``
-so that two validations can be compared problem by problem (McNemar's test).
+so that two validations can be compared problem by problem (McNemar's test). With a
+:class:`~gym_bridge.training.rewards.RewardShaper`, rewards are shaped (effort levels, reward penalties)
+before they are scored, as NeMo-RL's ``validate`` shapes them.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any, Protocol
 from gym_bridge.gym.client import GymClient
 from gym_bridge.gym.rows import stamped_row
 from gym_bridge.rollout.nemo_gym import gym_completion
+from gym_bridge.training.rewards import RewardShaper
 from gym_bridge.types import Completion, GenerationSamplingParams
 
 _INTEGER = re.compile(r"-?\d+")
@@ -95,6 +98,7 @@ class GymValidator:
         num_generations: int = 1,
         pass_threshold: float = 1.0,
         results_path: Path | None = None,
+        reward_shaper: RewardShaper | None = None,
     ) -> None:
         if not sets or any(not s.rows for s in sets):
             raise ValueError("validation needs at least one set, each with rows")
@@ -104,11 +108,15 @@ class GymValidator:
         self.sampling, self.max_new_tokens = sampling, max_new_tokens
         self.num_generations, self.pass_threshold = num_generations, pass_threshold
         self.results_path = results_path
+        self.reward_shaper = reward_shaper
 
     async def _problem(self, row: Mapping[str, Any], prompt_idx: int) -> list[Completion]:
         stamped = [stamped_row(dict(row), i, self.sampling, self.max_new_tokens) for i in range(self.num_generations)]
         group = await self.client.run_group(stamped, prompt_idx=prompt_idx, deadline_s=None)
-        return [gym_completion(r, max_seq_len=None, mask_env_flagged_samples=False) for r in group.rows]
+        completions = [gym_completion(r, max_seq_len=None, mask_env_flagged_samples=False) for r in group.rows]
+        if self.reward_shaper is not None:
+            completions, _ = self.reward_shaper.shape([row] * len(completions), completions)
+        return completions
 
     async def __call__(self, step: int, weight_version: int) -> dict[str, float]:
         metrics: dict[str, float] = {}

@@ -1,0 +1,98 @@
+"""NeMo-RL's Gym reward shaping on the GRPO loop's path: effort levels and reward penalties on committed groups.
+
+NeMo-RL shapes rewards inside its Gym rollout functions, before a batch reaches the advantage estimator
+(``env.nemo_gym.effort_levels`` first, then ``reward_penalties``). The loop rolls out through
+``manager.collect``, which returns the environment's rewards as they are, so :class:`RewardShaper` applies
+the same shaping (:mod:`gym_bridge.rollout.reward_shaping`, shared with the batch functions) to the
+completions of a training step, and :class:`~gym_bridge.training.validation.GymValidator` to its
+validation rollouts, as NeMo-RL's ``validate`` does. The environment's own result (``env_extras``) is left as
+Gym returned it; only ``Completion.reward`` changes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from gym_bridge.rollout.reward_shaping import (
+    PENALTY_FLAGS,
+    EffortLevelsConfig,
+    apply_effort_shaping,
+    apply_reward_penalties,
+    effort_metrics,
+    penalty_metrics,
+    resolve_reward_penalty_config,
+)
+from gym_bridge.rollout.sink import CommittedGroup
+from gym_bridge.types import Completion, Tokenizer
+
+__all__ = ["RewardShaper"]
+
+
+class RewardShaper:
+    """Effort shaping and reward penalties, resolved once (think-tag ids from ``tokenizer``)."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        *,
+        effort_levels: EffortLevelsConfig | Mapping[str, Any] | None = None,
+        reward_penalties: Mapping[str, Any] | None = None,
+        thinking_tags: Sequence[str] | None = None,
+    ) -> None:
+        if isinstance(effort_levels, Mapping):
+            effort_levels = EffortLevelsConfig.model_validate(effort_levels)
+        self.effort = effort_levels
+        tags = list(thinking_tags) if thinking_tags else None
+        self.penalties = resolve_reward_penalty_config(reward_penalties, tokenizer, thinking_tags=tags)
+
+    @property
+    def enabled(self) -> bool:
+        """Whether any shaping is switched on (effort shaping with a weight and a trigger, or a penalty)."""
+        penalties = self.penalties or {}
+        return bool(self.effort is not None and self.effort.enabled) or any(
+            penalties.get(flag) for flag, _ in PENALTY_FLAGS.values()
+        )
+
+    def shape(
+        self, rows: Sequence[Mapping[str, Any]], completions: Sequence[Completion]
+    ) -> tuple[list[Completion], dict[str, float]]:
+        """The completions with shaped rewards (row ``i`` is completion ``i``'s Gym row) and NeMo-RL's metrics.
+
+        Raises ``ValueError`` for a completion without a Gym result (``env_extras``): the shaping reads it.
+        """
+        if not self.enabled or not completions:
+            return list(completions), {}
+        results: list[dict[str, Any]] = []
+        for i, completion in enumerate(completions):
+            if completion.env_extras is None:
+                raise ValueError(
+                    f"completion {i} has no NeMo-Gym result; env.nemo_gym.effort_levels and reward_penalties "
+                    "shape NeMo-Gym rollouts only"
+                )
+            full_result = {**completion.env_extras, "reward": float(completion.reward)}
+            results.append({"message_log": completion.message_log, "full_result": full_result})
+        effort = apply_effort_shaping(results, rows, self.effort)
+        counts = apply_reward_penalties(results, self.penalties)
+        shaped = [
+            dataclasses.replace(completion, reward=float(result["full_result"]["reward"]))
+            for completion, result in zip(completions, results, strict=True)
+        ]
+        return shaped, {**effort_metrics(effort), **penalty_metrics(self.penalties, counts, len(results))}
+
+    def shape_groups(self, groups: Sequence[CommittedGroup]) -> tuple[list[CommittedGroup], dict[str, float]]:
+        """Every group's completions shaped together, as NeMo-RL's sync GRPO shapes one step's batch; each
+        completion's row is its group's ``extra_env_info``."""
+        if not self.enabled:
+            return list(groups), {}
+        rows = [g.record.extra_env_info or {} for g in groups for _ in g.record.completions]
+        flat = [c for g in groups for c in g.record.completions]
+        shaped, metrics = self.shape(rows, flat)
+        out, start = [], 0
+        for group in groups:
+            end = start + len(group.record.completions)
+            record = dataclasses.replace(group.record, completions=shaped[start:end])
+            out.append(dataclasses.replace(group, record=record))
+            start = end
+        return out, metrics

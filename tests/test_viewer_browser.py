@@ -7,6 +7,7 @@ Needs Debian's ``chromium`` and ``chromium-driver``; without them the test fails
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,9 @@ def browser():
 @pytest.fixture(scope="module")
 def page(tmp_path_factory) -> Path:
     run = synthetic_run(tmp_path_factory.mktemp("viewer") / "run", PROMPTS, N, skill=0.6)
+    failure = {"prompt_idx": PROMPTS, "line": PROMPTS + 1, "agent": "lc_equivalence_rule_simple_agent",
+               "error": "RolloutTimeout", "message": "the group's deadline of 600 s expired", "class": "infra"}  # fmt: skip
+    (run / "failures.jsonl").write_text(json.dumps(failure) + "\n")
     build_report(run)
     return run / "report.html"
 
@@ -55,22 +59,31 @@ def choose(browser: Chromium, select: str, value: str) -> None:
 def test_viewer_loads_filters_sorts_and_expands(browser: Chromium, page: Path, tmp_path: Path) -> None:
     browser.open(page.as_uri())
     state = browser.run("return window.gymBridgeViewer")
-    assert state["groups"] == PROMPTS and state["completions"] == PROMPTS * N
+    assert state["groups"] == PROMPTS + 1 and state["completions"] == PROMPTS * N, "a failed group is a row too"
     errors = [e for e in browser.console() if e.get("level") in ("SEVERE", "ERROR")]
     assert not errors, errors
-    assert count(browser) == f"{PROMPTS} of {PROMPTS} groups"
+    total = PROMPTS + 1
+    assert count(browser) == f"{total} of {total} groups"
     rows = shown(browser)
     assert 10 < len(rows) < PROMPTS, "only the rows near the view are rendered"
     assert [r["idx"] for r in rows[:5]] == [0, 1, 2, 3, 4]
 
     choose(browser, "f-agent", "lc_equivalence_rule_simple_agent")
-    assert count(browser) == f"{PROMPTS // 3} of {PROMPTS} groups"
+    assert count(browser) == f"{PROMPTS // 3 + 1} of {total} groups"
     assert {r["agent"] for r in shown(browser)} == {"lc_equivalence_rule_simple_agent"}
     choose(browser, "f-verdict", "fail")
     failed = shown(browser)
     assert failed and all(r["pass"].startswith("0.00") for r in failed)
+    assert PROMPTS in [r["idx"] for r in failed], "a failed group passed nothing"
+    choose(browser, "f-verdict", "pass")
+    assert shown(browser) and all(r["pass"].startswith("1.00") for r in shown(browser))
     choose(browser, "f-agent", "")
     choose(browser, "f-verdict", "")
+    choose(browser, "f-term", "failed: RolloutTimeout")
+    assert [r["idx"] for r in shown(browser)] == [PROMPTS]
+    browser.click("#spacer .row")
+    assert "deadline of 600 s expired" in browser.run("return document.getElementById('detail').textContent")
+    choose(browser, "f-term", "")
     browser.type("#f-text", "question 123:")
     assert [r["idx"] for r in shown(browser)] == [123]
     browser.run("const t = document.getElementById('f-text'); t.value = ''; t.dispatchEvent(new Event('input'));")

@@ -1,16 +1,15 @@
 """gym-bridge: rollouts for LLM RL training loops and agent evaluations, over NeMo-Gym or natively.
 
 The public API is importable from here (``from gym_bridge import RolloutManager, NemoGymConfig``).
-:mod:`gym_bridge._public` lists it, one import per name from its defining module. Every name is
-resolved lazily on first use (module ``__getattr__``), so ``import gym_bridge`` and the CLI pay
-for torch or Ray only when a name that needs them is used.
+``_EXPORTS`` below maps each defining module to its public names; every name is resolved lazily on
+first use (module ``__getattr__``), so ``import gym_bridge`` and the CLI pay for torch or Ray only
+when a name that needs them is used. :mod:`gym_bridge._public` imports the same names for type
+checkers (``tests/test_public_api.py`` keeps the two equal).
 """
 
 from __future__ import annotations
 
-import ast
 import importlib
-import os
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
@@ -19,24 +18,123 @@ if TYPE_CHECKING:
     from gym_bridge._public import *  # noqa: F403  (every public name, for type checkers)
 
 
-def _read_exports() -> dict[str, str]:
-    """Public name -> defining module, read from :mod:`gym_bridge._public`'s imports without running them."""
-    with open(os.path.join(os.path.dirname(__file__), "_public.py"), encoding="utf-8") as f:
-        tree = ast.parse(f.read())
-    return {
-        alias.asname or alias.name: node.module
-        for node in tree.body
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("gym_bridge.")
-        for alias in node.names
-    }
+_EXPORTS: dict[str, tuple[str, ...]] = {
+    "gym_bridge.batched": ("BatchedDataDict",),
+    "gym_bridge.config.launch_spec": ("GymLaunchSpec",),
+    "gym_bridge.config.training": (
+        "nemo_gym_config_from",
+        "setup_nemo_gym_config",
+        "should_use_nemo_gym",
+    ),
+    "gym_bridge.data": (
+        "datum_from_chat",
+        "datum_from_gym_row",
+    ),
+    "gym_bridge.eval.config": (
+        "EvalConfig",
+        "load_config",
+    ),
+    "gym_bridge.eval.runner": ("run_eval",),
+    "gym_bridge.failures.errors": (
+        "GymBridgeError",
+        "GymResultError",
+        "InvalidGymRow",
+        "NoHealthyShards",
+        "RefitMismatch",
+        "RolloutDataFailure",
+        "RolloutFailure",
+        "RolloutInfraFailure",
+        "RolloutRedispatchExhausted",
+        "RolloutStall",
+        "RolloutTimeout",
+    ),
+    "gym_bridge.failures.retry": (
+        "RolloutRetryPolicy",
+        "RolloutTimeouts",
+    ),
+    "gym_bridge.failures.stats": ("RolloutStats",),
+    "gym_bridge.gym.actor_config": ("NemoGymConfig",),
+    "gym_bridge.gym.spinup": (
+        "spinup_nemo_gym_actor",
+        "spinup_nemo_gym_actors",
+        "start_nemo_gym_actor",
+        "stop_nemo_gym_actors",
+    ),
+    "gym_bridge.interfaces": (
+        "ColocatablePolicyInterface",
+        "EnvironmentInterface",
+        "GenerationInterface",
+        "PolicyInterface",
+        "RolloutBackend",
+    ),
+    "gym_bridge.metrics": (
+        "calculate_single_metric",
+        "pct",
+    ),
+    "gym_bridge.preflight": (
+        "EndpointCheck",
+        "PreflightError",
+        "check_endpoint",
+        "check_endpoints",
+        "preflight_endpoints",
+    ),
+    "gym_bridge.ray_utils": ("init_ray",),
+    "gym_bridge.recipes.launch": (
+        "NemoGymRollouts",
+        "build_nemo_gym_rollouts",
+        "launch_nemo_gym",
+        "start_nemo_gym",
+    ),
+    "gym_bridge.rollout.env_step": ("calculate_rewards",),
+    "gym_bridge.rollout.manager": (
+        "RolloutManager",
+        "RolloutOutcome",
+    ),
+    "gym_bridge.rollout.native": ("AsyncRolloutImpl",),
+    "gym_bridge.rollout.nemo_gym": ("AsyncNemoGymRolloutImpl",),
+    "gym_bridge.rollout.nemo_gym_batch": (
+        "NemoGymRolloutResult",
+        "run_async_nemo_gym_rollout",
+        "run_nemo_gym_rollout_sync",
+        "should_log_nemo_gym_full_result_tables",
+    ),
+    "gym_bridge.rollout.reward_shaping": (
+        "get_nemo_gym_thinking_tags",
+        "should_mask_flagged_samples",
+    ),
+    "gym_bridge.rollout.sink": (
+        "InMemoryReplayBuffer",
+        "InMemorySink",
+        "ReplayBuffer",
+    ),
+    "gym_bridge.rollout.sync": (
+        "generate_responses",
+        "run_multi_turn_rollout",
+    ),
+    "gym_bridge.serving.server": ("OpenAIServer",),
+    "gym_bridge.types": (
+        "Completion",
+        "DatumSpec",
+        "EnvironmentReturn",
+        "GenerationConfig",
+        "GenerationDatumSpec",
+        "GenerationOutputSpec",
+        "GenerationSamplingParams",
+        "LogprobOutputSpec",
+        "MessageEntry",
+        "PromptGroupRecord",
+        "ReferenceLogprobOutputSpec",
+        "TopkLogitsOutputSpec",
+    ),
+}
+"""Defining module -> its public names: the public API."""
 
-
-_EXPORTS: dict[str, str] = _read_exports()
-__all__ = [*_EXPORTS, "__version__"]
+_MODULE_OF: dict[str, str] = {name: module for module, names in _EXPORTS.items() for name in names}
+__all__ = [*_MODULE_OF, "__version__"]
 
 
 def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
+    module = _MODULE_OF.get(name)
     if module is None:
         raise AttributeError(f"module 'gym_bridge' has no attribute {name!r}")
     value = getattr(importlib.import_module(module), name)

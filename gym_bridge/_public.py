@@ -1,7 +1,7 @@
-"""The public API, one import per name from the module that defines it: the only list of it.
+"""The public API for type checkers: one import per name from the module that defines it.
 
-``gym_bridge/__init__.py`` reads these imports (without running them) to resolve each name lazily on first
-use, and type checkers read them as the package's re-exports. Add a name here and nowhere else.
+``gym_bridge/__init__.py``'s ``_EXPORTS`` lists the same names for the lazy imports at run time; add a name
+to both (``tests/test_public_api.py`` fails when they differ).
 """
 
 from __future__ import annotations

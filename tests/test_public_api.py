@@ -32,12 +32,27 @@ def test_public_names_point_at_the_modules_that_define_them():
     import importlib
     import inspect
 
-    for name, module in gym_bridge._EXPORTS.items():
+    for name, module in gym_bridge._MODULE_OF.items():
         value = getattr(gym_bridge, name)
         assert value is getattr(importlib.import_module(module), name), name
         if inspect.isclass(value) or inspect.isfunction(value):
             assert value.__module__ == module, f"{name} is defined in {value.__module__}, listed under {module}"
     assert set(dir(gym_bridge)) >= set(gym_bridge.__all__)
+
+
+def test_the_type_checkers_import_list_names_the_same_exports():
+    """``_public.py`` (read by type checkers) imports exactly ``_EXPORTS``, each name from its listed module."""
+    import ast
+    from pathlib import Path
+
+    tree = ast.parse((Path(gym_bridge.__file__).parent / "_public.py").read_text())
+    imported: dict[str, list[str]] = {}
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("gym_bridge."):
+            imported.setdefault(node.module, []).extend(alias.asname or alias.name for alias in node.names)
+    assert {module: sorted(names) for module, names in imported.items()} == {
+        module: sorted(names) for module, names in gym_bridge._EXPORTS.items()
+    }
 
 
 def test_an_unknown_name_is_an_attribute_error():

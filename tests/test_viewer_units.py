@@ -76,3 +76,16 @@ def test_agents_map_to_resources_servers_as_in_gym() -> None:
     assert "reward" not in verify_request(None, stored), "without the row: the stored fields, less the verdict"
     with pytest.raises(KeyError):
         verify_request(row, {"reward": 0.0})
+
+
+def test_rescore_takes_only_the_grader_settings_of_another_config(tmp_path: Path) -> None:
+    import yaml
+
+    source = load_run(synthetic_run(tmp_path / "run", 2, 1))
+    other = yaml.safe_load((Path(__file__).parents[1] / "examples" / "eval_equivalence_tools.yaml").read_text())
+    other.update(gym_overrides={"lc": {"x": 1}}, pass_threshold=0.5, temperature=0.3, num_generations_per_prompt=9)
+    (tmp_path / "other.yaml").write_text(yaml.safe_dump(other))
+    config = grader_config(source, tmp_path / "other.yaml", [])
+    assert config["gym_overrides"] == {"lc": {"x": 1}} and config["pass_threshold"] == 0.5
+    assert config["config_paths"] == other["config_paths"]
+    assert "temperature" not in config and "num_generations_per_prompt" not in config, "sampling is the run's"

@@ -181,3 +181,20 @@ async def test_a_retried_attempt_takes_the_version_current_when_it_starts():
     assert await m.collect(datum(), sink) is RolloutOutcome.COMMITTED
     [group] = sink.groups
     assert (group.start_weight_version, group.end_weight_version) == (1, 1)
+
+
+def test_next_action_is_the_retry_policy_as_a_pure_function():
+    """Each failure class against each budget: back off then drop (infra), retry then skip or raise (data)."""
+    from gym_bridge.failures import EndpointConfigError, GymTransportError, RolloutDataFailure
+    from gym_bridge.rollout.manager import Attempts, RetryAction, next_action
+
+    policy = RolloutRetryPolicy(max_infra_attempts=2, max_data_attempts=2, max_gym_row_attempts=1, max_skipped_prompts=1)
+    infra, data = GymTransportError("502"), RolloutDataFailure("bad row")
+    config = EndpointConfigError("HTTP 404: no such model")
+    assert next_action(infra, Attempts(), policy, 0) == (RetryAction.BACK_OFF, Attempts(infra=1))
+    assert next_action(infra, Attempts(infra=1), policy, 0) == (RetryAction.DROP, Attempts(infra=2))
+    assert next_action(data, Attempts(infra=1), policy, 0) == (RetryAction.RETRY, Attempts(infra=1, data=1))
+    assert next_action(data, Attempts(data=1), policy, 0) == (RetryAction.SKIP, Attempts(data=2))
+    assert next_action(data, Attempts(data=1), policy, 1) == (RetryAction.RAISE, Attempts(data=2))
+    assert next_action(config, Attempts(), policy, 0) == (RetryAction.SKIP, Attempts(data=1))  # never retried
+    assert next_action(ValueError("a bug"), Attempts(), policy, 1)[0] is RetryAction.RETRY  # unrecognised: DATA

@@ -7,7 +7,7 @@ import enum
 import inspect
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from gym_bridge.failures import (
@@ -175,81 +175,140 @@ class RolloutManager:
         slots: _Slots,
         inflight_registry: dict[str, tuple[asyncio.Task[Any], int]] | None,
     ) -> RolloutOutcome:
-        """The one retry loop behind :meth:`generate_and_push` and :meth:`collect`."""
+        """The one retry loop behind :meth:`generate_and_push` and :meth:`collect`; :func:`next_action` decides."""
         policy = self.retry_policy
         prompt_idx = int(datum["idx"])
-        infra_attempts = data_attempts = 0
-        last_infra: BaseException | None = None
-        while infra_attempts < policy.max_infra_attempts:
+        attempts = Attempts()
+        while True:
             start_version = self._weight_version
             slot = slots.open(start_version)
             try:
-                if inflight_registry is not None:
-                    task = asyncio.current_task()
-                    assert task is not None  # _push always runs inside a task
-                    inflight_registry[slot] = (task, start_version)
-                try:
-                    record = await self.run_rollout(datum)
-                finally:
-                    if inflight_registry is not None:
-                        inflight_registry.pop(slot, None)
-                await slots.commit(slot, record, start_version, self._weight_version)
+                await self._attempt(datum, slots, slot, start_version, inflight_registry)
             except Exception as exc:
                 await _drop_quietly(slots, slot, exc)
+                action, attempts = next_action(exc, attempts, policy, self._skipped_prompts)
                 reason = type(exc).__name__
-                if classify_rollout_failure(exc) is FailureClass.INFRA:
-                    infra_attempts += 1
-                    last_infra = exc
-                    if infra_attempts >= policy.max_infra_attempts:
-                        break
+                if action is RetryAction.BACK_OFF:
                     self.stats.record_redispatch(reason)
-                    delay = policy.backoff_for(infra_attempts)
+                    delay = policy.backoff_for(attempts.infra)
                     logger.warning("prompt_idx=%d: %s: %s; retrying in %.1fs", prompt_idx, reason, exc, delay)
                     await asyncio.sleep(delay)
-                    continue
-                data_attempts += 1
-                config_error = isinstance(exc, EndpointConfigError)
-                if data_attempts < policy.max_data_attempts and not config_error:
+                elif action is RetryAction.RETRY:
                     self.stats.record_data_retry(reason)
-                    continue
-                self.stats.record_data_failure(reason)
-                if isinstance(exc, EndpointConfigError):
-                    self._config_watch.config_failure(exc)  # may stop the run
+                elif action is RetryAction.DROP:
+                    return self._dropped(prompt_idx, exc, attempts)
                 else:
-                    self._config_watch.other_outcome()
-                if self._skipped_prompts >= policy.max_skipped_prompts:
-                    if policy.max_skipped_prompts == 0:
-                        raise
-                    raise RolloutDataFailure(
-                        f"prompt_idx={prompt_idx} failed ({reason}: {exc}) after {self._skipped_prompts} skipped "
-                        f"prompts, exceeding max_skipped_prompts={policy.max_skipped_prompts}"
-                    ) from exc
-                self._skipped_prompts += 1
-                self.stats.skipped += 1
-                logger.warning(
-                    "prompt_idx=%d skipped after %d data failures: %s: %s", prompt_idx, data_attempts, reason, exc
-                )
-                return RolloutOutcome.SKIPPED
+                    return self._data_budget_spent(prompt_idx, exc, attempts, action)
             except BaseException as exc:
                 await _drop_quietly(slots, slot, exc)
                 raise
-            self.stats.committed += 1
+            else:
+                self.stats.committed += 1
+                self._config_watch.other_outcome()
+                self._consecutive_infra_drops = 0
+                return RolloutOutcome.COMMITTED
+
+    async def _attempt(
+        self,
+        datum: DatumSpec,
+        slots: _Slots,
+        slot: str,
+        start_version: int,
+        inflight_registry: dict[str, tuple[asyncio.Task[Any], int]] | None,
+    ) -> None:
+        """One attempt: roll out, then commit the complete group with its start and end weight versions."""
+        if inflight_registry is not None:
+            task = asyncio.current_task()
+            assert task is not None  # _push always runs inside a task
+            inflight_registry[slot] = (task, start_version)
+        try:
+            record = await self.run_rollout(datum)
+        finally:
+            if inflight_registry is not None:
+                inflight_registry.pop(slot, None)
+        await slots.commit(slot, record, start_version, self._weight_version)
+
+    def _data_budget_spent(
+        self, prompt_idx: int, exc: Exception, attempts: Attempts, action: RetryAction
+    ) -> RolloutOutcome:
+        """The prompt's data budget is spent: count it, let the config watch see it, then skip it or re-raise."""
+        reason = type(exc).__name__
+        self.stats.record_data_failure(reason)
+        if isinstance(exc, EndpointConfigError):
+            self._config_watch.config_failure(exc)  # may stop the run
+        else:
             self._config_watch.other_outcome()
-            self._consecutive_infra_drops = 0
-            return RolloutOutcome.COMMITTED
+        if action is RetryAction.RAISE:
+            if self.retry_policy.max_skipped_prompts == 0:
+                raise exc
+            raise RolloutDataFailure(
+                f"prompt_idx={prompt_idx} failed ({reason}: {exc}) after {self._skipped_prompts} skipped "
+                f"prompts, exceeding max_skipped_prompts={self.retry_policy.max_skipped_prompts}"
+            ) from exc
+        self._skipped_prompts += 1
+        self.stats.skipped += 1
+        logger.warning("prompt_idx=%d skipped after %d data failures: %s: %s", prompt_idx, attempts.data, reason, exc)
+        return RolloutOutcome.SKIPPED
+
+    def _dropped(self, prompt_idx: int, exc: Exception, attempts: Attempts) -> RolloutOutcome:
+        """The prompt's infrastructure budget is spent: drop it, unless too many were dropped in a row."""
+        policy = self.retry_policy
         self._consecutive_infra_drops += 1
         self._config_watch.other_outcome()
-        reason = type(last_infra).__name__
+        reason = type(exc).__name__
         if self._consecutive_infra_drops > policy.max_consecutive_dropped_prompts:
             raise RolloutRedispatchExhausted(
                 f"prompt_idx={prompt_idx}: {policy.max_infra_attempts} infrastructure attempt(s) failed "
-                f"({reason}: {last_infra}); {self._consecutive_infra_drops} prompt(s) dropped in a row, exceeding "
+                f"({reason}: {exc}); {self._consecutive_infra_drops} prompt(s) dropped in a row, exceeding "
                 f"max_consecutive_dropped_prompts={policy.max_consecutive_dropped_prompts}"
-            ) from last_infra
+            ) from exc
         self.stats.record_infra_drop(reason, self._consecutive_infra_drops)
         self.stats.skipped += 1
-        logger.warning("prompt_idx=%d dropped after %d infrastructure failures: %s", prompt_idx, infra_attempts, reason)
+        logger.warning("prompt_idx=%d dropped after %d infrastructure failures: %s", prompt_idx, attempts.infra, reason)
         return RolloutOutcome.SKIPPED
+
+
+class RetryAction(enum.StrEnum):
+    """What the retry loop does after a failed attempt."""
+
+    BACK_OFF = "back_off"
+    """Infrastructure: wait ``policy.backoff_for(attempts.infra)``, then try again."""
+    RETRY = "retry"
+    """Data: try again at once."""
+    DROP = "drop"
+    """Infrastructure budget spent: drop the prompt (or stop the run after too many drops in a row)."""
+    SKIP = "skip"
+    """Data budget spent: skip the prompt."""
+    RAISE = "raise"
+    """Data budget spent and the run's skip budget too: the failure ends the run."""
+
+
+@dataclass(frozen=True)
+class Attempts:
+    """A prompt's failed attempts so far, by class."""
+
+    infra: int = 0
+    data: int = 0
+
+
+def next_action(
+    error: Exception, attempts: Attempts, policy: RolloutRetryPolicy, skipped_prompts: int
+) -> tuple[RetryAction, Attempts]:
+    """The retry policy as a pure function: from one failure, the prompt's attempts and the run's skipped
+    prompts, what to do next and the attempts counted with this one.
+
+    INFRA (``classify_rollout_failure``) backs off until ``max_infra_attempts``, then drops. DATA retries
+    until ``max_data_attempts`` (an ``EndpointConfigError`` never), then skips while the run has skipped
+    fewer than ``max_skipped_prompts``, else raises.
+    """
+    if classify_rollout_failure(error) is FailureClass.INFRA:
+        counted = replace(attempts, infra=attempts.infra + 1)
+        spent = counted.infra >= policy.max_infra_attempts
+        return (RetryAction.DROP if spent else RetryAction.BACK_OFF), counted
+    counted = replace(attempts, data=attempts.data + 1)
+    if counted.data < policy.max_data_attempts and not isinstance(error, EndpointConfigError):
+        return RetryAction.RETRY, counted
+    return (RetryAction.RAISE if skipped_prompts >= policy.max_skipped_prompts else RetryAction.SKIP), counted
 
 
 class _Slots(Protocol):

@@ -118,6 +118,11 @@ def test_stop_at_once_does_not_fire_after_a_success_or_a_different_error(first):
         watch.config_failure(config_error("tools refused", 0))
     for row in range(1, 4):
         watch.config_failure(config_error("model `x` does not exist", row))  # never raises
+    assert watch.closed or watch.stop_after == 0  # the window is shut: no later prompt can fire the rule
+    fresh = ConfigFailureWatch(stop_after=2)  # the control: the same errors on an open window do fire it
+    fresh.config_failure(config_error("model `x` does not exist", 1))
+    with pytest.raises(RunConfigurationError):
+        fresh.config_failure(config_error("model `x` does not exist", 2))
 
 
 def test_eval_cli_exits_2_with_one_line_when_the_run_stops_on_a_config_error(monkeypatch, capsys, tmp_path):

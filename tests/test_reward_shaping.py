@@ -463,14 +463,16 @@ def test_reward_component_columns_take_the_union_and_fill_zeros():
     assert build_reward_component_columns([None, None]) == {}
 
 
-def test_components_matching_the_scalar_pass():
-    validate_reward_components_match_scalar(
-        [
-            {"reward": 0.3, "reward_components": {"a": 0.1, "b": 0.2}},  # 0.30000000000000004
-            {"reward": 0.0},
-            {"reward": 1.0, "reward_components": {}},
-        ]
-    )
+def test_components_matching_the_scalar_pass_and_one_off_by_a_hair_more_does_not():
+    matching = [
+        {"reward": 0.3, "reward_components": {"a": 0.1, "b": 0.2}},  # 0.30000000000000004: within the tolerance
+        {"reward": 0.0},
+        {"reward": 1.0, "reward_components": {}},
+    ]
+    validate_reward_components_match_scalar(matching)
+    off = [*matching, {"reward": 0.3, "reward_components": {"a": 0.1, "b": 0.2001}}]
+    with pytest.raises(GymResultError, match="result 3 has reward=0.3"):
+        validate_reward_components_match_scalar(off)
 
 
 def test_components_not_summing_to_the_scalar_name_the_result():

@@ -17,6 +17,8 @@ b_manager   NeMo-RL's ``RolloutManager(use_nemo_gym=True)`` (its ``AsyncNemoGymR
 c_grpo      our ``run_nemo_gym_rollout_sync`` through grpo.py's post-processing, function by function
 c_collector our ``run_async_nemo_gym_rollout`` through NeMo-RL's trajectory collector (``_iter_rollout_groups``)
 d_impl      our ``AsyncNemoGymRolloutImpl`` built by NeMo-RL's ``RolloutManager`` with its own keywords
+e_same      NeMo-RL's batch functions and impl against ours on the same batches and actor: the same final_batch
+            keys, dtypes, token ids, rewards, records and metric values (the scripted policy is deterministic)
 
 Batches are built by NeMo-RL's data path (``nemo_gym_data_processor``, ``rl_collate_fn``,
 ``repeat_interleave``); the config is NeMo-RL's default Gym recipe loaded by NeMo-RL's loader. The generation
@@ -628,6 +630,195 @@ def check_c_collector(env: Env, notes: list[str]) -> None:
             expect(rewards == [1.0] * NUM_GENERATIONS, f"equivalence group rewards {rewards}")
 
 
+def describe_value(value: Any) -> str:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return f"Tensor[{value.dtype}, {tuple(value.shape)}]"
+    if isinstance(value, list):
+        return f"list[{type(value[0]).__name__ if value else ''}]"
+    return type(value).__name__
+
+
+def compare_metrics(theirs: dict[str, Any], ours: dict[str, Any], where: str, notes: list[str]) -> None:
+    """NeMo-RL's metric keys all present in ours with equal values (timings excepted); extra keys are notes."""
+    missing = sorted(k for k in theirs if k not in ours)
+    extra = sorted(k for k in ours if k not in theirs)
+    expect(not missing, f"{where}: metrics NeMo-RL emits and we do not: {missing}")
+    if extra:
+        notes.append(f"{where}: metrics only we emit: {extra}")
+    from wandb import Histogram, Table
+
+    histograms = []
+    for key in sorted(set(theirs) & set(ours)):
+        a, b = theirs[key], ours[key]
+        if key.startswith("timing/") or isinstance(a, Table):  # timings differ run to run; Tables compared apart
+            continue
+        if isinstance(a, Histogram) and not isinstance(b, Histogram):
+            # Ours is the list of values (docs/nemo_rl_migration.md); the same values make the same Histogram.
+            h = Histogram(b) if isinstance(b, list) else None
+            same = h is not None and list(h.histogram) == list(a.histogram) and list(h.bins) == list(a.bins)
+            expect(same, f"{where}: metric {key}: NeMo-RL's Histogram is not Histogram(ours={b!r})")
+            histograms.append(key)
+            continue
+        if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+            same = math.isclose(float(a), float(b), rel_tol=1e-6, abs_tol=1e-9)
+        else:
+            same = a == b
+        expect(same, f"{where}: metric {key}: NeMo-RL {a!r}, ours {b!r}")
+        if type(a) is not type(b):
+            notes.append(f"{where}: metric {key} is {type(b).__name__} in ours, {type(a).__name__} in NeMo-RL's")
+    if histograms:
+        notes.append(f"{where}: {len(histograms)} /histogram metrics are lists in ours, wandb.Histogram in NeMo-RL's "
+                     "(same values)")
+
+
+def compare_message_logs(theirs: list[Any], ours: list[Any], where: str) -> None:
+    import torch
+
+    for i, (la, lb) in enumerate(zip(theirs, ours, strict=True)):
+        expect(len(la) == len(lb), f"{where}: row {i} has {len(lb)} messages, NeMo-RL's {len(la)}")
+        for j, (ma, mb) in enumerate(zip(la, lb)):
+            expect(set(ma) == set(mb), f"{where}: row {i} msg {j} keys: NeMo-RL {sorted(ma)}, ours {sorted(mb)}")
+            for key in set(ma) & set(mb):
+                va, vb = ma[key], mb[key]
+                if isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor):
+                    expect(va.dtype == vb.dtype, f"{where}: row {i} msg {j} {key} dtype NeMo-RL {va.dtype}, ours {vb.dtype}")
+                    expect(va.shape == vb.shape and torch.equal(va.to(vb.dtype), vb),
+                           f"{where}: row {i} msg {j} {key} values differ")
+                else:
+                    expect(va == vb, f"{where}: row {i} msg {j} {key}: NeMo-RL {va!r}, ours {vb!r}")
+
+
+def compare_results(theirs: Any, ours: Any, where: str, notes: list[str]) -> None:
+    """Two NemoGymRolloutResults of the same batch on the same actor (the scripted policy is deterministic)."""
+    import torch
+
+    fa, fb = theirs.final_batch, ours.final_batch
+    expect(set(fa) == set(fb), f"{where}: final_batch keys: NeMo-RL {sorted(fa)}, ours {sorted(fb)}")
+    for key in sorted(set(fa) & set(fb)):
+        va, vb = fa[key], fb[key]
+        expect(describe_value(va) == describe_value(vb),
+               f"{where}: final_batch[{key!r}] is {describe_value(vb)} in ours, {describe_value(va)} in NeMo-RL's")
+        if key == "message_log":
+            compare_message_logs(va, vb, f"{where} message_log")
+        elif isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) and va.shape == vb.shape:
+            expect(torch.equal(va.to(vb.dtype), vb), f"{where}: final_batch[{key!r}]: NeMo-RL {va.tolist()}, ours {vb.tolist()}")
+        elif not isinstance(va, torch.Tensor):
+            expect(va == vb, f"{where}: final_batch[{key!r}] differs")
+    expect(theirs.input_ids.dtype == ours.input_ids.dtype and torch.equal(theirs.input_ids, ours.input_ids),
+           f"{where}: input_ids differ ({theirs.input_ids.dtype} {tuple(theirs.input_ids.shape)} vs "
+           f"{ours.input_ids.dtype} {tuple(ours.input_ids.shape)})")
+    expect(theirs.task_index == ours.task_index, f"{where}: task_index {theirs.task_index} vs ours {ours.task_index}")
+    compare_metrics(theirs.rollout_metrics, ours.rollout_metrics, where, notes)
+    from wandb import Table
+
+    for key, table in theirs.rollout_metrics.items():
+        if isinstance(table, Table) and isinstance(ours.rollout_metrics.get(key), Table):
+            for i, (ra, rb) in enumerate(zip(table_rows(table), table_rows(ours.rollout_metrics[key]), strict=True)):
+                paths = diff_paths(ra, rb)
+                expect(not paths, f"{where}: {key} row {i} differs at {paths[:6]}")
+
+
+VOLATILE_KEYS = frozenset({"id", "call_id", "created_at"})
+"""Fields Gym's servers make fresh for every response (uuids, clock): never equal across two runs."""
+
+
+def diff_paths(a: Any, b: Any, path: str = "") -> list[str]:
+    """Where two JSON values differ: ``path (NeMo-RL's -> ours)`` entries; :data:`VOLATILE_KEYS` are skipped."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        a = {k: v for k, v in a.items() if k not in VOLATILE_KEYS}
+        b = {k: v for k, v in b.items() if k not in VOLATILE_KEYS}
+        out = [f"{path}.{k} (only NeMo-RL's)" for k in a if k not in b]
+        out += [f"{path}.{k} (only ours)" for k in b if k not in a]
+        for k in a:
+            if k in b:
+                out += diff_paths(a[k], b[k], f"{path}.{k}")
+        return out
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        return [p for i, (x, y) in enumerate(zip(a, b)) for p in diff_paths(x, y, f"{path}[{i}]")]
+    if a != b:
+        return [f"{path} ({str(a)[:40]!r} -> {str(b)[:40]!r})"]
+    return []
+
+
+def compare_records(theirs: Any, ours: Any, where: str, notes: list[str]) -> None:
+    """Two PromptGroupRecords of the same prompt, NeMo-RL's impl and ours, both under NeMo-RL's manager."""
+    expect(type(theirs).__name__ == type(ours).__name__, f"{where}: record type {type(ours)} vs {type(theirs)}")
+    for attr in ("prompt_idx", "extra_env_info", "metadata"):
+        expect(getattr(theirs, attr) == getattr(ours, attr),
+               f"{where}: {attr}: NeMo-RL {getattr(theirs, attr)!r}, ours {getattr(ours, attr)!r}")
+    compare_message_logs([theirs.prompt], [ours.prompt], f"{where} prompt")
+    expect(len(theirs.completions) == len(ours.completions), f"{where}: completion counts differ")
+    for i, (ca, cb) in enumerate(zip(theirs.completions, ours.completions)):
+        compare_message_logs([ca.message_log], [cb.message_log], f"{where} completion {i}")
+        for attr in ("reward", "truncated"):
+            expect(getattr(ca, attr) == getattr(cb, attr),
+                   f"{where}: completion {i} {attr}: NeMo-RL {getattr(ca, attr)!r}, ours {getattr(cb, attr)!r}")
+        ea, eb = dict(ca.env_extras), dict(cb.env_extras)
+        expect(set(ea) == set(eb), f"{where}: completion {i} env_extras keys: only NeMo-RL {sorted(set(ea) - set(eb))}, "
+               f"only ours {sorted(set(eb) - set(ea))}")
+        fields_a = {f for f in vars(ca)} if hasattr(ca, "__dict__") else set()
+        fields_b = {f for f in vars(cb)} if hasattr(cb, "__dict__") else set()
+        note = f"Completion fields only ours has: {sorted(fields_b - fields_a)}"
+        if fields_b - fields_a and note not in notes:
+            notes.append(note)
+    compare_metrics(theirs.rollout_metrics, ours.rollout_metrics, where, notes)
+
+
+def check_e_same(env: Env, notes: list[str]) -> None:
+    """NeMo-RL's functions and ours on the same batches and the same actor: the same rollouts, keys, dtypes, metrics."""
+    from nemo_rl.experience import rollout_manager as nrm
+    from nemo_rl.experience.rollouts import run_async_nemo_gym_rollout, run_nemo_gym_rollout_sync
+
+    import gym_bridge
+    from gym_bridge.rollout.nemo_gym import AsyncNemoGymRolloutImpl as Ours
+
+    tok = env.tokenizer
+    theirs = run_sync_batch(env, run_nemo_gym_rollout_sync, nemo_rl_repeated_batch(tok))
+    ours = run_sync_batch(env, gym_bridge.run_nemo_gym_rollout_sync, nemo_rl_repeated_batch(tok))
+    compare_results(theirs, ours, "sync batch", notes)
+
+    def stream(fn: Any) -> list[Any]:
+        batch = nemo_rl_repeated_batch(tok, SimpleNamespace(_next_nemo_gym_task_index=0))
+        return run_async_batch(env, fn, batch, tables=False)
+
+    theirs_groups, ours_groups = stream(run_async_nemo_gym_rollout), stream(gym_bridge.run_async_nemo_gym_rollout)
+    expect(len(theirs_groups) == len(ours_groups), f"async: {len(ours_groups)} groups, NeMo-RL {len(theirs_groups)}")
+    by_task = {g.task_index: g for g in ours_groups}
+    last_theirs, last_ours = theirs_groups[-1].rollout_metrics, ours_groups[-1].rollout_metrics
+    for g in theirs_groups:
+        if g.task_index in by_task:
+            a, b = dict(g.rollout_metrics), dict(by_task[g.task_index].rollout_metrics)
+            # The whole-call timings ride on the last group, whichever finished last in each run.
+            for m in (a, b):
+                for k in [k for k in m if k.startswith("timing/")]:
+                    m.pop(k)
+            compare_results(SimpleNamespace(final_batch=g.final_batch, input_ids=g.input_ids, task_index=g.task_index,
+                                            rollout_metrics=a),
+                            SimpleNamespace(final_batch=by_task[g.task_index].final_batch,
+                                            input_ids=by_task[g.task_index].input_ids,
+                                            task_index=g.task_index, rollout_metrics=b),
+                            f"async group {g.task_index}", notes)
+    timing_a = sorted(k for k in last_theirs if k.startswith("timing/"))
+    timing_b = sorted(k for k in last_ours if k.startswith("timing/"))
+    expect(timing_a == timing_b, f"async last group timings: NeMo-RL {timing_a}, ours {timing_b}")
+
+    manager_theirs = nemo_rl_manager(env)
+    saved = nrm.AsyncNemoGymRolloutImpl
+    nrm.AsyncNemoGymRolloutImpl = Ours
+    try:
+        manager_ours = nemo_rl_manager(env)
+    finally:
+        nrm.AsyncNemoGymRolloutImpl = saved
+
+    async def records(manager: Any) -> list[Any]:
+        return [await manager.run_rollout(d) for d in nemo_rl_datums(tok)]
+
+    for i, (ra, rb) in enumerate(zip(asyncio.run(records(manager_theirs)), asyncio.run(records(manager_ours)))):
+        compare_records(ra, rb, f"manager prompt {i}", notes)
+
+
 def _input_ids(final_batch: Any, tokenizer: Any) -> Any:
     from nemo_rl.data.llm_message_utils import batched_message_log_to_flat_message
 
@@ -642,6 +833,7 @@ CHECKS: dict[str, tuple[str, Callable[[Env, list[str]], None]]] = {
     "c_grpo": ("our run_nemo_gym_rollout_sync -> NeMo-RL grpo.py post-processing", check_c_grpo),
     "c_collector": ("our run_async_nemo_gym_rollout -> NeMo-RL trajectory collector", check_c_collector),
     "d_impl": ("our AsyncNemoGymRolloutImpl built by NeMo-RL's RolloutManager", check_d_impl),
+    "e_same": ("NeMo-RL's functions and impl vs ours, same batches, same actor", check_e_same),
 }
 
 
@@ -735,7 +927,9 @@ def start(stack: contextlib.ExitStack, root: Path, mc: Any) -> Env:
 
     workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="check-nemo-rl-")))
     tokenizer = AutoTokenizer.from_pretrained(build_tiny_model(cache_dir=workdir / "tiny"))
-    init_ray(num_cpus=2)
+    # With PYTHONPATH set (e.g. to check an exported older tree of gym_bridge) Ray's workers import what the driver does.
+    pythonpath = os.environ.get("PYTHONPATH")
+    init_ray(num_cpus=2, **({"runtime_env": {"env_vars": {"PYTHONPATH": pythonpath}}} if pythonpath else {}))
     stack.callback(ray.shutdown)
     server = OpenAIServer(ScriptedGeneration(tokenizer), tokenizer, served_model_name=SERVED_MODEL_NAME)
     server.start_in_thread()

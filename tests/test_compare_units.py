@@ -16,7 +16,7 @@ from gym_bridge.cli import main
 from gym_bridge.eval.compare import CompareError, compare_runs
 from gym_bridge.eval.records import row_id
 from gym_bridge.eval.runs import load_run
-from gym_bridge.eval.stats import mcnemar_exact, paired_bootstrap
+from gym_bridge.stats import mcnemar_exact, paired_bootstrap
 from gym_bridge.eval.store import RunStore
 
 # ---- statistics ------------------------------------------------------------------------------
@@ -83,7 +83,7 @@ def test_training_report_uses_the_same_mcnemar() -> None:
 
     source = (Path(__file__).resolve().parents[1] / "benchmarks" / "train_demo_report.py").read_text()
     imports = [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ImportFrom)]
-    assert any(n.module == "gym_bridge.eval.stats" and any(a.name == "mcnemar_exact" for a in n.names) for n in imports)
+    assert any(n.module == "gym_bridge.stats" and any(a.name == "mcnemar_exact" for a in n.names) for n in imports)
 
 
 # ---- run folders -----------------------------------------------------------------------------

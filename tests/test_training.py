@@ -9,19 +9,19 @@ import torch
 
 from gym_bridge.models.fingerprint import fingerprint_mismatches, weight_fingerprint
 from gym_bridge.rollout.sink import CommittedGroup
+from gym_bridge.stats import mcnemar_exact
 from gym_bridge.training import (
     AdvantageSettings,
     ClippedPGLoss,
-    RewardShaper,
-    clip_advantages,
-    message_level_advantages,
-    seq_logprob_error_mask,
     PromptQueue,
+    RewardShaper,
     StalenessBuffer,
     baseline_and_std_per_group,
+    clip_advantages,
     grpo_advantages,
-    mcnemar_exact,
+    message_level_advantages,
     on_policy_error,
+    seq_logprob_error_mask,
     sum_on_policy_errors,
     train_batch,
 )

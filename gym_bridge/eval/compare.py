@@ -5,7 +5,7 @@ Runs are matched prompt by prompt through each result line's ``row_id`` (the dat
 the first (the baseline), over the prompts all runs finished, per agent and overall:
 
 - the difference (B - A) in mean reward and in pass@1 / pass@k, each with a paired percentile bootstrap
-  interval over prompts (:func:`~gym_bridge.eval.stats.paired_bootstrap`: seeded, at a stated level);
+  interval over prompts (:func:`~gym_bridge.stats.paired_bootstrap`: seeded, at a stated level);
 - McNemar's exact test on each prompt's verdict (a prompt passes when at least half of its completions
   pass, i.e. its pass@1 >= 0.5);
 - the prompts whose verdict flipped either way, with their rewards.
@@ -27,8 +27,8 @@ import numpy as np
 
 from gym_bridge.eval.passk import default_ks, pass_at_k
 from gym_bridge.eval.runs import LoadedRun, RunGroup, load_run
-from gym_bridge.eval.stats import DEFAULT_LEVEL, DEFAULT_RESAMPLES, mcnemar_exact, paired_bootstrap
 from gym_bridge.failures import GymBridgeError
+from gym_bridge.stats import DEFAULT_LEVEL, DEFAULT_RESAMPLES, mcnemar_exact, paired_bootstrap
 
 logger = logging.getLogger(__name__)
 

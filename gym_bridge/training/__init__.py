@@ -16,7 +16,7 @@ from gym_bridge.training.prompts import PromptQueue, PromptQueueState
 from gym_bridge.training.refit import check_refit, refit
 from gym_bridge.training.rewards import RewardShaper
 from gym_bridge.training.staleness import StalenessBuffer
-from gym_bridge.training.validation import GymValidator, McNemarResult, ValidationSet, Validator, mcnemar_exact
+from gym_bridge.training.validation import GymValidator, ValidationSet, Validator
 
 __all__ = [
     "AdvantageSettings",
@@ -26,7 +26,6 @@ __all__ = [
     "GRPOTrainer",
     "GroupStats",
     "GymValidator",
-    "McNemarResult",
     "OnPolicyError",
     "PromptQueue",
     "PromptQueueState",
@@ -41,7 +40,6 @@ __all__ = [
     "clip_advantages",
     "grpo_advantages",
     "load_trainer_state",
-    "mcnemar_exact",
     "message_level_advantages",
     "on_policy_error",
     "plot_reward_curve",

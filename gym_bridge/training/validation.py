@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -54,27 +53,6 @@ def lenient_correct(reply: str, expected: Any) -> bool | None:
         return None
     found = _INTEGER.findall(reply)
     return bool(found) and int(found[-1]) == int(expected)
-
-
-@dataclass(frozen=True)
-class McNemarResult:
-    """Two validations of the same problems compared pairwise: which answers changed, and how likely by chance."""
-
-    n: int
-    wrong_to_right: int
-    right_to_wrong: int
-    p_value: float
-
-
-def mcnemar_exact(before: Sequence[bool], after: Sequence[bool]) -> McNemarResult:
-    """McNemar's exact test: two-sided binomial p of the discordant pairs under "no change" (p = 1/2)."""
-    if len(before) != len(after):
-        raise ValueError(f"paired verdicts differ in length: {len(before)} before, {len(after)} after")
-    fixed = sum(not b and a for b, a in zip(before, after, strict=True))
-    broken = sum(b and not a for b, a in zip(before, after, strict=True))
-    n = fixed + broken
-    tail = sum(math.comb(n, k) for k in range(min(fixed, broken) + 1)) / 2**n
-    return McNemarResult(len(before), fixed, broken, min(1.0, 2 * tail))
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,10 @@
 """The ``/v1/completions`` wire format in vLLM's dialect: one row's request body, and its response parsed.
 
 Token in, token out: the request's ``prompt`` is the row's token ids, with
-``return_token_ids``, ``return_tokens_as_token_ids`` and ``logprobs``; the response
-gives the generated token ids (``choices[0].token_ids``, else ``logprobs.tokens`` as
-``"token_id:<int>"`` strings), their logprobs and the finish reason. A malformed
+``return_token_ids``, ``return_tokens_as_token_ids``, ``logprobs`` and the row's
+``seed`` if it has one; the response gives the generated token ids
+(``choices[0].token_ids``, else ``logprobs.tokens`` as ``"token_id:<int>"`` strings),
+their logprobs and the finish reason. A malformed
 response is a :class:`~gym_bridge.failures.RolloutDataFailure` naming the field.
 """
 
@@ -20,8 +21,9 @@ from gym_bridge.generation.openai_http_config import OpenAIHTTPGenerationConfig
 
 __all__ = ["SAMPLING_KEYS", "check_batch", "completion_request", "parse_completion", "row_value"]
 
-#: Per-row columns of a generation batch that override the config's sampling (None = the config's value).
-SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_new_tokens")
+#: Per-row columns of a generation batch that override the config's sampling (None = the config's value;
+#: for ``seed``: none sent, so the endpoint samples unseeded).
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_new_tokens", "seed")
 
 
 def row_value(column: Sequence[Any] | None, i: int) -> Any:
@@ -57,6 +59,8 @@ def completion_request(
     }
     if top_k is not None:
         body["top_k"] = int(top_k)
+    if row.get("seed") is not None:
+        body["seed"] = int(row["seed"])
     if stops:
         body["stop"] = stops
     if cfg.stop_token_ids is not None:

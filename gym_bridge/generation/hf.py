@@ -27,13 +27,19 @@ sampled from. Semantics, row by row:
   then its generated tokens, then the pad id; ``logprobs`` has the same shape, zero
   on prompt and padding positions. Single-row outputs of :meth:`generate_async`
   use ``S + generated`` for that row (``S`` = the width of the input batch).
-- **Sampling** draws from one ``torch.Generator`` per engine, seeded from ``cfg.seed``:
-  the same seed and the same sequence of calls give the same samples. (Batch
-  composition matters: rows drawn in one batch share the generator stream.)
+- **Sampling.** A row with a ``seed`` draws from its own ``torch.Generator`` (on the
+  engine's device, ``manual_seed(seed)``), as vLLM does for a request's ``seed``: the
+  same seed, prompt and weights give the same tokens whichever rows share its decode
+  batch and in whatever order rows arrive (up to float rounding of the batched
+  forward pass, which decides a draw only at a near-tie). Unseeded rows draw from one
+  ``torch.Generator`` per engine, seeded from ``cfg.seed``: the same seed and the same
+  sequence of calls give the same samples, but rows drawn in one batch share the
+  generator stream, so batch composition matters.
 
-Per-row sampling: a batch may carry lists under ``temperature``, ``top_p``, ``top_k``
-and ``max_new_tokens`` (one value per row, None = the config's), so that requests
-with different sampling share one decode batch. A row with temperature 0 is greedy.
+Per-row sampling: a batch may carry lists under ``temperature``, ``top_p``, ``top_k``,
+``max_new_tokens`` and ``seed`` (one value per row, None = the config's, or unseeded),
+so that requests with different sampling share one decode batch. A row with temperature 0
+is greedy.
 
 Batching: :meth:`generate` runs in the calling thread, ``max_batch_size`` rows at a
 time. :meth:`generate_async` never runs the model on the event loop: every row is
@@ -56,6 +62,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import operator
 import queue
 import threading
 import weakref
@@ -96,7 +103,7 @@ logger = logging.getLogger(__name__)
 class HFGeneration(GenerationInterface):
     """Generation with a local transformers causal LM; see the module docstring for semantics."""
 
-    #: Rows may carry their own temperature / top_p / top_k / max_new_tokens (PER_ROW_SAMPLING_KEYS).
+    #: Rows may carry their own temperature / top_p / top_k / max_new_tokens / seed (PER_ROW_SAMPLING_KEYS).
     supports_per_request_sampling = True
 
     def __init__(
@@ -328,6 +335,7 @@ class HFGeneration(GenerationInterface):
                     stop_strings=tuple(stops),
                     greedy=greedy or sampling.greedy,
                     sampling=sampling,
+                    generator=None if sampling.seed is None else self._seeded_generator(sampling.seed, row=i),
                 )
             )
         return input_ids, lengths, rows
@@ -347,12 +355,30 @@ class HFGeneration(GenerationInterface):
             raise ValueError(
                 f"row {row}: invalid sampling temperature={temperature} top_p={top_p} max_new_tokens={max_new_tokens}"
             )
+        seed = override.get("seed")
+        if seed is not None:
+            try:
+                seed = None if isinstance(seed, bool) else operator.index(seed)
+            except TypeError:
+                seed = None
+            if seed is None:
+                raise ValueError(f"row {row}: seed must be an int or None, got {override['seed']!r}")
         return RowSampling(
             temperature=temperature,
             top_p=top_p,
             top_k=None if top_k in (None, 0, -1) else int(top_k),
             max_new_tokens=max_new_tokens,
+            seed=seed,
         )
+
+    def _seeded_generator(self, seed: int, *, row: int) -> torch.Generator:
+        """A row's own generator on the engine's device, seeded as vLLM seeds a request's."""
+        generator = torch.Generator(device=self.device)
+        try:
+            generator.manual_seed(seed)
+        except RuntimeError as exc:
+            raise ValueError(f"row {row}: seed {seed} is outside torch's seed range [-2**63, 2**64)") from exc
+        return generator
 
     # ------------------------------------------------------------------ worker thread
 

@@ -74,12 +74,17 @@ class HFGenerationStats:
 
 @dataclass(frozen=True)
 class RowSampling:
-    """The sampling of one row: the engine's config unless the batch overrides it per row."""
+    """The sampling of one row: the engine's config unless the batch overrides it per row.
+
+    ``seed`` (vLLM's per-request ``seed``): the row draws from its own generator seeded with it, so its
+    tokens do not depend on the rows it shares a decode batch with; None draws from the engine's generator.
+    """
 
     temperature: float
     top_p: float
     top_k: int | None
     max_new_tokens: int
+    seed: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -87,5 +92,5 @@ class RowSampling:
 
 
 #: Optional per-row keys of a generation batch that override the config's sampling for that row
-#: (a list with one value per row; None in a slot means "use the config").
-PER_ROW_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_new_tokens")
+#: (a list with one value per row; None in a slot means "use the config"; for ``seed``: unseeded).
+PER_ROW_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_new_tokens", "seed")

@@ -8,6 +8,10 @@ width and stacked) and finished rows leave (their cache rows are dropped). Maske
 padding never changes what a row sees, so a row decodes the same tokens alone or in
 any company (up to float rounding in the batched matmuls). Token choice and
 logprobs follow the semantics documented in :mod:`gym_bridge.generation.hf`.
+
+A seeded row (``RowSampling.seed``) draws from its own ``torch.Generator``, as vLLM does: its
+noise depends only on its seed and how many tokens it has drawn, never on the rows beside it.
+Unseeded rows share the engine's generator, so their draws depend on batch composition.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ class Row:
     greedy: bool
     sampling: RowSampling
     deliver: Callable[[RowResult | BaseException], None] | None = None
+    generator: torch.Generator | None = None  # a seeded row's own generator (see pick_tokens)
     cancelled: bool = False
     result: RowResult | None = None
     tokens: list[int] = field(default_factory=list)
@@ -220,7 +225,10 @@ def pick_tokens(
     """Choose the next token of every row; return them with ``log_softmax(logits / T)[token]``.
 
     ``T`` is the row's temperature (1 for greedy rows); top-k, then top-p, only
-    restrict which tokens a sampled row may draw.
+    restrict which tokens a sampled row may draw. Unseeded sampled rows draw with one
+    ``torch.multinomial`` from the shared ``generator``. A row with its own generator
+    draws as vLLM's sampler does for a seeded request: ``argmax(probs / q)`` with
+    ``q ~ Exp(1)`` drawn from that generator, one value per vocabulary entry.
     """
     greedy = torch.tensor([r.greedy for r in rows], device=logits.device)
     temps = torch.tensor([1.0 if r.greedy else r.sampling.temperature for r in rows], device=logits.device)
@@ -242,7 +250,16 @@ def pick_tokens(
             drop_sorted = before >= top_p[:, None]  # never drops the most likely token
             drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
             allowed = allowed.masked_fill(drop, float("-inf"))
-        sampled = torch.multinomial(torch.softmax(allowed, dim=-1), 1, generator=generator).squeeze(-1)
+        probs = torch.softmax(allowed, dim=-1)
+        sampled = tokens.clone()
+        shared = [j for j, r in enumerate(rows) if r.generator is None]  # greedy ones too: one draw per row
+        if shared:
+            index = torch.tensor(shared, device=logits.device)
+            sampled[index] = torch.multinomial(probs[index], 1, generator=generator).squeeze(-1)
+        for j, row in enumerate(rows):
+            if not row.greedy and row.generator is not None:
+                q = torch.empty_like(probs[j]).exponential_(generator=row.generator)
+                sampled[j] = torch.argmax(probs[j] / q)
         tokens = torch.where(greedy, tokens, sampled)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 

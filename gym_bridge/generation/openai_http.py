@@ -10,7 +10,7 @@ index of the base URL that served each row. Requests are routed across base URLs
 by :class:`~gym_bridge.generation.routing.SessionRouter` (sticky per session,
 least-loaded otherwise); the data dict's optional ``session_ids`` list names each
 row's session. Rows may carry their own ``temperature`` / ``top_p`` / ``top_k`` /
-``max_new_tokens`` (lists, ``None`` = the config's value), as
+``max_new_tokens`` / ``seed`` (lists, ``None`` = the config's value, or no seed), as
 :class:`~gym_bridge.generation.hf.HFGeneration` does.
 
 Failures, per row:
@@ -130,7 +130,7 @@ class _LoopResources:
 class OpenAIHTTPGeneration(GenerationInterface):
     """Generation over OpenAI-compatible HTTP endpoints; see the module docstring."""
 
-    #: Rows may carry their own temperature / top_p / top_k / max_new_tokens.
+    #: Rows may carry their own temperature / top_p / top_k / max_new_tokens / seed.
     supports_per_request_sampling = True
 
     def __init__(

@@ -348,7 +348,7 @@ async def _generate(
     greedy = resolve_greedy(req, state.profile)
     max_tokens = max_tokens_for(requested, len(prompt_ids), state.profile, clamp=clamp)
     sampling = (
-        {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k}
+        {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "seed": req.seed}
         if state.profile.per_request_sampling
         else None
     )

@@ -6,8 +6,14 @@ temperature / top-p / top-k / max_tokens per row, as vLLM does. Any other engine
 samples with the profile of its config, and a request is served only when its
 sampling matches that profile (NeMo-RL's off-policy guard); a mismatch is a 400
 naming both values. ``temperature == 0`` asks for greedy decoding, which every
-engine supports per call. ``seed`` is accepted and ignored: the engine owns its
-generator.
+engine supports per call.
+
+``seed`` goes to an engine with per-request sampling per row, as vLLM's: choice ``i``
+of an ``n``-choice request is seeded ``seed + i`` (vLLM's ``ParentRequest`` gives each
+of its ``n`` child requests ``seed + index``), so the ``n`` choices differ and a request
+repeated with its seed repeats every choice. An engine without per-request sampling
+samples from its own generator and ignores it, as it ignores the other sampling fields
+it cannot take per row (the off-policy guard above refuses those that differ).
 
 ``max_tokens`` is sent to the engine per row; for an engine that ignores it, a
 longer generation is cut after the fact (finish ``length``). Without per-request
@@ -143,11 +149,15 @@ async def generate_rows(
 ) -> list[Sample]:
     """Submit ``n`` copies of one prompt in one ``generate_async`` call; return them in row order.
 
-    ``sampling`` (temperature / top_p / top_k) goes to the engine per row; send it
-    only to an engine that supports per-request sampling.
+    ``sampling`` (temperature / top_p / top_k / seed) goes to the engine per row; send it
+    only to an engine that supports per-request sampling. Row ``i`` gets ``seed + i``.
     """
     input_ids = torch.tensor([prompt_ids] * n, dtype=torch.int64)
-    per_row = {key: [value] * n for key, value in {**(sampling or {}), "max_new_tokens": max_tokens}.items()}
+    fields = {**(sampling or {}), "max_new_tokens": max_tokens}
+    seed = fields.pop("seed", None)
+    per_row: dict[str, list[Any]] = {key: [value] * n for key, value in fields.items()}
+    if seed is not None:
+        per_row["seed"] = choice_seeds(seed, n)
     data: BatchedDataDict[GenerationDatumSpec] = BatchedDataDict(
         {
             "input_ids": input_ids,
@@ -171,6 +181,11 @@ async def generate_rows(
     if missing:
         raise RuntimeError(f"generation returned no output for rows {missing}")
     return [s for s in samples if s is not None]  # all of them, as checked above
+
+
+def choice_seeds(seed: int, n: int) -> list[int]:
+    """The seeds of an ``n``-choice request's rows: ``seed + i`` for choice ``i``, as vLLM's parallel sampling."""
+    return [seed + i for i in range(n)]
 
 
 def weight_version_of(samples: list[Sample]) -> int | None:

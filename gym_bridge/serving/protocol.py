@@ -38,7 +38,8 @@ class SamplingFields(_Request):
     temperature: float | None = Field(None, ge=0.0, le=100.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
+    """vLLM's per-request seed (a signed 64-bit int): the request samples from its own generator."""
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1)
     stream: bool = False

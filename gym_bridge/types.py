@@ -114,6 +114,8 @@ class Completion:
     """Gym's ``failure_kind`` for this sample, if the environment named one."""
     incomplete_reason: str | None = None
     """Gym's ``response.incomplete_details.reason`` (``max_output_tokens``, ...), if the response was cut."""
+    seed: int | None = None
+    """The sampling seed the row was sent with (the endpoint's per-request ``seed``); None: unseeded."""
 
 
 @dataclass

@@ -18,7 +18,9 @@ existing config just works:
 - ``env.nemo_gym.num_actors`` (default 1) and ``env.nemo_gym.split_base_urls``: several
   NemoGym actors, each with its own Gym servers, sharing the endpoints or splitting them;
 - ``policy.generation``: the generation config; ``policy.max_total_sequence_length``:
-  ``max_seq_len``; ``grpo.num_generations_per_prompt``: N.
+  ``max_seq_len``; ``grpo.num_generations_per_prompt``: N;
+- ``grpo.seed``: the run seed of the ``nemo_gym`` backend (``manager_options``), from which
+  every row's sampling seed derives.
 
 A NeMo-RL GRPO YAML loads unchanged (:func:`load_training_config` resolves its
 ``defaults:`` parents and ``${...}`` interpolations as NeMo-RL's ``load_config`` does).
@@ -88,6 +90,7 @@ _READ_KEYS = (
     "policy.generation.backend",
     "policy.generation.vllm_cfg.max_model_len",
     "grpo.num_generations_per_prompt",
+    "grpo.seed",
     "distillation.num_generations_per_prompt",
 )
 """The keys of a training config that the rollout layer reads (a prefix covers its subtree)."""
@@ -479,6 +482,7 @@ def nemo_gym_rollout_settings(config: Any, *, base_urls: list[str] | None = None
         retry_policy=retry_policy,
         timeouts=timeouts,
         mask_env_flagged_samples=_get(config, "env.should_mask_flagged_samples", None) is not False,
+        manager_options=_rollout_seed_option(config),
     )
     return NemoGymRolloutSettings(
         launch=launch,
@@ -493,6 +497,17 @@ def nemo_gym_rollout_settings(config: Any, *, base_urls: list[str] | None = None
         min_step_batch_fraction=async_rl.rollout_failure.min_step_batch_fraction if has_failure_section else 0.0,
         unused_environments=tuple(native_environments),
     )
+
+
+def _rollout_seed_option(config: Mapping[str, Any]) -> dict[str, Any]:
+    """``{"seed": grpo.seed}`` for the ``nemo_gym`` backend, which derives every row's sampling seed from it;
+    empty without ``grpo.seed`` (rows go unseeded)."""
+    seed = _get(config, "grpo.seed", None)
+    if seed is None:
+        return {}
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TrainingConfigError(f"grpo.seed must be an int, got {seed!r}")
+    return {"seed": seed}
 
 
 def _manager_max_seq_len(config: Mapping[str, Any]) -> int:

@@ -65,7 +65,11 @@ class EvalConfig(BaseModel):
     max_new_tokens: int = Field(256, ge=1)
     max_seq_len: int = Field(4096, ge=1)
     limit: int | None = Field(None, ge=1, description="Evaluate only the first `limit` rows.")
-    seed: int = 0
+    seed: int | None = Field(
+        0,
+        description="The run seed: every row's sampling seed derives from it, the prompt and the sample index, "
+        "and goes to the endpoint as its per-request seed (the embedded model's generator too). null: unseeded.",
+    )
     pass_threshold: float = Field(1.0, description="A completion passes when its reward >= this.")
     gym_overrides: dict[str, Any] = Field(default_factory=dict, description="Merged into Gym's global config.")
 

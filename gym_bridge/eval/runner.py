@@ -265,6 +265,7 @@ def _launch_spec(config: EvalConfig, base_urls: list[str], pending: list[Dataset
         ray_num_cpus=os.cpu_count() or 2,
         timeouts=RolloutTimeouts(rollout_s=config.rollout_timeout_s),
         retry_policy=config.retry_policy(),
+        manager_options={"seed": config.seed},
     )
 
 

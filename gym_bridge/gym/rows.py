@@ -7,21 +7,35 @@ agent server, and any verifier fields, which are passed through untouched.
 A row is validated once, where it enters (the eval dataset, a batch function, the rollout
 backend): :func:`validate_row` returns a :class:`ValidGymRow`, which every later step takes
 as it is. The NemoGym actor's :func:`dispatch_target` is the cheap check at its public boundary.
+
+Seeds: with a run seed, every stamped row carries its own sampling seed in
+``responses_create_params.metadata.extra_body`` (a JSON string, as Gym's
+``num_repeats_add_seed`` writes it), which Gym's ``vllm_model`` merges into the
+chat-completions body and gym-bridge's model server into its completions body: the
+endpoint's per-request ``seed``. :func:`rollout_seed` derives it from the run seed, the
+prompt's stable identity (:func:`prompt_identity`) and the sample index, so a row keeps
+its seed when it is re-sent and the same prompt gets the same seeds in another run.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Collection
+import hashlib
+import json
+from collections.abc import Collection, Mapping
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from gym_bridge.failures import InvalidGymRow
 from gym_bridge.gym.versions import installed_gym
-from gym_bridge.types import GenerationSamplingParams
+from gym_bridge.types import NEMO_GYM_TASK_INDEX_KEY, GenerationSamplingParams
 
 ROW_INDEX_KEY = "_rowidx"
+SEED_KEY = "seed"
+"""The key of a row's sampling seed in ``responses_create_params.metadata.extra_body``."""
+SEED_BITS = 63
+"""Derived seeds lie in ``[0, 2**63)``: vLLM's ``seed`` is a signed 64-bit int."""
 
 
 class AgentRef(BaseModel):
@@ -127,19 +141,38 @@ def dispatch_target(row: Any, position: int, known_agents: Collection[str]) -> t
 
 
 def build_rows(
-    template: dict[str, Any], n: int, sampling: GenerationSamplingParams, max_new_tokens: int | None
+    template: dict[str, Any],
+    n: int,
+    sampling: GenerationSamplingParams,
+    max_new_tokens: int | None,
+    *,
+    run_seed: int | None = None,
 ) -> list[dict[str, Any]]:
-    """N copies of ``template`` stamped by :func:`stamped_row`, ``_rowidx`` 0..N-1."""
-    return [stamped_row(template, i, sampling, max_new_tokens) for i in range(n)]
+    """N copies of ``template`` stamped by :func:`stamped_row`, ``_rowidx`` 0..N-1.
+
+    With ``run_seed``, row ``i`` carries :func:`rollout_seed` ``(run_seed, template, i)``; without it the
+    rows keep whatever seed the template carries (none, usually)."""
+    if run_seed is None:
+        return [stamped_row(template, i, sampling, max_new_tokens) for i in range(n)]
+    identity = prompt_identity(template)
+    return [
+        stamped_row(template, i, sampling, max_new_tokens, seed=_derived_seed(run_seed, identity, i)) for i in range(n)
+    ]
 
 
 def stamped_row(
-    row: dict[str, Any], rowidx: int, sampling: GenerationSamplingParams, max_new_tokens: int | None
+    row: dict[str, Any],
+    rowidx: int,
+    sampling: GenerationSamplingParams,
+    max_new_tokens: int | None,
+    *,
+    seed: int | None = None,
 ) -> dict[str, Any]:
     """A deep copy of ``row`` with the sampling profile, the token cap and ``_rowidx`` (the caller's row is kept).
 
     ``max_output_tokens`` becomes ``min(row value, max_new_tokens)``; the sequence
-    budget (``max_seq_len``) is deliberately not translated into it.
+    budget (``max_seq_len``) is deliberately not translated into it. A ``seed`` is
+    written into ``metadata.extra_body`` (replacing one the row carries).
     """
     copied: dict[str, Any] = {key: _copy_json(value) for key, value in row.items()}
     params = copied["responses_create_params"]
@@ -148,8 +181,66 @@ def stamped_row(
     if max_new_tokens is not None:
         given = params.get("max_output_tokens")
         params["max_output_tokens"] = max_new_tokens if given is None else min(int(given), max_new_tokens)
+    if seed is not None:
+        metadata = params.get("metadata") or {}
+        if not isinstance(metadata, dict):
+            raise InvalidGymRow(f"responses_create_params.metadata must be an object, got {type(metadata).__name__}")
+        extra_body = _extra_body(metadata)
+        extra_body[SEED_KEY] = seed
+        params["metadata"] = {**metadata, "extra_body": json.dumps(extra_body, sort_keys=True)}
     copied[ROW_INDEX_KEY] = rowidx
     return copied
+
+
+def prompt_identity(row: Mapping[str, Any]) -> str:
+    """A dataset row's stable identity: Gym's ``_ng_task_index`` when the row has one, else its canonical JSON
+    (sorted keys, no spaces, as the eval's ``row_id``). Identical rows share an identity."""
+    task_index = row.get(NEMO_GYM_TASK_INDEX_KEY)
+    if task_index is not None:
+        return f"{NEMO_GYM_TASK_INDEX_KEY}={task_index}"
+    fields = {key: value for key, value in row.items() if key != ROW_INDEX_KEY}
+    return json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
+
+
+def rollout_seed(run_seed: int, row: Mapping[str, Any], sample_index: int) -> int:
+    """The sampling seed of sample ``sample_index`` of the prompt ``row`` in a run seeded ``run_seed``.
+
+    The first 63 bits of ``sha256("<run_seed>:<sample_index>:<prompt identity>")``: independent of the
+    order, timing and machine a row is sent in, different for each sample of a group."""
+    return _derived_seed(run_seed, prompt_identity(row), sample_index)
+
+
+def row_seed(row: Mapping[str, Any]) -> int | None:
+    """The seed a stamped row (or a Gym result, which echoes ``responses_create_params``) carries, or None."""
+    params = row.get("responses_create_params")
+    metadata = params.get("metadata") if isinstance(params, Mapping) else None
+    if not isinstance(metadata, Mapping) or not metadata.get("extra_body"):
+        return None
+    try:
+        seed = _extra_body(metadata).get(SEED_KEY)
+    except InvalidGymRow:
+        return None
+    return seed if isinstance(seed, int) and not isinstance(seed, bool) else None
+
+
+def _derived_seed(run_seed: int, identity: str, sample_index: int) -> int:
+    digest = hashlib.sha256(f"{run_seed}:{sample_index}:{identity}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> (64 - SEED_BITS)
+
+
+def _extra_body(metadata: Mapping[str, Any]) -> dict[str, Any]:
+    """``metadata.extra_body`` parsed: Gym's metadata values are strings, this one a JSON object."""
+    raw = metadata.get("extra_body") or "{}"
+    try:
+        parsed = json.loads(raw) if isinstance(raw, str) else None
+    except json.JSONDecodeError:
+        parsed = None
+    if not isinstance(parsed, dict):
+        raise InvalidGymRow(
+            f"responses_create_params.metadata.extra_body must be a JSON object in a string (Gym's metadata "
+            f"values are strings), got {raw!r:.80}"
+        )
+    return parsed
 
 
 _JSON_SCALARS = (str, int, float, bool, type(None))

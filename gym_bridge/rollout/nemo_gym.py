@@ -5,7 +5,9 @@ generation config, asks the :class:`~gym_bridge.gym.client.GymClient` for them (
 picks the actor, streams, checks row indices, re-dispatches lost rows and holds one
 deadline, ``timeouts.rollout_s``, over all of it), and turns the typed rows into the N
 completions, in generation order, and the group's metrics. Multi-turn episodes happen
-inside Gym, so ``max_rollout_turns`` must be 1.
+inside Gym, so ``max_rollout_turns`` must be 1. With a run ``seed`` every row carries its
+own sampling seed (:func:`~gym_bridge.gym.rows.rollout_seed`), stamped once per group, so
+a re-dispatched row is sent with the seed it had.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from gym_bridge.failures import GymRowIndexError, RolloutRetryPolicy, RolloutSta
 from gym_bridge.gym.client import GymClient
 from gym_bridge.gym.convert import scalar_fields
 from gym_bridge.gym.result import GymRowResult
-from gym_bridge.gym.rows import build_rows, validate_row
+from gym_bridge.gym.rows import build_rows, row_seed, validate_row
 from gym_bridge.metrics import calculate_single_metric, pct, summarize
 from gym_bridge.rollout.truncation import gym_completion_truncated
 from gym_bridge.types import (
@@ -38,6 +40,7 @@ __all__ = [
     "NEMO_GYM_TASK",
     "AsyncNemoGymRolloutImpl",
     "GymRowIndexError",
+    "full_result_table",
     "group_metrics",
     "gym_completion",
     "nemo_gym_actors",
@@ -81,13 +84,17 @@ class AsyncNemoGymRolloutImpl:
         full_results_path: str | Path | None = None,
         resend_env_infra_failures: bool = True,
         policy_generation: Any = None,
+        seed: int | None = None,
     ) -> None:
         """NeMo-RL's positional order. The row budget is ``max_gym_row_attempts`` when given, else
         ``retry_policy.max_gym_row_attempts``, else one attempt (NeMo-RL's ``single_attempt()``).
 
         ``resend_env_infra_failures`` (ours; NeMo-RL's behaviour is False): a row the environment masked
         for an infrastructure ``failure_kind`` is re-sent within the row budget instead of entering the
-        group masked. It applies only with ``mask_env_flagged_samples``; without masking such rows are kept."""
+        group masked. It applies only with ``mask_env_flagged_samples``; without masking such rows are kept.
+
+        ``seed`` (ours): the run seed every row's sampling seed is derived from, with the prompt's identity and the
+        sample index; the endpoint takes it as its per-request ``seed``. None sends rows unseeded (as NeMo-RL)."""
         if generation_config is None:
             raise ValueError(
                 "the nemo_gym rollout backend needs generation_config (temperature, top_p, max_new_tokens)"
@@ -120,6 +127,9 @@ class AsyncNemoGymRolloutImpl:
         self.max_gym_row_attempts = max_gym_row_attempts
         self.mask_env_flagged_samples = mask_env_flagged_samples
         self.full_results_path = Path(full_results_path) if full_results_path is not None else None
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise TypeError(f"seed must be an int or None, got {seed!r}")
+        self.seed = seed
         self.stats = stats or RolloutStats()
         self.client = GymClient(
             actors,
@@ -135,7 +145,7 @@ class AsyncNemoGymRolloutImpl:
         # The agent name is checked by the client, under the deadline; a ValidGymRow is not validated again.
         template = validate_row(datum.get("extra_env_info"), prompt_idx=prompt_idx)
         async with self.client.loop_turn():  # groups launched together build their rows in turn
-            rows = build_rows(template, self.num_generations, self.sampling, self.max_new_tokens)
+            rows = build_rows(template, self.num_generations, self.sampling, self.max_new_tokens, run_seed=self.seed)
 
         t_run = time.perf_counter()
         group = await self.client.run_group(rows, prompt_idx=prompt_idx, deadline_s=self.timeouts.rollout_s)
@@ -143,11 +153,17 @@ class AsyncNemoGymRolloutImpl:
 
         t_metrics = time.perf_counter()
         completions = [
-            gym_completion(row, max_seq_len=self.max_seq_len, mask_env_flagged_samples=self.mask_env_flagged_samples)
+            gym_completion(
+                row,
+                max_seq_len=self.max_seq_len,
+                mask_env_flagged_samples=self.mask_env_flagged_samples,
+                seed=row_seed(rows[row.row_index]),
+            )
             for row in group.rows
         ]
         agent = rows[0]["agent_ref"]["name"]
         metrics = group_metrics(completions, [agent] * len(completions), fields=[row.metrics for row in group.rows])
+        metrics[f"{agent}/full_result"] = full_result_table([c.env_extras for c in completions])
         metrics.update(group.timing)
         metrics[f"{TIMER_PREFIX}/run_rollouts"] = run_s
         metrics[f"{TIMER_PREFIX}/compute_metrics"] = time.perf_counter() - t_metrics
@@ -176,6 +192,17 @@ class AsyncNemoGymRolloutImpl:
                 f.write(json.dumps(line, default=str) + "\n")
 
 
+def full_result_table(full_results: Sequence[Any]) -> Any:
+    """NeMo-RL's ``{agent}/full_result`` table, one compact JSON per row: a ``wandb.Table`` when wandb is
+    installed, else a plain ``{"columns": ["Full result"], "data": [[json], ...]}``."""
+    data = [[json.dumps(r, separators=(",", ":"), default=str)] for r in full_results]
+    try:
+        from wandb import Table
+    except ImportError:
+        return {"columns": ["Full result"], "data": data}
+    return Table(data=data, columns=["Full result"])
+
+
 def nemo_gym_actors(task_to_env: Mapping[str, Any] | None, explicit: Any = None) -> list[ActorHandle]:
     """The NemoGym actor(s): ``explicit`` when given, else ``task_to_env["nemo_gym"]`` (where NeMo-RL keeps it);
     one handle or a list of them (each with its own Gym servers). ``ValueError`` when there is none."""
@@ -190,10 +217,13 @@ def nemo_gym_actors(task_to_env: Mapping[str, Any] | None, explicit: Any = None)
     return actors
 
 
-def gym_completion(row: GymRowResult, *, max_seq_len: int | None, mask_env_flagged_samples: bool) -> Completion:
+def gym_completion(
+    row: GymRowResult, *, max_seq_len: int | None, mask_env_flagged_samples: bool, seed: int | None = None
+) -> Completion:
     """One Gym row as a :class:`Completion`: NeMo-RL's length rule for ``truncated``, the environment's mask
     honoured only when ``mask_env_flagged_samples``. Gym's result is kept as it came (``env_extras``), plus
-    ``token_drift`` details when the log was cut at a drift."""
+    ``token_drift`` details when the log was cut at a drift. ``seed``: the seed the row was sent with; None
+    reads it from the ``responses_create_params`` Gym's result echoes (None when the row had none)."""
     full_result = row.full_result
     if row.token_drift is not None:
         full_result = {**full_result, "token_drift": row.token_drift}
@@ -207,6 +237,7 @@ def gym_completion(row: GymRowResult, *, max_seq_len: int | None, mask_env_flagg
         masked=row.mask_sample and mask_env_flagged_samples,
         failure_kind=row.failure_kind,
         incomplete_reason=row.incomplete_reason,
+        seed=seed if seed is not None else row_seed(row.full_result),
     )
 
 

@@ -320,3 +320,14 @@ async def test_masking_off_keeps_infra_flagged_rows_instead_of_resending_them(ma
     record = await impl.run_rollout(datum())
     assert ray.get(actor.dispatched.remote()) == [[0, 1, 2, 3]]
     assert not any(c.masked for c in record.completions)
+
+
+async def test_every_group_carries_nemo_rls_full_result_table(make):
+    """NeMo-RL's AsyncNemoGymRolloutImpl always adds ``{agent}/full_result``: one compact JSON per completion."""
+    import json
+
+    impl, _ = make(["ok"])
+    record = await impl.run_rollout(datum())
+    table = record.rollout_metrics["agent_a/full_result"]
+    data = table["data"] if isinstance(table, dict) else table.data
+    assert [json.loads(row[0])["reward"] for row in data] == [c.reward for c in record.completions]

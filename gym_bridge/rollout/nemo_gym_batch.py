@@ -12,7 +12,6 @@ alike. Groups come back in completion order, their rows in input order, as
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import warnings
@@ -29,6 +28,7 @@ from gym_bridge.gym.result import GymRowResult
 from gym_bridge.gym.rows import stamped_row, validate_row
 from gym_bridge.rollout.nemo_gym import (
     TIMER_PREFIX,
+    full_result_table,
     group_metrics as gym_group_metrics,
     gym_completion,
     nemo_gym_actors,
@@ -315,17 +315,6 @@ class _GroupPost:
 def should_log_nemo_gym_full_result_tables(*, wandb_enabled: bool, wandb_config: Mapping[str, Any]) -> bool:
     """NeMo-RL's rule: ``{agent}/full_result`` tables only when wandb logs and ``log_nemo_gym_full_result_tables``."""
     return bool(wandb_enabled) and bool(wandb_config.get("log_nemo_gym_full_result_tables"))
-
-
-def full_result_table(full_results: Sequence[Any]) -> Any:
-    """NeMo-RL's ``{agent}/full_result`` table, one compact JSON per row: a ``wandb.Table`` when wandb is
-    installed, else a plain ``{"columns": ["Full result"], "data": [[json], ...]}``."""
-    data = [[json.dumps(r, separators=(",", ":"), default=str)] for r in full_results]
-    try:
-        from wandb import Table
-    except ImportError:
-        return {"columns": ["Full result"], "data": data}
-    return Table(data=data, columns=["Full result"])
 
 
 def _check_options(

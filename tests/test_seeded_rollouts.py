@@ -1,0 +1,121 @@
+"""Seeded rollouts through real NeMo-Gym: a row lost to the endpoint and re-dispatched comes back with its
+original seed and the same sample.
+
+Our server over the tiny model (sampling at temperature 1) sits behind the fault gate, which Gym's
+``vllm_model`` calls; a real NemoGym actor on real Ray runs the equivalence agent. The seed of each row
+travels in ``responses_create_params.metadata.extra_body``, which ``vllm_model`` merges into its
+chat-completions body, and our server samples that row from its own generator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import ray
+
+from gym_bridge.failures import RolloutRetryPolicy, RolloutTimeouts
+from gym_bridge.generation.hf import HFGeneration, HFGenerationConfig
+from gym_bridge.gym.reaper import free_port
+from gym_bridge.gym.rows import rollout_seed
+from gym_bridge.gym.servers import wheel_config_path
+from gym_bridge.gym.spinup import start_nemo_gym_actor
+from gym_bridge.rollout.manager import RolloutManager
+from gym_bridge.serving import OpenAIServer
+from gym_bridge.testing import SERVED_MODEL_NAME
+from gym_bridge.testing.fault_gate import FaultGate
+from gym_bridge.testing.gym_rows import EQUIVALENCE_GYM_CONFIGS, N, gym_actor_config, prompt
+from gym_bridge.types import PromptGroupRecord
+
+pytestmark = [pytest.mark.timeout(600), pytest.mark.gym, pytest.mark.slow]
+
+RUN_SEED = 20261125
+
+
+@pytest.fixture(scope="module")
+def tiny_policy(tiny_lm) -> Iterator[OpenAIServer]:
+    tokenizer, model = tiny_lm
+    generation = HFGeneration(HFGenerationConfig(max_new_tokens=24, temperature=1.0, seed=0), model=model,
+                              tokenizer=tokenizer)  # fmt: skip
+    server = OpenAIServer(generation, tokenizer, served_model_name=SERVED_MODEL_NAME)
+    server.start_in_thread()
+    yield server
+    server.stop_thread()
+    generation.shutdown()
+
+
+@pytest.fixture(scope="module")
+def gate(tiny_policy, tmp_path_factory) -> Iterator[FaultGate]:
+    gate = FaultGate(tiny_policy.root_url, free_port("127.0.0.1"), tmp_path_factory.mktemp("gate") / "gate.log")
+    gate.start()
+    gate.set("pass")
+    yield gate
+    gate.kill()
+
+
+@pytest.fixture(scope="module")
+def seeded_gym(ray_session, gate, tiny_tokenizer, tmp_path_factory) -> Iterator[Any]:
+    config = gym_actor_config([gate.base_url], tmp_path_factory.mktemp("seeded-gym-logs")).model_copy(
+        update={"config_paths": [str(wheel_config_path(p)) for p in EQUIVALENCE_GYM_CONFIGS], "request_timeout_s": 60}
+    )
+    actor = start_nemo_gym_actor(config, tiny_tokenizer)
+    yield actor
+    try:
+        ray.get(actor.shutdown.remote(), timeout=120)
+    finally:
+        ray.kill(actor)
+
+
+def manager(actor: Any, tokenizer: Any, seed: int | None) -> RolloutManager:
+    retry = RolloutRetryPolicy(max_infra_attempts=1, max_data_attempts=1, max_gym_row_attempts=8,
+                               backoff_base_s=0.1, max_backoff_s=0.5)  # fmt: skip
+    return RolloutManager(
+        tokenizer,
+        {"nemo_gym": actor},
+        N,
+        4096,
+        generation_config={"temperature": 1.0, "top_p": 1.0, "max_new_tokens": 24},
+        use_nemo_gym=True,
+        timeouts=RolloutTimeouts(rollout_s=180),
+        retry_policy=retry,
+        seed=seed,
+    )
+
+
+def generated(record: PromptGroupRecord) -> list[list[int]]:
+    """Each completion's generated token ids, in row order."""
+    return [
+        [t for m in c.message_log if m["role"] == "assistant" for t in m["token_ids"].tolist()]
+        for c in record.completions
+    ]
+
+
+async def test_a_redispatched_row_keeps_its_seed_and_regenerates_the_same_sample(seeded_gym, gate, tiny_tokenizer):
+    """Run 1: the group goes through cleanly. Run 2: the gate answers the first 3N chat calls with 500 (Gym's
+    model client tries each call 3 times), so rows fail, are re-dispatched and meet other decode batches.
+    Expected: every row has its derived seed, the same in both runs, and the same tokens; the group's N samples
+    differ. Control: without a seed, the same group twice draws other tokens."""
+    seeded = manager(seeded_gym, tiny_tokenizer, RUN_SEED)
+    datum = prompt(3)
+    clean = await seeded.run_rollout(datum)
+    expected_seeds = [rollout_seed(RUN_SEED, datum["extra_env_info"], i) for i in range(N)]
+    assert [c.seed for c in clean.completions] == expected_seeds
+    assert len({tuple(t) for t in generated(clean)}) == N, "the N samples of a group must differ"
+
+    before = gate.stats()["faulted"]
+    gate.set("status", status=500, times=3 * N)
+    try:
+        again = await seeded.run_rollout(datum)
+    finally:
+        gate.set("pass")
+    assert gate.stats()["faulted"] - before == 3 * N
+    redispatched = seeded.stats.as_metrics().get("rollout/gym_row_redispatch_total", 0)
+    assert redispatched >= 1, seeded.stats.as_metrics()
+    assert [c.seed for c in again.completions] == expected_seeds
+    assert generated(again) == generated(clean), "a re-dispatched seeded row must regenerate its sample"
+
+    unseeded = manager(seeded_gym, tiny_tokenizer, None)
+    first, second = [await unseeded.run_rollout(datum) for _ in range(2)]
+    assert all(c.seed is None for c in first.completions)
+    assert generated(first) != generated(second), "unseeded rows draw from the shared generator, which moves on"

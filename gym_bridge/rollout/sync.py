@@ -30,6 +30,7 @@ import asyncio
 import concurrent.futures
 import copy
 from collections.abc import Coroutine, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -183,87 +184,122 @@ def run_multi_turn_rollout(
         raise ValueError("cannot roll out an empty batch")
     for name in dict.fromkeys(batch["task_name"]):
         environment_for(name, task_to_env)
-    pad_id = padding_id(tokenizer)
 
+    samples = [_Sample() for _ in range(size)]
     total_reward = torch.zeros(size, dtype=torch.float32)
     components: dict[str, torch.Tensor] = {}
-    truncated = torch.zeros(size, dtype=torch.bool)
-    terminated = torch.zeros(size, dtype=torch.bool)
-    turns = [0] * size
-    gen_tokens = [0] * size
-    env_tokens = [0] * size
     active = list(range(size))
-
     for _ in range(max_rollout_turns):
         if not active:
             break
-        active_batch = batch.select_indices(active)
-        token_logs = [[{"token_ids": m["token_ids"]} for m in log] for log in active_batch["message_log"]]
-        flat, input_lengths = batched_message_log_to_flat_message(token_logs, pad_value_dict={"token_ids": pad_id})
-        generation_input: BatchedDataDict[GenerationDatumSpec] = BatchedDataDict(
-            {"input_ids": flat["token_ids"], "input_lengths": input_lengths.to(torch.int64)}
-        )
-        active_batch, generated, gen_metrics = generate_responses(
-            policy_generation, generation_input, active_batch, tokenizer, input_lengths, greedy=greedy
-        )
-        response_truncated = gen_metrics.pop("_response_truncated")
-
+        turn = _generate_turn(policy_generation, batch, active, tokenizer, greedy)
         env_return = step_environments(
-            active_batch["message_log"],
-            active_batch["extra_env_info"],
-            active_batch["task_name"],
+            turn.batch["message_log"],
+            turn.batch["extra_env_info"],
+            turn.batch["task_name"],
             task_to_env,
             env_s=timeouts.env_s,
         )
         _accumulate_rewards(env_return.rewards, active, total_reward, components)
+        active = [
+            i
+            for j, i in enumerate(active)
+            if _absorb_turn(batch, i, samples[i], turn, j, env_return, tokenizer, max_seq_len)
+        ]
 
-        survivors = []
-        for j, i in enumerate(active):
-            input_len, gen_len = int(input_lengths[j]), int(generated[j].numel())
-            if input_len + gen_len > max_seq_len:
-                raise ValueError(
-                    f"sample {i}: {input_len} input + {gen_len} generated tokens exceed max_seq_len={max_seq_len}; "
-                    "give the generation engine max_model_len <= max_seq_len"
-                )
-            turns[i] += 1
-            gen_tokens[i] += gen_len
-            if bool(response_truncated[j]):
-                truncated[i] = True
-            observation = env_return.observations[j]
-            fit = fit_observation(
-                token_tensor(tokenizer(observation["content"], add_special_tokens=False)["input_ids"]),
-                input_len=input_len,
-                gen_len=gen_len,
-                max_seq_len=max_seq_len,
-            )
-            obs_ids, seq_full = fit.token_ids, fit.truncated
-            if seq_full:
-                truncated[i] = True
-            batch["message_log"][i].append(
-                MessageEntry(role=observation["role"], content=observation["content"], token_ids=obs_ids)
-            )
-            env_tokens[i] += int(obs_ids.numel())
-            if bool(env_return.terminateds[j]):
-                terminated[i] = True
-            if seq_full or terminated[i]:
-                continue
-            survivors.append(i)
-            next_stops = env_return.next_stop_strings[j] if env_return.next_stop_strings is not None else None
-            if next_stops is not None:
-                batch["stop_strings"][i] = next_stops
-            if env_return.metadata[j] is not None:
-                batch["extra_env_info"][i] = env_return.metadata[j]
-        active = survivors
-
-    max_turns_reached = torch.zeros(size, dtype=torch.bool)
-    max_turns_reached[active] = True
     batch["total_reward"] = total_reward
-    batch["truncated"] = truncated
+    batch["truncated"] = torch.tensor([s.truncated for s in samples], dtype=torch.bool)
     for name, values in components.items():
         batch[name] = values
     total_tokens = [sum(int(m["token_ids"].numel()) for m in log) for log in batch["message_log"]]
-    metrics = _rollout_metrics(turns, gen_tokens, env_tokens, total_tokens, terminated, truncated, max_turns_reached)
-    return batch, metrics
+    return batch, _rollout_metrics(samples, total_tokens, still_active=active)
+
+
+@dataclass
+class _Sample:
+    """One sample's running counts over the turns of :func:`run_multi_turn_rollout`."""
+
+    turns: int = 0
+    gen_tokens: int = 0
+    env_tokens: int = 0
+    truncated: bool = False
+    terminated: bool = False
+
+
+@dataclass(frozen=True)
+class _Turn:
+    """One generation turn of the active samples: the batch with their responses, and what each generated."""
+
+    batch: BatchedDataDict[Any]
+    input_lengths: torch.Tensor
+    generated: list[torch.Tensor]
+    response_truncated: torch.Tensor
+
+
+def _generate_turn(
+    policy_generation: GenerationInterface,
+    batch: BatchedDataDict[Any],
+    active: list[int],
+    tokenizer: Tokenizer,
+    greedy: bool,
+) -> _Turn:
+    """Every active sample generates one response together, appended to its message log."""
+    active_batch = batch.select_indices(active)
+    token_logs = [[{"token_ids": m["token_ids"]} for m in log] for log in active_batch["message_log"]]
+    flat, input_lengths = batched_message_log_to_flat_message(
+        token_logs, pad_value_dict={"token_ids": padding_id(tokenizer)}
+    )
+    generation_input: BatchedDataDict[GenerationDatumSpec] = BatchedDataDict(
+        {"input_ids": flat["token_ids"], "input_lengths": input_lengths.to(torch.int64)}
+    )
+    active_batch, generated, gen_metrics = generate_responses(
+        policy_generation, generation_input, active_batch, tokenizer, input_lengths, greedy=greedy
+    )
+    return _Turn(active_batch, input_lengths, generated, gen_metrics.pop("_response_truncated"))
+
+
+def _absorb_turn(
+    batch: BatchedDataDict[Any],
+    i: int,
+    sample: _Sample,
+    turn: _Turn,
+    j: int,
+    env_return: EnvironmentReturn[Any],
+    tokenizer: Tokenizer,
+    max_seq_len: int,
+) -> bool:
+    """Count sample ``i``'s turn (``j``-th of the active ones), append its observation, carry the
+    environment's stop strings and metadata; True while the sample goes on."""
+    input_len, gen_len = int(turn.input_lengths[j]), int(turn.generated[j].numel())
+    if input_len + gen_len > max_seq_len:
+        raise ValueError(
+            f"sample {i}: {input_len} input + {gen_len} generated tokens exceed max_seq_len={max_seq_len}; "
+            "give the generation engine max_model_len <= max_seq_len"
+        )
+    sample.turns += 1
+    sample.gen_tokens += gen_len
+    sample.truncated |= bool(turn.response_truncated[j])
+    observation = env_return.observations[j]
+    fit = fit_observation(
+        token_tensor(tokenizer(observation["content"], add_special_tokens=False)["input_ids"]),
+        input_len=input_len,
+        gen_len=gen_len,
+        max_seq_len=max_seq_len,
+    )
+    sample.truncated |= fit.truncated
+    batch["message_log"][i].append(
+        MessageEntry(role=observation["role"], content=observation["content"], token_ids=fit.token_ids)
+    )
+    sample.env_tokens += int(fit.token_ids.numel())
+    sample.terminated |= bool(env_return.terminateds[j])
+    if fit.truncated or sample.terminated:
+        return False
+    next_stops = env_return.next_stop_strings[j] if env_return.next_stop_strings is not None else None
+    if next_stops is not None:
+        batch["stop_strings"][i] = next_stops
+    if env_return.metadata[j] is not None:
+        batch["extra_env_info"][i] = env_return.metadata[j]
+    return True
 
 
 def _accumulate_rewards(
@@ -282,25 +318,20 @@ def _accumulate_rewards(
         total_reward[index] += rewards.to(torch.float32).reshape(-1)
 
 
-def _rollout_metrics(
-    turns: list[int],
-    gen_tokens: list[int],
-    env_tokens: list[int],
-    total_tokens: list[int],
-    terminated: torch.Tensor,
-    truncated: torch.Tensor,
-    max_turns_reached: torch.Tensor,
-) -> dict[str, Any]:
-    n = len(turns)
+def _rollout_metrics(samples: list[_Sample], total_tokens: list[int], *, still_active: list[int]) -> dict[str, Any]:
+    """NeMo-RL's sync rollout metrics; ``max_turns_reached`` is a sample still active when the turns ran out."""
+    n = len(samples)
+    turns = [s.turns for s in samples]
+    gen_tokens = [s.gen_tokens for s in samples]
     return {
         "total_turns": sum(turns),
         "avg_turns_per_sample": sum(turns) / n,
         "max_turns_per_sample": max(turns),
-        "natural_termination_rate": float(terminated.float().mean()),
-        "truncation_rate": float(truncated.float().mean()),
-        "max_turns_reached_rate": float(max_turns_reached.float().mean()),
+        "natural_termination_rate": sum(s.terminated for s in samples) / n,
+        "truncation_rate": sum(s.truncated for s in samples) / n,
+        "max_turns_reached_rate": len(still_active) / n,
         "mean_total_tokens_per_sample": sum(total_tokens) / n,
         "mean_gen_tokens_per_sample": sum(gen_tokens) / n,
         "max_gen_tokens_per_sample": float(max(gen_tokens)),
-        "mean_env_tokens_per_sample": sum(env_tokens) / n,
+        "mean_env_tokens_per_sample": sum(s.env_tokens for s in samples) / n,
     }

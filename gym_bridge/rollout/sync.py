@@ -39,6 +39,7 @@ from gym_bridge.batched import BatchedDataDict, batched_message_log_to_flat_mess
 from gym_bridge.failures import RolloutTimeouts, deadline
 from gym_bridge.interfaces import GenerationInterface
 from gym_bridge.rollout.env_step import calculate_rewards, calculate_rewards_async, environment_for, step_by_task
+from gym_bridge.rollout.native import TrajectoryStats
 from gym_bridge.rollout.truncation import fit_observation
 from gym_bridge.types import (
     EnvironmentReturn,
@@ -185,7 +186,7 @@ def run_multi_turn_rollout(
     for name in dict.fromkeys(batch["task_name"]):
         environment_for(name, task_to_env)
 
-    samples = [_Sample() for _ in range(size)]
+    samples = [TrajectoryStats() for _ in range(size)]
     total_reward = torch.zeros(size, dtype=torch.float32)
     components: dict[str, torch.Tensor] = {}
     active = list(range(size))
@@ -213,17 +214,6 @@ def run_multi_turn_rollout(
         batch[name] = values
     total_tokens = [sum(int(m["token_ids"].numel()) for m in log) for log in batch["message_log"]]
     return batch, _rollout_metrics(samples, total_tokens, still_active=active)
-
-
-@dataclass
-class _Sample:
-    """One sample's running counts over the turns of :func:`run_multi_turn_rollout`."""
-
-    turns: int = 0
-    gen_tokens: int = 0
-    env_tokens: int = 0
-    truncated: bool = False
-    terminated: bool = False
 
 
 @dataclass(frozen=True)
@@ -261,7 +251,7 @@ def _generate_turn(
 def _absorb_turn(
     batch: BatchedDataDict[Any],
     i: int,
-    sample: _Sample,
+    sample: TrajectoryStats,
     turn: _Turn,
     j: int,
     env_return: EnvironmentReturn[Any],
@@ -276,8 +266,8 @@ def _absorb_turn(
             f"sample {i}: {input_len} input + {gen_len} generated tokens exceed max_seq_len={max_seq_len}; "
             "give the generation engine max_model_len <= max_seq_len"
         )
-    sample.turns += 1
-    sample.gen_tokens += gen_len
+    sample.turn_count += 1
+    sample.assistant_tokens += gen_len
     sample.truncated |= bool(turn.response_truncated[j])
     observation = env_return.observations[j]
     fit = fit_observation(
@@ -318,11 +308,13 @@ def _accumulate_rewards(
         total_reward[index] += rewards.to(torch.float32).reshape(-1)
 
 
-def _rollout_metrics(samples: list[_Sample], total_tokens: list[int], *, still_active: list[int]) -> dict[str, Any]:
+def _rollout_metrics(
+    samples: list[TrajectoryStats], total_tokens: list[int], *, still_active: list[int]
+) -> dict[str, Any]:
     """NeMo-RL's sync rollout metrics; ``max_turns_reached`` is a sample still active when the turns ran out."""
     n = len(samples)
-    turns = [s.turns for s in samples]
-    gen_tokens = [s.gen_tokens for s in samples]
+    turns = [s.turn_count for s in samples]
+    gen_tokens = [s.assistant_tokens for s in samples]
     return {
         "total_turns": sum(turns),
         "avg_turns_per_sample": sum(turns) / n,

@@ -18,7 +18,7 @@ import ray
 from gym_bridge.failures import RolloutRetryPolicy, RolloutTimeouts
 from gym_bridge.generation.hf import HFGeneration, HFGenerationConfig
 from gym_bridge.gym.reaper import free_port
-from gym_bridge.gym.rows import rollout_seed
+from gym_bridge.gym.rows import rollout_seed, row_seed
 from gym_bridge.gym.servers import wheel_config_path
 from gym_bridge.gym.spinup import start_nemo_gym_actor
 from gym_bridge.rollout.manager import RolloutManager
@@ -101,6 +101,7 @@ async def test_a_redispatched_row_keeps_its_seed_and_regenerates_the_same_sample
     clean = await seeded.run_rollout(datum)
     expected_seeds = [rollout_seed(RUN_SEED, datum["extra_env_info"], i) for i in range(N)]
     assert [c.seed for c in clean.completions] == expected_seeds
+    assert [row_seed(c.env_extras or {}) for c in clean.completions] == expected_seeds, "Gym echoes the row's seed"
     assert len({tuple(t) for t in generated(clean)}) == N, "the N samples of a group must differ"
 
     before = gate.stats()["faulted"]

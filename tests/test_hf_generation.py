@@ -12,7 +12,14 @@ import torch
 from gym_bridge.batched import BatchedDataDict
 from gym_bridge.generation.hf import EngineShutDownError, HFGeneration, HFGenerationConfig
 from gym_bridge.testing import async_wait_until
-from gym_bridge.testing.generation import MIXED_PROMPTS, generated, prompt_batch, unpadded
+from gym_bridge.testing.generation import (
+    MIXED_PROMPTS,
+    assert_output_contract,
+    generated,
+    prompt_batch,
+    reference_logprobs,
+    unpadded,
+)
 
 
 def engine(tiny_lm, **cfg) -> HFGeneration:
@@ -21,44 +28,15 @@ def engine(tiny_lm, **cfg) -> HFGeneration:
     return HFGeneration(HFGenerationConfig(**cfg), model=model, tokenizer=tok)
 
 
-def recompute(model, seq: torch.Tensor, n_in: int, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """One full forward pass: (logprobs of the generated tokens, logits that predicted them)."""
-    with torch.inference_mode():
-        logits = model(seq[None]).logits[0].float()
-    pred = logits[n_in - 1 : seq.shape[0] - 1]
-    lp = torch.log_softmax(pred / temperature, dim=-1).gather(-1, seq[n_in:, None]).squeeze(-1)
-    return lp, pred
-
-
 def test_output_contract(tiny_lm) -> None:
     tok, _ = tiny_lm
     gen = engine(tiny_lm)
     data = prompt_batch(tok, MIXED_PROMPTS)
     out = gen.generate(data, greedy=True)
-    assert set(out.keys()) == {
-        "output_ids",
-        "logprobs",
-        "generation_lengths",
-        "unpadded_sequence_lengths",
-        "truncated",
-        "weight_version",
-    }
+    keys = {"output_ids", "logprobs", "generation_lengths", "unpadded_sequence_lengths", "truncated", "weight_version"}
+    # Nothing stops the random model within 12 tokens, so every row hits the cap.
+    assert_output_contract(out, data, tok, keys=keys, max_new_tokens=12)
     assert out["weight_version"].dtype == torch.int64 and out["weight_version"].tolist() == [0] * len(MIXED_PROMPTS)
-    bsz, width = data["input_ids"].shape
-    assert out["output_ids"].dtype == torch.int64 and out["logprobs"].dtype == torch.float32
-    assert out["generation_lengths"].dtype == torch.int64 and out["unpadded_sequence_lengths"].dtype == torch.int64
-    assert out["truncated"].dtype == torch.bool
-    gen_lens = out["generation_lengths"]
-    assert out["output_ids"].shape == out["logprobs"].shape == (bsz, width + int(gen_lens.max()))
-    assert torch.equal(out["unpadded_sequence_lengths"], data["input_lengths"] + gen_lens)
-    for i in range(bsz):
-        n_in, n = int(data["input_lengths"][i]), int(out["unpadded_sequence_lengths"][i])
-        assert torch.equal(out["output_ids"][i, :n_in], data["input_ids"][i, :n_in])
-        assert (out["output_ids"][i, n:] == tok.pad_token_id).all()  # right padded with the pad id
-        assert (out["logprobs"][i, :n_in] == 0).all() and (out["logprobs"][i, n:] == 0).all()
-        assert (out["logprobs"][i, n_in:n] < 0).all()  # real logprobs on generated positions
-    # Nothing stops the random model within 12 tokens, so every row hit the cap.
-    assert (gen_lens == 12).all() and out["truncated"].all()
 
 
 @pytest.mark.parametrize("greedy", [True, False])
@@ -71,7 +49,7 @@ def test_logprobs_match_full_forward(tiny_lm, greedy: bool) -> None:
     for i in range(len(MIXED_PROMPTS)):
         seq, lps = unpadded(out, i)
         n_in = int(data["input_lengths"][i])
-        ref_lp, pred_logits = recompute(model, seq, n_in, temperature)
+        ref_lp, pred_logits = reference_logprobs(model, seq, n_in, temperature)
         torch.testing.assert_close(lps[n_in:], ref_lp, atol=1e-4, rtol=0)
         if greedy:
             assert torch.equal(pred_logits.argmax(-1), seq[n_in:])
@@ -93,7 +71,7 @@ def test_per_row_sampling_overrides(tiny_lm) -> None:
     for i, temperature in enumerate([0.7, 1.5, 1.0]):
         seq, lps = unpadded(out, i)
         n_in = int(data["input_lengths"][i])
-        ref_lp, pred_logits = recompute(model, seq, n_in, temperature)
+        ref_lp, pred_logits = reference_logprobs(model, seq, n_in, temperature)
         torch.testing.assert_close(lps[n_in:], ref_lp, atol=1e-4, rtol=0)
         if i > 0:  # top_k=1 and temperature 0 both pick the argmax
             assert torch.equal(pred_logits.argmax(-1), seq[n_in:])
@@ -132,7 +110,7 @@ def test_sampling_is_seeded_and_filters_only_restrict_choice(tiny_lm) -> None:
     for i in range(len(MIXED_PROMPTS)):
         seq, lps = unpadded(a, i)
         n_in = int(data["input_lengths"][i])
-        ref_lp, pred_logits = recompute(model, seq, n_in, 0.9)
+        ref_lp, pred_logits = reference_logprobs(model, seq, n_in, 0.9)
         # Reported logprobs are from the unrestricted log_softmax(logits / T) ...
         torch.testing.assert_close(lps[n_in:], ref_lp, atol=1e-4, rtol=0)
         # ... while the sampled tokens respect top-k (ties aside, rank < 20).
@@ -427,8 +405,8 @@ def test_update_weights_reaches_the_engine(tiny_lm) -> None:
     for i in range(len(MIXED_PROMPTS)):
         seq, lps = unpadded(after, i)
         n_in = int(data["input_lengths"][i])
-        new_lp, _ = recompute(refitted, seq, n_in, 0.8)
-        old_lp, _ = recompute(model, seq, n_in, 0.8)
+        new_lp, _ = reference_logprobs(refitted, seq, n_in, 0.8)
+        old_lp, _ = reference_logprobs(model, seq, n_in, 0.8)
         torch.testing.assert_close(lps[n_in:], new_lp, atol=1e-4, rtol=0)
         assert (lps[n_in:] - old_lp).abs().max() > 1e-3  # the old weights would not explain them
 
@@ -458,7 +436,7 @@ async def test_a_request_in_flight_at_a_refit_finishes_on_one_version(tiny_lm) -
     n_in = int(long["input_lengths"][0])
     for out, weights in ((old, model), (later, refitted)):
         seq, lps = unpadded(out, 0)
-        expected, _ = recompute(weights, seq, n_in, 1.0)
+        expected, _ = reference_logprobs(weights, seq, n_in, 1.0)
         torch.testing.assert_close(lps[n_in:], expected, atol=1e-4, rtol=0)
 
 

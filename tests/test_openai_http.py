@@ -27,7 +27,14 @@ from gym_bridge.generation.hf import HFGeneration, HFGenerationConfig
 from gym_bridge.generation.openai_http import OpenAIHTTPGeneration, OpenAIHTTPGenerationConfig
 from gym_bridge.generation.routing import SessionRouter
 from gym_bridge.serving import OpenAIServer
-from gym_bridge.testing.generation import MIXED_PROMPTS, generated, prompt_batch, unpadded
+from gym_bridge.testing.generation import (
+    MIXED_PROMPTS,
+    assert_output_contract,
+    generated,
+    prompt_batch,
+    reference_logprobs,
+    unpadded,
+)
 
 MAX_NEW = 12
 SECRET = "sk-test-very-secret-0123456789"
@@ -108,28 +115,8 @@ def test_output_contract_and_greedy_matches_local(pair, tiny_lm) -> None:
     try:
         data = prompt_batch(tok, MIXED_PROMPTS)
         out = gen.generate(data, greedy=True)
-        assert set(out.keys()) == {
-            "output_ids",
-            "logprobs",
-            "generation_lengths",
-            "unpadded_sequence_lengths",
-            "truncated",
-            "gen_leader_worker_idx",
-        }
-        bsz, width = data["input_ids"].shape
-        assert out["output_ids"].dtype == torch.int64 and out["logprobs"].dtype == torch.float32
-        assert out["generation_lengths"].dtype == torch.int64 and out["unpadded_sequence_lengths"].dtype == torch.int64
-        assert out["truncated"].dtype == torch.bool
-        gen_lens = out["generation_lengths"]
-        assert out["output_ids"].shape == out["logprobs"].shape == (bsz, width + int(gen_lens.max()))
-        assert torch.equal(out["unpadded_sequence_lengths"], data["input_lengths"] + gen_lens)
-        for i in range(bsz):
-            n_in, n = int(data["input_lengths"][i]), int(out["unpadded_sequence_lengths"][i])
-            assert torch.equal(out["output_ids"][i, :n_in], data["input_ids"][i, :n_in])
-            assert (out["output_ids"][i, n:] == tok.pad_token_id).all()
-            assert (out["logprobs"][i, :n_in] == 0).all() and (out["logprobs"][i, n:] == 0).all()
-            assert (out["logprobs"][i, n_in:n] < 0).all()
-        assert (gen_lens == MAX_NEW).all() and out["truncated"].all()
+        keys = {"output_ids", "logprobs", "generation_lengths", "unpadded_sequence_lengths", "truncated"}
+        assert_output_contract(out, data, tok, keys={*keys, "gen_leader_worker_idx"}, max_new_tokens=MAX_NEW)
         assert sorted(set(out["gen_leader_worker_idx"])) == [0, 1]  # 4 sessionless rows spread over 2
 
         # Greedy over HTTP equals the local backend, and is deterministic.
@@ -152,10 +139,7 @@ def test_logprobs_match_full_forward(pair, tiny_lm, greedy: bool) -> None:
         for i in range(len(MIXED_PROMPTS)):
             seq, lps = unpadded(out, i)
             n_in = int(data["input_lengths"][i])
-            with torch.inference_mode():
-                logits = model(seq[None]).logits[0].float()
-            pred = logits[n_in - 1 : seq.shape[0] - 1]
-            ref = torch.log_softmax(pred, dim=-1).gather(-1, seq[n_in:, None]).squeeze(-1)
+            ref, pred = reference_logprobs(model, seq, n_in, 1.0)
             torch.testing.assert_close(lps[n_in:], ref, atol=1e-4, rtol=0)
             if greedy:
                 assert torch.equal(pred.argmax(-1), seq[n_in:])

@@ -53,3 +53,36 @@ def generated(out: BatchedDataDict, data: BatchedDataDict, i: int) -> list[int]:
     """Only the ids row ``i`` generated (its prompt removed)."""
     n_in = int(data["input_lengths"][i])
     return out["output_ids"][i, n_in : int(out["unpadded_sequence_lengths"][i])].tolist()
+
+
+def assert_output_contract(
+    out: BatchedDataDict, data: BatchedDataDict, tokenizer: Tokenizer, *, keys: set[str], max_new_tokens: int
+) -> None:
+    """NeMo-RL's generation output for ``data``: its keys and dtypes, the input then the generated tokens, right
+    padding with the pad id, logprobs only (and negative) on generated positions, every row cut at the cap."""
+    assert set(out.keys()) == keys
+    bsz, width = data["input_ids"].shape
+    assert out["output_ids"].dtype == torch.int64 and out["logprobs"].dtype == torch.float32
+    assert out["generation_lengths"].dtype == torch.int64 and out["unpadded_sequence_lengths"].dtype == torch.int64
+    assert out["truncated"].dtype == torch.bool
+    gen_lens = out["generation_lengths"]
+    assert out["output_ids"].shape == out["logprobs"].shape == (bsz, width + int(gen_lens.max()))
+    assert torch.equal(out["unpadded_sequence_lengths"], data["input_lengths"] + gen_lens)
+    for i in range(bsz):
+        n_in, n = int(data["input_lengths"][i]), int(out["unpadded_sequence_lengths"][i])
+        assert torch.equal(out["output_ids"][i, :n_in], data["input_ids"][i, :n_in])
+        assert (out["output_ids"][i, n:] == padding_id(tokenizer)).all()
+        assert (out["logprobs"][i, :n_in] == 0).all() and (out["logprobs"][i, n:] == 0).all()
+        assert (out["logprobs"][i, n_in:n] < 0).all()
+    assert (gen_lens == max_new_tokens).all() and out["truncated"].all()
+
+
+def reference_logprobs(
+    model: Any, seq: torch.Tensor, n_in: int, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One full forward pass over ``seq``: the logprobs of its generated tokens (from ``n_in`` on) at
+    ``temperature``, and the logits that predicted them."""
+    with torch.inference_mode():
+        logits = model(seq[None]).logits[0].float()
+    pred = logits[n_in - 1 : seq.shape[0] - 1]
+    return torch.log_softmax(pred / temperature, dim=-1).gather(-1, seq[n_in:, None]).squeeze(-1), pred

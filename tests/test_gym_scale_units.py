@@ -8,6 +8,7 @@ from typing import Any
 
 from gym_bridge.gym.actor import NemoGym, NemoGymConfig
 from gym_bridge.gym.client import GymClient
+from gym_bridge.gym.health import SharedWatch
 from gym_bridge.gym.spinup import DEFAULT_MAX_CONCURRENCY, actor_options
 
 
@@ -15,59 +16,58 @@ def _config(**update: Any) -> NemoGymConfig:
     return NemoGymConfig(model_name="tiny", base_urls=["http://127.0.0.1:9/v1"], health_poll_s=3600, **update)
 
 
-class _Servers:
-    """Stands in for GymServers: the watch only calls ``poll``."""
+def _watch() -> SharedWatch[object]:
+    async def poll_forever(_target: object) -> None:
+        await asyncio.Event().wait()
 
-    def poll(self) -> None:
-        return None
+    return SharedWatch(poll_forever, "test-watch")
 
 
 def test_streams_in_flight_share_one_health_watch_and_the_last_one_out_stops_it():
     async def scenario() -> None:
-        actor = NemoGym(_config())
-        servers = _Servers()
+        shared, servers = _watch(), object()
         callbacks = [lambda _t, i=i: None for i in range(3)]
-        watches = [actor._join_watch(servers) for _ in callbacks]
+        watches = [shared.join(servers) for _ in callbacks]
         assert watches[0] is watches[1] is watches[2]
-        assert actor._watchers == {watches[0]: 3}
+        assert shared.members == {watches[0]: 3}
         for watch, callback in zip(watches[:2], callbacks[:2], strict=True):
-            actor._leave_watch(watch, callback)
-        assert not watches[0].cancelled() and actor._watchers == {watches[0]: 1}
-        actor._leave_watch(watches[2], callbacks[2])
+            shared.leave(watch, callback)
+        assert not watches[0].cancelled() and shared.members == {watches[0]: 1}
+        shared.leave(watches[2], callbacks[2])
         await asyncio.sleep(0)
         assert watches[0].cancelled()
-        assert actor._watchers == {} and actor._watch is None
+        assert shared.members == {} and shared.current is None
 
     asyncio.run(scenario())
 
 
 def test_new_servers_get_a_new_watch_and_the_old_one_stops_with_its_last_stream():
     async def scenario() -> None:
-        actor = NemoGym(_config())
-        old = actor._join_watch(_Servers())
-        new = actor._join_watch(_Servers())  # after a re-spin: the old watch polls servers that are gone
-        assert old is not new and actor._watchers == {old: 1, new: 1}
-        actor._leave_watch(old, lambda _t: None)
+        shared = _watch()
+        old = shared.join(object())
+        new = shared.join(object())  # after a re-spin: the old watch polls servers that are gone
+        assert old is not new and shared.members == {old: 1, new: 1}
+        shared.leave(old, lambda _t: None)
         await asyncio.sleep(0)
-        assert old.cancelled() and not new.cancelled() and actor._watch is new
-        actor._leave_watch(new, lambda _t: None)
+        assert old.cancelled() and not new.cancelled() and shared.current is new
+        shared.leave(new, lambda _t: None)
         await asyncio.sleep(0)
-        assert new.cancelled() and actor._watchers == {}
+        assert new.cancelled() and shared.members == {}
 
     asyncio.run(scenario())
 
 
 def test_a_failed_watch_is_replaced_for_the_next_stream():
     async def scenario() -> None:
-        actor = NemoGym(_config())
-        failed = actor._join_watch(_Servers())
+        shared, servers = _watch(), object()
+        failed = shared.join(servers)
         failed.cancel()
         await asyncio.sleep(0)
-        fresh = actor._join_watch(_Servers())
+        fresh = shared.join(servers)
         assert fresh is not failed and not fresh.done()
-        actor._leave_watch(failed, lambda _t: None)
-        actor._leave_watch(fresh, lambda _t: None)
-        assert actor._watchers == {}
+        shared.leave(failed, lambda _t: None)
+        shared.leave(fresh, lambda _t: None)
+        assert shared.members == {}
 
     asyncio.run(scenario())
 
@@ -156,12 +156,12 @@ class _EmptyStream:
 
 
 class _StreamingActor:
-    """Records the loop iteration in which each ``run_rollouts`` stream was submitted."""
+    """Records the loop iteration in which each ``run_row_batches`` stream was submitted."""
 
     def __init__(self, clock: list[int]) -> None:
         self.clock = clock
         self.submitted_at: list[int] = []
-        self.run_rollouts = self
+        self.run_row_batches = self
 
     def options(self, **_: Any) -> _StreamingActor:
         return self
@@ -172,7 +172,7 @@ class _StreamingActor:
 
 
 def test_groups_launched_together_submit_their_streams_one_loop_iteration_apart():
-    """1,024 groups submitting in one iteration stalled the driver's loop for ~0.5 s (benchmarks/RESULTS.md)."""
+    """1,024 groups submitting in one iteration would hold the driver's loop ~0.5 s (benchmarks/RESULTS.md)."""
     clock = [0]
     actor = _StreamingActor(clock)
     client = GymClient([actor])

@@ -61,7 +61,7 @@ from gym_bridge.failures import (
 )
 from gym_bridge.gym.actor_config import NemoGymConfig, actor_configs
 from gym_bridge.gym.convert import convert_gym_result
-from gym_bridge.gym.health import EndpointWatch
+from gym_bridge.gym.health import EndpointWatch, SharedWatch
 from gym_bridge.gym.result import GymRowBatch, GymRowResult, NemoRLRowResult
 from gym_bridge.gym.rows import ROW_INDEX_KEY, dispatch_target
 from gym_bridge.gym.servers import GymServers
@@ -88,9 +88,7 @@ class NemoGym:
         self._client: aiohttp.ClientSession | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._spinup_lock = asyncio.Lock()
-        self._watch: asyncio.Task[None] | None = None
-        self._watched: GymServers | None = None
-        self._watchers: dict[asyncio.Task[None], int] = {}
+        self._health: SharedWatch[GymServers] = SharedWatch(self._watch_servers, "nemo-gym-health-watch")
         self._restarted = _was_restarted()
         self._endpoints = EndpointWatch(self.cfg.base_urls, self.cfg.connect_timeout_s)
 
@@ -237,7 +235,7 @@ class NemoGym:
         for task in tasks:
             task.add_done_callback(finished.put_nowait)
         # The watch only ever finishes by raising (a Gym server died), which fails every stream.
-        watch = self._join_watch(servers)
+        watch = self._health.join(servers)
         watch.add_done_callback(finished.put_nowait)
         remaining = len(rows)
         try:
@@ -270,7 +268,7 @@ class NemoGym:
                 yield GymRowBatch(batch, timing)
                 consumer_s += time.perf_counter() - y0
         finally:
-            self._leave_watch(watch, finished.put_nowait)
+            self._health.leave(watch, finished.put_nowait)
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -281,28 +279,6 @@ class NemoGym:
             servers.poll()
         except GymServerDied as exc:
             raise NemoGymUnavailable(f"{when}: {exc}") from None
-
-    def _join_watch(self, servers: GymServers) -> asyncio.Task[None]:
-        """The actor's one health watch, started by the first stream in flight and shared by all.
-
-        One watch, not one per stream: with 1,024 groups in flight a watch per stream
-        made 1,024 process polls and endpoint TCP probes a second.
-        """
-        if self._watch is None or self._watch.done() or self._watched is not servers:
-            self._watch = asyncio.create_task(self._watch_servers(servers), name="nemo-gym-health-watch")
-            self._watched = servers
-        self._watchers[self._watch] = self._watchers.get(self._watch, 0) + 1
-        return self._watch
-
-    def _leave_watch(self, watch: asyncio.Task[None], callback: Any) -> None:
-        """Stop listening to ``watch``; the last stream to leave cancels it."""
-        watch.remove_done_callback(callback)
-        self._watchers[watch] -= 1
-        if not self._watchers[watch]:
-            del self._watchers[watch]
-            watch.cancel()
-            if watch is self._watch:
-                self._watch = self._watched = None
 
     async def _watch_servers(self, servers: GymServers) -> None:
         """Poll Gym's processes and the model endpoints while rows are in flight; a dead one fails the stream, named.

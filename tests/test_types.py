@@ -26,7 +26,8 @@ def test_environment_return_positional_order():
 def test_completion_and_record_fields_and_pickling():
     # NeMo-RL's four fields in its positional order, then ours (each with a default)
     assert [f.name for f in dataclasses.fields(T.Completion)] == [
-        "message_log", "env_extras", "truncated", "reward", "token_drift", "masked", "failure_kind", "incomplete_reason"
+        "message_log", "env_extras", "truncated", "reward", "token_drift", "masked", "failure_kind", "incomplete_reason",
+        "seed",
     ]
     assert [f.name for f in dataclasses.fields(T.PromptGroupRecord)] == [
         "prompt_idx", "prompt", "extra_env_info", "metadata", "completions", "rollout_metrics"
@@ -36,6 +37,7 @@ def test_completion_and_record_fields_and_pickling():
     again = pickle.loads(pickle.dumps(record))
     assert again.prompt_idx == 3 and again.rollout_metrics == {}
     assert not again.completions[0].masked and again.completions[0].failure_kind is None
+    assert again.completions[0].seed is None
     assert torch.equal(again.completions[0].message_log[0]["token_ids"], log[0]["token_ids"])
 
 

@@ -130,3 +130,45 @@ def test_topk_logits_shape(loaded):
     top = policy.get_topk_logits(batch, k=3)
     width = batch["input_ids"].shape[1]
     assert top["topk_logits"].shape == (4, width - 1, 3) and top["topk_indices"].dtype == torch.int64
+
+
+def test_the_scheduler_is_built_as_nemo_rls_policy_workers_build_it():
+    from gym_bridge.policy.hf import build_lr_scheduler
+
+    def lrs(spec, steps=4):
+        optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+        scheduler = build_lr_scheduler(optimizer, spec)
+        out = []
+        for _ in range(steps):
+            out.append(optimizer.param_groups[0]["lr"])
+            optimizer.step()
+            scheduler.step()
+        return out
+
+    warmup = {"name": "torch.optim.lr_scheduler.LinearLR", "kwargs": {"start_factor": 0.1, "total_iters": 2}}
+    constant = {"name": "torch.optim.lr_scheduler.ConstantLR", "kwargs": {"factor": 1.0, "total_iters": 10**10}}
+    assert lrs(None) == [1.0] * 4
+    assert lrs(warmup) == pytest.approx([0.1, 0.55, 1.0, 1.0])
+    assert lrs([warmup, constant, {"milestones": [2]}]) == pytest.approx([0.1, 0.55, 1.0, 1.0])
+    decay = {"name": "torch.optim.lr_scheduler.StepLR", "kwargs": {"step_size": 1, "gamma": 0.5}}
+    assert lrs([constant, decay, {"milestones": [2]}]) == pytest.approx([1.0, 1.0, 1.0, 0.5])
+    for bad, message in [
+        ([warmup, constant], "2 schedulers need 1 milestones"),
+        ({"name": "torch.optim.AdamW"}, "not a torch learning-rate scheduler"),
+        ({"name": "torch.optim.lr_scheduler.LinearLR", "kwargs": {"warmup": 3}}, "entry 0 .*warmup"),
+        ([{"kwargs": {}}], "neither 'name' nor 'milestones'"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            lrs(bad)
+
+
+def test_the_scheduler_steps_once_per_training_call_and_not_in_eval_mode(tiny_model_dir, loaded):
+    _, tokenizer = loaded
+    warmup = {"name": "torch.optim.lr_scheduler.LinearLR", "kwargs": {"start_factor": 0.5, "total_iters": 4}}
+    policy = HFPolicy(HFPolicyConfig(model=str(tiny_model_dir), learning_rate=1e-3, keep_reference_model=False,
+                                     scheduler=warmup))
+    batch = fixed_batch(tokenizer)
+    assert policy.train(batch, policy_gradient_loss, eval_mode=True)["lr"] == pytest.approx(5e-4)
+    two_steps = policy.train(batch, policy_gradient_loss, gbs=2)
+    assert two_steps["num_global_batches"] == 2 and two_steps["lr"] == pytest.approx(5e-4)
+    assert policy.train(batch, policy_gradient_loss)["lr"] == pytest.approx(6.25e-4), "one scheduler step per call"

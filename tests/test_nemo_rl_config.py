@@ -97,12 +97,17 @@ def test_every_nemo_rl_gym_key_is_read_and_honoured(every_key):
     for ours in ("is_trajectory_collection", "effort_levels", "port_range_low", "thinking_tags"):
         assert ours not in gym.overrides  # NeMo-RL's knobs never reach Gym's global config
 
-    loop = loop_config_from({"grpo": {"num_prompts_per_step": 8}}, settings)
+    corrected = {"loss_fn": {"use_importance_sampling_correction": True}}
+    loop = loop_config_from({"grpo": {"num_prompts_per_step": 8}, **corrected}, settings)
     assert loop.async_rollouts and loop.max_trajectory_age_steps == 2 and loop.in_flight_weight_updates
     assert (loop.stall_timeout_s, loop.stall_action, loop.min_step_batch_fraction) == (1200.0, "abort", 0.75)
-    assert loop_config_from({"grpo": {"use_dynamic_sampling": False, "overlong_filtering": False}}, settings)
-    with pytest.raises(TrainingConfigError, match=r"grpo.use_dynamic_sampling=True is not implemented by gym-bridge"):
-        loop_config_from({"grpo": {"use_dynamic_sampling": True}}, settings)  # never a silent fixed-size batch
+    assert loop_config_from({"grpo": {"use_dynamic_sampling": False, "overlong_filtering": False}, **corrected},
+                            settings)
+    # NeMo-RL's async_grpo_train asserts the correction, and applies no dynamic sampling: both refused in one line.
+    with pytest.raises(TrainingConfigError, match=r"need loss_fn.use_importance_sampling_correction: true"):
+        loop_config_from({"grpo": {"num_prompts_per_step": 8}}, settings)
+    with pytest.raises(TrainingConfigError, match=r"grpo.use_dynamic_sampling: true with async rollouts"):
+        loop_config_from({"grpo": {"use_dynamic_sampling": True}, **corrected}, settings)
 
 
 @pytest.mark.parametrize(

@@ -31,7 +31,7 @@ from gym_bridge.config.training import TrainingConfigError, nemo_gym_rollout_set
 FIXTURE = Path(__file__).parent / "data" / "nemo_rl_gym_recipe_keys.yaml"
 BASE: dict[str, Any] = {
     "grpo": {"num_prompts_per_step": 4, "num_generations_per_prompt": 4, "max_num_steps": 10, "seed": 0},
-    "loss_fn": {"reference_policy_kl_penalty": 0.0},
+    "loss_fn": {"reference_policy_kl_penalty": 0.0, "use_importance_sampling_correction": True},
     "policy": {
         "model_name": "tiny",
         "max_total_sequence_length": 256,
@@ -158,7 +158,14 @@ def test_every_recipe_key_is_applied_refused_or_listed_without_effect():
         ("policy.router_replay.enabled", "refused"),
         ("policy.megatron_cfg.enabled", "refused"),
         ("policy.train_global_batch_size", "refused"),
+        ("policy.scheduler", "applied"),
+        ("policy.optimizer.kwargs.weight_decay", "applied"),
+        ("loss_fn.reference_policy_kl_penalty", "applied"),
+        ("loss_fn.use_importance_sampling_correction", "applied"),
+        ("grpo.use_dynamic_sampling", "applied"),
+        ("grpo.dynamic_sampling_max_gen_batches", "applied"),
+        ("grpo.batch_multiplier", "refused"),
     ],
 )
-def test_the_trainer_keys_of_issue_30_are_applied_or_refused(key, expected):
+def test_the_trainer_keys_are_applied_or_refused(key, expected):
     assert verdict(key, recipe_keys()[key], built(BASE)).startswith(expected)

@@ -167,7 +167,7 @@ def test_training_raises_logprobs_of_rewarded_tokens_and_leaves_the_prompt_alone
     probe = train_batch([group(0, [completion(prompt, good, [0.0] * 3, 1.0),
                                    completion(prompt, bad, [0.0] * 3, 0.0)])], pad_token_id=0)[0]
     before = policy.get_logprobs(probe)["logprobs"]
-    probe["generation_logprobs"] = before.clone()
+    probe["generation_logprobs"], probe["prev_logprobs"] = before.clone(), before.clone()
     embedding = policy.model.get_input_embeddings().weight.detach().clone()
     result = policy.train(probe, ClippedPGLoss(), mbs=1)
     after = policy.get_logprobs(probe)["logprobs"]
@@ -176,7 +176,7 @@ def test_training_raises_logprobs_of_rewarded_tokens_and_leaves_the_prompt_alone
     assert after[1, gen].sum() < before[1, gen].sum() - 1e-3, "the unrewarded reply became less likely"
     assert torch.equal(policy.model.get_input_embeddings().weight, embedding), "freeze_embeddings held"
     error = sum_on_policy_errors(result["all_mb_metrics"])
-    assert error.tokens == 6 and error.abs_diff_max < 1e-5, "the loss saw the same logprobs as get_logprobs"
+    assert error.tokens == 6 and error.abs_diff_max == 0.0, "on_policy compares prev with the sampling logprobs"
 
 
 def test_pairs_with_leave_one_out_are_not_rescaled():

@@ -1,5 +1,5 @@
-"""ClippedPGLoss: the clip acts on off-policy samples, truncated importance sampling, the reference KL, and
-the config keys a NeMo-RL user sets (refused when the loss does not implement them)."""
+"""ClippedPGLoss: the old policy is the trainer's own logprobs, the clip, truncated importance sampling, the
+reference KL, and the config keys a NeMo-RL user sets (refused when the loss does not implement them)."""
 
 from __future__ import annotations
 
@@ -15,9 +15,11 @@ from gym_bridge.training import ClippedPGLoss, ClippedPGLossConfig, GRPOLoopConf
 from gym_bridge.training.loss import loss_metrics
 
 
-def batch(gen, advantages, **extra):
+def batch(gen, advantages, prev=None, **extra):
+    """A loss batch; the trainer's logprobs before the update (``prev``) default to the sampling ones."""
     gen = torch.tensor(gen)
     return BatchedDataDict({"generation_logprobs": gen, "token_mask": torch.ones_like(gen),
+                            "prev_logprobs": gen.clone() if prev is None else torch.tensor(prev),
                             "advantages": torch.tensor(advantages), **extra})
 
 
@@ -29,8 +31,38 @@ def loss_and_grad(loss_fn, current, data):
     return float(loss.detach()), current.grad, metrics
 
 
+def test_the_old_policy_is_the_trainers_logprobs_before_the_update_never_the_sampling_ones():
+    # The engine sampled with logprob -3; the trainer gave -1 before the update and gives -1 now: ratio 1, no clip.
+    data = batch([[-3.0, -3.0]], [1.0], prev=[[-1.0, -1.0]])
+    loss, grad, metrics = loss_and_grad(ClippedPGLoss(), [[-1.0, -1.0]], data)
+    assert loss == pytest.approx(-1.0) and grad[0].tolist() == pytest.approx([-0.5, -0.5])
+    assert metrics["clipped_tokens"] == 0.0, "exp(-1 - -3) would be clipped if the sampler were the old policy"
+    assert metrics["on_policy"].abs_diff_max == pytest.approx(2.0), "on_policy compares prev with the sampler"
+    del data["prev_logprobs"]
+    with pytest.raises(KeyError, match="prev_logprobs"):
+        loss_and_grad(ClippedPGLoss(), [[-1.0, -1.0]], data)
+
+
+def test_a_batch_that_takes_two_optimizer_steps_keeps_its_old_policy(tiny_model_dir):
+    """HFPolicy.train with two global batches: the second step's ratio is against prev, not its own logprobs."""
+    from gym_bridge.policy import HFPolicy, HFPolicyConfig
+
+    policy = HFPolicy(HFPolicyConfig(model=str(tiny_model_dir), learning_rate=5e-2, keep_reference_model=False))
+    ids = torch.tensor([[3, 4, 5, 6, 7, 8]] * 4)
+    data = BatchedDataDict({"input_ids": ids, "input_lengths": torch.tensor([6] * 4),
+                            "token_mask": torch.tensor([[0, 0, 0, 1, 1, 1]] * 4).float(),
+                            "advantages": torch.tensor([1.0, 1.0, 1.0, 1.0])})
+    prev = policy.get_logprobs(data)["logprobs"]
+    data["prev_logprobs"], data["generation_logprobs"] = prev, prev.clone()
+    result = policy.train(data, ClippedPGLoss(), gbs=2, mbs=2)
+    assert result["num_global_batches"] == 2
+    second = result["all_mb_metrics"][1]
+    # The first step raised these tokens' logprobs a lot: against prev, the second step's ratios leave the clip.
+    assert second["clipped_tokens"] > 0, second
+
+
 def test_the_clip_acts_on_samples_from_another_policy():
-    # The engine sampled with logprob -1; the trainer now gives log(1.5) - 1 and log(0.5) - 1: ratios 1.5 and 0.5.
+    # The trainer gave logprob -1 before the update and now gives log(1.5) - 1 and log(0.5) - 1: ratios 1.5, 0.5.
     current = [[math.log(1.5) - 1.0, math.log(0.5) - 1.0, -1.0]]
     loss, grad, metrics = loss_and_grad(ClippedPGLoss(), current, batch([[-1.0, -1.0, -1.0]], [1.0]))
     # A > 0: ratio 1.5 is clipped at 1.2 (no gradient); ratio 0.5 is not (min keeps it); ratio 1 trains.
@@ -57,7 +89,7 @@ def test_truncated_importance_sampling_weights_each_token_by_its_clipped_ratio()
     tis = ClippedPGLoss(ClippedPGLossConfig(use_importance_sampling_correction=True,
                                             truncated_importance_sampling_type="tis",
                                             truncated_importance_sampling_ratio=2.0))
-    loss, grad, metrics = loss_and_grad(tis, current, batch(gen, [1.0]))
+    loss, grad, metrics = loss_and_grad(tis, current, batch(gen, [1.0], prev=current))
     assert loss == pytest.approx(-(2.0 + 0.5 + 1.0) / 3), "3 truncated to 2"
     assert grad[0].tolist() == pytest.approx([-2 / 3, -0.5 / 3, -1 / 3])
     assert metrics["is_out_of_bounds_tokens"] == 1.0 and metrics["clipped_tokens"] == 0.0
@@ -65,20 +97,22 @@ def test_truncated_importance_sampling_weights_each_token_by_its_clipped_ratio()
                                                truncated_importance_sampling_type="icepop",
                                                truncated_importance_sampling_ratio=2.0,
                                                truncated_importance_sampling_ratio_min=0.8))
-    loss, grad, _ = loss_and_grad(icepop, current, batch(gen, [1.0]))
+    loss, grad, _ = loss_and_grad(icepop, current, batch(gen, [1.0], prev=current))
     assert loss == pytest.approx(-1.0 / 3) and grad[0].tolist() == pytest.approx([0.0, 0.0, -1 / 3])
     untruncated = ClippedPGLoss(ClippedPGLossConfig(use_importance_sampling_correction=True))
-    assert loss_and_grad(untruncated, current, batch(gen, [1.0]))[0] == pytest.approx(-(3.0 + 0.5 + 1.0) / 3)
+    assert loss_and_grad(untruncated, current, batch(gen, [1.0], prev=current))[0] == pytest.approx(-(3.0 + 0.5 + 1.0) / 3)
 
 
 def test_reference_kl_adds_its_penalty_and_reports_the_mean():
     current, reference = [[-1.0, -2.0]], torch.tensor([[-1.5, -2.0]])
     cfg = ClippedPGLossConfig(reference_policy_kl_penalty=0.1)
-    loss, _, metrics = loss_and_grad(ClippedPGLoss(cfg), current,
-                                     batch([[-1.0, -2.0]], [0.0], reference_policy_logprobs=reference))
+    loss, grad, metrics = loss_and_grad(ClippedPGLoss(cfg), current,
+                                        batch([[-1.0, -2.0]], [0.0], reference_policy_logprobs=reference))
     k3 = math.exp(-0.5) - 1 + 0.5
     assert loss == pytest.approx(0.1 * k3 / 2)
     assert loss_metrics([metrics])["loss/reference_kl"] == pytest.approx(k3 / 2)
+    # NeMo-RL weighs the KL by exp(curr - curr.detach()): d/dc [k3 + k3 * dlogp] = (1 - e^r) + k3 = -r, r = ref - c.
+    assert grad[0].tolist() == pytest.approx([0.1 * 0.5 / 2, 0.0])
 
 
 def test_incomplete_truncation_settings_are_refused():
@@ -111,22 +145,34 @@ def test_the_sampling_temperature_reaches_the_policy():
     assert cfg.keep_reference_model, "a KL penalty needs the reference weights"
 
 
+IS = ClippedPGLossConfig(use_importance_sampling_correction=True)
+
+
 def test_async_rollouts_need_an_age_bound_of_at_least_one_step():
     with pytest.raises(ValueError, match="max_trajectory_age_steps >= 1"):
-        GRPOLoopConfig(async_rollouts=True, max_trajectory_age_steps=0)
-    assert GRPOLoopConfig(async_rollouts=True, max_trajectory_age_steps=3).lookahead == 3
+        GRPOLoopConfig(async_rollouts=True, max_trajectory_age_steps=0, loss=IS)
+    assert GRPOLoopConfig(async_rollouts=True, max_trajectory_age_steps=3, loss=IS).lookahead == 3
     assert GRPOLoopConfig(max_trajectory_age_steps=3).lookahead == 0
 
 
-def test_async_without_importance_sampling_correction_is_warned_about(caplog):
-    GRPOLoopConfig(async_rollouts=True, loss=ClippedPGLossConfig(ratio_clip_c=3.0))
-    assert "without loss_fn.use_importance_sampling_correction" in caplog.text
-    caplog.clear()
+def test_async_without_importance_sampling_correction_is_refused_naming_the_key():
+    with pytest.raises(ValueError, match="need loss_fn.use_importance_sampling_correction: true"):
+        GRPOLoopConfig(async_rollouts=True, loss=ClippedPGLossConfig(ratio_clip_c=3.0))
     tis = ClippedPGLossConfig(use_importance_sampling_correction=True, truncated_importance_sampling_type="tis",
                               truncated_importance_sampling_ratio=2.0)
-    GRPOLoopConfig(async_rollouts=True, loss=tis)
-    GRPOLoopConfig(loss=ClippedPGLossConfig())
-    assert caplog.text == ""
+    assert GRPOLoopConfig(async_rollouts=True, loss=tis).async_rollouts
+    assert not GRPOLoopConfig(loss=ClippedPGLossConfig()).async_rollouts, "sync needs no correction"
+    from gym_bridge.config.grpo import loop_config_from
+    from gym_bridge.config.training import nemo_gym_rollout_settings
+
+    config = {"env": {"should_use_nemo_gym": True, "nemo_gym": {"config_paths": ["a.yaml"]}},
+              "policy": {"model_name": "tiny", "max_total_sequence_length": 64,
+                         "generation": {"max_new_tokens": 8, "vllm_cfg": {"async_engine": True}}},
+              "grpo": {"num_prompts_per_step": 2, "num_generations_per_prompt": 2, "async_grpo": {"enabled": True}}}
+    settings = nemo_gym_rollout_settings(config, base_urls=["http://127.0.0.1:1/v1"])
+    with pytest.raises(TrainingConfigError, match=r"^config: async rollouts \(grpo.async_grpo.enabled: true\) need "
+                                                  r"loss_fn.use_importance_sampling_correction: true[^\n]*$"):
+        loop_config_from(config, settings)
 
 
 def test_the_reference_kl_is_clamped_as_nemo_rls_by_default():

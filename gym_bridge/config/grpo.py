@@ -4,7 +4,8 @@ Keys read (NeMo-RL's names where NeMo-RL has them):
 
 - ``policy.model_name`` (a local folder or a built-in model name), ``policy.max_total_sequence_length``,
   ``policy.generation`` (sampling and ``max_new_tokens``), ``policy.optimizer.kwargs`` (``lr``,
-  ``weight_decay``, ``betas``), ``policy.max_grad_norm``, ``policy.train_micro_batch_size``,
+  ``weight_decay``, ``betas``), ``policy.scheduler`` (NeMo-RL's list of ``torch.optim.lr_scheduler`` classes
+  and milestones), ``policy.max_grad_norm``, ``policy.train_micro_batch_size``,
   ``policy.freeze_embeddings`` (ours);
 - ``grpo.num_prompts_per_step``, ``grpo.num_generations_per_prompt``, ``grpo.max_num_steps``,
   ``grpo.normalize_rewards``, ``grpo.use_leave_one_out_baseline`` (``grpo.adv_estimator.*`` of the same names
@@ -12,6 +13,7 @@ Keys read (NeMo-RL's names where NeMo-RL has them):
   ``grpo.invalid_tool_call_advantage``, ``grpo.malformed_thinking_advantage``, ``grpo.advantage_clip_low``,
   ``grpo.advantage_clip_high``, ``grpo.seq_logprob_error_threshold``, ``reward_penalties`` and
   ``env.nemo_gym.effort_levels`` / ``thinking_tags`` (through the rollout settings),
+  ``grpo.use_dynamic_sampling``, ``grpo.batch_multiplier``, ``grpo.dynamic_sampling_max_gen_batches``,
   ``grpo.async_grpo.enabled``, ``grpo.async_grpo.max_trajectory_age_steps``, ``grpo.val_period``,
   ``grpo.val_at_start``, ``grpo.val_at_end``, ``grpo.max_val_samples``,
   ``grpo.val_num_generations_per_prompt`` and ``grpo.pass_threshold`` (ours);
@@ -36,10 +38,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from pydantic import ValidationError
 
 from gym_bridge.config.training import NemoGymRolloutSettings, TrainingConfigError
-from gym_bridge.policy.hf import HFPolicyConfig
+from gym_bridge.policy.hf import HFPolicyConfig, build_lr_scheduler
 from gym_bridge.training.loop import GRPOLoopConfig
 from gym_bridge.training.loss import ClippedPGLossConfig
 from gym_bridge.training.validation import ValidationSet
@@ -83,7 +86,6 @@ _OUR_LOSS = (
     "gym-bridge's ClippedPGLoss (token-level clipped PG with optional truncated importance sampling and a reference KL)"
 )
 _NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
-    "grpo.use_dynamic_sampling": (False,),
     "grpo.val_start_at": (-1,),
     "grpo.stop_at_validation_metric": (None,),
     "grpo.stop_at_validation_threshold": (None,),
@@ -95,7 +97,6 @@ _NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "policy.is_vlm": (False,),
     "policy.quant_cfg": (None,),
     "policy.hf_config_overrides": (None, {}),
-    "policy.scheduler": (None, []),
     "policy.optimizer.name": ("torch.optim.AdamW",),
     "policy.optimizer.kwargs.eps": (1e-8,),
     "policy.tokenizer.chat_template": (None,),
@@ -110,8 +111,8 @@ _NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "data.default.system_prompt_file": (None,),
 }
 """NeMo-RL keys (with the values that leave its behaviour at what this trainer does) whose features this trainer
-lacks: the GRPO loop (dynamic sampling, delayed validation, early stop, reward scaling and DAPO shaping), the
-policy (Megatron, MTP drafts, MoE routing replay, VLMs, quantisation, HF config overrides, LR schedules, an
+lacks: the GRPO loop (delayed validation, early stop, reward scaling and DAPO shaping), the
+policy (Megatron, MTP drafts, MoE routing replay, VLMs, quantisation, HF config overrides, an
 optimizer other than torch AdamW with eps 1e-8, chat templates other than the tokenizer's own), distillation,
 the data plane, and NeMo-RL's data pipeline (datasets other than JSONL Gym rows, prompt files)."""
 _ADVANTAGE_ESTIMATORS = ("grpo", "gdpo", "opd", "reinforce_plus_plus")
@@ -124,6 +125,7 @@ _POLICY_KEYS = {
     "temperature": "policy.generation.temperature",
     "freeze_embeddings": "policy.freeze_embeddings",
     "logprob_batch_size": "policy.logprob_batch_size",
+    "scheduler": "policy.scheduler",
 }
 _LOOP_KEYS = {
     "seed": "grpo.seed",
@@ -259,6 +261,9 @@ def loop_config_from(config: Mapping[str, Any], settings: NemoGymRolloutSettings
         "reward_penalties": settings.reward_penalties,
         "thinking_tags": settings.gym.thinking_tags,
         "pass_threshold": grpo.get("pass_threshold"),
+        "use_dynamic_sampling": grpo.get("use_dynamic_sampling"),
+        "batch_multiplier": grpo.get("batch_multiplier"),
+        "dynamic_sampling_max_gen_batches": grpo.get("dynamic_sampling_max_gen_batches"),
         "async_rollouts": settings.async_grpo.enabled,
         "max_trajectory_age_steps": settings.async_grpo.max_trajectory_age_steps,
         "in_flight_weight_updates": settings.async_grpo.in_flight_weight_updates,
@@ -352,6 +357,8 @@ def policy_config(config: Mapping[str, Any], weights: str, loop_cfg: GRPOLoopCon
     (so its logprobs are those of the distribution the engine sampled from)."""
     policy_cfg = config_section(config, "policy")
     optimizer = config_section(config, "policy.optimizer.kwargs")
+    scheduler = policy_cfg.get("scheduler") or None
+    _check_scheduler(scheduler)
     try:
         return HFPolicyConfig(
             model=weights,
@@ -362,6 +369,7 @@ def policy_config(config: Mapping[str, Any], weights: str, loop_cfg: GRPOLoopCon
             temperature=float(config_section(config, "policy.generation").get("temperature", 1.0)),
             keep_reference_model=loop_cfg.loss.reference_policy_kl_penalty > 0,
             freeze_embeddings=bool(policy_cfg.get("freeze_embeddings", False)),
+            scheduler=scheduler,
             **(
                 {"logprob_batch_size": int(policy_cfg["logprob_batch_size"])}
                 if policy_cfg.get("logprob_batch_size")
@@ -370,3 +378,14 @@ def policy_config(config: Mapping[str, Any], weights: str, loop_cfg: GRPOLoopCon
         )
     except ValidationError as exc:
         raise TrainingConfigError(_problems(exc, _POLICY_KEYS)) from None
+
+
+def _check_scheduler(spec: Any) -> None:
+    """``policy.scheduler`` builds (on a stand-in optimizer), or a :class:`TrainingConfigError` says why."""
+    if spec is None:
+        return
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    try:
+        build_lr_scheduler(optimizer, spec)
+    except (ValueError, TypeError) as exc:
+        raise TrainingConfigError(f"policy.scheduler: {exc}") from None

@@ -55,10 +55,6 @@ NO_EFFECT_KEYS: dict[str, str] = {
     "grpo.calculate_advantages_on_gpu": "where the advantages are computed, not what they are",
     "grpo.deduplicate_multimodal_data": "shares multimodal payloads between rows; the Gym path is text only",
     "grpo.debug_payload_metrics": "payload-size metrics of multimodal rows; the Gym path is text only",
-    "grpo.batch_multiplier": (
-        "NeMo-RL multiplies the generation batch only for dynamic sampling (grpo.use_dynamic_sampling is refused)"
-    ),
-    "grpo.dynamic_sampling_max_gen_batches": "read only with grpo.use_dynamic_sampling: true, which is refused",
     "grpo.reward_scaling": "read only with grpo.reward_scaling.enabled: true, which is refused",
     "grpo.reward_shaping": "read only with grpo.reward_shaping.enabled: true, which is refused",
     "grpo.adv_estimator.minus_baseline": (

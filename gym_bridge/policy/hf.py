@@ -13,13 +13,20 @@ it receives the micro-batch's token logprobs (as above, with gradients) and the
 micro-batch, plus the global batch's valid sequence and token counts, so that a
 loss normalised by those counts sums over micro-batches to the global-batch loss
 (gradient accumulation is then exact). :func:`policy_gradient_loss` is such a loss.
+
+The learning rate follows ``cfg.scheduler``, NeMo-RL's ``policy.scheduler``: one
+``torch.optim.lr_scheduler`` class (``{name, kwargs}``), or a list of them with a
+``{milestones: [...]}`` entry, chained by ``SequentialLR``; none: a constant rate. As in
+NeMo-RL's DTensor policy workers, it steps once per :meth:`HFPolicy.train` call (one GRPO
+step), and its state is saved with the optimizer.
 """
 
 from __future__ import annotations
 
 import copy
+import importlib
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
@@ -51,6 +58,61 @@ class HFPolicyConfig(BaseModel):
     temperature: float = Field(1.0, gt=0.0, description="Logits are divided by it, as at generation.")
     keep_reference_model: bool = Field(True, description="Keep a frozen copy of the initial weights.")
     freeze_embeddings: bool = Field(False, description="Do not train the input embedding (tied: nor the LM head).")
+    scheduler: list[dict[str, Any]] | dict[str, Any] | None = Field(
+        None, description="NeMo-RL's policy.scheduler (see build_lr_scheduler); None: a constant learning rate."
+    )
+
+
+def _scheduler_class(name: Any) -> type[torch.optim.lr_scheduler.LRScheduler]:
+    """The learning-rate scheduler class a dotted name names (``torch.optim.lr_scheduler.LinearLR``)."""
+    module_name, _, attr = str(name).rpartition(".")
+    try:
+        found = getattr(importlib.import_module(module_name), attr) if module_name else None
+    except (ImportError, AttributeError):
+        found = None
+    if not (isinstance(found, type) and issubclass(found, torch.optim.lr_scheduler.LRScheduler)):
+        raise ValueError(f"{name!r} is not a torch learning-rate scheduler class (torch.optim.lr_scheduler.*)")
+    return found
+
+
+def build_lr_scheduler(
+    optimizer: torch.optim.Optimizer, spec: Sequence[Mapping[str, Any]] | Mapping[str, Any] | None
+) -> torch.optim.lr_scheduler.LRScheduler:
+    """NeMo-RL's scheduler from ``policy.scheduler``, as its DTensor policy worker builds it.
+
+    A mapping ``{name, kwargs}`` is one scheduler; a list holds schedulers (``{name, kwargs}``) and one
+    ``{milestones: [...]}`` entry, chained by ``SequentialLR`` (the milestones are the optimizer steps at which
+    the next scheduler takes over); None is a constant rate (``LambdaLR`` of 1). A bad entry raises
+    ``ValueError`` saying which.
+    """
+    if spec is None:
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=lambda _: 1.0)
+    if isinstance(spec, Mapping):
+        spec = [spec]
+    schedulers: list[torch.optim.lr_scheduler.LRScheduler] = []
+    milestones: list[int] | None = None
+    for i, entry in enumerate(spec):
+        if not isinstance(entry, Mapping):
+            raise ValueError(f"entry {i} is not a mapping: {entry!r}")
+        if "name" in entry:
+            try:
+                schedulers.append(_scheduler_class(entry["name"])(optimizer, **dict(entry.get("kwargs") or {})))
+            except TypeError as exc:
+                raise ValueError(f"entry {i} ({entry['name']}): {exc}") from None
+        elif "milestones" in entry:
+            milestones = [int(m) for m in entry["milestones"]]
+        else:
+            raise ValueError(f"entry {i} has neither 'name' nor 'milestones': {dict(entry)!r}")
+    if not schedulers:
+        raise ValueError("no scheduler named")
+    if len(schedulers) == 1 and milestones is None:
+        return schedulers[0]
+    if milestones is None or len(milestones) != len(schedulers) - 1:
+        raise ValueError(
+            f"{len(schedulers)} schedulers need {len(schedulers) - 1} milestones in a {{milestones: [...]}} entry, "
+            f"got {milestones}"
+        )
+    return torch.optim.lr_scheduler.SequentialLR(optimizer, schedulers, milestones)
 
 
 class LossFunction(Protocol):
@@ -132,30 +194,47 @@ class HFPolicy(PolicyInterface):
             betas=cfg.betas,
             weight_decay=cfg.weight_decay,
         )
+        self.scheduler = build_lr_scheduler(self.optimizer, cfg.scheduler)
         self.steps_taken = 0
 
     # ------------------------------------------------------------------ logprobs
 
     def _token_logprobs(
-        self, model: Any, input_ids: torch.Tensor, lengths: torch.Tensor, first: int = 1
+        self,
+        model: Any,
+        input_ids: torch.Tensor,
+        lengths: torch.Tensor,
+        first: int = 1,
+        weights: Mapping[str, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """``[b, S]`` logprob of each token given its prefix; 0 at position 0 and on padding.
 
         Positions before ``first`` are 0 too, and their logits are never computed: training
         reads only generated tokens, and the prompt's vocabulary projections are most of the
-        ``[b, S, V]`` logits on a short completion.
+        ``[b, S, V]`` logits on a short completion. ``weights`` replace the model's parameters of those
+        names for this forward pass (``torch.func.functional_call``).
         """
         input_ids, lengths = input_ids.to(self.device), lengths.to(self.device)
         attention = _length_mask(lengths, input_ids.shape[1]).long()
         first = max(1, min(first, input_ids.shape[1] - 1))
         keep = {"logits_to_keep": input_ids.shape[1] - first + 1} if first > 1 else {}
-        logits = model(input_ids=input_ids, attention_mask=attention, use_cache=False, **keep).logits
+        inputs = {"input_ids": input_ids, "attention_mask": attention, "use_cache": False, **keep}
+        if weights is None:
+            logits = model(**inputs).logits
+        else:
+            logits = torch.func.functional_call(model, dict(weights), args=(), kwargs=inputs).logits
         logp = torch.log_softmax(logits[:, :-1].float() / self.cfg.temperature, dim=-1)
         picked = logp.gather(-1, input_ids[:, first:, None]).squeeze(-1)
         out = torch.cat([picked.new_zeros((picked.shape[0], first)), picked], dim=1)
         return out * attention.to(out.dtype)
 
-    def _batched_logprobs(self, model: Any, data: Mapping[str, Any], micro_batch_size: int | None) -> torch.Tensor:
+    def _batched_logprobs(
+        self,
+        model: Any,
+        data: Mapping[str, Any],
+        micro_batch_size: int | None,
+        weights: Mapping[str, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         input_ids = torch.as_tensor(data["input_ids"]).to(torch.int64)
         lengths = torch.as_tensor(data["input_lengths"]).to(torch.int64).reshape(-1)
         step = micro_batch_size or self.cfg.logprob_batch_size
@@ -164,7 +243,7 @@ class HFPolicy(PolicyInterface):
         try:
             with torch.no_grad():
                 parts = [
-                    self._token_logprobs(model, input_ids[s : s + step], lengths[s : s + step]).cpu()
+                    self._token_logprobs(model, input_ids[s : s + step], lengths[s : s + step], weights=weights).cpu()
                     for s in range(0, input_ids.shape[0], step)
                 ]
         finally:
@@ -215,10 +294,12 @@ class HFPolicy(PolicyInterface):
     ) -> dict[str, Any]:
         """One optimizer step per global batch of ``gbs`` samples, accumulated over micro-batches of ``mbs``.
 
-        ``eval_mode`` computes the loss without gradients or an update. Returns
-        ``loss`` (mean over global batches of the summed micro-batch losses),
+        ``eval_mode`` computes the loss without gradients or an update. The learning-rate scheduler steps
+        once per call that trains, after its last optimizer step (NeMo-RL's DTensor workers do the same).
+        Returns ``loss`` (mean over global batches of the summed micro-batch losses),
         ``global_batch_losses``, ``grad_norm`` (of the last step, before clipping),
-        ``lr``, ``num_global_batches``, ``num_micro_batches`` and ``all_mb_metrics``.
+        ``lr`` (the rate this call trained with), ``num_global_batches``, ``num_micro_batches`` and
+        ``all_mb_metrics``.
         """
         size = len(torch.as_tensor(data["input_lengths"]))
         if size == 0:
@@ -234,6 +315,7 @@ class HFPolicy(PolicyInterface):
         all_mb_metrics: list[dict[str, Any]] = []
         grad_norm = 0.0
         num_micro = 0
+        lr = float(self.optimizer.param_groups[0]["lr"])
         try:
             for g in range(0, size, gbs):
                 global_batch = data.slice(g, g + gbs)
@@ -273,13 +355,15 @@ class HFPolicy(PolicyInterface):
                     self.optimizer.step()
                     self.steps_taken += 1
                 global_losses.append(total)
+            if not eval_mode:
+                self.scheduler.step()
         finally:
             self.model.eval()
         return {
             "loss": sum(global_losses) / len(global_losses),
             "global_batch_losses": global_losses,
             "grad_norm": grad_norm,
-            "lr": self.optimizer.param_groups[0]["lr"],
+            "lr": lr,
             "num_global_batches": len(global_losses),
             "num_micro_batches": num_micro,
             "all_mb_metrics": all_mb_metrics,
@@ -304,7 +388,8 @@ class HFPolicy(PolicyInterface):
         self.model.eval()
 
     def save_checkpoint(self, path: str | Path, *args: Any, save_optimizer: bool = True, **kwargs: Any) -> None:
-        """``save_pretrained`` of the model and tokenizer into ``path``, plus ``optimizer.pt``."""
+        """``save_pretrained`` of the model and tokenizer into ``path``, plus ``optimizer.pt`` (the optimizer, the
+        learning-rate scheduler and the step count)."""
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         self.model.save_pretrained(path)
@@ -312,14 +397,35 @@ class HFPolicy(PolicyInterface):
             self.tokenizer.save_pretrained(path)
         if save_optimizer:
             torch.save(
-                {"optimizer": self.optimizer.state_dict(), "steps_taken": self.steps_taken}, path / "optimizer.pt"
+                {
+                    "optimizer": self.optimizer.state_dict(),
+                    "scheduler": self.scheduler.state_dict(),
+                    "steps_taken": self.steps_taken,
+                },
+                path / "optimizer.pt",
             )
 
     def load_optimizer(self, path: str | Path) -> None:
-        """Restore the optimizer state and step count that :meth:`save_checkpoint` wrote into ``path``."""
+        """Restore the optimizer, the scheduler and the step count that :meth:`save_checkpoint` wrote into ``path``.
+
+        A checkpoint without scheduler state restarts the configured schedule at this step count."""
         state = torch.load(Path(path) / "optimizer.pt", weights_only=False)
         self.optimizer.load_state_dict(state["optimizer"])
         self.steps_taken = int(state["steps_taken"])
+        if state.get("scheduler") is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        else:
+            for _ in range(self.steps_taken):
+                self.scheduler.step()
+
+    def weights_snapshot(self) -> dict[str, torch.Tensor]:
+        """A copy of the trainable weights by name: :meth:`get_logprobs_at` scores with them later."""
+        return {name: p.detach().clone() for name, p in self.model.named_parameters() if p.requires_grad}
+
+    def get_logprobs_at(self, data: BatchedDataDict[Any], weights: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """:meth:`get_logprobs`'s ``logprobs`` with ``weights`` (a :meth:`weights_snapshot`) in place of the
+        trained ones; the model itself is not touched."""
+        return self._batched_logprobs(self.model, data, None, weights=weights)
 
     def state_dict_for_refit(self) -> dict[str, torch.Tensor]:
         """The current weights by name, detached (no copy): what a generation engine's refit loads."""

@@ -73,6 +73,14 @@ def on_policy_error(
     )
 
 
+def logprob_gap(new: torch.Tensor, old: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """How far ``new`` logprobs are from ``old`` ones on the masked tokens: ``abs_diff_mean``, ``abs_diff_max``, ``kl``
+    (the k3 estimate of KL(old || new) from tokens sampled from ``old``) and ``tokens``."""
+    gap = on_policy_error(new, old, mask)
+    return {"abs_diff_mean": gap.mean_abs_diff, "abs_diff_max": gap.abs_diff_max, "kl": gap.gen_kl_error,
+            "tokens": gap.tokens}  # fmt: skip
+
+
 @torch.no_grad()
 def seq_logprob_error_mask(
     token_mask: torch.Tensor,

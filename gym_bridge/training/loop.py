@@ -4,26 +4,35 @@ One step: ``num_prompts_per_step`` prompts (the dataset shuffled with ``seed``),
 rolled out N times through ``manager.collect`` (any backend; the recipe uses
 ``nemo_gym``), NeMo-RL's Gym reward shaping (effort levels, reward penalties), group-normalised
 advantages with NeMo-RL's message-level penalties and clip, overlong filtering and the
-sequence-level logprob-error mask when configured, one optimizer step of
+sequence-level logprob-error mask when configured, the trainer's own logprobs before the
+update (the PPO old policy), one optimizer step of
 :class:`~gym_bridge.training.loss.ClippedPGLoss` on the generated tokens (skipped when
 every advantage is zero), a refit of the serving engine checked against its weight
 version and fingerprint, and the new weight version on the manager. With
+``use_dynamic_sampling`` groups whose rewards are all equal are dropped and more prompts
+drawn until the step has ``num_prompts_per_step`` groups with a reward spread. With
 ``async_rollouts`` the rollouts of up to ``max_trajectory_age_steps`` later steps run
 while this step trains; a group older than that is dropped, counted, and its prompt
 queued again, as is the prompt of a group that never committed. Validation runs at
 start, every ``val_period`` steps and at the end. Every step and every validation
 appends one line to ``metrics.jsonl``.
+
+On one machine a run repeats given the same rollouts: groups are trained in prompt order
+(``prompt_idx``, the order prompts were drawn), whatever order they committed in; the data
+order comes from ``seed``; each training step runs under a torch seed derived from ``seed``
+and the step.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import math
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Self
@@ -35,7 +44,7 @@ from gym_bridge.failures import RolloutStall, StepBatchShortfall
 from gym_bridge.rollout.reward_shaping import EffortLevelsConfig
 from gym_bridge.rollout.sink import CommittedGroup, InMemorySink
 from gym_bridge.training.batch import AdvantageSettings, train_batch
-from gym_bridge.training.fidelity import seq_logprob_error_mask
+from gym_bridge.training.fidelity import logprob_gap, seq_logprob_error_mask
 from gym_bridge.training.loss import ClippedPGLoss, ClippedPGLossConfig, loss_metrics, sum_on_policy_errors
 from gym_bridge.training.metrics import append_metrics
 from gym_bridge.training.prompts import PromptQueue, PromptQueueState
@@ -87,6 +96,13 @@ class GRPOLoopConfig(BaseModel):
     shuffle_data: bool = True
     async_rollouts: bool = False
     max_trajectory_age_steps: int = Field(1, ge=0)
+    use_dynamic_sampling: bool = False
+    """NeMo-RL's dynamic sampling (DAPO): groups whose rewards are all equal are dropped and more prompts drawn."""
+    batch_multiplier: float = Field(1.0, gt=0.0)
+    """With dynamic sampling, each generation batch draws ``int(num_prompts_per_step * batch_multiplier)`` prompts."""
+    dynamic_sampling_max_gen_batches: int = Field(10, ge=1)
+    """With dynamic sampling, a step still short of groups after this many generation batches plus one stops the
+    run (``StepBatchShortfall``), as NeMo-RL raises then."""
     in_flight_weight_updates: bool = False
     """Async only: refit as soon as a step has trained (True), or first wait for the next step's rollouts (False,
     NeMo-RL's default). Either way a request in flight finishes on the weights it started with."""
@@ -105,16 +121,28 @@ class GRPOLoopConfig(BaseModel):
     checkpoint_every_steps: int | None = Field(None, ge=1, description="None: only at the end of the run.")
 
     @model_validator(mode="after")
-    def _async_checks(self) -> Self:
+    def _checks(self) -> Self:
+        if self.batch_multiplier != 1.0 and not self.use_dynamic_sampling:
+            raise ValueError(
+                f"grpo.batch_multiplier={self.batch_multiplier} needs grpo.use_dynamic_sampling: true "
+                "(NeMo-RL asserts the same)"
+            )
+        if int(self.num_prompts_per_step * self.batch_multiplier) < 1:
+            raise ValueError("grpo.batch_multiplier * num_prompts_per_step must draw at least one prompt")
         if not self.async_rollouts:
             return self
         if self.max_trajectory_age_steps < 1:
             raise ValueError("async rollouts train on samples at least one step old: max_trajectory_age_steps >= 1")
         if not self.loss.use_importance_sampling_correction:
-            logger.warning(
-                "async rollouts without loss_fn.use_importance_sampling_correction: the sampling logprobs are the "
-                "PPO old policy, and the train demo collapsed this way (held-out 0.33 -> 0.02 in 6 steps, with and "
-                "without ratio_clip_c); with the correction and truncated_importance_sampling_type 'tis' it learns"
+            raise ValueError(
+                "async rollouts (grpo.async_grpo.enabled: true) need loss_fn.use_importance_sampling_correction: "
+                "true, as NeMo-RL's async_grpo_train asserts: samples from older weights are weighted by "
+                "exp(trainer - sampler logprob)"
+            )
+        if self.use_dynamic_sampling:
+            raise ValueError(
+                "grpo.use_dynamic_sampling: true with async rollouts: NeMo-RL's async_grpo_train does not apply "
+                "dynamic sampling; turn one of them off"
             )
         return self
 
@@ -134,6 +162,22 @@ class GRPOLoopConfig(BaseModel):
     def lookahead(self) -> int:
         """How many later steps' rollouts may run while a step trains."""
         return self.max_trajectory_age_steps if self.async_rollouts else 0
+
+    @property
+    def prompts_per_gen_batch(self) -> int:
+        """Prompts one generation batch draws: NeMo-RL's ``num_prompts_per_step * batch_multiplier``."""
+        return int(self.num_prompts_per_step * self.batch_multiplier)
+
+
+def step_seed(seed: int, step: int) -> int:
+    """The torch seed of training step ``step`` in a run seeded ``seed``."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:train:{step}".encode()).digest()[:8], "little") >> 1
+
+
+def has_reward_spread(group: CommittedGroup) -> bool:
+    """Whether a group's rewards differ (a non-zero std): dynamic sampling keeps only such groups."""
+    rewards = [float(c.reward) for c in group.record.completions]
+    return len(rewards) > 1 and max(rewards) != min(rewards)
 
 
 @dataclass
@@ -190,17 +234,20 @@ class GRPOTrainer:
         )
         self.all_wrong_in_a_row = 0
         self.pad_token_id = padding_id(policy.tokenizer)
+        self.weight_snapshots: dict[int, Mapping[str, torch.Tensor]] = {}
+        """Async only: the trainer's weights at each version a group in flight may have been sampled at."""
         manager.set_weight_version(self.state.weight_version)
 
-    async def rollout(self, step: int) -> list[CommittedGroup]:
-        """Draw the step's prompts and send each through ``manager.collect``; the committed groups.
+    async def rollout(self, step: int, count: int | None = None) -> list[CommittedGroup]:
+        """Draw ``count`` prompts (default ``num_prompts_per_step``) and send each through ``manager.collect``;
+        the committed groups in prompt order (``prompt_idx``), whatever order they committed in.
 
         A prompt whose group did not commit is queued again. Raises ``RolloutStall`` when nothing
         commits for ``stall_timeout_s`` (with ``stall_action: abort``) and ``StepBatchShortfall``
         when fewer groups than ``min_step_batch_fraction`` allows committed.
         """
         sink = InMemorySink()
-        prompts = self.prompts.draw(self.cfg.num_prompts_per_step)
+        prompts = self.prompts.draw(count or self.cfg.num_prompts_per_step)
         collects = asyncio.gather(*(self.manager.collect(datum, sink) for datum in prompts))
         try:
             await self._watch_stall(step, collects, sink)
@@ -208,7 +255,7 @@ class GRPOTrainer:
             if not collects.done():
                 collects.cancel()
                 await asyncio.gather(collects, return_exceptions=True)
-        groups = sink.take()
+        groups = sorted(sink.take(), key=lambda g: g.record.prompt_idx)
         committed = {g.record.prompt_idx for g in groups}
         lost = self.prompts.requeue(d["idx"] for d in prompts if d["idx"] not in committed)
         self.state.requeued_total += lost
@@ -219,6 +266,54 @@ class GRPOTrainer:
                 f"set by min_step_batch_fraction={self.cfg.min_step_batch_fraction}"
             )
         return groups
+
+    async def rollout_step_batch(self, step: int) -> tuple[list[CommittedGroup], dict[str, Any]]:
+        """The step's groups and its ``train/dynamic_sampling_*`` metrics (empty without dynamic sampling).
+
+        With ``use_dynamic_sampling`` (NeMo-RL's ``dynamic_sampling``): each generation batch draws
+        ``prompts_per_gen_batch`` prompts; groups whose shaped rewards are all equal are dropped, the others kept in
+        prompt order, until ``num_prompts_per_step`` are kept; the first that many train and the rest are discarded.
+        A step still short after generation batch ``dynamic_sampling_max_gen_batches + 1`` raises
+        ``StepBatchShortfall`` (NeMo-RL raises after the same count: it goes on while the batches so far are at
+        most the bound). Dropped and discarded prompts count as used: they are not drawn again.
+        """
+        if not self.cfg.use_dynamic_sampling:
+            return await self.rollout(step), {}
+        need, bound = self.cfg.num_prompts_per_step, self.cfg.dynamic_sampling_max_gen_batches
+        kept: list[CommittedGroup] = []
+        drawn = dropped = batches = 0
+        while True:
+            batches += 1
+            groups = await self.rollout(step, self.cfg.prompts_per_gen_batch)
+            drawn += self.cfg.prompts_per_gen_batch
+            shaped, _ = self.reward_shaper.shape_groups(groups)
+            for group, scored in zip(groups, shaped, strict=True):
+                if has_reward_spread(scored):
+                    kept.append(group)
+                else:
+                    dropped += 1
+                    self.prompts.settle(group.record.prompt_idx)
+            if len(kept) >= need:
+                break
+            logger.info(
+                "step %d: %d of %d groups with a reward spread after %d generation batches (bound %d); drawing more",
+                step, len(kept), need, batches, bound,
+            )  # fmt: skip
+            if batches > bound:
+                raise StepBatchShortfall(
+                    f"step {step}: dynamic sampling kept {len(kept)} of the {need} groups with a reward spread it "
+                    f"needs after {batches} generation batches ({drawn} prompts drawn, {dropped} groups with equal "
+                    f"rewards dropped), past grpo.dynamic_sampling_max_gen_batches={bound}"
+                )
+        for group in kept[need:]:
+            self.prompts.settle(group.record.prompt_idx)
+        samples = len(kept[0].record.completions)
+        return kept[:need], {
+            "train/dynamic_sampling_num_gen_batches": batches,
+            "train/dynamic_sampling_prompts_drawn": drawn,
+            "train/dynamic_sampling_groups_dropped": dropped,
+            "train/dynamic_sampling_num_discarded_valid_samples": (len(kept) - need) * samples,
+        }
 
     async def _watch_stall(self, step: int, collects: asyncio.Future[Any], sink: InMemorySink) -> None:
         """Wait for the step's rollouts; with ``stall_timeout_s``, warn or raise when none commits that long."""
@@ -254,16 +349,19 @@ class GRPOTrainer:
         refit_engine: bool = True,
         step_started: float | None = None,
         refit_after: Sequence[asyncio.Future[Any]] = (),
+        sampling_metrics: Mapping[str, Any] | None = None,
     ) -> dict[str, Any]:
         """Train on the fresh groups, refit the engine (unless told not to) and check it, log one metrics line.
 
+        Groups train in prompt order (``prompt_idx``), whatever order they arrive in.
         ``step_started`` (a ``perf_counter`` value) adds ``time/step_s``, the whole step's wall time;
         ``refit_after``: the refit waits for these to finish (later steps' rollouts, ``in_flight_weight_updates``
-        off), counted in ``time/refit_wait_s``. A batch whose advantages are all zero trains nothing: no
-        optimizer step, no refit, the version stays.
+        off), counted in ``time/refit_wait_s``; ``sampling_metrics`` (dynamic sampling's) join the line. A batch
+        whose advantages are all zero trains nothing: no optimizer step, no refit, the version stays.
         """
         self.buffer.add(groups)
         usable, stale = self.buffer.take(self.state.weight_version)
+        usable.sort(key=lambda g: g.record.prompt_idx)
         requeued = self.prompts.requeue(g.record.prompt_idx for g in stale)
         self.state.requeued_total += requeued
         for group in usable:
@@ -279,6 +377,7 @@ class GRPOTrainer:
             "staleness/max_age": max((self.state.weight_version - g.start_weight_version for g in usable), default=0),
             "time/rollout_s": rollout_s,
             "train/groups": len(usable),
+            **(sampling_metrics or {}),
         }
         train_s = refit_s = 0.0
         if usable:
@@ -315,7 +414,8 @@ class GRPOTrainer:
                 )
             else:
                 started = time.perf_counter()
-                result = await asyncio.to_thread(self._train, batch)
+                versions = [g.start_weight_version for g in usable for _ in g.record.completions]
+                result = await asyncio.to_thread(self._train, batch, versions, step)
                 train_s = time.perf_counter() - started
                 new_version = self.state.weight_version + 1
                 if refit_after:
@@ -329,8 +429,10 @@ class GRPOTrainer:
                 metrics.update(
                     {
                         **{f"train/{key}": value for key, value in result.get("seq_logprob_error", {}).items()},
+                        **result["policy_movement"],
                         "train/loss": result["loss"],
                         "train/grad_norm": result["grad_norm"],
+                        **({"train/lr": result["lr"]} if "lr" in result else {}),
                         "train/refit": refit_engine,
                         **sum_on_policy_errors(result["all_mb_metrics"]).as_metrics(),
                         **loss_metrics(result["all_mb_metrics"]),
@@ -346,26 +448,93 @@ class GRPOTrainer:
         append_metrics(self.metrics_path, metrics)
         return metrics
 
-    def _train(self, batch: Any) -> dict[str, Any]:
-        """One optimizer step; first the sequence-level logprob-error mask when ``seq_logprob_error_threshold``
-        is set, and reference logprobs when the loss has a KL penalty."""
-        seq_metrics: dict[str, float] = {}
-        if self.cfg.seq_logprob_error_threshold is not None:
-            prev = self.policy.get_logprobs(batch)["logprobs"]
-            batch["sample_mask"], seq_metrics = seq_logprob_error_mask(
-                batch["token_mask"],
-                batch["sample_mask"],
-                prev,
-                batch["generation_logprobs"],
-                batch["rewards"],
-                self.cfg.seq_logprob_error_threshold,
+    def _train(self, batch: Any, versions: Sequence[int], step: int) -> dict[str, Any]:
+        """One optimizer step under the step's torch seed (:func:`step_seed`).
+
+        First the trainer's logprobs of the batch at its current weights (``prev_logprobs``, the PPO old policy:
+        NeMo-RL's ``policy.get_logprobs`` before training), the sequence-level logprob-error mask when
+        ``seq_logprob_error_threshold`` is set, and reference logprobs when the loss has a KL penalty; afterwards
+        the logprobs at the new weights. ``versions``: each sample's sampling weight version, for
+        :meth:`_policy_movement`.
+        """
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(step_seed(self.cfg.seed, step))
+            prev = torch.as_tensor(self.policy.get_logprobs(batch)["logprobs"]).float()
+            batch["prev_logprobs"] = prev
+            scored = (
+                torch.as_tensor(batch["token_mask"]).float() * torch.as_tensor(batch["sample_mask"]).float()[:, None]
             )
-            seq_metrics["num_masked_seqs_by_logprob_error"] = seq_metrics.pop("num_masked_seqs")
-        if self.cfg.loss.reference_policy_kl_penalty:
-            reference = self.policy.get_reference_policy_logprobs(batch, self.cfg.train_micro_batch_size)
-            batch["reference_policy_logprobs"] = reference["reference_logprobs"]
-        result = dict(self.policy.train(batch, self.loss, mbs=self.cfg.train_micro_batch_size))
-        return {**result, "seq_logprob_error": seq_metrics}
+            at_sampling = self._logprobs_at_sampling(batch, prev, versions)
+            seq_metrics: dict[str, float] = {}
+            if self.cfg.seq_logprob_error_threshold is not None:
+                batch["sample_mask"], seq_metrics = seq_logprob_error_mask(
+                    batch["token_mask"],
+                    batch["sample_mask"],
+                    prev,
+                    batch["generation_logprobs"],
+                    batch["rewards"],
+                    self.cfg.seq_logprob_error_threshold,
+                )
+                seq_metrics["num_masked_seqs_by_logprob_error"] = seq_metrics.pop("num_masked_seqs")
+            if self.cfg.loss.reference_policy_kl_penalty:
+                reference = self.policy.get_reference_policy_logprobs(batch, self.cfg.train_micro_batch_size)
+                batch["reference_policy_logprobs"] = reference["reference_logprobs"]
+            result = dict(self.policy.train(batch, self.loss, mbs=self.cfg.train_micro_batch_size))
+            after = torch.as_tensor(self.policy.get_logprobs(batch)["logprobs"]).float()
+        gen = torch.as_tensor(batch["generation_logprobs"]).float()
+        movement = self._policy_movement(gen, prev, at_sampling, after, scored)
+        return {**result, "seq_logprob_error": seq_metrics, "policy_movement": movement}
+
+    def _logprobs_at_sampling(
+        self, batch: Any, prev: torch.Tensor, versions: Sequence[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(logprobs, known)``: the trainer's logprobs of each sample at the weights that sampled it, and which
+        samples have them. A sample of the current version has ``prev``; an older one is scored with the weights
+        kept for its version (async only: :attr:`weight_snapshots`, taken here before each update, as many as
+        ``max_trajectory_age_steps``)."""
+        current = self.state.weight_version
+        version = torch.as_tensor(list(versions), dtype=torch.int64)
+        logprobs, known = prev.clone(), version == current
+        snapshot = getattr(self.policy, "weights_snapshot", None)
+        if self.cfg.lookahead and snapshot is not None:
+            for v in sorted(set(version.tolist()) - {current}):
+                if v not in self.weight_snapshots:
+                    continue
+                rows = (version == v).nonzero().flatten()
+                part = type(batch)({key: batch[key][rows] for key in ("input_ids", "input_lengths")})
+                logprobs[rows] = torch.as_tensor(self.policy.get_logprobs_at(part, self.weight_snapshots[v])).float()
+                known[rows] = True
+            self.weight_snapshots[current] = snapshot()
+            oldest = current + 1 - self.cfg.max_trajectory_age_steps  # the oldest version the next update can use
+            self.weight_snapshots = {v: w for v, w in self.weight_snapshots.items() if v >= oldest}
+        return logprobs, known
+
+    @staticmethod
+    def _policy_movement(
+        gen: torch.Tensor,
+        prev: torch.Tensor,
+        at_sampling: tuple[torch.Tensor, torch.Tensor],
+        after: torch.Tensor,
+        scored: torch.Tensor,
+    ) -> dict[str, float]:
+        """The gap between the engine's sampling logprobs and the trainer's, split, plus this step's movement.
+
+        ``train/engine_mismatch_*``: the trainer at the sampling version vs the engine (the same weights: float
+        noise, unless a refit went wrong); ``train/policy_lag_*``: the trainer before this update vs at the
+        sampling version (how far the updates since sampling moved it; 0 in sync); ``train/policy_step_*``: after
+        this update vs before. Each as ``abs_diff_mean``, ``abs_diff_max`` and ``kl`` (k3) over the trained tokens;
+        the split covers the samples whose sampling version's weights were kept (``train/engine_mismatch_tokens``).
+        """
+        at, known = at_sampling
+        split_mask = scored * known.float()[:, None]
+        out: dict[str, float] = {}
+        for name, new, old, mask in (
+            ("engine_mismatch", at, gen, split_mask),
+            ("policy_lag", prev, at, split_mask),
+            ("policy_step", after, prev, scored),
+        ):
+            out.update({f"train/{name}_{key}": value for key, value in logprob_gap(new, old, mask).items()})
+        return out
 
     async def validate(self, step: int) -> dict[str, Any] | None:
         """One validation with the current weights, logged as its own ``kind: val`` line."""
@@ -393,13 +562,13 @@ class GRPOTrainer:
         step = self.state.step
         if step >= last:
             return history
-        pending: dict[int, asyncio.Future[list[CommittedGroup]]] = {}
+        pending: dict[int, asyncio.Future[tuple[list[CommittedGroup], dict[str, Any]]]] = {}
         launched = step
 
         def launch(through: int) -> None:
             nonlocal launched
             while launched <= min(through, last - 1):
-                pending[launched] = asyncio.ensure_future(self.rollout(launched))
+                pending[launched] = asyncio.ensure_future(self.rollout_step_batch(launched))
                 launched += 1
 
         def record(metrics: dict[str, Any] | None) -> None:
@@ -414,11 +583,20 @@ class GRPOTrainer:
             while step < last:
                 step_started = time.perf_counter()
                 launch(step)
-                groups = await pending.pop(step)
+                groups, sampling = await pending.pop(step)
                 rollout_s = time.perf_counter() - step_started
                 launch(step + self.cfg.lookahead)
                 wait_for = [] if self.cfg.in_flight_weight_updates else list(pending.values())
-                record(await self.train_step(step, groups, rollout_s, step_started=step_started, refit_after=wait_for))
+                record(
+                    await self.train_step(
+                        step,
+                        groups,
+                        rollout_s,
+                        step_started=step_started,
+                        refit_after=wait_for,
+                        sampling_metrics=sampling,
+                    )
+                )
                 step += 1
                 if self._validates_after(step):
                     record(await self.validate(step))

@@ -1,13 +1,15 @@
 """NeMo-RL's clipped policy-gradient loss on generated tokens, measuring on-policy fidelity in the same pass.
 
-The old policy of the PPO ratio is the engine's sampling logprobs
-(``generation_logprobs``), so the clip acts on whatever is off-policy: an async sample
-from older weights, or an engine that drifted from the trainer. With
-``use_importance_sampling_correction`` the loss is NeMo-RL's decoupled form instead: the
-ratio is taken against the trainer's own weights before this step (one optimizer step
-per batch, so ``curr.detach()``) and each token is weighted by ``exp(prev - gen)``,
-truncated as ``truncated_importance_sampling_type`` says. The loss is averaged over the
-global batch's valid tokens; ``token_mask`` is 1 only on tokens the engine generated.
+The old policy of the PPO ratio is ``prev_logprobs``: the trainer's own logprobs of the
+batch before its update, computed by a separate pass before training, as NeMo-RL's
+``grpo_train`` computes them with ``policy.get_logprobs``. They stay fixed however many
+optimizer steps the batch takes. With ``use_importance_sampling_correction`` each token is
+also weighted by ``exp(prev - gen)`` (``gen``: the engine's sampling logprobs), truncated
+as ``truncated_importance_sampling_type`` says: NeMo-RL's decoupled form, which corrects
+for samples from older weights or an engine that differs from the trainer. The loss is
+averaged over the global batch's valid tokens; ``token_mask`` is 1 only on tokens the
+engine generated. ``on_policy`` compares ``prev`` with ``gen``, as NeMo-RL's
+``gen_kl_error`` does.
 """
 
 from __future__ import annotations
@@ -60,27 +62,34 @@ def kl_estimate(
     kind: str,
     input_clamp: float | None = None,
     output_clamp: float | None = None,
+    importance_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Per-token estimate of KL(current || reference) from sampled tokens (Schulman's k1, k2, k3), with NeMo-RL's
-    clamps: the log-ratio to ``+-input_clamp``, the estimate to ``+-output_clamp`` (None: no clamp)."""
+    """Per-token estimate of KL(current || reference) from sampled tokens (Schulman's k1, k2, k3): NeMo-RL's
+    ``calculate_kl``. The log-ratio is clamped to ``+-input_clamp``, the estimate times ``importance_weights``
+    (where given; detached where the input clamp acts) to ``+-output_clamp`` (None: no clamp)."""
     log_ratio = reference - logprobs
     if input_clamp is not None:
-        log_ratio = log_ratio.clamp(min=-input_clamp, max=input_clamp)
+        clamped = log_ratio.clamp(min=-input_clamp, max=input_clamp)
+        if importance_weights is not None:
+            importance_weights = torch.where(log_ratio == clamped, importance_weights, importance_weights.detach())
+        log_ratio = clamped
     if kind == "k1":
         kl = -log_ratio
     elif kind == "k2":
         kl = 0.5 * log_ratio**2
     else:
         kl = torch.exp(log_ratio) - 1 - log_ratio
+    if importance_weights is not None:
+        kl = importance_weights * kl
     if output_clamp is not None:
         kl = kl.clamp(min=-output_clamp, max=output_clamp)
     return kl
 
 
 class ClippedPGLoss:
-    """A :class:`~gym_bridge.policy.hf.LossFunction`; ``data`` needs ``advantages``, ``token_mask`` and
-    ``generation_logprobs`` (aligned to token positions), and ``reference_policy_logprobs`` when the KL
-    penalty is on."""
+    """A :class:`~gym_bridge.policy.hf.LossFunction`; ``data`` needs ``advantages``, ``token_mask``,
+    ``generation_logprobs`` and ``prev_logprobs`` (aligned to token positions), and ``reference_policy_logprobs``
+    when the KL penalty is on."""
 
     def __init__(self, cfg: ClippedPGLossConfig | None = None) -> None:
         self.cfg = cfg or ClippedPGLossConfig()
@@ -112,11 +121,15 @@ class ClippedPGLoss:
         if advantages.ndim == 1:
             advantages = advantages[:, None]
         gen = torch.as_tensor(data["generation_logprobs"], dtype=dtype, device=device)
+        if data.get("prev_logprobs") is None:
+            raise KeyError(
+                "ClippedPGLoss needs data['prev_logprobs']: the trainer's logprobs of the batch before its update "
+                "(policy.get_logprobs), the old policy of the PPO ratio"
+            )
+        prev = torch.as_tensor(data["prev_logprobs"], dtype=dtype, device=device)
         if cfg.use_importance_sampling_correction:
-            prev = token_logprobs.detach()
             weights, out_of_bounds = self.importance_weights(prev, gen)
         else:
-            prev = gen
             weights, out_of_bounds = torch.ones_like(gen), torch.zeros_like(gen, dtype=torch.bool)
         ratio = torch.exp(token_logprobs - prev)
         clamped = ratio.clamp(1 - cfg.ratio_clip_min, 1 + cfg.ratio_clip_max)
@@ -129,17 +142,20 @@ class ClippedPGLoss:
         kl_sum = 0.0
         if cfg.reference_policy_kl_penalty:
             reference = torch.as_tensor(data["reference_policy_logprobs"], dtype=dtype, device=device)
+            # NeMo-RL's weight exp(curr - curr.detach()): 1 in value, and it adds the score-function term
+            # kl * grad(logprob), since the tokens were sampled from the policy being optimised.
             per_token_kl = kl_estimate(
                 token_logprobs,
                 reference,
                 cfg.reference_policy_kl_type,
                 cfg.kl_input_clamp_value,
                 cfg.kl_output_clamp_value,
+                importance_weights=torch.exp(token_logprobs - token_logprobs.detach()),
             )
             kl_sum = float((per_token_kl.detach() * mask).sum())
             per_token = per_token + cfg.reference_policy_kl_penalty * per_token_kl
         loss = (per_token * mask).sum() / global_valid_toks.clamp(min=1)
-        error = on_policy_error(token_logprobs, gen, mask)
+        error = on_policy_error(prev, gen, mask)
         return loss, {
             "loss": float(loss.detach()),
             "num_valid_tokens": float(mask.sum()),

@@ -1,0 +1,211 @@
+"""The GRPO loop on fixed groups (no Gym, no engine): runs repeat bitwise whatever order groups commit in, the old
+policy is the trainer's own logprobs, the async gap is split, dynamic sampling draws more prompts up to its bound,
+and the learning-rate schedule follows NeMo-RL's ``policy.scheduler``."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+
+import pytest
+import torch
+
+from gym_bridge.failures import StepBatchShortfall
+from gym_bridge.policy import HFPolicy, HFPolicyConfig
+from gym_bridge.training import ClippedPGLossConfig, GRPOLoopConfig, GRPOTrainer
+from gym_bridge.types import Completion, PromptGroupRecord
+
+PROMPT = [11, 12, 13, 14, 15]
+REPLIES = [[40, 41, 42], [50, 51, 52], [60, 61, 62], [70, 71, 72]]
+
+
+def completions(rewards, logprob=-2.0):
+    out = []
+    for reply, reward in zip(REPLIES, rewards, strict=False):
+        log = [
+            {"role": "user", "content": "", "token_ids": torch.tensor(PROMPT)},
+            {"role": "assistant", "content": "", "token_ids": torch.tensor(reply),
+             "generation_logprobs": torch.full((len(reply),), logprob)},
+        ]
+        out.append(Completion(log, None, False, float(reward)))
+    return out
+
+
+class FixedGroups:
+    """A manager that commits, for each drawn prompt, the group its dataset entry names, in a scripted order.
+
+    ``order``: ``"drawn"`` commits in the order the prompts were drawn, ``"reversed"`` the other way round.
+    """
+
+    def __init__(self, order: str = "drawn") -> None:
+        self.order = order
+        self.weight_version = 0
+        self.collects = 0
+        self.in_step: list[int] = []
+
+    def set_weight_version(self, version: int) -> None:
+        self.weight_version = version
+
+    async def collect(self, datum, sink) -> None:
+        self.collects += 1
+        slot = sink.reserve(datum["idx"])
+        version = self.weight_version
+        self.in_step.append(datum["idx"])
+        await asyncio.sleep(0)  # every prompt of the step is drawn before any commits
+        rank = sorted(self.in_step, reverse=self.order == "reversed").index(datum["idx"])
+        for _ in range(rank):
+            await asyncio.sleep(0)
+        self.in_step.remove(datum["idx"])
+        record = PromptGroupRecord(datum["idx"], [], None, {}, completions(datum["rewards"]), {})
+        sink.commit(slot, record, start_weight_version=version, end_weight_version=self.weight_version)
+
+
+class NullEngine:
+    def update_weights(self, state_dict, version):
+        self.version = version
+
+
+def dataset(rewards):
+    return [{"message_log": [], "extra_env_info": None, "loss_multiplier": 1.0, "idx": i, "rewards": r}
+            for i, r in enumerate(rewards)]  # fmt: skip
+
+
+SPREAD = [[1, 0, 0, 1], [0, 1, 1, 1], [1, 1, 0, 0], [0, 0, 0, 1], [1, 0, 1, 0], [0, 1, 0, 0]]
+
+
+def trainer(tiny_model_dir, tmp_path, *, order="drawn", rewards=SPREAD, scheduler=None, **cfg):
+    policy = HFPolicy(HFPolicyConfig(model=str(tiny_model_dir), learning_rate=1e-3, keep_reference_model=False,
+                                     scheduler=scheduler))
+    loop = GRPOLoopConfig(**{"num_prompts_per_step": 2, "max_num_steps": 2, "seed": 5, **cfg})
+    return GRPOTrainer(loop, manager=FixedGroups(order), policy=policy, engine=NullEngine(),
+                       dataset=dataset(rewards), out_dir=tmp_path)
+
+
+def run_keeping_weights(t: GRPOTrainer) -> tuple[list[dict], list[dict[str, torch.Tensor]]]:
+    weights: list[dict[str, torch.Tensor]] = []
+
+    def keep(metrics):
+        if metrics.get("kind") == "train":
+            weights.append({k: v.detach().clone() for k, v in t.policy.model.state_dict().items()})
+
+    return asyncio.run(t.run(on_step=keep)), weights
+
+
+def test_two_runs_on_the_same_groups_give_equal_weights_step_by_step_in_any_commit_order(tiny_model_dir, tmp_path):
+    first_metrics, first = run_keeping_weights(trainer(tiny_model_dir, tmp_path / "a"))
+    _, again = run_keeping_weights(trainer(tiny_model_dir, tmp_path / "b"))
+    shuffled_metrics, reversed_order = run_keeping_weights(trainer(tiny_model_dir, tmp_path / "c", order="reversed"))
+    assert len(first) == 2 and all(not m["train/skipped_zero_advantage"] for m in first_metrics)
+    start = HFPolicy(HFPolicyConfig(model=str(tiny_model_dir), keep_reference_model=False)).model.state_dict()
+    assert any(not torch.equal(first[0][k], start[k]) for k in start), "the step moved the weights"
+    for step in range(2):
+        for other in (again, reversed_order):
+            differ = [k for k in first[step] if not torch.equal(first[step][k], other[step][k])]
+            assert not differ, f"step {step}: {differ[:3]} differ"
+    assert [m["train/loss"] for m in first_metrics] == [m["train/loss"] for m in shuffled_metrics]
+    other_seed = trainer(tiny_model_dir, tmp_path / "d", seed=6)
+    assert other_seed.prompts.draw(6) != trainer(tiny_model_dir, tmp_path / "e").prompts.draw(6), "grpo.seed orders data"
+
+
+class Recording:
+    """Wraps the loss and keeps each micro-batch it sees."""
+
+    def __init__(self, loss):
+        self.loss, self.seen = loss, []
+
+    def __call__(self, logprobs, data, *args):
+        self.seen.append((logprobs.detach().clone(), copy.copy(dict(data))))
+        return self.loss(logprobs, data, *args)
+
+
+def test_the_old_policy_is_the_trainers_logprobs_before_the_update_not_the_samplers(tiny_model_dir, tmp_path):
+    t = trainer(tiny_model_dir, tmp_path, max_num_steps=1, train_micro_batch_size=4)
+    t.loss = recording = Recording(t.loss)
+    before = copy.deepcopy(t.policy)
+    groups = asyncio.run(t.rollout(0))
+    metrics = asyncio.run(t.train_step(0, groups, 0.0, refit_engine=False))
+    assert len(recording.seen) == 2
+    for m, (_, data) in enumerate(recording.seen):
+        expected = before.get_logprobs(data)["logprobs"]
+        assert torch.equal(torch.as_tensor(data["prev_logprobs"]), expected), f"micro-batch {m}"
+        trained = torch.as_tensor(data["token_mask"]).bool()
+        assert not torch.equal(data["prev_logprobs"][trained], data["generation_logprobs"][trained])
+    # Sync: the sampling version is the trainer's, so the whole gap is engine mismatch, and nothing lags.
+    assert metrics["train/policy_lag_abs_diff_max"] == 0.0
+    assert metrics["train/engine_mismatch_abs_diff_mean"] == pytest.approx(metrics["on_policy/logprob_abs_diff_mean"])
+    assert metrics["train/policy_step_abs_diff_mean"] > 0, "the per-step movement is logged in sync"
+    assert metrics["train/policy_step_tokens"] == 24
+
+
+def test_async_splits_the_gap_into_engine_mismatch_and_lag_with_the_sampling_versions_weights(tiny_model_dir,
+                                                                                              tmp_path):
+    is_loss = ClippedPGLossConfig(use_importance_sampling_correction=True)
+    t = trainer(tiny_model_dir, tmp_path, async_rollouts=True, loss=is_loss, max_num_steps=3)
+    history = [m for m in asyncio.run(t.run()) if m["kind"] == "train"]
+    assert [m["staleness/max_age"] for m in history] == [0, 1, 1]
+    fresh, lagged = history[0], history[1]
+    assert fresh["train/policy_lag_abs_diff_max"] == 0.0
+    # Step 1 trains on step 0's weights' samples: the lag is exactly how far step 0's update moved the policy,
+    # and the mismatch is measured against the weights that sampled, so it stays what it was before any update.
+    assert lagged["train/policy_lag_abs_diff_mean"] > 0 and lagged["train/engine_mismatch_tokens"] == 24
+    mismatch = lagged["train/engine_mismatch_abs_diff_mean"]
+    assert mismatch == pytest.approx(fresh["train/engine_mismatch_abs_diff_mean"], rel=1e-5), "same weights, tokens"
+    assert lagged["on_policy/logprob_abs_diff_mean"] != pytest.approx(mismatch, rel=1e-3), "the whole gap differs"
+    assert set(t.weight_snapshots) == {t.state.weight_version - 1}, "one kept version per step of lag"
+
+
+def test_dynamic_sampling_draws_more_prompts_when_a_batch_has_no_signal(tiny_model_dir, tmp_path):
+    flat, spread = [1, 1, 1, 1], [1, 0, 0, 0]
+    rewards = [flat, flat, spread, flat, spread, spread, flat, flat]
+    t = trainer(tiny_model_dir, tmp_path, rewards=rewards, max_num_steps=1, shuffle_data=False,
+                use_dynamic_sampling=True)
+    (metrics,) = asyncio.run(t.run())
+    # Batches of 2: [flat, flat], [spread, flat], [spread, spread]: 3 batches, 6 prompts, 3 dropped, 1 left over.
+    assert metrics["train/dynamic_sampling_num_gen_batches"] == 3
+    assert metrics["train/dynamic_sampling_prompts_drawn"] == 6 and t.manager.collects == 6
+    assert metrics["train/dynamic_sampling_groups_dropped"] == 3
+    assert metrics["train/dynamic_sampling_num_discarded_valid_samples"] == 4
+    assert metrics["train/groups"] == 2 and metrics["train/zero_std_groups"] == 0
+    assert not metrics["train/skipped_zero_advantage"]
+    assert t.prompts.checkpoint_state().requeued == [], "dropped and discarded prompts are used, not redone"
+    wide = trainer(tiny_model_dir, tmp_path / "wide", rewards=rewards, max_num_steps=1, shuffle_data=False,
+                   use_dynamic_sampling=True, batch_multiplier=1.5)
+    (metrics,) = asyncio.run(wide.run())
+    assert metrics["train/dynamic_sampling_num_gen_batches"] == 2 and wide.manager.collects == 6
+
+
+def test_dynamic_sampling_stops_the_run_past_its_bound_as_nemo_rl_does(tiny_model_dir, tmp_path):
+    t = trainer(tiny_model_dir, tmp_path, rewards=[[0, 0, 0, 0]] * 4, use_dynamic_sampling=True,
+                dynamic_sampling_max_gen_batches=2)
+    with pytest.raises(StepBatchShortfall, match=r"after 3 generation batches .*grpo.dynamic_sampling_max_gen_batches=2"):
+        asyncio.run(t.run())
+    assert t.manager.collects == 6, "NeMo-RL goes on while the batches so far are at most the bound: 3 of 2 prompts"
+    without = trainer(tiny_model_dir, tmp_path / "off", rewards=[[0, 0, 0, 0]] * 4, max_num_steps=1)
+    (metrics,) = asyncio.run(without.run())
+    assert metrics["train/skipped_zero_advantage"] and without.manager.collects == 2
+
+
+def test_dynamic_sampling_settings_are_checked_as_nemo_rl_checks_them():
+    with pytest.raises(ValueError, match="grpo.batch_multiplier=2.0 needs grpo.use_dynamic_sampling"):
+        GRPOLoopConfig(batch_multiplier=2.0)
+    is_loss = ClippedPGLossConfig(use_importance_sampling_correction=True)
+    with pytest.raises(ValueError, match="async_grpo_train does not apply dynamic sampling"):
+        GRPOLoopConfig(use_dynamic_sampling=True, async_rollouts=True, loss=is_loss)
+
+
+WARMUP = [
+    {"name": "torch.optim.lr_scheduler.LinearLR", "kwargs": {"start_factor": 0.1, "end_factor": 1.0, "total_iters": 2}},
+    {"name": "torch.optim.lr_scheduler.ConstantLR", "kwargs": {"factor": 1.0, "total_iters": 10_000}},
+    {"milestones": [2]},
+]
+
+
+def test_the_learning_rate_warms_up_once_per_step_and_resumes_from_the_checkpoint(tiny_model_dir, tmp_path):
+    t = trainer(tiny_model_dir, tmp_path, scheduler=WARMUP, max_num_steps=3, checkpoint_every_steps=1)
+    history = [m for m in asyncio.run(t.run()) if m["kind"] == "train"]
+    assert [m["train/lr"] for m in history] == pytest.approx([1e-4, 5.5e-4, 1e-3])
+    resumed = HFPolicy(HFPolicyConfig(model=str(t.checkpoint_dir), learning_rate=1e-3, keep_reference_model=False,
+                                      scheduler=WARMUP))
+    resumed.load_optimizer(t.checkpoint_dir)
+    assert resumed.optimizer.param_groups[0]["lr"] == pytest.approx(1e-3)
+    assert resumed.scheduler.state_dict()["last_epoch"] == 3

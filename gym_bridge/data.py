@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from gym_bridge.types import DatumSpec, MessageEntry, token_tensor
+from gym_bridge.types import DatumSpec, MessageEntry, Tokenizer, token_tensor
 
 
 def datum_from_chat(
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     messages: list[dict[str, Any]],
     *,
     idx: int,

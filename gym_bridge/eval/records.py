@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from gym_bridge.failures import classify_rollout_failure
 
 if TYPE_CHECKING:  # torch stays out of the readers' imports (compare, the viewer)
-    from gym_bridge.types import Completion, PromptGroupRecord
+    from gym_bridge.types import Completion, PromptGroupRecord, Tokenizer
 
 
 def termination_reason(completion: Completion) -> str:
@@ -40,7 +40,7 @@ def row_id(row: Any) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
 
-def trace_record(completion: Completion, tokenizer: Any) -> list[dict[str, Any]]:
+def trace_record(completion: Completion, tokenizer: Tokenizer) -> list[dict[str, Any]]:
     """The completion's message log as the model saw it, one entry per message: the prompt tokens each model
     call added (``role`` user: chat template, tool results) as text, and each model call's generated tokens
     one by one with their sampling logprobs (what the trace viewer shades)."""
@@ -62,7 +62,7 @@ def trace_record(completion: Completion, tokenizer: Any) -> list[dict[str, Any]]
     return steps
 
 
-def completion_record(completion: Completion, tokenizer: Any) -> dict[str, Any]:
+def completion_record(completion: Completion, tokenizer: Tokenizer) -> dict[str, Any]:
     log = completion.message_log
     assistant = [m for m in log if m["role"] == "assistant"]
     texts = [tokenizer.decode(m["token_ids"].tolist(), skip_special_tokens=True) for m in assistant]
@@ -85,7 +85,7 @@ def completion_record(completion: Completion, tokenizer: Any) -> dict[str, Any]:
 
 
 def group_record(
-    record: PromptGroupRecord, *, agent: str, line: int, tokenizer: Any, elapsed_s: float
+    record: PromptGroupRecord, *, agent: str, line: int, tokenizer: Tokenizer, elapsed_s: float
 ) -> dict[str, Any]:
     return {
         "prompt_idx": record.prompt_idx,

@@ -9,18 +9,17 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import Any
 
 from gym_bridge.eval.dataset import DatasetRow
 from gym_bridge.eval.records import failure_record, group_record
 from gym_bridge.eval.store import RunStore
-from gym_bridge.types import PromptGroupRecord
+from gym_bridge.types import PromptGroupRecord, Tokenizer
 
 
 class RunStoreSink:
     """Writes committed groups of the given dataset rows to ``store``."""
 
-    def __init__(self, store: RunStore, rows: list[DatasetRow], tokenizer: Any) -> None:
+    def __init__(self, store: RunStore, rows: list[DatasetRow], tokenizer: Tokenizer) -> None:
         self.store = store
         self.tokenizer = tokenizer
         self._rows = {row.prompt_idx: row for row in rows}

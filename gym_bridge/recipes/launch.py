@@ -21,7 +21,7 @@ from gym_bridge.config.training import NemoGymRolloutSettings, nemo_gym_rollout_
 
 if TYPE_CHECKING:
     from gym_bridge.rollout.manager import RolloutManager
-    from gym_bridge.types import GenerationConfig
+    from gym_bridge.types import GenerationConfig, Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ class NemoGymRollouts:
                 self.started_ray = False
 
 
-def start_nemo_gym(spec: GymLaunchSpec, tokenizer: Any) -> NemoGymRollouts:
+def start_nemo_gym(spec: GymLaunchSpec, tokenizer: Tokenizer) -> NemoGymRollouts:
     """Preflight every endpoint, start Ray (unless running), the actors and the manager; the caller stops them.
 
     Raises:
@@ -120,7 +120,9 @@ def start_nemo_gym(spec: GymLaunchSpec, tokenizer: Any) -> NemoGymRollouts:
 
 
 @contextmanager
-def launch_nemo_gym(spec: GymLaunchSpec, tokenizer: Any, *, stop_timeout_s: float = 60.0) -> Iterator[NemoGymRollouts]:
+def launch_nemo_gym(
+    spec: GymLaunchSpec, tokenizer: Tokenizer, *, stop_timeout_s: float = 60.0
+) -> Iterator[NemoGymRollouts]:
     """:func:`start_nemo_gym` for a ``with`` block: everything it started is stopped at the end."""
     rollouts = start_nemo_gym(spec, tokenizer)
     try:
@@ -131,7 +133,7 @@ def launch_nemo_gym(spec: GymLaunchSpec, tokenizer: Any, *, stop_timeout_s: floa
 
 def build_nemo_gym_rollouts(
     config: Mapping[str, Any],
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     *,
     base_urls: list[str] | None = None,
     uses_tools: bool = False,
@@ -150,7 +152,7 @@ def build_nemo_gym_rollouts(
 
 def start_nemo_gym_rollouts(
     settings: NemoGymRolloutSettings,
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     *,
     uses_tools: bool = False,
     preflight: bool = True,

@@ -15,7 +15,7 @@ from gym_bridge.data import datum_from_gym_row
 from gym_bridge.failures import RolloutRetryPolicy, RolloutTimeouts
 from gym_bridge.rollout.manager import RolloutManager
 from gym_bridge.testing import DEFAULT_GYM_CONFIGS, SERVED_MODEL_NAME
-from gym_bridge.types import DatumSpec
+from gym_bridge.types import DatumSpec, Tokenizer
 
 GYM_CONFIGS = list(DEFAULT_GYM_CONFIGS)
 # The smallest Gym set that grades: the model server and the equivalence agent (fault and two-node tests).
@@ -79,7 +79,7 @@ def gym_actor_config(base_urls: list[str], log_dir: Any, **kwargs: Any):
     )
 
 
-def make_manager(actor: Any, tokenizer: Any, *, rollout_s: float = 30.0, **policy: Any) -> RolloutManager:
+def make_manager(actor: Any, tokenizer: Tokenizer, *, rollout_s: float = 30.0, **policy: Any) -> RolloutManager:
     """A manager on one NemoGym actor: N rows per prompt, no retries unless ``policy`` asks for them."""
     retry = RolloutRetryPolicy(
         **{

@@ -34,12 +34,16 @@ def step_line(m: dict) -> str:
         return f"validation after {m['step']:3d} steps: {sets} ({m['time/val_s']:.0f}s)"
     if not m["train/groups"]:
         return f"step {m['step']:3d}: no fresh groups ({m['staleness/dropped']} stale dropped)"
+    rollouts = f"rollouts {m['train/rollout_sha256']}"
     if m["train/skipped_zero_advantage"]:
-        return f"step {m['step']:3d}: reward {m['train/mean_reward']:.3f}, every advantage zero: no update"
+        return f"step {m['step']:3d}: reward {m['train/mean_reward']:.3f}, every advantage zero: no update ({rollouts})"
     return (f"step {m['step']:3d}: reward {m['train/mean_reward']:.3f} pass {m['train/pass_rate']:.2f} "
-            f"len {m['train/mean_generated_tokens']:.1f} trunc {m['train/truncation_rate']:.2f} "
-            f"|dlogp| {m['on_policy/logprob_abs_diff_mean']:.1e} gen_kl {m['on_policy/gen_kl_error']:.1e} "
-            f"rollout {m['time/rollout_s']:.1f}s train {m['time/train_s']:.1f}s refit {m['time/refit_s']:.2f}s")
+            f"len {m['train/mean_generated_tokens']:.1f} trunc {m['train/truncation_rate']:.2f} lr {m['train/lr']:.1e} "
+            f"|dlogp| engine {m['train/engine_mismatch_abs_diff_mean']:.1e} "
+            f"lag {m['train/policy_lag_abs_diff_mean']:.1e} (max {m['train/policy_lag_abs_diff_max']:.2f}) "
+            f"step {m['train/policy_step_abs_diff_mean']:.1e} (max {m['train/policy_step_abs_diff_max']:.2f}) "
+            f"rollout {m['time/rollout_s']:.1f}s train {m['time/train_s']:.1f}s refit {m['time/refit_s']:.2f}s "
+            f"{rollouts}")
 
 
 def main() -> None:

@@ -16,7 +16,14 @@ from gym_bridge.data import datum_from_gym_row
 from gym_bridge.failures import RefitMismatch, RolloutStall, StepBatchShortfall
 from gym_bridge.gym.client import GymClient
 from gym_bridge.policy import HFPolicy, HFPolicyConfig
-from gym_bridge.training import GRPOLoopConfig, GRPOTrainer, GymValidator, ValidationSet, load_trainer_state
+from gym_bridge.training import (
+    ClippedPGLossConfig,
+    GRPOLoopConfig,
+    GRPOTrainer,
+    GymValidator,
+    ValidationSet,
+    load_trainer_state,
+)
 from gym_bridge.training.refit import refit
 from gym_bridge.types import GenerationSamplingParams
 from gym_bridge.recipes.grpo_run import build_grpo_run
@@ -76,6 +83,8 @@ def trainer_like(run, tmp_path, *, engine=None, validator=None, **cfg):
     from gym_bridge.training import TrainerState
 
     base = run.trainer
+    if cfg.get("async_rollouts"):
+        cfg.setdefault("loss", ClippedPGLossConfig(use_importance_sampling_correction=True))
     return GRPOTrainer(GRPOLoopConfig(num_prompts_per_step=2, **cfg), manager=base.manager, policy=base.policy,
                        engine=engine or base.engine, dataset=base.prompts.dataset, out_dir=tmp_path,
                        state=TrainerState(weight_version=base.manager.weight_version), validator=validator)
@@ -92,6 +101,8 @@ async def test_sync_steps_are_on_policy_and_tag_every_group_with_its_version(grp
         # Step 1 samples from the engine after the first refit: it must serve the policy's weights.
         assert metrics["on_policy/logprob_abs_diff_mean"] < ON_POLICY_ATOL, metrics
         assert metrics["on_policy/gen_kl_error"] < ON_POLICY_ATOL
+        assert metrics["train/engine_mismatch_abs_diff_mean"] < ON_POLICY_ATOL
+        assert metrics["train/policy_lag_abs_diff_max"] == 0.0 and metrics["train/policy_step_abs_diff_mean"] > 0
         assert metrics["time/rollout_s"] > 0 and metrics["time/train_s"] > 0 and metrics["time/refit_s"] > 0
         assert metrics["time/step_s"] >= metrics["time/train_s"] + metrics["time/refit_s"]
     assert history[0]["train/grad_norm"] > 0, "rewards differed, so the policy moved"
@@ -120,6 +131,10 @@ async def test_async_rollouts_run_up_to_the_age_bound_ahead_and_never_train_on_o
     history = await relaxed.run()
     assert [m["staleness/trained_start_versions"] for m in history] == [[start], [start], [start + 1]]
     assert [m["staleness/max_age"] for m in history] == [0, 1, 1] and relaxed.buffer.dropped_total == 0
+    for m in (m for m in history if not m["train/skipped_zero_advantage"]):
+        # Scored with the weights that sampled them, lagged samples match the engine as closely as fresh ones.
+        assert m["train/engine_mismatch_abs_diff_mean"] < ON_POLICY_ATOL, m
+        assert m["train/engine_mismatch_tokens"] == m["train/policy_step_tokens"], "every sampling version kept"
     # Two steps of lookahead: steps 1 and 2 are rolled out on the weights step 0 trains.
     two = trainer_like(grpo_run, tmp_path / "two", async_rollouts=True, max_trajectory_age_steps=2,
                        in_flight_weight_updates=True, max_num_steps=4)

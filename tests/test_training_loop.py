@@ -103,6 +103,8 @@ def test_two_runs_on_the_same_groups_give_equal_weights_step_by_step_in_any_comm
             differ = [k for k in first[step] if not torch.equal(first[step][k], other[step][k])]
             assert not differ, f"step {step}: {differ[:3]} differ"
     assert [m["train/loss"] for m in first_metrics] == [m["train/loss"] for m in shuffled_metrics]
+    digests = [m["train/rollout_sha256"] for m in first_metrics]
+    assert digests == [m["train/rollout_sha256"] for m in shuffled_metrics] and len(digests[0]) == 16
     other_seed = trainer(tiny_model_dir, tmp_path / "d", seed=6)
     assert other_seed.prompts.draw(6) != trainer(tiny_model_dir, tmp_path / "e").prompts.draw(6), "grpo.seed orders data"
 
@@ -209,3 +211,26 @@ def test_the_learning_rate_warms_up_once_per_step_and_resumes_from_the_checkpoin
     resumed.load_optimizer(t.checkpoint_dir)
     assert resumed.optimizer.param_groups[0]["lr"] == pytest.approx(1e-3)
     assert resumed.scheduler.state_dict()["last_epoch"] == 3
+
+
+def test_the_train_demo_config_warms_up_from_a_tenth_of_its_rate():
+    from pathlib import Path
+
+    import yaml
+
+    from gym_bridge.config.grpo import loop_config_from, policy_config
+    from gym_bridge.config.training import nemo_gym_rollout_settings
+    from gym_bridge.policy.hf import build_lr_scheduler
+
+    config = yaml.safe_load((Path(__file__).parents[1] / "examples" / "grpo_nemo_gym.yaml").read_text())
+    loop = loop_config_from(config, nemo_gym_rollout_settings(config, base_urls=["http://127.0.0.1:1/v1"]))
+    policy = policy_config(config, "tiny", loop)
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=policy.learning_rate)
+    scheduler = build_lr_scheduler(optimizer, policy.scheduler)
+    rates = []
+    for _ in range(5):
+        rates.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert rates == pytest.approx([2e-6, 8e-6, 1.4e-5, 2e-5, 2e-5])
+    assert loop.loss.use_importance_sampling_correction and not loop.use_dynamic_sampling

@@ -4,7 +4,9 @@ The settings come from :mod:`gym_bridge.config.grpo` and :mod:`gym_bridge.config
  :class:`~gym_bridge.generation.hf.HFGeneration` behind our
 :class:`~gym_bridge.serving.OpenAIServer` (a thread of this process), which Gym's model
 server calls; the trained copy is an :class:`~gym_bridge.policy.hf.HFPolicy`. A run folder
-with a checkpoint resumes from it: both copies load the checkpoint's weights.
+with a checkpoint resumes from it: both copies load the checkpoint's weights. ``grpo.seed`` seeds
+torch before the models load, and on the CPU the run uses ``torch.use_deterministic_algorithms``
+(restored by :meth:`GRPORun.close`).
 """
 
 from __future__ import annotations
@@ -89,6 +91,8 @@ class GRPORun:
     server: OpenAIServer
     rollouts: NemoGymRollouts
     policy: HFPolicy
+    deterministic_before: bool = False
+    """``torch.are_deterministic_algorithms_enabled()`` before the run set it; :meth:`close` restores it."""
 
     def close(self) -> None:
         try:
@@ -97,6 +101,7 @@ class GRPORun:
             self.server.stop_thread()
             self.engine.shutdown()
             self.policy.shutdown()
+            torch.use_deterministic_algorithms(self.deterministic_before)
 
 
 def build_grpo_run(config: Mapping[str, Any], out_dir: str | Path, *, resume: bool = True) -> GRPORun:
@@ -108,6 +113,7 @@ def build_grpo_run(config: Mapping[str, Any], out_dir: str | Path, *, resume: bo
     policy_cfg = config_section(config, "policy")
     seed = int(config_section(config, "grpo").get("seed", 0))
     torch.manual_seed(seed)
+    logger.info("grpo.seed %d", seed)
     checkpoint = out_dir / "checkpoint"
     state = load_trainer_state(checkpoint) if resume else None
     weights = str(checkpoint) if state is not None else str(policy_cfg["model_name"])
@@ -139,6 +145,11 @@ def build_grpo_run(config: Mapping[str, Any], out_dir: str | Path, *, resume: bo
         raise
     try:
         policy = HFPolicy(policy_config(config, weights, loop_cfg))
+        deterministic_before = torch.are_deterministic_algorithms_enabled()
+        if policy.device.type == "cpu" and engine.device.type == "cpu":
+            # CPU kernels are deterministic already, so this costs nothing; on a GPU it would need
+            # CUBLAS_WORKSPACE_CONFIG and slower kernels, and still not make batched decoding batch-invariant.
+            torch.use_deterministic_algorithms(True)
         if state is not None:
             policy.load_optimizer(checkpoint)
             engine.update_weights(policy.state_dict_for_refit(), state.weight_version)
@@ -165,4 +176,11 @@ def build_grpo_run(config: Mapping[str, Any], out_dir: str | Path, *, resume: bo
         server.stop_thread()
         engine.shutdown()
         raise
-    return GRPORun(trainer=trainer, engine=engine, server=server, rollouts=rollouts, policy=policy)
+    return GRPORun(
+        trainer=trainer,
+        engine=engine,
+        server=server,
+        rollouts=rollouts,
+        policy=policy,
+        deterministic_before=deterministic_before,
+    )

@@ -174,6 +174,15 @@ def step_seed(seed: int, step: int) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}:train:{step}".encode()).digest()[:8], "little") >> 1
 
 
+def rollout_digest(batch: Mapping[str, Any]) -> str:
+    """A short SHA-256 of a training batch's token ids and lengths, in training order: two runs whose rollouts are
+    token for token the same log the same digest at every step."""
+    digest = hashlib.sha256()
+    for key in ("input_lengths", "input_ids"):
+        digest.update(torch.as_tensor(batch[key]).to(torch.int64).contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
 def has_reward_spread(group: CommittedGroup) -> bool:
     """Whether a group's rewards differ (a non-zero std): dynamic sampling keeps only such groups."""
     rewards = [float(c.reward) for c in group.record.completions]
@@ -397,6 +406,7 @@ class GRPOTrainer:
                     **{f"train/{key}": value for key, value in {**shaping_metrics, **stats.advantage_metrics}.items()},
                 }
             )
+            metrics["train/rollout_sha256"] = rollout_digest(batch)
             trained = torch.as_tensor(batch["token_mask"]) * torch.as_tensor(batch["sample_mask"])[:, None]
             skip = not bool((torch.as_tensor(batch["advantages"]) * trained).ne(0).any())
             metrics["train/skipped_zero_advantage"] = skip

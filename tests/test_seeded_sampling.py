@@ -135,6 +135,25 @@ async def test_n_choices_of_a_seeded_request_differ_and_repeat_as_in_vllm(tiny_s
     assert other_seed != first
 
 
+async def test_the_proxy_hands_each_choice_its_seed_upstream(tiny_server, tiny_lm):
+    """Through ``build_proxy`` (OpenAIHTTPGeneration, one upstream /v1/completions per row): the same n seeded
+    choices as from the upstream itself."""
+    from gym_bridge.serving.upstream import build_proxy
+
+    proxy = build_proxy([tiny_server.base_url], tiny_lm[0], upstream_model="tiny", max_model_len=2048)
+    proxy.start_in_thread()
+    try:
+        body = {**_body("/completions", 4, 77), "n": 3}
+        async with httpx.AsyncClient(base_url=proxy.base_url, timeout=120) as client:
+            proxied = await _post(client, "/completions", body)
+        async with httpx.AsyncClient(base_url=tiny_server.base_url, timeout=120) as client:
+            direct = await _post(client, "/completions", body)
+    finally:
+        proxy.stop_thread()
+        proxy.state.generation.shutdown()
+    assert proxied == direct and len({tuple(t) for t in direct}) == 3
+
+
 async def test_a_seed_outside_64_bits_is_a_400_naming_it(tiny_server):
     async with httpx.AsyncClient(base_url=tiny_server.base_url, timeout=30) as client:
         response = await client.post("/completions", json={"model": "tiny", "prompt": "hi", "seed": 2**63})

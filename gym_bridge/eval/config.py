@@ -2,24 +2,52 @@
 
 Every error names the key it is about. :meth:`EvalConfig.fingerprint` is what a
 resumed run must share with the run it continues.
+
+A config names one policy (``base_urls`` / ``model_name`` / ``tokenizer`` / ``api_key_env_var``, or
+``embedded_policy``) or several under ``policies:``, each entry a ``name`` plus those keys;
+:meth:`EvalConfig.policy_configs` gives one ordinary single-policy config per entry, its run folder
+``<output_dir>/<name>``.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, ValidationError, model_validator
 
 from gym_bridge.failures import GymBridgeError
 
 
 class EvalConfigError(GymBridgeError, ValueError):
     """The eval config is unreadable or invalid; the message names the key."""
+
+
+POLICY_KEYS = ("base_urls", "model_name", "tokenizer", "api_key_env_var", "embedded_policy")
+"""The keys that name one policy: at the top level (one policy) or in each ``policies`` entry."""
+_POLICY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+class PolicyEntry(BaseModel):
+    """One entry of ``policies:``: a name (its run folder) and the keys of one policy."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(description="The policy's name: its run folder under output_dir and its label in compare.")
+    base_urls: list[str] | None = None
+    model_name: str | None = None
+    tokenizer: str | None = None
+    api_key_env_var: str | None = None
+    embedded_policy: Literal["tiny", "smollm2", "scripted"] | None = None
+
+    def keys(self) -> dict[str, Any]:
+        """The policy keys this entry sets (``name`` excluded)."""
+        return self.model_dump(exclude={"name"}, exclude_none=True)
 
 
 class EvalConfig(BaseModel):
@@ -72,6 +100,12 @@ class EvalConfig(BaseModel):
     )
     pass_threshold: float = Field(1.0, description="A completion passes when its reward >= this.")
     gym_overrides: dict[str, Any] = Field(default_factory=dict, description="Merged into Gym's global config.")
+    policies: list[PolicyEntry] | None = Field(
+        None,
+        description="Several policies in one command: each a name plus the policy keys (base_urls, model_name, "
+        "tokenizer, api_key_env_var or embedded_policy); each runs into <output_dir>/<name>, then compare.",
+    )
+    _policy_configs: list[tuple[str, EvalConfig]] = PrivateAttr(default_factory=list)
 
     @model_validator(mode="after")
     def _check_urls(self) -> EvalConfig:
@@ -90,7 +124,7 @@ class EvalConfig(BaseModel):
     @model_validator(mode="after")
     def _embedded_model_names(self) -> EvalConfig:
         """An embedded model policy names the tokenizer and served name unless they are given."""
-        if self.embedded_policy == "scripted":
+        if self.embedded_policy == "scripted" or self.policies is not None:
             return self
         if "tokenizer" not in self.model_fields_set:
             self.tokenizer = self.embedded_policy
@@ -102,6 +136,49 @@ class EvalConfig(BaseModel):
                 "leave tokenizer out (or pass the embedded model's folder)"
             )
         return self
+
+    @model_validator(mode="after")
+    def _check_policies(self) -> EvalConfig:
+        """``policies`` excludes the top-level policy keys; each entry becomes a valid single-policy config."""
+        if self.policies is None:
+            return self
+        mixed = [key for key in POLICY_KEYS if key in self.model_fields_set]
+        if mixed:
+            raise ValueError(
+                f"policies: give {', '.join(mixed)} inside each policy entry, not beside policies "
+                f"(one form or the other: policies, or the top-level {' / '.join(POLICY_KEYS)})"
+            )
+        if not self.policies:
+            raise ValueError("policies: the list is empty; give at least one entry (name plus base_urls or "
+                             "embedded_policy)")  # fmt: skip
+        shared = self.model_dump(mode="json", exclude_unset=True, exclude={"policies"})
+        seen: dict[str, int] = {}
+        configs = []
+        for i, entry in enumerate(self.policies):
+            label = f"policy {entry.name!r} (policies.{i})"
+            if not _POLICY_NAME.fullmatch(entry.name):
+                raise ValueError(f"{label}: name: use letters, digits, '.', '_' and '-' (it names a folder)")
+            if entry.name in seen:
+                raise ValueError(f"{label}: name: {entry.name!r} is already the name of policies.{seen[entry.name]}")
+            seen[entry.name] = i
+            keys = entry.keys()
+            if not keys.get("base_urls") and "embedded_policy" not in keys:
+                raise ValueError(f"{label}: base_urls: no endpoint; give base_urls, or embedded_policy for an "
+                                 "embedded model")  # fmt: skip
+            if keys.get("base_urls") and "embedded_policy" in keys:
+                raise ValueError(f"{label}: embedded_policy: give base_urls or embedded_policy, not both")
+            data = {**shared, **keys, "output_dir": str(self.output_dir / entry.name)}
+            try:
+                configs.append((entry.name, EvalConfig.model_validate(data)))
+            except ValidationError as exc:
+                raise ValueError(f"{label}: {_format_errors(exc, prefix='')}") from None
+        self._policy_configs = configs
+        return self
+
+    def policy_configs(self) -> list[tuple[str, EvalConfig]]:
+        """``(name, config)`` per entry of ``policies``, in order, each a single-policy config whose
+        ``output_dir`` is ``<output_dir>/<name>``; empty for a single-policy config."""
+        return list(self._policy_configs)
 
     @property
     def embedded(self) -> bool:
@@ -160,11 +237,25 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return key.strip().split("."), value
 
 
-def _format_errors(exc: ValidationError) -> str:
+def _format_errors(
+    exc: ValidationError, *, prefix: str = "invalid eval config: ", data: dict[str, Any] | None = None
+) -> str:
+    """One line: every error with its key (``policies`` entries named by their ``name`` where ``data`` has it)."""
+    entries = (data or {}).get("policies")
     lines = []
     for err in exc.errors():
-        key = ".".join(str(p) for p in err["loc"]) or "(config)"
+        loc = list(err["loc"])
+        key = ".".join(str(p) for p in loc)
         message = err["msg"].removeprefix("Value error, ")
+        if len(loc) >= 3 and loc[0] == "policies" and isinstance(loc[1], int):
+            if err["type"] == "extra_forbidden":
+                message = f"unknown key; known keys: {', '.join(PolicyEntry.model_fields)}"
+            name = (
+                entries[loc[1]].get("name") if isinstance(entries, list) and isinstance(entries[loc[1]], dict) else None
+            )
+            where = f"policy {name!r} (policies.{loc[1]})" if name is not None else f"policies.{loc[1]}"
+            lines.append(f"{where}: {'.'.join(str(p) for p in loc[2:])}: {message}")
+            continue
         if err["type"] == "extra_forbidden" and key == "api_key":
             message = (
                 "an API key is never written in the config (it is copied into run.json); put it in "
@@ -172,8 +263,8 @@ def _format_errors(exc: ValidationError) -> str:
             )
         elif err["type"] == "extra_forbidden":
             message = f"unknown key; known keys: {', '.join(EvalConfig.model_fields)}"
-        lines.append(f"{key}: {message}")
-    return "invalid eval config: " + "; ".join(lines)
+        lines.append(f"{key}: {message}" if key else message)  # a check of several keys names them itself
+    return prefix + "; ".join(lines)
 
 
 def build_config(data: dict[str, Any], overrides: Sequence[str] = ()) -> EvalConfig:
@@ -192,7 +283,7 @@ def build_config(data: dict[str, Any], overrides: Sequence[str] = ()) -> EvalCon
     try:
         return EvalConfig.model_validate(data)
     except ValidationError as exc:
-        raise EvalConfigError(_format_errors(exc)) from None
+        raise EvalConfigError(_format_errors(exc, data=data)) from None
 
 
 def load_config(path: str | Path, overrides: Sequence[str] = ()) -> EvalConfig:

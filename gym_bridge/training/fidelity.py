@@ -3,7 +3,9 @@
 ``gen_kl_error`` is NeMo-RL's: the token-level mean of the k3 estimator of
 KL(P_gen || P_train), ``exp(r) - 1 - r`` with ``r = train - gen``, over the masked tokens.
 A refit that did not reach the engine shows up here at once (the engine samples from
-old weights while the trainer scores with new ones).
+old weights while the trainer scores with new ones). ``logprob_gap`` gives the same
+measures between any two sets of logprobs (the loop's engine mismatch, lag and per-step
+movement).
 
 ``seq_logprob_error_mask`` is NeMo-RL's ``grpo.seq_logprob_error_threshold``: sequences whose
 multiplicative probability error exceeds the threshold are left out of the loss.

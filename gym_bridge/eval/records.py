@@ -79,6 +79,7 @@ def completion_record(completion: Completion, tokenizer: Tokenizer) -> dict[str,
         "masked": completion.masked,
         "failure_kind": completion.failure_kind,
         "token_drift": completion.token_drift,
+        "seed": completion.seed,
         "trace": trace_record(completion, tokenizer),
         "gym_result": completion.env_extras,
     }

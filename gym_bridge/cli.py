@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from pydantic import SecretStr
 
+    from gym_bridge.eval.config import EvalConfig
     from gym_bridge.serving.server import OpenAIServer
 
 
@@ -122,6 +123,8 @@ def _eval(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = load_config(args.config, args.overrides)
+        if config.policies is not None:
+            return _eval_policies(config, args)
         outcome = run_eval(config, resume=args.resume, progress=not args.no_progress)
     except EvalInterrupted as exc:
         print(f"gym-bridge eval: {exc}; continue with --resume", file=sys.stderr)
@@ -138,6 +141,27 @@ def _eval(args: argparse.Namespace) -> int:
     print(f"report: {outcome.run_dir / 'report.md'}")
     print(f"metrics: {outcome.run_dir / 'metrics.json'}")
     return 1 if outcome.metrics.get("prompts_failed") else 0
+
+
+def _eval_policies(config: EvalConfig, args: argparse.Namespace) -> int:
+    """``gym-bridge eval`` of a config with ``policies``: one line per policy, then the comparison."""
+    from gym_bridge.eval.runner import run_policies
+
+    done = run_policies(config, resume=args.resume, progress=not args.no_progress)
+    failed = False
+    for name, outcome in done.policies.items():
+        overall = outcome.metrics.get("agents", {}).get("all", {})
+        failed = failed or bool(outcome.metrics.get("prompts_failed"))
+        print(
+            f"{name}: {outcome.done_before + outcome.done_now} of {outcome.prompts_total} prompt groups done "
+            f"({outcome.failed_now} failed this run); mean reward {overall.get('mean_reward', float('nan')):.3f}; "
+            f"report: {outcome.run_dir / 'report.md'}"
+        )
+    if done.compare_dir is not None:
+        print(f"comparison: {done.compare_dir / 'compare.md'}")
+    elif done.compare_error is not None:
+        print(f"gym-bridge eval: no comparison: {done.compare_error}", file=sys.stderr)
+    return 1 if failed or done.compare_error is not None else 0
 
 
 def _check_endpoint(args: argparse.Namespace) -> int:

@@ -5,6 +5,11 @@ Order matters: the dataset is read and validated, and the run folder opened (ref
 changed config on resume), before any server starts. On SIGINT the in-flight groups are
 cancelled, finished results stay on disk, Gym and the embedded server are stopped, and
 :class:`EvalInterrupted` is raised (the CLI turns it into exit code 130).
+
+A config with ``policies`` runs through :func:`run_policies`: Ray starts once, then each policy in
+turn runs as an ordinary single-policy run (its own embedded server or endpoints and its own Gym
+server set) into ``<output_dir>/<name>``, and :func:`gym_bridge.eval.compare.compare_runs` writes
+``<output_dir>/compare.*`` over them, the first policy the baseline.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import math
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -83,8 +88,17 @@ class _Progress:
         self.bar.update(1)
 
 
-def run_eval(config: EvalConfig, *, resume: bool = False, progress: bool = True) -> EvalOutcome:
+def run_eval(
+    config: EvalConfig,
+    *,
+    resume: bool = False,
+    progress: bool = True,
+    before_start: Callable[[], None] | None = None,
+) -> EvalOutcome:
     """Run (or continue) the evaluation described by ``config``; write the report at the end.
+
+    ``before_start`` is called once pending groups are known to exist, before anything starts
+    (:func:`run_policies` starts its shared Ray there, so a run that stops none is left running).
 
     Raises:
         DatasetError: a dataset line is malformed (nothing was started).
@@ -93,6 +107,8 @@ def run_eval(config: EvalConfig, *, resume: bool = False, progress: bool = True)
         RunConfigurationError: the first groups all failed with the same configuration error
             (the model endpoint's 4xx); finished groups are kept.
     """
+    if config.policies is not None:
+        raise EvalConfigError("policies: a config with several policies runs through run_policies")
     rows = load_dataset(config.dataset, limit=config.limit)
     store = RunStore(config.output_dir)
     done = store.open(
@@ -111,6 +127,8 @@ def run_eval(config: EvalConfig, *, resume: bool = False, progress: bool = True)
     status = "crashed"
     try:
         if pending:
+            if before_start is not None:
+                before_start()
             interrupted = _run_pending(config, pending, store, outcome, progress=progress)
             status = "interrupted" if interrupted else "finished"
             if interrupted:
@@ -128,6 +146,130 @@ def run_eval(config: EvalConfig, *, resume: bool = False, progress: bool = True)
         store.record_session(started, outcome=status, rollouts_started=outcome.rollouts_started)
     outcome.metrics = build_report(config.output_dir)
     return outcome
+
+
+@dataclass
+class PoliciesOutcome:
+    """What :func:`run_policies` did: one :class:`EvalOutcome` per policy, in config order, and the comparison."""
+
+    output_dir: Path
+    policies: dict[str, EvalOutcome]
+    compare_dir: Path | None = None
+    """Where ``compare.md`` / ``.json`` / ``.png`` were written (None: one policy, or compare refused)."""
+    compare_error: str | None = None
+    """Why compare wrote nothing (e.g. no prompt that every policy finished)."""
+    ray_start_s: float | None = None
+    """Seconds the one Ray start took (None: nothing had to run, or Ray was already running)."""
+    seconds: float = 0.0
+
+
+class _SharedRay:
+    """Ray for several runs: started on first need (not at all when every run is finished), stopped at the
+    end when started here. ``start_nemo_gym`` finds it running, so no run stops it."""
+
+    def __init__(self) -> None:
+        self.started = False
+        self.start_s: float | None = None
+
+    def ensure(self) -> None:
+        import ray
+
+        from gym_bridge.ray_utils import init_ray
+
+        if ray.is_initialized():
+            return
+        t0 = time.perf_counter()
+        init_ray(num_cpus=os.cpu_count() or 2)
+        self.started, self.start_s = True, time.perf_counter() - t0
+
+    def stop(self) -> None:
+        if self.started:
+            import ray
+
+            with _sigint_deferred("stopping Ray"):
+                ray.shutdown()
+            self.started = False
+
+
+def run_policies(config: EvalConfig, *, resume: bool = False, progress: bool = True) -> PoliciesOutcome:
+    """Run every policy of ``config.policies`` into ``<output_dir>/<name>``, then compare them with the first.
+
+    Ray starts once; each policy brings up its own policy endpoint and Gym server set in turn (Gym's model
+    server is configured with one policy endpoint when it starts, see docs/evaluation.md). Every run folder
+    is checked before anything starts. With ``resume`` each policy resumes on its own: a finished one runs
+    nothing, a partial one runs its pending groups, a missing one starts.
+
+    Raises:
+        RunDirError: ``output_dir`` is not empty without ``resume``, or a policy's config changed on resume.
+        EvalInterrupted: SIGINT; the finished policies and groups are kept, ``--resume`` continues.
+        PreflightError, DatasetError, RunConfigurationError: as :func:`run_eval`.
+    """
+    from gym_bridge.eval.store import RunDirError
+
+    policies = config.policy_configs()
+    if not policies:
+        raise EvalConfigError("policies: not set; run a single-policy config with run_eval")
+    out = config.output_dir
+    if not resume and out.exists() and any(out.iterdir()):
+        raise RunDirError(
+            f"the output folder {out} is not empty: pass --resume to continue those runs, or choose another output_dir"
+        )
+    rows = load_dataset(config.dataset, limit=config.limit)
+    _preflight_endpoints([cfg for _, cfg in policies if not cfg.embedded and not _finished(cfg, rows)], rows)
+    started = time.perf_counter()
+    ray = _SharedRay()
+    outcomes: dict[str, EvalOutcome] = {}
+    try:
+        for name, cfg in policies:
+            logger.info("policy %s: %s", name, describe_model(cfg.model_dump(mode="json")))
+            outcomes[name] = run_eval(cfg, resume=resume, progress=progress, before_start=ray.ensure)
+    finally:
+        ray.stop()
+    result = PoliciesOutcome(output_dir=out, policies=outcomes, ray_start_s=ray.start_s)
+    if len(policies) > 1:
+        from gym_bridge.eval.compare import CompareError, compare_runs
+        from gym_bridge.eval.runs import RunReadError
+
+        try:
+            compare_runs([cfg.output_dir for _, cfg in policies], out)
+            result.compare_dir = out
+        except (CompareError, RunReadError) as exc:
+            result.compare_error = str(exc)
+            logger.warning("compare: %s", exc)
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+def _finished(config: EvalConfig, rows: list[DatasetRow]) -> bool:
+    """Whether ``config``'s run folder already holds a result for every row (its resume runs nothing)."""
+    from gym_bridge.eval.store import RESULTS_FILE, RUN_FILE
+
+    if not (config.output_dir / RUN_FILE).exists():
+        return False
+    done = {int(r["prompt_idx"]) for r in read_jsonl(config.output_dir / RESULTS_FILE)}
+    return all(row.prompt_idx in done for row in rows)
+
+
+def _preflight_endpoints(configs: list[EvalConfig], rows: list[DatasetRow]) -> None:
+    """Check every endpoint policy that has work to do, before anything starts (embedded ones are checked
+    when their server is up)."""
+    from gym_bridge.preflight import PreflightError, preflight_endpoints, rows_use_tools
+
+    tools = rows_use_tools([item.row for item in rows])
+    for cfg in configs:
+        try:
+            checks = preflight_endpoints(
+                list(cfg.base_urls),
+                cfg.model_name,
+                tools=tools,
+                timeout_s=cfg.preflight_timeout_s,
+                api_key=cfg.api_key(),
+            )
+        except PreflightError:
+            logger.error("policy %r: its endpoints failed preflight; nothing was started", cfg.output_dir.name)
+            raise
+        for check in checks:
+            logger.info("preflight %s: %s", cfg.output_dir.name, check.line)
 
 
 def _run_pending(

@@ -157,6 +157,8 @@ def _eval_policies(config: EvalConfig, args: argparse.Namespace) -> int:
             f"({outcome.failed_now} failed this run); mean reward {overall.get('mean_reward', float('nan')):.3f}; "
             f"report: {outcome.run_dir / 'report.md'}"
         )
+    ray = f"; Ray started once ({done.ray_start_s:.1f} s)" if done.ray_start_s is not None else ""
+    print(f"{len(done.policies)} policies in {done.seconds:.0f} s{ray}")
     if done.compare_dir is not None:
         print(f"comparison: {done.compare_dir / 'compare.md'}")
     elif done.compare_error is not None:

@@ -52,6 +52,7 @@ def main() -> None:
     parser.add_argument("--out", default="runs/grpo", help="run folder (resumed when it holds a checkpoint)")
     parser.add_argument("--steps", type=int, help="override grpo.max_num_steps")
     parser.add_argument("--async", dest="async_rollouts", action="store_true", help="override grpo.async_grpo.enabled")
+    parser.add_argument("--seed", type=int, help="override grpo.seed (data order, rollout seeds, training seeds)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     for noisy in ("httpx", "gym_bridge.gym", "gym_bridge.serving", "ray"):
@@ -61,7 +62,10 @@ def main() -> None:
         config["grpo"]["max_num_steps"] = args.steps
     if args.async_rollouts:
         config["grpo"].setdefault("async_grpo", {})["enabled"] = True
+    if args.seed is not None:
+        config["grpo"]["seed"] = args.seed
     out = Path(args.out)
+    logger.info("seed %d (grpo.seed): each step logs a hash of its rollouts' token ids", config["grpo"].get("seed", 0))
     init_ray(num_cpus=2)
     run = build_grpo_run(config, out)
     try:

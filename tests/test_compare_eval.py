@@ -1,7 +1,10 @@
-"""Two real ``gym-bridge eval`` runs of one dataset (real Ray, real Gym servers, embedded policies), then the
-commands that read them: ``compare`` (the scripted policy beats the random tiny model, with an interval above 0,
-on exactly the prompts it answers) and ``rescore`` (Gym's own /verify again under another grading rule changes
-exactly the rewards that rule changes, and nothing is regenerated).
+"""One real ``gym-bridge eval`` of two policies (``examples/eval_two_policies.yaml``: real Ray, real Gym servers,
+the embedded random tiny model and the scripted policy), then everything that reads or repeats those runs:
+the comparison the command writes and ``compare`` (the scripted policy beats the tiny model, with an interval
+above 0, on exactly the prompts it answers), ``rescore`` (Gym's own /verify again under another grading rule
+changes exactly the rewards that rule changes), the seed (the tiny model's run repeated alone, one group at a
+time, gives the same completions token for token) and ``--resume`` per policy. The runs are made once for the
+module: each eval command starts its own Ray and Gym set.
 """
 
 from __future__ import annotations
@@ -19,8 +22,11 @@ import pytest
 
 from gym_bridge.eval.runs import load_run
 
+from gym_bridge.eval.store import read_jsonl
+
 REPO = Path(__file__).resolve().parents[1]
-EXAMPLE = REPO / "examples" / "eval_equivalence_tools.yaml"
+TWO_POLICIES = REPO / "examples" / "eval_two_policies.yaml"
+ONE_POLICY = REPO / "examples" / "eval_equivalence_tools.yaml"
 ROWS = REPO / "examples" / "data" / "gym_rows.jsonl"
 N = 2
 
@@ -35,16 +41,38 @@ def cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
-    """The equivalence-tools example run twice: the random tiny model, then the scripted policy."""
-    root = tmp_path_factory.mktemp("compare-runs")
-    folders = {}
+    """``examples/eval_two_policies.yaml`` in one command: the tiny model, then the scripted policy."""
+    root = tmp_path_factory.mktemp("two-policies")
+    done = cli("eval", str(TWO_POLICIES), f"output_dir={root}", "--no-progress")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Ray started once" in done.stdout
+    return {"root": root, "tiny": root / "tiny", "scripted": root / "scripted"}
+
+
+def last_session(run: Path) -> dict:
+    return json.loads((run / "run.json").read_text())["sessions"][-1]
+
+
+def generated_tokens(run: Path) -> dict[int, list[list[str]]]:
+    """Each prompt's completions as their generated token lists (from the traces the eval records)."""
+    return {
+        line["prompt_idx"]: [
+            [token for turn in c["trace"] if turn["role"] == "assistant" for token in turn["tokens"]]
+            for c in line["completions"]
+        ]
+        for line in read_jsonl(run / "results.jsonl")
+    }
+
+
+def test_the_command_writes_a_run_per_policy_and_their_comparison(runs: dict[str, Path]) -> None:
     for policy in ("tiny", "scripted"):
-        folder = root / policy
-        done = cli("eval", str(EXAMPLE), f"output_dir={folder}", f"embedded_policy={policy}",
-                   f"num_generations_per_prompt={N}", "max_new_tokens=24", "--no-progress")  # fmt: skip
-        assert done.returncode == 0, done.stderr[-3000:]
-        folders[policy] = folder
-    return folders
+        assert len(read_jsonl(runs[policy] / "results.jsonl")) == 6 and (runs[policy] / "report.md").exists()
+        assert last_session(runs[policy])["outcome"] == "finished"
+    report = json.loads((runs["root"] / "compare.json").read_text())
+    assert [r["label"] for r in report["runs"]] == ["tiny", "scripted"] and report["baseline"] == "tiny"
+    assert report["shared_prompts"] == 6 and (runs["root"] / "compare.png").exists()
+    overall = report["comparisons"][0]["agents"]["all"]["metrics"]
+    assert overall["mean_reward"]["low"] > 0 and overall["pass@1"]["low"] > 0, "the scripted policy wins"
 
 
 def verdicts(run: Path) -> dict[int, bool]:
@@ -128,3 +156,43 @@ def test_rescore_with_another_grading_rule_changes_exactly_its_rewards(runs: dic
     shown = cli("compare", str(source), str(out), "--out", str(tmp_path / "cmp"))
     assert shown.returncode == 0, shown.stderr
     assert re.search(r"another grader \(a rescore\): gym_overrides", (tmp_path / "cmp" / "compare.md").read_text())
+
+
+@pytest.mark.timeout(900)
+def test_one_seed_gives_the_same_completions_alone_and_in_company(runs: dict[str, Path], tmp_path: Path) -> None:
+    """The tiny model samples at temperature 1; its run in the two-policy command sent four groups at a time.
+    Run again alone with the same seed, one group at a time (rows meet other rows in the engine's decode
+    batches differently), it gives the same tokens."""
+    alone = tmp_path / "alone"
+    done = cli("eval", str(ONE_POLICY), f"output_dir={alone}", "embedded_policy=tiny", f"num_generations_per_prompt={N}",
+               "max_new_tokens=24", "seed=0", "concurrency=1", "--no-progress")  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    first, second = generated_tokens(runs["tiny"]), generated_tokens(alone)
+    assert sorted(first) == list(range(6)) and first == second
+    differing = sum(len({tuple(t) for t in samples}) == len(samples) for samples in first.values())
+    assert differing >= 5, "the samples of a group have seeds of their own and should differ"
+
+
+@pytest.mark.timeout(900)
+def test_a_second_command_needs_resume_which_runs_only_the_unfinished_policy(
+    runs: dict[str, Path], tmp_path: Path
+) -> None:
+    out = tmp_path / "two"
+    shutil.copytree(runs["root"], out)
+    again = cli("eval", str(TWO_POLICIES), f"output_dir={out}", "--no-progress")
+    assert again.returncode == 2 and "not empty" in again.stderr and "--resume" in again.stderr
+
+    tiny, scripted = out / "tiny", out / "scripted"
+    tiny_results = (tiny / "results.jsonl").read_bytes()
+    kept = (scripted / "results.jsonl").read_bytes().splitlines(keepends=True)[:3]
+    (scripted / "results.jsonl").write_bytes(b"".join(kept))
+    for name in ("compare.json", "compare.md", "compare.png"):
+        (out / name).unlink()
+    resumed = cli("eval", str(TWO_POLICIES), f"output_dir={out}", "--resume", "--no-progress")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert (tiny / "results.jsonl").read_bytes() == tiny_results
+    assert last_session(tiny)["rollouts_started"] is None, "the finished policy started nothing"
+    assert last_session(scripted)["rollouts_started"] is not None
+    lines = (scripted / "results.jsonl").read_bytes().splitlines(keepends=True)
+    assert len(lines) == 6 and lines[:3] == kept
+    assert json.loads((out / "compare.json").read_text())["shared_prompts"] == 6

@@ -1,6 +1,7 @@
 """Several policies in one ``gym-bridge eval`` (``policies:``): bad configs refused in one line naming the
-policy and key, and one real command (real Ray, real Gym servers, the embedded tiny and scripted policies)
-that writes a run folder per policy and the comparison over them, then resumes per policy.
+policy and key, and each entry an ordinary run config. The real two-policy command, its comparison and
+``--resume`` per policy are tested in tests/test_compare_eval.py, which shares that one run with compare,
+rescore and the seed check.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import yaml
 
 from gym_bridge.cli import main
 from gym_bridge.eval.config import EvalConfigError, build_config
-from gym_bridge.eval.store import read_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "eval_two_policies.yaml"
@@ -77,43 +77,3 @@ def cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
 
 def last_session(run: Path) -> dict:
     return json.loads((run / "run.json").read_text())["sessions"][-1]
-
-
-@pytest.mark.gym
-@pytest.mark.e2e
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_two_policies_one_command_then_resume_runs_only_the_unfinished(tmp_path: Path) -> None:
-    out = tmp_path / "two"
-    done = cli(f"output_dir={out}")
-    assert done.returncode == 0, done.stderr[-3000:]
-    tiny, scripted = out / "tiny", out / "scripted"
-    for run in (tiny, scripted):
-        assert len(read_jsonl(run / "results.jsonl")) == 6 and (run / "report.md").exists()
-        assert last_session(run)["outcome"] == "finished"
-    assert "Ray started once" in done.stdout
-
-    report = json.loads((out / "compare.json").read_text())
-    assert [r["label"] for r in report["runs"]] == ["tiny", "scripted"] and report["baseline"] == "tiny"
-    assert report["shared_prompts"] == 6 and (out / "compare.md").exists() and (out / "compare.png").exists()
-    overall = report["comparisons"][0]["agents"]["all"]["metrics"]
-    assert overall["mean_reward"]["low"] > 0 and overall["pass@1"]["low"] > 0, "the scripted policy wins"
-
-    # the same command again without --resume is refused before anything starts
-    again = cli(f"output_dir={out}")
-    assert again.returncode == 2 and "not empty" in again.stderr and "--resume" in again.stderr
-
-    # tiny finished, scripted cut to 3 of its 6 groups: --resume runs scripted's 3 pending groups only
-    tiny_results = (tiny / "results.jsonl").read_bytes()
-    kept = (scripted / "results.jsonl").read_bytes().splitlines(keepends=True)[:3]
-    (scripted / "results.jsonl").write_bytes(b"".join(kept))
-    for name in ("compare.json", "compare.md", "compare.png"):
-        (out / name).unlink()
-    resumed = cli(f"output_dir={out}", "--resume")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert (tiny / "results.jsonl").read_bytes() == tiny_results
-    assert last_session(tiny)["rollouts_started"] is None, "the finished policy started nothing"
-    assert last_session(scripted)["rollouts_started"] is not None
-    lines = (scripted / "results.jsonl").read_bytes().splitlines(keepends=True)
-    assert len(lines) == 6 and lines[:3] == kept
-    assert json.loads((out / "compare.json").read_text())["shared_prompts"] == 6

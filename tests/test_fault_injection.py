@@ -420,7 +420,7 @@ class TamperingRelay:
 
 @pytest.mark.parametrize(
     ("plan", "needle"),
-    [("duplicate", "duplicate row index"), ("out_of_range", "outside the expected range"),
+    [("duplicate", "duplicate row index"), ("out_of_range", "came back, which was not dispatched"),
      ("never_dispatched", "which was not dispatched")],
 )
 async def test_bad_stream_indices_are_rejected(fault_gym, tiny_tokenizer, plan, needle):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import pickle
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -135,7 +136,7 @@ def test_eval_cli_exits_2_with_one_line_when_the_run_stops_on_a_config_error(mon
     def stopped(config, **_):
         raise RunConfigurationError(message)
 
-    monkeypatch.setattr(gym_bridge.eval, "load_config", lambda path, overrides: object())
+    monkeypatch.setattr(gym_bridge.eval, "load_config", lambda path, overrides: SimpleNamespace(policies=None))
     monkeypatch.setattr(gym_bridge.eval, "run_eval", stopped)
     assert main(["eval", str(tmp_path / "eval.yaml")]) == 2
     err = capsys.readouterr().err

@@ -195,6 +195,21 @@ def test_masked_samples_leave_the_baseline_and_the_loss():
     assert torch.equal(grpo_advantages(rewards, valid=torch.zeros(1, 4, dtype=torch.bool)), torch.zeros(1, 4))
 
 
+def test_masked_samples_in_baseline_is_nemo_rls_behaviour_one_setting_away():
+    """Default: a masked sample is out of its group's baseline. ``masked_samples_in_baseline`` (NeMo-RL's
+    behaviour) counts it there; either way it never trains."""
+    rewards = [1.0, 0.0, 0.0, 1.0]
+    done = [completion([1, 2], [3 + i], [-0.5], reward) for i, reward in enumerate(rewards)]
+    done[3].masked = True
+    groups = [group(0, done)]
+    ours, _ = train_batch(groups, 0)
+    nemo_rl, _ = train_batch(groups, 0, settings=AdvantageSettings(masked_in_baseline=True))
+    assert torch.allclose(ours["advantages"][:3, -1], grpo_advantages(torch.tensor([rewards[:3]]))[0])
+    assert torch.allclose(nemo_rl["advantages"][:3, -1], grpo_advantages(torch.tensor([rewards]))[0, :3])
+    assert not torch.allclose(ours["advantages"][:3, -1], nemo_rl["advantages"][:3, -1])
+    assert ours["sample_mask"].tolist() == nemo_rl["sample_mask"].tolist() == [1.0, 1.0, 1.0, 0.0]
+
+
 def flagged(prompt, reply, reward, *, invalid=False, malformed=False, truncated=False, env_extras=None):
     done = completion(prompt, reply, [-0.5] * len(reply), reward, truncated=truncated)
     done.message_log[1].update(is_invalid_tool_call=invalid, has_malformed_thinking=malformed)

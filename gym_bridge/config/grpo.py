@@ -10,6 +10,7 @@ Keys read (NeMo-RL's names where NeMo-RL has them):
 - ``grpo.num_prompts_per_step``, ``grpo.num_generations_per_prompt``, ``grpo.max_num_steps``,
   ``grpo.normalize_rewards``, ``grpo.use_leave_one_out_baseline`` (``grpo.adv_estimator.*`` of the same names
   when set: NeMo-RL's estimator reads those), ``grpo.seed``, ``grpo.overlong_filtering``,
+  ``grpo.masked_samples_in_baseline`` (ours; NeMo-RL's behaviour is true),
   ``grpo.invalid_tool_call_advantage``, ``grpo.malformed_thinking_advantage``, ``grpo.advantage_clip_low``,
   ``grpo.advantage_clip_high``, ``grpo.seq_logprob_error_threshold``, ``reward_penalties`` and
   ``env.nemo_gym.effort_levels`` / ``thinking_tags`` (through the rollout settings),
@@ -252,6 +253,7 @@ def loop_config_from(config: Mapping[str, Any], settings: NemoGymRolloutSettings
         "use_leave_one_out_baseline": _advantage_key(grpo, "use_leave_one_out_baseline"),
         "normalize_rewards": _advantage_key(grpo, "normalize_rewards"),
         "overlong_filtering": grpo.get("overlong_filtering"),
+        "masked_samples_in_baseline": grpo.get("masked_samples_in_baseline"),
         "invalid_tool_call_advantage": grpo.get("invalid_tool_call_advantage"),
         "malformed_thinking_advantage": grpo.get("malformed_thinking_advantage"),
         "advantage_clip_low": grpo.get("advantage_clip_low"),

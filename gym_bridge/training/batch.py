@@ -51,6 +51,8 @@ class AdvantageSettings:
     leave_one_out: bool = True
     normalize: bool = True
     overlong_filtering: bool = False
+    masked_in_baseline: bool = False
+    """A masked sample still counts in its group's baseline and std (NeMo-RL's behaviour); it never trains."""
     invalid_tool_call_advantage: float | None = None
     malformed_thinking_advantage: float | None = None
     advantage_clip_low: float | None = None
@@ -103,9 +105,12 @@ def train_batch(
         logs, pad_value_dict={"token_ids": pad_token_id, "generation_logprobs": 0.0, "token_mask": 0.0}
     )
     reward_matrix = torch.tensor(rewards).view(len(groups), -1)
-    valid_matrix = torch.tensor(valid).view(len(groups), -1)
+    in_baseline = [True] * len(valid) if settings.masked_in_baseline else valid
     per_sample = grpo_advantages(
-        reward_matrix, leave_one_out=settings.leave_one_out, normalize=settings.normalize, valid=valid_matrix
+        reward_matrix,
+        leave_one_out=settings.leave_one_out,
+        normalize=settings.normalize,
+        valid=torch.tensor(in_baseline).view(len(groups), -1),
     ).reshape(-1)
     advantages, penalty_metrics = message_level_advantages(
         per_sample[:, None].expand(flat["token_ids"].shape).clone(),

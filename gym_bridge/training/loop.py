@@ -75,6 +75,10 @@ class GRPOLoopConfig(BaseModel):
     normalize_rewards: bool = True
     overlong_filtering: bool = False
     """Truncated samples leave the loss (NeMo-RL's ``loss_multiplier`` 0) and stay in their group's baseline."""
+    masked_samples_in_baseline: bool = False
+    """Ours (``grpo.masked_samples_in_baseline``): whether a sample the environment masked still counts in its
+    group's baseline and std. NeMo-RL's behaviour is True (its mask only zeroes the loss multiplier); the default
+    False keeps a reward that is no measurement out of its siblings' advantages (NeMo-RL #4061)."""
     invalid_tool_call_advantage: float | None = None
     """The advantage of every token of an assistant message NeMo-Gym flagged ``is_invalid_tool_call``."""
     malformed_thinking_advantage: float | None = None
@@ -152,6 +156,7 @@ class GRPOLoopConfig(BaseModel):
             leave_one_out=self.use_leave_one_out_baseline,
             normalize=self.normalize_rewards,
             overlong_filtering=self.overlong_filtering,
+            masked_in_baseline=self.masked_samples_in_baseline,
             invalid_tool_call_advantage=self.invalid_tool_call_advantage,
             malformed_thinking_advantage=self.malformed_thinking_advantage,
             advantage_clip_low=self.advantage_clip_low,

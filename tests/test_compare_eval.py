@@ -21,14 +21,26 @@ from pathlib import Path
 import pytest
 
 from gym_bridge.eval.runs import load_run
-
 from gym_bridge.eval.store import read_jsonl
+from gym_bridge.testing.gym_rows import equivalence_row
 
 REPO = Path(__file__).resolve().parents[1]
 TWO_POLICIES = REPO / "examples" / "eval_two_policies.yaml"
 ONE_POLICY = REPO / "examples" / "eval_equivalence_tools.yaml"
 ROWS = REPO / "examples" / "data" / "gym_rows.jsonl"
 N = 2
+WORDS = ("amber", "basalt", "cobalt", "dune", "ember", "fjord")
+PROMPTS = 12
+"""The example's six rows and six more equivalence rows: graders that tell the policies apart on every Gym
+version (nemo-gym 0.5.1's tool-call verifier rewards the random model too, so six rows leave the interval at 0)."""
+
+
+def dataset(folder: Path) -> Path:
+    """The test's dataset: the example rows, then one "Reply with exactly" row per word."""
+    path = folder / "rows.jsonl"
+    extra = [equivalence_row(f"Reply with exactly: {word}", word) for word in WORDS]
+    path.write_text(ROWS.read_text().rstrip("\n") + "\n" + "".join(json.dumps(row) + "\n" for row in extra))
+    return path
 
 pytestmark = [pytest.mark.gym, pytest.mark.e2e, pytest.mark.slow]
 
@@ -43,10 +55,11 @@ def cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
 def runs(tmp_path_factory) -> dict[str, Path]:
     """``examples/eval_two_policies.yaml`` in one command: the tiny model, then the scripted policy."""
     root = tmp_path_factory.mktemp("two-policies")
-    done = cli("eval", str(TWO_POLICIES), f"output_dir={root}", "--no-progress")
+    rows = dataset(tmp_path_factory.mktemp("dataset"))
+    done = cli("eval", str(TWO_POLICIES), f"output_dir={root}", f"dataset={rows}", "--no-progress")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Ray started once" in done.stdout
-    return {"root": root, "tiny": root / "tiny", "scripted": root / "scripted"}
+    return {"root": root, "tiny": root / "tiny", "scripted": root / "scripted", "dataset": rows}
 
 
 def last_session(run: Path) -> dict:
@@ -66,11 +79,11 @@ def generated_tokens(run: Path) -> dict[int, list[list[str]]]:
 
 def test_the_command_writes_a_run_per_policy_and_their_comparison(runs: dict[str, Path]) -> None:
     for policy in ("tiny", "scripted"):
-        assert len(read_jsonl(runs[policy] / "results.jsonl")) == 6 and (runs[policy] / "report.md").exists()
+        assert len(read_jsonl(runs[policy] / "results.jsonl")) == PROMPTS and (runs[policy] / "report.md").exists()
         assert last_session(runs[policy])["outcome"] == "finished"
     report = json.loads((runs["root"] / "compare.json").read_text())
     assert [r["label"] for r in report["runs"]] == ["tiny", "scripted"] and report["baseline"] == "tiny"
-    assert report["shared_prompts"] == 6 and (runs["root"] / "compare.png").exists()
+    assert report["shared_prompts"] == PROMPTS and (runs["root"] / "compare.png").exists()
     overall = report["comparisons"][0]["agents"]["all"]["metrics"]
     assert overall["mean_reward"]["low"] > 0 and overall["pass@1"]["low"] > 0, "the scripted policy wins"
 
@@ -86,19 +99,19 @@ def test_scripted_beats_tiny_with_an_interval_above_zero(runs: dict[str, Path], 
     done = cli("compare", str(runs["tiny"]), str(runs["scripted"]), "--out", str(out), "--fail-if-worse", "0")
     assert done.returncode == 0, done.stderr
     report = json.loads((out / "compare.json").read_text())
-    assert report["shared_prompts"] == 6
+    assert report["shared_prompts"] == PROMPTS
     comparison = report["comparisons"][0]
     overall = comparison["agents"]["all"]["metrics"]
     assert overall["mean_reward"]["low"] > 0 and overall["pass@1"]["low"] > 0, overall
 
     tiny, scripted = verdicts(runs["tiny"]), verdicts(runs["scripted"])
-    assert sum(scripted.values()) == 5, "the scripted policy answers all but the open question"
+    assert sum(scripted.values()) == PROMPTS - 1, "the scripted policy answers all but the open question"
     expected_fixed = sorted(i for i in scripted if scripted[i] and not tiny[i])
     expected_broken = sorted(i for i in scripted if tiny[i] and not scripted[i])
     flips = comparison["flips"]
     assert sorted(f["prompt_idx"] for f in flips if f["direction"] == "fixed") == expected_fixed
     assert sorted(f["prompt_idx"] for f in flips if f["direction"] == "broken") == expected_broken
-    assert len(expected_fixed) >= 4
+    assert len(expected_fixed) >= 8
     assert all(len(f["rewards_a"]) == len(f["rewards_b"]) == N for f in flips)
     assert "Reply with exactly: 42" in (out / "compare.md").read_text()
 
@@ -164,13 +177,14 @@ def test_one_seed_gives_the_same_completions_alone_and_in_company(runs: dict[str
     Run again alone with the same seed, one group at a time (rows meet other rows in the engine's decode
     batches differently), it gives the same tokens."""
     alone = tmp_path / "alone"
-    done = cli("eval", str(ONE_POLICY), f"output_dir={alone}", "embedded_policy=tiny", f"num_generations_per_prompt={N}",
-               "max_new_tokens=24", "seed=0", "concurrency=1", "--no-progress")  # fmt: skip
+    done = cli("eval", str(ONE_POLICY), f"output_dir={alone}", f"dataset={runs['dataset']}", "embedded_policy=tiny",
+               f"num_generations_per_prompt={N}", "max_new_tokens=24", "seed=0", "concurrency=1",
+               "--no-progress")  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     first, second = generated_tokens(runs["tiny"]), generated_tokens(alone)
-    assert sorted(first) == list(range(6)) and first == second
+    assert sorted(first) == list(range(PROMPTS)) and first == second
     differing = sum(len({tuple(t) for t in samples}) == len(samples) for samples in first.values())
-    assert differing >= 5, "the samples of a group have seeds of their own and should differ"
+    assert differing >= PROMPTS - 1, "the samples of a group have seeds of their own and should differ"
 
 
 @pytest.mark.timeout(900)
@@ -179,7 +193,7 @@ def test_a_second_command_needs_resume_which_runs_only_the_unfinished_policy(
 ) -> None:
     out = tmp_path / "two"
     shutil.copytree(runs["root"], out)
-    again = cli("eval", str(TWO_POLICIES), f"output_dir={out}", "--no-progress")
+    again = cli("eval", str(TWO_POLICIES), f"output_dir={out}", f"dataset={runs['dataset']}", "--no-progress")
     assert again.returncode == 2 and "not empty" in again.stderr and "--resume" in again.stderr
 
     tiny, scripted = out / "tiny", out / "scripted"
@@ -188,11 +202,12 @@ def test_a_second_command_needs_resume_which_runs_only_the_unfinished_policy(
     (scripted / "results.jsonl").write_bytes(b"".join(kept))
     for name in ("compare.json", "compare.md", "compare.png"):
         (out / name).unlink()
-    resumed = cli("eval", str(TWO_POLICIES), f"output_dir={out}", "--resume", "--no-progress")
+    resumed = cli("eval", str(TWO_POLICIES), f"output_dir={out}", f"dataset={runs['dataset']}", "--resume",
+                  "--no-progress")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert (tiny / "results.jsonl").read_bytes() == tiny_results
     assert last_session(tiny)["rollouts_started"] is None, "the finished policy started nothing"
     assert last_session(scripted)["rollouts_started"] is not None
     lines = (scripted / "results.jsonl").read_bytes().splitlines(keepends=True)
-    assert len(lines) == 6 and lines[:3] == kept
-    assert json.loads((out / "compare.json").read_text())["shared_prompts"] == 6
+    assert len(lines) == PROMPTS and lines[:3] == kept
+    assert json.loads((out / "compare.json").read_text())["shared_prompts"] == PROMPTS

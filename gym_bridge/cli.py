@@ -343,7 +343,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run one subcommand. The one error boundary: any :class:`~gym_bridge.failures.GymBridgeError` (every
     error a user's input can cause) ends as ``gym-bridge <command>: <message>`` on stderr, one line per line
     of the message, with exit code 2; ``--traceback`` shows the whole traceback instead."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # key=value overrides may follow an option (``rescore RUN --out DIR key=value``); argparse before Python 3.13
+    # stops filling a ``nargs="*"`` positional once an option came between, so they are collected here.
+    stray = [arg for arg in extra if arg.startswith("-") or "=" not in arg]
+    if stray or (extra and not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
     from gym_bridge.failures import GymBridgeError
 
     try:

@@ -15,7 +15,6 @@ from typing import Any
 import pytest
 import ray
 
-from gym_bridge.failures import RolloutRetryPolicy, RolloutTimeouts
 from gym_bridge.generation.hf import HFGeneration, HFGenerationConfig
 from gym_bridge.gym.reaper import free_port
 from gym_bridge.gym.rows import rollout_seed, row_seed
@@ -25,7 +24,7 @@ from gym_bridge.rollout.manager import RolloutManager
 from gym_bridge.serving import OpenAIServer
 from gym_bridge.testing import SERVED_MODEL_NAME
 from gym_bridge.testing.fault_gate import FaultGate
-from gym_bridge.testing.gym_rows import EQUIVALENCE_GYM_CONFIGS, N, gym_actor_config, prompt
+from gym_bridge.testing.gym_rows import EQUIVALENCE_GYM_CONFIGS, N, gym_actor_config, make_manager, prompt
 from gym_bridge.types import PromptGroupRecord
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.gym, pytest.mark.slow]
@@ -68,19 +67,10 @@ def seeded_gym(ray_session, gate, tiny_tokenizer, tmp_path_factory) -> Iterator[
 
 
 def manager(actor: Any, tokenizer: Any, seed: int | None) -> RolloutManager:
-    retry = RolloutRetryPolicy(max_infra_attempts=1, max_data_attempts=1, max_gym_row_attempts=8,
-                               backoff_base_s=0.1, max_backoff_s=0.5)  # fmt: skip
-    return RolloutManager(
-        tokenizer,
-        {"nemo_gym": actor},
-        N,
-        4096,
-        generation_config={"temperature": 1.0, "top_p": 1.0, "max_new_tokens": 24},
-        use_nemo_gym=True,
-        timeouts=RolloutTimeouts(rollout_s=180),
-        retry_policy=retry,
-        seed=seed,
-    )
+    """Rows re-sent up to 8 times with short backoffs; the first failed prompt stops the test."""
+    return make_manager(actor, tokenizer, rollout_s=180, max_new_tokens=24, seed=seed, max_gym_row_attempts=8,
+                        backoff_base_s=0.1, max_backoff_s=0.5, max_skipped_prompts=0,
+                        max_consecutive_dropped_prompts=0)  # fmt: skip
 
 
 def generated(record: PromptGroupRecord) -> list[list[int]]:

@@ -79,8 +79,17 @@ def gym_actor_config(base_urls: list[str], log_dir: Any, **kwargs: Any):
     )
 
 
-def make_manager(actor: Any, tokenizer: Tokenizer, *, rollout_s: float = 30.0, **policy: Any) -> RolloutManager:
-    """A manager on one NemoGym actor: N rows per prompt, no retries unless ``policy`` asks for them."""
+def make_manager(
+    actor: Any,
+    tokenizer: Tokenizer,
+    *,
+    rollout_s: float = 30.0,
+    max_new_tokens: int = 32,
+    seed: int | None = None,
+    **policy: Any,
+) -> RolloutManager:
+    """A manager on one NemoGym actor: N rows per prompt, no retries unless ``policy`` asks for them, rows seeded
+    from ``seed`` when given."""
     retry = RolloutRetryPolicy(
         **{
             "max_infra_attempts": 1,
@@ -98,10 +107,11 @@ def make_manager(actor: Any, tokenizer: Tokenizer, *, rollout_s: float = 30.0, *
         {"nemo_gym": actor},
         N,
         4096,
-        generation_config={"temperature": 1.0, "top_p": 1.0, "max_new_tokens": 32},
+        generation_config={"temperature": 1.0, "top_p": 1.0, "max_new_tokens": max_new_tokens},
         use_nemo_gym=True,
         timeouts=RolloutTimeouts(rollout_s=rollout_s),
         retry_policy=retry,
+        seed=seed,
     )
 
 

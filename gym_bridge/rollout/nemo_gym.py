@@ -12,6 +12,7 @@ a re-dispatched row is sent with the seed it had.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
@@ -196,11 +197,21 @@ def full_result_table(full_results: Sequence[Any]) -> Any:
     """NeMo-RL's ``{agent}/full_result`` table, one compact JSON per row: a ``wandb.Table`` when wandb is
     installed, else a plain ``{"columns": ["Full result"], "data": [[json], ...]}``."""
     data = [[json.dumps(r, separators=(",", ":"), default=str)] for r in full_results]
+    table = _wandb_table()
+    if table is None:
+        return {"columns": ["Full result"], "data": data}
+    return table(data=data, columns=["Full result"])
+
+
+@functools.cache
+def _wandb_table() -> Any:
+    """``wandb.Table``, or None without wandb; looked up once (a failed import searches ``sys.path`` each time,
+    ~3 ms, and every group builds a table)."""
     try:
         from wandb import Table
     except ImportError:
-        return {"columns": ["Full result"], "data": data}
-    return Table(data=data, columns=["Full result"])
+        return None
+    return Table
 
 
 def nemo_gym_actors(task_to_env: Mapping[str, Any] | None, explicit: Any = None) -> list[ActorHandle]:

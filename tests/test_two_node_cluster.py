@@ -117,9 +117,25 @@ async def test_groups_spread_over_two_nodes_and_survive_losing_one(cluster, pinn
         return served if len(sink.records) >= 4 and all(served) else None
 
     served_before = await async_wait_until(both_served, 120, "groups committed through both nodes", poll_s=0.05)
+    # Freeze node_b's Gym so the rows it holds cannot finish; once two more groups commit through node_a, any row
+    # node_b finished before the freeze has long been delivered, and what it still holds is really in flight.
+    frozen = [p for p in map(_process, infos["node_b"]["pids"]) if p]
+    for proc in frozen:
+        proc.suspend()
+    committed_at_freeze = len(sink.records)
+
+    def node_b_holds_rows() -> bool:
+        return len(sink.records) >= committed_at_freeze + 2 and manager.backend.in_flight_rows[1] > 0
+
+    await async_wait_until(node_b_holds_rows, 120, "node_b holding rows while node_a commits", poll_s=0.05)
     committed_before = len(sink.records)
     killed = await asyncio.to_thread(cluster.kill_node, "node_b")
     killed_at = time.monotonic()
+    for proc in frozen:  # resumed so they can see their node is gone and exit
+        try:
+            proc.resume()
+        except psutil.NoSuchProcess:
+            pass
     assert killed and cluster.nodes["node_b"].raylet_pid in killed
     outcomes = await asyncio.wait_for(run, 300)
     logger.info("node_b killed after %d groups (rows served per node %s); the other %d committed %.1fs later; %s",

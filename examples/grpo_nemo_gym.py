@@ -35,6 +35,8 @@ def step_line(m: dict) -> str:
     if not m["train/groups"]:
         return f"step {m['step']:3d}: no fresh groups ({m['staleness/dropped']} stale dropped)"
     rollouts = f"rollouts {m['train/rollout_sha256']}"
+    if "train/dynamic_sampling_prompts_drawn" in m:
+        rollouts = f"{m['train/dynamic_sampling_prompts_drawn']} prompts drawn, {rollouts}"
     if m["train/skipped_zero_advantage"]:
         return f"step {m['step']:3d}: reward {m['train/mean_reward']:.3f}, every advantage zero: no update ({rollouts})"
     return (f"step {m['step']:3d}: reward {m['train/mean_reward']:.3f} pass {m['train/pass_rate']:.2f} "
@@ -62,6 +64,8 @@ def main() -> None:
         config["grpo"]["max_num_steps"] = args.steps
     if args.async_rollouts:
         config["grpo"].setdefault("async_grpo", {})["enabled"] = True
+        if config["grpo"].pop("use_dynamic_sampling", False):
+            logger.info("--async: grpo.use_dynamic_sampling off (NeMo-RL's async loop does not apply it)")
     if args.seed is not None:
         config["grpo"]["seed"] = args.seed
     out = Path(args.out)

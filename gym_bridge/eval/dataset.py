@@ -28,7 +28,7 @@ class DatasetRow:
 
     @property
     def agent(self) -> str:
-        return self.row["agent_ref"]["name"]
+        return str(self.row["agent_ref"]["name"])
 
 
 def file_sha256(path: Path) -> str:

@@ -47,6 +47,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "RolloutRedispatchExhausted",
         "RolloutStall",
         "RolloutTimeout",
+        "SettingError",
     ),
     "gym_bridge.failures.retry": (
         "RolloutRetryPolicy",

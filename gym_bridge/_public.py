@@ -40,6 +40,7 @@ from gym_bridge.failures.errors import (
     RolloutRedispatchExhausted as RolloutRedispatchExhausted,
     RolloutStall as RolloutStall,
     RolloutTimeout as RolloutTimeout,
+    SettingError as SettingError,
 )
 from gym_bridge.failures.retry import (
     RolloutRetryPolicy as RolloutRetryPolicy,

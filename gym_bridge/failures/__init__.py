@@ -3,6 +3,7 @@
 The whole exception tree (all defined in :mod:`gym_bridge.failures.errors`)::
 
     GymBridgeError                    the root of every exception gym-bridge defines
+     ├── SettingError                 an invalid setting, argument or input value (also a ValueError)
      ├── RolloutFailure               one attempt at a prompt failed; the retry policy decides
      │    ├── RolloutInfraFailure     the prompt is fine, the fleet is not: retry, maybe elsewhere
      │    │    ├── RolloutTimeout     a deadline expired (generation turn, environment step,

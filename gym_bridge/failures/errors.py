@@ -30,6 +30,7 @@ __all__ = [
     "RolloutStall",
     "RolloutTimeout",
     "RunConfigurationError",
+    "SettingError",
     "StepBatchShortfall",
     "TokenDrift",
 ]
@@ -37,6 +38,13 @@ __all__ = [
 
 class GymBridgeError(Exception):
     """The root of every exception gym-bridge defines: ``except GymBridgeError`` catches all of ours."""
+
+
+class SettingError(GymBridgeError, ValueError):
+    """A setting, argument or input value the caller gave is invalid; the message names it and what is allowed.
+
+    For checks with no error type of their own closer to the input (``EvalConfigError``, ``TrainingConfigError``).
+    A ``ValueError`` too, so callers that catch that keep working."""
 
 
 class RolloutFailure(GymBridgeError):

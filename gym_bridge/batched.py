@@ -25,10 +25,18 @@ from typing import Any, Self
 
 import torch
 
+from gym_bridge.failures.errors import GymBridgeError, SettingError
+
 IndicesType = Sequence[int] | torch.Tensor
 
 
-def _length(key: str, value: Any) -> int:
+class BatchShapeError(GymBridgeError, RuntimeError):
+    """Tensors of one key that cannot be joined: their shapes, dtypes or devices differ (the message names the key).
+
+    A ``RuntimeError``, as the torch operation it stands in for raises."""
+
+
+def _length(key: str, value: object) -> int:
     if isinstance(value, torch.Tensor):
         if value.ndim == 0:
             raise TypeError(f"key {key!r} holds a 0-d tensor, which has no batch dimension")
@@ -38,7 +46,7 @@ def _length(key: str, value: Any) -> int:
     raise TypeError(f"key {key!r} holds a {type(value).__name__}; expected a tensor or a list")
 
 
-def _mapping_size(mapping: Mapping[str, Any]) -> int:
+def _mapping_size(mapping: Mapping[str, object]) -> int:
     for key, value in mapping.items():
         return _length(key, value)
     return 0
@@ -71,7 +79,7 @@ def _pad_dim0(tensor: torch.Tensor, length: int, value: float) -> torch.Tensor:
     return padded
 
 
-class BatchedDataDict[DictT: Mapping[str, Any]](UserDict):
+class BatchedDataDict[DictT: Mapping[str, object]](UserDict):
     """A dict of per-sample columns: tensors with the batch on dim 0, or lists.
 
     ``DictT`` names the TypedDict the keys follow, for annotations only:
@@ -120,7 +128,7 @@ class BatchedDataDict[DictT: Mapping[str, Any]](UserDict):
         for key, value in self.data.items():
             n = _length(key, value)
             if not 0 <= start <= end <= n:
-                raise ValueError(f"slice({start}, {end}) is out of range for key {key!r} with {n} rows")
+                raise SettingError(f"slice({start}, {end}) is out of range for key {key!r} with {n} rows")
             out[key] = value[start:end]
         return out
 
@@ -131,7 +139,7 @@ class BatchedDataDict[DictT: Mapping[str, Any]](UserDict):
         repeated message logs can be extended independently.
         """
         if isinstance(num_repeats, bool) or not isinstance(num_repeats, int) or num_repeats < 1:
-            raise ValueError(f"num_repeats must be a positive int, got {num_repeats!r}")
+            raise SettingError(f"num_repeats must be a positive int, got {num_repeats!r}")
         out = type(self)()
         for key, value in self.data.items():
             _length(key, value)
@@ -144,7 +152,7 @@ class BatchedDataDict[DictT: Mapping[str, Any]](UserDict):
     @classmethod
     def from_batches(
         cls,
-        batches: Sequence[Mapping[str, Any]],
+        batches: Sequence[Mapping[str, object]],
         pad_value_dict: Mapping[str, int | float] | None = None,
     ) -> Self:
         """Concatenate batches along the batch dimension.
@@ -168,15 +176,16 @@ class BatchedDataDict[DictT: Mapping[str, Any]](UserDict):
         return out
 
 
-def _concat_column(key: str, values: list[Any], pad_value: float) -> torch.Tensor | list[Any]:
-    if all(isinstance(v, (list, tuple)) for v in values):
-        return [item for v in values for item in v]
-    if not all(isinstance(v, torch.Tensor) for v in values):
-        kinds = sorted({type(v).__name__ for v in values})
+def _concat_column(key: str, columns: list[object], pad_value: float) -> torch.Tensor | list[object]:
+    if all(isinstance(v, (list, tuple)) for v in columns):
+        return [item for v in columns if isinstance(v, (list, tuple)) for item in v]
+    values = [v for v in columns if isinstance(v, torch.Tensor)]
+    if len(values) != len(columns):
+        kinds = sorted({type(v).__name__ for v in columns})
         raise TypeError(f"key {key!r} mixes value types across batches: {kinds}")
     ndims = {v.ndim for v in values}
     if len(ndims) != 1 or 0 in ndims:
-        raise ValueError(f"key {key!r} has tensors of different or zero rank across batches: {sorted(ndims)}")
+        raise SettingError(f"key {key!r} has tensors of different or zero rank across batches: {sorted(ndims)}")
     dtypes = {v.dtype for v in values}
     if len(dtypes) != 1:
         raise TypeError(f"key {key!r} has tensors of different dtypes across batches: {sorted(map(str, dtypes))}")
@@ -186,46 +195,50 @@ def _concat_column(key: str, values: list[Any], pad_value: float) -> torch.Tenso
     try:
         return torch.cat([_pad_dim1(v, longest, pad_value) for v in values])
     except RuntimeError as exc:
-        raise RuntimeError(f"cannot concatenate key {key!r}: {exc}") from exc
+        raise BatchShapeError(f"cannot concatenate key {key!r}: {exc}") from exc
 
 
-def get_keys_from_message_log(message_log: Sequence[Mapping[str, Any]], keys: Sequence[str]) -> list[dict[str, Any]]:
+def get_keys_from_message_log(
+    message_log: Sequence[Mapping[str, object]], keys: Sequence[str]
+) -> list[dict[str, object]]:
     """New message dicts holding only the listed keys each message has (e.g. role/content for an environment)."""
     return [{k: msg[k] for k in keys if k in msg} for msg in message_log]
 
 
 def _concat_message_tensors(key: str, tensors: list[torch.Tensor]) -> torch.Tensor:
     if any(t.ndim == 0 for t in tensors):
-        raise RuntimeError(f"key {key!r} holds a 0-d tensor in a message; expected a sequence")
+        raise BatchShapeError(f"key {key!r} holds a 0-d tensor in a message; expected a sequence")
     if len({t.shape[1:] for t in tensors}) != 1:
-        raise RuntimeError(f"key {key!r} has messages of incompatible shapes: {[tuple(t.shape) for t in tensors]}")
+        raise BatchShapeError(f"key {key!r} has messages of incompatible shapes: {[tuple(t.shape) for t in tensors]}")
     if len({t.device for t in tensors}) != 1:
-        raise RuntimeError(f"key {key!r} has tensors on different devices: {sorted({str(t.device) for t in tensors})}")
+        raise BatchShapeError(
+            f"key {key!r} has tensors on different devices: {sorted({str(t.device) for t in tensors})}"
+        )
     # An empty tensor contributes no values, so it must not decide (or promote) the dtype.
     dtypes = {t.dtype for t in tensors if t.numel() > 0}
     if len(dtypes) > 1:
-        raise RuntimeError(f"key {key!r} has messages of different dtypes: {sorted(map(str, dtypes))}")
+        raise BatchShapeError(f"key {key!r} has messages of different dtypes: {sorted(map(str, dtypes))}")
     dtype = dtypes.pop() if dtypes else tensors[0].dtype
     return torch.cat([t.to(dtype) for t in tensors])
 
 
-def message_log_to_flat_messages(message_log: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+def message_log_to_flat_messages(message_log: Sequence[Mapping[str, object]]) -> dict[str, torch.Tensor | list[object]]:
     """Flatten one message log into one value per key.
 
     Tensor keys are concatenated along dim 0 over the messages that have the key
     (e.g. ``generation_logprobs`` may cover only assistant messages); other keys
     become lists of the per-message values.
     """
-    collected: dict[str, list[Any]] = {}
+    collected: dict[str, list[object]] = {}
     for msg in message_log:
         for key, value in msg.items():
             collected.setdefault(key, []).append(value)
-    flat: dict[str, Any] = {}
+    flat: dict[str, torch.Tensor | list[object]] = {}
     for key, values in collected.items():
-        is_tensor = [isinstance(v, torch.Tensor) for v in values]
-        if all(is_tensor):
-            flat[key] = _concat_message_tensors(key, values)
-        elif any(is_tensor):
+        tensors = [v for v in values if isinstance(v, torch.Tensor)]
+        if len(tensors) == len(values):
+            flat[key] = _concat_message_tensors(key, tensors)
+        elif tensors:
             raise TypeError(f"key {key!r} is a tensor in some messages and not in others")
         else:
             flat[key] = values
@@ -233,7 +246,7 @@ def message_log_to_flat_messages(message_log: Sequence[Mapping[str, Any]]) -> di
 
 
 def batched_message_log_to_flat_message(
-    message_log_batch: Sequence[Sequence[Mapping[str, Any]]],
+    message_log_batch: Sequence[Sequence[Mapping[str, object]]],
     pad_value_dict: Mapping[str, int | float] | None = None,
     make_sequence_length_divisible_by: int = 1,
 ) -> tuple[BatchedDataDict[Any], torch.Tensor]:
@@ -252,7 +265,7 @@ def batched_message_log_to_flat_message(
     Text only: NeMo-RL's ``PackedTensor`` (multimodal) values are not supported.
     """
     if make_sequence_length_divisible_by < 1:
-        raise ValueError(f"make_sequence_length_divisible_by must be >= 1, got {make_sequence_length_divisible_by}")
+        raise SettingError(f"make_sequence_length_divisible_by must be >= 1, got {make_sequence_length_divisible_by}")
     pad_value_dict = pad_value_dict or {}
     empty_lengths = torch.empty(0, dtype=torch.int32)
     if not message_log_batch:
@@ -281,16 +294,16 @@ def batched_message_log_to_flat_message(
             continue
         if any(v is not None and not isinstance(v, torch.Tensor) for v in values):
             raise TypeError(f"key {key!r} is a tensor in some samples and not in others")
-        present = [v for v in values if v is not None]
+        present = [v for v in values if isinstance(v, torch.Tensor)]
         for attr in ("dtype", "device"):
             seen = [str(getattr(t, attr)) for t in present]
             if len(set(seen)) > 1:
-                raise RuntimeError(f"key {key!r}: expected one {attr} across samples, got {seen}")
+                raise BatchShapeError(f"key {key!r}: expected one {attr} across samples, got {seen}")
         template = present[0]
-        filled = [v if v is not None else template.new_zeros((0, *template.shape[1:])) for v in values]
+        filled = [v if isinstance(v, torch.Tensor) else template.new_zeros((0, *template.shape[1:])) for v in values]
         pad_value = pad_value_dict.get(key, 0)
         try:
             result[key] = torch.stack([_pad_dim0(t, max_len, pad_value) for t in filled])
         except RuntimeError as exc:
-            raise RuntimeError(f"cannot stack key {key!r}: {exc}") from exc
+            raise BatchShapeError(f"cannot stack key {key!r}: {exc}") from exc
     return result, torch.tensor(sample_lengths, dtype=torch.int32)

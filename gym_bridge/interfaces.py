@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import abc
 from collections.abc import AsyncIterator
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from gym_bridge.batched import BatchedDataDict
+from gym_bridge.json_types import JsonObject
 from gym_bridge.types import (
     DatumSpec,
     EnvironmentReturn,
@@ -22,6 +23,9 @@ from gym_bridge.types import (
     ReferenceLogprobOutputSpec,
     TopkLogitsOutputSpec,
 )
+
+if TYPE_CHECKING:
+    from ray import ObjectRef
 
 __all__ = [
     "ColocatablePolicyInterface",
@@ -62,7 +66,9 @@ class GenerationInterface(abc.ABC):
         """
         raise _not_implemented(self, "generate_async")
 
-    def init_collective(self, ip: str, port: int, world_size: int, *, train_world_size: int | None = None) -> list[Any]:
+    def init_collective(
+        self, ip: str, port: int, world_size: int, *, train_world_size: int | None = None
+    ) -> list[ObjectRef]:
         raise NotImplementedError(f"{type(self).__name__} does not join a weight-sync collective")
 
     def prepare_for_generation(self, *args: Any, **kwargs: Any) -> bool:
@@ -77,7 +83,7 @@ class GenerationInterface(abc.ABC):
         """Release resources; safe to call more than once."""
         return True
 
-    def get_logger_metrics(self) -> dict[str, Any]:
+    def get_logger_metrics(self) -> JsonObject:
         return {}
 
     def clear_logger_metrics(self) -> None:
@@ -97,9 +103,7 @@ class EnvironmentInterface[MetadataT](abc.ABC):
         """Score one turn for a batch of role/content-only logs and their metadata."""
 
     @abc.abstractmethod
-    def global_post_process_and_metrics(
-        self, batch: BatchedDataDict[Any]
-    ) -> tuple[BatchedDataDict[Any], dict[str, Any]]:
+    def global_post_process_and_metrics(self, batch: BatchedDataDict[Any]) -> tuple[BatchedDataDict[Any], JsonObject]:
         """Post-process a finished batch and return it with environment metrics."""
 
     def shutdown(self) -> None:
@@ -115,12 +119,14 @@ class PolicyInterface(abc.ABC):
     """
 
     @abc.abstractmethod
-    def get_logprobs(self, data: BatchedDataDict[Any], timer: Any = None) -> BatchedDataDict[LogprobOutputSpec]:
+    def get_logprobs(
+        self, data: BatchedDataDict[GenerationDatumSpec], timer: object = None
+    ) -> BatchedDataDict[LogprobOutputSpec]:
         """``logprobs`` [B, S] of the token batch (``timer`` is HEAD's; the documented form omits it)."""
 
     @abc.abstractmethod
     def get_reference_policy_logprobs(
-        self, data: BatchedDataDict[Any], micro_batch_size: int | None = None, timer: Any = None
+        self, data: BatchedDataDict[GenerationDatumSpec], micro_batch_size: int | None = None, timer: object = None
     ) -> BatchedDataDict[ReferenceLogprobOutputSpec]:
         """``reference_logprobs`` [B, S] of the token batch under the reference policy."""
 
@@ -133,8 +139,8 @@ class PolicyInterface(abc.ABC):
         *,
         gbs: int | None = None,
         mbs: int | None = None,
-        timer: Any = None,
-    ) -> dict[str, Any]:
+        timer: object = None,
+    ) -> JsonObject:
         """One optimisation step (no update when ``eval_mode``); returns metrics.
 
         ``gbs``/``mbs`` are keyword-only as in HEAD, so implementations of either generation (the documented one
@@ -158,19 +164,23 @@ class PolicyInterface(abc.ABC):
         """Release resources; True when done."""
 
     def get_topk_logits(
-        self, data: BatchedDataDict[Any], k: int, micro_batch_size: int | None = None, timer: Any = None
+        self,
+        data: BatchedDataDict[GenerationDatumSpec],
+        k: int,
+        micro_batch_size: int | None = None,
+        timer: object = None,
     ) -> BatchedDataDict[TopkLogitsOutputSpec]:
         """HEAD: top-``k`` logits and their token ids at each next-token position (distillation)."""
         raise _not_implemented(self, "get_topk_logits")
 
     def calibrate_qkv_fp8_scales(
         self,
-        data: BatchedDataDict[Any],
+        data: BatchedDataDict[GenerationDatumSpec],
         micro_batch_size: int | None = None,
         percentile: float = 99.9,
         margin: float = 1.05,
         include_q: bool = False,
-    ) -> dict[str, Any]:
+    ) -> dict[str, float]:
         """HEAD: FP8 scales for the KV cache, calibrated on ``data``."""
         raise _not_implemented(self, "calibrate_qkv_fp8_scales")
 
@@ -188,7 +198,7 @@ class ColocatablePolicyInterface(PolicyInterface):
     @abc.abstractmethod
     def init_collective(
         self, ip: str, port: int, world_size: int, *, train_world_size: int | None = None, nccl_peer: str = "nemo"
-    ) -> list[Any]:
+    ) -> list[ObjectRef]:
         """Join the weight-sync collective at ``ip:port``; returns the Ray futures of the join."""
 
     @abc.abstractmethod
@@ -206,14 +216,14 @@ class ColocatablePolicyInterface(PolicyInterface):
     @abc.abstractmethod
     def broadcast_weights_for_collective(
         self,
-        kv_scales: dict[str, Any] | None = None,
+        kv_scales: dict[str, float] | None = None,
         *,
         buffer_size_bytes: int | None = None,
         num_buffers: int | None = None,
-    ) -> list[Any]:
+    ) -> list[ObjectRef]:
         """Broadcast the weights over the collective; returns the Ray futures of the broadcast."""
 
-    def prepare_weights_for_ipc(self, *args: Any, **kwargs: Any) -> Any:
+    def prepare_weights_for_ipc(self, *args: Any, **kwargs: Any) -> object:
         """Documented interface: gather the weights' IPC metadata before a refit."""
         raise _not_implemented(self, "prepare_weights_for_ipc")
 
@@ -221,7 +231,9 @@ class ColocatablePolicyInterface(PolicyInterface):
         """Documented interface: the IPC handles of the named weights."""
         raise _not_implemented(self, "get_weights_ipc_handles")
 
-    def stream_weights_via_ipc_zmq(self, buffer_size_bytes: int, kv_scales: dict[str, Any] | None = None) -> list[Any]:
+    def stream_weights_via_ipc_zmq(
+        self, buffer_size_bytes: int, kv_scales: dict[str, float] | None = None
+    ) -> list[ObjectRef]:
         """HEAD: stream the weights to colocated engines over ZMQ."""
         raise _not_implemented(self, "stream_weights_via_ipc_zmq")
 
@@ -233,7 +245,7 @@ class ColocatablePolicyInterface(PolicyInterface):
         """HEAD: move the policy off the GPU; a no-op unless overridden."""
         return None
 
-    def stream_weights_via_http(self, rollout_engine_urls: list[str], buffer_size_bytes: int) -> list[Any]:
+    def stream_weights_via_http(self, rollout_engine_urls: list[str], buffer_size_bytes: int) -> list[ObjectRef]:
         """HEAD: stream the weights to colocated SGLang engines over HTTP."""
         raise _not_implemented(self, "stream_weights_via_http")
 
@@ -247,11 +259,11 @@ class ColocatablePolicyInterface(PolicyInterface):
         gen_parallelism: dict[str, int],
         train_world_size: int,
         gen_world_size: int,
-    ) -> Any:
+    ) -> object:
         """HEAD: per-layer parameter metadata for an NCCL-reshard refit."""
         raise _not_implemented(self, "prepare_nccl_reshard_refit_info")
 
-    def nccl_reshard_refit(self, kv_scales: dict[str, Any] | None = None) -> list[Any]:
+    def nccl_reshard_refit(self, kv_scales: dict[str, float] | None = None) -> list[ObjectRef]:
         """HEAD: send the weights to generation workers by NCCL reshard."""
         raise _not_implemented(self, "nccl_reshard_refit")
 

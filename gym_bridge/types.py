@@ -7,11 +7,14 @@ difference: every ``token_ids`` tensor is int64, including empty ones.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, NotRequired, Protocol, TypedDict
 
 import torch
+
+from gym_bridge.failures.errors import SettingError
+from gym_bridge.json_types import JsonMapping, JsonObject
 
 NEMO_GYM_TASK_INDEX_KEY = "_ng_task_index"
 
@@ -59,15 +62,15 @@ def padding_id(tokenizer: Tokenizer) -> int:
     for value in (tokenizer.pad_token_id, tokenizer.eos_token_id):
         if value is not None:
             return int(value)
-    raise ValueError("the tokenizer has neither a pad_token_id nor an eos_token_id to pad batches with")
+    raise SettingError("the tokenizer has neither a pad_token_id nor an eos_token_id to pad batches with")
 
 
 class RemoteMethod(Protocol):
     """A Ray actor method: ``.remote(...)`` submits a call, ``.options(...)`` sets call options."""
 
-    def remote(self, *args: Any, **kwargs: Any) -> Any: ...
+    def remote(self, *args: object, **kwargs: object) -> Any: ...
 
-    def options(self, **options: Any) -> RemoteMethod: ...
+    def options(self, **options: object) -> RemoteMethod: ...
 
 
 class ActorHandle(Protocol):
@@ -85,7 +88,7 @@ class DatumSpec(TypedDict, total=False):
 
     message_log: LLMMessageLogType
     length: int
-    extra_env_info: dict[str, Any] | None
+    extra_env_info: JsonObject | None
     loss_multiplier: float
     idx: int
     task_name: NotRequired[str]
@@ -103,7 +106,7 @@ class Completion:
     """
 
     message_log: LLMMessageLogType
-    env_extras: dict[str, Any] | None
+    env_extras: JsonObject | None
     truncated: bool
     reward: float
     token_drift: bool = False
@@ -124,10 +127,11 @@ class PromptGroupRecord:
 
     prompt_idx: int
     prompt: LLMMessageLogType
-    extra_env_info: dict[str, Any] | None
-    metadata: dict[str, Any]
+    extra_env_info: JsonObject | None
+    metadata: JsonObject
     completions: list[Completion]
-    rollout_metrics: dict[str, Any] = field(default_factory=dict)
+    rollout_metrics: JsonObject = field(default_factory=dict)
+    """NeMo-RL's metric names; values are numbers, lists (histograms) or tables."""
 
 
 class ColocationResources(TypedDict, total=False):
@@ -159,7 +163,7 @@ class GenerationConfig(TypedDict, total=False):
     port_range_low: int
     port_range_high: int
     use_async_rollouts: bool
-    vllm_cfg: dict[str, Any]
+    vllm_cfg: JsonObject
     _pad_token_id: int
 
 
@@ -172,7 +176,7 @@ class GenerationSamplingParams:
     top_k: int | None = None
 
     @classmethod
-    def from_generation_config(cls, cfg: Mapping[str, Any], *, validation: bool = False) -> GenerationSamplingParams:
+    def from_generation_config(cls, cfg: JsonMapping, *, validation: bool = False) -> GenerationSamplingParams:
         """The ``val_*`` profile when ``validation`` (each field falling back to the training one), else training's.
 
         ``cfg`` is a :class:`GenerationConfig` or any mapping with its keys.
@@ -246,11 +250,15 @@ class EnvironmentReturn[MetadataT](NamedTuple):
     answers: list[str | None] | None = None
 
 
-def token_tensor(ids: Any) -> torch.Tensor:
+type TokenIds = torch.Tensor | Sequence[int]
+"""Token ids as a tensor or a list (a tokenizer's ``input_ids``, a slice of ``output_ids``)."""
+
+
+def token_tensor(ids: TokenIds) -> torch.Tensor:
     """A 1-D int64 token tensor, also for an empty list (``torch.tensor([])`` is float32)."""
     return torch.as_tensor(ids, dtype=TOKEN_DTYPE).reshape(-1)
 
 
-def logprob_tensor(values: Any) -> torch.Tensor:
+def logprob_tensor(values: torch.Tensor | Sequence[float]) -> torch.Tensor:
     """A 1-D float32 logprob tensor."""
     return torch.as_tensor(values, dtype=LOGPROB_DTYPE).reshape(-1)

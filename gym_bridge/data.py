@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Any
-
+from gym_bridge.json_types import JsonObject
 from gym_bridge.types import DatumSpec, MessageEntry, Tokenizer, token_tensor
 
 
 def datum_from_chat(
     tokenizer: Tokenizer,
-    messages: list[dict[str, Any]],
+    messages: list[JsonObject],
     *,
     idx: int,
     task_name: str | None = None,
-    extra_env_info: dict[str, Any] | None = None,
+    extra_env_info: JsonObject | None = None,
     stop_strings: list[str] | None = None,
-    tools: list[dict[str, Any]] | None = None,
+    tools: list[JsonObject] | None = None,
 ) -> DatumSpec:
     """One prompt: the rendered chat (generation prompt included) as a single tokenised user message."""
     text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
@@ -34,7 +33,7 @@ def datum_from_chat(
     return datum
 
 
-def datum_from_gym_row(row: dict[str, Any], *, idx: int, task_name: str = "nemo_gym") -> DatumSpec:
+def datum_from_gym_row(row: JsonObject, *, idx: int, task_name: str = "nemo_gym") -> DatumSpec:
     """One Gym prompt: the row goes to ``extra_env_info``; the real prompt comes back from Gym.
 
     The placeholder message log holds one empty user message with an empty int64

@@ -10,10 +10,14 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Iterable, Sequence
-from typing import Any
+
+from gym_bridge.failures.errors import SettingError
+
+type MetricValue = float | list[float]
+"""One summary metric: a number (an int stays an int), or the ``/histogram`` list."""
 
 
-def calculate_single_metric(values: Sequence[Any], batch_size: int, key_name: str) -> dict[str, Any]:
+def calculate_single_metric(values: Sequence[float], batch_size: int, key_name: str) -> dict[str, MetricValue]:
     """``{key_name}/mean`` (sum over ``batch_size``), ``/max``, ``/min``, ``/median``, ``/stddev``, ``/histogram``.
 
     NeMo-RL's function: the values keep their type (an int metric's max is an int), ``/stddev`` is the
@@ -30,13 +34,13 @@ def calculate_single_metric(values: Sequence[Any], batch_size: int, key_name: st
     }
 
 
-def pct(values: Iterable[Any], p: float) -> float:
+def pct(values: Iterable[float], p: float) -> float:
     """The ``p``-th percentile without interpolation: sorted value at ``min(int(n*p/100), n-1)``.
 
     Empty ``values`` give 0.0. The p50 of an even count is the upper middle value.
     """
     if not 0 <= p <= 100:
-        raise ValueError(f"percentile must be within [0, 100], got {p}")
+        raise SettingError(f"percentile must be within [0, 100], got {p}")
     ordered = sorted(float(v) for v in values)
     if not ordered:
         return 0.0
@@ -44,7 +48,9 @@ def pct(values: Iterable[Any], p: float) -> float:
     return ordered[min(int(n * p / 100), n - 1)]
 
 
-def summarize(values: Iterable[Any], key_name: str, percentiles: Sequence[float] = (95, 99)) -> dict[str, Any]:
+def summarize(
+    values: Iterable[float], key_name: str, percentiles: Sequence[float] = (95, 99)
+) -> dict[str, MetricValue]:
     """:func:`calculate_single_metric` over all ``values`` plus ``{key_name}/p<P>`` for each percentile."""
     values = list(values)
     out = calculate_single_metric(values, len(values), key_name)

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from gym_bridge.failures.errors import SettingError
+
 DEFAULT_LEVEL = 0.95
 DEFAULT_RESAMPLES = 10_000
 _CHUNK = 1_000
@@ -34,10 +36,10 @@ def mcnemar_exact(before: Sequence[bool], after: Sequence[bool]) -> McNemarResul
     """McNemar's exact test: two-sided binomial p of the discordant pairs under "no change" (p = 1/2).
 
     Raises:
-        ValueError: the two sequences differ in length.
+        SettingError: the two sequences differ in length (a ``ValueError``).
     """
     if len(before) != len(after):
-        raise ValueError(f"paired verdicts differ in length: {len(before)} before, {len(after)} after")
+        raise SettingError(f"paired verdicts differ in length: {len(before)} before, {len(after)} after")
     fixed = sum(not b and a for b, a in zip(before, after, strict=True))
     broken = sum(b and not a for b, a in zip(before, after, strict=True))
     n = fixed + broken
@@ -73,16 +75,16 @@ def paired_bootstrap(
     as ``scipy.stats.bootstrap(..., method="percentile")`` computes them.
 
     Raises:
-        ValueError: ``level`` not in (0, 1), ``resamples`` < 1, or no prompts.
+        SettingError: ``level`` not in (0, 1), ``resamples`` < 1, or no prompts (a ``ValueError``).
     """
     if not 0.0 < level < 1.0:
-        raise ValueError(f"the confidence level must be in (0, 1), got {level}")
+        raise SettingError(f"the confidence level must be in (0, 1), got {level}")
     if resamples < 1:
-        raise ValueError(f"resamples must be >= 1, got {resamples}")
+        raise SettingError(f"resamples must be >= 1, got {resamples}")
     data = np.atleast_2d(np.asarray(differences, dtype=np.float64))
     metrics, n = data.shape
     if n == 0:
-        raise ValueError("no prompts to resample")
+        raise SettingError("no prompts to resample")
     rng = np.random.default_rng(seed)
     means = np.empty((resamples, metrics))
     offsets = None

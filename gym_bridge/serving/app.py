@@ -1,6 +1,9 @@
 """FastAPI routes: ``/v1/chat/completions``, ``/v1/completions``, ``/tokenize``, ``/detokenize``, ``/v1/models``,
 ``/health``, ``/metrics``.
 
+Each route is a module-level handler that reads the :class:`ServingState` from ``request.app.state``;
+:func:`build_app` only creates the app and registers the routes and the exception handlers.
+
 Bodies are parsed by hand (size limit, JSON, pydantic) so every refusal is a 4xx
 with the OpenAI error shape, never FastAPI's 422 or a 500. A failure of an HTTP
 generation backend keeps its upstream status (a 429 stays a 429, a context-length
@@ -15,19 +18,20 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ValidationError
 
-from gym_bridge.failures import GenerationUnavailable, RolloutDataFailure
+from gym_bridge.failures import EngineShutDownError, GenerationUnavailable, RolloutDataFailure
 from gym_bridge.interfaces import GenerationInterface
-from gym_bridge.serving.chat import build_chat_prompt
+from gym_bridge.json_types import JsonObject
+from gym_bridge.serving.chat import ChatPrompt, build_chat_prompt
 from gym_bridge.serving.drift import DriftCounter
 from gym_bridge.serving.engine import (
     EngineProfile,
     Sample,
+    SamplingOverrides,
     generate_rows,
     max_tokens_for,
     resolve_greedy,
@@ -42,6 +46,7 @@ from gym_bridge.serving.protocol import (
     SamplingFields,
     TokenizeRequest,
 )
+from gym_bridge.types import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -81,8 +86,10 @@ class ServerFeatures:
 
 @dataclass
 class ServingState:
+    """What every route reads: the engine, its tokenizer, the names it is served under, limits and counters."""
+
     generation: GenerationInterface
-    tokenizer: Any
+    tokenizer: Tokenizer
     served_model_name: str
     model_path: str
     reasoning_parser: bool
@@ -99,183 +106,162 @@ class ServingState:
 
 
 def build_app(state: ServingState) -> FastAPI:
+    """The FastAPI app serving ``state``: its routes and the handlers that turn errors into OpenAI-shaped bodies."""
     app = FastAPI(title="gym-bridge OpenAI-compatible server", docs_url=None, redoc_url=None)
     app.state.serving = state
-
-    @app.exception_handler(ServingError)
-    async def _refused(request: Request, exc: ServingError) -> JSONResponse:
-        return JSONResponse(error_body(exc.message, exc.status, param=exc.param), status_code=exc.status)
-
-    @app.exception_handler(Exception)
-    async def _crashed(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("request to %s failed", request.url.path)
-        return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}", 500), status_code=500)
-
-    @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
-
-    @app.get("/metrics")
-    async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(state.drift.prometheus_text(), media_type="text/plain; version=0.0.4")
-
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        now = int(time.time())
-        cards = [
-            {
-                "id": name,
-                "object": "model",
-                "created": now,
-                "owned_by": "gym-bridge",
-                "root": state.model_path,
-                "max_model_len": state.profile.max_model_len,
-            }
-            for name in dict.fromkeys(state.model_names)
-        ]
-        return {"object": "list", "data": cards}
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> JSONResponse:
-        req = await _parse(request, ChatCompletionRequest, state)
-        state.drift.count_request("chat_completions")
-        _check_common(req, state)
-        features = state.features
-        if req.tools and req.tool_choice in (None, "auto") and not features.auto_tool_choice:
-            raise ServingError(AUTO_TOOL_CHOICE_REFUSED)
-        if req.top_logprobs:
-            raise ServingError(
-                "top_logprobs > 0 is not supported: the engine reports only the sampled token's logprob",
-                param="top_logprobs",
-            )
-        prompt = build_chat_prompt(
-            state.tokenizer,
-            req.messages,
-            tools=req.tools,
-            chat_template_kwargs=req.chat_template_kwargs,
-            required_prefix_token_ids=req.required_prefix_token_ids,
-            vocab_size=state.vocab_size,
-            splice=state.token_id_correction,
-        )
-        headers = state.drift.record(prompt)
-        samples = await _generate(
-            state, req, prompt.token_ids, req.requested_max_tokens(), clamp=features.clamp_max_tokens
-        )
-        use_tools = bool(req.tools) and req.tool_choice != "none"
-        as_ids = req.return_tokens_as_token_ids is not False and features.token_ids
-        token_ids = req.return_token_ids and features.token_ids
-        choices = []
-        for index, sample in enumerate(samples):
-            text = _text(state, sample, req.stop_strings())
-            parsed = parse_assistant_text(text, reasoning=state.reasoning_parser, tools=use_tools)
-            finish = sample.finish_reason
-            if parsed.tool_calls and finish == "stop":
-                finish = "tool_calls"
-            message: dict[str, Any] = {"role": "assistant", "content": parsed.content, "tool_calls": parsed.tool_calls}
-            if state.reasoning_parser:
-                message["reasoning_content"] = parsed.reasoning_content
-            if features.token_ids:
-                message["prompt_token_ids"] = prompt.token_ids
-                message["generation_token_ids"] = sample.token_ids
-                message["generation_log_probs"] = sample.logprobs
-            choice: dict[str, Any] = {
-                "index": index,
-                "message": message,
-                "logprobs": _chat_logprobs(state, sample, as_ids) if req.logprobs and features.logprobs else None,
-                "finish_reason": finish,
-                "stop_reason": None,
-            }
-            if token_ids:
-                choice["token_ids"] = sample.token_ids
-            if sample.weight_version is not None:
-                choice["weight_version"] = sample.weight_version
-            choices.append(choice)
-        body: dict[str, Any] = {
-            "id": f"chatcmpl-{uuid.uuid4().hex}",
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": req.model or state.served_model_name,
-            "choices": choices,
-            "usage": _usage(len(prompt.token_ids), samples),
-        }
-        if token_ids:
-            body["prompt_token_ids"] = prompt.token_ids
-        return JSONResponse(body, headers=_with_weight_version(body, samples, headers))
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> JSONResponse:
-        req = await _parse(request, CompletionRequest, state)
-        state.drift.count_request("completions")
-        _check_common(req, state)
-        if req.echo:
-            raise ServingError("echo is not supported", param="echo")
-        prompts = _completion_prompts(req, state)
-        as_ids = bool(req.return_tokens_as_token_ids)
-        choices: list[dict[str, Any]] = []
-        all_samples: list[Sample] = []
-        prompt_tokens = 0
-        for prompt_ids in prompts:
-            samples = await _generate(state, req, prompt_ids, req.max_tokens)
-            prompt_tokens += len(prompt_ids)
-            all_samples.extend(samples)
-            for sample in samples:
-                choice: dict[str, Any] = {
-                    "index": len(choices),
-                    "text": _text(state, sample, req.stop_strings()),
-                    "logprobs": _completion_logprobs(state, sample, as_ids) if req.logprobs is not None else None,
-                    "finish_reason": sample.finish_reason,
-                    "stop_reason": None,
-                }
-                if req.return_token_ids:
-                    choice["prompt_token_ids"] = prompt_ids
-                    choice["token_ids"] = sample.token_ids
-                if sample.weight_version is not None:
-                    choice["weight_version"] = sample.weight_version
-                choices.append(choice)
-        body = {
-            "id": f"cmpl-{uuid.uuid4().hex}",
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": req.model or state.served_model_name,
-            "choices": choices,
-            "usage": _usage(prompt_tokens, all_samples),
-        }
-        return JSONResponse(body, headers=_with_weight_version(body, all_samples, {}))
-
-    @app.post("/tokenize")
-    async def tokenize(request: Request) -> dict[str, Any]:
-        req = await _parse(request, TokenizeRequest, state)
-        _check_model(req.model, state)
-        if (req.prompt is None) == (req.messages is None):
-            raise ServingError("send exactly one of 'prompt' or 'messages'")
-        if req.messages is not None:
-            if not req.messages:
-                raise ServingError("messages must not be empty", param="messages")
-            tokens = build_chat_prompt(
-                state.tokenizer,
-                req.messages,
-                tools=req.tools,
-                add_generation_prompt=req.add_generation_prompt,
-                chat_template_kwargs=req.chat_template_kwargs,
-                required_prefix_token_ids=req.required_prefix_token_ids,
-                vocab_size=state.vocab_size,
-                splice=state.token_id_correction,
-            ).token_ids
-        else:
-            tokens = list(state.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
-        return {"tokens": tokens, "count": len(tokens), "max_model_len": state.profile.max_model_len}
-
-    @app.post("/detokenize")
-    async def detokenize(request: Request) -> dict[str, Any]:
-        req = await _parse(request, DetokenizeRequest, state)
-        _check_model(req.model, state)
-        _check_vocab(req.tokens, state)
-        return {"prompt": state.tokenizer.decode(req.tokens, skip_special_tokens=False)}
-
+    app.exception_handler(ServingError)(refused)
+    app.exception_handler(Exception)(crashed)
+    app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/metrics", metrics, methods=["GET"])
+    app.add_api_route("/v1/models", models, methods=["GET"])
+    app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    app.add_api_route("/v1/completions", completions, methods=["POST"])
+    app.add_api_route("/tokenize", tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", detokenize, methods=["POST"])
     return app
 
 
+def serving_state(request: Request) -> ServingState:
+    """The :class:`ServingState` of the app serving ``request`` (set by :func:`build_app`)."""
+    state: ServingState = request.app.state.serving
+    return state
+
+
+# ---------------------------------------------------------------------- exception handlers
+
+
+async def refused(request: Request, exc: ServingError) -> JSONResponse:
+    """A refusal the server raised on purpose: its status and the OpenAI error body."""
+    return JSONResponse(error_body(exc.message, exc.status, param=exc.param), status_code=exc.status)
+
+
+async def crashed(request: Request, exc: Exception) -> JSONResponse:
+    """Anything else escaping a route is a bug: logged, and a 500 with the same body shape."""
+    logger.exception("request to %s failed", request.url.path)
+    return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}", 500), status_code=500)
+
+
+# ---------------------------------------------------------------------- routes
+
+
+async def health() -> dict[str, str]:
+    """``GET /health``: always ok while the server answers."""
+    return {"status": "ok"}
+
+
+async def metrics(request: Request) -> PlainTextResponse:
+    """``GET /metrics``: the drift and request counters in Prometheus text format."""
+    text = serving_state(request).drift.prometheus_text()
+    return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+
+async def models(request: Request) -> JsonObject:
+    """``GET /v1/models``: one card per name the model is served under."""
+    state = serving_state(request)
+    now = int(time.time())
+    cards = [
+        {
+            "id": name,
+            "object": "model",
+            "created": now,
+            "owned_by": "gym-bridge",
+            "root": state.model_path,
+            "max_model_len": state.profile.max_model_len,
+        }
+        for name in dict.fromkeys(state.model_names)
+    ]
+    return {"object": "list", "data": cards}
+
+
+async def chat_completions(request: Request) -> JSONResponse:
+    """``POST /v1/chat/completions``: render the chat (carried token ids spliced in), generate ``n`` choices."""
+    state = serving_state(request)
+    req = await _parse(request, ChatCompletionRequest, state)
+    state.drift.count_request("chat_completions")
+    _check_chat(req, state)
+    prompt = build_chat_prompt(
+        state.tokenizer,
+        req.messages,
+        tools=req.tools,
+        chat_template_kwargs=req.chat_template_kwargs,
+        required_prefix_token_ids=req.required_prefix_token_ids,
+        vocab_size=state.vocab_size,
+        splice=state.token_id_correction,
+    )
+    headers = state.drift.record(prompt)
+    samples = await _generate(
+        state, req, prompt.token_ids, req.requested_max_tokens(), clamp=state.features.clamp_max_tokens
+    )
+    choices = [_chat_choice(state, req, prompt, index, sample) for index, sample in enumerate(samples)]
+    body: JsonObject = {
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": req.model or state.served_model_name,
+        "choices": choices,
+        "usage": _usage(len(prompt.token_ids), samples),
+    }
+    if req.return_token_ids and state.features.token_ids:
+        body["prompt_token_ids"] = prompt.token_ids
+    return JSONResponse(body, headers=_with_weight_version(body, samples, headers))
+
+
+async def completions(request: Request) -> JSONResponse:
+    """``POST /v1/completions``: ``n`` choices for each text or token-id prompt, numbered across prompts."""
+    state = serving_state(request)
+    req = await _parse(request, CompletionRequest, state)
+    state.drift.count_request("completions")
+    _check_common(req, state)
+    if req.echo:
+        raise ServingError("echo is not supported", param="echo")
+    choices: list[JsonObject] = []
+    all_samples: list[Sample] = []
+    prompt_tokens = 0
+    for prompt_ids in _completion_prompts(req, state):
+        samples = await _generate(state, req, prompt_ids, req.max_tokens)
+        prompt_tokens += len(prompt_ids)
+        all_samples.extend(samples)
+        for sample in samples:
+            choices.append(_completion_choice(state, req, prompt_ids, len(choices), sample))
+    body: JsonObject = {
+        "id": f"cmpl-{uuid.uuid4().hex}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": req.model or state.served_model_name,
+        "choices": choices,
+        "usage": _usage(prompt_tokens, all_samples),
+    }
+    return JSONResponse(body, headers=_with_weight_version(body, all_samples, {}))
+
+
+async def tokenize(request: Request) -> JsonObject:
+    """``POST /tokenize``: the token ids of a text ``prompt``, or of ``messages`` rendered as chat completions does."""
+    state = serving_state(request)
+    req = await _parse(request, TokenizeRequest, state)
+    _check_model(req.model, state)
+    if req.messages is not None and req.prompt is None:
+        tokens = _tokenize_chat(req, state)
+    elif req.prompt is not None and req.messages is None:
+        tokens = list(state.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+    else:
+        raise ServingError("send exactly one of 'prompt' or 'messages'")
+    return {"tokens": tokens, "count": len(tokens), "max_model_len": state.profile.max_model_len}
+
+
+async def detokenize(request: Request) -> JsonObject:
+    """``POST /detokenize``: the text of token ids, special tokens kept."""
+    state = serving_state(request)
+    req = await _parse(request, DetokenizeRequest, state)
+    _check_model(req.model, state)
+    _check_vocab(req.tokens, state)
+    return {"prompt": state.tokenizer.decode(req.tokens, skip_special_tokens=False)}
+
+
+# ---------------------------------------------------------------------- request checks
+
+
 async def _parse[M: BaseModel](request: Request, model: type[M], state: ServingState) -> M:
+    """The body as ``model``: over the size limit 413, not a JSON object or invalid fields 400."""
     limit = state.limits.max_body_bytes
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -313,19 +299,42 @@ def _check_common(req: SamplingFields, state: ServingState) -> None:
         raise ServingError(f"n must be at most {state.limits.max_n}, got {req.n}", param="n")
 
 
+def _check_chat(req: ChatCompletionRequest, state: ServingState) -> None:
+    """The common checks, then what a chat asks of the server's features: tools, top logprobs."""
+    _check_common(req, state)
+    if req.tools and req.tool_choice in (None, "auto") and not state.features.auto_tool_choice:
+        raise ServingError(AUTO_TOOL_CHOICE_REFUSED)
+    if req.top_logprobs:
+        raise ServingError(
+            "top_logprobs > 0 is not supported: the engine reports only the sampled token's logprob",
+            param="top_logprobs",
+        )
+
+
 def _check_vocab(ids: list[int], state: ServingState) -> None:
     if any(t < 0 or t >= state.vocab_size for t in ids):
         raise ServingError(f"token ids must lie in [0, {state.vocab_size})")
 
 
+def _tokenize_chat(req: TokenizeRequest, state: ServingState) -> list[int]:
+    """The chat of a ``/tokenize`` request rendered exactly as chat completions renders it."""
+    if not req.messages:
+        raise ServingError("messages must not be empty", param="messages")
+    return build_chat_prompt(
+        state.tokenizer,
+        req.messages,
+        tools=req.tools,
+        add_generation_prompt=req.add_generation_prompt,
+        chat_template_kwargs=req.chat_template_kwargs,
+        required_prefix_token_ids=req.required_prefix_token_ids,
+        vocab_size=state.vocab_size,
+        splice=state.token_id_correction,
+    ).token_ids
+
+
 def _completion_prompts(req: CompletionRequest, state: ServingState) -> list[list[int]]:
-    prompt = req.prompt
-    if isinstance(prompt, str):
-        items: list[Any] = [prompt]
-    elif prompt and all(isinstance(t, int) for t in prompt):
-        items = [prompt]
-    else:
-        items = list(prompt)
+    """The token ids of every prompt of a completions request, each checked against the vocabulary."""
+    items = _prompt_items(req.prompt)
     if not items or len(items) > state.limits.max_prompts:
         raise ServingError(f"prompt must hold 1 to {state.limits.max_prompts} prompts", param="prompt")
     out = []
@@ -342,12 +351,26 @@ def _completion_prompts(req: CompletionRequest, state: ServingState) -> list[lis
     return out
 
 
+def _prompt_items(prompt: str | list[int] | list[str] | list[list[int]]) -> list[str | list[int]]:
+    """A completions ``prompt`` as a list of prompts: one text, one list of ids, or a list of either."""
+    if isinstance(prompt, str):
+        return [prompt]
+    ids = [t for t in prompt if isinstance(t, int)]
+    if prompt and len(ids) == len(prompt):
+        return [ids]
+    return [item for item in prompt if not isinstance(item, int)]
+
+
+# ---------------------------------------------------------------------- generation
+
+
 async def _generate(
     state: ServingState, req: SamplingFields, prompt_ids: list[int], requested: int | None, *, clamp: bool = False
 ) -> list[Sample]:
+    """``req.n`` samples of one prompt; an engine failure becomes a refusal with the status it carries."""
     greedy = resolve_greedy(req, state.profile)
     max_tokens = max_tokens_for(requested, len(prompt_ids), state.profile, clamp=clamp)
-    sampling = (
+    sampling: SamplingOverrides | None = (
         {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "seed": req.seed}
         if state.profile.per_request_sampling
         else None
@@ -363,17 +386,71 @@ async def _generate(
             sampling=sampling,
         )
     except GenerationUnavailable as exc:
-        status = getattr(exc, "http_status", None) or 503
+        status = exc.http_status or 503
         state.drift.count_error(status)
         raise ServingError(f"upstream generation failed: {exc}", status) from exc
     except RolloutDataFailure as exc:
-        status = getattr(exc, "http_status", None) or 500  # a malformed answer: not worth a client retry loop
+        status = exc.http_status or 500  # a malformed answer: not worth a client retry loop
         state.drift.count_error(status)
         raise ServingError(f"upstream generation failed: {exc}", status) from exc
-    except RuntimeError as exc:
-        if "shut down" in str(exc):
-            raise ServingError(f"the generation engine is not available: {exc}", 503) from exc
-        raise
+    except EngineShutDownError as exc:
+        raise ServingError(f"the generation engine is not available: {exc}", 503) from exc
+
+
+# ---------------------------------------------------------------------- response bodies
+
+
+def _chat_choice(
+    state: ServingState, req: ChatCompletionRequest, prompt: ChatPrompt, index: int, sample: Sample
+) -> JsonObject:
+    """One chat choice: the parsed message (reasoning, tool calls), logprobs and token ids as the features allow."""
+    features = state.features
+    use_tools = bool(req.tools) and req.tool_choice != "none"
+    text = _text(state, sample, req.stop_strings())
+    parsed = parse_assistant_text(text, reasoning=state.reasoning_parser, tools=use_tools)
+    finish = sample.finish_reason
+    if parsed.tool_calls and finish == "stop":
+        finish = "tool_calls"
+    message: JsonObject = {"role": "assistant", "content": parsed.content, "tool_calls": parsed.tool_calls}
+    if state.reasoning_parser:
+        message["reasoning_content"] = parsed.reasoning_content
+    if features.token_ids:
+        message["prompt_token_ids"] = prompt.token_ids
+        message["generation_token_ids"] = sample.token_ids
+        message["generation_log_probs"] = sample.logprobs
+    as_ids = req.return_tokens_as_token_ids is not False and features.token_ids
+    choice: JsonObject = {
+        "index": index,
+        "message": message,
+        "logprobs": _chat_logprobs(state, sample, as_ids) if req.logprobs and features.logprobs else None,
+        "finish_reason": finish,
+        "stop_reason": None,
+    }
+    if req.return_token_ids and features.token_ids:
+        choice["token_ids"] = sample.token_ids
+    if sample.weight_version is not None:
+        choice["weight_version"] = sample.weight_version
+    return choice
+
+
+def _completion_choice(
+    state: ServingState, req: CompletionRequest, prompt_ids: list[int], index: int, sample: Sample
+) -> JsonObject:
+    """One text-completion choice: the text, logprobs when asked, token ids when asked."""
+    as_ids = bool(req.return_tokens_as_token_ids)
+    choice: JsonObject = {
+        "index": index,
+        "text": _text(state, sample, req.stop_strings()),
+        "logprobs": _completion_logprobs(state, sample, as_ids) if req.logprobs is not None else None,
+        "finish_reason": sample.finish_reason,
+        "stop_reason": None,
+    }
+    if req.return_token_ids:
+        choice["prompt_token_ids"] = prompt_ids
+        choice["token_ids"] = sample.token_ids
+    if sample.weight_version is not None:
+        choice["weight_version"] = sample.weight_version
+    return choice
 
 
 def _text(state: ServingState, sample: Sample, stops: list[str]) -> str:
@@ -387,7 +464,7 @@ def _token_label(state: ServingState, token_id: int, as_ids: bool) -> str:
     return f"token_id:{token_id}" if as_ids else state.tokenizer.decode([token_id], skip_special_tokens=False)
 
 
-def _chat_logprobs(state: ServingState, sample: Sample, as_ids: bool) -> dict[str, Any]:
+def _chat_logprobs(state: ServingState, sample: Sample, as_ids: bool) -> JsonObject:
     content = []
     for tok, lp in zip(sample.token_ids, sample.logprobs, strict=True):
         label = _token_label(state, tok, as_ids)
@@ -395,7 +472,7 @@ def _chat_logprobs(state: ServingState, sample: Sample, as_ids: bool) -> dict[st
     return {"content": content}
 
 
-def _completion_logprobs(state: ServingState, sample: Sample, as_ids: bool) -> dict[str, Any]:
+def _completion_logprobs(state: ServingState, sample: Sample, as_ids: bool) -> JsonObject:
     tokens = [_token_label(state, t, as_ids) for t in sample.token_ids]
     offsets, pos = [], 0
     for tok in sample.token_ids:
@@ -404,7 +481,7 @@ def _completion_logprobs(state: ServingState, sample: Sample, as_ids: bool) -> d
     return {"tokens": tokens, "token_logprobs": sample.logprobs, "top_logprobs": None, "text_offset": offsets}
 
 
-def _with_weight_version(body: dict[str, Any], samples: list[Sample], headers: dict[str, str]) -> dict[str, str]:
+def _with_weight_version(body: JsonObject, samples: list[Sample], headers: dict[str, str]) -> dict[str, str]:
     """Top-level ``weight_version`` (the oldest among the choices; each choice has its own) and its header."""
     version = weight_version_of(samples)
     if version is None:

@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 
 from gym_bridge.batched import BatchedDataDict
 from gym_bridge.interfaces import GenerationInterface
-from gym_bridge.serving.errors import ServingError
+from gym_bridge.serving.errors import IncompleteGeneration, ServingError
 from gym_bridge.serving.protocol import SamplingFields
 from gym_bridge.types import GenerationDatumSpec
 
@@ -52,27 +52,42 @@ class EngineProfile:
     per_request_sampling: bool
 
     @classmethod
-    def of(cls, generation: Any, tokenizer: Any, max_model_len: int | None = None) -> EngineProfile:
-        cfg = getattr(generation, "cfg", None)
-
-        def pick(name: str, default: Any) -> Any:
-            value = getattr(generation, name, None)
-            if value is None and cfg is not None:
-                value = getattr(cfg, name, None)
-            return default if value is None else value
-
-        length = max_model_len or pick("max_model_len", None) or getattr(tokenizer, "model_max_length", None)
+    def of(cls, generation: GenerationInterface, tokenizer: object, max_model_len: int | None = None) -> EngineProfile:
+        """The profile an engine declares (its attributes, else its ``cfg``'s), with the tokenizer's length limit."""
+        length = (
+            max_model_len
+            or _engine_setting(generation, "max_model_len", None)
+            or getattr(tokenizer, "model_max_length", None)
+        )
         if not isinstance(length, int) or length <= 0 or length > 2**31:
             length = 2**31 - 1
-        top_k = pick("top_k", None)
+        top_k = _engine_setting(generation, "top_k", None)
         return cls(
-            temperature=float(pick("temperature", 1.0)),
-            top_p=float(pick("top_p", 1.0)),
+            temperature=float(_engine_setting(generation, "temperature", 1.0)),
+            top_p=float(_engine_setting(generation, "top_p", 1.0)),
             top_k=None if top_k in (None, 0, -1) else int(top_k),
-            max_new_tokens=int(pick("max_new_tokens", 2**31 - 1)),
+            max_new_tokens=int(_engine_setting(generation, "max_new_tokens", 2**31 - 1)),
             max_model_len=int(length),
             per_request_sampling=bool(getattr(generation, "supports_per_request_sampling", False)),
         )
+
+
+def _engine_setting(generation: GenerationInterface, name: str, default: object) -> Any:
+    """The engine's attribute ``name``, else its ``cfg``'s, else ``default``: engines declare settings either way."""
+    value = getattr(generation, name, None)
+    cfg = getattr(generation, "cfg", None)
+    if value is None and cfg is not None:
+        value = getattr(cfg, name, None)
+    return default if value is None else value
+
+
+class SamplingOverrides(TypedDict, total=False):
+    """A request's sampling fields, sent per row to an engine with per-request sampling (None: the engine's)."""
+
+    temperature: float | None
+    top_p: float | None
+    top_k: int | None
+    seed: int | None
 
 
 @dataclass
@@ -145,7 +160,7 @@ async def generate_rows(
     greedy: bool,
     stop: list[str],
     max_tokens: int,
-    sampling: dict[str, Any] | None = None,
+    sampling: SamplingOverrides | None = None,
 ) -> list[Sample]:
     """Submit ``n`` copies of one prompt in one ``generate_async`` call; return them in row order.
 
@@ -153,11 +168,12 @@ async def generate_rows(
     only to an engine that supports per-request sampling. Row ``i`` gets ``seed + i``.
     """
     input_ids = torch.tensor([prompt_ids] * n, dtype=torch.int64)
-    fields = {**(sampling or {}), "max_new_tokens": max_tokens}
-    seed = fields.pop("seed", None)
-    per_row: dict[str, list[Any]] = {key: [value] * n for key, value in fields.items()}
+    fields: dict[str, object] = {**(sampling or {}), "max_new_tokens": max_tokens}
+    seed = (sampling or {}).get("seed")
+    fields.pop("seed", None)
+    per_row: dict[str, list[object]] = {key: [value] * n for key, value in fields.items()}
     if seed is not None:
-        per_row["seed"] = choice_seeds(seed, n)
+        per_row["seed"] = list(choice_seeds(seed, n))
     data: BatchedDataDict[GenerationDatumSpec] = BatchedDataDict(
         {
             "input_ids": input_ids,
@@ -179,7 +195,7 @@ async def generate_rows(
         samples[i] = Sample(ids, lps, "length" if truncated else "stop", version)
     missing = [i for i, s in enumerate(samples) if s is None]
     if missing:
-        raise RuntimeError(f"generation returned no output for rows {missing}")
+        raise IncompleteGeneration(f"generation returned no output for rows {missing}")
     return [s for s in samples if s is not None]  # all of them, as checked above
 
 

@@ -9,7 +9,7 @@ import pydantic
 import pytest
 import torch
 
-from gym_bridge.failures import GymResultError, RolloutDataFailure
+from gym_bridge.failures import GymResultError, RolloutDataFailure, SettingError
 from gym_bridge.rollout.reward_shaping import (
     EffortLevelsConfig,
     EffortShaping,
@@ -194,7 +194,7 @@ def test_resolve_none_is_none(tiny_tokenizer):
 @pytest.mark.parametrize("token_ids", [None, {}, {"unwanted": []}, {"unwanted": None}])
 def test_unwanted_penalty_without_token_ids_is_refused(tiny_tokenizer, token_ids):
     config = {"penalize_unwanted_tokens": True, "token_ids": token_ids}
-    with pytest.raises(ValueError, match=r"token_ids\.unwanted must be set when .*penalize_unwanted_tokens is true"):
+    with pytest.raises(SettingError, match=r"token_ids\.unwanted must be set when .*penalize_unwanted_tokens is true"):
         resolve_reward_penalty_config(config, tiny_tokenizer)
 
 
@@ -249,13 +249,13 @@ def test_one_configured_tag_whose_partner_cannot_be_inferred_fails_when_applied(
     config = {"penalize_malformed_think_tag": True, "token_ids": {"think_open": 77}}
     resolved = resolve_reward_penalty_config(config, tiny_tokenizer, thinking_tags=["<think>", "</reason>"])
     assert resolved is not None and resolved["token_ids"] == {"think_open": 77}
-    with pytest.raises(ValueError, match=r"think_open and reward_penalties\.token_ids\.think_close must both be set"):
+    with pytest.raises(SettingError, match=r"think_open and reward_penalties\.token_ids\.think_close must both be set"):
         apply_reward_penalties([result()], resolved)
 
 
 def test_a_single_thinking_tag_is_refused(tiny_tokenizer):
     resolved = resolve_reward_penalty_config({"penalize_malformed_think_tag": True}, tiny_tokenizer, ["<think>"])
-    with pytest.raises(ValueError, match="thinking_tags must contain open and close tags"):
+    with pytest.raises(SettingError, match="thinking_tags must contain open and close tags"):
         apply_reward_penalties([result()], resolved)
 
 
@@ -272,7 +272,7 @@ def test_no_enabled_penalty_changes_nothing(config):
 
 def test_penalties_refuse_non_gym_roles():
     results = [result([turn("user", [1]), turn("assistant", [2]), turn("tool", [3])])]
-    with pytest.raises(ValueError, match=r"only 'user' and 'assistant' roles, found.*'tool'"):
+    with pytest.raises(SettingError, match=r"only 'user' and 'assistant' roles, found.*'tool'"):
         apply_reward_penalties(results, {"penalize_empty_final_answer": True})
     assert apply_reward_penalties(results, {"penalize_empty_final_answer": False}) == ZERO_COUNTS
 
@@ -335,7 +335,7 @@ def test_unwanted_tokens_in_any_assistant_turn_including_the_last_position(tiny_
 
 
 def test_unwanted_penalty_on_an_unresolved_config_without_ids_is_refused():
-    with pytest.raises(ValueError, match=r"token_ids\.unwanted must be set"):
+    with pytest.raises(SettingError, match=r"token_ids\.unwanted must be set"):
         apply_reward_penalties([result()], {"penalize_unwanted_tokens": True})
 
 

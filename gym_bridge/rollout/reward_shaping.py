@@ -21,9 +21,10 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from gym_bridge.failures import GymResultError
+from gym_bridge.failures import GymResultError, SettingError
 from gym_bridge.gym.convert import DEFAULT_THINKING_TAGS
-from gym_bridge.types import Tokenizer
+from gym_bridge.json_types import JsonMapping, JsonObject
+from gym_bridge.types import TokenIds, Tokenizer
 
 __all__ = [
     "PENALTY_FLAGS",
@@ -85,20 +86,21 @@ class EffortShaping:
     high_lengths: list[int] = field(default_factory=list)
 
 
-def _last_turn_length(result: Mapping[str, Any]) -> int:
+def _last_turn_length(result: JsonMapping) -> int:
     """Token count of the final message when the model wrote it, else 0 (NeMo-RL's response length)."""
     last = result["message_log"][-1]
     return len(last["token_ids"]) if last["role"] == "assistant" else 0
 
 
-def _last_user_prompt(row: Mapping[str, Any]) -> Any:
+def _last_user_prompt(row: JsonMapping) -> str | list[object]:
     """Content of the row's last user message with content ("" if none); a string ``input`` is that message."""
     prompt = row["responses_create_params"]["input"]
     if isinstance(prompt, str):
         return prompt
     for message in reversed(prompt):
         if isinstance(message, Mapping) and message.get("role") == "user" and "content" in message:
-            return message["content"]
+            content: str | list[object] = message["content"]  # the Responses API: text, or a list of parts
+            return content
     return ""
 
 
@@ -108,7 +110,7 @@ def _length_reward(config: EffortLevelsConfig, length: int) -> float:
 
 
 def apply_effort_shaping(
-    results: Sequence[dict[str, Any]], rows: Sequence[Mapping[str, Any]], effort_config: EffortLevelsConfig | None
+    results: Sequence[JsonObject], rows: Sequence[JsonMapping], effort_config: EffortLevelsConfig | None
 ) -> EffortShaping:
     """Reshape the reward of each result whose row's last user prompt contains ``low_string``; return what it saw."""
     shaping = EffortShaping()
@@ -147,7 +149,7 @@ def effort_metrics(shaping: EffortShaping) -> dict[str, float]:
 # ---- env config -----------------------------------------------------------------------------------
 
 
-def get_nemo_gym_thinking_tags(env_config: Mapping[str, Any]) -> list[str]:
+def get_nemo_gym_thinking_tags(env_config: JsonMapping) -> list[str]:
     """``env.nemo_gym.thinking_tags`` when set and non-empty, else the default ``<think>`` pair."""
     nemo_gym = env_config.get("nemo_gym")
     if isinstance(nemo_gym, Mapping) and nemo_gym.get("thinking_tags"):
@@ -155,18 +157,21 @@ def get_nemo_gym_thinking_tags(env_config: Mapping[str, Any]) -> list[str]:
     return list(DEFAULT_THINKING_TAGS)
 
 
-def should_mask_flagged_samples(env_config: Mapping[str, Any]) -> bool:
+def should_mask_flagged_samples(env_config: JsonMapping) -> bool:
     """``env.should_mask_flagged_samples``: only an explicit ``False`` turns masking of env-flagged samples off."""
     return env_config.get("should_mask_flagged_samples") is not False
 
 
 # ---- reward penalties -----------------------------------------------------------------------------
 
-PenaltyConfig = Mapping[str, Any] | BaseModel
+type PenaltyConfig = JsonMapping | BaseModel
 
 
-def _value(config: Any, key: str) -> Any:
-    """``key`` of a dict-like or attribute config (a pydantic model), None when absent."""
+def _value(config: object, key: str) -> Any:
+    """``key`` of a dict-like or attribute config (a pydantic model), None when absent.
+
+    The value is whatever NeMo-RL's YAML holds there, so it stays untyped; each caller converts it
+    (``int``, ``tuple``)."""
     if config is None:
         return None
     if isinstance(config, Mapping):
@@ -174,13 +179,13 @@ def _value(config: Any, key: str) -> Any:
     return getattr(config, key, None)
 
 
-def _token_id(config: Any, key: str) -> int | None:
+def _token_id(config: object, key: str) -> int | None:
     """``token_ids.<key>`` as one int, or None."""
     value = _value(_value(config, "token_ids"), key)
     return None if value is None else int(value)
 
 
-def _token_id_list(config: Any, key: str) -> list[int] | None:
+def _token_id_list(config: object, key: str) -> list[int] | None:
     """``token_ids.<key>`` as a list of ints (a single int is a list of one), or None."""
     value = _value(_value(config, "token_ids"), key)
     if value is None:
@@ -208,26 +213,27 @@ def _think_token_ids(tags: Sequence[str], explicit: dict[str, int], tokenizer: T
 
 def resolve_reward_penalty_config(
     config: PenaltyConfig | None, tokenizer: Tokenizer, thinking_tags: Sequence[str] | None = None
-) -> dict[str, Any] | None:
+) -> JsonObject | None:
     """The penalty config as a plain dict, with think-tag ids inferred from the tokenizer where each tag is one token.
 
-    Raises ``ValueError`` when ``penalize_unwanted_tokens`` is on without ``token_ids.unwanted``.
+    Raises :class:`SettingError` (a ``ValueError``) when ``penalize_unwanted_tokens`` is on without
+    ``token_ids.unwanted``.
     """
     if config is None:
         return None
-    resolved: dict[str, Any] = {}
+    resolved: JsonObject = {}
     for flag, _ in PENALTY_FLAGS.values():
         if (value := _value(config, flag)) is not None:
             resolved[flag] = value
 
-    token_ids: dict[str, Any] = {}
+    token_ids: dict[str, int | list[int]] = {}
     if (unwanted := _token_id_list(config, "unwanted")) is not None:
         token_ids["unwanted"] = unwanted
     for key in ("think_open", "think_close"):
         if (token := _token_id(config, key)) is not None:
             token_ids[key] = token
     if resolved.get("penalize_unwanted_tokens") and not token_ids.get("unwanted"):
-        raise ValueError(
+        raise SettingError(
             "reward_penalties.token_ids.unwanted must be set when reward_penalties.penalize_unwanted_tokens is true"
         )
 
@@ -235,14 +241,14 @@ def resolve_reward_penalty_config(
         tags = tuple(thinking_tags or _value(config, "thinking_tags") or DEFAULT_THINKING_TAGS)
         resolved["thinking_tags"] = tags
         if len(tags) >= 2:
-            explicit = {k: v for k, v in token_ids.items() if k in ("think_open", "think_close")}
+            explicit = {k: v for k, v in token_ids.items() if k in ("think_open", "think_close") and isinstance(v, int)}
             token_ids.update(_think_token_ids(tags, explicit, tokenizer))
     if token_ids:
         resolved["token_ids"] = token_ids
     return resolved
 
 
-def _text_of(content: Any) -> str | None:
+def _text_of(content: object) -> str | None:
     """Stripped text of an output item's ``content`` (a string, or the first part's ``text``), None if it has none."""
     if isinstance(content, str):
         return content.strip()
@@ -252,12 +258,12 @@ def _text_of(content: Any) -> str | None:
     return None
 
 
-def _output_items(result: Mapping[str, Any]) -> list[Any]:
+def _output_items(result: JsonMapping) -> list[JsonObject]:
     """The Gym response's output items."""
     return list(result["full_result"].get("response", {}).get("output", []))
 
 
-def _duplicates_reasoning(result: Mapping[str, Any]) -> bool:
+def _duplicates_reasoning(result: JsonMapping) -> bool:
     """A reasoning item's summary text equals the next item's content text (both non-empty)."""
     items = _output_items(result)
     for reasoning, following in pairwise(items):
@@ -273,7 +279,7 @@ def _duplicates_reasoning(result: Mapping[str, Any]) -> bool:
     return False
 
 
-def _has_empty_final_answer(result: Mapping[str, Any]) -> bool:
+def _has_empty_final_answer(result: JsonMapping) -> bool:
     """The last item with text content is empty, or there is none; never when the output ends in a function call."""
     items = _output_items(result)
     if items and items[-1].get("type") == "function_call":
@@ -284,7 +290,7 @@ def _has_empty_final_answer(result: Mapping[str, Any]) -> bool:
     return True
 
 
-def _has_unwanted_token(result: Mapping[str, Any], unwanted: Sequence[int]) -> bool:
+def _has_unwanted_token(result: JsonMapping, unwanted: Sequence[int]) -> bool:
     """Any assistant turn contains any of the ``unwanted`` ids (its last token included)."""
     return any(
         token in message["token_ids"]
@@ -294,12 +300,12 @@ def _has_unwanted_token(result: Mapping[str, Any], unwanted: Sequence[int]) -> b
     )
 
 
-def _count(token_ids: Any, token: int) -> int:
+def _count(token_ids: TokenIds, token: int) -> int:
     """How often ``token`` occurs in a turn's ids."""
     return int((torch.as_tensor(token_ids) == token).sum().item())
 
 
-def _think_tokens_malformed(message_log: Sequence[Mapping[str, Any]], open_id: int, close_id: int) -> bool:
+def _think_tokens_malformed(message_log: Sequence[JsonMapping], open_id: int, close_id: int) -> bool:
     """Per (user, assistant) pair: a balanced prompt expects no tags generated, a prompt with one open ``<think>``
     expects exactly one ``</think>``; any other prompt counts, or a mismatch, is malformed."""
     for prompt, reply in pairwise(message_log):
@@ -317,7 +323,7 @@ def _think_tokens_malformed(message_log: Sequence[Mapping[str, Any]], open_id: i
     return False
 
 
-def _think_text_malformed(result: Mapping[str, Any], open_tag: str, close_tag: str) -> bool:
+def _think_text_malformed(result: JsonMapping, open_tag: str, close_tag: str) -> bool:
     """A model call's decoded text (``generation_str``) holds an open tag, or more than one close tag."""
     for item in _output_items(result):
         text = item.get("generation_str", "")
@@ -326,21 +332,21 @@ def _think_text_malformed(result: Mapping[str, Any], open_tag: str, close_tag: s
     return False
 
 
-def _think_tag_settings(config: Any) -> tuple[tuple[int, int] | None, tuple[str, str]]:
+def _think_tag_settings(config: PenaltyConfig) -> tuple[tuple[int, int] | None, tuple[str, str]]:
     """The (open, close) think token ids, or None to skip the token check, and the (open, close) tag strings."""
     open_id, close_id = _token_id(config, "think_open"), _token_id(config, "think_close")
     if (open_id is None) != (close_id is None):
-        raise ValueError(
+        raise SettingError(
             "reward_penalties.token_ids.think_open and reward_penalties.token_ids.think_close must both be set"
         )
     tags = _value(config, "thinking_tags") or DEFAULT_THINKING_TAGS
     if len(tags) < 2:
-        raise ValueError("reward_penalties.thinking_tags must contain open and close tags")
+        raise SettingError("reward_penalties.thinking_tags must contain open and close tags")
     ids = None if open_id is None or close_id is None else (open_id, close_id)
     return ids, (tags[0], tags[1])
 
 
-def _malformed_think_tag(result: Mapping[str, Any], ids: tuple[int, int] | None, tags: tuple[str, str]) -> bool:
+def _malformed_think_tag(result: JsonMapping, ids: tuple[int, int] | None, tags: tuple[str, str]) -> bool:
     """Gym flagged an assistant turn, or the think-tag token counts or the decoded text are off."""
     message_log = result["message_log"]
     if any(m.get("role") == "assistant" and m.get("has_malformed_thinking", False) for m in message_log):
@@ -350,18 +356,18 @@ def _malformed_think_tag(result: Mapping[str, Any], ids: tuple[int, int] | None,
     return _think_text_malformed(result, *tags)
 
 
-def _check_gym_roles(results: Sequence[Mapping[str, Any]]) -> None:
+def _check_gym_roles(results: Sequence[JsonMapping]) -> None:
     """Penalties read Gym-path message logs, whose roles alternate user/assistant; refuse any other."""
     for result in results:
         roles = {message.get("role") for message in result["message_log"]}
         if not roles <= _GYM_ROLES:
-            raise ValueError(
+            raise SettingError(
                 f"reward penalties need a Gym-path message_log with only 'user' and 'assistant' roles, "
                 f"found {sorted(map(str, roles))}; they are not supported for non-Gym rollouts"
             )
 
 
-def apply_reward_penalties(results: Sequence[dict[str, Any]], config: PenaltyConfig | None) -> dict[str, int]:
+def apply_reward_penalties(results: Sequence[JsonObject], config: PenaltyConfig | None) -> dict[str, int]:
     """Set ``full_result["reward"]`` to 0.0 for each result an enabled penalty catches; return counts per penalty.
 
     A result caught by several penalties is counted under each.
@@ -374,7 +380,7 @@ def apply_reward_penalties(results: Sequence[dict[str, Any]], config: PenaltyCon
         return counts
     _check_gym_roles(results)
 
-    checks: dict[str, Callable[[Mapping[str, Any]], bool]] = {}
+    checks: dict[str, Callable[[JsonMapping], bool]] = {}
     if "duplicated_reasoning" in enabled:
         checks["duplicated_reasoning"] = _duplicates_reasoning
     if "empty_final_answer" in enabled:
@@ -382,7 +388,7 @@ def apply_reward_penalties(results: Sequence[dict[str, Any]], config: PenaltyCon
     if "unwanted_token" in enabled:
         unwanted = _token_id_list(config, "unwanted")
         if not unwanted:
-            raise ValueError("reward_penalties.token_ids.unwanted must be set")
+            raise SettingError("reward_penalties.token_ids.unwanted must be set")
         checks["unwanted_token"] = lambda r: _has_unwanted_token(r, unwanted)
     if "malformed_think_tag" in enabled:
         ids, tags = _think_tag_settings(config)
@@ -406,7 +412,7 @@ def penalty_metrics(config: PenaltyConfig | None, counts: Mapping[str, int], n: 
 # ---- reward components ----------------------------------------------------------------------------
 
 
-def extract_reward_components(full_result: Mapping[str, Any]) -> dict[str, float] | None:
+def extract_reward_components(full_result: JsonMapping) -> dict[str, float] | None:
     """A multi-reward result's ``reward_components`` as ``{name: float}``; None for a single-reward result."""
     components = full_result.get("reward_components")
     if not components:
@@ -423,7 +429,7 @@ def build_reward_component_columns(component_dicts: Sequence[Mapping[str, float]
     }
 
 
-def validate_reward_components_match_scalar(full_results: Sequence[Mapping[str, Any]]) -> None:
+def validate_reward_components_match_scalar(full_results: Sequence[JsonMapping]) -> None:
     """Raise ``GymResultError`` for the first multi-reward result whose ``reward`` is not the sum of its components."""
     for index, full_result in enumerate(full_results):
         components = extract_reward_components(full_result)

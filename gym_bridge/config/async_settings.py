@@ -1,7 +1,9 @@
 """NeMo-RL's failure and async sections of a training config, read into our retry policy, timeouts and loop settings.
 
 - ``async_rl.rollout_failure`` (NeMo-RL's ``RolloutFailureConfig``, same keys and defaults) becomes a
-  :class:`~gym_bridge.failures.RolloutRetryPolicy` and :class:`~gym_bridge.failures.RolloutTimeouts`;
+  :class:`~gym_bridge.failures.RolloutRetryPolicy` and :class:`~gym_bridge.failures.RolloutTimeouts`: NeMo-RL's
+  key names map onto the policy's fields (:meth:`RolloutFailureSettings.retry_policy`), and a default is the
+  policy's own, except the attempt budgets, which the policy leaves to its caller: NeMo-RL's (5, 2, 3);
 - ``async_rl.stall_watchdog`` becomes the GRPO loop's stall watchdog (:class:`StallWatchdogSettings`);
 - the rest of ``async_rl`` (:class:`AsyncRLSettings`): NeMo-RL's SingleController knobs, each honoured, or
   refused when set to something gym-bridge cannot do;
@@ -15,11 +17,12 @@ the new name (as NeMo-RL's own check), and a setting we cannot honour is refused
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt, model_validator
 
-from gym_bridge.failures import RolloutRetryPolicy, RolloutTimeouts
+from gym_bridge.failures import RolloutRetryPolicy, RolloutTimeouts, SettingError
+from gym_bridge.json_types import JsonMapping, JsonObject
 
 __all__ = ["AsyncGRPOSettings", "AsyncRLSettings", "RolloutFailureSettings", "StallWatchdogSettings"]
 
@@ -39,11 +42,15 @@ _RENAMED_ASYNC_RL_KEYS = {
 }
 
 
-def _refuse_renamed(data: Mapping[str, Any], renamed: Mapping[str, str], prefix: str) -> None:
+_POLICY_DEFAULTS = RolloutRetryPolicy.single_attempt()
+"""The retry settings' own defaults: a NeMo-RL key takes them where NeMo-RL's default is the same."""
+
+
+def _refuse_renamed(data: JsonMapping, renamed: Mapping[str, str], prefix: str) -> None:
     """NeMo-RL's check: a key from before its renames is an error naming the new key, not an unknown key."""
     stale = [f"{prefix}.{old} -> {prefix}.{new}" for old, new in renamed.items() if old in data]
     if stale:
-        raise ValueError(f"renamed in NeMo-RL: {'; '.join(stale)}")
+        raise SettingError(f"renamed in NeMo-RL: {'; '.join(stale)}")
 
 
 class _Section(BaseModel):
@@ -58,17 +65,21 @@ class _NativeFailure(_Section):
 class _GymFailure(_Section):
     rollout_timeout_s: PositiveFloat | None = None
     max_row_attempts: PositiveInt = 3
+    """The policy's ``max_gym_row_attempts``; NeMo-RL's default."""
 
 
 class RolloutFailureSettings(_Section):
-    """``async_rl.rollout_failure``: NeMo-RL's keys and defaults."""
+    """``async_rl.rollout_failure``: NeMo-RL's keys and defaults, each the retry policy's field of the same meaning
+    (:meth:`retry_policy` maps the names)."""
 
     max_infra_attempts_per_prompt: PositiveInt = 5
+    """The policy's ``max_infra_attempts``; NeMo-RL's default."""
     max_data_attempts_per_prompt: PositiveInt = 2
-    backoff_base_s: PositiveFloat = 1.0
-    max_backoff_s: PositiveFloat = 30.0
-    max_skipped_prompts: NonNegativeInt = 0
-    max_consecutive_dropped_prompts: NonNegativeInt = 0
+    """The policy's ``max_data_attempts``; NeMo-RL's default."""
+    backoff_base_s: PositiveFloat = _POLICY_DEFAULTS.backoff_base_s
+    max_backoff_s: PositiveFloat = _POLICY_DEFAULTS.max_backoff_s
+    max_skipped_prompts: NonNegativeInt = _POLICY_DEFAULTS.max_skipped_prompts
+    max_consecutive_dropped_prompts: NonNegativeInt = _POLICY_DEFAULTS.max_consecutive_dropped_prompts
     min_step_batch_fraction: float = Field(0.9, gt=0.0, le=1.0)
     """Read by the GRPO loop: a step whose committed groups fall below this share of its prompts fails the run."""
     on_dropped_prompt: Literal["shrink"] = "shrink"
@@ -82,11 +93,11 @@ class RolloutFailureSettings(_Section):
 
     @model_validator(mode="before")
     @classmethod
-    def _refuse_replace(cls, data: Any) -> Any:
+    def _refuse_replace(cls, data: object) -> object:
         if isinstance(data, Mapping):
             _refuse_renamed(data, _RENAMED_FAILURE_KEYS, "async_rl.rollout_failure")
         if isinstance(data, Mapping) and data.get("on_dropped_prompt") == "replace":
-            raise ValueError(
+            raise SettingError(
                 "on_dropped_prompt: replace is not supported: gym-bridge's GRPO loop trains a step on the groups "
                 "it committed (shrink), bounded by min_step_batch_fraction"
             )
@@ -95,11 +106,14 @@ class RolloutFailureSettings(_Section):
     @model_validator(mode="after")
     def _backoff_order(self) -> RolloutFailureSettings:
         if self.max_backoff_s < self.backoff_base_s:
-            raise ValueError(f"max_backoff_s ({self.max_backoff_s}) must be >= backoff_base_s ({self.backoff_base_s})")
+            raise SettingError(
+                f"max_backoff_s ({self.max_backoff_s}) must be >= backoff_base_s ({self.backoff_base_s})"
+            )
         return self
 
     def retry_policy(self, *, max_consecutive_dropped_prompts: int | None = None) -> RolloutRetryPolicy:
-        """The manager's retry policy; ``max_consecutive_dropped_prompts`` overrides this section's."""
+        """The manager's retry policy: each NeMo-RL key onto its policy field (``nemo_gym.max_row_attempts`` onto
+        ``max_gym_row_attempts``); ``max_consecutive_dropped_prompts`` overrides this section's."""
         dropped = self.max_consecutive_dropped_prompts
         return RolloutRetryPolicy(
             max_infra_attempts=self.max_infra_attempts_per_prompt,
@@ -134,9 +148,9 @@ class StallWatchdogSettings(_Section):
 
     @model_validator(mode="before")
     @classmethod
-    def _refuse_unchecked_gym(cls, data: Any) -> Any:
+    def _refuse_unchecked_gym(cls, data: object) -> object:
         if isinstance(data, Mapping) and data.get("gym_subprocess_check") is False:
-            raise ValueError(
+            raise SettingError(
                 "gym_subprocess_check: false is not supported: gym-bridge's NemoGym actor always watches its Gym "
                 "servers' processes while rows are in flight, so a dead server is named instead of stalling"
             )
@@ -145,7 +159,7 @@ class StallWatchdogSettings(_Section):
     @model_validator(mode="after")
     def _timeout_after_interval(self) -> StallWatchdogSettings:
         if self.stall_timeout_s is not None and self.stall_timeout_s <= self.interval_s:
-            raise ValueError(
+            raise SettingError(
                 f"stall_timeout_s ({self.stall_timeout_s}) must be > interval_s ({self.interval_s}); otherwise the "
                 "watchdog reports a stall before it has had a chance to observe one"
             )
@@ -183,14 +197,14 @@ class AsyncRLSettings(_Section):
     generation_router: _Switch = _Switch()
     generation_fleet_health: _Switch = _Switch()
     diagnostics: bool = False
-    sampler: dict[str, Any] | None = None
+    sampler: JsonObject | None = None
     min_groups_for_streaming_train: int | None = None
     max_inflight_prompts: int | None = None
     max_buffered_rollouts: int | None = None
 
     @model_validator(mode="before")
     @classmethod
-    def _nemo_rl_checks(cls, data: Any) -> Any:
+    def _nemo_rl_checks(cls, data: object) -> object:
         if not isinstance(data, Mapping):
             return data
         _refuse_renamed(data, _RENAMED_ASYNC_RL_KEYS, "async_rl")
@@ -201,9 +215,9 @@ class AsyncRLSettings(_Section):
         }
         for name, why in refused.items():
             if isinstance(data.get(name), Mapping) and data[name].get("enabled"):
-                raise ValueError(f"{name}.enabled: true is not supported: {why}")
+                raise SettingError(f"{name}.enabled: true is not supported: {why}")
         if data.get("diagnostics"):
-            raise ValueError(
+            raise SettingError(
                 "diagnostics: true is not supported: gym-bridge reports through logging; set the 'gym_bridge' "
                 "logger to DEBUG instead"
             )
@@ -220,7 +234,7 @@ class AsyncRLSettings(_Section):
         }
         for name, value in deadlines.items():
             if stall is not None and value is not None and stall <= value:
-                raise ValueError(f"stall_watchdog.stall_timeout_s ({stall}) must be > async_rl.{name} ({value})")
+                raise SettingError(f"stall_watchdog.stall_timeout_s ({stall}) must be > async_rl.{name} ({value})")
         return self
 
     def without_effect(self) -> list[str]:

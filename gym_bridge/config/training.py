@@ -537,7 +537,8 @@ def _section_model[M: BaseModel](model: type[M], config: Mapping[str, Any], dott
 def _failure_policy(
     config: Mapping[str, Any], async_rl: AsyncRLSettings, async_grpo: AsyncGRPOSettings
 ) -> tuple[RolloutRetryPolicy, RolloutTimeouts]:
-    """NeMo-RL's ``async_rl.rollout_failure`` when present; else our ``env.nemo_gym`` keys over one attempt.
+    """NeMo-RL's ``async_rl.rollout_failure`` when present; else our ``env.nemo_gym`` keys over one attempt
+    (``single_attempt()``), with ``env.nemo_gym.max_row_attempts`` defaulting to NeMo-RL's row budget.
 
     ``grpo.async_grpo.max_generation_failures`` (async on) bounds the prompts dropped in a row, as
     ``async_rl.rollout_failure.max_consecutive_dropped_prompts`` does; both set to different values is an error.
@@ -564,7 +565,8 @@ def _failure_policy(
             )
         return failure.retry_policy(max_consecutive_dropped_prompts=generation_failures), failure.timeouts()
     timeout = ours["rollout_timeout_s"]
-    policy = RolloutRetryPolicy.single_attempt(max_gym_row_attempts=int(ours["max_row_attempts"] or 3))
+    row_attempts = ours["max_row_attempts"] or failure.nemo_gym.max_row_attempts
+    policy = RolloutRetryPolicy.single_attempt(max_gym_row_attempts=int(row_attempts))
     if async_grpo.enabled:
         policy = replace(policy, max_consecutive_dropped_prompts=async_grpo.max_generation_failures)
     return policy, RolloutTimeouts(rollout_s=float(timeout) if timeout is not None else None)

@@ -14,14 +14,24 @@ from __future__ import annotations
 import os
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
-from gym_bridge.failures import GymBridgeError
+from gym_bridge.failures import GymBridgeError, RolloutRetryPolicy
 
 
 class EvalConfigError(GymBridgeError, ValueError):
@@ -31,6 +41,25 @@ class EvalConfigError(GymBridgeError, ValueError):
 POLICY_KEYS = ("base_urls", "model_name", "tokenizer", "api_key_env_var", "embedded_policy")
 """The keys that name one policy: at the top level (one policy) or in each ``policies`` entry."""
 _POLICY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+EVAL_RETRY = RolloutRetryPolicy(
+    max_infra_attempts=3,
+    max_data_attempts=1,
+    max_gym_row_attempts=3,
+    max_skipped_prompts=sys.maxsize,
+    max_consecutive_dropped_prompts=4,
+)
+"""The eval's retry policy for the keys ``retry:`` leaves out: a failed group is recorded (``failures.jsonl``,
+``--resume`` retries it) and the run goes on, transient infrastructure failures are retried, and the run stops
+only when groups keep being dropped for infrastructure."""
+_FLAT_RETRY_KEYS = {
+    "max_row_attempts": "max_gym_row_attempts",
+    "max_infra_attempts": "max_infra_attempts",
+    "max_data_attempts": "max_data_attempts",
+    "max_consecutive_dropped_prompts": "max_consecutive_dropped_prompts",
+    "retry_backoff_s": "backoff_base_s",
+}
+"""Top-level keys that name a retry setting, and the ``retry:`` key that holds it."""
 
 
 class PolicyEntry(BaseModel):
@@ -81,13 +110,10 @@ class EvalConfig(BaseModel):
     request_timeout_s: float = Field(300.0, gt=0, description="Deadline of one Gym /run call.")
     startup_timeout_s: float = Field(180.0, gt=0, description="Deadline for Gym's servers to start.")
     preflight_timeout_s: float = Field(20.0, gt=0, description="Deadline of each endpoint's preflight checks.")
-    max_row_attempts: int = Field(3, ge=1, description="How often rows lost to infrastructure are re-sent.")
-    max_infra_attempts: int = Field(3, ge=1, description="Attempts at a prompt group failing for infrastructure.")
-    max_data_attempts: int = Field(1, ge=1, description="Attempts at a prompt group failing for its data.")
-    max_consecutive_dropped_prompts: int = Field(
-        4, ge=0, description="Groups dropped for infrastructure in a row before the run stops."
+    retry: RolloutRetryPolicy = Field(
+        EVAL_RETRY,
+        description="The retry policy (RolloutRetryPolicy's keys); a key left out keeps the eval's (EVAL_RETRY).",
     )
-    retry_backoff_s: float = Field(1.0, ge=0, description="First backoff after an infrastructure failure (doubles).")
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
     max_new_tokens: int = Field(256, ge=1)
@@ -106,6 +132,14 @@ class EvalConfig(BaseModel):
         "tokenizer, api_key_env_var or embedded_policy); each runs into <output_dir>/<name>, then compare.",
     )
     _policy_configs: list[tuple[str, EvalConfig]] = PrivateAttr(default_factory=list)
+
+    @field_validator("retry", mode="before")
+    @classmethod
+    def _retry_over_eval_defaults(cls, value: object) -> object:
+        """The keys ``retry:`` gives, over :data:`EVAL_RETRY` (not over the policy's own single-attempt defaults)."""
+        if isinstance(value, Mapping):
+            return {**asdict(EVAL_RETRY), **value}
+        return value
 
     @model_validator(mode="after")
     def _check_urls(self) -> EvalConfig:
@@ -189,19 +223,9 @@ class EvalConfig(BaseModel):
         value = os.environ.get(self.api_key_env_var, "")
         return SecretStr(value) if value else None
 
-    def retry_policy(self) -> Any:
-        """The RolloutRetryPolicy of this run: a failed group is recorded and the run goes on,
-        unless infrastructure failures pile up."""
-        from gym_bridge.failures import RolloutRetryPolicy
-
-        return RolloutRetryPolicy(
-            max_infra_attempts=self.max_infra_attempts,
-            max_data_attempts=self.max_data_attempts,
-            max_gym_row_attempts=self.max_row_attempts,
-            backoff_base_s=self.retry_backoff_s,
-            max_skipped_prompts=sys.maxsize,
-            max_consecutive_dropped_prompts=self.max_consecutive_dropped_prompts,
-        )
+    def retry_policy(self) -> RolloutRetryPolicy:
+        """The run's retry policy: the ``retry:`` section."""
+        return self.retry
 
     def generation_config(self) -> dict[str, Any]:
         return {"temperature": self.temperature, "top_p": self.top_p, "max_new_tokens": self.max_new_tokens}
@@ -261,8 +285,12 @@ def _format_errors(
                 "an API key is never written in the config (it is copied into run.json); put it in "
                 "$OPENAI_API_KEY or in the environment variable api_key_env_var names"
             )
+        elif err["type"] == "extra_forbidden" and key in _FLAT_RETRY_KEYS:
+            message = f"a retry setting: give it as retry.{_FLAT_RETRY_KEYS[key]}"
         elif err["type"] == "extra_forbidden":
             message = f"unknown key; known keys: {', '.join(EvalConfig.model_fields)}"
+        elif err["type"] == "unexpected_keyword_argument" and loc[:1] == ["retry"]:
+            message = f"unknown key; known keys: {', '.join(asdict(EVAL_RETRY))}"
         lines.append(f"{key}: {message}" if key else message)  # a check of several keys names them itself
     return prefix + "; ".join(lines)
 

@@ -10,7 +10,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
-from gym_bridge.failures.errors import RolloutTimeout
+from gym_bridge.failures.errors import RolloutTimeout, SettingError
 
 __all__ = [
     "RolloutRetryPolicy",
@@ -33,7 +33,23 @@ def _check_seconds(name: str, seconds: float | None) -> None:
     if seconds is None:
         return
     if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not (0 < seconds < math.inf):
-        raise ValueError(f"{name} must be None or a positive finite number of seconds, got {seconds!r}")
+        raise SettingError(f"{name} must be None or a positive finite number of seconds, got {seconds!r}")
+
+
+def _check_count(name: str, value: object, minimum: int) -> None:
+    """``value`` is an int (not a bool) of at least ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SettingError(f"{name} must be an int >= {minimum}, got {value!r}")
+    if value < minimum:
+        raise SettingError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _check_backoff(name: str, value: object) -> None:
+    """``value`` is a number of seconds (not a bool), at least 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise SettingError(f"{name} must be a number of seconds >= 0, got {value!r}")
+    if value < 0:
+        raise SettingError(f"backoff times must be >= 0, got {name}={value}")
 
 
 @dataclass(frozen=True)
@@ -66,28 +82,39 @@ class RolloutRetryPolicy:
     ``max_gym_row_attempts`` times. An ``EndpointConfigError`` (the model endpoint's 4xx)
     is never retried, and stops the run when the first prompts all hit the same one
     (``stop_after_config_failures``).
+
+    This class is the one definition of every retry setting and its default (docs/reliability.md lists
+    who reads each). The three attempt budgets have no default, as in NeMo-RL: a caller names them, or
+    asks for :meth:`single_attempt`, which is also the policy of every door given none. An invalid value
+    raises :class:`~gym_bridge.failures.errors.SettingError` naming the field; a pydantic model takes the
+    class as a field type (the eval config's ``retry:`` section) and reports the same errors.
     """
 
     max_infra_attempts: int
+    """Attempts at a prompt failing for infrastructure (timeout, dead worker, transport)."""
     max_data_attempts: int
+    """Attempts at a prompt failing for its data; independent of the infrastructure budget."""
     max_gym_row_attempts: int
+    """Within one Gym attempt, how often rows lost to an infrastructure failure are sent (1: no re-send)."""
     backoff_base_s: float = 1.0
+    """First backoff after an infrastructure failure, doubled for each further one."""
     max_backoff_s: float = 30.0
+    """The cap on that backoff."""
     max_skipped_prompts: int = 0
+    """Prompts the run may skip after spending their data budget; one more stops it (0: the first one)."""
     max_consecutive_dropped_prompts: int = 0
+    """Prompts in a row the run may drop after spending their infrastructure budget; one more stops it."""
     stop_after_config_failures: int = 2
     """The run stops (``RunConfigurationError``) when its first this-many prompts all fail with the
     same ``EndpointConfigError``; 0 turns the rule off."""
 
     def __post_init__(self) -> None:
         for name in ("max_infra_attempts", "max_data_attempts", "max_gym_row_attempts"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+            _check_count(name, getattr(self, name), 1)
         for name in ("max_skipped_prompts", "max_consecutive_dropped_prompts", "stop_after_config_failures"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.backoff_base_s < 0 or self.max_backoff_s < 0:
-            raise ValueError("backoff times must be >= 0")
+            _check_count(name, getattr(self, name), 0)
+        for name in ("backoff_base_s", "max_backoff_s"):
+            _check_backoff(name, getattr(self, name))
 
     @classmethod
     def single_attempt(cls, **overrides: Any) -> RolloutRetryPolicy:
@@ -119,7 +146,7 @@ async def deadline(seconds: float | None, description: str) -> AsyncIterator[Non
         raise RolloutTimeout(f"{description} exceeded {seconds}s") from exc
 
 
-async def gather_cancel_siblings(*aws: Awaitable[Any]) -> list[Any]:
+async def gather_cancel_siblings[T](*aws: Awaitable[T]) -> list[T]:
     """Run ``aws`` concurrently and return their results in input order.
 
     Unlike ``asyncio.gather``, the first failure cancels the others and waits for

@@ -9,9 +9,10 @@ import ray
 import torch
 
 from gym_bridge import GymResultError, run_async_nemo_gym_rollout
+from gym_bridge.failures import SettingError
 from gym_bridge.gym.convert import gym_row_result
 from gym_bridge.gym.result import GymRowBatch
-from gym_bridge.types import token_tensor
+from gym_bridge.types import GenerationSamplingParams, token_tensor
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -93,3 +94,29 @@ async def test_components_are_checked_before_a_penalty_changes_the_reward(tiny_t
     assert result.final_batch["total_reward"].tolist() == [0.0, 0.0]
     assert result.final_batch["reward/a"].tolist() == [1.0, 1.0]
     assert result.rollout_metrics["unwanted_token_rate"] == 1.0
+
+
+@pytest.mark.parametrize(
+    ("rows", "overrides", "message"),
+    [
+        (2, {"greedy": True}, "greedy is not supported"),
+        (2, {"max_rollout_turns": 4}, "max_rollout_turns must be None"),
+        (2, {"generation_config": {**GENERATION, "stop_token_ids": [0]}}, "stop_token_ids is not supported"),
+        (2, {"sampling_params": GenerationSamplingParams(top_k=5)}, "top_k is not supported"),
+        (0, {}, r"batch \(extra_env_info\) is empty"),
+        (3, {}, "3 rows, not divisible by num_generations=2"),
+        (2, {"loss_multiplier": [1.0]}, "1 loss_multiplier values for 2 NeMo-Gym rows"),
+    ],
+)
+async def test_what_the_gym_path_cannot_take_is_a_setting_error_before_anything_is_sent(
+    rows, overrides, message, tiny_tokenizer
+):
+    overrides = dict(overrides)
+    generation = overrides.pop("generation_config", GENERATION)
+    input_batch = batch(rows)
+    if "loss_multiplier" in overrides:
+        input_batch["loss_multiplier"] = overrides.pop("loss_multiplier")
+    stream = run_async_nemo_gym_rollout(None, input_batch, tiny_tokenizer, {}, generation, 2, False, **overrides)
+    with pytest.raises(SettingError, match=message) as refused:
+        await anext(stream)
+    assert isinstance(refused.value, ValueError)  # NeMo-RL's callers catch ValueError

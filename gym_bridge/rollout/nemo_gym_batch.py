@@ -17,15 +17,17 @@ import time
 import warnings
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import NotRequired, TypedDict
 
 import orjson
 import torch
 
 from gym_bridge.batched import BatchedDataDict, batched_message_log_to_flat_message
+from gym_bridge.failures import GymBridgeError, SettingError
 from gym_bridge.gym.client import GymClient, GymGroupResult
 from gym_bridge.gym.result import GymRowResult
 from gym_bridge.gym.rows import stamped_row, validate_row
+from gym_bridge.json_types import JsonMapping, JsonObject
 from gym_bridge.rollout.nemo_gym import (
     TIMER_PREFIX,
     full_result_table,
@@ -35,6 +37,7 @@ from gym_bridge.rollout.nemo_gym import (
 )
 from gym_bridge.rollout.reward_shaping import (
     EffortLevelsConfig,
+    PenaltyConfig,
     apply_effort_shaping,
     apply_reward_penalties,
     build_reward_component_columns,
@@ -44,9 +47,20 @@ from gym_bridge.rollout.reward_shaping import (
     resolve_reward_penalty_config,
     validate_reward_components_match_scalar,
 )
-from gym_bridge.types import NEMO_GYM_TASK_INDEX_KEY, GenerationConfig, GenerationSamplingParams, Tokenizer, padding_id
+from gym_bridge.types import (
+    NEMO_GYM_TASK_INDEX_KEY,
+    ActorHandle,
+    DatumSpec,
+    GenerationConfig,
+    GenerationSamplingParams,
+    LLMMessageLogType,
+    Tokenizer,
+    padding_id,
+)
 
 __all__ = [
+    "EmptyRolloutStream",
+    "NemoGymFinalBatch",
     "NemoGymRolloutResult",
     "full_result_table",
     "run_async_nemo_gym_rollout",
@@ -63,6 +77,25 @@ _POSTPROCESS_TIMERS = tuple(
 )
 """NeMo-RL's timers of one group's post-processing, summed over the call's groups."""
 
+type LossMultiplier = torch.Tensor | Sequence[float]
+"""The batch's ``loss_multiplier`` column: a tensor, or one float per row."""
+
+
+class EmptyRolloutStream(GymBridgeError, RuntimeError):
+    """The rollout stream ended without a single group (a ``RuntimeError``, as NeMo-RL raises here)."""
+
+
+class NemoGymFinalBatch(TypedDict):
+    """NeMo-RL's ``final_batch`` keys on the Gym path; ``reward/<name>`` columns join them per reward component."""
+
+    agent_ref: list[JsonObject]
+    message_log: list[LLMMessageLogType]
+    length: torch.Tensor
+    loss_multiplier: LossMultiplier
+    total_reward: torch.Tensor
+    truncated: torch.Tensor
+    mask_sample: NotRequired[torch.Tensor]
+
 
 @dataclass
 class NemoGymRolloutResult:
@@ -70,27 +103,27 @@ class NemoGymRolloutResult:
 
     input_ids: torch.Tensor
     """The first user message of each row, flattened and right-padded with the tokenizer's pad id: [B, L]."""
-    final_batch: BatchedDataDict[Any]
+    final_batch: BatchedDataDict[NemoGymFinalBatch]
     """NeMo-RL's keys: ``agent_ref``, ``message_log``, ``length``, ``loss_multiplier``, ``total_reward``,
     ``truncated``, ``mask_sample`` (when masking) and ``reward/<name>`` per reward component."""
-    rollout_metrics: dict[str, Any]
+    rollout_metrics: JsonObject
     task_index: int | None
     """The group's ``_ng_task_index`` (NeMo-RL's async collector identity); None when the rows carry none."""
 
 
 async def run_async_nemo_gym_rollout(
-    policy_generation: Any,
-    input_batch: Mapping[str, Any],
+    policy_generation: object,
+    input_batch: BatchedDataDict[DatumSpec],
     tokenizer: Tokenizer,
-    task_to_env: Mapping[str, Any],
+    task_to_env: Mapping[str, ActorHandle],
     generation_config: GenerationConfig,
     num_generations: int,
     log_full_result_tables: bool,
     max_seq_len: int | None = None,
     max_rollout_turns: int | None = None,
     greedy: bool = False,
-    effort_config: EffortLevelsConfig | Mapping[str, Any] | None = None,
-    reward_penalty_config: Mapping[str, Any] | Any | None = None,
+    effort_config: EffortLevelsConfig | JsonMapping | None = None,
+    reward_penalty_config: PenaltyConfig | None = None,
     thinking_tags: Sequence[str] | None = None,
     mask_env_flagged_samples: bool = True,
     returns_entire_batch: bool = False,
@@ -106,9 +139,12 @@ async def run_async_nemo_gym_rollout(
     As in NeMo-RL, each row gets one attempt: the first group that fails ends the stream and
     cancels the others.
 
+    ``policy_generation`` is read for its ``cfg`` only (the engine's ``max_model_len``).
+
     Raises:
-        ValueError: an option the Gym path cannot honour (``greedy``, ``max_rollout_turns``, stop strings,
-            ``top_k``), a batch that does not split into groups, or a group mixing agents or task indices.
+        SettingError: (a ``ValueError``) an option the Gym path cannot honour (``greedy``, ``max_rollout_turns``,
+            stop strings, ``top_k``), a batch that does not split into groups, or a group mixing agents or task
+            indices.
         InvalidGymRow: a row that cannot be dispatched, named by its index and field.
         RolloutFailure: the typed failure of the first group that failed (see :mod:`gym_bridge.failures`).
     """
@@ -117,11 +153,11 @@ async def run_async_nemo_gym_rollout(
     _check_options(generation_config, sampling_params, greedy, max_rollout_turns, max_seq_len, engine_max_len)
     sampling = sampling_params or GenerationSamplingParams.from_generation_config(generation_config)
     if sampling.top_k:
-        raise ValueError("sampling_params.top_k is not supported on the NeMo-Gym path (not an OpenAI parameter)")
+        raise SettingError("sampling_params.top_k is not supported on the NeMo-Gym path (not an OpenAI parameter)")
     groups = _split(rows, num_generations, returns_entire_batch)
     message_logs = input_batch.get("message_log")
     if message_logs is not None and len(message_logs) != len(rows):
-        raise ValueError(f"input_batch has {len(message_logs)} message logs for {len(rows)} NeMo-Gym rows")
+        raise SettingError(f"input_batch has {len(message_logs)} message logs for {len(rows)} NeMo-Gym rows")
     max_new_tokens = generation_config.get("max_new_tokens")
     stamped = [
         [stamped_row(rows[start + i], i, sampling, max_new_tokens) for i in range(end - start)] for start, end in groups
@@ -168,17 +204,17 @@ async def run_async_nemo_gym_rollout(
 
 
 def run_nemo_gym_rollout_sync(
-    policy_generation: Any,
-    input_batch: Mapping[str, Any],
+    policy_generation: object,
+    input_batch: BatchedDataDict[DatumSpec],
     tokenizer: Tokenizer,
-    task_to_env: Mapping[str, Any],
+    task_to_env: Mapping[str, ActorHandle],
     generation_config: GenerationConfig,
     log_full_result_tables: bool,
     max_seq_len: int | None = None,
     max_rollout_turns: int | None = None,
     greedy: bool = False,
-    effort_config: EffortLevelsConfig | Mapping[str, Any] | None = None,
-    reward_penalty_config: Mapping[str, Any] | Any | None = None,
+    effort_config: EffortLevelsConfig | JsonMapping | None = None,
+    reward_penalty_config: PenaltyConfig | None = None,
     thinking_tags: Sequence[str] | None = None,
     sampling_params: GenerationSamplingParams | None = None,
     mask_env_flagged_samples: bool = True,
@@ -214,7 +250,7 @@ def run_nemo_gym_rollout_sync(
         ):
             last = result
         if last is None:
-            raise RuntimeError("NeMo-Gym returned no rollouts")
+            raise EmptyRolloutStream("NeMo-Gym returned no rollouts")
         return last
 
     return asyncio.run(drain())
@@ -226,8 +262,8 @@ class _Shaping:
     def __init__(
         self,
         tokenizer: Tokenizer,
-        effort_config: EffortLevelsConfig | Mapping[str, Any] | None,
-        reward_penalty_config: Mapping[str, Any] | Any | None,
+        effort_config: EffortLevelsConfig | JsonMapping | None,
+        reward_penalty_config: PenaltyConfig | None,
         thinking_tags: Sequence[str] | None,
     ) -> None:
         if isinstance(effort_config, Mapping):
@@ -236,7 +272,7 @@ class _Shaping:
         tags = list(thinking_tags) if thinking_tags is not None else None
         self.penalties = resolve_reward_penalty_config(reward_penalty_config, tokenizer, thinking_tags=tags)
 
-    def apply(self, rows: list[dict[str, Any]], gym_rows: list[GymRowResult]) -> dict[str, float]:
+    def apply(self, rows: list[JsonObject], gym_rows: list[GymRowResult]) -> dict[str, float]:
         """Shape the rewards of one group in place (Gym's ``reward`` and ours); return NeMo-RL's shaping metrics."""
         if self.effort is None and not self.penalties:
             return {}
@@ -265,14 +301,16 @@ class _GroupPost:
         """The post-processing steps' seconds of one group, as NeMo-RL's timer names them."""
         return {key: result.rollout_metrics.pop(key) for key in _POSTPROCESS_TIMERS}
 
-    def result(self, rows: list[dict[str, Any]], group: GymGroupResult, loss_multiplier: Any) -> NemoGymRolloutResult:
+    def result(
+        self, rows: list[JsonObject], group: GymGroupResult, loss_multiplier: LossMultiplier
+    ) -> NemoGymRolloutResult:
         t0 = time.perf_counter()
         full_results = [r.full_result for r in group.rows]
         components = [extract_reward_components(r) for r in full_results]
         if any(c is not None for c in components):
             # The verifier's contract (reward == sum of components) is checked before shaping changes the reward.
             validate_reward_components_match_scalar(full_results)
-        metrics = self.shaping.apply(rows, group.rows)
+        metrics: JsonObject = self.shaping.apply(rows, group.rows)
         completions = [
             gym_completion(r, max_seq_len=self.engine_max_len, mask_env_flagged_samples=self.mask_env_flagged_samples)
             for r in group.rows
@@ -287,7 +325,7 @@ class _GroupPost:
                 metrics[f"{agent}/full_result"] = full_result_table(mine)
         t3 = time.perf_counter()
         metrics.update(zip(_POSTPROCESS_TIMERS, (t1 - t0, t2 - t1, t3 - t2), strict=True))
-        final_batch: BatchedDataDict[Any] = BatchedDataDict(
+        final_batch: BatchedDataDict[NemoGymFinalBatch] = BatchedDataDict(
             {
                 "agent_ref": [row["agent_ref"] for row in rows],
                 "message_log": [c.message_log for c in completions],
@@ -312,13 +350,13 @@ class _GroupPost:
         )
 
 
-def should_log_nemo_gym_full_result_tables(*, wandb_enabled: bool, wandb_config: Mapping[str, Any]) -> bool:
+def should_log_nemo_gym_full_result_tables(*, wandb_enabled: bool, wandb_config: JsonMapping) -> bool:
     """NeMo-RL's rule: ``{agent}/full_result`` tables only when wandb logs and ``log_nemo_gym_full_result_tables``."""
     return bool(wandb_enabled) and bool(wandb_config.get("log_nemo_gym_full_result_tables"))
 
 
 def _check_options(
-    generation_config: Mapping[str, Any],
+    generation_config: GenerationConfig,
     sampling_params: GenerationSamplingParams | None,
     greedy: bool,
     max_rollout_turns: int | None,
@@ -326,12 +364,14 @@ def _check_options(
     engine_max_len: int | None,
 ) -> None:
     if greedy:
-        raise ValueError("greedy is not supported on the NeMo-Gym path; pass sampling_params for a validation profile")
+        raise SettingError(
+            "greedy is not supported on the NeMo-Gym path; pass sampling_params for a validation profile"
+        )
     if max_rollout_turns is not None:
-        raise ValueError("max_rollout_turns must be None on the NeMo-Gym path: the Gym agent ends each episode")
+        raise SettingError("max_rollout_turns must be None on the NeMo-Gym path: the Gym agent ends each episode")
     for key in ("stop_strings", "stop_token_ids"):
         if generation_config.get(key):
-            raise ValueError(
+            raise SettingError(
                 f"generation_config.{key} is not supported on the NeMo-Gym path (Gym's model server does not "
                 "forward it); setup_nemo_gym_config clears it"
             )
@@ -343,17 +383,19 @@ def _check_options(
         )
 
 
-def _split(rows: list[Any], num_generations: int, returns_entire_batch: bool) -> list[tuple[int, int]]:
+def _split(rows: list[JsonObject], num_generations: int, returns_entire_batch: bool) -> list[tuple[int, int]]:
     """The ``(start, end)`` of each group; every row is validated (in ``rows``, as a ``ValidGymRow``) before
     anything is sent."""
     if num_generations <= 0:
-        raise ValueError(f"num_generations must be greater than zero, got {num_generations}")
+        raise SettingError(f"num_generations must be greater than zero, got {num_generations}")
     if not rows:
-        raise ValueError("the NeMo-Gym rollout batch (extra_env_info) is empty")
+        raise SettingError("the NeMo-Gym rollout batch (extra_env_info) is empty")
     if len(rows) % num_generations:
-        raise ValueError(f"the NeMo-Gym batch has {len(rows)} rows, not divisible by num_generations={num_generations}")
+        raise SettingError(
+            f"the NeMo-Gym batch has {len(rows)} rows, not divisible by num_generations={num_generations}"
+        )
     if returns_entire_batch and len(rows) != num_generations:
-        raise ValueError(
+        raise SettingError(
             f"returns_entire_batch needs num_generations ({num_generations}) to equal the batch size ({len(rows)})"
         )
     rows[:] = [validate_row(row, prompt_idx=i // num_generations) for i, row in enumerate(rows)]
@@ -362,23 +404,23 @@ def _split(rows: list[Any], num_generations: int, returns_entire_batch: bool) ->
         for g, (start, end) in enumerate(groups):
             agents = [row["agent_ref"]["name"] for row in rows[start:end]]
             if len(set(agents)) != 1:
-                raise ValueError(f"prompt group {g} (rows {start}..{end - 1}) mixes NeMo-Gym agents: {agents}")
+                raise SettingError(f"prompt group {g} (rows {start}..{end - 1}) mixes NeMo-Gym agents: {agents}")
             _task_index(rows[start:end])
     return groups
 
 
-def _task_index(rows: Sequence[Mapping[str, Any]]) -> int | None:
+def _task_index(rows: Sequence[JsonMapping]) -> int | None:
     """The group's ``_ng_task_index``, checked equal across its rows; None when the first row has none."""
     if not rows or NEMO_GYM_TASK_INDEX_KEY not in rows[0]:
         return None
     indices = [row.get(NEMO_GYM_TASK_INDEX_KEY) for row in rows]
     first = int(rows[0][NEMO_GYM_TASK_INDEX_KEY])
     if any(index is None or int(index) != first for index in indices):
-        raise ValueError(f"expected one {NEMO_GYM_TASK_INDEX_KEY} per prompt group, got {indices}")
+        raise SettingError(f"expected one {NEMO_GYM_TASK_INDEX_KEY} per prompt group, got {indices}")
     return first
 
 
-def _engine_max_model_len(policy_generation: Any, max_seq_len: int | None) -> int | None:
+def _engine_max_model_len(policy_generation: object, max_seq_len: int | None) -> int | None:
     """The engine's ``max_model_len`` from NeMo-RL's generation config, else ``max_total_sequence_length``,
     else ``max_seq_len`` (our engines carry no such config)."""
     cfg = getattr(policy_generation, "cfg", None)
@@ -391,14 +433,15 @@ def _engine_max_model_len(policy_generation: Any, max_seq_len: int | None) -> in
     return max_seq_len
 
 
-def _loss_multiplier(input_batch: Mapping[str, Any], n: int) -> Any:
+def _loss_multiplier(input_batch: BatchedDataDict[DatumSpec], n: int) -> LossMultiplier:
     """The batch's ``loss_multiplier`` column, else ones (NeMo-RL's datasets always set 1.0)."""
     value = input_batch.get("loss_multiplier")
     if value is None:
         return torch.ones(n)
     if len(value) != n:
-        raise ValueError(f"input_batch has {len(value)} loss_multiplier values for {n} NeMo-Gym rows")
-    return value
+        raise SettingError(f"input_batch has {len(value)} loss_multiplier values for {n} NeMo-Gym rows")
+    column: LossMultiplier = value
+    return column
 
 
 def _add_timing(total: dict[str, float], timing: Mapping[str, float]) -> None:

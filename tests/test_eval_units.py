@@ -198,29 +198,120 @@ def test_fingerprint_ignores_what_does_not_matter() -> None:
     assert a.fingerprint("h") == b.fingerprint("h") != c.fingerprint("h")
 
 
+# ---- records ---------------------------------------------------------------------------------
+
+HELLO = [39, 313, 75, 78, 305, 127, 114, 81, 525, 220, 19, 17]  # "Hello wörld 42" in the tiny tokenizer
+IM_START, IM_END = 1102, 1103  # two of its special tokens
+
+
+def gym_completion_of(tokenizer, generations: list[list[int]]):
+    """A Gym result with one model call per generation, converted as the NemoGym actor converts it."""
+    from gym_bridge.gym.convert import convert_gym_result
+    from gym_bridge.rollout.nemo_gym import gym_completion
+
+    output, history = [], [5, 6, 7]
+    for generation in generations:
+        output.append({"type": "message", "prompt_token_ids": list(history), "generation_token_ids": generation,
+                       "generation_log_probs": [-0.5] * len(generation)})  # fmt: skip
+        history = history + generation + [8]
+    row = convert_gym_result({"reward": 1.0, "response": {"output": output}}, tokenizer)
+    return gym_completion(row, max_seq_len=None, mask_env_flagged_samples=True)
+
+
+@pytest.mark.parametrize(
+    "generations",
+    [[HELLO + [IM_END]], [HELLO, HELLO[:3] + [IM_END, IM_END]], [HELLO[:4] + [IM_START] + HELLO[4:] + [IM_END]]],
+    ids=["trailing-special", "two-calls", "special-inside"],
+)
+def test_generated_texts_equal_the_decode_without_special_tokens(tiny_tokenizer, generations) -> None:
+    from gym_bridge.eval.records import generated_texts
+
+    completion = gym_completion_of(tiny_tokenizer, generations)
+    expected = [tiny_tokenizer.decode(ids, skip_special_tokens=True) for ids in generations]
+    assert generated_texts(completion, tiny_tokenizer) == expected
+
+
+def test_generated_texts_use_the_text_the_actor_decoded_and_decode_only_without_it(tiny_tokenizer) -> None:
+    from gym_bridge.eval.records import generated_texts
+
+    completion = gym_completion_of(tiny_tokenizer, [HELLO + [IM_END]])
+    item = completion.env_extras["response"]["output"][0]
+    assert item["generation_str"] == "Hello wörld 42<|im_end|>"
+    item["generation_str"] = "as Gym gave it<|im_end|>"
+    assert generated_texts(completion, tiny_tokenizer) == ["as Gym gave it"]
+    del item["generation_str"]
+    assert generated_texts(completion, tiny_tokenizer) == ["Hello wörld 42"]
+
+
+def test_token_counts_split_prompt_and_generated_tokens(tiny_tokenizer) -> None:
+    from gym_bridge.eval.records import completion_record, token_counts
+
+    completion = gym_completion_of(tiny_tokenizer, [HELLO, [IM_END]])
+    counts = token_counts(completion.message_log)
+    assert (counts.prompt, counts.generated, counts.total) == (3 + 1, len(HELLO) + 1, 4 + len(HELLO) + 1)
+    record = completion_record(completion, tiny_tokenizer)
+    assert (record["prompt_tokens"], record["generated_tokens"], record["total_tokens"]) == (4, 13, 17)
+    assert record["turn_texts"] == ["Hello wörld 42", ""] and record["turns"] == 2
+
+
 # ---- report ----------------------------------------------------------------------------------
 
 
 def completion(reward: float, truncated: bool = False) -> dict:
-    return {"reward": reward, "truncated": truncated, "termination": "stop", "turns": 1,
-            "generated_tokens": 5, "total_tokens": 20, "text": "x", "gym_result": {}}
+    return {
+        "reward": reward,
+        "truncated": truncated,
+        "termination": "stop",
+        "turns": 1,
+        "generated_tokens": 5,
+        "total_tokens": 20,
+        "text": "x",
+        "gym_result": {},
+    }
 
 
 def test_report_from_files(tmp_path: Path) -> None:
     import matplotlib.image
 
     store = RunStore(tmp_path)
-    store.open({"num_generations_per_prompt": 4}, resume=False,
-               meta={"config": {"pass_threshold": 1.0}, "prompts_total": 4, "model": "m at http://x/v1"})
-    store.append_result({"prompt_idx": 0, "agent": "a", "elapsed_s": 1.0, "finished_at": 10.0,
-                         "completions": [completion(1.0), completion(0.0), completion(0.0), completion(0.0)]})
-    store.append_result({"prompt_idx": 1, "agent": "a", "elapsed_s": 1.0, "finished_at": 11.0,
-                         "completions": [completion(0.0)] * 3 + [completion(0.0, truncated=True)]})
-    store.append_result({"prompt_idx": 2, "agent": "b", "elapsed_s": 1.0, "finished_at": 12.0,
-                         "completions": [completion(1.0)] * 4})
-    store.append_failure({"prompt_idx": 3, "agent": "b", "error": "RolloutTimeout",
-                          "message": "prompt group exceeded 2.0s | via a\nb", "class": "infra"})
-    store.append_failure({"prompt_idx": 2, "agent": "b", "error": "GymTransportError", "message": "m", "class": "infra"})
+    store.open(
+        {"num_generations_per_prompt": 4},
+        resume=False,
+        meta={"config": {"pass_threshold": 1.0}, "prompts_total": 4, "model": "m at http://x/v1"},
+    )
+    store.append_result(
+        {
+            "prompt_idx": 0,
+            "agent": "a",
+            "elapsed_s": 1.0,
+            "finished_at": 10.0,
+            "completions": [completion(1.0), completion(0.0), completion(0.0), completion(0.0)],
+        }
+    )
+    store.append_result(
+        {
+            "prompt_idx": 1,
+            "agent": "a",
+            "elapsed_s": 1.0,
+            "finished_at": 11.0,
+            "completions": [completion(0.0)] * 3 + [completion(0.0, truncated=True)],
+        }
+    )
+    store.append_result(
+        {"prompt_idx": 2, "agent": "b", "elapsed_s": 1.0, "finished_at": 12.0, "completions": [completion(1.0)] * 4}
+    )
+    store.append_failure(
+        {
+            "prompt_idx": 3,
+            "agent": "b",
+            "error": "RolloutTimeout",
+            "message": "prompt group exceeded 2.0s | via a\nb",
+            "class": "infra",
+        }
+    )
+    store.append_failure(
+        {"prompt_idx": 2, "agent": "b", "error": "GymTransportError", "message": "m", "class": "infra"}
+    )
     store.record_session(0.0, outcome="finished", rollouts_started=0.0)
     store.close()
 
@@ -292,8 +383,9 @@ def test_termination_reason_reads_gyms_incomplete_reason_then_drift_then_truncat
     from gym_bridge.types import Completion
 
     def completion(reason=None, *, truncated=False, drift=False):
-        return Completion(message_log=[], env_extras={}, truncated=truncated, reward=0.0, token_drift=drift,
-                          incomplete_reason=reason)
+        return Completion(
+            message_log=[], env_extras={}, truncated=truncated, reward=0.0, token_drift=drift, incomplete_reason=reason
+        )
 
     assert termination_reason(completion("max_output_tokens", truncated=True, drift=True)) == "max_output_tokens"
     assert termination_reason(completion(truncated=True, drift=True)) == "token_drift"

@@ -5,12 +5,15 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from gym_bridge.failures import classify_rollout_failure
+from gym_bridge.json_types import JsonMapping, JsonObject
 
 if TYPE_CHECKING:  # torch stays out of the readers' imports (compare, the viewer)
-    from gym_bridge.types import Completion, PromptGroupRecord, Tokenizer
+    from gym_bridge.types import Completion, LLMMessageLogType, PromptGroupRecord, Tokenizer
 
 
 def termination_reason(completion: Completion) -> str:
@@ -30,7 +33,7 @@ ROW_ID_KEY = "row_id"
 _LOGPROB_DIGITS = 3
 
 
-def row_id(row: Any) -> str:
+def row_id(row: object) -> str:
     """A dataset row's identity: sha256 of its canonical JSON (sorted keys, no spaces), 16 hex digits.
 
     The same row has the same id in any file, at any position, so runs of one dataset are matched
@@ -40,11 +43,37 @@ def row_id(row: Any) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
 
-def trace_record(completion: Completion, tokenizer: Tokenizer) -> list[dict[str, Any]]:
+@dataclass(frozen=True)
+class TokenCounts:
+    """A completion's tokens: ``prompt`` (every message the model did not generate: chat template, tool
+    results) and ``generated`` (every model call's output)."""
+
+    prompt: int
+    generated: int
+
+    @property
+    def total(self) -> int:
+        return self.prompt + self.generated
+
+
+def token_counts(message_log: LLMMessageLogType) -> TokenCounts:
+    """The one place eval counts a completion's prompt and generated tokens (the result line's
+    ``prompt_tokens`` / ``generated_tokens`` / ``total_tokens``, which the report and viewer read)."""
+    prompt = generated = 0
+    for message in message_log:
+        count = int(message["token_ids"].numel())
+        if message["role"] == "assistant":
+            generated += count
+        else:
+            prompt += count
+    return TokenCounts(prompt=prompt, generated=generated)
+
+
+def trace_record(completion: Completion, tokenizer: Tokenizer) -> list[JsonObject]:
     """The completion's message log as the model saw it, one entry per message: the prompt tokens each model
     call added (``role`` user: chat template, tool results) as text, and each model call's generated tokens
     one by one with their sampling logprobs (what the trace viewer shades)."""
-    steps: list[dict[str, Any]] = []
+    steps: list[JsonObject] = []
     for message in completion.message_log:
         ids = message["token_ids"].tolist()
         if message["role"] != "assistant":
@@ -62,20 +91,73 @@ def trace_record(completion: Completion, tokenizer: Tokenizer) -> list[dict[str,
     return steps
 
 
-def completion_record(completion: Completion, tokenizer: Tokenizer) -> dict[str, Any]:
-    log = completion.message_log
-    assistant = [m for m in log if m["role"] == "assistant"]
-    texts = [tokenizer.decode(m["token_ids"].tolist(), skip_special_tokens=True) for m in assistant]
+def generated_texts(completion: Completion, tokenizer: Tokenizer) -> list[str]:
+    """Each model call's generated text without special tokens (``tokenizer.decode(ids, skip_special_tokens=True)``).
+
+    The NemoGym actor already decoded every call (``generation_str`` on Gym's output item, special tokens
+    kept); that text is used, its trailing special tokens cut, wherever it is exactly the decode
+    (:func:`_special_ids`). Otherwise, and for a completion without it, the tokens are decoded here.
+    """
+    assistant = [m["token_ids"].tolist() for m in completion.message_log if m["role"] == "assistant"]
+    gym_texts: list[str | None] = list(_gym_generation_strs(completion.env_extras))
+    special = _special_ids(tokenizer) if gym_texts else None
+    if special is None or len(gym_texts) != len(assistant):
+        gym_texts = [None] * len(assistant)
+    return [_generated_text(ids, text, tokenizer, special) for ids, text in zip(assistant, gym_texts, strict=True)]
+
+
+def _gym_generation_strs(env_extras: JsonMapping | None) -> list[str]:
+    """The ``generation_str`` of each converted output item of a Gym result, in model-call order."""
+    response = (env_extras or {}).get("response")
+    output = response.get("output") if isinstance(response, Mapping) else None
+    if not isinstance(output, list):
+        return []
+    return [
+        item["generation_str"]
+        for item in output
+        if isinstance(item, Mapping) and isinstance(item.get("generation_str"), str)
+    ]
+
+
+def _special_ids(tokenizer: Tokenizer) -> frozenset[int] | None:
+    """The ids ``skip_special_tokens`` leaves out, for a tokenizer whose decode is a join of its tokens' bytes
+    (:func:`gym_bridge.gym.decode.token_bytes_table`), so cutting special tokens off the text equals leaving
+    them out of the decode; None for any other tokenizer."""
+    from gym_bridge.gym.decode import token_bytes_table
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or token_bytes_table(tokenizer) is None:
+        return None
+    added = backend.get_added_tokens_decoder()
+    return frozenset(int(token_id) for token_id, token in added.items() if token.special)
+
+
+def _generated_text(ids: list[int], gym_text: str | None, tokenizer: Tokenizer, special: frozenset[int] | None) -> str:
+    """``ids`` decoded without special tokens: ``gym_text`` (all of ``ids`` decoded) with the text of its trailing
+    special tokens cut, when no other token is special; else ``ids`` decoded here."""
+    if gym_text is not None and special is not None:
+        body = len(ids)
+        while body and ids[body - 1] in special:
+            body -= 1
+        tail = tokenizer.decode(ids[body:]) if body < len(ids) else ""
+        if not special.intersection(ids[:body]) and gym_text.endswith(tail):
+            return gym_text[: len(gym_text) - len(tail)]
+    return tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def completion_record(completion: Completion, tokenizer: Tokenizer) -> JsonObject:
+    texts = generated_texts(completion, tokenizer)
+    counts = token_counts(completion.message_log)
     return {
         "reward": completion.reward,
         "truncated": completion.truncated,
         "termination": termination_reason(completion),
         "text": texts[-1] if texts else "",
         "turn_texts": texts,
-        "turns": len(assistant),
-        "prompt_tokens": sum(int(m["token_ids"].numel()) for m in log if m["role"] != "assistant"),
-        "generated_tokens": sum(int(m["token_ids"].numel()) for m in assistant),
-        "total_tokens": sum(int(m["token_ids"].numel()) for m in log),
+        "turns": len(texts),
+        "prompt_tokens": counts.prompt,
+        "generated_tokens": counts.generated,
+        "total_tokens": counts.total,
         "masked": completion.masked,
         "failure_kind": completion.failure_kind,
         "token_drift": completion.token_drift,
@@ -87,7 +169,7 @@ def completion_record(completion: Completion, tokenizer: Tokenizer) -> dict[str,
 
 def group_record(
     record: PromptGroupRecord, *, agent: str, line: int, tokenizer: Tokenizer, elapsed_s: float
-) -> dict[str, Any]:
+) -> JsonObject:
     return {
         "prompt_idx": record.prompt_idx,
         ROW_ID_KEY: row_id(record.extra_env_info),
@@ -99,7 +181,7 @@ def group_record(
     }
 
 
-def failure_record(exc: BaseException, *, prompt_idx: int, agent: str, line: int, elapsed_s: float) -> dict[str, Any]:
+def failure_record(exc: BaseException, *, prompt_idx: int, agent: str, line: int, elapsed_s: float) -> JsonObject:
     return {
         "prompt_idx": prompt_idx,
         "line": line,

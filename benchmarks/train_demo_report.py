@@ -2,12 +2,15 @@
 other-wording gains, the on-policy error, sync vs async, and TRL's 3-seed band.
 
     uv run python benchmarks/train_demo_report.py runs/train-demo-SYNC [--repeat runs/...] \\
-        [--async-run runs/... [runs/...]] [--trl runs/bench-trl] [--wall-min 13.2] [--no-write]
+        [--seeds runs/... [runs/...]] [--async-run runs/... [runs/...]] [--trl runs/bench-trl] \\
+        [--wall-min 13.2] [--no-write]
 
 Reads ``metrics.jsonl`` and ``val_results.jsonl`` of each run (``benchmarks/trl_grpo.py``'s JSON
-for TRL) and appends one section to RESULTS.md. Targets are issue 21's, judged on the first sync
-run and the first async run; every run, repeats included, gets a row of its own, so the spread
-between runs of the same config is on the page.
+for TRL) and appends one section to RESULTS.md. The learning targets are judged on the first sync
+run and the first async run. ``--repeat`` runs have SYNC's config and seed: their rollouts (a hash
+of every step's token ids) and held-out answers must equal SYNC's. ``--seeds`` are sync runs with
+other seeds: with SYNC, each must gain and sit in TRL's band; every async run must not collapse.
+Every run gets a row of its own, so the spread between runs is on the page.
 """
 
 from __future__ import annotations
@@ -135,6 +138,80 @@ def runs_table(runs: list[tuple[str, dict[str, Any]]], trl: list[dict[str, Any]]
     return out
 
 
+def repeat_check(a: dict[str, Any], b: dict[str, Any]) -> tuple[int, int, int, int]:
+    """(steps whose rollout hash is equal, steps compared, validations whose answers are all equal, validations)."""
+    hashes = [(x.get("train/rollout_sha256"), y.get("train/rollout_sha256")) for x, y in zip(a["steps"], b["steps"])]
+    same_steps = sum(1 for x, y in hashes if x is not None and x == y)
+
+    def answers(run: dict[str, Any]) -> dict[int, list[tuple[Any, ...]]]:
+        by_step: dict[int, list[tuple[Any, ...]]] = {}
+        for r in run["answers"]:
+            by_step.setdefault(r["step"], []).append((r["set"], r["problem"], r["sample"], r["reply"]))
+        return {step: sorted(rows) for step, rows in by_step.items()}
+
+    ours, theirs = answers(a), answers(b)
+    same_vals = sum(1 for step in ours if ours[step] == theirs.get(step))
+    return same_steps, max(len(a["steps"]), len(b["steps"])), same_vals, max(len(ours), len(theirs))
+
+
+def first_lagged_update(run: dict[str, Any]) -> dict[str, Any] | None:
+    """The first step that trained on samples from an older policy version (its ``policy_lag`` is not zero)."""
+    return next((m for m in run["steps"] if m.get("train/policy_lag_abs_diff_max", 0.0) > 0.0), None)
+
+
+def repeat_section(sync: dict[str, Any], repeats: list[dict[str, Any]], seeds: list[dict[str, Any]],
+                   asyncs: list[dict[str, Any]], trl: list[dict[str, Any]]) -> list[str]:
+    """The targets of runs that repeat: equal rollouts and answers for one seed, every seed learning, async holding."""
+    out = ["", "| target (runs that repeat) | measured | verdict |", "|---|---|---|"]
+    for i, other in enumerate(repeats, start=2):
+        steps, n_steps, vals, n_vals = repeat_check(sync, other)
+        out.append(f"| run 1 and run {i} of one config: identical rollout token ids at every step (hash per step) "
+                   f"| {steps} of {n_steps} steps | {verdict(steps == n_steps > 0)} |")
+        out.append(f"| run 1 and run {i}: identical held-out answers at every validation | {vals} of {n_vals} "
+                   f"validations | {verdict(vals == n_vals > 0)} |")
+    band = trl_band(trl) if trl else {}
+    runs = [sync, *seeds]
+    gains, in_band = [], []
+    for run in runs:
+        first, last = run["vals"][0], run["vals"][-1]
+        test = mcnemar_exact(paired(run["answers"], first["step"]), paired(run["answers"], last["step"]))
+        gain = last["val/accuracy"] - first["val/accuracy"]
+        gains.append((gain, test.p_value))
+        in_band.append(all(v["val/accuracy"] >= band[v["step"]][0] for v in run["vals"] if v["step"] in band))
+    if seeds:
+        text = ", ".join(f"{100 * g:+.1f} (p = {p:.2g})" for g, p in gains)
+        out.append(f"| {len(runs)} seeds, sync: each >= +15 points held-out, McNemar p < 0.05 | {text} "
+                   f"| {verdict(all(g >= 0.15 and p < 0.05 for g, p in gains))} |")
+        if band:
+            out.append(f"| {len(runs)} seeds, sync: each inside or above TRL's band at every validation "
+                       f"| {sum(in_band)} of {len(runs)} | {verdict(all(in_band))} |")
+    if asyncs:
+        sync_mean = statistics.mean(r["vals"][-1]["val/accuracy"] for r in runs)
+        lows = [min(v["val/accuracy"] for v in r["vals"]) - r["vals"][0]["val/accuracy"] for r in asyncs]
+        finals = [r["vals"][-1]["val/accuracy"] for r in asyncs]
+        out.append(f"| {len(asyncs)} seeds, async: held-out never below the start | lowest minus start: "
+                   f"{', '.join(f'{100 * x:+.1f}' for x in lows)} points | {verdict(all(x >= 0 for x in lows))} |")
+        out.append(f"| async final within 5 points of the sync mean ({sync_mean:.3f}) | "
+                   f"{', '.join(f'{x:.3f}' for x in finals)} | {verdict(all(abs(x - sync_mean) <= 0.05 for x in finals))} |")
+        lagged = [first_lagged_update(r) for r in asyncs]
+        seen = [m for m in lagged if m is not None]
+        text = ", ".join(f"step {m['step']}: mean {m['train/policy_lag_abs_diff_mean']:.3f}, max "
+                         f"{m['train/policy_lag_abs_diff_max']:.2f}" for m in seen) or "no lagged update"
+        ok = bool(seen) and all(m["train/policy_lag_abs_diff_mean"] < 0.02 and m["train/policy_lag_abs_diff_max"] < 1.0
+                                for m in seen)
+        out.append(f"| async, first lagged update: mean abs logprob difference < 0.02 nats, max < 1 | {text} "
+                   f"| {verdict(ok)} |")
+        mismatch = [m["train/engine_mismatch_abs_diff_mean"] for r in asyncs for m in r["steps"]
+                    if "train/engine_mismatch_abs_diff_mean" in m]
+        sync_mismatch = [m["train/engine_mismatch_abs_diff_mean"] for r in runs for m in r["steps"]
+                         if "train/engine_mismatch_abs_diff_mean" in m]
+        if mismatch and sync_mismatch:
+            out.append(f"| async engine mismatch at sync's noise floor (median mean abs difference) | async "
+                       f"{statistics.median(mismatch):.1e}, sync {statistics.median(sync_mismatch):.1e} | "
+                       f"{verdict(statistics.median(mismatch) <= 10 * statistics.median(sync_mismatch))} |")
+    return out
+
+
 def median(lines: list[dict[str, Any]], key: str) -> float:
     return statistics.median(m[key] for m in lines if key in m)
 
@@ -152,17 +229,20 @@ def trl_band(results: list[dict[str, Any]]) -> dict[int, tuple[float, float]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("sync_run", type=Path, help="the `make train-demo` run the targets are judged on")
-    parser.add_argument("--repeat", type=Path, nargs="*", default=[], help="more sync runs of the same config")
+    parser.add_argument("--repeat", type=Path, nargs="*", default=[], help="sync runs of the same config and seed")
+    parser.add_argument("--seeds", type=Path, nargs="*", default=[], help="sync runs of the same config, other seeds")
     parser.add_argument("--async-run", type=Path, nargs="*", default=[], help="async runs; the first is judged")
     parser.add_argument("--trl", type=Path, help="benchmarks/trl_grpo.py's output folder")
     parser.add_argument("--wall-min", type=float, help="`make train-demo`'s wall time, start-up included")
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
     trl = [json.loads(p.read_text()) for p in sorted(args.trl.glob("trl_seed*.json"))] if args.trl else []
-    syncs = [load_run(p) for p in [args.sync_run, *args.repeat]]
-    asyncs = [load_run(p) for p in args.async_run]
-    text = section(syncs[0], asyncs[0] if asyncs else None, trl, args.wall_min)
-    named = [(f"sync {i + 1}", r) for i, r in enumerate(syncs)] + [(f"async {i + 1}", r) for i, r in enumerate(asyncs)]
+    sync, repeats = load_run(args.sync_run), [load_run(p) for p in args.repeat]
+    seeds, asyncs = [load_run(p) for p in args.seeds], [load_run(p) for p in args.async_run]
+    text = section(sync, asyncs[0] if asyncs else None, trl, args.wall_min)
+    text += "\n".join(repeat_section(sync, repeats, seeds, asyncs, trl)) + "\n"
+    named = [(f"sync {p.name}", r) for p, r in zip([args.sync_run, *args.repeat, *args.seeds], [sync, *repeats, *seeds])]
+    named += [(f"async {p.name}", r) for p, r in zip(args.async_run, asyncs)]
     text += "\n".join(runs_table(named, trl)) + "\n"
     publish(text, write=not args.no_write)
 

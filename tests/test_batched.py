@@ -7,10 +7,12 @@ import torch
 
 from gym_bridge.batched import (
     BatchedDataDict,
+    BatchShapeError,
     batched_message_log_to_flat_message,
     get_keys_from_message_log,
     message_log_to_flat_messages,
 )
+from gym_bridge.failures import SettingError
 from gym_bridge.types import GenerationOutputSpec, token_tensor
 
 
@@ -71,9 +73,9 @@ def test_slice_is_half_open_and_checks_bounds():
     assert part["ids"].tolist() == [[3, 4], [5, 6]]
     assert part["logs"][0] is batch["logs"][1]
     assert batch.slice(1, 1).size == 0
-    with pytest.raises(ValueError, match="'ids'"):
+    with pytest.raises(SettingError, match="'ids'"):
         batch.slice(0, 4)
-    with pytest.raises(ValueError, match="'logs'"):
+    with pytest.raises(SettingError, match="'logs'"):
         BatchedDataDict({"logs": [1, 2]}).slice(0, 3)
 
 
@@ -92,7 +94,7 @@ def test_repeat_interleave_repeats_rows_consecutively_and_deep_copies_lists():
     assert rep["logs"][0] is not rep["logs"][1]
     rep["logs"][0].append({"role": "x"})
     assert len(rep["logs"][1]) == 1 and len(batch["logs"][0]) == 1
-    with pytest.raises(ValueError):
+    with pytest.raises(SettingError, match="num_repeats must be a positive int, got 0"):
         batch.repeat_interleave(0)
 
 
@@ -190,7 +192,7 @@ def test_empty_token_ids_stay_int64():
 
 
 def test_message_log_to_flat_messages_rejects_mixed_non_empty_dtypes():
-    with pytest.raises(RuntimeError, match="'token_ids'"):
+    with pytest.raises(BatchShapeError, match="'token_ids'"):
         message_log_to_flat_messages([{"token_ids": token_tensor([1])}, {"token_ids": torch.tensor([2.0])}])
 
 
@@ -250,8 +252,10 @@ def test_batched_flatten_dtype_mismatch_names_the_key():
         [{"token_ids": token_tensor([1]), "logprobs": torch.tensor([0.1], dtype=torch.float32)}],
         [{"token_ids": token_tensor([2]), "logprobs": torch.tensor([0.2], dtype=torch.float64)}],
     ]
-    with pytest.raises(RuntimeError, match="'logprobs'"):
+    with pytest.raises(BatchShapeError, match="'logprobs'") as info:
         batched_message_log_to_flat_message(batch)
+    assert isinstance(info.value, RuntimeError)  # what torch raises where NeMo-RL lets it
+    assert str(pickle.loads(pickle.dumps(info.value))) == str(info.value)
 
 
 def test_batched_flatten_empty_batch_and_no_tensor_keys():

@@ -9,9 +9,16 @@ from typing import Any
 import ray
 import torch
 
-from gym_bridge.batched import get_keys_from_message_log
-from gym_bridge.failures import GymBridgeError
-from gym_bridge.types import EnvironmentReturn, LLMMessageLogType
+from gym_bridge.batched import BatchedDataDict, get_keys_from_message_log
+from gym_bridge.failures import GymBridgeError, SettingError
+from gym_bridge.json_types import JsonObject
+from gym_bridge.types import ActorHandle, DatumSpec, EnvironmentReturn, LLMMessageLogType
+
+type EnvMetadata = JsonObject | None
+"""One sample's environment metadata (its ``extra_env_info``): a JSON object, or None where it has none."""
+
+type _StepCall = tuple[list[int], ray.ObjectRef[EnvironmentReturn[EnvMetadata]]]
+"""The samples one environment steps (their input positions) and the Ray future of its return."""
 
 
 class UnknownTaskError(GymBridgeError, KeyError):
@@ -21,7 +28,11 @@ class UnknownTaskError(GymBridgeError, KeyError):
         return str(self.args[0])
 
 
-def environment_for(task_name: str | None, task_to_env: Mapping[str, Any]) -> Any:
+class EnvironmentReturnError(GymBridgeError, ValueError):
+    """An environment's step returned a different number of observations than it was given samples."""
+
+
+def environment_for(task_name: str | None, task_to_env: Mapping[str, ActorHandle]) -> ActorHandle:
     """The environment registered for ``task_name``, or an error that names it and the known tasks."""
     if task_name is not None:
         with contextlib.suppress(KeyError):
@@ -32,10 +43,10 @@ def environment_for(task_name: str | None, task_to_env: Mapping[str, Any]) -> An
 
 def _dispatch(
     message_logs: Sequence[LLMMessageLogType],
-    metadata: Sequence[Any],
+    metadata: Sequence[EnvMetadata],
     task_names: Sequence[str | None],
-    task_to_env: Mapping[str, Any],
-) -> list[tuple[list[int], Any]]:
+    task_to_env: Mapping[str, ActorHandle],
+) -> list[_StepCall]:
     groups: dict[str | None, list[int]] = {}
     for i, name in enumerate(task_names):
         groups.setdefault(name, []).append(i)
@@ -57,18 +68,19 @@ def _stack_rewards(values: list[Any]) -> torch.Tensor | dict[str, torch.Tensor]:
 
 
 def _merge(
-    batch_size: int, calls: list[tuple[list[int], Any]], returns: list[EnvironmentReturn[Any]]
-) -> EnvironmentReturn[Any]:
+    batch_size: int, calls: list[_StepCall], returns: Sequence[EnvironmentReturn[EnvMetadata]]
+) -> EnvironmentReturn[EnvMetadata]:
+    # Any: placeholders until every sample's value arrives; the values are what the environments returned.
     observations: list[Any] = [None] * batch_size
-    metadata: list[Any] = [None] * batch_size
-    stops: list[Any] = [None] * batch_size
+    metadata: list[EnvMetadata] = [None] * batch_size
+    stops: list[list[str] | None] = [None] * batch_size
     rewards: list[Any] = [None] * batch_size
     terminateds: list[bool] = [False] * batch_size
-    answers: list[Any] = [None] * batch_size
+    answers: list[str | None] = [None] * batch_size
     for (indices, _), ret in zip(calls, returns, strict=True):
         obs, meta, next_stops, rew, term, ans = _six_fields(ret)
         if len(obs) != len(indices):
-            raise ValueError(f"environment returned {len(obs)} observations for {len(indices)} samples")
+            raise EnvironmentReturnError(f"environment returned {len(obs)} observations for {len(indices)} samples")
         for j, i in enumerate(indices):
             observations[i] = obs[j]
             metadata[i] = meta[j] if meta is not None else None
@@ -86,7 +98,7 @@ def _merge(
     )
 
 
-def _six_fields(ret: Any) -> tuple[Any, ...]:
+def _six_fields(ret: Sequence[Any]) -> tuple[Any, ...]:
     """An environment's return as six fields: the documented five (``answers`` None) or HEAD's six."""
     fields = tuple(ret)
     if len(fields) == 5:
@@ -101,16 +113,18 @@ def _six_fields(ret: Any) -> tuple[Any, ...]:
 
 def step_by_task(
     message_logs: Sequence[LLMMessageLogType],
-    metadata: Sequence[Any],
+    metadata: Sequence[EnvMetadata],
     task_names: Sequence[str | None],
-    task_to_env: Mapping[str, Any],
-) -> EnvironmentReturn[Any]:
+    task_to_env: Mapping[str, ActorHandle],
+) -> EnvironmentReturn[EnvMetadata]:
     """Step every sample's environment (Ray actors, all groups in flight at once); blocks."""
     calls = _dispatch(message_logs, metadata, task_names, task_to_env)
     return _merge(len(message_logs), calls, ray.get([ref for _, ref in calls]))
 
 
-def calculate_rewards(batch: Mapping[str, Any], task_to_env: Mapping[str, Any]) -> EnvironmentReturn[Any]:
+def calculate_rewards(
+    batch: BatchedDataDict[DatumSpec], task_to_env: Mapping[str, ActorHandle]
+) -> EnvironmentReturn[EnvMetadata]:
     """NeMo-RL's ``calculate_rewards(batch, task_to_env)``: step the batch's samples, results in input order.
 
     ``batch`` (a :class:`~gym_bridge.batched.BatchedDataDict` or any mapping) holds
@@ -122,7 +136,7 @@ def calculate_rewards(batch: Mapping[str, Any], task_to_env: Mapping[str, Any]) 
     metadata = list(batch.get("extra_env_info") or [None] * size)
     task_names = list(batch.get("task_name") or [None] * size)
     if len(metadata) != size or len(task_names) != size:
-        raise ValueError(
+        raise SettingError(
             f"batch has {size} message logs but {len(metadata)} extra_env_info and {len(task_names)} task_name entries"
         )
     return step_by_task(logs, metadata, task_names, task_to_env)
@@ -130,10 +144,10 @@ def calculate_rewards(batch: Mapping[str, Any], task_to_env: Mapping[str, Any]) 
 
 async def calculate_rewards_async(
     message_logs: Sequence[LLMMessageLogType],
-    metadata: Sequence[Any],
+    metadata: Sequence[EnvMetadata],
     task_names: Sequence[str | None],
-    task_to_env: Mapping[str, Any],
-) -> EnvironmentReturn[Any]:
+    task_to_env: Mapping[str, ActorHandle],
+) -> EnvironmentReturn[EnvMetadata]:
     """As :func:`step_by_task`, awaiting the actors instead of blocking a thread."""
     calls = _dispatch(message_logs, metadata, task_names, task_to_env)
     returns = [await ref for _, ref in calls]

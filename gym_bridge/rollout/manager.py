@@ -8,35 +8,44 @@ import inspect
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import Protocol
 
 from gym_bridge.failures import (
     ConfigFailureWatch,
     EndpointConfigError,
     FailureClass,
+    GymBridgeError,
     RolloutDataFailure,
     RolloutRedispatchExhausted,
     RolloutRetryPolicy,
     RolloutStats,
     RolloutTimeouts,
+    SettingError,
     classify_rollout_failure,
 )
 from gym_bridge.interfaces import GenerationInterface, RolloutBackend
 from gym_bridge.rollout.registry import load_backend
 from gym_bridge.rollout.sink import ReplayBuffer, RolloutSink
-from gym_bridge.types import DatumSpec, GenerationConfig, PromptGroupRecord, Tokenizer
+from gym_bridge.types import ActorHandle, DatumSpec, GenerationConfig, PromptGroupRecord, Tokenizer
 
 logger = logging.getLogger(__name__)
 
 NATIVE_BACKEND = "native"
 NEMO_GYM_BACKEND = "nemo_gym"
 
+type InflightRegistry = dict[str, tuple[asyncio.Task[object], int]]
+"""Slot id -> (the attempt's task, the weight version it started on), while the attempt rolls out."""
+
+
+class BackendContractError(GymBridgeError, RuntimeError):
+    """A rollout backend returned a group that breaks the :class:`RolloutBackend` contract (the wrong size)."""
+
 
 def backend_name_for(use_nemo_gym: bool, backend: str | None) -> str:
     """Resolve the backend name: an explicit ``backend`` wins; ``use_nemo_gym`` means ``nemo_gym``."""
     if backend is not None:
         if use_nemo_gym and backend != NEMO_GYM_BACKEND:
-            raise ValueError(f"use_nemo_gym=True conflicts with backend={backend!r}; pass one or the other")
+            raise SettingError(f"use_nemo_gym=True conflicts with backend={backend!r}; pass one or the other")
         return backend
     return NEMO_GYM_BACKEND if use_nemo_gym else NATIVE_BACKEND
 
@@ -65,7 +74,7 @@ class RolloutManager:
     def __init__(
         self,
         tokenizer: Tokenizer,
-        task_to_env: Mapping[str, Any] | None,
+        task_to_env: Mapping[str, ActorHandle] | None,
         num_generations_per_prompt: int,
         max_seq_len: int,
         max_rollout_turns: int | None = 1,
@@ -73,17 +82,17 @@ class RolloutManager:
         generation_config: GenerationConfig | None = None,
         use_nemo_gym: bool = False,
         mask_env_flagged_samples: bool = True,
-        tq_buffer: Any = None,
+        tq_buffer: ReplayBuffer | None = None,
         timeouts: RolloutTimeouts | None = None,
         retry_policy: RolloutRetryPolicy | None = None,
         *,
         backend: str | None = None,
-        **backend_kwargs: Any,
+        **backend_kwargs: object,
     ) -> None:
         if num_generations_per_prompt < 1:
-            raise ValueError(f"num_generations_per_prompt must be >= 1, got {num_generations_per_prompt}")
+            raise SettingError(f"num_generations_per_prompt must be >= 1, got {num_generations_per_prompt}")
         if max_rollout_turns is not None and max_rollout_turns < 1:
-            raise ValueError(f"max_rollout_turns must be >= 1 or None, got {max_rollout_turns}")
+            raise SettingError(f"max_rollout_turns must be >= 1 or None, got {max_rollout_turns}")
         if tq_buffer is not None and not isinstance(tq_buffer, ReplayBuffer):
             raise TypeError(
                 f"tq_buffer must implement the replay-buffer contract (reserve, async commit, async remove_group) "
@@ -99,7 +108,7 @@ class RolloutManager:
         self._consecutive_infra_drops = 0
         self._config_watch = ConfigFailureWatch(self.retry_policy.stop_after_config_failures)
         self._weight_version = 0
-        common = {
+        common: dict[str, object] = {
             "tokenizer": tokenizer,
             "task_to_env": dict(task_to_env or {}),
             "num_generations_per_prompt": num_generations_per_prompt,
@@ -129,7 +138,7 @@ class RolloutManager:
         """Roll out one prompt: a complete group of N completions, or a typed failure."""
         record = await self.backend.run_rollout(datum)
         if len(record.completions) != self.num_generations_per_prompt:
-            raise RuntimeError(
+            raise BackendContractError(
                 f"backend {self.backend_name!r} returned {len(record.completions)} completions "
                 f"for prompt_idx={record.prompt_idx}; expected {self.num_generations_per_prompt}"
             )
@@ -140,7 +149,7 @@ class RolloutManager:
         input_sample: DatumSpec,
         *,
         target_step: int | None = None,
-        inflight_registry: dict[str, tuple[asyncio.Task[Any], int]] | None = None,
+        inflight_registry: InflightRegistry | None = None,
     ) -> RolloutOutcome:
         """Roll out one prompt under the retry policy and commit it to ``tq_buffer`` (NeMo-RL's signature).
 
@@ -150,7 +159,7 @@ class RolloutManager:
         :meth:`collect`.
         """
         if self._tq_buffer is None:
-            raise ValueError("generate_and_push needs the tq_buffer given to RolloutManager(...)")
+            raise SettingError("generate_and_push needs the tq_buffer given to RolloutManager(...)")
         return await self._push(input_sample, _BufferSlots(self._tq_buffer, target_step), inflight_registry)
 
     async def collect(self, datum: DatumSpec, sink: RolloutSink) -> RolloutOutcome:
@@ -173,7 +182,7 @@ class RolloutManager:
         self,
         datum: DatumSpec,
         slots: _Slots,
-        inflight_registry: dict[str, tuple[asyncio.Task[Any], int]] | None,
+        inflight_registry: InflightRegistry | None,
     ) -> RolloutOutcome:
         """The one retry loop behind :meth:`generate_and_push` and :meth:`collect`; :func:`next_action` decides."""
         policy = self.retry_policy
@@ -214,7 +223,7 @@ class RolloutManager:
         slots: _Slots,
         slot: str,
         start_version: int,
-        inflight_registry: dict[str, tuple[asyncio.Task[Any], int]] | None,
+        inflight_registry: InflightRegistry | None,
     ) -> None:
         """One attempt: roll out, then commit the complete group with its start and end weight versions."""
         if inflight_registry is not None:
@@ -352,8 +361,8 @@ class _BufferSlots:
 
 
 def backend_arguments(
-    backend_cls: type, name: str, common: Mapping[str, Any], extra: Mapping[str, Any]
-) -> dict[str, Any]:
+    backend_cls: type, name: str, common: Mapping[str, object], extra: Mapping[str, object]
+) -> dict[str, object]:
     """The keywords to construct ``backend_cls`` with: the common ones it accepts, and every extra one.
 
     A backend taking ``**kwargs`` accepts everything. An extra keyword the backend does

@@ -14,7 +14,6 @@ import copy
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -25,16 +24,19 @@ from gym_bridge.failures import (
     RolloutStats,
     RolloutTimeout,
     RolloutTimeouts,
+    SettingError,
     classify_environment_failure,
     classify_generation_failure,
     deadline,
     gather_cancel_siblings,
 )
 from gym_bridge.interfaces import GenerationInterface
+from gym_bridge.json_types import JsonObject
 from gym_bridge.metrics import calculate_single_metric, pct, summarize
-from gym_bridge.rollout.env_step import calculate_rewards_async, environment_for
+from gym_bridge.rollout.env_step import EnvMetadata, calculate_rewards_async, environment_for
 from gym_bridge.rollout.truncation import fit_observation
 from gym_bridge.types import (
+    ActorHandle,
     Completion,
     DatumSpec,
     GenerationDatumSpec,
@@ -76,7 +78,7 @@ class TrajectoryStats:
 @dataclass
 class _Trajectory:
     message_log: LLMMessageLogType
-    extra_env_info: Any
+    extra_env_info: EnvMetadata
     stop_strings: list[str] | None
     stats: TrajectoryStats = field(default_factory=TrajectoryStats)
 
@@ -87,7 +89,7 @@ class AsyncRolloutImpl:
     def __init__(
         self,
         tokenizer: Tokenizer,
-        task_to_env: Mapping[str, Any],
+        task_to_env: Mapping[str, ActorHandle],
         num_generations_per_prompt: int,
         max_seq_len: int,
         max_rollout_turns: int | None = 999999,
@@ -104,9 +106,9 @@ class AsyncRolloutImpl:
         of a failed group are :class:`~gym_bridge.rollout.manager.RolloutManager`'s job.
         """
         if policy_generation is None:
-            raise ValueError("the native rollout backend needs policy_generation (a GenerationInterface)")
+            raise SettingError("the native rollout backend needs policy_generation (a GenerationInterface)")
         if max_rollout_turns is not None and max_rollout_turns < 1:
-            raise ValueError(f"max_rollout_turns must be >= 1 or None, got {max_rollout_turns}")
+            raise SettingError(f"max_rollout_turns must be >= 1 or None, got {max_rollout_turns}")
         self.tokenizer = tokenizer
         self.task_to_env = task_to_env
         self.num_generations = num_generations_per_prompt
@@ -230,7 +232,7 @@ class AsyncRolloutImpl:
             async for _, last in self.policy_generation.generate_async(data, greedy=self.greedy):
                 output = last
             if output is None:
-                raise RuntimeError("generate_async yielded no output")
+                raise RolloutDataFailure("generate_async yielded no output")
         except Exception as exc:
             raise classify_generation_failure(exc, prompt_idx, traj_idx) from exc
         start, end = int(input_ids.numel()), int(output["unpadded_sequence_lengths"][0])
@@ -246,14 +248,14 @@ class AsyncRolloutImpl:
         return assistant, truncated, (int(worker[0]) if worker is not None else None)
 
 
-def aggregate_trajectory_metrics(samples: list[TrajectoryStats]) -> dict[str, Any]:
+def aggregate_trajectory_metrics(samples: list[TrajectoryStats]) -> JsonObject:
     """Group metrics with NeMo-RL's ``AsyncRolloutImpl`` key names (means over the N samples)."""
     if not samples:
-        raise ValueError("cannot aggregate metrics over zero trajectories")
+        raise SettingError("cannot aggregate metrics over zero trajectories")
     n = len(samples)
     turns = [s.turn_count for s in samples]
     max_gen_per_turn = [max(s.turn_gen_tokens, default=0) for s in samples]
-    metrics: dict[str, Any] = {}
+    metrics: JsonObject = {}
     metrics.update(calculate_single_metric([s.total_reward for s in samples], n, "total_reward"))
     metrics["total_turns"] = sum(turns)
     metrics.update(summarize(turns, "turns_per_sample"))

@@ -17,9 +17,15 @@ from __future__ import annotations
 import itertools
 import uuid
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
+from gym_bridge.failures import GymBridgeError
 from gym_bridge.types import PromptGroupRecord
+
+
+class SlotError(GymBridgeError, ValueError):
+    """A replay-buffer group id that is unknown (never reserved, or removed), committed twice, or committed on
+    other weights than it was reserved on; a ``ValueError``, as NeMo-RL's buffer raises."""
 
 
 @runtime_checkable
@@ -95,7 +101,7 @@ class ReplayBuffer(Protocol):
 
     async def commit(
         self, group_id: str, record: PromptGroupRecord, start_weight_version: int, end_weight_version: int
-    ) -> Any:
+    ) -> object:
         """Store the complete group reserved as ``group_id``; an unknown id raises ``ValueError``."""
 
     async def remove_group(self, group_id: str) -> int:
@@ -133,9 +139,9 @@ class InMemoryReplayBuffer:
     ) -> BufferSlot:
         slot = self._slot(group_id)
         if slot.ready:
-            raise ValueError(f"group_id={group_id!r} was already committed")
+            raise SlotError(f"group_id={group_id!r} was already committed")
         if start_weight_version != slot.start_weight_version:
-            raise ValueError(
+            raise SlotError(
                 f"group_id={group_id!r} was reserved on weight version {slot.start_weight_version}, "
                 f"committed as {start_weight_version}"
             )
@@ -154,4 +160,4 @@ class InMemoryReplayBuffer:
         for slot in self.slots:
             if slot.group_id == group_id:
                 return slot
-        raise ValueError(f"unknown group_id={group_id!r} (never reserved, or already removed)")
+        raise SlotError(f"unknown group_id={group_id!r} (never reserved, or already removed)")

@@ -36,12 +36,21 @@ from typing import Any
 import torch
 
 from gym_bridge.batched import BatchedDataDict, batched_message_log_to_flat_message
-from gym_bridge.failures import RolloutTimeouts, deadline
+from gym_bridge.failures import RolloutTimeouts, SettingError, deadline
 from gym_bridge.interfaces import GenerationInterface
-from gym_bridge.rollout.env_step import calculate_rewards, calculate_rewards_async, environment_for, step_by_task
+from gym_bridge.json_types import JsonObject
+from gym_bridge.rollout.env_step import (
+    EnvMetadata,
+    calculate_rewards,
+    calculate_rewards_async,
+    environment_for,
+    step_by_task,
+)
 from gym_bridge.rollout.native import TrajectoryStats
 from gym_bridge.rollout.truncation import fit_observation
 from gym_bridge.types import (
+    ActorHandle,
+    DatumSpec,
     EnvironmentReturn,
     GenerationDatumSpec,
     LLMMessageLogType,
@@ -56,13 +65,13 @@ __all__ = ["calculate_rewards", "generate_responses", "run_multi_turn_rollout", 
 
 def generate_responses(
     policy_generation: GenerationInterface,
-    generation_input_data: BatchedDataDict[Any],
-    batch: BatchedDataDict[Any],
+    generation_input_data: BatchedDataDict[GenerationDatumSpec],
+    batch: BatchedDataDict[DatumSpec],
     tokenizer: Tokenizer,
     input_lengths: torch.Tensor,
     include_logprobs: bool = True,
     greedy: bool = False,
-) -> tuple[BatchedDataDict[Any], list[torch.Tensor], dict[str, Any]]:
+) -> tuple[BatchedDataDict[DatumSpec], list[torch.Tensor], JsonObject]:
     """Generate one turn for every row and append it to ``batch["message_log"][i]`` in place.
 
     Stop strings: ``batch["stop_strings"]`` when present replace those of
@@ -118,23 +127,23 @@ def _run_sync[T](coro: Coroutine[Any, Any, T]) -> T:
 
 def step_environments(
     message_logs: list[LLMMessageLogType],
-    metadata: list[Any],
+    metadata: list[EnvMetadata],
     task_names: list[str | None],
-    task_to_env: Mapping[str, Any],
+    task_to_env: Mapping[str, ActorHandle],
     env_s: float | None = None,
-) -> EnvironmentReturn[Any]:
+) -> EnvironmentReturn[EnvMetadata]:
     """:func:`~gym_bridge.rollout.env_step.step_by_task`, bounded by ``env_s`` seconds (``None``: wait forever)."""
     if env_s is None:
         return step_by_task(message_logs, metadata, task_names, task_to_env)
 
-    async def bounded() -> EnvironmentReturn[Any]:
+    async def bounded() -> EnvironmentReturn[EnvMetadata]:
         async with deadline(env_s, "environment step"):
             return await calculate_rewards_async(message_logs, metadata, task_names, task_to_env)
 
     return _run_sync(bounded())
 
 
-def _owned_copy(input_batch: BatchedDataDict[Any]) -> BatchedDataDict[Any]:
+def _owned_copy(input_batch: BatchedDataDict[DatumSpec]) -> BatchedDataDict[DatumSpec]:
     batch = input_batch.copy()
     size = len(batch["message_log"])
     batch["message_log"] = copy.deepcopy(list(batch["message_log"]))
@@ -147,16 +156,16 @@ def _owned_copy(input_batch: BatchedDataDict[Any]) -> BatchedDataDict[Any]:
 
 def run_multi_turn_rollout(
     policy_generation: GenerationInterface,
-    input_batch: BatchedDataDict[Any],
+    input_batch: BatchedDataDict[DatumSpec],
     tokenizer: Tokenizer,
-    task_to_env: Mapping[str, Any],
+    task_to_env: Mapping[str, ActorHandle],
     max_seq_len: int,
     max_rollout_turns: int | None = 999999,
     greedy: bool = False,
     deduplicate_multimodal_data: bool = False,
     *,
     timeouts: RolloutTimeouts | None = None,
-) -> tuple[BatchedDataDict[Any], dict[str, Any]]:
+) -> tuple[BatchedDataDict[DatumSpec], dict[str, float]]:
     """Roll out a batch turn by turn; returns ``(final_batch, metrics)``. NeMo-RL's positional order.
 
     ``input_batch`` needs ``message_log`` (tokenised prompts) and may carry
@@ -171,18 +180,20 @@ def run_multi_turn_rollout(
     ``mean_total_tokens_per_sample``, ``mean_gen_tokens_per_sample``,
     ``max_gen_tokens_per_sample``, ``mean_env_tokens_per_sample``.
     The generation engine must not generate past ``max_seq_len`` (give it
-    ``max_model_len <= max_seq_len``); a sequence that does raises ``ValueError``.
+    ``max_model_len <= max_seq_len``); a sequence that does raises :class:`SettingError` (a ``ValueError``).
     An unknown ``task_name`` raises :class:`~gym_bridge.rollout.env_step.UnknownTaskError`
     before anything is generated.
     """
     if deduplicate_multimodal_data:
-        raise ValueError("deduplicate_multimodal_data: multimodal payloads are not supported by run_multi_turn_rollout")
+        raise SettingError(
+            "deduplicate_multimodal_data: multimodal payloads are not supported by run_multi_turn_rollout"
+        )
     timeouts = timeouts or RolloutTimeouts()
     max_rollout_turns = 999999 if max_rollout_turns is None else max_rollout_turns
     batch = _owned_copy(input_batch)
     size = len(batch["message_log"])
     if size == 0:
-        raise ValueError("cannot roll out an empty batch")
+        raise SettingError("cannot roll out an empty batch")
     for name in dict.fromkeys(batch["task_name"]):
         environment_for(name, task_to_env)
 
@@ -220,7 +231,7 @@ def run_multi_turn_rollout(
 class _Turn:
     """One generation turn of the active samples: the batch with their responses, and what each generated."""
 
-    batch: BatchedDataDict[Any]
+    batch: BatchedDataDict[DatumSpec]
     input_lengths: torch.Tensor
     generated: list[torch.Tensor]
     response_truncated: torch.Tensor
@@ -228,7 +239,7 @@ class _Turn:
 
 def _generate_turn(
     policy_generation: GenerationInterface,
-    batch: BatchedDataDict[Any],
+    batch: BatchedDataDict[DatumSpec],
     active: list[int],
     tokenizer: Tokenizer,
     greedy: bool,
@@ -249,12 +260,12 @@ def _generate_turn(
 
 
 def _absorb_turn(
-    batch: BatchedDataDict[Any],
+    batch: BatchedDataDict[DatumSpec],
     i: int,
     sample: TrajectoryStats,
     turn: _Turn,
     j: int,
-    env_return: EnvironmentReturn[Any],
+    env_return: EnvironmentReturn[EnvMetadata],
     tokenizer: Tokenizer,
     max_seq_len: int,
 ) -> bool:
@@ -262,7 +273,7 @@ def _absorb_turn(
     environment's stop strings and metadata; True while the sample goes on."""
     input_len, gen_len = int(turn.input_lengths[j]), int(turn.generated[j].numel())
     if input_len + gen_len > max_seq_len:
-        raise ValueError(
+        raise SettingError(
             f"sample {i}: {input_len} input + {gen_len} generated tokens exceed max_seq_len={max_seq_len}; "
             "give the generation engine max_model_len <= max_seq_len"
         )
@@ -310,7 +321,7 @@ def _accumulate_rewards(
 
 def _rollout_metrics(
     samples: list[TrajectoryStats], total_tokens: list[int], *, still_active: list[int]
-) -> dict[str, Any]:
+) -> dict[str, float]:
     """NeMo-RL's sync rollout metrics; ``max_turns_reached`` is a sample still active when the turns ran out."""
     n = len(samples)
     turns = [s.turn_count for s in samples]

@@ -1,4 +1,7 @@
-"""HFGeneration on the real tiny model: output contract, logprob fidelity, stops, caps, async batching."""
+"""HFGeneration on the real tiny model: output contract, logprob fidelity, stops, caps, async batching.
+
+``engine`` and ``stop_string_case`` are shared with tests/test_openai_http.py, whose servers run this engine.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ import pytest
 import torch
 
 from gym_bridge.batched import BatchedDataDict
+from gym_bridge.failures import SettingError
 from gym_bridge.generation.hf import EngineShutDownError, HFGeneration, HFGenerationConfig
 from gym_bridge.testing import async_wait_until
 from gym_bridge.testing.generation import (
@@ -21,11 +25,30 @@ from gym_bridge.testing.generation import (
     unpadded,
 )
 
+MAX_NEW = 12
+
 
 def engine(tiny_lm, **cfg) -> HFGeneration:
+    """An HFGeneration over the shared tiny model, ``MAX_NEW`` tokens unless ``cfg`` says otherwise."""
     tok, model = tiny_lm
-    cfg.setdefault("max_new_tokens", 12)
+    cfg.setdefault("max_new_tokens", MAX_NEW)
     return HFGeneration(HFGenerationConfig(**cfg), model=model, tokenizer=tok)
+
+
+def stop_string_case(tok, base: BatchedDataDict, data: BatchedDataDict) -> tuple[int, str, list[int], int]:
+    """``(row, stop, tokens, kept)``: a stop string cut from the middle of one row's greedy ``tokens`` in ``base``.
+
+    The row's text is valid UTF-8 (random byte tokens need not be); ``kept`` is the length of the shortest
+    prefix whose text contains ``stop``, which is what a row stopped by it generates.
+    """
+    row = next(i for i in (1, 0, 3, 2) if "\ufffd" not in tok.decode(generated(base, data, i)))
+    tokens = generated(base, data, row)
+    text = tok.decode(tokens, skip_special_tokens=False)
+    stop = text[len(text) // 3 : len(text) // 2 + 1]
+    assert stop
+    kept = next(n for n in range(1, len(tokens) + 1) if stop in tok.decode(tokens[:n], skip_special_tokens=False))
+    assert kept < len(tokens)
+    return row, stop, tokens, kept
 
 
 def test_output_contract(tiny_lm) -> None:
@@ -75,9 +98,9 @@ def test_per_row_sampling_overrides(tiny_lm) -> None:
         torch.testing.assert_close(lps[n_in:], ref_lp, atol=1e-4, rtol=0)
         if i > 0:  # top_k=1 and temperature 0 both pick the argmax
             assert torch.equal(pred_logits.argmax(-1), seq[n_in:])
-    with pytest.raises(ValueError, match="max_new_tokens has 1 rows"):
+    with pytest.raises(SettingError, match="max_new_tokens has 1 rows"):
         gen.generate(prompt_batch(tok, MIXED_PROMPTS[:2], max_new_tokens=[3]))
-    with pytest.raises(ValueError, match="row 0: invalid sampling"):
+    with pytest.raises(SettingError, match="row 0: invalid sampling"):
         gen.generate(prompt_batch(tok, MIXED_PROMPTS[:1], top_p=[0.0]))
 
 
@@ -123,15 +146,7 @@ def test_stop_strings(tiny_lm) -> None:
     gen = engine(tiny_lm, max_new_tokens=12)
     data = prompt_batch(tok, MIXED_PROMPTS)
     base = gen.generate(data, greedy=True)
-    # A row whose text is valid UTF-8 throughout (random byte tokens need not be).
-    row = next(i for i in (1, 0, 3, 2) if "\ufffd" not in tok.decode(generated(base, data, i)))
-    tokens = generated(base, data, row)
-    full_text = tok.decode(tokens, skip_special_tokens=False)
-    stop = full_text[len(full_text) // 3 : len(full_text) // 2 + 1]
-    assert stop
-    # Expected: the shortest greedy prefix whose text contains the stop string.
-    n_expected = next(n for n in range(1, len(tokens) + 1) if stop in tok.decode(tokens[:n], skip_special_tokens=False))
-    assert n_expected < len(tokens)
+    row, stop, tokens, n_expected = stop_string_case(tok, base, data)
 
     stops = [None] * len(MIXED_PROMPTS)
     stops[row] = [stop]
@@ -192,12 +207,14 @@ def test_invalid_inputs(tiny_lm) -> None:
     tok, _ = tiny_lm
     gen = engine(tiny_lm)
     data = prompt_batch(tok, MIXED_PROMPTS)
-    with pytest.raises(ValueError):
+    with pytest.raises(SettingError, match="every input length must be in"):
         gen.generate(BatchedDataDict({"input_ids": data["input_ids"], "input_lengths": torch.tensor([0, 1, 1, 1])}))
-    with pytest.raises(ValueError):
+    with pytest.raises(SettingError, match="input_lengths has 2 rows"):
         gen.generate(BatchedDataDict({"input_ids": data["input_ids"], "input_lengths": torch.tensor([1, 2])}))
-    with pytest.raises(ValueError):
+    with pytest.raises(SettingError, match="row 0 holds token ids outside"):
         gen.generate(BatchedDataDict({"input_ids": torch.tensor([[10**6]]), "input_lengths": torch.tensor([1])}))
+    with pytest.raises(SettingError, match="row 0: seed must be an int or None, got True"):
+        gen.generate(prompt_batch(tok, MIXED_PROMPTS[:1], seed=[True]))
 
 
 async def test_generate_async_yields_every_row_once(tiny_lm) -> None:
@@ -410,7 +427,7 @@ def test_update_weights_reaches_the_engine(tiny_lm) -> None:
         torch.testing.assert_close(lps[n_in:], new_lp, atol=1e-4, rtol=0)
         assert (lps[n_in:] - old_lp).abs().max() > 1e-3  # the old weights would not explain them
 
-    with pytest.raises(ValueError, match="older than"):
+    with pytest.raises(SettingError, match="older than"):
         gen.update_weights(new_weights, 0)
     with pytest.raises(RuntimeError, match="Missing key"):
         gen.update_weights({k: v for k, v in list(new_weights.items())[1:]}, 2)

@@ -13,9 +13,11 @@ from typing import Any
 import httpx
 import pytest
 import torch
+from test_hf_generation import MAX_NEW, engine, stop_string_case
 
 from gym_bridge.batched import BatchedDataDict
 from gym_bridge.failures import (
+    EngineShutDownError,
     FailureClass,
     GenerationUnavailable,
     NoHealthyShards,
@@ -23,8 +25,12 @@ from gym_bridge.failures import (
     classify_rollout_failure,
 )
 from gym_bridge.generation.completions_wire import completion_request
-from gym_bridge.generation.hf import HFGeneration, HFGenerationConfig
-from gym_bridge.generation.openai_http import OpenAIHTTPGeneration, OpenAIHTTPGenerationConfig
+from gym_bridge.generation.hf import HFGeneration
+from gym_bridge.generation.openai_http import (
+    BlockingCallInEventLoop,
+    OpenAIHTTPGeneration,
+    OpenAIHTTPGenerationConfig,
+)
 from gym_bridge.generation.routing import SessionRouter
 from gym_bridge.serving import OpenAIServer
 from gym_bridge.testing.generation import (
@@ -36,7 +42,6 @@ from gym_bridge.testing.generation import (
     unpadded,
 )
 
-MAX_NEW = 12
 SECRET = "sk-test-very-secret-0123456789"
 
 
@@ -52,12 +57,6 @@ class ServerThread:
 
     def stop(self) -> None:
         self.server.stop_thread()  # idempotent
-
-
-def engine(tiny_lm, **cfg) -> HFGeneration:
-    tok, model = tiny_lm
-    cfg.setdefault("max_new_tokens", MAX_NEW)
-    return HFGeneration(HFGenerationConfig(**cfg), model=model, tokenizer=tok)
 
 
 @pytest.fixture
@@ -153,14 +152,7 @@ def test_stop_strings_and_truncation(pair, tiny_lm) -> None:
     try:
         data = prompt_batch(tok, MIXED_PROMPTS)
         base = gen.generate(data, greedy=True)
-        row = next(i for i in (1, 0, 3, 2) if "\ufffd" not in tok.decode(generated(base, data, i)))
-        tokens = generated(base, data, row)
-        text = tok.decode(tokens, skip_special_tokens=False)
-        stop = text[len(text) // 3 : len(text) // 2 + 1]
-        n_expected = next(
-            n for n in range(1, len(tokens) + 1) if stop in tok.decode(tokens[:n], skip_special_tokens=False)
-        )
-        assert n_expected < len(tokens)
+        row, stop, tokens, n_expected = stop_string_case(tok, base, data)
         stops = [None] * len(MIXED_PROMPTS)
         stops[row] = [stop]
         out = gen.generate(prompt_batch(tok, MIXED_PROMPTS, stop_strings=stops), greedy=True)
@@ -201,7 +193,7 @@ async def test_generate_async_yields_every_row(pair, tiny_lm) -> None:
             assert torch.equal(unpadded(out, 0)[0], unpadded(ref, i)[0])
             assert out["gen_leader_worker_idx"] in ([0], [1])
         assert sorted(seen) == [0, 1, 2, 3]
-        with pytest.raises(RuntimeError, match="generate_async"):
+        with pytest.raises(BlockingCallInEventLoop, match="generate_async"):
             gen.generate(data, greedy=True)  # blocking call from inside a running loop
     finally:
         await gen.aclose()
@@ -441,7 +433,7 @@ async def test_generate_async_first_failure_cancels_siblings() -> None:
             pass
     assert time.monotonic() - start < 5
     await gen.aclose()
-    with pytest.raises(RuntimeError, match="shut down"):
+    with pytest.raises(EngineShutDownError, match="shut down"):
         async for _ in gen.generate_async(ids_batch([[1]])):
             pass
 
@@ -482,5 +474,5 @@ async def test_blocking_generate_from_worker_thread_and_shutdown_inside_loop() -
     assert [i async for i, _ in gen.generate_async(ids_batch([[3]]))] == [0]  # clients on this loop too
     assert gen.shutdown() and gen.shutdown()  # sync shutdown from inside the loop: no hang, idempotent
     await asyncio.sleep(0)
-    with pytest.raises(RuntimeError, match="shut down"):
+    with pytest.raises(EngineShutDownError, match="shut down"):
         await asyncio.to_thread(gen.generate, ids_batch([[1]]))

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from gym_bridge.generation.hf import HFGeneration, HFGenerationConfig
+from gym_bridge.generation.openai_http import OpenAIHTTPGeneration, OpenAIHTTPGenerationConfig
 from gym_bridge.generation.scripted import SCRIPTED_LOGPROB, ScriptedGeneration
 from gym_bridge.serving import OpenAIServer
 from gym_bridge.testing.generation import WEATHER_TOOL
@@ -246,6 +247,20 @@ def test_bad_raw_bodies(client, hf_server):
     assert r.status_code == 400
 
 
+def test_a_shut_down_engine_answers_503(client, tiny_tokenizer):
+    """An engine that was shut down is a 503 a client may retry elsewhere, not a server bug's 500."""
+    engine = OpenAIHTTPGeneration(OpenAIHTTPGenerationConfig(base_urls=["http://127.0.0.1:9/v1"], model="tiny"))
+    engine.shutdown()
+    server = OpenAIServer(engine, tiny_tokenizer)
+    server.start_in_thread()
+    try:
+        r = client.post(server.base_url + "/completions", json={"prompt": "Hello", "max_tokens": 2})
+    finally:
+        server.stop_thread()
+    assert r.status_code == 503, r.text
+    assert r.json()["error"]["message"] == "the generation engine is not available: OpenAIHTTPGeneration was shut down"
+
+
 def test_scripted_tool_call_then_answer_with_reasoning(client, scripted_server):
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
     body = _chat(client, scripted_server, messages=messages, tools=[WEATHER_TOOL], logprobs=True, top_logprobs=0)
@@ -346,7 +361,9 @@ def test_cli_serve_stops_on_sigterm(tiny_model_dir):
             url = match.group(1) if match else None
         assert url, "serve never logged its URL"
         assert httpx.get(url.removesuffix("/v1") + "/health", timeout=10).status_code == 200
-        listening = [c.laddr for c in psutil.Process(proc.pid).net_connections("inet") if c.status == psutil.CONN_LISTEN]
+        listening = [
+            c.laddr for c in psutil.Process(proc.pid).net_connections("inet") if c.status == psutil.CONN_LISTEN
+        ]
         assert listening and all(addr.ip in ("127.0.0.1", "::1") for addr in listening), listening
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=20) == 0

@@ -6,28 +6,29 @@ id; logprobs are zero on prompt and padding positions.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
 from gym_bridge.batched import BatchedDataDict
-from gym_bridge.types import LOGPROB_DTYPE, TOKEN_DTYPE, GenerationOutputSpec
+from gym_bridge.failures.errors import SettingError
+from gym_bridge.types import LOGPROB_DTYPE, TOKEN_DTYPE, GenerationDatumSpec, GenerationOutputSpec
 
 
-def check_input(data: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+def check_input(data: BatchedDataDict[GenerationDatumSpec]) -> tuple[torch.Tensor, torch.Tensor]:
     """``(input_ids [B, S] int64, input_lengths [B] int64)`` of a right-padded batch, or a clear error."""
     input_ids = torch.as_tensor(data["input_ids"]).cpu()
     lengths = torch.as_tensor(data["input_lengths"]).cpu().to(torch.int64).reshape(-1)
     if input_ids.ndim != 2:
-        raise ValueError(f"input_ids must be [B, S], got shape {tuple(input_ids.shape)}")
+        raise SettingError(f"input_ids must be [B, S], got shape {tuple(input_ids.shape)}")
     if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
         raise TypeError(f"input_ids must be an integer tensor, got {input_ids.dtype}")
     batch, width = input_ids.shape
     if lengths.shape[0] != batch:
-        raise ValueError(f"input_lengths has {lengths.shape[0]} rows, input_ids {batch}")
+        raise SettingError(f"input_lengths has {lengths.shape[0]} rows, input_ids {batch}")
     if batch and (int(lengths.min()) < 1 or int(lengths.max()) > width):
-        raise ValueError(f"every input length must be in [1, {width}], got {lengths.tolist()}")
+        raise SettingError(f"every input length must be in [1, {width}], got {lengths.tolist()}")
     return input_ids.to(TOKEN_DTYPE), lengths
 
 

@@ -11,13 +11,16 @@ response is a :class:`~gym_bridge.failures.RolloutDataFailure` naming the field.
 from __future__ import annotations
 
 from collections.abc import Hashable, Mapping, Sequence
-from typing import Any
 
 import torch
 
+from gym_bridge.batched import BatchedDataDict
 from gym_bridge.failures import RolloutDataFailure
+from gym_bridge.failures.errors import SettingError
 from gym_bridge.generation.batch import check_input
 from gym_bridge.generation.openai_http_config import OpenAIHTTPGenerationConfig
+from gym_bridge.json_types import JsonObject
+from gym_bridge.types import GenerationDatumSpec
 
 __all__ = ["SAMPLING_KEYS", "check_batch", "completion_request", "parse_completion", "row_value"]
 
@@ -26,17 +29,22 @@ __all__ = ["SAMPLING_KEYS", "check_batch", "completion_request", "parse_completi
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_new_tokens", "seed")
 
 
-def row_value(column: Sequence[Any] | None, i: int) -> Any:
+def row_value[T](column: Sequence[T] | None, i: int) -> T | None:
     """Row ``i`` of an optional per-row column."""
     return None if column is None else column[i]
 
 
 def completion_request(
-    cfg: OpenAIHTTPGenerationConfig, prompt: list[int], data: Mapping[str, Any] | None, i: int, greedy: bool
-) -> dict[str, Any]:
+    cfg: OpenAIHTTPGenerationConfig,
+    prompt: list[int],
+    data: BatchedDataDict[GenerationDatumSpec] | None,
+    i: int,
+    greedy: bool,
+) -> JsonObject:
     """The ``/completions`` body for row ``i`` of ``data`` (its per-row sampling and stop strings over ``cfg``)."""
-    row = {k: v for k in SAMPLING_KEYS if (v := row_value((data or {}).get(k), i)) is not None}
-    row_stops = row_value((data or {}).get("stop_strings"), i)
+    columns: BatchedDataDict[GenerationDatumSpec] = data if data is not None else BatchedDataDict()
+    row = {k: v for k in SAMPLING_KEYS if (v := row_value(columns.get(k), i)) is not None}
+    row_stops = row_value(columns.get("stop_strings"), i)
     temperature = float(row.get("temperature", cfg.temperature))
     top_k = row.get("top_k", cfg.top_k)
     stops = list(cfg.stop_strings or [])
@@ -45,7 +53,7 @@ def completion_request(
     for s in row_stops or []:
         if s and s not in stops:
             stops.append(s)
-    body: dict[str, Any] = {
+    body: JsonObject = {
         "model": cfg.model,
         "prompt": prompt,
         "max_tokens": int(row.get("max_new_tokens", cfg.max_new_tokens)),
@@ -68,23 +76,25 @@ def completion_request(
     return body
 
 
-def check_batch(data: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+def check_batch(data: BatchedDataDict[GenerationDatumSpec]) -> tuple[torch.Tensor, torch.Tensor]:
     """``(input_ids, input_lengths)`` of a generation batch, its per-row columns checked."""
     input_ids, lengths = check_input(data)
     batch = input_ids.shape[0]
     for key in ("stop_strings", "session_ids"):
         column = data.get(key)
         if column is not None and len(column) != batch:
-            raise ValueError(f"{key} has {len(column)} rows, input_ids {batch}")
+            raise SettingError(f"{key} has {len(column)} rows, input_ids {batch}")
     sessions = data.get("session_ids")
     if sessions is not None and not all(s is None or isinstance(s, Hashable) for s in sessions):
         raise TypeError("session_ids must hold hashable keys or None")
     return input_ids, lengths
 
 
-def parse_completion(payload: Any, url: str) -> tuple[list[int], list[float], bool]:
-    """(generated ids, their logprobs, truncated) from a completions response."""
+def parse_completion(payload: object, url: str) -> tuple[list[int], list[float], bool]:
+    """(generated ids, their logprobs, truncated) from a completions response (parsed JSON)."""
     where = f"{url}/completions response"
+    if not isinstance(payload, Mapping):
+        raise RolloutDataFailure(f"{where} has no choices[0]")
     try:
         choice = payload["choices"][0]
     except (KeyError, IndexError, TypeError):

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
+from gym_bridge.failures.errors import SettingError
 from gym_bridge.interfaces import GenerationInterface
+from gym_bridge.types import Tokenizer
 
 Policy = Literal["hf", "scripted", "instant"]
 POLICIES: tuple[str, ...] = ("hf", "scripted", "instant")
@@ -38,6 +40,7 @@ class BuiltEngine:
 
     generation: GenerationInterface
     tokenizer: Any
+    """The Hugging Face tokenizer the engine speaks, as transformers types it (callers keep that type)."""
     model_path: Path
 
 
@@ -46,7 +49,7 @@ def build_engine(spec: EngineSpec) -> BuiltEngine:
     from gym_bridge.models.registry import resolve_model_path
 
     if spec.policy not in POLICIES:
-        raise ValueError(f"unknown policy {spec.policy!r}; known: {', '.join(POLICIES)}")
+        raise SettingError(f"unknown policy {spec.policy!r}; known: {', '.join(POLICIES)}")
     path = resolve_model_path(spec.model)
     if spec.policy == "hf":
         from gym_bridge.generation.hf import HFGeneration, HFGenerationConfig
@@ -65,14 +68,16 @@ def build_engine(spec: EngineSpec) -> BuiltEngine:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(path)
+    # transformers 5 types ``decode`` as returning ``str | list[str]``; for a list of ids it is a str.
+    speaks = cast(Tokenizer, tokenizer)
     if spec.policy == "scripted":
         from gym_bridge.generation.scripted import ScriptedGeneration
 
         return BuiltEngine(
-            ScriptedGeneration(tokenizer, max_new_tokens=spec.max_new_tokens, think=spec.think), tokenizer, path
+            ScriptedGeneration(speaks, max_new_tokens=spec.max_new_tokens, think=spec.think), tokenizer, path
         )
     from gym_bridge.generation.instant import InstantGeneration
 
     return BuiltEngine(
-        InstantGeneration(tokenizer, spec.answer_tokens, max_new_tokens=spec.max_new_tokens), tokenizer, path
+        InstantGeneration(speaks, spec.answer_tokens, max_new_tokens=spec.max_new_tokens), tokenizer, path
     )

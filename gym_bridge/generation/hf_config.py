@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from gym_bridge.failures import EngineShutDownError
+from gym_bridge.json_types import JsonMapping, JsonObject
 from gym_bridge.types import GenerationSamplingParams
 
 __all__ = ["PER_ROW_SAMPLING_KEYS", "EngineShutDownError", "HFGenerationConfig", "HFGenerationStats", "RowSampling"]
@@ -36,7 +36,7 @@ class HFGenerationConfig(BaseModel):
 
     @classmethod
     def from_generation_config(
-        cls, gen_cfg: Mapping[str, Any], *, validation: bool = False, **overrides: Any
+        cls, gen_cfg: JsonMapping, *, validation: bool = False, **overrides: object
     ) -> HFGenerationConfig:
         """Build from a NeMo-RL style :class:`~gym_bridge.types.GenerationConfig` dict.
 
@@ -44,7 +44,7 @@ class HFGenerationConfig(BaseModel):
         sampling profile. ``overrides`` (e.g. ``device``, ``max_batch_size``) win.
         """
         sampling = GenerationSamplingParams.from_generation_config(gen_cfg, validation=validation)
-        values: dict[str, Any] = {
+        values: JsonObject = {
             "temperature": sampling.temperature,
             "top_p": sampling.top_p,
             "top_k": sampling.top_k,
@@ -55,7 +55,7 @@ class HFGenerationConfig(BaseModel):
             if gen_cfg.get(key) is not None:
                 values[key] = gen_cfg[key]
         values.update(overrides)
-        return cls(**values)
+        return cls.model_validate(values)
 
 
 @dataclass

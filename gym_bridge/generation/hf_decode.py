@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from gym_bridge.generation.hf_config import EngineShutDownError, HFGenerationStats, RowSampling
+from gym_bridge.types import Tokenizer
 
 #: Left padding columns that every row masks out are trimmed once there are this many.
 TRIM_COLUMNS = 32
@@ -60,8 +61,8 @@ class Row:
 class DecodeContext:
     """What decoding needs from the engine: the model and how rows stop."""
 
-    model: Any
-    tokenizer: Any
+    model: torch.nn.Module
+    tokenizer: Tokenizer
     device: torch.device
     pad_token_id: int
     stop_token_ids: frozenset[int]
@@ -79,7 +80,7 @@ class RunningBatch:
         self.ctx = ctx
         self.weight_version = weight_version
         self.rows: list[Row] = []
-        self._cache: Any = None
+        self._cache: Any = None  # transformers' DynamicCache, whose layer types are a union the loop never narrows
         self._attention: torch.Tensor | None = None  # [n, W]
         self._next_pos: torch.Tensor | None = None  # [n] positions of the next token
         self._logits: torch.Tensor | None = None  # [n, V] the distribution of each row's next token
@@ -183,9 +184,9 @@ class RunningBatch:
             row.deliver(row.result)
 
     def _forward(
-        self, input_ids: torch.Tensor, attention: torch.Tensor, positions: torch.Tensor, cache: Any
+        self, input_ids: torch.Tensor, attention: torch.Tensor, positions: torch.Tensor, cache: object
     ) -> torch.Tensor:
-        kwargs: dict[str, Any] = {"logits_to_keep": 1} if self.ctx.logits_to_keep else {}
+        kwargs: dict[str, int] = {"logits_to_keep": 1} if self.ctx.logits_to_keep else {}
         out = self.ctx.model(
             input_ids=input_ids,
             attention_mask=attention,

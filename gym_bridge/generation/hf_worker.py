@@ -14,19 +14,33 @@ import queue
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Any
+from enum import Enum
+from typing import TYPE_CHECKING, Final
 
 from gym_bridge.generation.hf_config import EngineShutDownError
-from gym_bridge.generation.hf_decode import Row, RunningBatch
+from gym_bridge.generation.hf_decode import Row, RowResult, RunningBatch
+
+if TYPE_CHECKING:
+    from gym_bridge.generation.hf import HFGeneration
 
 logger = logging.getLogger("gym_bridge.generation.hf")
 
-#: Queue sentinels: stop the worker; wake it to look at the refit flag again.
-STOP = object()
-WAKE = object()
+
+class Signal(Enum):
+    """Queue sentinels: stop the worker; wake it to look at the refit flag again."""
+
+    STOP = "stop"
+    WAKE = "wake"
 
 
-def worker_loop(engine_ref: weakref.ref[Any], q: queue.SimpleQueue[Any]) -> None:
+STOP: Final = Signal.STOP
+WAKE: Final = Signal.WAKE
+
+#: What the worker's queue holds: rows to decode, and signals.
+type WorkItem = Row | Signal
+
+
+def worker_loop(engine_ref: weakref.ref[HFGeneration], q: queue.SimpleQueue[WorkItem]) -> None:
     """The worker thread of an HFGeneration: take queued rows, admit them, step the running batch."""
     pending: list[Row] = []
     batch: RunningBatch | None = None
@@ -44,7 +58,7 @@ def worker_loop(engine_ref: weakref.ref[Any], q: queue.SimpleQueue[Any]) -> None
             item = q.get()
             if item is STOP:
                 break
-            if item is not WAKE:
+            if isinstance(item, Row):
                 pending.append(item)
                 if wait_s > 0:
                     threading.Event().wait(wait_s)  # let concurrent submitters start together
@@ -56,7 +70,7 @@ def worker_loop(engine_ref: weakref.ref[Any], q: queue.SimpleQueue[Any]) -> None
             if item is STOP:
                 stopping = True
                 break
-            if item is not WAKE:
+            if isinstance(item, Row):
                 pending.append(item)
         if stopping:
             break
@@ -79,28 +93,30 @@ def worker_loop(engine_ref: weakref.ref[Any], q: queue.SimpleQueue[Any]) -> None
     fail_queued(q, err)
 
 
-def fail_queued(q: queue.SimpleQueue[Any], err: BaseException) -> None:
+def fail_queued(q: queue.SimpleQueue[WorkItem], err: BaseException) -> None:
     """Fail every row still queued with ``err``."""
     while True:
         try:
             item = q.get_nowait()
         except queue.Empty:
             return
-        if item is not STOP and item is not WAKE and item.deliver is not None:
+        if isinstance(item, Row) and item.deliver is not None:
             item.deliver(err)
 
 
-def make_deliver(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[Any]) -> Callable[[Any], None]:
+def make_deliver(
+    loop: asyncio.AbstractEventLoop, fut: asyncio.Future[RowResult]
+) -> Callable[[RowResult | BaseException], None]:
     """A thread-safe callback that resolves ``fut`` on ``loop`` with a result or an exception."""
 
-    def deliver(result: Any) -> None:
+    def deliver(result: RowResult | BaseException) -> None:
         with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting any more
             loop.call_soon_threadsafe(_resolve, fut, result)
 
     return deliver
 
 
-def _resolve(fut: asyncio.Future[Any], result: Any) -> None:
+def _resolve(fut: asyncio.Future[RowResult], result: RowResult | BaseException) -> None:
     if fut.done():
         return
     if isinstance(result, BaseException):

@@ -13,9 +13,9 @@ is meant not to contain any.
 
 from __future__ import annotations
 
-from typing import Any
-
+from gym_bridge.failures.errors import SettingError
 from gym_bridge.generation.scripted import SCRIPTED_LOGPROB, ScriptedGeneration, ScriptedRow
+from gym_bridge.types import Tokenizer
 
 INSTANT_LOGPROB = SCRIPTED_LOGPROB
 
@@ -25,7 +25,7 @@ class InstantGeneration(ScriptedGeneration):
 
     def __init__(
         self,
-        tokenizer: Any,
+        tokenizer: Tokenizer,
         answer_tokens: int = 16,
         *,
         filler: str = " the",
@@ -34,12 +34,14 @@ class InstantGeneration(ScriptedGeneration):
     ) -> None:
         super().__init__(tokenizer, max_new_tokens=max_new_tokens, max_model_len=max_model_len)
         if answer_tokens < 1:
-            raise ValueError(f"answer_tokens must be >= 1 (the EOS token), got {answer_tokens}")
+            raise SettingError(f"answer_tokens must be >= 1 (the EOS token), got {answer_tokens}")
         filler_ids = list(tokenizer.encode(filler, add_special_tokens=False))
         if not filler_ids:
-            raise ValueError(f"the filler {filler!r} encodes to no tokens")
+            raise SettingError(
+                f"the filler {filler!r} encodes to no tokens; pick a filler text with at least one token"
+            )
         body = [filler_ids[i % len(filler_ids)] for i in range(answer_tokens - 1)]
-        self.answer: tuple[int, ...] = (*body, int(tokenizer.eos_token_id))
+        self.answer: tuple[int, ...] = (*body, int(self.eos_token_id))
 
     def reply(self, prompt_len: int, max_new_tokens: int) -> ScriptedRow:
         """The answer for a prompt of ``prompt_len`` tokens, cut to the token budget."""

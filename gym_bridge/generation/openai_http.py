@@ -35,15 +35,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
 
 import httpx
 import torch
 
 from gym_bridge.batched import BatchedDataDict
 from gym_bridge.failures import (
+    EngineShutDownError,
     GenerationUnavailable,
     GymBridgeError,
     NoHealthyShards,
@@ -63,6 +63,7 @@ from gym_bridge.generation.completions_wire import (
 from gym_bridge.generation.openai_http_config import OpenAIHTTPGenerationConfig
 from gym_bridge.generation.routing import SessionRouter
 from gym_bridge.interfaces import GenerationInterface
+from gym_bridge.json_types import JsonMapping, JsonObject
 from gym_bridge.types import GenerationDatumSpec, GenerationOutputSpec
 
 logger = logging.getLogger(__name__)
@@ -93,10 +94,14 @@ class _RowResult:
     url_idx: int
 
 
+class BlockingCallInEventLoop(GymBridgeError, RuntimeError):
+    """:meth:`OpenAIHTTPGeneration.generate` blocks, so it is refused inside a running event loop."""
+
+
 class _Retryable(GymBridgeError):
     """One attempt failed in a way worth retrying; ``connection`` marks the URL unhealthy."""
 
-    def __init__(self, message: str, *, connection: bool, status: int | None = None) -> None:
+    def __init__(self, message: str, *, connection: bool = False, status: int | None = None) -> None:
         super().__init__(message)
         self.connection = connection
         self.status = status
@@ -135,7 +140,7 @@ class OpenAIHTTPGeneration(GenerationInterface):
 
     def __init__(
         self,
-        cfg: OpenAIHTTPGenerationConfig | Mapping[str, Any],
+        cfg: OpenAIHTTPGenerationConfig | JsonMapping,
         *,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
@@ -163,14 +168,16 @@ class OpenAIHTTPGeneration(GenerationInterface):
         """Generate every row concurrently on a private event loop thread (blocking).
 
         Raises:
-            RuntimeError: called from inside a running event loop (use :meth:`generate_async`).
+            BlockingCallInEventLoop: called from inside a running event loop (use :meth:`generate_async`).
         """
         try:
             asyncio.get_running_loop()
         except RuntimeError:
             pass
         else:
-            raise RuntimeError("OpenAIHTTPGeneration.generate blocks; inside an event loop use generate_async")
+            raise BlockingCallInEventLoop(
+                "OpenAIHTTPGeneration.generate blocks; inside an event loop use generate_async"
+            )
         self._check_open()
         input_ids, lengths = check_batch(data)
         future = asyncio.run_coroutine_threadsafe(self._generate_all(data, greedy), self._ensure_private_loop())
@@ -247,8 +254,8 @@ class OpenAIHTTPGeneration(GenerationInterface):
             await res.aclose()
         await asyncio.to_thread(self.shutdown)
 
-    def get_logger_metrics(self) -> dict[str, Any]:
-        metrics: dict[str, Any] = {
+    def get_logger_metrics(self) -> dict[str, int]:
+        metrics = {
             "openai_http/retries": self.stats.retries,
             "openai_http/failovers": self.stats.failovers,
             "openai_http/rows_completed": self.stats.rows_completed,
@@ -264,11 +271,11 @@ class OpenAIHTTPGeneration(GenerationInterface):
 
     # ------------------------------------------------------------------ per-row request
 
-    async def _generate_all(self, data: Mapping[str, Any], greedy: bool) -> list[_RowResult]:
+    async def _generate_all(self, data: BatchedDataDict[GenerationDatumSpec], greedy: bool) -> list[_RowResult]:
         n = int(torch.as_tensor(data["input_lengths"]).shape[0])
         return await gather_cancel_siblings(*(self._generate_row(data, i, greedy) for i in range(n)))
 
-    async def _generate_row(self, data: Mapping[str, Any], i: int, greedy: bool) -> _RowResult:
+    async def _generate_row(self, data: BatchedDataDict[GenerationDatumSpec], i: int, greedy: bool) -> _RowResult:
         cfg = self.cfg
         n_in = int(torch.as_tensor(data["input_lengths"])[i])
         prompt = torch.as_tensor(data["input_ids"])[i, :n_in].tolist()
@@ -327,7 +334,7 @@ class OpenAIHTTPGeneration(GenerationInterface):
             last_status,
         )
 
-    async def _post(self, client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> Any:
+    async def _post(self, client: httpx.AsyncClient, url: str, body: JsonObject) -> object:
         """One attempt: the decoded JSON body, or :class:`_Retryable` / ``RolloutDataFailure``."""
         where = f"{url}/completions"
         try:
@@ -360,13 +367,13 @@ class OpenAIHTTPGeneration(GenerationInterface):
 
     def _check_open(self) -> None:
         if self._closed:
-            raise RuntimeError("OpenAIHTTPGeneration was shut down")
+            raise EngineShutDownError("OpenAIHTTPGeneration was shut down")
 
     def _loop_resources(self) -> _LoopResources:
         loop = asyncio.get_running_loop()
         with self._lock:
             if self._closed:
-                raise RuntimeError("OpenAIHTTPGeneration was shut down")
+                raise EngineShutDownError("OpenAIHTTPGeneration was shut down")
             res = self._resources.get(loop)
             if res is None:
                 res = self._resources[loop] = _LoopResources(self.cfg, self._transport)

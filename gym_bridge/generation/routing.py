@@ -33,6 +33,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
+from gym_bridge.failures.errors import SettingError
+
 
 @dataclass
 class RouterStats:
@@ -57,9 +59,9 @@ class SessionRouter:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if n_urls < 1:
-            raise ValueError("SessionRouter needs at least one URL")
+            raise SettingError(f"SessionRouter needs at least one URL (n_urls >= 1), got n_urls={n_urls}")
         if max_sessions < 1:
-            raise ValueError("max_sessions must be >= 1")
+            raise SettingError(f"max_sessions must be >= 1, got {max_sessions}")
         self.n_urls = n_urls
         self.max_sessions = max_sessions
         self.cooldown_s = cooldown_s

@@ -24,16 +24,18 @@ import asyncio
 import json
 import math
 import re
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from gym_bridge.batched import BatchedDataDict
+from gym_bridge.failures.errors import SettingError
 from gym_bridge.generation.batch import assemble_output
 from gym_bridge.interfaces import GenerationInterface
-from gym_bridge.types import TOKEN_DTYPE, GenerationDatumSpec, GenerationOutputSpec
+from gym_bridge.json_types import JsonMapping, JsonObject
+from gym_bridge.serving.chat import vocab_size_of
+from gym_bridge.types import TOKEN_DTYPE, GenerationDatumSpec, GenerationOutputSpec, Tokenizer
 
 SCRIPTED_LOGPROB = math.log(0.5)
 
@@ -62,7 +64,7 @@ class ScriptedGeneration(GenerationInterface):
 
     def __init__(
         self,
-        tokenizer: Any,
+        tokenizer: Tokenizer,
         *,
         max_new_tokens: int = 256,
         max_model_len: int | None = None,
@@ -70,17 +72,19 @@ class ScriptedGeneration(GenerationInterface):
         default_reply: str = "I am a scripted assistant.",
         think: bool = False,
     ) -> None:
-        if tokenizer.eos_token_id is None:
-            raise ValueError("ScriptedGeneration needs a tokenizer with an EOS token")
+        eos = tokenizer.eos_token_id
+        if eos is None:
+            raise SettingError("ScriptedGeneration needs a tokenizer with an EOS token (its eos_token_id is None)")
         self.tokenizer = tokenizer
+        self.eos_token_id: int = eos
         self.max_new_tokens = max_new_tokens
         length = max_model_len or getattr(tokenizer, "model_max_length", None)
         self.max_model_len = int(length) if isinstance(length, int) and 0 < length < 2**31 else 2**31 - 1
         self.stop_strings = list(stop_strings or [])
         self.default_reply = default_reply
         self.think = think
-        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        self.vocab_size = len(tokenizer)
+        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+        self.vocab_size = vocab_size_of(tokenizer)
         self.calls = 0
 
     # ------------------------------------------------------------------ GenerationInterface
@@ -107,7 +111,7 @@ class ScriptedGeneration(GenerationInterface):
             row = self._row(input_ids[i, : int(lengths[i])].tolist(), stops[i], caps[i])
             yield i, assemble_output(input_ids[i : i + 1], lengths[i : i + 1], [row], self.pad_token_id)
 
-    def _caps(self, data: Mapping[str, Any], batch: int) -> list[int]:
+    def _caps(self, data: BatchedDataDict[GenerationDatumSpec], batch: int) -> list[int]:
         """Per-row ``max_new_tokens`` when the batch carries it, else the configured one."""
         given = data.get("max_new_tokens") or [None] * batch
         return [self.max_new_tokens if cap is None else int(cap) for cap in given]
@@ -136,7 +140,7 @@ class ScriptedGeneration(GenerationInterface):
     def _row(self, prompt: list[int], row_stops: list[str], max_new_tokens: int) -> ScriptedRow:
         text = self.tokenizer.decode(prompt, skip_special_tokens=False)
         tokens = list(self.tokenizer.encode(self.reply_text(text), add_special_tokens=False))
-        tokens.append(self.tokenizer.eos_token_id)
+        tokens.append(self.eos_token_id)
         stops = self.stop_strings + [s for s in row_stops if s]
         if stops:
             for end in range(1, len(tokens) + 1):
@@ -149,11 +153,12 @@ class ScriptedGeneration(GenerationInterface):
         return ScriptedRow(tokens, False)
 
 
-def _unpack(data: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor, list[list[str]]]:
+def _unpack(data: BatchedDataDict[GenerationDatumSpec]) -> tuple[torch.Tensor, torch.Tensor, list[list[str]]]:
+    """``(input_ids, input_lengths, each row's stop strings)`` of a generation batch."""
     input_ids = torch.as_tensor(data["input_ids"]).to(TOKEN_DTYPE)
     lengths = torch.as_tensor(data["input_lengths"]).to(torch.int64).reshape(-1)
     if input_ids.ndim != 2 or lengths.shape[0] != input_ids.shape[0]:
-        raise ValueError(f"input_ids must be [B, S] with B input_lengths, got {tuple(input_ids.shape)}")
+        raise SettingError(f"input_ids must be [B, S] with B input_lengths, got {tuple(input_ids.shape)}")
     raw = data.get("stop_strings")
     stops: list[list[str]] = []
     for i in range(input_ids.shape[0]):
@@ -175,7 +180,7 @@ def _is_tool_result(body: str) -> bool:
     return body.lstrip().startswith("<tool_response>")
 
 
-def _offered_tools(text: str) -> list[dict[str, Any]]:
+def _offered_tools(text: str) -> list[JsonObject]:
     # The last <tools>…</tools> pair: templates mention the tags in prose before the block.
     end = text.rfind("</tools>")
     start = text.rfind("<tools>", 0, max(end, 0))
@@ -197,7 +202,7 @@ def _offered_tools(text: str) -> list[dict[str, Any]]:
     return tools
 
 
-def _tool_call(tool: dict[str, Any], user: str) -> str:
+def _tool_call(tool: JsonMapping, user: str) -> str:
     params = tool.get("parameters") or {}
     props = params.get("properties") or {}
     required = [p for p in params.get("required") or [] if isinstance(p, str)]

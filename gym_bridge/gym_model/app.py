@@ -18,7 +18,7 @@ import asyncio
 import logging
 import re
 import secrets
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
 import aiohttp
 import orjson
@@ -33,9 +33,15 @@ from gym_bridge.gym_model.translate import (
     response_body,
     responses_to_chat,
 )
-from gym_bridge.serving.chat import build_chat_prompt
+from gym_bridge.json_types import JsonObject
+from gym_bridge.serving.chat import build_chat_prompt, vocab_size_of
 from gym_bridge.serving.errors import ServingError
 from gym_bridge.serving.parsers import parse_tool_calls
+
+if TYPE_CHECKING:  # gym_bridge.types imports torch, which this server does without
+    from starlette.types import Receive, Scope, Send
+
+    from gym_bridge.types import Tokenizer
 
 __all__ = ["GymModelServer", "main"]
 
@@ -59,15 +65,20 @@ def served_path(path: str) -> str:
 
 
 class _HTTPError(GymBridgeError):
+    """A request this server answers with ``status`` and an OpenAI-shaped error body."""
+
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
         self.status = status
+
+    def __reduce__(self) -> tuple[type[_HTTPError], tuple[int, str]]:
+        return type(self), (self.status, str(self))
 
 
 class GymModelServer:
     """The ASGI app. ``tokenizer`` may be given (tests); otherwise it is loaded at start-up."""
 
-    def __init__(self, config: GymModelConfig, tokenizer: Any | None = None) -> None:
+    def __init__(self, config: GymModelConfig, tokenizer: Tokenizer | None = None) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.max_model_len = config.max_model_len
@@ -84,7 +95,7 @@ class GymModelServer:
 
     # ------------------------------------------------------------------ ASGI
 
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
             await self._lifespan(receive, send)
             return
@@ -109,7 +120,7 @@ class GymModelServer:
             return
         await _reply(send, 200, orjson.dumps(answer), headers)
 
-    async def _lifespan(self, receive: Any, send: Any) -> None:
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:
             message = await receive()
             if message["type"] == "lifespan.startup":
@@ -141,7 +152,7 @@ class GymModelServer:
 
     # ------------------------------------------------------------------ one turn
 
-    async def responses(self, body: Any, session: str) -> dict[str, Any]:
+    async def responses(self, body: object, session: str) -> JsonObject:
         """One model turn for the Responses request ``body`` (parsed JSON)."""
         if not isinstance(body, dict):
             raise _HTTPError(400, "the body must be a JSON object")
@@ -214,17 +225,19 @@ class GymModelServer:
                     if self.tokenizer is None:
                         self.tokenizer = await asyncio.to_thread(_load_tokenizer, found.root or found.name)
             assert self.tokenizer is not None  # configured, or learnt above (else _HTTPError was raised)
-            self._vocab_size = len(self.tokenizer)
+            self._vocab_size = vocab_size_of(self.tokenizer)
 
 
-def _load_tokenizer(path: str) -> Any:
+def _load_tokenizer(path: str) -> Tokenizer:
+    """The tokenizer at ``path`` (a folder or a hub id), loaded off the event loop by the caller."""
     from transformers import AutoTokenizer
 
     logger.info("loading the tokenizer from %s", path)
-    return AutoTokenizer.from_pretrained(path)
+    # transformers 5 types ``decode`` as returning ``str | list[str]``; for a list of ids it is a str.
+    return cast("Tokenizer", AutoTokenizer.from_pretrained(path))
 
 
-def _session(scope: dict[str, Any]) -> tuple[str, list[tuple[bytes, bytes]]]:
+def _session(scope: Scope) -> tuple[str, list[tuple[bytes, bytes]]]:
     """The rollout's session id from our cookie, or a new one and the header that sets it."""
     for name, value in scope["headers"]:
         if name == b"cookie":
@@ -236,7 +249,8 @@ def _session(scope: dict[str, Any]) -> tuple[str, list[tuple[bytes, bytes]]]:
     return session, [*_JSON, (b"set-cookie", f"{_COOKIE}={session}; Path=/".encode())]
 
 
-async def _read_body(receive: Any) -> Any:
+async def _read_body(receive: Receive) -> object:
+    """The request body parsed as JSON: over :data:`_MAX_BODY` a 413, not JSON a 400."""
     chunks: list[bytes] = []
     size = 0
     while True:
@@ -259,7 +273,7 @@ def _error(status: int, message: str) -> bytes:
     return orjson.dumps({"error": {"message": message, "type": kind, "param": None, "code": status}})
 
 
-async def _reply(send: Any, status: int, payload: bytes, headers: list[tuple[bytes, bytes]] | None = None) -> None:
+async def _reply(send: Send, status: int, payload: bytes, headers: list[tuple[bytes, bytes]] | None = None) -> None:
     await send({"type": "http.response.start", "status": status, "headers": headers or _JSON})
     await send({"type": "http.response.body", "body": payload})
 

@@ -16,7 +16,6 @@ import logging
 import time
 from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import Any
 
 import aiohttp
 import orjson
@@ -24,6 +23,7 @@ from pydantic import SecretStr
 
 from gym_bridge.failures import GymBridgeError, http_status_is_infra
 from gym_bridge.generation.routing import SessionRouter
+from gym_bridge.json_types import JsonMapping
 
 __all__ = ["CompletionsClient", "CompletionsError", "Generated", "discover"]
 
@@ -38,6 +38,13 @@ class CompletionsError(GymBridgeError):
     def __init__(self, message: str, status: int) -> None:
         super().__init__(message)
         self.status = status
+
+    def __reduce__(self) -> tuple[type[CompletionsError], tuple[str, int]]:
+        return type(self), (str(self), self.status)
+
+
+class ClientNotStarted(GymBridgeError, RuntimeError):
+    """:meth:`CompletionsClient.generate` was called before :meth:`CompletionsClient.start`."""
 
 
 @dataclass(frozen=True)
@@ -107,10 +114,10 @@ class CompletionsClient:
             await self.session.close()
             self.session = None
 
-    async def generate(self, prompt: list[int], sampling: dict[str, Any], session: Hashable | None) -> Generated:
+    async def generate(self, prompt: list[int], sampling: JsonMapping, session: Hashable | None) -> Generated:
         """Generate one turn for the token-id ``prompt``; ``sampling`` holds completions fields (max_tokens ...)."""
         if self.session is None:
-            raise RuntimeError("CompletionsClient.start() was not called")
+            raise ClientNotStarted("CompletionsClient.start() was not called")
         body = orjson.dumps(
             {
                 **sampling,
@@ -154,7 +161,7 @@ class CompletionsClient:
             return response.status, await response.read()
 
 
-def _dumps(obj: Any) -> str:
+def _dumps(obj: object) -> str:
     return orjson.dumps(obj).decode()
 
 

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import os
-from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 from gym_bridge.failures import GymBridgeError
+from gym_bridge.json_types import JsonObject
 
 __all__ = ["GymModelConfig", "GymModelConfigError", "load_from_gym_env"]
 
@@ -43,8 +43,8 @@ class GymModelConfig(BaseModel):
     """``<think>`` in a generation becomes a reasoning item (and is moved out of earlier turns)."""
     uses_interleaved_reasoning: bool = True
     replace_developer_role_with_system: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
-    extra_body: dict[str, Any] | None = None
+    chat_template_kwargs: JsonObject | None = None
+    extra_body: JsonObject | None = None
     tokenizer: str | None = None
     """Tokenizer path or hub id for the local chat-template render; None: the upstream's ``/v1/models`` ``root``."""
     max_model_len: int | None = Field(None, gt=0)
@@ -57,7 +57,7 @@ class GymModelConfig(BaseModel):
 
     @field_validator("base_url", mode="before")
     @classmethod
-    def _one_or_many(cls, value: Any) -> Any:
+    def _one_or_many(cls, value: object) -> object:
         urls = [value] if isinstance(value, str) else value
         return [u.rstrip("/") for u in urls] if isinstance(urls, list) else urls
 

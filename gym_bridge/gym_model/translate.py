@@ -16,10 +16,10 @@ import re
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
 
 from gym_bridge.failures import GymBridgeError
 from gym_bridge.gym.versions import installed_gym
+from gym_bridge.json_types import JsonMapping, JsonObject
 
 __all__ = [
     "ChatTurn",
@@ -43,14 +43,14 @@ class TranslationError(GymBridgeError, ValueError):
 class ChatTurn:
     """One model turn as a chat: what is rendered, how it is sampled, what is echoed back."""
 
-    messages: list[dict[str, Any]]
-    tools: list[dict[str, Any]] | None
-    chat_template_kwargs: dict[str, Any]
-    sampling: dict[str, Any]
+    messages: list[JsonObject]
+    tools: list[JsonObject] | None
+    chat_template_kwargs: JsonObject
+    sampling: JsonObject
     """``max_tokens``, ``temperature``, ``top_p`` when the request set them, plus ``extra_body``."""
     parse_tools: bool
     """Tools were offered and ``tool_choice`` is not ``"none"``: Hermes ``<tool_call>``s are parsed."""
-    echo: dict[str, Any] = field(default_factory=dict)
+    echo: JsonObject = field(default_factory=dict)
 
 
 @dataclass
@@ -58,10 +58,10 @@ class _State:
     per_turn: bool
     """Gym 0.6+'s converter (``GymVersion.converter_flushes_per_turn``); before, the last token ids seen ride on
     every later assistant message and an assistant message always has ``tool_calls``."""
-    messages: list[dict[str, Any]] = field(default_factory=list)
+    messages: list[JsonObject] = field(default_factory=list)
     content: str = ""
-    tool_calls: list[dict[str, Any]] = field(default_factory=list)
-    token_info: dict[str, Any] | None = None
+    tool_calls: list[JsonObject] = field(default_factory=list)
+    token_info: JsonObject | None = None
     buffered: bool = False
     """An assistant, reasoning or function-call item was seen since the last flush (Gym 0.6+ flushes it even empty)."""
 
@@ -70,7 +70,7 @@ class _State:
             if self.per_turn:
                 self.token_info = None
             return
-        message: dict[str, Any] = {"content": self.content or None, "role": "assistant"}
+        message: JsonObject = {"content": self.content or None, "role": "assistant"}
         if self.tool_calls or not self.per_turn:
             message["tool_calls"] = self.tool_calls
         if self.token_info:
@@ -82,18 +82,20 @@ class _State:
 
 
 def responses_to_chat(
-    body: dict[str, Any],
+    body: JsonObject,
     *,
     uses_reasoning_parser: bool,
     uses_interleaved_reasoning: bool = True,
     replace_developer_role_with_system: bool = False,
-    chat_template_kwargs: dict[str, Any] | None = None,
-    extra_body: dict[str, Any] | None = None,
+    chat_template_kwargs: JsonObject | None = None,
+    extra_body: JsonObject | None = None,
 ) -> ChatTurn:
     """The chat ``vllm_model`` would send for the Responses request ``body`` (a parsed JSON object)."""
     raw_input = body.get("input")
     if isinstance(raw_input, str):
-        items: list[Any] = [{"content": [{"text": raw_input, "type": "input_text"}], "role": "user", "type": "message"}]
+        items: list[object] = [
+            {"content": [{"text": raw_input, "type": "input_text"}], "role": "user", "type": "message"}
+        ]
     elif isinstance(raw_input, list):
         items = raw_input
     else:
@@ -151,7 +153,7 @@ def responses_to_chat(
             _move_reasoning(message, uses_interleaved_reasoning)
 
     tools = [_chat_tool(t, i) for i, t in enumerate(body.get("tools") or [])] or None
-    sampling: dict[str, Any] = {}
+    sampling: JsonObject = {}
     if body.get("max_output_tokens") is not None:
         sampling["max_tokens"] = body["max_output_tokens"]
     for key in ("temperature", "top_p"):
@@ -172,7 +174,7 @@ def responses_to_chat(
     )
 
 
-def _message(item: dict[str, Any], state: _State) -> None:
+def _message(item: JsonMapping, state: _State) -> None:
     role = item["role"]
     content = item["content"]
     if isinstance(content, list) and role != "assistant":
@@ -206,7 +208,7 @@ def _message(item: dict[str, Any], state: _State) -> None:
         raise TranslationError(f"unsupported message role {role!r}")
 
 
-def _move_reasoning(message: dict[str, Any], interleaved: bool) -> None:
+def _move_reasoning(message: JsonObject, interleaved: bool) -> None:
     """``<think>`` of an earlier assistant turn goes to ``reasoning_content`` (as ``vllm_model`` sends it)."""
     if message.get("role") != "assistant" or "content" not in message:
         return
@@ -217,7 +219,7 @@ def _move_reasoning(message: dict[str, Any], interleaved: bool) -> None:
             message["reasoning_content"] = message["reasoning"] = found[0]
 
 
-def _chat_tool(tool: Any, i: int) -> dict[str, Any]:
+def _chat_tool(tool: object, i: int) -> JsonObject:
     if not isinstance(tool, dict) or not isinstance(tool.get("name"), str):
         raise TranslationError(f"tools[{i}] must be a function tool with a name")
     # Key order as Gym's TypedDicts dump them: templates render tools with ``tojson``, so it is part of the tokens.
@@ -226,7 +228,7 @@ def _chat_tool(tool: Any, i: int) -> dict[str, Any]:
     return {"function": function, "type": "function"}
 
 
-def _json_object(text: Any, where: str) -> dict[str, Any]:
+def _json_object(text: object, where: str) -> JsonObject:
     try:
         value = json.loads(text) if isinstance(text, str) else text
     except json.JSONDecodeError as exc:
@@ -241,16 +243,16 @@ def _json_object(text: Any, where: str) -> dict[str, Any]:
 
 def output_items(
     content: str | None,
-    tool_calls: list[dict[str, Any]],
+    tool_calls: list[JsonObject],
     *,
     uses_reasoning_parser: bool,
-    token_fields: dict[str, Any] | None,
-) -> list[dict[str, Any]]:
+    token_fields: JsonObject | None,
+) -> list[JsonObject]:
     """The output items of one turn: reasoning, message (if text, or if nothing at all), function calls.
 
     ``token_fields`` (``prompt_token_ids`` ...) go on the last item, as Gym's training items carry them.
     """
-    items: list[dict[str, Any]] = []
+    items: list[JsonObject] = []
     text = content or ""
     found: list[str] = []
     if uses_reasoning_parser:
@@ -291,19 +293,19 @@ def output_items(
     return [{**item, **dict.fromkeys(null_fields.get(item["type"], ()))} for item in items]
 
 
-def empty_output_items() -> list[dict[str, Any]]:
+def empty_output_items() -> list[JsonObject]:
     """What ``vllm_model`` returns for a prompt over the context length: one empty message, no token ids."""
     return output_items(None, [], uses_reasoning_parser=False, token_fields=None)
 
 
 def response_body(
-    echo: dict[str, Any],
+    echo: JsonMapping,
     model: str,
-    output: list[dict[str, Any]],
+    output: list[JsonObject],
     *,
     finish_reason: str,
     usage: tuple[int, int] | None,
-) -> dict[str, Any]:
+) -> JsonObject:
     """The ``NeMoGymResponse`` JSON ``vllm_model`` returns, every field present (nulls included)."""
     incomplete = {"reason": "max_output_tokens"} if finish_reason == "length" else None
     if finish_reason == "content_filter":

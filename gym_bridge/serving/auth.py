@@ -13,9 +13,12 @@ import hashlib
 import ipaddress
 import os
 import secrets
-from typing import Any
+from typing import TYPE_CHECKING
 
 from pydantic import SecretStr
+
+if TYPE_CHECKING:
+    from starlette.types import ASGIApp, Receive, Scope, Send
 
 __all__ = ["INBOUND_API_KEY_ENV", "ApiKeyMiddleware", "inbound_api_key", "is_loopback", "open_port_warning"]
 
@@ -58,7 +61,7 @@ def open_port_warning(host: str, port: int, api_key: SecretStr | None) -> str | 
 class ApiKeyMiddleware:
     """A pure ASGI wrapper: requests to ``/v1...`` need ``Authorization: Bearer <api_key>``, else 401."""
 
-    def __init__(self, app: Any, api_key: SecretStr) -> None:
+    def __init__(self, app: ASGIApp, api_key: SecretStr) -> None:
         self.app = app
         self._digest = hashlib.sha256(api_key.get_secret_value().encode()).digest()
 
@@ -72,7 +75,7 @@ class ApiKeyMiddleware:
             return False
         return secrets.compare_digest(hashlib.sha256(token.encode()).digest(), self._digest)
 
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] == "OPTIONS":
             await self.app(scope, receive, send)
             return

@@ -15,12 +15,17 @@ from __future__ import annotations
 import copy
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Sequence, Sized
 from dataclasses import dataclass
-from typing import Any, TypeGuard
+from typing import TYPE_CHECKING, TypeGuard
 
+from gym_bridge.failures.errors import SettingError
+from gym_bridge.json_types import JsonMapping, JsonObject
 from gym_bridge.serving.errors import ServingError
 from gym_bridge.serving.protocol import TOKEN_FIELDS
+
+if TYPE_CHECKING:  # gym_bridge.types imports torch, which the Gym model server does without
+    from gym_bridge.types import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -46,12 +51,12 @@ class ChatPrompt:
 
 
 def build_chat_prompt(
-    tokenizer: Any,
-    messages: Sequence[dict[str, Any]],
+    tokenizer: Tokenizer,
+    messages: Sequence[JsonMapping],
     *,
-    tools: list[dict[str, Any]] | None = None,
+    tools: list[JsonObject] | None = None,
     add_generation_prompt: bool = True,
-    chat_template_kwargs: dict[str, Any] | None = None,
+    chat_template_kwargs: JsonMapping | None = None,
     required_prefix_token_ids: list[int] | None = None,
     vocab_size: int | None = None,
     splice: bool = True,
@@ -85,10 +90,10 @@ def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
 
 
 def _splice(
-    tokenizer: Any,
-    clean: list[dict[str, Any]],
-    tools: list[dict[str, Any]] | None,
-    chat_template_kwargs: dict[str, Any] | None,
+    tokenizer: Tokenizer,
+    clean: list[JsonObject],
+    tools: list[JsonObject] | None,
+    chat_template_kwargs: JsonMapping | None,
     template: list[int],
     prefix_index: int | None,
     model_prefix: list[int],
@@ -99,7 +104,7 @@ def _splice(
 
 
 def replace_prefix_tokens(
-    tokenizer: Any, model_prefix: list[int], template_prefix: list[int], template: list[int]
+    tokenizer: Tokenizer, model_prefix: list[int], template_prefix: list[int], template: list[int]
 ) -> list[int]:
     """Keep ``model_prefix`` bit-exact and append what ``template`` has after the same turn.
 
@@ -132,11 +137,11 @@ def replace_prefix_tokens(
 
 
 def render_ids(
-    tokenizer: Any,
-    messages: list[dict[str, Any]],
-    tools: list[dict[str, Any]] | None,
+    tokenizer: Tokenizer,
+    messages: list[JsonObject],
+    tools: list[JsonObject] | None,
     add_generation_prompt: bool,
-    chat_template_kwargs: dict[str, Any] | None,
+    chat_template_kwargs: JsonMapping | None,
 ) -> list[int]:
     """Apply the chat template to text, then tokenize it without adding special tokens (as vLLM does)."""
     kwargs = dict(chat_template_kwargs or {})
@@ -152,7 +157,7 @@ def render_ids(
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def normalize_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+def normalize_messages(messages: Sequence[JsonMapping]) -> list[JsonObject]:
     """Validate roles, drop the carried token fields, and parse tool-call arguments to objects (as vLLM does)."""
     out = []
     for i, message in enumerate(messages):
@@ -178,7 +183,7 @@ def normalize_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any
     return out
 
 
-def _model_prefix(messages: Sequence[dict[str, Any]], required: list[int] | None) -> tuple[int | None, list[int]]:
+def _model_prefix(messages: Sequence[JsonMapping], required: list[int] | None) -> tuple[int | None, list[int]]:
     """(index of the carrying message or None, prefix ids); explicit ``required`` ids win."""
     if required:
         return None, list(required)
@@ -195,17 +200,24 @@ def _model_prefix(messages: Sequence[dict[str, Any]], required: list[int] | None
     return None, []
 
 
-def _last_assistant_end(messages: list[dict[str, Any]]) -> int:
+def _last_assistant_end(messages: list[JsonObject]) -> int:
     for i in range(len(messages) - 1, -1, -1):
         if messages[i]["role"] == "assistant":
             return i + 1
     raise ServingError("required_prefix_token_ids needs an assistant message to splice after")
 
 
-def _is_id_list(value: Any) -> TypeGuard[list[int]]:
+def _is_id_list(value: object) -> TypeGuard[list[int]]:
     return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
 
 
 def _check_ids(ids: list[int], vocab_size: int | None, what: str) -> None:
     if any(t < 0 or (vocab_size is not None and t >= vocab_size) for t in ids):
         raise ServingError(f"{what} hold ids outside the vocabulary [0, {vocab_size})")
+
+
+def vocab_size_of(tokenizer: Tokenizer) -> int:
+    """``len(tokenizer)``: its vocabulary with added tokens, which every Hugging Face tokenizer reports."""
+    if not isinstance(tokenizer, Sized):
+        raise SettingError(f"the tokenizer {type(tokenizer).__name__} has no len(), so its vocabulary size is unknown")
+    return len(tokenizer)

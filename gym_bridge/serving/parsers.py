@@ -6,16 +6,19 @@ import json
 import re
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+
+from gym_bridge.json_types import JsonObject
 
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)\Z", re.DOTALL)
 
 
 @dataclass
 class ParsedMessage:
+    """An assistant turn's text split into visible content, reasoning and OpenAI ``tool_calls``."""
+
     content: str | None
     reasoning_content: str | None = None
-    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    tool_calls: list[JsonObject] = field(default_factory=list)
 
 
 def parse_reasoning(text: str) -> tuple[str | None, str]:
@@ -35,7 +38,7 @@ def parse_reasoning(text: str) -> tuple[str | None, str]:
     return None, text
 
 
-def parse_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
+def parse_tool_calls(text: str) -> tuple[str | None, list[JsonObject]]:
     """Hermes tool calls: (content outside the calls or None, OpenAI ``tool_calls``).
 
     Like vLLM's hermes parser, a call whose JSON does not parse (or lacks a name)

@@ -7,9 +7,10 @@ refused. Responses are plain dicts built in :mod:`gym_bridge.serving.app`.
 
 from __future__ import annotations
 
-from typing import Any
-
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from gym_bridge.failures.errors import SettingError
+from gym_bridge.json_types import JsonObject
 
 #: Extra fields Gym puts on assistant messages of earlier turns; stripped before rendering.
 TOKEN_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs", "routed_experts")
@@ -18,12 +19,14 @@ TOKEN_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_prob
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
 
-def check_roles(messages: list[dict[str, Any]] | None) -> None:
-    """Refuse a message whose ``role`` is missing or not one of :data:`CHAT_ROLES` (naming its index)."""
+def check_roles(messages: list[JsonObject] | None) -> None:
+    """Refuse a message whose ``role`` is missing or not one of :data:`CHAT_ROLES` (naming its index).
+
+    A :class:`SettingError` is a ``ValueError``, so pydantic reports it as a validation error of ``messages``."""
     for i, message in enumerate(messages or ()):
         role = message.get("role")
         if role not in CHAT_ROLES:
-            raise ValueError(f"message {i} has role {role!r}; the roles are {', '.join(CHAT_ROLES)}")
+            raise SettingError(f"message {i} has role {role!r}; the roles are {', '.join(CHAT_ROLES)}")
 
 
 class _Request(BaseModel):
@@ -54,18 +57,18 @@ class SamplingFields(_Request):
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[dict[str, Any]] = Field(min_length=1)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    messages: list[JsonObject] = Field(min_length=1)
+    tools: list[JsonObject] | None = None
+    tool_choice: str | JsonObject | None = None
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: JsonObject | None = None
     required_prefix_token_ids: list[int] | None = None
 
     @field_validator("messages")
     @classmethod
-    def _known_roles(cls, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    def _known_roles(cls, messages: list[JsonObject]) -> list[JsonObject]:
         check_roles(messages)
         return messages
 
@@ -85,16 +88,16 @@ class TokenizeRequest(_Request):
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[dict[str, Any]] | None = None
-    tools: list[dict[str, Any]] | None = None
+    messages: list[JsonObject] | None = None
+    tools: list[JsonObject] | None = None
     add_generation_prompt: bool = True
     add_special_tokens: bool = True
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: JsonObject | None = None
     required_prefix_token_ids: list[int] | None = None
 
     @field_validator("messages")
     @classmethod
-    def _known_roles(cls, messages: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    def _known_roles(cls, messages: list[JsonObject] | None) -> list[JsonObject] | None:
         check_roles(messages)
         return messages
 

@@ -14,7 +14,7 @@ import contextlib
 import logging
 import socket
 import threading
-from typing import Any
+from typing import TYPE_CHECKING
 
 import uvicorn
 from pydantic import SecretStr
@@ -23,13 +23,26 @@ from gym_bridge.failures import GymBridgeError
 from gym_bridge.interfaces import GenerationInterface
 from gym_bridge.serving.app import ServerFeatures, ServerLimits, ServingState, build_app
 from gym_bridge.serving.auth import ApiKeyMiddleware, open_port_warning
+from gym_bridge.serving.chat import vocab_size_of
 from gym_bridge.serving.engine import EngineProfile
+from gym_bridge.types import Tokenizer
+
+if TYPE_CHECKING:
+    from starlette.types import ASGIApp
 
 logger = logging.getLogger(__name__)
 
 
 class ServerBindError(GymBridgeError, OSError):
     """The server cannot listen on its host and port (in use, not an address of this machine, no permission)."""
+
+
+class ServerStateError(GymBridgeError, RuntimeError):
+    """The server was used out of order: its URL asked for before :meth:`OpenAIServer.start`, or started twice."""
+
+
+class ServerStartError(GymBridgeError, RuntimeError):
+    """uvicorn stopped during start-up without raising (its log says why)."""
 
 
 class _AccessFilter(logging.Filter):
@@ -73,7 +86,7 @@ class OpenAIServer:
     def __init__(
         self,
         generation: GenerationInterface,
-        tokenizer: Any,
+        tokenizer: Tokenizer,
         served_model_name: str = "tiny",
         host: str = "127.0.0.1",
         port: int = 0,
@@ -106,12 +119,12 @@ class OpenAIServer:
             reasoning_parser=reasoning_parser,
             profile=EngineProfile.of(generation, tokenizer, max_model_len),
             limits=limits or ServerLimits(),
-            vocab_size=int(getattr(generation, "vocab_size", None) or len(tokenizer)),
+            vocab_size=int(getattr(generation, "vocab_size", None) or vocab_size_of(tokenizer)),
             token_id_correction=token_id_correction,
             features=features or ServerFeatures(),
         )
         self.fastapi = build_app(self.state)
-        self.app: Any = self.fastapi if self.api_key is None else ApiKeyMiddleware(self.fastapi, self.api_key)
+        self.app: ASGIApp = self.fastapi if self.api_key is None else ApiKeyMiddleware(self.fastapi, self.api_key)
         self._server: uvicorn.Server | None = None
         self._task: asyncio.Task[None] | None = None
         self._sock: socket.socket | None = None
@@ -123,13 +136,13 @@ class OpenAIServer:
     def root_url(self) -> str:
         """The URL without ``/v1`` (where ``/tokenize`` lives)."""
         if self.base_url is None:
-            raise RuntimeError("the server is not started")
+            raise ServerStateError("the server is not started: call start() or start_in_thread() first")
         return self.base_url.removesuffix("/v1")
 
     async def start(self) -> str:
         """Bind, start serving on the running loop, and return the base URL (``http://host:port/v1``)."""
         if self._task is not None:
-            raise RuntimeError("the server is already started")
+            raise ServerStateError("the server is already started")
         sock = _listening_socket(self.host, self.port)
         self._sock = sock
         port = sock.getsockname()[1]
@@ -140,7 +153,7 @@ class OpenAIServer:
         while not self._server.started:
             if self._task.done():
                 self._task.result()  # raises the start-up failure
-                raise RuntimeError("the server exited during start-up")
+                raise ServerStartError("the server exited during start-up")
             await asyncio.sleep(0.01)
         host = f"[{self.host}]" if ":" in self.host else self.host
         self.base_url = f"http://{host}:{port}/v1"
@@ -181,7 +194,7 @@ class OpenAIServer:
     def start_in_thread(self, timeout_s: float = 30.0) -> str:
         """Serve on a daemon thread with its own event loop; return the base URL."""
         if self._thread is not None:
-            raise RuntimeError("the server is already started")
+            raise ServerStateError("the server is already started")
         ready = threading.Event()
         failure: list[BaseException] = []
 

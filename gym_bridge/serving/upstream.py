@@ -11,15 +11,17 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import cast
 
 import httpx
 from pydantic import SecretStr
 
 from gym_bridge.failures import GymBridgeError
 from gym_bridge.generation.openai_http import OpenAIHTTPGeneration, OpenAIHTTPGenerationConfig
+from gym_bridge.json_types import JsonMapping, JsonObject
 from gym_bridge.serving.app import ServerLimits
 from gym_bridge.serving.server import OpenAIServer
+from gym_bridge.types import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +76,7 @@ def discover_upstream(
 
 def build_proxy(
     upstreams: list[str],
-    tokenizer: str | Any | None = None,
+    tokenizer: str | Tokenizer | None = None,
     served_model_name: str | None = None,
     *,
     upstream_model: str | None = None,
@@ -85,7 +87,7 @@ def build_proxy(
     api_key: SecretStr | str | None = None,
     inbound_api_key: SecretStr | str | None = None,
     limits: ServerLimits | None = None,
-    http_options: dict[str, Any] | None = None,
+    http_options: JsonMapping | None = None,
     transport: httpx.AsyncBaseTransport | None = None,
 ) -> OpenAIServer:
     """An :class:`OpenAIServer` that generates through ``upstreams`` (base URLs; ``/v1`` is added if missing).
@@ -111,21 +113,12 @@ def build_proxy(
         raise UpstreamError("upstream_model must be a model name, not empty")
     length = max_model_len or (found.max_model_len if found else None)
     if tokenizer is None or isinstance(tokenizer, str):
-        from transformers import AutoTokenizer
-
-        path = tokenizer or (found.root if found else None) or model_name
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(path)
-        except (OSError, ValueError) as exc:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise UpstreamError(
-                f"cannot load the tokenizer {path!r} (pass --tokenizer a local folder): {first}"
-            ) from None
+        tokenizer = _load_tokenizer(tokenizer or (found.root if found else None) or model_name)
     if length is None:
         model_max = getattr(tokenizer, "model_max_length", None)
         length = model_max if isinstance(model_max, int) and 0 < model_max < 2**31 else None
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-    options: dict[str, Any] = {
+    options: JsonObject = {
         "base_urls": base_urls,
         "model": model_name,
         "max_new_tokens": length or 2**31 - 1,  # only a default: every request sends its own budget
@@ -136,7 +129,7 @@ def build_proxy(
         "api_key": SecretStr(api_key) if isinstance(api_key, str) else api_key,
     }
     options.update(http_options or {})
-    generation = OpenAIHTTPGeneration(OpenAIHTTPGenerationConfig(**options), transport=transport)
+    generation = OpenAIHTTPGeneration(OpenAIHTTPGenerationConfig.model_validate(options), transport=transport)
     logger.info("token-faithful proxy for %r over %s", model_name, ", ".join(base_urls))
     return OpenAIServer(
         generation,
@@ -150,3 +143,16 @@ def build_proxy(
         limits=limits,
         api_key=inbound_api_key,
     )
+
+
+def _load_tokenizer(path: str) -> Tokenizer:
+    """The tokenizer at ``path`` (a folder or a hub id), or :class:`UpstreamError` naming it."""
+    from transformers import AutoTokenizer
+
+    try:
+        loaded = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UpstreamError(f"cannot load the tokenizer {path!r} (pass --tokenizer a local folder): {first}") from None
+    # transformers 5 types ``decode`` as returning ``str | list[str]``; for a list of ids it is a str.
+    return cast(Tokenizer, loaded)

@@ -28,9 +28,14 @@ from collections.abc import Callable, Mapping
 from multiprocessing.context import ForkServerContext
 from pathlib import Path
 from subprocess import DEVNULL, STDOUT, Popen
-from typing import Any
+from typing import TYPE_CHECKING
 
+from gym_bridge.failures.errors import GymStartupError
 from gym_bridge.gym._forkserver import ForkedServer, fork_context, parse_server_command, start_server
+from gym_bridge.json_types import JsonObject
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
 _INSTALL_MARKERS = ("uv venv", "uv pip install")
 
@@ -38,9 +43,9 @@ _INSTALL_MARKERS = ("uv venv", "uv pip install")
 class _Status:
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.data: dict[str, Any] = {"phase": "parsing", "servers": {}, "error": None}
+        self.data: JsonObject = {"phase": "parsing", "servers": {}, "error": None}
 
-    def update(self, **fields: Any) -> None:
+    def update(self, **fields: object) -> None:
         self.data.update(fields)
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(self.data))
@@ -70,12 +75,12 @@ def _start_reaper() -> None:
     Popen([sys.executable, "-c", _REAPER, str(os.getpid())], stdin=DEVNULL, stdout=DEVNULL, stderr=DEVNULL)
 
 
-def _server_instances(global_config_dict: Any) -> dict[str, dict[str, Any]]:
+def _server_instances(global_config_dict: DictConfig) -> dict[str, JsonObject]:
     """The ``<name>: {<type>: {<impl>: {entrypoint: ...}}}`` entries, walked as RunHelper walks them."""
     from nemo_gym.global_config import NEMO_GYM_RESERVED_TOP_LEVEL_KEYS
     from omegaconf import DictConfig
 
-    servers: dict[str, dict[str, Any]] = {}
+    servers: dict[str, JsonObject] = {}
     for name, value in global_config_dict.items():
         if name in NEMO_GYM_RESERVED_TOP_LEVEL_KEYS or not isinstance(value, DictConfig) or not value:
             continue
@@ -96,7 +101,7 @@ def _server_instances(global_config_dict: Any) -> dict[str, dict[str, Any]]:
     return servers
 
 
-def _link_venvs(servers: dict[str, dict[str, Any]], venv_dir: Path) -> None:
+def _link_venvs(servers: dict[str, JsonObject], venv_dir: Path) -> None:
     """``<venv_dir>/<type>/<impl>/.venv`` -> this interpreter's environment, so Gym skips its venv setup."""
     for server in servers.values():
         link = venv_dir / server["server_type"] / server["impl"] / ".venv"
@@ -118,15 +123,15 @@ def _make_run_command(
         server_name: str = "",
         project_root: Path | None = None,
         *,
-        global_config_dict: Any = None,
-        stdout_target: Any = None,
-        stderr_target: Any = None,
+        global_config_dict: object = None,
+        stdout_target: object = None,
+        stderr_target: object = None,
         extra_env: Mapping[str, str] | None = None,
     ) -> Popen[bytes] | ForkedServer:
         """Every Gym version's signature at once (the keywords came in 0.6 and 0.7); output goes to the log."""
         name = server_name or working_dir_path.name
         if any(marker in command for marker in _INSTALL_MARKERS):
-            raise RuntimeError(f"refusing to create a venv or install packages for server {name!r}: {command[:300]}")
+            raise GymStartupError(f"refusing to create a venv or install packages for server {name!r}: {command[:300]}")
         env = os.environ.copy()
         env.update(extra_env or {})
         entries = [str(working_dir_path.absolute())]

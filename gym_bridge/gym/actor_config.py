@@ -12,10 +12,12 @@ import socket
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationInfo, field_validator, model_validator
 
+from gym_bridge.failures import SettingError
 from gym_bridge.gym.convert import DEFAULT_INVALID_TOOL_CALL_PATTERNS, DEFAULT_THINKING_TAGS
 from gym_bridge.gym.servers import GymServersConfig
+from gym_bridge.json_types import JsonObject
 
 __all__ = ["NemoGymConfig", "actor_configs"]
 
@@ -56,7 +58,7 @@ class NemoGymConfig(BaseModel):
     file, which gets copied into run folders and logs."""
     config_paths: list[str] = Field(default_factory=list)
     """Gym YAML configs; absolute, or relative to the actor's cwd, else to the nemo-gym wheel."""
-    overrides: dict[str, Any] = Field(default_factory=dict)
+    overrides: JsonObject = Field(default_factory=dict)
     """Merged into Gym's global config last."""
     host: str = "127.0.0.1"
     startup_timeout_s: float = Field(180.0, gt=0)
@@ -87,7 +89,7 @@ class NemoGymConfig(BaseModel):
     (:mod:`gym_bridge.gym_model`: token-faithful, one hop, leaner), which replaces the ``vllm_model`` config."""
 
     # ---- NeMo-RL's NemoGymConfig keys -------------------------------------------------------------
-    initial_global_config_dict: dict[str, Any] | None = None
+    initial_global_config_dict: JsonObject | None = None
     """NeMo-RL's name for Gym's global config: its ``config_paths`` join ours, the rest joins ``overrides``."""
     port_range_low: int | None = Field(None, ge=1, le=65535)
     """With ``port_range_high``: where Gym picks its servers' ports and ours the head server's (default: a free
@@ -96,22 +98,21 @@ class NemoGymConfig(BaseModel):
     require_routed_experts: bool = False
     routed_experts_dtype: str = "int16"
     use_fastokens: bool = False
-    tokenizer_config: dict[str, Any] | None = None
+    tokenizer_config: JsonObject | None = None
     pad_dynamic_image_shapes: bool = False
 
     @field_validator("invalid_tool_call_patterns", "thinking_tags", mode="before")
     @classmethod
-    def _none_is_the_default(cls, value: Any, info: Any) -> Any:
+    def _none_is_the_default(cls, value: object, info: ValidationInfo) -> object:
         """NeMo-RL's ``None`` (or an empty list) means "the defaults"."""
-        if value is None or (isinstance(value, (list, tuple)) and not value):
-            return cls.model_fields[info.field_name].default
-        return value
+        empty = value is None or (isinstance(value, (list, tuple)) and not value)
+        return cls.model_fields[info.field_name].default if empty and info.field_name else value
 
     @field_validator("api_key", mode="before")
     @classmethod
-    def _no_literal_key(cls, value: Any) -> Any:
+    def _no_literal_key(cls, value: object) -> object:
         if isinstance(value, str):
-            raise ValueError(
+            raise SettingError(
                 "api_key is not taken as text (a config file is copied into run folders); put the key in an "
                 "environment variable and name it with api_key_env_var (default OPENAI_API_KEY)"
             )
@@ -126,14 +127,16 @@ class NemoGymConfig(BaseModel):
         if value:
             self.api_key = SecretStr(value)
         elif "api_key_env_var" in self.model_fields_set:
-            raise ValueError(f"api_key_env_var: the environment variable {self.api_key_env_var} is not set")
+            raise SettingError(f"api_key_env_var: the environment variable {self.api_key_env_var} is not set")
         return self
 
     @field_validator("routed_experts_dtype")
     @classmethod
     def _known_dtype(cls, value: str) -> str:
         if value not in _ROUTED_EXPERTS_DTYPES:
-            raise ValueError(f"routed_experts_dtype must be one of {', '.join(_ROUTED_EXPERTS_DTYPES)}, got {value!r}")
+            raise SettingError(
+                f"routed_experts_dtype must be one of {', '.join(_ROUTED_EXPERTS_DTYPES)}, got {value!r}"
+            )
         return value
 
     @model_validator(mode="after")
@@ -141,16 +144,16 @@ class NemoGymConfig(BaseModel):
         """Refuse NeMo-RL's model-feature options when switched on; fold its global-config dict into ours."""
         for name, why in _REFUSED_WHEN_SET.items():
             if getattr(self, name):
-                raise ValueError(f"{name} is not supported: {why}")
+                raise SettingError(f"{name} is not supported: {why}")
         if (self.port_range_low is None) != (self.port_range_high is None):
-            raise ValueError("set port_range_low and port_range_high together")
+            raise SettingError("set port_range_low and port_range_high together")
         low, high = self.port_range_low, self.port_range_high
         if low is not None and high is not None and high <= low:
-            raise ValueError(f"port_range_high ({self.port_range_high}) must exceed port_range_low")
+            raise SettingError(f"port_range_high ({self.port_range_high}) must exceed port_range_low ({low})")
         if self.initial_global_config_dict:
             initial = dict(self.initial_global_config_dict)
             if initial.get("pad_dynamic_image_shapes"):
-                raise ValueError(
+                raise SettingError(
                     f"pad_dynamic_image_shapes is not supported: {_REFUSED_WHEN_SET['pad_dynamic_image_shapes']}"
                 )
             for key in _NOT_FOR_GYM:
@@ -202,15 +205,15 @@ def _free_port_in(host: str, low: int, high: int) -> int:
             except OSError:
                 continue
             return port
-    raise ValueError(f"no free port on {host} in port_range_low..port_range_high ({low}..{high})")
+    raise SettingError(f"no free port on {host} in port_range_low..port_range_high ({low}..{high})")
 
 
 def actor_configs(config: NemoGymConfig, num_actors: int, *, split_base_urls: bool = False) -> list[NemoGymConfig]:
     """One config per actor: its own log folder, and all endpoints or a round-robin share of them."""
     if num_actors < 1:
-        raise ValueError(f"num_actors must be >= 1, got {num_actors}")
+        raise SettingError(f"num_actors must be >= 1, got {num_actors}")
     if split_base_urls and len(config.base_urls) < num_actors:
-        raise ValueError(
+        raise SettingError(
             f"split_base_urls needs at least one endpoint per actor: {len(config.base_urls)} base_urls "
             f"for {num_actors} actors"
         )
@@ -218,7 +221,7 @@ def actor_configs(config: NemoGymConfig, num_actors: int, *, split_base_urls: bo
         return [config]
     configs = []
     for i in range(num_actors):
-        update: dict[str, Any] = {}
+        update: dict[str, object] = {}
         if config.log_dir is not None:
             update["log_dir"] = config.log_dir / f"actor-{i}"
         if split_base_urls:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
-from typing import Any
 
 from tokenizers.decoders import ByteLevel
 from transformers.convert_slow_tokenizer import bytes_to_unicode
@@ -24,7 +23,7 @@ from gym_bridge.types import Tokenizer
 __all__ = ["decode_turns", "token_bytes_table"]
 
 _CHAR_BYTES: dict[str, int] = {char: byte for byte, char in bytes_to_unicode().items()}  # type: ignore[no-untyped-call]
-_TABLES: weakref.WeakKeyDictionary[Any, list[bytes] | None] = weakref.WeakKeyDictionary()
+_TABLES: weakref.WeakKeyDictionary[Tokenizer, list[bytes] | None] = weakref.WeakKeyDictionary()
 
 
 def decode_turns(
@@ -103,9 +102,9 @@ def _build_table(tokenizer: Tokenizer) -> list[bytes] | None:
     return table
 
 
-def _interleave(first: Sequence[Any], second: Sequence[Any]) -> list[Any]:
+def _interleave[T](first: Sequence[T], second: Sequence[T]) -> list[T]:
     """``first[0], second[0], first[1], ...`` (``second`` may be one shorter)."""
-    out: list[Any] = []
+    out: list[T] = []
     for i, piece in enumerate(first):
         out.append(piece)
         if i < len(second):

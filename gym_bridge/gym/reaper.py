@@ -13,7 +13,8 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import Any, Protocol
+from types import FrameType
+from typing import Protocol
 
 import psutil
 
@@ -75,7 +76,7 @@ def _install_cleanup_handlers() -> None:
         if previous is signal.SIG_IGN or previous is None:
             continue
 
-        def handler(num: int, frame: Any, previous: Any = previous) -> None:
+        def handler(num: int, frame: FrameType | None, previous: object = previous) -> None:
             _stop_all_live()
             if callable(previous):
                 previous(num, frame)

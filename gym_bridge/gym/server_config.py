@@ -5,11 +5,12 @@ from __future__ import annotations
 import importlib.util
 import logging
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from gym_bridge.failures import GymBridgeError
+from gym_bridge.json_types import JsonObject
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ class GymServersConfig(BaseModel):
 
     config_paths: list[str] = Field(default_factory=list)
     """Gym YAML configs; a relative path is tried in the cwd, then in the wheel (as Gym does)."""
-    overrides: dict[str, Any] = Field(default_factory=dict)
+    overrides: JsonObject = Field(default_factory=dict)
     """Merged into Gym's global config, like ``initial_global_config_dict``."""
     policy_base_urls: list[str] = Field(default_factory=list)
     """OpenAI-compatible endpoints, each ending in ``/v1``; Gym's ``policy_base_url``."""
@@ -83,7 +84,7 @@ class GymServersConfig(BaseModel):
         whenever they are set, whatever ``overrides`` say: NeMo-RL's NemoGym actor overwrites the same three
         keys of the global config from its own config (``environments/nemo_gym.py``). ``policy_api_key`` is
         always set. An override that differs is dropped with a warning naming the key, never its value."""
-        ours: dict[str, Any] = {"policy_api_key": self.policy_api_key.get_secret_value()}
+        ours: JsonObject = {"policy_api_key": self.policy_api_key.get_secret_value()}
         if self.policy_base_urls:
             ours["policy_base_url"] = list(self.policy_base_urls)
         if self.policy_model_name:
@@ -102,7 +103,7 @@ class GymServersConfig(BaseModel):
         return self
 
 
-def _as_global(key: str, value: Any) -> Any:
+def _as_global(key: str, value: object) -> object:
     """An override's value as the global config would hold it (a secret's text, one URL as a one-item list)."""
     if isinstance(value, SecretStr):
         return value.get_secret_value()
@@ -111,7 +112,7 @@ def _as_global(key: str, value: Any) -> Any:
     return list(value) if isinstance(value, tuple) else value
 
 
-def deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+def deep_merge(base: JsonObject, extra: JsonObject) -> JsonObject:
     """``base`` with ``extra`` merged in, dicts recursively, ``extra`` winning (Gym's config layering)."""
     merged = dict(base)
     for key, value in extra.items():

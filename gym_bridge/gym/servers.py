@@ -27,7 +27,6 @@ import tempfile
 import time
 from pathlib import Path
 from types import TracebackType
-from typing import Any
 
 import psutil
 
@@ -46,6 +45,7 @@ from gym_bridge.gym.reaper import (
 )
 from gym_bridge.gym.server_config import GymServersConfig, HeadServerAddress, deep_merge, wheel_config_path
 from gym_bridge.gym.versions import installed_gym
+from gym_bridge.json_types import JsonObject
 
 __all__ = [
     "GymServerDied",
@@ -94,7 +94,7 @@ class GymServers:
         self._launcher_proc: psutil.Process | None = None
         self._private_dir: Path | None = None
         self._window: int | None = None
-        self._status: dict[str, Any] = {}
+        self._status: JsonObject = {}
         self._procs: dict[str, psutil.Process] = {}
         self.log_dir: Path = config.log_dir or Path.cwd() / "gym-logs" / (
             f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{self._index}"
@@ -136,7 +136,7 @@ class GymServers:
 
     def start(self) -> HeadServerAddress:
         if self._launcher is not None:
-            raise RuntimeError("GymServers.start() was already called")
+            raise GymServersError("GymServers.start() was already called")
         started = time.monotonic()
         register_live(self)
         try:
@@ -201,11 +201,11 @@ class GymServers:
 
     # ---- start-up ---------------------------------------------------------------------------
 
-    def _global_config(self, head_port: int) -> dict[str, Any]:
+    def _global_config(self, head_port: int) -> JsonObject:
         cfg = self.config
         assert self._private_dir is not None and self._window is not None
         config_paths = [str(Path(p).absolute()) if Path(p).exists() else p for p in cfg.config_paths]
-        base: dict[str, Any] = {
+        base: JsonObject = {
             "config_paths": config_paths,
             "policy_api_key": cfg.policy_api_key.get_secret_value(),
             "default_host": cfg.host,

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping, Sequence
-from typing import Any, cast
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, cast
 
 from gym_bridge.gym.actor_config import NemoGymConfig, actor_configs
+from gym_bridge.json_types import JsonMapping
 from gym_bridge.types import ActorHandle, Tokenizer
+
+if TYPE_CHECKING:
+    import ray.actor
 
 __all__ = [
     "NEMO_RL_GYM_KNOBS",
@@ -49,7 +53,7 @@ _RUNNER_ONLY_KEYS = ("is_trajectory_collection",)
 
 
 def spinup_nemo_gym_actor(
-    env_configs: Mapping[str, Any],
+    env_configs: JsonMapping,
     base_urls: list[str],
     model_name: str,
     *,
@@ -83,7 +87,7 @@ def spinup_nemo_gym_actor(
 
 
 def nemo_rl_gym_config(
-    env_configs: Mapping[str, Any],
+    env_configs: JsonMapping,
     base_urls: list[str],
     model_name: str,
     *,
@@ -141,10 +145,10 @@ def spinup_nemo_gym_actors(
     from gym_bridge.gym.actor import NemoGym  # lazily: the actor module imports aiohttp and orjson
 
     # By value, not ray.put: Ray re-runs the constructor on a restart, and a put object may be gone by then.
-    # Any: Ray types an actor's handle as ``ActorHandle[T] | type[T]``, whose methods lack ``.remote``;
-    # callers get our ActorHandle protocol
-    handles: list[Any] = [
-        ray.remote(NemoGym).options(**actor_options(cfg)).remote(cfg, tokenizer)
+    # Ray types an actor's handle as ``ActorHandle[T] | type[T]``, whose methods lack ``.remote``; callers
+    # get our ActorHandle protocol.
+    handles = [
+        cast(ActorHandle, ray.remote(NemoGym).options(**actor_options(cfg)).remote(cfg, tokenizer))
         for cfg in actor_configs(config, num_actors, split_base_urls=split_base_urls)
     ]
     try:
@@ -179,4 +183,4 @@ def _kill(actor: ActorHandle) -> None:
     """``ray.kill`` for our handle protocol (Ray types the argument as its own ``ActorHandle`` class)."""
     import ray
 
-    ray.kill(cast(Any, actor))
+    ray.kill(cast("ray.actor.ActorHandle[object]", actor))

@@ -11,11 +11,11 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 from dataclasses import dataclass, field
-from typing import Any
 
 from packaging.version import Version
 
 from gym_bridge.failures import GymBridgeError
+from gym_bridge.json_types import JsonObject
 
 __all__ = ["SUPPORTED_GYM", "GymVersion", "UnsupportedGymVersion", "gym_version", "installed_gym"]
 
@@ -110,7 +110,7 @@ class GymVersion:
     """0.7: ``NeMoGymResponse`` adds ``completed_at``, ``moderation`` and ``prompt_cache_retention`` (null)."""
     head_readiness_path: str
     """The head server's readiness route: ``/readyz`` (0.7, 200 once every server and endpoint answered) or ``/``."""
-    global_config: dict[str, Any] = field(default_factory=dict)
+    global_config: JsonObject = field(default_factory=dict)
     """Keys set on every server set: Gym's own wait for the model endpoints is off, since preflight checks them
     and every rollout call has its own deadline (0.5 waits up to 600 s by default)."""
 

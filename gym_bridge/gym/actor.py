@@ -74,6 +74,10 @@ logger = logging.getLogger(__name__)
 _AGENT_SERVER_TYPE = "responses_api_agents"
 _ERROR_BODY_LIMIT = 65536  # Gym nests each server's error escaped inside the next: keep it whole to unwrap it
 _PROGRESS_EVERY = 10
+_BATCH_WINDOW_S = 0.5
+"""Rows finishing within this window of a finished row travel with it in one streamed element (each element
+costs about a millisecond of Ray's CPU on each side, benchmarks/ray_stream_cost.py); the last rows of a call,
+and a failure, go at once. What a lost actor takes with it is at most this window's finished rows."""
 _JSON_HEADERS = {"Content-Type": "application/json"}
 
 
@@ -208,9 +212,9 @@ class NemoGym:
     ) -> AsyncIterator[GymRowBatch]:
         """Yield :class:`GymRowBatch` es in completion order, each row's ``row_index`` its ``_rowidx``.
 
-        Every row is posted to its agent's ``/run`` at once. Rows that finish while a
-        batch is being converted travel together in the next element (one Ray message
-        instead of one per row). The
+        Every row is posted to its agent's ``/run`` at once. Rows that finish within
+        ``_BATCH_WINDOW_S`` of the first unsent one, or while a batch is being converted,
+        travel together in one element (one Ray message instead of one per row). The
         element that completes the call carries ``timing``: ``{prefix}/await_results``,
         ``{prefix}/postprocess_results`` and ``{prefix}/postprocess_results_pct``
         (seconds; pct of this generator's own time, consumer time excluded).
@@ -241,10 +245,12 @@ class NemoGym:
         try:
             while remaining:
                 t0 = time.perf_counter()
-                ready = [await finished.get()]
-                while not finished.empty():
-                    ready.append(finished.get_nowait())
-                posted = [task.result() for task in ready]  # raises the first failure
+                ready = await _gather_window(finished, remaining, _BATCH_WINDOW_S)
+                failed = next((task for task in ready if _failed(task)), None)
+                if failed is not None and failed is not watch and len(ready) > 1:
+                    ready.remove(failed)  # the rows that finished before it travel first
+                    finished.put_nowait(failed)
+                posted = [task.result() for task in ready]  # raises a failure that came alone
                 t1 = time.perf_counter()
                 batch = await loop.run_in_executor(self._convert_executor(), partial(self._convert_batch, posted))
                 t2 = time.perf_counter()
@@ -391,3 +397,30 @@ def _was_restarted() -> bool:
             return bool(ray.is_initialized() and ray.get_runtime_context().was_current_actor_reconstructed)
     except Exception:  # not inside an actor
         return False
+
+
+async def _gather_window(
+    finished: asyncio.Queue[asyncio.Task[Any]], remaining: int, window_s: float
+) -> list[asyncio.Task[Any]]:
+    """The next finished task, then those that finish within ``window_s`` of it: until ``remaining`` are in,
+    the window closes or a task failed (the watch included)."""
+    ready = [await finished.get()]
+    loop = asyncio.get_running_loop()
+    closes = loop.time() + window_s
+    while len(ready) < remaining and not _failed(ready[-1]):
+        if finished.empty():
+            left = closes - loop.time()
+            if left <= 0:
+                break
+            try:
+                async with asyncio.timeout(left):
+                    ready.append(await finished.get())
+            except TimeoutError:
+                break
+        else:
+            ready.append(finished.get_nowait())
+    return ready
+
+
+def _failed(task: asyncio.Task[Any]) -> bool:
+    return task.cancelled() or task.exception() is not None

@@ -233,4 +233,4 @@ def test_the_train_demo_config_warms_up_from_a_tenth_of_its_rate():
         optimizer.step()
         scheduler.step()
     assert rates == pytest.approx([2e-6, 8e-6, 1.4e-5, 2e-5, 2e-5])
-    assert loop.loss.use_importance_sampling_correction and not loop.use_dynamic_sampling
+    assert loop.loss.use_importance_sampling_correction and loop.use_dynamic_sampling, "the demo's sync loop samples dynamically"

@@ -28,16 +28,53 @@ import importlib
 import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Literal, NotRequired, Protocol
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from gym_bridge.batched import BatchedDataDict
+from gym_bridge.failures.errors import GymBridgeError, SettingError
 from gym_bridge.interfaces import PolicyInterface
+from gym_bridge.json_types import JsonMapping, JsonObject
 from gym_bridge.models.loading import causal_lm_on_device
+from gym_bridge.types import (
+    GenerationDatumSpec,
+    LogprobOutputSpec,
+    ReferenceLogprobOutputSpec,
+    Tokenizer,
+    TopkLogitsOutputSpec,
+)
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 logger = logging.getLogger(__name__)
+
+
+class ReferenceModelMissing(GymBridgeError, RuntimeError):
+    """Reference logprobs were asked of a policy built with ``keep_reference_model=False``."""
+
+
+class SavableTokenizer(Tokenizer, Protocol):
+    """A :class:`~gym_bridge.types.Tokenizer` that writes itself into a checkpoint folder (any Hugging Face one)."""
+
+    def save_pretrained(self, save_directory: str | Path) -> object: ...
+
+
+class TokenBatchSpec(GenerationDatumSpec):
+    """The token batch :meth:`HFPolicy.train` reads: right-padded ``input_ids`` ``[B, S]`` and ``input_lengths``
+    ``[B]`` (the batch the logprob calls take), optionally ``token_mask`` ``[B, S]`` (the tokens to train on) and
+    ``sample_mask`` ``[B]``. A loss function reads further keys of its own."""
+
+    token_mask: NotRequired[torch.Tensor]
+    sample_mask: NotRequired[torch.Tensor]
+
+
+class PolicyGradientBatchSpec(TokenBatchSpec):
+    """:func:`policy_gradient_loss`'s batch: the token batch plus ``advantages`` (``[B]`` or ``[B, S]``)."""
+
+    advantages: torch.Tensor
 
 
 class HFPolicyConfig(BaseModel):
@@ -58,12 +95,12 @@ class HFPolicyConfig(BaseModel):
     temperature: float = Field(1.0, gt=0.0, description="Logits are divided by it, as at generation.")
     keep_reference_model: bool = Field(True, description="Keep a frozen copy of the initial weights.")
     freeze_embeddings: bool = Field(False, description="Do not train the input embedding (tied: nor the LM head).")
-    scheduler: list[dict[str, Any]] | dict[str, Any] | None = Field(
+    scheduler: list[JsonObject] | JsonObject | None = Field(
         None, description="NeMo-RL's policy.scheduler (see build_lr_scheduler); None: a constant learning rate."
     )
 
 
-def _scheduler_class(name: Any) -> type[torch.optim.lr_scheduler.LRScheduler]:
+def _scheduler_class(name: object) -> type[torch.optim.lr_scheduler.LRScheduler]:
     """The learning-rate scheduler class a dotted name names (``torch.optim.lr_scheduler.LinearLR``)."""
     module_name, _, attr = str(name).rpartition(".")
     try:
@@ -71,19 +108,19 @@ def _scheduler_class(name: Any) -> type[torch.optim.lr_scheduler.LRScheduler]:
     except (ImportError, AttributeError):
         found = None
     if not (isinstance(found, type) and issubclass(found, torch.optim.lr_scheduler.LRScheduler)):
-        raise ValueError(f"{name!r} is not a torch learning-rate scheduler class (torch.optim.lr_scheduler.*)")
+        raise SettingError(f"{name!r} is not a torch learning-rate scheduler class (torch.optim.lr_scheduler.*)")
     return found
 
 
 def build_lr_scheduler(
-    optimizer: torch.optim.Optimizer, spec: Sequence[Mapping[str, Any]] | Mapping[str, Any] | None
+    optimizer: torch.optim.Optimizer, spec: Sequence[JsonMapping] | JsonMapping | None
 ) -> torch.optim.lr_scheduler.LRScheduler:
     """NeMo-RL's scheduler from ``policy.scheduler``, as its DTensor policy worker builds it.
 
     A mapping ``{name, kwargs}`` is one scheduler; a list holds schedulers (``{name, kwargs}``) and one
     ``{milestones: [...]}`` entry, chained by ``SequentialLR`` (the milestones are the optimizer steps at which
     the next scheduler takes over); None is a constant rate (``LambdaLR`` of 1). A bad entry raises
-    ``ValueError`` saying which.
+    :class:`~gym_bridge.failures.errors.SettingError` saying which.
     """
     if spec is None:
         return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=lambda _: 1.0)
@@ -93,46 +130,48 @@ def build_lr_scheduler(
     milestones: list[int] | None = None
     for i, entry in enumerate(spec):
         if not isinstance(entry, Mapping):
-            raise ValueError(f"entry {i} is not a mapping: {entry!r}")
+            raise SettingError(f"entry {i} is not a mapping: {entry!r}")
         if "name" in entry:
             try:
                 schedulers.append(_scheduler_class(entry["name"])(optimizer, **dict(entry.get("kwargs") or {})))
             except TypeError as exc:
-                raise ValueError(f"entry {i} ({entry['name']}): {exc}") from None
+                raise SettingError(f"entry {i} ({entry['name']}): {exc}") from None
         elif "milestones" in entry:
             milestones = [int(m) for m in entry["milestones"]]
         else:
-            raise ValueError(f"entry {i} has neither 'name' nor 'milestones': {dict(entry)!r}")
+            raise SettingError(f"entry {i} has neither 'name' nor 'milestones': {dict(entry)!r}")
     if not schedulers:
-        raise ValueError("no scheduler named")
+        raise SettingError("no scheduler named")
     if len(schedulers) == 1 and milestones is None:
         return schedulers[0]
     if milestones is None or len(milestones) != len(schedulers) - 1:
-        raise ValueError(
+        raise SettingError(
             f"{len(schedulers)} schedulers need {len(schedulers) - 1} milestones in a {{milestones: [...]}} entry, "
             f"got {milestones}"
         )
     return torch.optim.lr_scheduler.SequentialLR(optimizer, schedulers, milestones)
 
 
-class LossFunction(Protocol):
-    """``(token_logprobs [b, S], micro_batch, global_valid_seqs, global_valid_toks) -> (loss, metrics)``."""
+class LossFunction[SpecT: TokenBatchSpec](Protocol):
+    """``(token_logprobs [b, S], micro_batch, global_valid_seqs, global_valid_toks) -> (loss, metrics)``.
+
+    ``SpecT`` names the batch the loss reads: the token batch plus the loss's own keys."""
 
     def __call__(
         self,
         token_logprobs: torch.Tensor,
-        data: BatchedDataDict[Any],
+        data: BatchedDataDict[SpecT],
         global_valid_seqs: torch.Tensor,
         global_valid_toks: torch.Tensor,
-    ) -> tuple[torch.Tensor, dict[str, Any]]: ...
+    ) -> tuple[torch.Tensor, Mapping[str, object]]: ...
 
 
 def policy_gradient_loss(
     token_logprobs: torch.Tensor,
-    data: BatchedDataDict[Any],
+    data: BatchedDataDict[PolicyGradientBatchSpec],
     global_valid_seqs: torch.Tensor,
     global_valid_toks: torch.Tensor,
-) -> tuple[torch.Tensor, dict[str, Any]]:
+) -> tuple[torch.Tensor, dict[str, float]]:
     """REINFORCE: ``-sum(advantage * logprob * token_mask) / global_valid_toks``.
 
     ``data`` needs ``advantages`` (``[b]`` or ``[b, S]``) and ``token_mask`` ``[b, S]``
@@ -150,7 +189,7 @@ def _length_mask(lengths: torch.Tensor, width: int) -> torch.Tensor:
     return torch.arange(width, device=lengths.device)[None, :] < lengths[:, None]
 
 
-def _token_mask(data: Mapping[str, Any], shape: torch.Size) -> torch.Tensor:
+def _token_mask(data: BatchedDataDict[TokenBatchSpec], shape: torch.Size) -> torch.Tensor:
     """``token_mask`` (default: every real token after the first) times ``sample_mask``; float ``[b, S]``."""
     lengths = torch.as_tensor(data["input_lengths"]).to(torch.int64)
     if data.get("token_mask") is not None:
@@ -164,15 +203,24 @@ def _token_mask(data: Mapping[str, Any], shape: torch.Size) -> torch.Tensor:
     return mask
 
 
+def _train_sizes(size: int, gbs: int, mbs: int) -> None:
+    """Raise :class:`~gym_bridge.failures.errors.SettingError` unless ``size`` samples split into global batches
+    of ``gbs`` and those into micro-batches of ``mbs``."""
+    if gbs % mbs:
+        raise SettingError(f"the global batch size {gbs} must be a multiple of the micro-batch size {mbs}")
+    if size % gbs:
+        raise SettingError(f"the batch of {size} samples is not a whole number of global batches of {gbs}")
+
+
 class HFPolicy(PolicyInterface):
     """A policy trained with AdamW in this process; see the module docstring for the data contract."""
 
     def __init__(
         self,
-        cfg: HFPolicyConfig | Mapping[str, Any] | None = None,
+        cfg: HFPolicyConfig | JsonMapping | None = None,
         *,
-        model: Any = None,
-        tokenizer: Any = None,
+        model: PreTrainedModel | None = None,
+        tokenizer: SavableTokenizer | None = None,
     ) -> None:
         """Load ``cfg.model`` (a folder or a built-in name), or train an already loaded ``model`` (in place)."""
         if cfg is None:
@@ -181,9 +229,10 @@ class HFPolicy(PolicyInterface):
             cfg = HFPolicyConfig(**dict(cfg))
         self.cfg: HFPolicyConfig = cfg
         tokenizer, model = causal_lm_on_device(cfg.model, cfg.dtype, cfg.device, model=model, tokenizer=tokenizer)
-        self.tokenizer, self.model = tokenizer, model
+        self.tokenizer: SavableTokenizer = tokenizer
+        self.model: PreTrainedModel = model
         self.device = torch.device(cfg.device)
-        self.reference_model = None
+        self.reference_model: PreTrainedModel | None = None
         if cfg.keep_reference_model:
             self.reference_model = copy.deepcopy(self.model).eval().requires_grad_(False)
         if cfg.freeze_embeddings:
@@ -201,7 +250,7 @@ class HFPolicy(PolicyInterface):
 
     def _token_logprobs(
         self,
-        model: Any,
+        model: torch.nn.Module,
         input_ids: torch.Tensor,
         lengths: torch.Tensor,
         first: int = 1,
@@ -230,11 +279,12 @@ class HFPolicy(PolicyInterface):
 
     def _batched_logprobs(
         self,
-        model: Any,
-        data: Mapping[str, Any],
+        model: torch.nn.Module,
+        data: BatchedDataDict[GenerationDatumSpec],
         micro_batch_size: int | None,
         weights: Mapping[str, torch.Tensor] | None = None,
     ) -> torch.Tensor:
+        """:meth:`_token_logprobs` of the whole batch, ``micro_batch_size`` rows at a time, without gradients."""
         input_ids = torch.as_tensor(data["input_ids"]).to(torch.int64)
         lengths = torch.as_tensor(data["input_lengths"]).to(torch.int64).reshape(-1)
         step = micro_batch_size or self.cfg.logprob_batch_size
@@ -250,21 +300,27 @@ class HFPolicy(PolicyInterface):
             model.train(was_training)
         return torch.cat(parts) if parts else torch.zeros(input_ids.shape, dtype=torch.float32)
 
-    def get_logprobs(self, data: BatchedDataDict[Any], timer: Any = None) -> BatchedDataDict[Any]:
+    def get_logprobs(
+        self, data: BatchedDataDict[GenerationDatumSpec], timer: object = None
+    ) -> BatchedDataDict[LogprobOutputSpec]:
         return BatchedDataDict({"logprobs": self._batched_logprobs(self.model, data, None)})
 
     def get_reference_policy_logprobs(
-        self, data: BatchedDataDict[Any], micro_batch_size: int | None = None, timer: Any = None
-    ) -> BatchedDataDict[Any]:
+        self, data: BatchedDataDict[GenerationDatumSpec], micro_batch_size: int | None = None, timer: object = None
+    ) -> BatchedDataDict[ReferenceLogprobOutputSpec]:
         if self.reference_model is None:
-            raise RuntimeError("HFPolicy was built with keep_reference_model=False")
+            raise ReferenceModelMissing("HFPolicy was built with keep_reference_model=False")
         return BatchedDataDict(
             {"reference_logprobs": self._batched_logprobs(self.reference_model, data, micro_batch_size)}
         )
 
     def get_topk_logits(
-        self, data: BatchedDataDict[Any], k: int, micro_batch_size: int | None = None, timer: Any = None
-    ) -> BatchedDataDict[Any]:
+        self,
+        data: BatchedDataDict[GenerationDatumSpec],
+        k: int,
+        micro_batch_size: int | None = None,
+        timer: object = None,
+    ) -> BatchedDataDict[TopkLogitsOutputSpec]:
         """Top-``k`` of ``logits / T`` at positions ``0 .. S-2`` (each predicts the next token): ``[B, S-1, k]``."""
         input_ids = torch.as_tensor(data["input_ids"]).to(torch.int64)
         lengths = torch.as_tensor(data["input_lengths"]).to(torch.int64).reshape(-1)
@@ -282,16 +338,16 @@ class HFPolicy(PolicyInterface):
 
     # ------------------------------------------------------------------ training
 
-    def train(
+    def train[SpecT: TokenBatchSpec](
         self,
-        data: BatchedDataDict[Any],
-        loss_fn: LossFunction,
+        data: BatchedDataDict[SpecT],
+        loss_fn: LossFunction[SpecT],
         eval_mode: bool = False,
         gbs: int | None = None,
         mbs: int | None = None,
         *,
-        timer: Any = None,
-    ) -> dict[str, Any]:
+        timer: object = None,
+    ) -> JsonObject:
         """One optimizer step per global batch of ``gbs`` samples, accumulated over micro-batches of ``mbs``.
 
         ``eval_mode`` computes the loss without gradients or an update. The learning-rate scheduler steps
@@ -303,57 +359,21 @@ class HFPolicy(PolicyInterface):
         """
         size = len(torch.as_tensor(data["input_lengths"]))
         if size == 0:
-            raise ValueError("cannot train on an empty batch")
+            raise SettingError("cannot train on an empty batch")
         gbs = gbs or self.cfg.train_global_batch_size or size
         mbs = mbs or self.cfg.train_micro_batch_size or gbs
-        if gbs % mbs:
-            raise ValueError(f"the global batch size {gbs} must be a multiple of the micro-batch size {mbs}")
-        if size % gbs:
-            raise ValueError(f"the batch of {size} samples is not a whole number of global batches of {gbs}")
+        _train_sizes(size, gbs, mbs)
         self.model.train(not eval_mode)
         global_losses: list[float] = []
-        all_mb_metrics: list[dict[str, Any]] = []
+        all_mb_metrics: list[Mapping[str, object]] = []
         grad_norm = 0.0
-        num_micro = 0
         lr = float(self.optimizer.param_groups[0]["lr"])
         try:
             for g in range(0, size, gbs):
-                global_batch = data.slice(g, g + gbs)
-                width = torch.as_tensor(global_batch["input_ids"]).shape[1]
-                mask = _token_mask(global_batch, torch.Size((gbs, width)))
-                valid_toks = mask.sum()
-                valid_seqs = (
-                    torch.as_tensor(global_batch["sample_mask"]).float().sum()
-                    if global_batch.get("sample_mask") is not None
-                    else torch.tensor(float(gbs))
-                )
+                total, mb_metrics = self._accumulate(data.slice(g, g + gbs), gbs, mbs, loss_fn, eval_mode)
+                all_mb_metrics.extend(mb_metrics)
                 if not eval_mode:
-                    self.optimizer.zero_grad(set_to_none=True)
-                total = 0.0
-                for m in range(0, gbs, mbs):
-                    micro = global_batch.slice(m, m + mbs)
-                    trained = mask[m : m + mbs].any(dim=0).nonzero()
-                    with torch.set_grad_enabled(not eval_mode):
-                        logprobs = self._token_logprobs(
-                            self.model,
-                            torch.as_tensor(micro["input_ids"]).to(torch.int64),
-                            torch.as_tensor(micro["input_lengths"]).to(torch.int64),
-                            first=int(trained[0]) if len(trained) else 1,
-                        )
-                        loss, mb_metrics = loss_fn(
-                            logprobs, micro, valid_seqs.to(logprobs.device), valid_toks.to(logprobs.device)
-                        )
-                    if not eval_mode:
-                        loss.backward()
-                    total += float(loss.detach())
-                    all_mb_metrics.append(mb_metrics)
-                    num_micro += 1
-                if not eval_mode:
-                    grad_norm = float(
-                        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm or float("inf"))
-                    )
-                    self.optimizer.step()
-                    self.steps_taken += 1
+                    grad_norm = self._optimizer_step()
                 global_losses.append(total)
             if not eval_mode:
                 self.scheduler.step()
@@ -365,29 +385,80 @@ class HFPolicy(PolicyInterface):
             "grad_norm": grad_norm,
             "lr": lr,
             "num_global_batches": len(global_losses),
-            "num_micro_batches": num_micro,
+            "num_micro_batches": len(all_mb_metrics),
             "all_mb_metrics": all_mb_metrics,
         }
 
+    def _accumulate[SpecT: TokenBatchSpec](
+        self,
+        global_batch: BatchedDataDict[SpecT],
+        gbs: int,
+        mbs: int,
+        loss_fn: LossFunction[SpecT],
+        eval_mode: bool,
+    ) -> tuple[float, list[Mapping[str, object]]]:
+        """One global batch's summed micro-batch losses and their metrics; unless ``eval_mode``, its gradients are
+        accumulated in the (zeroed) parameters' ``.grad``. Losses see the global batch's valid sequence and token
+        counts, so their sum is the global batch's loss."""
+        width = torch.as_tensor(global_batch["input_ids"]).shape[1]
+        mask = _token_mask(global_batch, torch.Size((gbs, width)))
+        valid_toks = mask.sum()
+        valid_seqs = (
+            torch.as_tensor(global_batch["sample_mask"]).float().sum()
+            if global_batch.get("sample_mask") is not None
+            else torch.tensor(float(gbs))
+        )
+        if not eval_mode:
+            self.optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        all_mb_metrics: list[Mapping[str, object]] = []
+        for m in range(0, gbs, mbs):
+            micro = global_batch.slice(m, m + mbs)
+            trained = mask[m : m + mbs].any(dim=0).nonzero()
+            with torch.set_grad_enabled(not eval_mode):
+                logprobs = self._token_logprobs(
+                    self.model,
+                    torch.as_tensor(micro["input_ids"]).to(torch.int64),
+                    torch.as_tensor(micro["input_lengths"]).to(torch.int64),
+                    first=int(trained[0]) if len(trained) else 1,
+                )
+                loss, mb_metrics = loss_fn(
+                    logprobs, micro, valid_seqs.to(logprobs.device), valid_toks.to(logprobs.device)
+                )
+            if not eval_mode:
+                loss.backward()
+            total += float(loss.detach())
+            all_mb_metrics.append(mb_metrics)
+        return total, all_mb_metrics
+
+    def _optimizer_step(self) -> float:
+        """Clip the accumulated gradients to ``max_grad_norm`` and step; returns the norm before clipping."""
+        grad_norm = float(
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm or float("inf"))
+        )
+        self.optimizer.step()
+        self.steps_taken += 1
+        return grad_norm
+
     def calibrate_qkv_fp8_scales(
         self,
-        data: BatchedDataDict[Any],
+        data: BatchedDataDict[GenerationDatumSpec],
         micro_batch_size: int | None = None,
         percentile: float = 99.9,
         margin: float = 1.05,
         include_q: bool = False,
-    ) -> dict[str, Any]:
+    ) -> dict[str, float]:
         raise NotImplementedError("HFPolicy does not calibrate FP8 KV scales")
 
     # ------------------------------------------------------------------ lifecycle
 
-    def prepare_for_training(self, *args: Any, **kwargs: Any) -> None:
+    def prepare_for_training(self, *args: object, **kwargs: object) -> None:
         self.model.train()
 
-    def finish_training(self, *args: Any, **kwargs: Any) -> None:
+    def finish_training(self, *args: object, **kwargs: object) -> None:
         self.model.eval()
 
-    def save_checkpoint(self, path: str | Path, *args: Any, save_optimizer: bool = True, **kwargs: Any) -> None:
+    def save_checkpoint(self, path: str | Path, *args: object, save_optimizer: bool = True, **kwargs: object) -> None:
         """``save_pretrained`` of the model and tokenizer into ``path``, plus ``optimizer.pt`` (the optimizer, the
         learning-rate scheduler and the step count)."""
         path = Path(path)
@@ -422,7 +493,9 @@ class HFPolicy(PolicyInterface):
         """A copy of the trainable weights by name: :meth:`get_logprobs_at` scores with them later."""
         return {name: p.detach().clone() for name, p in self.model.named_parameters() if p.requires_grad}
 
-    def get_logprobs_at(self, data: BatchedDataDict[Any], weights: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    def get_logprobs_at(
+        self, data: BatchedDataDict[GenerationDatumSpec], weights: Mapping[str, torch.Tensor]
+    ) -> torch.Tensor:
         """:meth:`get_logprobs`'s ``logprobs`` with ``weights`` (a :meth:`weights_snapshot`) in place of the
         trained ones; the model itself is not touched."""
         return self._batched_logprobs(self.model, data, None, weights=weights)

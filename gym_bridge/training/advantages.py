@@ -15,10 +15,12 @@ penalty values included.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import torch
+
+from gym_bridge.failures.errors import SettingError
+from gym_bridge.types import MessageEntry
 
 
 def baseline_and_std_per_group(
@@ -30,12 +32,12 @@ def baseline_and_std_per_group(
     a sample the environment masked is no measurement, so it must not move its siblings' advantages.
     """
     if rewards.ndim != 2:
-        raise ValueError(f"rewards must be [groups, samples_per_group], got shape {tuple(rewards.shape)}")
+        raise SettingError(f"rewards must be [groups, samples_per_group], got shape {tuple(rewards.shape)}")
     rewards = rewards.float()
     size = rewards.shape[1]
     keep = torch.ones_like(rewards) if valid is None else valid.to(rewards.dtype)
     if valid is not None and valid.shape != rewards.shape:
-        raise ValueError(f"valid has shape {tuple(valid.shape)}, rewards {tuple(rewards.shape)}")
+        raise SettingError(f"valid has shape {tuple(valid.shape)}, rewards {tuple(rewards.shape)}")
     others = torch.ones(size, size) - (torch.eye(size) if leave_one_out else 0.0)
     weights = keep.unsqueeze(1) * others  # [groups, i, j]: sample j counts in sample i's baseline
     num_valid = weights.sum(dim=2)
@@ -71,7 +73,7 @@ def grpo_advantages(
 
 def message_level_advantages(
     advantages: torch.Tensor,
-    message_logs: Sequence[Sequence[Mapping[str, Any]]],
+    message_logs: Sequence[Sequence[MessageEntry]],
     *,
     invalid_tool_call_advantage: float | None = None,
     malformed_thinking_advantage: float | None = None,

@@ -17,13 +17,33 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import NotRequired
 
 import torch
 
 from gym_bridge.batched import BatchedDataDict, batched_message_log_to_flat_message
+from gym_bridge.failures.errors import SettingError
 from gym_bridge.rollout.sink import CommittedGroup
 from gym_bridge.training.advantages import clip_advantages, grpo_advantages, message_level_advantages
+from gym_bridge.types import GenerationDatumSpec, MessageEntry
+
+
+class TrainBatchSpec(GenerationDatumSpec):
+    """The training batch, right-padded ``[B, S]`` columns aligned to token positions (``[B]``: per sample).
+
+    :func:`train_batch` sets ``input_ids``, ``input_lengths`` ``[B]``, ``token_mask``, ``generation_logprobs``,
+    ``advantages``, ``sample_mask`` ``[B]`` and ``rewards`` ``[B]``; the loop adds ``prev_logprobs`` (the old
+    policy) and, with a KL penalty, ``reference_policy_logprobs`` before the update. The masks are optional in
+    the policy's own batch (:class:`~gym_bridge.policy.hf.TokenBatchSpec`), so they are declared so here too.
+    """
+
+    token_mask: NotRequired[torch.Tensor]
+    sample_mask: NotRequired[torch.Tensor]
+    generation_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    rewards: torch.Tensor
+    prev_logprobs: NotRequired[torch.Tensor]
+    reference_policy_logprobs: NotRequired[torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -59,7 +79,9 @@ class AdvantageSettings:
     advantage_clip_high: float | None = None
 
 
-def _trainable_log(message_log: Sequence[Mapping[str, Any]], where: str) -> list[dict[str, torch.Tensor]]:
+def _trainable_log(message_log: Sequence[MessageEntry], where: str) -> list[dict[str, torch.Tensor]]:
+    """Each message's ``token_ids``, its sampling logprobs (0 where the engine did not generate it) and a mask of
+    the generated tokens; ``where`` names the completion in an error."""
     out = []
     for i, message in enumerate(message_log):
         token_ids = torch.as_tensor(message["token_ids"], dtype=torch.int64)
@@ -69,7 +91,7 @@ def _trainable_log(message_log: Sequence[Mapping[str, Any]], where: str) -> list
         else:
             logprobs = torch.as_tensor(generated, dtype=torch.float32)
             if len(logprobs) != len(token_ids):
-                raise ValueError(f"{where} message {i}: {len(token_ids)} token_ids but {len(logprobs)} logprobs")
+                raise SettingError(f"{where} message {i}: {len(token_ids)} token_ids but {len(logprobs)} logprobs")
             mask = torch.ones(len(token_ids))
         out.append({"token_ids": token_ids, "generation_logprobs": logprobs, "token_mask": mask})
     return out
@@ -81,13 +103,13 @@ def train_batch(
     *,
     pass_threshold: float = 1.0,
     settings: AdvantageSettings = AdvantageSettings(),
-) -> tuple[BatchedDataDict[Any], GroupStats]:
+) -> tuple[BatchedDataDict[TrainBatchSpec], GroupStats]:
     """The right-padded batch ``HFPolicy.train`` takes with :class:`~gym_bridge.training.loss.ClippedPGLoss`."""
     if not groups:
-        raise ValueError("no groups to build a training batch from")
+        raise SettingError("no groups to build a training batch from")
     sizes = {len(g.record.completions) for g in groups}
     if len(sizes) != 1:
-        raise ValueError(f"groups of different sizes {sorted(sizes)} cannot share a GRPO baseline")
+        raise SettingError(f"groups of different sizes {sorted(sizes)} cannot share a GRPO baseline")
     logs, rewards, truncated, generated, valid, sources = [], [], [], [], [], []
     for group in groups:
         for j, completion in enumerate(group.record.completions):
@@ -125,7 +147,7 @@ def train_batch(
         else torch.zeros(len(valid), dtype=torch.bool)
     )
     sample_mask = (torch.tensor(valid) & ~filtered).float()
-    batch: BatchedDataDict[Any] = BatchedDataDict(
+    batch: BatchedDataDict[TrainBatchSpec] = BatchedDataDict(
         {
             "input_ids": flat["token_ids"],
             "input_lengths": lengths.to(torch.int64),

@@ -32,33 +32,83 @@ import logging
 import math
 import shutil
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Self
+from typing import Literal, Protocol, Self, runtime_checkable
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from gym_bridge.batched import BatchedDataDict
 from gym_bridge.failures import RolloutStall, StepBatchShortfall
+from gym_bridge.failures.errors import SettingError
+from gym_bridge.json_types import JsonObject
 from gym_bridge.rollout.reward_shaping import EffortLevelsConfig
-from gym_bridge.rollout.sink import CommittedGroup, InMemorySink
-from gym_bridge.training.batch import AdvantageSettings, train_batch
+from gym_bridge.rollout.sink import CommittedGroup, InMemorySink, RolloutSink
+from gym_bridge.training.batch import AdvantageSettings, GroupStats, TrainBatchSpec, train_batch
 from gym_bridge.training.fidelity import logprob_gap, seq_logprob_error_mask
 from gym_bridge.training.loss import ClippedPGLoss, ClippedPGLossConfig, loss_metrics, sum_on_policy_errors
-from gym_bridge.training.metrics import append_metrics
+from gym_bridge.training.metrics import MetricsLine, append_metrics
 from gym_bridge.training.prompts import PromptQueue, PromptQueueState
-from gym_bridge.training.refit import check_refit, refit
+from gym_bridge.training.refit import RefitSource, RefitTarget, VersionTagger, check_refit, refit
 from gym_bridge.training.rewards import RewardShaper
 from gym_bridge.training.staleness import StalenessBuffer
 from gym_bridge.training.validation import Validator
-from gym_bridge.types import DatumSpec, padding_id
+from gym_bridge.types import (
+    DatumSpec,
+    LogprobOutputSpec,
+    ReferenceLogprobOutputSpec,
+    Tokenizer,
+    padding_id,
+)
 
 logger = logging.getLogger(__name__)
 
 STATE_FILE = "trainer_state.json"
 ALL_WRONG_ALARM_STEPS = 3
 """Steps in a row in which no sample passed before the loop says the run has stopped learning."""
+
+type TrainBatch = BatchedDataDict[TrainBatchSpec]
+type SamplingMetrics = dict[str, int]
+"""Dynamic sampling's ``train/dynamic_sampling_*`` counts for one step; empty without dynamic sampling."""
+type StepRollouts = tuple[list[CommittedGroup], SamplingMetrics]
+"""A step's groups in prompt order and its dynamic-sampling counts (:meth:`GRPOTrainer.rollout_step_batch`)."""
+
+
+class RolloutCollector(VersionTagger, Protocol):
+    """What the loop calls on its rollouts (``RolloutManager``): ``collect`` one prompt's group into a sink, and
+    ``set_weight_version`` after each refit."""
+
+    async def collect(self, datum: DatumSpec, sink: RolloutSink) -> object: ...
+
+
+class TrainablePolicy(RefitSource, Protocol):
+    """What the loop calls on its policy (``HFPolicy``): NeMo-RL's logprob and train calls, the tokenizer (reward
+    shaping, padding), a checkpoint, and the weights a refit sends."""
+
+    @property
+    def tokenizer(self) -> Tokenizer: ...
+
+    def get_logprobs(self, data: TrainBatch) -> BatchedDataDict[LogprobOutputSpec]: ...
+
+    def get_reference_policy_logprobs(
+        self, data: TrainBatch, micro_batch_size: int | None = None
+    ) -> BatchedDataDict[ReferenceLogprobOutputSpec]: ...
+
+    def train(self, data: TrainBatch, loss_fn: ClippedPGLoss, *, mbs: int | None = None) -> JsonObject: ...
+
+    def save_checkpoint(self, path: Path) -> None: ...
+
+
+@runtime_checkable
+class SnapshotPolicy(Protocol):
+    """A policy that copies its weights and scores with a copy later (``HFPolicy``); async runs use it to score
+    each sample at the weights that sampled it."""
+
+    def weights_snapshot(self) -> dict[str, torch.Tensor]: ...
+
+    def get_logprobs_at(self, data: TrainBatch, weights: Mapping[str, torch.Tensor]) -> torch.Tensor: ...
 
 
 class GRPOLoopConfig(BaseModel):
@@ -78,7 +128,7 @@ class GRPOLoopConfig(BaseModel):
     masked_samples_in_baseline: bool = False
     """Ours (``grpo.masked_samples_in_baseline``): whether a sample the environment masked still counts in its
     group's baseline and std. NeMo-RL's behaviour is True (its mask only zeroes the loss multiplier); the default
-    False keeps a reward that is no measurement out of its siblings' advantages (NeMo-RL #4061)."""
+    False keeps a reward that is no measurement out of its siblings' advantages."""
     invalid_tool_call_advantage: float | None = None
     """The advantage of every token of an assistant message NeMo-Gym flagged ``is_invalid_tool_call``."""
     malformed_thinking_advantage: float | None = None
@@ -91,7 +141,7 @@ class GRPOLoopConfig(BaseModel):
     leave the loss; the trainer's logprobs come from one extra forward pass before training."""
     effort_levels: EffortLevelsConfig | None = None
     """``env.nemo_gym.effort_levels``: NeMo-RL's length shaping of low-effort prompts' rewards."""
-    reward_penalties: dict[str, Any] | None = None
+    reward_penalties: JsonObject | None = None
     """``reward_penalties``: NeMo-RL's reward-zeroing penalties (``RewardPenaltyConfig`` keys)."""
     thinking_tags: tuple[str, ...] | None = None
     """``env.nemo_gym.thinking_tags`` for the malformed-think-tag penalty; None: ``<think>``, ``</think>``."""
@@ -126,25 +176,26 @@ class GRPOLoopConfig(BaseModel):
 
     @model_validator(mode="after")
     def _checks(self) -> Self:
+        """NeMo-RL's cross-key checks: dynamic sampling's keys, and what async rollouts need and exclude."""
         if self.batch_multiplier != 1.0 and not self.use_dynamic_sampling:
-            raise ValueError(
+            raise SettingError(
                 f"grpo.batch_multiplier={self.batch_multiplier} needs grpo.use_dynamic_sampling: true "
                 "(NeMo-RL asserts the same)"
             )
         if int(self.num_prompts_per_step * self.batch_multiplier) < 1:
-            raise ValueError("grpo.batch_multiplier * num_prompts_per_step must draw at least one prompt")
+            raise SettingError("grpo.batch_multiplier * num_prompts_per_step must draw at least one prompt")
         if not self.async_rollouts:
             return self
         if self.max_trajectory_age_steps < 1:
-            raise ValueError("async rollouts train on samples at least one step old: max_trajectory_age_steps >= 1")
+            raise SettingError("async rollouts train on samples at least one step old: max_trajectory_age_steps >= 1")
         if not self.loss.use_importance_sampling_correction:
-            raise ValueError(
+            raise SettingError(
                 "async rollouts (grpo.async_grpo.enabled: true) need loss_fn.use_importance_sampling_correction: "
                 "true, as NeMo-RL's async_grpo_train asserts: samples from older weights are weighted by "
                 "exp(trainer - sampler logprob)"
             )
         if self.use_dynamic_sampling:
-            raise ValueError(
+            raise SettingError(
                 "grpo.use_dynamic_sampling: true with async rollouts: NeMo-RL's async_grpo_train does not apply "
                 "dynamic sampling; turn one of them off"
             )
@@ -152,6 +203,7 @@ class GRPOLoopConfig(BaseModel):
 
     @property
     def advantage_settings(self) -> AdvantageSettings:
+        """The keys that shape advantages and the loss multiplier, for :func:`train_batch`."""
         return AdvantageSettings(
             leave_one_out=self.use_leave_one_out_baseline,
             normalize=self.normalize_rewards,
@@ -179,7 +231,7 @@ def step_seed(seed: int, step: int) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}:train:{step}".encode()).digest()[:8], "little") >> 1
 
 
-def rollout_digest(batch: Mapping[str, Any]) -> str:
+def rollout_digest(batch: Mapping[str, object]) -> str:
     """A short SHA-256 of a training batch's token ids and lengths, in training order: two runs whose rollouts are
     token for token the same log the same digest at every step."""
     digest = hashlib.sha256()
@@ -194,6 +246,61 @@ def has_reward_spread(group: CommittedGroup) -> bool:
     return len(rewards) > 1 and max(rewards) != min(rewards)
 
 
+def max_steps_for(cfg: GRPOLoopConfig, dataset_size: int) -> int:
+    """``max_num_steps``, or fewer when ``max_num_epochs`` passes over a dataset of ``dataset_size`` prompts first
+    (an epoch is ``dataset_size // num_prompts_per_step`` steps: NeMo-RL's dataloader drops the last partial
+    batch)."""
+    if cfg.max_num_epochs is None:
+        return cfg.max_num_steps
+    steps_per_epoch = dataset_size // cfg.num_prompts_per_step
+    if steps_per_epoch < 1:
+        raise SettingError(
+            f"max_num_epochs needs at least num_prompts_per_step={cfg.num_prompts_per_step} prompts, "
+            f"the dataset has {dataset_size}"
+        )
+    return min(cfg.max_num_steps, cfg.max_num_epochs * steps_per_epoch)
+
+
+def batch_metrics(stats: GroupStats, shaping_metrics: Mapping[str, float], overlong_filtering: bool) -> MetricsLine:
+    """The ``train/*`` description of the step's groups: rewards, pass rate, lengths, reward shaping, penalties."""
+    return {
+        "train/mean_reward": stats.mean_reward,
+        "train/pass_rate": stats.pass_rate,
+        "train/mean_generated_tokens": stats.mean_generated_tokens,
+        "train/truncation_rate": stats.truncation_rate,
+        "train/zero_std_groups": stats.zero_std_groups,
+        "train/samples": stats.samples,
+        **({"train/overlong_filtered": stats.overlong_filtered} if overlong_filtering else {}),
+        **{f"train/{key}": value for key, value in {**shaping_metrics, **stats.advantage_metrics}.items()},
+    }
+
+
+@dataclass(frozen=True)
+class TrainOutcome:
+    """What one optimizer step reports: the policy's ``train`` result, the sequence-level logprob-error mask's
+    metrics (empty when it is off) and the split of the logprob gap (:meth:`GRPOTrainer._policy_movement`)."""
+
+    result: JsonObject
+    seq_logprob_error: dict[str, float]
+    policy_movement: dict[str, float]
+
+
+def update_metrics(outcome: TrainOutcome, refit_engine: bool) -> MetricsLine:
+    """The update's metrics: the logprob-error mask, the gap split, loss, gradient norm, learning rate, whether the
+    engine was refit, the on-policy error and the loss's ``loss/*`` rates."""
+    result = outcome.result
+    return {
+        **{f"train/{key}": value for key, value in outcome.seq_logprob_error.items()},
+        **outcome.policy_movement,
+        "train/loss": result["loss"],
+        "train/grad_norm": result["grad_norm"],
+        **({"train/lr": result["lr"]} if "lr" in result else {}),
+        "train/refit": refit_engine,
+        **sum_on_policy_errors(result["all_mb_metrics"]).as_metrics(),
+        **loss_metrics(result["all_mb_metrics"]),
+    }
+
+
 @dataclass
 class TrainerState:
     """What a checkpoint restores besides the weights and the optimizer."""
@@ -206,15 +313,18 @@ class TrainerState:
 
 
 class GRPOTrainer:
-    """The GRPO loop over a manager, a trainable policy (``HFPolicy``) and the engine serving it."""
+    """The GRPO loop over a manager, a trainable policy (``HFPolicy``) and the engine serving it.
+
+    ``engine`` may be None for a trainer that never refits (every ``train_step`` with ``refit_engine=False``).
+    """
 
     def __init__(
         self,
         cfg: GRPOLoopConfig,
         *,
-        manager: Any,
-        policy: Any,
-        engine: Any,
+        manager: RolloutCollector,
+        policy: TrainablePolicy,
+        engine: RefitTarget | None,
         dataset: Sequence[DatumSpec],
         out_dir: Path,
         state: TrainerState | None = None,
@@ -228,15 +338,7 @@ class GRPOTrainer:
         self.metrics_path = self.out_dir / "metrics.jsonl"
         self.state = state or TrainerState()
         self.prompts = PromptQueue(dataset, seed=cfg.seed, shuffle=cfg.shuffle_data, state=self.state.prompts)
-        self.max_steps = cfg.max_num_steps
-        if cfg.max_num_epochs is not None:
-            steps_per_epoch = len(dataset) // cfg.num_prompts_per_step
-            if steps_per_epoch < 1:
-                raise ValueError(
-                    f"max_num_epochs needs at least num_prompts_per_step={cfg.num_prompts_per_step} prompts, "
-                    f"the dataset has {len(dataset)}"
-                )
-            self.max_steps = min(self.max_steps, cfg.max_num_epochs * steps_per_epoch)
+        self.max_steps = max_steps_for(cfg, len(dataset))
         self.buffer = StalenessBuffer(cfg.max_trajectory_age_steps)
         self.buffer.dropped_total = self.state.dropped_stale_total
         self.loss = ClippedPGLoss(cfg.loss)
@@ -251,6 +353,8 @@ class GRPOTrainer:
         self.weight_snapshots: dict[int, Mapping[str, torch.Tensor]] = {}
         """Async only: the trainer's weights at each version a group in flight may have been sampled at."""
         manager.set_weight_version(self.state.weight_version)
+
+    # ------------------------------------------------------------------ rollouts
 
     async def rollout(self, step: int, count: int | None = None) -> list[CommittedGroup]:
         """Draw ``count`` prompts (default ``num_prompts_per_step``) and send each through ``manager.collect``;
@@ -281,7 +385,7 @@ class GRPOTrainer:
             )
         return groups
 
-    async def rollout_step_batch(self, step: int) -> tuple[list[CommittedGroup], dict[str, Any]]:
+    async def rollout_step_batch(self, step: int) -> StepRollouts:
         """The step's groups and its ``train/dynamic_sampling_*`` metrics (empty without dynamic sampling).
 
         With ``use_dynamic_sampling`` (NeMo-RL's ``dynamic_sampling``): each generation batch draws
@@ -300,13 +404,9 @@ class GRPOTrainer:
             batches += 1
             groups = await self.rollout(step, self.cfg.prompts_per_gen_batch)
             drawn += self.cfg.prompts_per_gen_batch
-            shaped, _ = self.reward_shaper.shape_groups(groups)
-            for group, scored in zip(groups, shaped, strict=True):
-                if has_reward_spread(scored):
-                    kept.append(group)
-                else:
-                    dropped += 1
-                    self.prompts.settle(group.record.prompt_idx)
+            spread = self._with_reward_spread(groups)
+            dropped += len(groups) - len(spread)
+            kept.extend(spread)
             if len(kept) >= need:
                 break
             logger.info(
@@ -329,7 +429,18 @@ class GRPOTrainer:
             "train/dynamic_sampling_num_discarded_valid_samples": (len(kept) - need) * samples,
         }
 
-    async def _watch_stall(self, step: int, collects: asyncio.Future[Any], sink: InMemorySink) -> None:
+    def _with_reward_spread(self, groups: list[CommittedGroup]) -> list[CommittedGroup]:
+        """The groups (unshaped, in order) whose shaped rewards differ; the others' prompts count as used."""
+        shaped, _ = self.reward_shaper.shape_groups(groups)
+        spread: list[CommittedGroup] = []
+        for group, scored in zip(groups, shaped, strict=True):
+            if has_reward_spread(scored):
+                spread.append(group)
+            else:
+                self.prompts.settle(group.record.prompt_idx)
+        return spread
+
+    async def _watch_stall(self, step: int, collects: asyncio.Future[list[object]], sink: InMemorySink) -> None:
         """Wait for the step's rollouts; with ``stall_timeout_s``, warn or raise when none commits that long."""
         timeout = self.cfg.stall_timeout_s
         committed, idle_since = 0, time.monotonic()
@@ -354,6 +465,8 @@ class GRPOTrainer:
             logger.warning("rollout stall: %s", message)
             idle_since = time.monotonic()
 
+    # ------------------------------------------------------------------ one training step
+
     async def train_step(
         self,
         step: int,
@@ -362,9 +475,9 @@ class GRPOTrainer:
         *,
         refit_engine: bool = True,
         step_started: float | None = None,
-        refit_after: Sequence[asyncio.Future[Any]] = (),
-        sampling_metrics: Mapping[str, Any] | None = None,
-    ) -> dict[str, Any]:
+        refit_after: Sequence[asyncio.Future[StepRollouts]] = (),
+        sampling_metrics: Mapping[str, int] | None = None,
+    ) -> MetricsLine:
         """Train on the fresh groups, refit the engine (unless told not to) and check it, log one metrics line.
 
         Groups train in prompt order (``prompt_idx``), whatever order they arrive in.
@@ -373,14 +486,39 @@ class GRPOTrainer:
         off), counted in ``time/refit_wait_s``; ``sampling_metrics`` (dynamic sampling's) join the line. A batch
         whose advantages are all zero trains nothing: no optimizer step, no refit, the version stays.
         """
+        usable, stale = self._take_fresh(groups)
+        metrics = self._staleness_metrics(step, usable, stale, rollout_s, sampling_metrics)
+        train_s = refit_s = 0.0
+        if usable:
+            train_s, refit_s, trained = await self._train_groups(step, usable, refit_engine, refit_after)
+            metrics.update(trained)
+        else:
+            logger.warning("step %d: no group fresh enough to train on (%d dropped as stale)", step, len(stale))
+        metrics.update({"time/train_s": train_s, "time/refit_s": refit_s})
+        self._end_step(step, metrics, step_started)
+        return metrics
+
+    def _take_fresh(self, groups: list[CommittedGroup]) -> tuple[list[CommittedGroup], list[CommittedGroup]]:
+        """``(usable, stale)``: the held groups young enough to train on, in prompt order and settled, and those
+        too old, whose prompts are queued again."""
         self.buffer.add(groups)
         usable, stale = self.buffer.take(self.state.weight_version)
         usable.sort(key=lambda g: g.record.prompt_idx)
-        requeued = self.prompts.requeue(g.record.prompt_idx for g in stale)
-        self.state.requeued_total += requeued
+        self.state.requeued_total += self.prompts.requeue(g.record.prompt_idx for g in stale)
         for group in usable:
             self.prompts.settle(group.record.prompt_idx)
-        metrics: dict[str, Any] = {
+        return usable, stale
+
+    def _staleness_metrics(
+        self,
+        step: int,
+        usable: list[CommittedGroup],
+        stale: list[CommittedGroup],
+        rollout_s: float,
+        sampling_metrics: Mapping[str, int] | None,
+    ) -> MetricsLine:
+        """The line's head: the step, the version it trains from, what staleness dropped, the rollout time."""
+        return {
             "kind": "train",
             "step": step,
             "weight_version": self.state.weight_version,
@@ -393,77 +531,91 @@ class GRPOTrainer:
             "train/groups": len(usable),
             **(sampling_metrics or {}),
         }
-        train_s = refit_s = 0.0
-        if usable:
-            usable, shaping_metrics = self.reward_shaper.shape_groups(usable)
-            batch, stats = train_batch(
-                usable, self.pad_token_id, pass_threshold=self.cfg.pass_threshold, settings=self.cfg.advantage_settings
+
+    async def _train_groups(
+        self,
+        step: int,
+        usable: list[CommittedGroup],
+        refit_engine: bool,
+        refit_after: Sequence[asyncio.Future[StepRollouts]],
+    ) -> tuple[float, float, MetricsLine]:
+        """``(train_s, refit_s, metrics)`` of training on ``usable``: the batch, then (when some advantage is not
+        zero) the update under the step's seed, the refit with its check, and the new version."""
+        batch, stats, metrics = self._build_batch(usable)
+        skip, signal = self._check_signal(step, stats, batch)
+        metrics.update(signal)
+        if skip:
+            return 0.0, 0.0, metrics
+        started = time.perf_counter()
+        versions = [g.start_weight_version for g in usable for _ in g.record.completions]
+        outcome = await asyncio.to_thread(self._train, batch, versions, step)
+        train_s = time.perf_counter() - started
+        refit_s, refit_metrics = await self._refit(step, refit_engine, refit_after)
+        metrics.update(refit_metrics)
+        metrics.update(update_metrics(outcome, refit_engine))
+        return train_s, refit_s, metrics
+
+    def _build_batch(self, usable: list[CommittedGroup]) -> tuple[TrainBatch, GroupStats, MetricsLine]:
+        """The groups' rewards shaped, then the training batch, its stats and its ``train/*`` metrics (with the
+        rollout digest)."""
+        shaped, shaping_metrics = self.reward_shaper.shape_groups(usable)
+        batch, stats = train_batch(
+            shaped, self.pad_token_id, pass_threshold=self.cfg.pass_threshold, settings=self.cfg.advantage_settings
+        )
+        metrics = batch_metrics(stats, shaping_metrics, self.cfg.overlong_filtering)
+        metrics["train/rollout_sha256"] = rollout_digest(batch)
+        return batch, stats, metrics
+
+    def _check_signal(self, step: int, stats: GroupStats, batch: TrainBatch) -> tuple[bool, MetricsLine]:
+        """``(skip, metrics)``: skip when no trained token has a non-zero advantage. Counts the skipped steps in a row
+        in which no sample passed, and warns at every ``ALL_WRONG_ALARM_STEPS`` of them: while every reward is a
+        fail, no group has a reward spread, so no step updates the policy."""
+        trained = torch.as_tensor(batch["token_mask"]) * torch.as_tensor(batch["sample_mask"])[:, None]
+        skip = not bool((torch.as_tensor(batch["advantages"]) * trained).ne(0).any())
+        self.all_wrong_in_a_row = self.all_wrong_in_a_row + 1 if skip and stats.pass_rate == 0.0 else 0
+        if self.all_wrong_in_a_row and self.all_wrong_in_a_row % ALL_WRONG_ALARM_STEPS == 0:
+            logger.warning(
+                "steps %d-%d: no sample of any group passed, %d steps in a row: no group has a reward spread, so "
+                "no step updates the policy while this lasts; the run is likely not learning (see val/accuracy)",
+                step - self.all_wrong_in_a_row + 1, step, self.all_wrong_in_a_row,
+            )  # fmt: skip
+        if skip:
+            logger.warning(
+                "step %d: every advantage is zero (each group's rewards are equal); optimizer step skipped", step
             )
-            metrics.update(
-                {
-                    "train/mean_reward": stats.mean_reward,
-                    "train/pass_rate": stats.pass_rate,
-                    "train/mean_generated_tokens": stats.mean_generated_tokens,
-                    "train/truncation_rate": stats.truncation_rate,
-                    "train/zero_std_groups": stats.zero_std_groups,
-                    "train/samples": stats.samples,
-                    **({"train/overlong_filtered": stats.overlong_filtered} if self.cfg.overlong_filtering else {}),
-                    **{f"train/{key}": value for key, value in {**shaping_metrics, **stats.advantage_metrics}.items()},
-                }
-            )
-            metrics["train/rollout_sha256"] = rollout_digest(batch)
-            trained = torch.as_tensor(batch["token_mask"]) * torch.as_tensor(batch["sample_mask"])[:, None]
-            skip = not bool((torch.as_tensor(batch["advantages"]) * trained).ne(0).any())
-            metrics["train/skipped_zero_advantage"] = skip
-            self.all_wrong_in_a_row = self.all_wrong_in_a_row + 1 if skip and stats.pass_rate == 0.0 else 0
-            metrics["train/all_wrong_steps_in_a_row"] = self.all_wrong_in_a_row
-            if self.all_wrong_in_a_row and self.all_wrong_in_a_row % ALL_WRONG_ALARM_STEPS == 0:
-                logger.warning(
-                    "steps %d-%d: no sample of any group passed, %d steps in a row: no group has a reward "
-                    "spread, so nothing updates the policy again; it has likely collapsed (see val/accuracy)",
-                    step - self.all_wrong_in_a_row + 1, step, self.all_wrong_in_a_row,
-                )  # fmt: skip
-            if skip:
-                logger.warning(
-                    "step %d: every advantage is zero (each group's rewards are equal); optimizer step skipped", step
-                )
-            else:
-                started = time.perf_counter()
-                versions = [g.start_weight_version for g in usable for _ in g.record.completions]
-                result = await asyncio.to_thread(self._train, batch, versions, step)
-                train_s = time.perf_counter() - started
-                new_version = self.state.weight_version + 1
-                if refit_after:
-                    waited = time.perf_counter()
-                    await asyncio.wait(refit_after)
-                    metrics["time/refit_wait_s"] = time.perf_counter() - waited
-                if refit_engine:
-                    refit_s = await asyncio.to_thread(refit, self.policy, self.engine, new_version, self.manager)
-                    metrics.update(check_refit(self.policy, self.engine, new_version, step=step))
-                self.state.weight_version = new_version
-                metrics.update(
-                    {
-                        **{f"train/{key}": value for key, value in result.get("seq_logprob_error", {}).items()},
-                        **result["policy_movement"],
-                        "train/loss": result["loss"],
-                        "train/grad_norm": result["grad_norm"],
-                        **({"train/lr": result["lr"]} if "lr" in result else {}),
-                        "train/refit": refit_engine,
-                        **sum_on_policy_errors(result["all_mb_metrics"]).as_metrics(),
-                        **loss_metrics(result["all_mb_metrics"]),
-                    }
-                )
-        else:
-            logger.warning("step %d: no group fresh enough to train on (%d dropped as stale)", step, len(stale))
-        metrics.update({"time/train_s": train_s, "time/refit_s": refit_s})
+        return skip, {"train/skipped_zero_advantage": skip, "train/all_wrong_steps_in_a_row": self.all_wrong_in_a_row}
+
+    async def _refit(
+        self, step: int, refit_engine: bool, refit_after: Sequence[asyncio.Future[StepRollouts]]
+    ) -> tuple[float, MetricsLine]:
+        """``(refit_s, metrics)``: wait for ``refit_after``, refit the engine as the next version and check that it
+        serves the trained weights (when ``refit_engine``), and make that version the trainer's."""
+        new_version = self.state.weight_version + 1
+        metrics: MetricsLine = {}
+        refit_s = 0.0
+        if refit_after:
+            waited = time.perf_counter()
+            await asyncio.wait(refit_after)
+            metrics["time/refit_wait_s"] = time.perf_counter() - waited
+        if refit_engine:
+            if self.engine is None:
+                raise SettingError("refit_engine=True needs an engine: this GRPOTrainer was built with engine=None")
+            refit_s = await asyncio.to_thread(refit, self.policy, self.engine, new_version, self.manager)
+            metrics.update(check_refit(self.policy, self.engine, new_version, step=step))
+        self.state.weight_version = new_version
+        return refit_s, metrics
+
+    def _end_step(self, step: int, metrics: MetricsLine, step_started: float | None) -> None:
+        """Add the step's wall time, count the step done and append its line to ``metrics.jsonl``."""
         if step_started is not None:
             metrics["time/step_s"] = time.perf_counter() - step_started
         self.state.step = step + 1
         self.state.dropped_stale_total = self.buffer.dropped_total
         append_metrics(self.metrics_path, metrics)
-        return metrics
 
-    def _train(self, batch: Any, versions: Sequence[int], step: int) -> dict[str, Any]:
+    # ------------------------------------------------------------------ the update
+
+    def _train(self, batch: TrainBatch, versions: Sequence[int], step: int) -> TrainOutcome:
         """One optimizer step under the step's torch seed (:func:`step_seed`).
 
         First the trainer's logprobs of the batch at its current weights (``prev_logprobs``, the PPO old policy:
@@ -474,34 +626,49 @@ class GRPOTrainer:
         """
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(step_seed(self.cfg.seed, step))
-            prev = torch.as_tensor(self.policy.get_logprobs(batch)["logprobs"]).float()
-            batch["prev_logprobs"] = prev
+            prev = self._old_policy_logprobs(batch)
             scored = (
                 torch.as_tensor(batch["token_mask"]).float() * torch.as_tensor(batch["sample_mask"]).float()[:, None]
             )
             at_sampling = self._logprobs_at_sampling(batch, prev, versions)
-            seq_metrics: dict[str, float] = {}
-            if self.cfg.seq_logprob_error_threshold is not None:
-                batch["sample_mask"], seq_metrics = seq_logprob_error_mask(
-                    batch["token_mask"],
-                    batch["sample_mask"],
-                    prev,
-                    batch["generation_logprobs"],
-                    batch["rewards"],
-                    self.cfg.seq_logprob_error_threshold,
-                )
-                seq_metrics["num_masked_seqs_by_logprob_error"] = seq_metrics.pop("num_masked_seqs")
-            if self.cfg.loss.reference_policy_kl_penalty:
-                reference = self.policy.get_reference_policy_logprobs(batch, self.cfg.train_micro_batch_size)
-                batch["reference_policy_logprobs"] = reference["reference_logprobs"]
+            seq_metrics = self._mask_seq_logprob_errors(batch, prev)
+            self._add_reference_logprobs(batch)
             result = dict(self.policy.train(batch, self.loss, mbs=self.cfg.train_micro_batch_size))
             after = torch.as_tensor(self.policy.get_logprobs(batch)["logprobs"]).float()
         gen = torch.as_tensor(batch["generation_logprobs"]).float()
         movement = self._policy_movement(gen, prev, at_sampling, after, scored)
-        return {**result, "seq_logprob_error": seq_metrics, "policy_movement": movement}
+        return TrainOutcome(result, seq_metrics, movement)
+
+    def _old_policy_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """The trainer's logprobs of the batch before the update, set as its ``prev_logprobs``."""
+        prev = torch.as_tensor(self.policy.get_logprobs(batch)["logprobs"]).float()
+        batch["prev_logprobs"] = prev
+        return prev
+
+    def _mask_seq_logprob_errors(self, batch: TrainBatch, prev: torch.Tensor) -> dict[str, float]:
+        """With ``seq_logprob_error_threshold``: sequences whose probability error is above it leave the loss
+        (``sample_mask``); its metrics, or none when it is off."""
+        if self.cfg.seq_logprob_error_threshold is None:
+            return {}
+        batch["sample_mask"], metrics = seq_logprob_error_mask(
+            batch["token_mask"],
+            batch["sample_mask"],
+            prev,
+            batch["generation_logprobs"],
+            batch["rewards"],
+            self.cfg.seq_logprob_error_threshold,
+        )
+        metrics["num_masked_seqs_by_logprob_error"] = metrics.pop("num_masked_seqs")
+        return metrics
+
+    def _add_reference_logprobs(self, batch: TrainBatch) -> None:
+        """With a KL penalty: the reference policy's logprobs of the batch, as ``reference_policy_logprobs``."""
+        if self.cfg.loss.reference_policy_kl_penalty:
+            reference = self.policy.get_reference_policy_logprobs(batch, self.cfg.train_micro_batch_size)
+            batch["reference_policy_logprobs"] = reference["reference_logprobs"]
 
     def _logprobs_at_sampling(
-        self, batch: Any, prev: torch.Tensor, versions: Sequence[int]
+        self, batch: TrainBatch, prev: torch.Tensor, versions: Sequence[int]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(logprobs, known)``: the trainer's logprobs of each sample at the weights that sampled it, and which
         samples have them. A sample of the current version has ``prev``; an older one is scored with the weights
@@ -510,16 +677,16 @@ class GRPOTrainer:
         current = self.state.weight_version
         version = torch.as_tensor(list(versions), dtype=torch.int64)
         logprobs, known = prev.clone(), version == current
-        snapshot = getattr(self.policy, "weights_snapshot", None)
-        if self.cfg.lookahead and snapshot is not None:
+        policy = self.policy
+        if self.cfg.lookahead and isinstance(policy, SnapshotPolicy):
             for v in sorted(set(version.tolist()) - {current}):
                 if v not in self.weight_snapshots:
                     continue
                 rows = (version == v).nonzero().flatten()
                 part = type(batch)({key: batch[key][rows] for key in ("input_ids", "input_lengths")})
-                logprobs[rows] = torch.as_tensor(self.policy.get_logprobs_at(part, self.weight_snapshots[v])).float()
+                logprobs[rows] = torch.as_tensor(policy.get_logprobs_at(part, self.weight_snapshots[v])).float()
                 known[rows] = True
-            self.weight_snapshots[current] = snapshot()
+            self.weight_snapshots[current] = policy.weights_snapshot()
             oldest = current + 1 - self.cfg.max_trajectory_age_steps  # the oldest version the next update can use
             self.weight_snapshots = {v: w for v, w in self.weight_snapshots.items() if v >= oldest}
         return logprobs, known
@@ -551,12 +718,14 @@ class GRPOTrainer:
             out.update({f"train/{name}_{key}": value for key, value in logprob_gap(new, old, mask).items()})
         return out
 
-    async def validate(self, step: int) -> dict[str, Any] | None:
+    # ------------------------------------------------------------------ the run
+
+    async def validate(self, step: int) -> MetricsLine | None:
         """One validation with the current weights, logged as its own ``kind: val`` line."""
         if self.validator is None:
             return None
         started = time.perf_counter()
-        metrics: dict[str, Any] = {"kind": "val", "step": step, "weight_version": self.state.weight_version}
+        metrics: MetricsLine = {"kind": "val", "step": step, "weight_version": self.state.weight_version}
         metrics.update(await self.validator(step, self.state.weight_version))
         metrics["time/val_s"] = time.perf_counter() - started
         append_metrics(self.metrics_path, metrics)
@@ -567,17 +736,17 @@ class GRPOTrainer:
         period = self.cfg.val_period
         return (self.cfg.val_at_end and step == self.max_steps) or bool(period and step % period == 0)
 
-    async def run(self, on_step: Any = None) -> list[dict[str, Any]]:
+    async def run(self, on_step: Callable[[MetricsLine], object] | None = None) -> list[MetricsLine]:
         """Steps from ``state.step`` to ``max_steps``; validation and checkpoints as configured.
 
         ``on_step`` gets every metrics line (training steps and validations).
         """
-        history: list[dict[str, Any]] = []
+        history: list[MetricsLine] = []
         last = self.max_steps
         step = self.state.step
         if step >= last:
             return history
-        pending: dict[int, asyncio.Future[tuple[list[CommittedGroup], dict[str, Any]]]] = {}
+        pending: dict[int, asyncio.Future[StepRollouts]] = {}
         launched = step
 
         def launch(through: int) -> None:
@@ -586,7 +755,7 @@ class GRPOTrainer:
                 pending[launched] = asyncio.ensure_future(self.rollout_step_batch(launched))
                 launched += 1
 
-        def record(metrics: dict[str, Any] | None) -> None:
+        def record(metrics: MetricsLine | None) -> None:
             if metrics is not None:
                 history.append(metrics)
                 if on_step is not None:
@@ -626,6 +795,7 @@ class GRPOTrainer:
 
     @property
     def checkpoint_dir(self) -> Path:
+        """Where :meth:`save_checkpoint` keeps the run's one checkpoint."""
         return self.out_dir / "checkpoint"
 
     def save_checkpoint(self) -> Path:

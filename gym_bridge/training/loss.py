@@ -14,12 +14,15 @@ engine generated. ``on_policy`` compares ``prev`` with ``gen``, as NeMo-RL's
 
 from __future__ import annotations
 
-from typing import Any, Literal, Self
+from collections.abc import Sequence
+from typing import Literal, Self, TypedDict
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from gym_bridge.batched import BatchedDataDict
+from gym_bridge.failures.errors import SettingError
+from gym_bridge.training.batch import TrainBatchSpec
 from gym_bridge.training.fidelity import OnPolicyError, on_policy_error
 
 
@@ -48,11 +51,11 @@ class ClippedPGLossConfig(BaseModel):
         if kind is None:
             return self
         if not self.use_importance_sampling_correction:
-            raise ValueError("truncated_importance_sampling_type needs use_importance_sampling_correction: true")
+            raise SettingError("truncated_importance_sampling_type needs use_importance_sampling_correction: true")
         if self.truncated_importance_sampling_ratio is None:
-            raise ValueError(f"truncated_importance_sampling_type {kind!r} needs truncated_importance_sampling_ratio")
+            raise SettingError(f"truncated_importance_sampling_type {kind!r} needs truncated_importance_sampling_ratio")
         if kind == "icepop" and self.truncated_importance_sampling_ratio_min is None:
-            raise ValueError("'icepop' truncation needs truncated_importance_sampling_ratio_min")
+            raise SettingError("'icepop' truncation needs truncated_importance_sampling_ratio_min")
         return self
 
 
@@ -86,6 +89,18 @@ def kl_estimate(
     return kl
 
 
+class ClippedPGLossMetrics(TypedDict):
+    """One micro-batch's metrics: sums over its valid tokens, which :func:`loss_metrics` and
+    :func:`sum_on_policy_errors` add up over the batch."""
+
+    loss: float
+    num_valid_tokens: float
+    on_policy: OnPolicyError
+    clipped_tokens: float
+    is_out_of_bounds_tokens: float
+    kl_sum: float
+
+
 class ClippedPGLoss:
     """A :class:`~gym_bridge.policy.hf.LossFunction`; ``data`` needs ``advantages``, ``token_mask``,
     ``generation_logprobs`` and ``prev_logprobs`` (aligned to token positions), and ``reference_policy_logprobs``
@@ -109,10 +124,11 @@ class ClippedPGLoss:
     def __call__(
         self,
         token_logprobs: torch.Tensor,
-        data: BatchedDataDict[Any],
+        data: BatchedDataDict[TrainBatchSpec],
         global_valid_seqs: torch.Tensor,
         global_valid_toks: torch.Tensor,
-    ) -> tuple[torch.Tensor, dict[str, Any]]:
+    ) -> tuple[torch.Tensor, ClippedPGLossMetrics]:
+        """The loss of one micro-batch, normalised by the global batch's valid tokens, and its metrics."""
         cfg, device, dtype = self.cfg, token_logprobs.device, token_logprobs.dtype
         mask = torch.as_tensor(data["token_mask"]).float().to(device)
         if data.get("sample_mask") is not None:
@@ -166,7 +182,7 @@ class ClippedPGLoss:
         }
 
 
-def sum_on_policy_errors(mb_metrics: list[dict[str, Any]]) -> OnPolicyError:
+def sum_on_policy_errors(mb_metrics: Sequence[ClippedPGLossMetrics]) -> OnPolicyError:
     """The whole batch's on-policy error from :meth:`HFPolicy.train`'s ``all_mb_metrics``."""
     total = OnPolicyError(0.0, 0.0, 0.0, 0.0)
     for metrics in mb_metrics:
@@ -174,7 +190,7 @@ def sum_on_policy_errors(mb_metrics: list[dict[str, Any]]) -> OnPolicyError:
     return total
 
 
-def loss_metrics(mb_metrics: list[dict[str, Any]]) -> dict[str, float]:
+def loss_metrics(mb_metrics: Sequence[ClippedPGLossMetrics]) -> dict[str, float]:
     """``loss/*`` rates over the batch's valid tokens: clipped, importance weight truncated, mean KL."""
     tokens = sum(m["num_valid_tokens"] for m in mb_metrics) or 1.0
     return {

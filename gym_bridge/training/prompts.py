@@ -7,6 +7,7 @@ import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from gym_bridge.failures.errors import SettingError
 from gym_bridge.types import DatumSpec
 
 
@@ -27,7 +28,7 @@ class PromptQueue:
         self, dataset: Sequence[DatumSpec], *, seed: int, shuffle: bool = True, state: PromptQueueState | None = None
     ) -> None:
         if not dataset:
-            raise ValueError("the training dataset is empty")
+            raise SettingError("the training dataset is empty")
         self.dataset = list(dataset)
         self.seed, self.shuffle = seed, shuffle
         self.state = state or PromptQueueState()

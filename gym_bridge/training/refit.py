@@ -4,7 +4,7 @@ a direct check that the engine now holds them (its weight version and a weight f
 from __future__ import annotations
 
 import time
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
@@ -15,14 +15,22 @@ from gym_bridge.models.fingerprint import fingerprint_mismatches, weight_fingerp
 class RefitTarget(Protocol):
     """An engine that takes new weights in place (``HFGeneration``)."""
 
-    def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> Any: ...
+    def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> object: ...
 
 
 class RefitSource(Protocol):
+    """A policy that hands out its current weights by name (``HFPolicy``)."""
+
     def state_dict_for_refit(self) -> dict[str, torch.Tensor]: ...
 
 
-def refit(policy: RefitSource, engine: RefitTarget, version: int, manager: Any = None) -> float:
+class VersionTagger(Protocol):
+    """Tags the groups it rolls out from now on with a weight version (``RolloutManager``)."""
+
+    def set_weight_version(self, version: int) -> None: ...
+
+
+def refit(policy: RefitSource, engine: RefitTarget, version: int, manager: VersionTagger | None = None) -> float:
     """Load ``policy``'s weights into ``engine`` as ``version``; tag later rollouts with it. Returns seconds."""
     started = time.perf_counter()
     engine.update_weights(policy.state_dict_for_refit(), version)
@@ -31,13 +39,13 @@ def refit(policy: RefitSource, engine: RefitTarget, version: int, manager: Any =
     return time.perf_counter() - started
 
 
-def check_refit(policy: RefitSource, engine: Any, version: int, *, step: int) -> dict[str, Any]:
+def check_refit(policy: RefitSource, engine: object, version: int, *, step: int) -> dict[str, bool]:
     """Raise :class:`RefitMismatch` unless ``engine`` reports ``version`` and the policy's weight fingerprint.
 
     An engine without ``weight_version`` or ``weight_fingerprint`` (a remote vLLM) is checked on what it
     has; the returned metrics say what was checked.
     """
-    checked: dict[str, Any] = {"refit/version_checked": False, "refit/fingerprint_checked": False}
+    checked = {"refit/version_checked": False, "refit/fingerprint_checked": False}
     engine_version = getattr(engine, "weight_version", None)
     if engine_version is not None:
         checked["refit/version_checked"] = True

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Any
 
+from gym_bridge.failures.errors import SettingError
+from gym_bridge.json_types import JsonMapping, JsonObject
 from gym_bridge.rollout.reward_shaping import (
     PENALTY_FLAGS,
     EffortLevelsConfig,
@@ -37,8 +38,8 @@ class RewardShaper:
         self,
         tokenizer: Tokenizer,
         *,
-        effort_levels: EffortLevelsConfig | Mapping[str, Any] | None = None,
-        reward_penalties: Mapping[str, Any] | None = None,
+        effort_levels: EffortLevelsConfig | JsonMapping | None = None,
+        reward_penalties: JsonMapping | None = None,
         thinking_tags: Sequence[str] | None = None,
     ) -> None:
         if isinstance(effort_levels, Mapping):
@@ -56,18 +57,19 @@ class RewardShaper:
         )
 
     def shape(
-        self, rows: Sequence[Mapping[str, Any]], completions: Sequence[Completion]
+        self, rows: Sequence[JsonMapping], completions: Sequence[Completion]
     ) -> tuple[list[Completion], dict[str, float]]:
         """The completions with shaped rewards (row ``i`` is completion ``i``'s Gym row) and NeMo-RL's metrics.
 
-        Raises ``ValueError`` for a completion without a Gym result (``env_extras``): the shaping reads it.
+        Raises :class:`~gym_bridge.failures.errors.SettingError` (a ``ValueError``) for a completion without a
+        Gym result (``env_extras``): the shaping reads it.
         """
         if not self.enabled or not completions:
             return list(completions), {}
-        results: list[dict[str, Any]] = []
+        results: list[JsonObject] = []
         for i, completion in enumerate(completions):
             if completion.env_extras is None:
-                raise ValueError(
+                raise SettingError(
                     f"completion {i} has no NeMo-Gym result; env.nemo_gym.effort_levels and reward_penalties "
                     "shape NeMo-Gym rollouts only"
                 )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from gym_bridge.failures.errors import SettingError
 from gym_bridge.rollout.sink import CommittedGroup
 
 
@@ -17,12 +18,13 @@ class StalenessBuffer:
 
     def __init__(self, max_trajectory_age_steps: int = 1) -> None:
         if max_trajectory_age_steps < 0:
-            raise ValueError(f"max_trajectory_age_steps must be >= 0, got {max_trajectory_age_steps}")
+            raise SettingError(f"max_trajectory_age_steps must be >= 0, got {max_trajectory_age_steps}")
         self.max_trajectory_age_steps = max_trajectory_age_steps
         self.groups: list[CommittedGroup] = []
         self.dropped_total = 0
 
     def add(self, groups: Iterable[CommittedGroup]) -> None:
+        """Hold ``groups`` until the next :meth:`take`."""
         self.groups.extend(groups)
 
     def take(self, current_weight_version: int) -> tuple[list[CommittedGroup], list[CommittedGroup]]:
@@ -31,7 +33,7 @@ class StalenessBuffer:
         stale: list[CommittedGroup] = []
         for group in self.groups:
             if group.start_weight_version > current_weight_version:
-                raise ValueError(
+                raise SettingError(
                     f"prompt_idx={group.record.prompt_idx} claims weight version {group.start_weight_version}, "
                     f"newer than the trainer's {current_weight_version}"
                 )

@@ -15,13 +15,15 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
+from gym_bridge.failures.errors import SettingError
 from gym_bridge.gym.client import GymClient
 from gym_bridge.gym.rows import stamped_row
+from gym_bridge.json_types import JsonMapping, JsonObject
 from gym_bridge.rollout.nemo_gym import gym_completion
 from gym_bridge.training.rewards import RewardShaper
 from gym_bridge.types import Completion, GenerationSamplingParams
@@ -47,7 +49,7 @@ def reply_text(completion: Completion) -> str:
     )
 
 
-def lenient_correct(reply: str, expected: Any) -> bool | None:
+def lenient_correct(reply: str, expected: object) -> bool | None:
     """The last integer in ``reply`` equals ``expected``; None when ``expected`` is not an integer."""
     if not isinstance(expected, str) or not _INTEGER.fullmatch(expected.strip()):
         return None
@@ -56,11 +58,54 @@ def lenient_correct(reply: str, expected: Any) -> bool | None:
 
 
 @dataclass(frozen=True)
+class Answer:
+    """One graded validation answer: a sample of a problem of a set."""
+
+    problem: int
+    sample: int
+    reward: float
+    correct: bool
+    """The reward reaches ``pass_threshold``."""
+    formatted: bool
+    """The environment extracted an answer (Gym's ``extracted_answer`` is set)."""
+    lenient: bool | None
+    """:func:`lenient_correct`; None when the expected answer is not an integer."""
+    tokens: int
+    """Generated tokens: those of the assistant messages."""
+    reply: str
+
+    def record(self) -> JsonObject:
+        """Its line in ``val_results.jsonl`` (after ``step``, ``weight_version`` and ``set``)."""
+        return {
+            "problem": self.problem,
+            "sample": self.sample,
+            "reward": self.reward,
+            "correct": self.correct,
+            "lenient": self.lenient,
+            "reply": self.reply,
+        }
+
+
+def set_metrics(prefix: str, answers: Sequence[Answer]) -> dict[str, float]:
+    """A validation set's ``accuracy``, ``format_rate``, ``mean_tokens`` and, where some expected answers are
+    integers, ``lenient_accuracy``, each under ``prefix``."""
+    lenient = [a.lenient for a in answers if a.lenient is not None]
+    metrics = {
+        f"{prefix}accuracy": sum(a.correct for a in answers) / len(answers),
+        f"{prefix}format_rate": sum(a.formatted for a in answers) / len(answers),
+        f"{prefix}mean_tokens": sum(a.tokens for a in answers) / len(answers),
+    }
+    if lenient:
+        metrics[f"{prefix}lenient_accuracy"] = sum(lenient) / len(lenient)
+    return metrics
+
+
+@dataclass(frozen=True)
 class ValidationSet:
     """Named held-out Gym rows; the first set of a validator reports as plain ``val/*``."""
 
     name: str
-    rows: Sequence[Mapping[str, Any]]
+    rows: Sequence[JsonMapping]
 
 
 class GymValidator:
@@ -79,16 +124,17 @@ class GymValidator:
         reward_shaper: RewardShaper | None = None,
     ) -> None:
         if not sets or any(not s.rows for s in sets):
-            raise ValueError("validation needs at least one set, each with rows")
+            raise SettingError("validation needs at least one set, each with rows")
         if num_generations < 1:
-            raise ValueError(f"val_num_generations_per_prompt must be >= 1, got {num_generations}")
+            raise SettingError(f"val_num_generations_per_prompt must be >= 1, got {num_generations}")
         self.client, self.sets = client, list(sets)
         self.sampling, self.max_new_tokens = sampling, max_new_tokens
         self.num_generations, self.pass_threshold = num_generations, pass_threshold
         self.results_path = results_path
         self.reward_shaper = reward_shaper
 
-    async def _problem(self, row: Mapping[str, Any], prompt_idx: int) -> list[Completion]:
+    async def _problem(self, row: JsonMapping, prompt_idx: int) -> list[Completion]:
+        """``num_generations`` rollouts of one held-out row through Gym, rewards shaped when configured."""
         stamped = [stamped_row(dict(row), i, self.sampling, self.max_new_tokens) for i in range(self.num_generations)]
         group = await self.client.run_group(stamped, prompt_idx=prompt_idx, deadline_s=None)
         completions = [gym_completion(r, max_seq_len=None, mask_env_flagged_samples=False) for r in group.rows]
@@ -96,43 +142,38 @@ class GymValidator:
             completions, _ = self.reward_shaper.shape([row] * len(completions), completions)
         return completions
 
+    def _answer(self, row: JsonMapping, completion: Completion, problem: int, sample: int) -> Answer:
+        """One validation answer, graded: by the reward, by Gym's extracted answer and by the last integer."""
+        generated = [m for m in completion.message_log if m.get("role") == "assistant"]
+        reply = reply_text(completion)
+        return Answer(
+            problem=problem,
+            sample=sample,
+            reward=float(completion.reward),
+            correct=float(completion.reward) >= self.pass_threshold,
+            formatted=(completion.env_extras.get("extracted_answer") if completion.env_extras else None) is not None,
+            lenient=lenient_correct(reply, row.get("expected_answer")),
+            tokens=sum(len(m["token_ids"]) for m in generated),
+            reply=reply,
+        )
+
     async def __call__(self, step: int, weight_version: int) -> dict[str, float]:
+        """Every set's metrics (``val/*`` for the first, ``val/<set>/*`` for the others); every answer is appended
+        to ``results_path`` as one line."""
         metrics: dict[str, float] = {}
-        records: list[dict[str, Any]] = []
+        records: list[JsonObject] = []
         for n, vset in enumerate(self.sets):
             groups = await asyncio.gather(*(self._problem(row, i) for i, row in enumerate(vset.rows)))
-            correct, formatted, lenient, tokens = [], [], [], []
-            for problem, (row, completions) in enumerate(zip(vset.rows, groups, strict=True)):
-                for sample, completion in enumerate(completions):
-                    reply = reply_text(completion)
-                    ok = float(completion.reward) >= self.pass_threshold
-                    loose = lenient_correct(reply, row.get("expected_answer"))
-                    extracted = completion.env_extras.get("extracted_answer") if completion.env_extras else None
-                    correct.append(ok)
-                    formatted.append(extracted is not None)
-                    if loose is not None:
-                        lenient.append(loose)
-                    generated = [m for m in completion.message_log if m.get("role") == "assistant"]
-                    tokens.append(sum(len(m["token_ids"]) for m in generated))
-                    records.append(
-                        {
-                            "step": step,
-                            "weight_version": weight_version,
-                            "set": vset.name,
-                            "problem": problem,
-                            "sample": sample,
-                            "reward": float(completion.reward),
-                            "correct": ok,
-                            "lenient": loose,
-                            "reply": reply,
-                        }
-                    )
-            prefix = "val/" if n == 0 else f"val/{vset.name}/"
-            metrics[f"{prefix}accuracy"] = sum(correct) / len(correct)
-            metrics[f"{prefix}format_rate"] = sum(formatted) / len(formatted)
-            metrics[f"{prefix}mean_tokens"] = sum(tokens) / len(tokens)
-            if lenient:
-                metrics[f"{prefix}lenient_accuracy"] = sum(lenient) / len(lenient)
+            answers = [
+                self._answer(row, completion, problem, sample)
+                for problem, (row, completions) in enumerate(zip(vset.rows, groups, strict=True))
+                for sample, completion in enumerate(completions)
+            ]
+            metrics.update(set_metrics("val/" if n == 0 else f"val/{vset.name}/", answers))
+            records.extend(
+                {"step": step, "weight_version": weight_version, "set": vset.name, **answer.record()}
+                for answer in answers
+            )
         if self.results_path is not None:
             with self.results_path.open("a") as out:
                 out.writelines(json.dumps(r) + "\n" for r in records)

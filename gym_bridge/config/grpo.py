@@ -34,7 +34,7 @@ this trainer by nature are listed, with the reason, in :data:`gym_bridge.config.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,6 +43,7 @@ import torch
 from pydantic import ValidationError
 
 from gym_bridge.config.training import NemoGymRolloutSettings, TrainingConfigError
+from gym_bridge.json_types import JsonMapping, JsonObject
 from gym_bridge.policy.hf import HFPolicyConfig, build_lr_scheduler
 from gym_bridge.training.loop import GRPOLoopConfig
 from gym_bridge.training.loss import ClippedPGLossConfig
@@ -63,12 +64,16 @@ __all__ = [
 ]
 
 
-def config_section(config: Mapping[str, Any], dotted: str) -> Mapping[str, Any]:
+def config_section(config: JsonMapping, dotted: str) -> JsonMapping:
     """The sub-mapping at ``dotted`` (``a.b.c``); empty when any part is missing."""
-    node: Any = config
+    node: object = config
     for part in dotted.split("."):
-        node = (node or {}).get(part) if isinstance(node, Mapping) else None
-    return node or {}
+        node = node.get(part) if isinstance(node, Mapping) else None
+    if not node:
+        return {}
+    if not isinstance(node, Mapping):
+        raise TrainingConfigError(f"{dotted} must be a mapping of keys, got {type(node).__name__}")
+    return node
 
 
 _LOSS_VARIANTS_NOT_IMPLEMENTED = {
@@ -86,7 +91,7 @@ _NULLABLE_LOSS_KEYS = ("kl_input_clamp_value", "kl_output_clamp_value")
 _OUR_LOSS = (
     "gym-bridge's ClippedPGLoss (token-level clipped PG with optional truncated importance sampling and a reference KL)"
 )
-_NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
+_NOT_IMPLEMENTED: dict[str, tuple[object, ...]] = {
     "grpo.val_start_at": (-1,),
     "grpo.stop_at_validation_metric": (None,),
     "grpo.stop_at_validation_threshold": (None,),
@@ -139,7 +144,7 @@ _LOOP_KEYS = {
 }
 
 
-def loss_config_from(config: Mapping[str, Any]) -> ClippedPGLossConfig:
+def loss_config_from(config: JsonMapping) -> ClippedPGLossConfig:
     """``loss_fn`` as a :class:`ClippedPGLossConfig`; a NeMo-RL variant set away from its default is an error."""
     section = config_section(config, "loss_fn")
     _refuse_unimplemented("loss_fn", section, _LOSS_VARIANTS_NOT_IMPLEMENTED, _OUR_LOSS)
@@ -161,7 +166,7 @@ def _problems(exc: ValidationError, keys: Mapping[str, str]) -> str:
     )
 
 
-def _refuse_unimplemented(name: str, section: Mapping[str, Any], defaults: Mapping[str, Any], by: str) -> None:
+def _refuse_unimplemented(name: str, section: JsonMapping, defaults: Mapping[str, object], by: str) -> None:
     """A NeMo-RL option we do not implement, set to anything but its default, is an error that names its key."""
     refused = [
         f"{name}.{key}={section[key]!r}"
@@ -172,8 +177,9 @@ def _refuse_unimplemented(name: str, section: Mapping[str, Any], defaults: Mappi
         raise TrainingConfigError(f"{', '.join(refused)} is not implemented by {by}; remove the key or set its default")
 
 
-def _lookup(config: Mapping[str, Any], dotted: str) -> tuple[bool, Any]:
-    node: Any = config
+def _lookup(config: JsonMapping, dotted: str) -> tuple[bool, object]:
+    """``(True, value)`` at ``dotted``, or ``(False, None)`` when a part is missing."""
+    node: object = config
     for part in dotted.split("."):
         if not isinstance(node, Mapping) or part not in node:
             return False, None
@@ -181,7 +187,7 @@ def _lookup(config: Mapping[str, Any], dotted: str) -> tuple[bool, Any]:
     return True, node
 
 
-def _refuse_not_implemented(config: Mapping[str, Any]) -> None:
+def _refuse_not_implemented(config: JsonMapping) -> None:
     """Each :data:`_NOT_IMPLEMENTED` key set to another value is an error naming it, in one line."""
     for dotted, allowed in _NOT_IMPLEMENTED.items():
         present, value = _lookup(config, dotted)
@@ -192,7 +198,7 @@ def _refuse_not_implemented(config: Mapping[str, Any]) -> None:
             )
 
 
-def _check_batch_size(config: Mapping[str, Any], grpo: Mapping[str, Any]) -> None:
+def _check_batch_size(config: JsonMapping, grpo: JsonMapping) -> None:
     """``policy.train_global_batch_size`` must be one step's samples: the loop takes one optimizer step per step."""
     gbs = config_section(config, "policy").get("train_global_batch_size")
     step = (grpo.get("num_prompts_per_step") or 0) * (grpo.get("num_generations_per_prompt") or 0)
@@ -203,7 +209,7 @@ def _check_batch_size(config: Mapping[str, Any], grpo: Mapping[str, Any]) -> Non
         )
 
 
-def _advantage_key(grpo: Mapping[str, Any], name: str) -> Any:
+def _advantage_key(grpo: JsonMapping, name: str) -> object:
     """``grpo.adv_estimator.<name>`` (what NeMo-RL's estimator reads) or ``grpo.<name>``; both set and different
     is an error naming both."""
     estimator, top = config_section(grpo, "adv_estimator").get(name), grpo.get(name)
@@ -215,7 +221,7 @@ def _advantage_key(grpo: Mapping[str, Any], name: str) -> Any:
     return estimator if estimator is not None else top
 
 
-def _refuse_estimator(grpo: Mapping[str, Any]) -> None:
+def _refuse_estimator(grpo: JsonMapping) -> None:
     name = config_section(grpo, "adv_estimator").get("name", "grpo")
     if name == "grpo":
         return
@@ -226,7 +232,7 @@ def _refuse_estimator(grpo: Mapping[str, Any]) -> None:
     )
 
 
-def loop_config_from(config: Mapping[str, Any], settings: NemoGymRolloutSettings) -> GRPOLoopConfig:
+def loop_config_from(config: JsonMapping, settings: NemoGymRolloutSettings) -> GRPOLoopConfig:
     """The loop's settings from ``grpo``, ``loss_fn``, ``policy``, ``checkpointing``, ``data.shuffle`` and the
     rollout settings (``grpo.async_grpo``, ``async_rl.stall_watchdog``,
     ``async_rl.rollout_failure.min_step_batch_fraction``)."""
@@ -241,7 +247,7 @@ def loop_config_from(config: Mapping[str, Any], settings: NemoGymRolloutSettings
             "(NeMo-RL asserts the same); the loop computes reference logprobs only for the KL penalty"
         )
     checkpointing = config_section(config, "checkpointing")
-    values: dict[str, Any] = {
+    values: dict[str, object] = {
         "seed": grpo.get("seed"),
         "shuffle_data": config_section(config, "data").get("shuffle"),
         "val_period": grpo.get("val_period"),
@@ -294,7 +300,7 @@ def result_logging(settings: NemoGymRolloutSettings, out_dir: Path) -> dict[str,
     return {}
 
 
-def train_data_path(config: Mapping[str, Any]) -> str:
+def train_data_path(config: JsonMapping) -> str:
     """``data.train.data_path`` (NeMo-RL's key) or ``data.path``."""
     data = config_section(config, "data")
     path = config_section(config, "data.train").get("data_path") or data.get("path")
@@ -314,7 +320,7 @@ class ValidationOptions:
     max_new_tokens: int | None
 
 
-def validation_options(config: Mapping[str, Any]) -> ValidationOptions:
+def validation_options(config: JsonMapping) -> ValidationOptions:
     grpo, generation = config_section(config, "grpo"), config_section(config, "policy.generation")
     return ValidationOptions(
         num_generations=int(grpo.get("val_num_generations_per_prompt") or 1),
@@ -324,19 +330,19 @@ def validation_options(config: Mapping[str, Any]) -> ValidationOptions:
     )
 
 
-def validation_sets(config: Mapping[str, Any]) -> list[ValidationSet]:
+def validation_sets(config: JsonMapping) -> list[ValidationSet]:
     """``data.validation.data_path`` (reported as ``val/*``), then ``data.validation.extra_sets`` in order;
     each cut to ``grpo.max_val_samples`` rows when that is set."""
     validation = config_section(config, "data.validation")
     limit = validation_options(config).max_samples
-    named: list[tuple[str, Any]] = []
+    named: list[tuple[str, str | Path]] = []
     if validation.get("data_path"):
         named.append(("validation", validation["data_path"]))
     named.extend((str(name), path) for name, path in (validation.get("extra_sets") or {}).items())
     return [ValidationSet(name, load_gym_rows(path)[: limit or None]) for name, path in named]
 
 
-def load_gym_rows(path: str | Path) -> list[dict[str, Any]]:
+def load_gym_rows(path: str | Path) -> list[JsonObject]:
     """Gym rows from a JSONL file; a bad line is an error naming its line number."""
     rows = []
     for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
@@ -345,16 +351,16 @@ def load_gym_rows(path: str | Path) -> list[dict[str, Any]]:
         try:
             row = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}:{number}: not JSON: {exc}") from exc
+            raise TrainingConfigError(f"{path}:{number}: not JSON: {exc}") from exc
         if not isinstance(row, dict) or "responses_create_params" not in row:
-            raise ValueError(f"{path}:{number}: a Gym row needs 'responses_create_params'")
+            raise TrainingConfigError(f"{path}:{number}: a Gym row needs 'responses_create_params'")
         rows.append(row)
     if not rows:
-        raise ValueError(f"{path}: no rows")
+        raise TrainingConfigError(f"{path}: no rows")
     return rows
 
 
-def policy_config(config: Mapping[str, Any], weights: str, loop_cfg: GRPOLoopConfig) -> HFPolicyConfig:
+def policy_config(config: JsonMapping, weights: str, loop_cfg: GRPOLoopConfig) -> HFPolicyConfig:
     """The trained copy's settings: optimizer, clipping, frozen embeddings, and the sampling temperature
     (so its logprobs are those of the distribution the engine sampled from)."""
     policy_cfg = config_section(config, "policy")
@@ -382,7 +388,7 @@ def policy_config(config: Mapping[str, Any], weights: str, loop_cfg: GRPOLoopCon
         raise TrainingConfigError(_problems(exc, _POLICY_KEYS)) from None
 
 
-def _check_scheduler(spec: Any) -> None:
+def _check_scheduler(spec: Sequence[JsonMapping] | JsonMapping | None) -> None:
     """``policy.scheduler`` builds (on a stand-in optimizer), or a :class:`TrainingConfigError` says why."""
     if spec is None:
         return

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from gym_bridge.failures import RolloutRetryPolicy, RolloutTimeouts
+from gym_bridge.json_types import JsonMapping
 
 if TYPE_CHECKING:
     from gym_bridge.gym.actor_config import NemoGymConfig
@@ -21,7 +22,8 @@ class GymLaunchSpec:
     gym: NemoGymConfig
     num_generations_per_prompt: int
     max_seq_len: int
-    generation_config: Mapping[str, Any]
+    generation_config: JsonMapping
+    """NeMo-RL's ``policy.generation`` keys (``GenerationConfig``)."""
     num_actors: int = 1
     split_base_urls: bool = False
     uses_tools: bool = False

@@ -34,7 +34,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -47,6 +47,7 @@ from gym_bridge.config.async_settings import AsyncGRPOSettings, AsyncRLSettings,
 from gym_bridge.config.launch_spec import GymLaunchSpec
 from gym_bridge.failures import GymBridgeError, RolloutRetryPolicy, RolloutTimeouts
 from gym_bridge.gym.actor import NemoGymConfig
+from gym_bridge.json_types import JsonMapping, JsonObject
 
 __all__ = [
     "NemoGymRolloutSettings",
@@ -104,7 +105,7 @@ _NEMO_RL_ENGINES = {
 """NeMo-RL's generation backends that can serve Gym, and the section where each says ``expose_http_server``."""
 _ASYNC_ENGINE_KEY = {"vllm": "vllm_cfg", "trtllm": "trtllm_cfg"}
 """The backends whose engine is async only with ``<section>.async_engine: true`` (dynamo and megatron always are)."""
-_RESOLVERS: dict[str, Any] = {
+_RESOLVERS: dict[str, Callable[[float, float], float]] = {
     "add": lambda a, b: a + b,
     "mul": lambda a, b: a * b,
     "div": lambda a, b: a / b,
@@ -117,8 +118,9 @@ class TrainingConfigError(GymBridgeError, ValueError):
     """A training config lacks a key the rollout layer needs; the message names the key."""
 
 
-def _get(config: Mapping[str, Any], dotted: str, default: Any = KeyError) -> Any:
-    node: Any = config
+def _get(config: JsonMapping, dotted: str, default: object = KeyError) -> Any:
+    """The value at ``dotted`` (``a.b.c``); ``default`` when a part is missing, else a TrainingConfigError naming it."""
+    node: object = config
     for part in dotted.split("."):
         if not isinstance(node, Mapping) or part not in node:
             if default is KeyError:
@@ -128,14 +130,14 @@ def _get(config: Mapping[str, Any], dotted: str, default: Any = KeyError) -> Any
     return node
 
 
-def _section(config: Any, name: str) -> Any:
+def _section(config: object, name: str) -> Any:
     """``config.name`` or ``config[name]``: NeMo-RL passes attribute-style master configs, we take mappings too."""
     if isinstance(config, Mapping):
         return config.get(name)
     return getattr(config, name, None)
 
 
-def should_use_nemo_gym(master_config: Any) -> bool:
+def should_use_nemo_gym(master_config: object) -> bool:
     """True when the config asks for the NeMo-Gym path (``env.should_use_nemo_gym``, or our top-level
     ``use_nemo_gym``), after NeMo-RL's check that a NeMo-RL generation backend is async and serves HTTP.
 
@@ -175,7 +177,7 @@ def should_use_nemo_gym(master_config: Any) -> bool:
     return True
 
 
-def setup_nemo_gym_config(config: Any, tokenizer: Any) -> None:
+def setup_nemo_gym_config(config: object, tokenizer: object) -> None:
     """NeMo-RL's Gym set-up, in place: the vLLM engine async and served over HTTP, stop strings and stop token
     ids cleared (Gym's model server does not forward them), and for a VLM policy the tokenizer config copied
     to ``env.nemo_gym.tokenizer_config``. ``tokenizer`` is accepted for NeMo-RL's signature."""
@@ -203,20 +205,21 @@ def _register_resolvers() -> None:
             OmegaConf.register_new_resolver(name, fn)
 
 
-def _load_with_defaults(path: Path) -> Any:
+def _load_with_defaults(path: Path) -> DictConfig:
+    """The YAML at ``path`` with its ``defaults:`` parents merged under it, ``${...}`` still unresolved."""
     node = OmegaConf.load(path)
     if not isinstance(node, DictConfig):
-        raise ValueError(f"{path}: a training config must be a mapping, not a list")
+        raise TrainingConfigError(f"{path}: a training config must be a mapping, not a list")
     parents = node.pop("defaults", None)
     if parents is None:
         return node
-    merged: DictConfig | ListConfig = OmegaConf.create()
+    merged = OmegaConf.create()
     for parent in [parents] if isinstance(parents, str) else list(parents):
         merged = _merge_with_override(merged, _load_with_defaults((path.parent / str(parent)).resolve()))
     return _merge_with_override(merged, node)
 
 
-def _merge_with_override(base: Any, child: DictConfig) -> Any:
+def _merge_with_override(base: DictConfig, child: DictConfig) -> DictConfig:
     """Merge ``child`` over ``base``; a top-level section of ``child`` marked ``_override_: true`` replaces
     the parent's section instead of merging into it (NeMo-RL's rule)."""
     for key in list(child.keys()):
@@ -227,16 +230,18 @@ def _merge_with_override(base: Any, child: DictConfig) -> Any:
             value.pop(_OVERRIDE)
             if key in base:
                 base.pop(key)
-    return OmegaConf.merge(base, child)
+    merged = OmegaConf.merge(base, child)
+    assert isinstance(merged, DictConfig)  # two mappings merge into a mapping
+    return merged
 
 
-def load_training_config(path: str | Path) -> dict[str, Any]:
+def load_training_config(path: str | Path) -> JsonObject:
     """A NeMo-RL YAML as a plain dict: ``defaults:`` parents merged under it, ``${...}`` resolved."""
     _register_resolvers()
     return _resolved(_load_with_defaults(Path(path)))
 
 
-def _as_plain(config: Any) -> Any:
+def _as_plain(config: object) -> object:
     """An attribute-style config (a pydantic model such as NeMo-RL's ``MasterConfig``, a dataclass, a namespace)
     as nested plain containers; mappings, lists and scalars as they are."""
     if OmegaConf.is_config(config) or isinstance(config, (str, bytes, int, float, bool)) or config is None:
@@ -254,16 +259,23 @@ def _as_plain(config: Any) -> Any:
     return config
 
 
-def _resolved(config: Any) -> dict[str, Any]:
+def _resolved(config: object) -> JsonObject:
+    """``config`` (OmegaConf, a mapping or an attribute-style config) as a plain dict with ``${...}`` resolved."""
     _register_resolvers()
-    node = config if OmegaConf.is_config(config) else OmegaConf.create(copy.deepcopy(_as_plain(config)))
+    if isinstance(config, (DictConfig, ListConfig)):
+        node: DictConfig | ListConfig = config
+    else:
+        plain = _as_plain(config)
+        if not isinstance(plain, dict):
+            raise TrainingConfigError(f"a training config must be a mapping, not {type(plain).__name__}")
+        node = OmegaConf.create(copy.deepcopy(plain))
     container = OmegaConf.to_container(node, resolve=True)
     if not isinstance(container, dict):
-        raise ValueError(f"a training config must be a mapping, not {type(container).__name__}")
-    return cast("dict[str, Any]", container)  # OmegaConf types keys as any DictKeyType; a YAML config's are str
+        raise TrainingConfigError(f"a training config must be a mapping, not {type(container).__name__}")
+    return cast("JsonObject", container)  # OmegaConf types keys as any DictKeyType; a YAML config's are str
 
 
-def _has_interpolation(value: Any) -> bool:
+def _has_interpolation(value: object) -> bool:
     if isinstance(value, str):
         return "${" in value
     if isinstance(value, Mapping):
@@ -273,12 +285,12 @@ def _has_interpolation(value: Any) -> bool:
     return False
 
 
-def _plain(config: Mapping[str, Any]) -> Mapping[str, Any]:
+def _plain(config: JsonMapping) -> JsonMapping:
     """``config`` with any ``${...}`` left unresolved (e.g. read with ``yaml.safe_load``) resolved."""
     return _resolved(config) if _has_interpolation(config) else config
 
 
-def _leaf_paths(node: Any, prefix: str = "") -> list[str]:
+def _leaf_paths(node: object, prefix: str = "") -> list[str]:
     if not isinstance(node, Mapping) or not node:
         return [prefix] if prefix else []
     return [
@@ -286,7 +298,7 @@ def _leaf_paths(node: Any, prefix: str = "") -> list[str]:
     ]
 
 
-def unused_training_keys(config: Mapping[str, Any]) -> list[str]:
+def unused_training_keys(config: JsonMapping) -> list[str]:
     """The dotted keys of ``config`` that the rollout layer does not read (NeMo-RL's trainer settings, ...).
 
     The ``env`` sections of native environments (``env.math``, ...) count as read: the Gym path names them once in
@@ -301,7 +313,7 @@ def unused_training_keys(config: Mapping[str, Any]) -> list[str]:
     return [path for path in _leaf_paths(config) if not read(path)]
 
 
-def _native_environments(config: Mapping[str, Any]) -> list[str]:
+def _native_environments(config: JsonMapping) -> list[str]:
     """The ``env`` sections other than ``nemo_gym`` (NeMo-RL's native environments: ``math``, ``dapo``, ...)."""
     env = _get(config, "env", None)
     if not isinstance(env, Mapping):
@@ -309,7 +321,7 @@ def _native_environments(config: Mapping[str, Any]) -> list[str]:
     return sorted(str(name) for name, value in env.items() if name != "nemo_gym" and isinstance(value, Mapping))
 
 
-def nemo_gym_generation_config(config: Mapping[str, Any]) -> dict[str, Any]:
+def nemo_gym_generation_config(config: JsonMapping) -> JsonObject:
     """``policy.generation`` for the Gym path, with ``stop_strings``/``stop_token_ids`` set to None.
 
     NeMo-RL's Gym setup does the same (Gym's model server does not forward them); we
@@ -328,7 +340,7 @@ def nemo_gym_generation_config(config: Mapping[str, Any]) -> dict[str, Any]:
     return generation
 
 
-def nemo_gym_config_from(config: Mapping[str, Any], *, base_urls: list[str] | None = None) -> NemoGymConfig:
+def nemo_gym_config_from(config: JsonMapping, *, base_urls: list[str] | None = None) -> NemoGymConfig:
     """The NemoGym actor's config from ``env.nemo_gym`` (``base_urls`` overrides the config's).
 
     Keys the rollout layer does not read are listed once, at debug level.
@@ -386,9 +398,9 @@ class NemoGymRolloutSettings:
     """``env.should_log_nemo_gym_responses``: Gym keeps the full responses (``full_results.jsonl`` per run)."""
     is_trajectory_collection: bool
     """``env.nemo_gym.is_trajectory_collection``: collect trajectories, do not train."""
-    reward_penalties: dict[str, Any] | None
+    reward_penalties: JsonObject | None
     """``reward_penalties`` (NeMo-RL's ``RewardPenaltyConfig`` keys), as written."""
-    effort_levels: dict[str, Any] | None
+    effort_levels: JsonObject | None
     """``env.nemo_gym.effort_levels`` (NeMo-RL's ``EffortLevelsConfig`` keys), as written; never sent to Gym."""
     async_grpo: AsyncGRPOSettings
     async_rl: AsyncRLSettings
@@ -408,7 +420,7 @@ class NemoGymRolloutSettings:
         return self.launch.gym
 
     @property
-    def generation_config(self) -> dict[str, Any]:
+    def generation_config(self) -> JsonObject:
         return dict(self.launch.generation_config)
 
     @property
@@ -449,16 +461,15 @@ class NemoGymRolloutSettings:
         return self.retry_policy.max_gym_row_attempts
 
 
-def nemo_gym_rollout_settings(config: Any, *, base_urls: list[str] | None = None) -> NemoGymRolloutSettings:
+def nemo_gym_rollout_settings(config: object, *, base_urls: list[str] | None = None) -> NemoGymRolloutSettings:
     """Read a NeMo-RL-style training config (loaded, a dict, or attribute-style) for the Gym path.
 
     Errors name the key (:class:`TrainingConfigError`).
     """
-    if not isinstance(config, Mapping):
-        config = _resolved(config)
-    if not should_use_nemo_gym(config):
+    mapping = config if isinstance(config, Mapping) else _resolved(config)
+    if not should_use_nemo_gym(mapping):
         raise TrainingConfigError("the config does not ask for NeMo-Gym: set 'env.should_use_nemo_gym: true'")
-    config = _plain(config)
+    config = _plain(mapping)
     async_rl = _section_model(AsyncRLSettings, config, "async_rl")
     async_grpo = _section_model(AsyncGRPOSettings, config, "grpo.async_grpo")
     _refuse_native_failure_keys(config)
@@ -499,7 +510,7 @@ def nemo_gym_rollout_settings(config: Any, *, base_urls: list[str] | None = None
     )
 
 
-def _rollout_seed_option(config: Mapping[str, Any]) -> dict[str, Any]:
+def _rollout_seed_option(config: JsonMapping) -> dict[str, int]:
     """``{"seed": grpo.seed}`` for the ``nemo_gym`` backend, which derives every row's sampling seed from it;
     empty without ``grpo.seed`` (rows go unseeded)."""
     seed = _get(config, "grpo.seed", None)
@@ -510,7 +521,7 @@ def _rollout_seed_option(config: Mapping[str, Any]) -> dict[str, Any]:
     return {"seed": seed}
 
 
-def _manager_max_seq_len(config: Mapping[str, Any]) -> int:
+def _manager_max_seq_len(config: JsonMapping) -> int:
     """The engine's context, as NeMo-RL's single controller sizes its manager: ``vllm_cfg.max_model_len`` for a
     vLLM backend that sets it, else ``policy.max_total_sequence_length``."""
     if _get(config, "policy.generation.backend", None) == "vllm":
@@ -520,7 +531,7 @@ def _manager_max_seq_len(config: Mapping[str, Any]) -> int:
     return int(_get(config, "policy.max_total_sequence_length"))
 
 
-def _section_model[M: BaseModel](model: type[M], config: Mapping[str, Any], dotted: str) -> M:
+def _section_model[M: BaseModel](model: type[M], config: JsonMapping, dotted: str) -> M:
     """``model`` validated from the section at ``dotted`` (its defaults when absent); errors name the key."""
     try:
         return model.model_validate(_get(config, dotted, None) or {})
@@ -535,7 +546,7 @@ def _section_model[M: BaseModel](model: type[M], config: Mapping[str, Any], dott
 
 
 def _failure_policy(
-    config: Mapping[str, Any], async_rl: AsyncRLSettings, async_grpo: AsyncGRPOSettings
+    config: JsonMapping, async_rl: AsyncRLSettings, async_grpo: AsyncGRPOSettings
 ) -> tuple[RolloutRetryPolicy, RolloutTimeouts]:
     """NeMo-RL's ``async_rl.rollout_failure`` when present; else our ``env.nemo_gym`` keys over one attempt
     (``single_attempt()``), with ``env.nemo_gym.max_row_attempts`` defaulting to NeMo-RL's row budget.
@@ -572,7 +583,7 @@ def _failure_policy(
     return policy, RolloutTimeouts(rollout_s=float(timeout) if timeout is not None else None)
 
 
-def _refuse_native_failure_keys(config: Mapping[str, Any]) -> None:
+def _refuse_native_failure_keys(config: JsonMapping) -> None:
     """NeMo-RL's rule: ``async_rl.rollout_failure.native`` settings on a Gym run would be silently ignored."""
     native = _get(config, "async_rl.rollout_failure.native", None) or {}
     populated = [f"{key}={value!r}" for key, value in native.items() if value is not None]

@@ -19,7 +19,7 @@ import torch or Ray, which only the run loop needs.
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from gym_bridge.eval.config import (
@@ -55,7 +55,8 @@ _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in nam
 __all__ = sorted(_MODULE_OF)
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> object:
+    """An exported name, imported from its module on first use."""
     module = _MODULE_OF.get(name)
     if module is None:
         raise AttributeError(f"module 'gym_bridge.eval' has no attribute {name!r}")

@@ -21,13 +21,13 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from gym_bridge.eval.passk import default_ks, pass_at_k
 from gym_bridge.eval.runs import LoadedRun, RunGroup, load_run
 from gym_bridge.failures import GymBridgeError
+from gym_bridge.json_types import JsonObject
 from gym_bridge.stats import DEFAULT_LEVEL, DEFAULT_RESAMPLES, mcnemar_exact, paired_bootstrap
 
 logger = logging.getLogger(__name__)
@@ -47,7 +47,7 @@ class CompareError(GymBridgeError, ValueError):
 
 @dataclass
 class CompareOutcome:
-    report: dict[str, Any]
+    report: JsonObject
     out_dir: Path
     worse: list[str]
     """One line per gated comparison in which B is worse than A by more than the margin (empty: none)."""
@@ -84,7 +84,7 @@ def compare_runs(
     shared = [g.key for g in base.groups if all(g.key in r.by_key for r in runs[1:])]
     if not shared:
         raise CompareError(f"{runs[1].dir} and {base.dir} share no finished prompt")
-    report: dict[str, Any] = {
+    report: JsonObject = {
         "runs": [
             {
                 "label": label,
@@ -134,7 +134,7 @@ def _is_rescore_of(run: LoadedRun, source: LoadedRun) -> bool:
     return origin is not None and Path(origin).resolve() == source.dir.resolve()
 
 
-def _grader(run: LoadedRun) -> dict[str, Any]:
+def _grader(run: LoadedRun) -> JsonObject:
     fingerprint, config = run.fingerprint, run.config
     return {
         "config_paths": fingerprint.get("config_paths", config.get("config_paths")),
@@ -143,7 +143,7 @@ def _grader(run: LoadedRun) -> dict[str, Any]:
     }
 
 
-def _check_comparable(base: LoadedRun, other: LoadedRun) -> dict[str, Any] | None:
+def _check_comparable(base: LoadedRun, other: LoadedRun) -> JsonObject | None:
     """The grader change between a rescored run and its source (None when the graders are equal).
 
     Raises:
@@ -180,7 +180,7 @@ def _prompt_metrics(group: RunGroup, threshold: float, ks: list[int]) -> list[fl
 
 def _compare_pair(
     base: LoadedRun, other: LoadedRun, shared: list[str], *, level: float, resamples: int, seed: int
-) -> dict[str, Any]:
+) -> JsonObject:
     threshold = base.pass_threshold
     ks = default_ks(min(min(len(r.by_key[k].rewards) for k in shared) for r in (base, other)))
     names = ["mean_reward", *(f"pass@{k}" for k in ks)]
@@ -188,8 +188,8 @@ def _compare_pair(
     for key in shared:
         by_agent.setdefault(base.by_key[key].agent, []).append(key)
     groups = {**dict(sorted(by_agent.items())), ALL: shared}
-    agents: dict[str, Any] = {}
-    flips: list[dict[str, Any]] = []
+    agents: JsonObject = {}
+    flips: list[JsonObject] = []
     for agent, keys in groups.items():
         a = np.array([_prompt_metrics(base.by_key[k], threshold, ks) for k in keys]).T
         b = np.array([_prompt_metrics(other.by_key[k], threshold, ks) for k in keys]).T
@@ -217,7 +217,7 @@ def _compare_pair(
     return {"metrics": names, "agents": agents, "flips": flips}
 
 
-def _flip(a: RunGroup, b: RunGroup, direction: str) -> dict[str, Any]:
+def _flip(a: RunGroup, b: RunGroup, direction: str) -> JsonObject:
     return {
         "direction": direction,
         "row_id": a.key,
@@ -230,7 +230,7 @@ def _flip(a: RunGroup, b: RunGroup, direction: str) -> dict[str, Any]:
     }
 
 
-def _prompt_preview(record: dict[str, Any], limit: int = 160) -> str:
+def _prompt_preview(record: JsonObject, limit: int = 160) -> str:
     """The last user message of the row's prompt, on one line (from the first completion's Gym result)."""
     try:
         items = record["completions"][0]["gym_result"]["responses_create_params"]["input"]
@@ -245,7 +245,7 @@ def _prompt_preview(record: dict[str, Any], limit: int = 160) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _gate(comparison: dict[str, Any], delta: float, level: float) -> dict[str, Any]:
+def _gate(comparison: JsonObject, delta: float, level: float) -> JsonObject:
     """B is worse than A by more than ``delta`` when the upper end of the overall interval lies below ``-delta``."""
     lines = []
     for name in GATED_METRICS:
@@ -264,7 +264,7 @@ def _cell(text: str) -> str:
     return " ".join(str(text).split()).replace("|", "\\|")
 
 
-def render_markdown(report: dict[str, Any]) -> str:
+def render_markdown(report: JsonObject) -> str:
     level = report["level"]
     lines = ["# Comparison", ""]
     for run in report["runs"]:
@@ -324,7 +324,7 @@ def render_markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def render_plot(report: dict[str, Any], path: Path) -> None:
+def render_plot(report: JsonObject, path: Path) -> None:
     """Per-agent differences (B - A) in mean reward and pass@1 with their intervals, one colour per comparison."""
     import matplotlib
 

@@ -17,7 +17,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 import yaml
 from pydantic import (
@@ -32,6 +32,10 @@ from pydantic import (
 )
 
 from gym_bridge.failures import GymBridgeError, RolloutRetryPolicy
+from gym_bridge.json_types import JsonMapping, JsonObject
+
+if TYPE_CHECKING:  # torch stays out of the config's imports (the CLI reads configs)
+    from gym_bridge.types import GenerationConfig
 
 
 class EvalConfigError(GymBridgeError, ValueError):
@@ -74,7 +78,7 @@ class PolicyEntry(BaseModel):
     api_key_env_var: str | None = None
     embedded_policy: Literal["tiny", "smollm2", "scripted"] | None = None
 
-    def keys(self) -> dict[str, Any]:
+    def keys(self) -> JsonObject:
         """The policy keys this entry sets (``name`` excluded)."""
         return self.model_dump(exclude={"name"}, exclude_none=True)
 
@@ -125,7 +129,7 @@ class EvalConfig(BaseModel):
         "and goes to the endpoint as its per-request seed (the embedded model's generator too). null: unseeded.",
     )
     pass_threshold: float = Field(1.0, description="A completion passes when its reward >= this.")
-    gym_overrides: dict[str, Any] = Field(default_factory=dict, description="Merged into Gym's global config.")
+    gym_overrides: JsonObject = Field(default_factory=dict, description="Merged into Gym's global config.")
     policies: list[PolicyEntry] | None = Field(
         None,
         description="Several policies in one command: each a name plus the policy keys (base_urls, model_name, "
@@ -145,14 +149,14 @@ class EvalConfig(BaseModel):
     def _check_urls(self) -> EvalConfig:
         for i, url in enumerate(self.base_urls):
             if not url.startswith(("http://", "https://")):
-                raise ValueError(f"base_urls.{i}: {url!r} is not an http(s) URL (http://host:port/v1)")
+                raise EvalConfigError(f"base_urls.{i}: {url!r} is not an http(s) URL (http://host:port/v1)")
         return self
 
     @model_validator(mode="after")
     def _named_key_is_set(self) -> EvalConfig:
         """A key variable named explicitly must hold a key when the run calls endpoints of its own."""
         if "api_key_env_var" in self.model_fields_set and not self.embedded and self.api_key() is None:
-            raise ValueError(f"api_key_env_var: the environment variable {self.api_key_env_var} is not set")
+            raise EvalConfigError(f"api_key_env_var: the environment variable {self.api_key_env_var} is not set")
         return self
 
     @model_validator(mode="after")
@@ -165,7 +169,7 @@ class EvalConfig(BaseModel):
         if "model_name" not in self.model_fields_set:
             self.model_name = self.embedded_policy
         if self.embedded and self.tokenizer in ("tiny", "smollm2") and self.tokenizer != self.embedded_policy:
-            raise ValueError(
+            raise EvalConfigError(
                 f"tokenizer: {self.tokenizer!r} is not the tokenizer of embedded_policy {self.embedded_policy!r}; "
                 "leave tokenizer out (or pass the embedded model's folder)"
             )
@@ -178,12 +182,12 @@ class EvalConfig(BaseModel):
             return self
         mixed = [key for key in POLICY_KEYS if key in self.model_fields_set]
         if mixed:
-            raise ValueError(
+            raise EvalConfigError(
                 f"policies: give {', '.join(mixed)} inside each policy entry, not beside policies "
                 f"(one form or the other: policies, or the top-level {' / '.join(POLICY_KEYS)})"
             )
         if not self.policies:
-            raise ValueError("policies: the list is empty; give at least one entry (name plus base_urls or "
+            raise EvalConfigError("policies: the list is empty; give at least one entry (name plus base_urls or "
                              "embedded_policy)")  # fmt: skip
         shared = self.model_dump(mode="json", exclude_unset=True, exclude={"policies"})
         seen: dict[str, int] = {}
@@ -191,21 +195,23 @@ class EvalConfig(BaseModel):
         for i, entry in enumerate(self.policies):
             label = f"policy {entry.name!r} (policies.{i})"
             if not _POLICY_NAME.fullmatch(entry.name):
-                raise ValueError(f"{label}: name: use letters, digits, '.', '_' and '-' (it names a folder)")
+                raise EvalConfigError(f"{label}: name: use letters, digits, '.', '_' and '-' (it names a folder)")
             if entry.name in seen:
-                raise ValueError(f"{label}: name: {entry.name!r} is already the name of policies.{seen[entry.name]}")
+                raise EvalConfigError(
+                    f"{label}: name: {entry.name!r} is already the name of policies.{seen[entry.name]}"
+                )
             seen[entry.name] = i
             keys = entry.keys()
             if not keys.get("base_urls") and "embedded_policy" not in keys:
-                raise ValueError(f"{label}: base_urls: no endpoint; give base_urls, or embedded_policy for an "
+                raise EvalConfigError(f"{label}: base_urls: no endpoint; give base_urls, or embedded_policy for an "
                                  "embedded model")  # fmt: skip
             if keys.get("base_urls") and "embedded_policy" in keys:
-                raise ValueError(f"{label}: embedded_policy: give base_urls or embedded_policy, not both")
+                raise EvalConfigError(f"{label}: embedded_policy: give base_urls or embedded_policy, not both")
             data = {**shared, **keys, "output_dir": str(self.output_dir / entry.name)}
             try:
                 configs.append((entry.name, EvalConfig.model_validate(data)))
             except ValidationError as exc:
-                raise ValueError(f"{label}: {_format_errors(exc, prefix='')}") from None
+                raise EvalConfigError(f"{label}: {_format_errors(exc, prefix='')}") from None
         self._policy_configs = configs
         return self
 
@@ -227,10 +233,11 @@ class EvalConfig(BaseModel):
         """The run's retry policy: the ``retry:`` section."""
         return self.retry
 
-    def generation_config(self) -> dict[str, Any]:
+    def generation_config(self) -> GenerationConfig:
+        """The sampling every row is stamped with."""
         return {"temperature": self.temperature, "top_p": self.top_p, "max_new_tokens": self.max_new_tokens}
 
-    def fingerprint(self, dataset_sha256: str) -> dict[str, Any]:
+    def fingerprint(self, dataset_sha256: str) -> JsonObject:
         """The settings a resumed run must share with the original (results would not be comparable otherwise)."""
         return {
             "dataset_sha256": dataset_sha256,
@@ -249,7 +256,7 @@ class EvalConfig(BaseModel):
         }
 
 
-def parse_override(text: str) -> tuple[list[str], Any]:
+def parse_override(text: str) -> tuple[list[str], object]:
     """``a.b=value`` -> ``(["a", "b"], yaml value)``."""
     key, sep, raw = text.partition("=")
     if not sep or not key.strip():
@@ -262,7 +269,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
 
 
 def _format_errors(
-    exc: ValidationError, *, prefix: str = "invalid eval config: ", data: dict[str, Any] | None = None
+    exc: ValidationError, *, prefix: str = "invalid eval config: ", data: JsonMapping | None = None
 ) -> str:
     """One line: every error with its key (``policies`` entries named by their ``name`` where ``data`` has it)."""
     entries = (data or {}).get("policies")
@@ -295,12 +302,12 @@ def _format_errors(
     return prefix + "; ".join(lines)
 
 
-def build_config(data: dict[str, Any], overrides: Sequence[str] = ()) -> EvalConfig:
+def build_config(data: JsonMapping, overrides: Sequence[str] = ()) -> EvalConfig:
     """Apply ``overrides`` to ``data`` and validate."""
-    data = dict(data)
+    merged = dict(data)
     for text in overrides:
         path, value = parse_override(text)
-        node = data
+        node = merged
         for part in path[:-1]:
             child = node.get(part)
             if not isinstance(child, dict):
@@ -309,9 +316,9 @@ def build_config(data: dict[str, Any], overrides: Sequence[str] = ()) -> EvalCon
             node = child
         node[path[-1]] = value
     try:
-        return EvalConfig.model_validate(data)
+        return EvalConfig.model_validate(merged)
     except ValidationError as exc:
-        raise EvalConfigError(_format_errors(exc, data=data)) from None
+        raise EvalConfigError(_format_errors(exc, data=merged)) from None
 
 
 def load_config(path: str | Path, overrides: Sequence[str] = ()) -> EvalConfig:

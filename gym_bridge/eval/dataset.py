@@ -6,10 +6,10 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from gym_bridge.failures import GymBridgeError, InvalidGymRow
 from gym_bridge.gym.rows import validate_row
+from gym_bridge.json_types import JsonObject
 
 _MAX_REPORTED = 20
 
@@ -24,7 +24,8 @@ class DatasetRow:
     """The row's position among the file's non-blank lines (0-based); stable across runs."""
     line: int
     """1-based line number in the file."""
-    row: dict[str, Any]
+    row: JsonObject
+    """The Gym row as the file gives it."""
 
     @property
     def agent(self) -> str:

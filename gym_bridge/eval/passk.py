@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import math
 
+from gym_bridge.failures import SettingError
+
 
 def pass_at_k(n: int, c: int, k: int) -> float:
     """The probability that at least one of ``k`` samples drawn without replacement from
     ``n`` samples, ``c`` of them correct, is correct.
 
     Raises:
-        ValueError: not ``0 <= c <= n`` or not ``1 <= k <= n``.
+        SettingError: not ``0 <= c <= n`` or not ``1 <= k <= n`` (a ``ValueError``).
     """
     if not 0 <= c <= n:
-        raise ValueError(f"need 0 <= c <= n, got n={n} c={c}")
+        raise SettingError(f"need 0 <= c <= n, got n={n} c={c}")
     if not 1 <= k <= n:
-        raise ValueError(f"need 1 <= k <= n, got n={n} k={k}")
+        raise SettingError(f"need 1 <= k <= n, got n={n} k={k}")
     if n - c < k:
         return 1.0
     # The product form of C(n-c, k) / C(n, k): exact enough and no huge integers.

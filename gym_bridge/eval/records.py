@@ -7,7 +7,7 @@ import json
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 from gym_bridge.failures import classify_rollout_failure
 from gym_bridge.json_types import JsonMapping, JsonObject
@@ -28,7 +28,7 @@ def termination_reason(completion: Completion) -> str:
     return "stop"
 
 
-ROW_ID_KEY = "row_id"
+ROW_ID_KEY: Final = "row_id"
 """The result line's key for :func:`row_id`: what ``gym-bridge compare`` matches runs by."""
 _LOGPROB_DIGITS = 3
 

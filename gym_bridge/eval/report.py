@@ -8,11 +8,11 @@ import math
 import statistics
 from collections import Counter, defaultdict
 from pathlib import Path
-from typing import Any
 
 from gym_bridge.eval.passk import default_ks, pass_at_k
 from gym_bridge.eval.store import FAILURES_FILE, RESULTS_FILE, RUN_FILE, read_jsonl
 from gym_bridge.eval.viewer import VIEWER_FILE, build_viewer
+from gym_bridge.json_types import JsonObject
 from gym_bridge.metrics import pct
 
 METRICS_FILE = "metrics.json"
@@ -33,7 +33,7 @@ def _stats(values: list[float]) -> dict[str, float]:
     }
 
 
-def _group_metrics(groups: list[dict[str, Any]], threshold: float) -> dict[str, Any]:
+def _group_metrics(groups: list[JsonObject], threshold: float) -> JsonObject:
     completions = [c for g in groups for c in g["completions"]]
     rewards = [float(c["reward"]) for c in completions]
     ns = {len(g["completions"]) for g in groups}
@@ -60,7 +60,7 @@ def _group_metrics(groups: list[dict[str, Any]], threshold: float) -> dict[str, 
     }
 
 
-def describe_model(config: dict[str, Any]) -> str:
+def describe_model(config: JsonObject) -> str:
     """What model a run evaluated, in words, from its config (``run.json``'s ``config``)."""
     if config.get("base_urls"):
         return f"{config.get('model_name')!r} served at {', '.join(config['base_urls'])}"
@@ -73,7 +73,7 @@ def describe_model(config: dict[str, Any]) -> str:
     )
 
 
-def compute_metrics(run_dir: str | Path) -> dict[str, Any]:
+def compute_metrics(run_dir: str | Path) -> JsonObject:
     """Metrics of the finished groups of a run folder (failures later resolved by a resume are not counted)."""
     run_dir = Path(run_dir)
     run = json.loads((run_dir / RUN_FILE).read_text())
@@ -81,8 +81,8 @@ def compute_metrics(run_dir: str | Path) -> dict[str, Any]:
     results = read_jsonl(run_dir / RESULTS_FILE)
     done = {r["prompt_idx"] for r in results}
     failures = [f for f in read_jsonl(run_dir / FAILURES_FILE) if f["prompt_idx"] not in done]
-    latest_failure: dict[int, dict[str, Any]] = {f["prompt_idx"]: f for f in failures}
-    by_agent: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    latest_failure: dict[int, JsonObject] = {f["prompt_idx"]: f for f in failures}
+    by_agent: dict[str, list[JsonObject]] = defaultdict(list)
     for r in results:
         by_agent[r["agent"]].append(r)
     agents = {agent: _group_metrics(groups, threshold) for agent, groups in sorted(by_agent.items())}
@@ -119,11 +119,11 @@ def compute_metrics(run_dir: str | Path) -> dict[str, Any]:
     }
 
 
-def _fmt(value: Any) -> str:
+def _fmt(value: object) -> str:
     return f"{value:.3f}" if isinstance(value, float) else str(value)
 
 
-def render_markdown(metrics: dict[str, Any]) -> str:
+def render_markdown(metrics: JsonObject) -> str:
     agents = metrics["agents"]
     ks = sorted({k for m in agents.values() for k in m["pass_at_k"]}, key=lambda s: int(s.split("@")[1]))
     lines = [
@@ -177,7 +177,7 @@ def render_markdown(metrics: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def render_plot(metrics: dict[str, Any], rewards: dict[str, list[float]], path: Path) -> None:
+def render_plot(metrics: JsonObject, rewards: dict[str, list[float]], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -207,7 +207,7 @@ def render_plot(metrics: dict[str, Any], rewards: dict[str, list[float]], path: 
     plt.close(fig)
 
 
-def build_report(run_dir: str | Path) -> dict[str, Any]:
+def build_report(run_dir: str | Path) -> JsonObject:
     """Write ``metrics.json``, ``report.md``, ``report.png`` and ``report.html`` into ``run_dir``; return the
     metrics."""
     run_dir = Path(run_dir)

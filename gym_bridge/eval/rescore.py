@@ -22,7 +22,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 import httpx
 import yaml
@@ -33,6 +33,7 @@ from gym_bridge.eval.report import build_report
 from gym_bridge.eval.runs import LoadedRun, load_run
 from gym_bridge.eval.store import FAILURES_FILE, RunStore, read_jsonl
 from gym_bridge.failures import GymBridgeError
+from gym_bridge.json_types import JsonMapping, JsonObject
 
 logger = logging.getLogger(__name__)
 
@@ -46,15 +47,26 @@ class RescoreError(GymBridgeError, ValueError):
     """A rescore cannot start: bad options, an output folder in use, or a config without the run's agents."""
 
 
+class UnverifiedCompletion(TypedDict):
+    """A completion the rescore could not verify; it keeps its stored reward (listed in ``rescore.json``)."""
+
+    prompt_idx: int
+    row_id: str
+    agent: str
+    completion: int
+    reward: float
+    reason: str
+
+
 @dataclass
 class RescoreOutcome:
     out_dir: Path
     completions: int
     changed: int
-    unverified: list[dict[str, Any]] = field(default_factory=list)
+    unverified: list[UnverifiedCompletion] = field(default_factory=list)
 
 
-def grader_config(source: LoadedRun, config_file: str | Path | None, overrides: list[str]) -> dict[str, Any]:
+def grader_config(source: LoadedRun, config_file: str | Path | None, overrides: list[str]) -> JsonObject:
     """The source run's config with the grader settings of ``config_file`` and the ``key=value`` overrides.
 
     Raises:
@@ -83,18 +95,18 @@ def grader_config(source: LoadedRun, config_file: str | Path | None, overrides: 
     return config
 
 
-def _config_blocks(config_paths: list[str], overrides: dict[str, Any]) -> dict[str, Any]:
+def _config_blocks(config_paths: list[str], overrides: JsonObject) -> JsonObject:
     """Gym's server blocks from the config files, with the overrides merged (as Gym layers them)."""
     from gym_bridge.gym.server_config import deep_merge, wheel_config_path
 
-    merged: dict[str, Any] = {}
+    merged: JsonObject = {}
     for name in config_paths:
         path = Path(name) if Path(name).exists() else wheel_config_path(name)
         merged = deep_merge(merged, yaml.safe_load(path.read_text()) or {})
     return deep_merge(merged, overrides)
 
 
-def agent_resources_servers(blocks: dict[str, Any]) -> dict[str, str]:
+def agent_resources_servers(blocks: JsonMapping) -> dict[str, str]:
     """Agent name -> the resources server that verifies its rows (the agent block's ``resources_server``)."""
     mapping = {}
     for name, block in blocks.items():
@@ -106,7 +118,7 @@ def agent_resources_servers(blocks: dict[str, Any]) -> dict[str, str]:
     return mapping
 
 
-def _dataset_rows(source: LoadedRun) -> dict[str, dict[str, Any]]:
+def _dataset_rows(source: LoadedRun) -> dict[str, JsonObject]:
     """The dataset's rows by identity, when the file is still there unchanged; else none (stored fields serve)."""
     path = source.config.get("dataset")
     if not path or not Path(path).is_file():
@@ -115,7 +127,7 @@ def _dataset_rows(source: LoadedRun) -> dict[str, dict[str, Any]]:
     if file_sha256(Path(path)) != source.fingerprint.get("dataset_sha256"):
         logger.warning("the dataset %s changed since the run: the stored Gym results' fields are used", path)
         return {}
-    rows: dict[str, dict[str, Any]] = {}
+    rows: dict[str, JsonObject] = {}
     for line in Path(path).read_text(encoding="utf-8").splitlines():
         if line.strip():
             row = json.loads(line)
@@ -123,7 +135,7 @@ def _dataset_rows(source: LoadedRun) -> dict[str, dict[str, Any]]:
     return rows
 
 
-def verify_request(row: dict[str, Any] | None, gym_result: dict[str, Any]) -> dict[str, Any]:
+def verify_request(row: JsonMapping | None, gym_result: JsonMapping) -> JsonObject:
     """The ``/verify`` body for one stored completion: its row, with the stored request and response.
 
     Raises:
@@ -197,15 +209,15 @@ def rescore_run(
 
 async def _verify_all(
     source: LoadedRun,
-    rows: dict[str, dict[str, Any]],
+    rows: dict[str, JsonObject],
     urls: dict[str, str],
     servers_of: dict[str, str],
     concurrency: int,
     timeout_s: float,
-) -> dict[tuple[int, int], dict[str, Any]]:
+) -> dict[tuple[int, int], JsonObject]:
     """(group, completion) -> Gym's verify response, or ``{"error": reason}``."""
     limit = asyncio.Semaphore(concurrency)
-    results: dict[tuple[int, int], dict[str, Any]] = {}
+    results: dict[tuple[int, int], JsonObject] = {}
     async with httpx.AsyncClient(timeout=timeout_s) as client:
         modes = {}
         for name in sorted(set(servers_of.values())):
@@ -254,13 +266,13 @@ async def _verify_all(
 def _write(
     source: LoadedRun,
     store: RunStore,
-    config: dict[str, Any],
-    verdicts: dict[tuple[int, int], dict[str, Any]],
+    config: JsonObject,
+    verdicts: dict[tuple[int, int], JsonObject],
     started: float,
 ) -> RescoreOutcome:
     """The new run folder's results, failures, ``run.json``, ``rescore.json`` and report."""
     out = store.dir
-    unverified: list[dict[str, Any]] = []
+    unverified: list[UnverifiedCompletion] = []
     changed = total = 0
     try:
         for g, group in enumerate(source.groups):

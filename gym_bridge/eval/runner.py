@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
 from pydantic import SecretStr
 from tqdm import tqdm
@@ -36,6 +36,12 @@ from gym_bridge.eval.report import build_report, describe_model
 from gym_bridge.eval.sink import RunStoreSink
 from gym_bridge.eval.store import RunStore, read_jsonl
 from gym_bridge.failures import RunConfigurationError
+from gym_bridge.json_types import JsonObject
+
+if TYPE_CHECKING:
+    from gym_bridge.config.launch_spec import GymLaunchSpec
+    from gym_bridge.rollout.manager import RolloutManager
+    from gym_bridge.types import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +61,7 @@ class EvalOutcome:
     failed_now: int = 0
     rollouts_started: float | None = None
     """Wall-clock time when the policy and Gym were up and the first group was sent."""
-    metrics: dict[str, Any] = field(default_factory=dict)
+    metrics: JsonObject = field(default_factory=dict)
 
 
 @dataclass
@@ -315,7 +321,7 @@ def _run_pending(
                     ray.shutdown()
 
 
-def _preflight(spec: Any, api_key: SecretStr | None) -> None:
+def _preflight(spec: GymLaunchSpec, api_key: SecretStr | None) -> None:
     """Check every endpoint with the run's API key (None: none is sent, so a refusal says so), before Ray or
     Gym start (raises ``PreflightError``)."""
     from gym_bridge.preflight import preflight_endpoints
@@ -332,20 +338,10 @@ def _preflight(spec: Any, api_key: SecretStr | None) -> None:
 
 
 @contextmanager
-def _policy_endpoint(config: EvalConfig) -> Iterator[tuple[list[str], Any]]:
+def _policy_endpoint(config: EvalConfig) -> Iterator[tuple[list[str], Tokenizer]]:
     """``(base_urls, tokenizer)``: the configured endpoints, or the embedded server for the run's duration."""
-    from transformers import AutoTokenizer
-
-    from gym_bridge.models.registry import resolve_model_path
-
     if not config.embedded:
-        path = resolve_model_path(config.tokenizer)
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(path)
-        except (OSError, ValueError) as exc:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise EvalConfigError(f"tokenizer: cannot load a tokenizer from {path}: {first}") from exc
-        yield list(config.base_urls), tokenizer
+        yield list(config.base_urls), _endpoint_tokenizer(config)
         return
     from gym_bridge.generation.factory import EngineSpec, build_engine
     from gym_bridge.serving import OpenAIServer
@@ -376,7 +372,22 @@ def _policy_endpoint(config: EvalConfig) -> Iterator[tuple[list[str], Any]]:
                 shutdown()
 
 
-def _launch_spec(config: EvalConfig, base_urls: list[str], pending: list[DatasetRow]) -> Any:
+def _endpoint_tokenizer(config: EvalConfig) -> Tokenizer:
+    """The served model's tokenizer (``config.tokenizer``: a built-in name or a local folder)."""
+    from transformers import AutoTokenizer
+
+    from gym_bridge.models.registry import resolve_model_path
+
+    path = resolve_model_path(config.tokenizer)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise EvalConfigError(f"tokenizer: cannot load a tokenizer from {path}: {first}") from exc
+    return cast("Tokenizer", tokenizer)  # a Hugging Face tokenizer has the protocol's methods; its stubs differ
+
+
+def _launch_spec(config: EvalConfig, base_urls: list[str], pending: list[DatasetRow]) -> GymLaunchSpec:
     """What :func:`gym_bridge.recipes.launch.start_nemo_gym` starts for this run: one actor on ``base_urls``."""
     from gym_bridge.failures import RolloutTimeouts
     from gym_bridge.gym.actor import NemoGymConfig
@@ -415,8 +426,8 @@ async def _dispatch_all(
     config: EvalConfig,
     pending: list[DatasetRow],
     store: RunStore,
-    manager: Any,
-    tokenizer: Any,
+    manager: RolloutManager,
+    tokenizer: Tokenizer,
     state: _Progress,
     outcome: EvalOutcome,
 ) -> bool:

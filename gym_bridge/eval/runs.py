@@ -13,13 +13,13 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import orjson
 
 from gym_bridge.eval.records import ROW_ID_KEY
 from gym_bridge.eval.store import LOCK_FILE, RESULTS_FILE, RUN_FILE, writer_active
 from gym_bridge.failures import GymBridgeError
+from gym_bridge.json_types import JsonObject
 
 
 class RunReadError(GymBridgeError, ValueError):
@@ -37,13 +37,13 @@ class RunGroup:
     """The line in ``results.jsonl`` (1-based)."""
     agent: str
     rewards: list[float]
-    record: dict[str, Any]
+    record: JsonObject
 
 
 @dataclass
 class LoadedRun:
     dir: Path
-    run: dict[str, Any]
+    run: JsonObject
     """``run.json``."""
     groups: list[RunGroup]
     by_key: dict[str, RunGroup] = field(default_factory=dict)
@@ -52,13 +52,13 @@ class LoadedRun:
         self.by_key = {g.key: g for g in self.groups}
 
     @property
-    def config(self) -> dict[str, Any]:
-        config: dict[str, Any] = self.run.get("config") or {}
+    def config(self) -> JsonObject:
+        config: JsonObject = self.run.get("config") or {}
         return config
 
     @property
-    def fingerprint(self) -> dict[str, Any]:
-        fingerprint: dict[str, Any] = self.run.get("fingerprint") or {}
+    def fingerprint(self) -> JsonObject:
+        fingerprint: JsonObject = self.run.get("fingerprint") or {}
         return fingerprint
 
     @property
@@ -123,7 +123,7 @@ def _parse_line(path: Path, number: int, raw: bytes, *, need_row_ids: bool) -> R
     if not isinstance(record, dict):
         raise RunReadError(f"{where}: not a JSON object")
 
-    def need(key: str, kind: type | tuple[type, ...], what: str) -> Any:
+    def need[T](key: str, kind: type[T], what: str) -> T:
         if key not in record:
             raise RunReadError(f"{where}: field {key!r} is missing")
         value = record[key]

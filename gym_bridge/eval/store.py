@@ -18,9 +18,10 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import IO, TextIO
 
 from gym_bridge.failures import GymBridgeError
+from gym_bridge.json_types import JsonObject
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +35,7 @@ class RunDirError(GymBridgeError, RuntimeError):
     """The output folder cannot be used: not empty without resume, or resumed with a changed config."""
 
 
-def read_jsonl(path: Path, *, repair: bool = False) -> list[dict[str, Any]]:
+def read_jsonl(path: Path, *, repair: bool = False) -> list[JsonObject]:
     """The records of a JSONL file, without a torn last line (cut off when ``repair``).
 
     A bad line anywhere but last is corruption, not a crash mid-write: that raises.
@@ -42,20 +43,15 @@ def read_jsonl(path: Path, *, repair: bool = False) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     data = path.read_bytes()
-    records: list[dict[str, Any]] = []
+    records: list[JsonObject] = []
     good_end = 0
     lines = data.split(b"\n")
     for i, raw in enumerate(lines):
         last = i == len(lines) - 1
         if last and not raw:
             break  # the file ends with a newline
-        try:
-            if last:
-                raise ValueError("no newline: torn write")
-            record = json.loads(raw)
-            if not isinstance(record, dict):
-                raise ValueError("not an object")
-        except ValueError as exc:
+        record = _json_object(raw, last=last)
+        if isinstance(record, str):
             if last:
                 logger.warning("%s: ignoring a torn last line (%d bytes)", path, len(raw))
                 if repair:
@@ -63,10 +59,21 @@ def read_jsonl(path: Path, *, repair: bool = False) -> list[dict[str, Any]]:
                         f.truncate(good_end)
                         os.fsync(f.fileno())
                 break
-            raise RunDirError(f"{path}:{i + 1} is not a JSON object ({exc}); the file is corrupt") from None
+            raise RunDirError(f"{path}:{i + 1} is not a JSON object ({record}); the file is corrupt")
         records.append(record)
         good_end += len(raw) + 1
     return records
+
+
+def _json_object(raw: bytes, *, last: bool) -> JsonObject | str:
+    """The JSON object on one line, or what is wrong with it (a last line without its newline is torn)."""
+    if last:
+        return "no newline: torn write"
+    try:
+        record = json.loads(raw)
+    except ValueError as exc:
+        return str(exc)
+    return record if isinstance(record, dict) else "not an object"
 
 
 class RunStore:
@@ -78,10 +85,10 @@ class RunStore:
         self.failures_path = self.dir / FAILURES_FILE
         self.run_path = self.dir / RUN_FILE
         self.done: set[int] = set()
-        self._files: dict[Path, Any] = {}
-        self._lock: Any = None
+        self._files: dict[Path, IO[bytes]] = {}
+        self._lock: TextIO | None = None
 
-    def open(self, fingerprint: dict[str, Any], *, resume: bool, meta: dict[str, Any] | None = None) -> set[int]:
+    def open(self, fingerprint: JsonObject, *, resume: bool, meta: JsonObject | None = None) -> set[int]:
         """Create or reopen the run folder; return the prompt indices already done.
 
         ``meta`` (the full config, the dataset size) is stored in ``run.json`` beside the fingerprint.
@@ -128,7 +135,7 @@ class RunStore:
             raise RunDirError(f"{self.dir} is being written by another process (it holds {LOCK_FILE})") from None
         self._lock = lock
 
-    def update_run(self, **fields: Any) -> None:
+    def update_run(self, **fields: object) -> None:
         """Merge ``fields`` into ``run.json`` (atomically replaced)."""
         run = json.loads(self.run_path.read_text())
         run.update(fields)
@@ -141,17 +148,17 @@ class RunStore:
         run.setdefault("sessions", []).append(session)
         _write_atomic(self.run_path, run)
 
-    def append_result(self, record: dict[str, Any]) -> None:
+    def append_result(self, record: JsonObject) -> None:
         idx = int(record["prompt_idx"])
         if idx in self.done:
             raise RunDirError(f"prompt_idx={idx} already has a result in {self.results_path}")
         self._append(self.results_path, record)
         self.done.add(idx)
 
-    def append_failure(self, record: dict[str, Any]) -> None:
+    def append_failure(self, record: JsonObject) -> None:
         self._append(self.failures_path, record)
 
-    def _append(self, path: Path, record: dict[str, Any]) -> None:
+    def _append(self, path: Path, record: JsonObject) -> None:
         f = self._files.get(path)
         if f is None:
             f = self._files[path] = path.open("ab")
@@ -182,7 +189,7 @@ def writer_active(run_dir: str | Path) -> bool:
     return False
 
 
-def _write_atomic(path: Path, data: dict[str, Any]) -> None:
+def _write_atomic(path: Path, data: JsonObject) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     with tmp.open("w") as f:
         json.dump(data, f, indent=1)

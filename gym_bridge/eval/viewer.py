@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 from gym_bridge.eval.store import FAILURES_FILE, RESULTS_FILE, RUN_FILE, read_jsonl
+from gym_bridge.json_types import JsonObject
 
 VIEWER_FILE = "report.html"
 TEMPLATE = Path(__file__).with_name("viewer_template.html")
@@ -23,11 +23,11 @@ _HIDDEN_GYM_KEYS = {"responses_create_params", "response", "reward", "token_drif
 """Gym result keys shown elsewhere on the page; the rest is what the grader compared and returned."""
 
 
-def _items(response: Any) -> list[dict[str, Any]]:
+def _items(response: object) -> list[JsonObject]:
     """Gym's response output items, reduced to what a reader needs: messages, tool calls, tool results."""
     if not isinstance(response, dict):
         return []
-    items: list[dict[str, Any]] = []
+    items: list[JsonObject] = []
     for item in response.get("output") or []:
         if not isinstance(item, dict):
             continue
@@ -46,7 +46,7 @@ def _items(response: Any) -> list[dict[str, Any]]:
     return items
 
 
-def _completion(c: dict[str, Any]) -> dict[str, Any]:
+def _completion(c: JsonObject) -> JsonObject:
     gym = c.get("gym_result") if isinstance(c.get("gym_result"), dict) else {}
     assert isinstance(gym, dict)
     return {
@@ -65,7 +65,7 @@ def _completion(c: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _prompt_text(record: dict[str, Any]) -> str:
+def _prompt_text(record: JsonObject) -> str:
     try:
         items = record["completions"][0]["gym_result"]["responses_create_params"]["input"]
     except (KeyError, IndexError, TypeError):
@@ -77,7 +77,7 @@ def _prompt_text(record: dict[str, Any]) -> str:
     return last if isinstance(last, str) else json.dumps(last)
 
 
-def viewer_data(run_dir: str | Path) -> dict[str, Any]:
+def viewer_data(run_dir: str | Path) -> JsonObject:
     """What the page shows, from the run folder's files alone."""
     run_dir = Path(run_dir)
     run = json.loads((run_dir / RUN_FILE).read_text())
@@ -114,7 +114,7 @@ def viewer_data(run_dir: str | Path) -> dict[str, Any]:
     }
 
 
-def render_viewer(data: dict[str, Any]) -> str:
+def render_viewer(data: JsonObject) -> str:
     """The page: the template with ``data`` embedded as JSON; every ``<`` is escaped (``\\u003c``, inside JSON
     strings only), so no string can end the script element."""
     payload = json.dumps(data, separators=(",", ":"), default=str).replace("<", "\\u003c")

@@ -12,10 +12,8 @@ torch before the models load, and on the CPU the run uses ``torch.use_determinis
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -33,12 +31,14 @@ from gym_bridge.config.training import TrainingConfigError, nemo_gym_rollout_set
 from gym_bridge.data import datum_from_gym_row
 from gym_bridge.generation.hf import HFGeneration, HFGenerationConfig
 from gym_bridge.gym.client import GymClient
+from gym_bridge.json_types import JsonMapping
 from gym_bridge.policy.hf import HFPolicy
 from gym_bridge.recipes.launch import NemoGymRollouts, start_nemo_gym_rollouts
 from gym_bridge.serving import OpenAIServer
 from gym_bridge.training.loop import GRPOLoopConfig, GRPOTrainer, load_trainer_state
 from gym_bridge.training.rewards import RewardShaper
 from gym_bridge.training.validation import GymValidator
+from gym_bridge.types import ActorHandle, Tokenizer
 
 __all__ = ["GRPORun", "build_grpo_run", "reward_shaper_from", "validator_from"]
 
@@ -46,8 +46,8 @@ logger = logging.getLogger(__name__)
 
 
 def validator_from(
-    config: Mapping[str, Any],
-    actors: list[Any],
+    config: JsonMapping,
+    actors: list[ActorHandle],
     out_dir: Path,
     *,
     pass_threshold: float,
@@ -72,7 +72,7 @@ def validator_from(
     )
 
 
-def reward_shaper_from(loop_cfg: GRPOLoopConfig, tokenizer: Any) -> RewardShaper:
+def reward_shaper_from(loop_cfg: GRPOLoopConfig, tokenizer: Tokenizer) -> RewardShaper:
     """The loop's effort levels, reward penalties and thinking tags over ``tokenizer``."""
     return RewardShaper(
         tokenizer,
@@ -104,7 +104,7 @@ class GRPORun:
             torch.use_deterministic_algorithms(self.deterministic_before)
 
 
-def build_grpo_run(config: Mapping[str, Any], out_dir: str | Path, *, resume: bool = True) -> GRPORun:
+def build_grpo_run(config: JsonMapping, out_dir: str | Path, *, resume: bool = True) -> GRPORun:
     """Start the engine, its server, Gym and the manager; load the policy; resume from ``out_dir`` if it can.
 
     Ray must be initialised (:func:`gym_bridge.ray_utils.init_ray`).

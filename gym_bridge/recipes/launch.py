@@ -11,17 +11,18 @@ A failure at any step undoes the steps before it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, cast
 
 from gym_bridge.config.launch_spec import GymLaunchSpec
 from gym_bridge.config.training import NemoGymRolloutSettings, nemo_gym_rollout_settings
+from gym_bridge.json_types import JsonMapping
 
 if TYPE_CHECKING:
     from gym_bridge.rollout.manager import RolloutManager
-    from gym_bridge.types import GenerationConfig, Tokenizer
+    from gym_bridge.types import ActorHandle, GenerationConfig, Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -40,11 +41,11 @@ class NemoGymRollouts:
     """What :func:`start_nemo_gym` started: the manager, the actors it owns, and whether it started Ray."""
 
     manager: RolloutManager
-    actors: list[Any]
+    actors: list[ActorHandle]
     started_ray: bool = False
 
     @property
-    def actor(self) -> Any:
+    def actor(self) -> ActorHandle:
         """The first (usually the only) actor."""
         return self.actors[0]
 
@@ -132,13 +133,13 @@ def launch_nemo_gym(
 
 
 def build_nemo_gym_rollouts(
-    config: Mapping[str, Any],
+    config: JsonMapping,
     tokenizer: Tokenizer,
     *,
     base_urls: list[str] | None = None,
     uses_tools: bool = False,
     preflight: bool = True,
-    **manager_kwargs: Any,
+    **manager_kwargs: object,
 ) -> NemoGymRollouts:
     """Preflight the endpoints, then start the NemoGym actor(s) and a ``RolloutManager(use_nemo_gym=True)``
     from a training config (through :func:`start_nemo_gym`).
@@ -156,7 +157,7 @@ def start_nemo_gym_rollouts(
     *,
     uses_tools: bool = False,
     preflight: bool = True,
-    **manager_kwargs: Any,
+    **manager_kwargs: object,
 ) -> NemoGymRollouts:
     """:func:`build_nemo_gym_rollouts` for settings already read."""
     spec = replace(

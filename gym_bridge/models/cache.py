@@ -17,9 +17,9 @@ import shutil
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from gym_bridge.failures import GymBridgeError
+from gym_bridge.json_types import JsonObject
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ def is_complete(path: Path, marker_file: str) -> bool:
     return (path / marker_file).is_file()
 
 
-def build_atomically(final: Path, marker_file: str, write: Callable[[Path], dict[str, Any]]) -> Path:
+def build_atomically(final: Path, marker_file: str, write: Callable[[Path], JsonObject]) -> Path:
     """Return ``final``, building it first with ``write(tmp_folder)`` unless a finished build is there.
 
     ``write`` fills the empty temporary folder and returns the marker's content; the

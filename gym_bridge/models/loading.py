@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 import torch
 
-from gym_bridge.failures import GymBridgeError
+from gym_bridge.failures import GymBridgeError, SettingError
 from gym_bridge.models.registry import resolve_model_path
 
 
@@ -38,7 +38,7 @@ def causal_lm_on_device(
 ) -> tuple[Any, Any]:
     """``(tokenizer, model)`` in eval mode on ``device``: the given pair, or loaded from ``name_or_path``."""
     if (model is None) != (tokenizer is None):
-        raise ValueError("pass both model and tokenizer, or neither")
+        raise SettingError("causal_lm_on_device: pass both model and tokenizer, or neither")
     if model is None:
         tokenizer, model = load_causal_lm(name_or_path, dtype)
     model = model.to(torch.device(device))

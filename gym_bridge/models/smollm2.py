@@ -25,11 +25,15 @@ import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from gym_bridge.failures import GymBridgeError
+from gym_bridge.json_types import JsonObject
 from gym_bridge.models import cache
 from gym_bridge.models.templates import hermes_chat_template, pin_tokenizer_config
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +80,7 @@ def is_complete(path: Path) -> bool:
     return cache.is_complete(path, MARKER_FILE)
 
 
-def load_from_gguf(gguf: Path) -> tuple[Any, Any]:
+def load_from_gguf(gguf: Path) -> tuple[PreTrainedTokenizerBase, PreTrainedModel]:
     """``(tokenizer, model)`` dequantised from ``gguf``: float32, eval mode, no quantizer attached."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -118,7 +122,7 @@ def build_smollm2(cache_dir: Path | str | None = None) -> Path:
         return final
     source = gguf_path()
 
-    def write(folder: Path) -> dict[str, Any]:
+    def write(folder: Path) -> JsonObject:
         logger.info("building SmolLM2-135M-Instruct from %s into %s (once, ~1 min)", source, final)
         tokenizer, model = load_from_gguf(source)
         tokenizer.chat_template = CHAT_TEMPLATE
@@ -138,7 +142,7 @@ def build_smollm2(cache_dir: Path | str | None = None) -> Path:
     return cache.build_atomically(final, MARKER_FILE, write)
 
 
-def load_smollm2(cache_dir: Path | str | None = None) -> tuple[Any, Any]:
+def load_smollm2(cache_dir: Path | str | None = None) -> tuple[PreTrainedTokenizerBase, PreTrainedModel]:
     """Build if needed, then load ``(tokenizer, model)`` (model in eval mode, float32, CPU)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from gym_bridge.failures import SettingError
+
 
 def hermes_chat_template(default_system_prompt: str) -> str:
     """A Qwen2.5 / Hermes style ChatML template with tools, and ``default_system_prompt`` when no system turn is given.
@@ -20,7 +22,10 @@ def hermes_chat_template(default_system_prompt: str) -> str:
     JSON-encoded twice), and list-of-parts contents are joined from their text parts.
     """
     if "'" in default_system_prompt or "\\" in default_system_prompt:
-        raise ValueError("the default system prompt may not hold quotes or backslashes")
+        raise SettingError(
+            f"default_system_prompt may not hold single quotes or backslashes (it is pasted into the template's "
+            f"Jinja string literals), got {default_system_prompt!r}"
+        )
     return (
         r"""{%- macro render_content(content) -%}
 {%- if content is none -%}

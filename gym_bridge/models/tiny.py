@@ -24,11 +24,15 @@ complete, so concurrent builders never see (or leave) a half-written folder.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
+from gym_bridge.json_types import JsonObject
 from gym_bridge.models import cache
 from gym_bridge.models.cache import CACHE_ENV, default_cache_dir
 from gym_bridge.models.templates import hermes_chat_template, pin_tokenizer_config
+
+if TYPE_CHECKING:
+    from transformers import LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 __all__ = [
     "CACHE_ENV",
@@ -59,7 +63,7 @@ SPLIT_REGEX = (
     r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
 VOCAB_SIZE = 1280  # BPE target, added tokens included
-MODEL_CONFIG: dict[str, Any] = {
+MODEL_CONFIG: JsonObject = {
     "hidden_size": 128,
     "intermediate_size": 256,
     "num_hidden_layers": 2,
@@ -166,7 +170,7 @@ def corpus() -> list[str]:
     return _PROSE.splitlines() + _JSON.splitlines() + _CHAT.splitlines() + _arithmetic_lines()
 
 
-def build_tokenizer() -> Any:
+def build_tokenizer() -> PreTrainedTokenizerFast:
     """Train the byte-level BPE tokenizer and wrap it as a ``PreTrainedTokenizerFast``."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
@@ -210,14 +214,22 @@ def build_tokenizer() -> Any:
     )
 
 
-def build_model(tokenizer: Any, *, seed: int = 0) -> Any:
+def _id_of(tokenizer: PreTrainedTokenizerFast, token: str) -> int:
+    """The id of one token (transformers types ``convert_tokens_to_ids`` for a list of tokens too)."""
+    token_id = tokenizer.convert_tokens_to_ids(token)
+    if not isinstance(token_id, int):
+        raise TypeError(f"the tiny tokenizer gave {token_id!r} for the single token {token!r}")
+    return token_id
+
+
+def build_model(tokenizer: PreTrainedTokenizerFast, *, seed: int = 0) -> LlamaForCausalLM:
     """A random-initialised float32 ``LlamaForCausalLM`` sized for ``tokenizer``."""
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-    pad_id = tokenizer.convert_tokens_to_ids(PAD_TOKEN)
-    eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
-    bos_id = tokenizer.convert_tokens_to_ids(BOS_TOKEN)
+    pad_id = _id_of(tokenizer, PAD_TOKEN)
+    eos_id = _id_of(tokenizer, EOS_TOKEN)
+    bos_id = _id_of(tokenizer, BOS_TOKEN)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         bos_token_id=bos_id,
@@ -255,7 +267,7 @@ def build_tiny_model(cache_dir: Path | str | None = None, *, seed: int = 0) -> P
     Safe to call from several processes at once (see :func:`gym_bridge.models.cache.build_atomically`).
     """
 
-    def write(folder: Path) -> dict[str, Any]:
+    def write(folder: Path) -> JsonObject:
         tokenizer = build_tokenizer()
         model = build_model(tokenizer, seed=seed)
         tokenizer.save_pretrained(folder)
@@ -266,7 +278,7 @@ def build_tiny_model(cache_dir: Path | str | None = None, *, seed: int = 0) -> P
     return cache.build_atomically(tiny_model_path(cache_dir, seed=seed), MARKER_FILE, write)
 
 
-def load_tiny(cache_dir: Path | str | None = None, seed: int = 0) -> tuple[Any, Any]:
+def load_tiny(cache_dir: Path | str | None = None, seed: int = 0) -> tuple[PreTrainedTokenizerBase, PreTrainedModel]:
     """Build if needed, then load ``(tokenizer, model)`` (model in eval mode, float32, CPU)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

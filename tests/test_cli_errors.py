@@ -5,29 +5,18 @@ model, a missing file, a dead endpoint, a busy port or a bad override ends with 
 from __future__ import annotations
 
 import socket
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from gym_bridge.gym.reaper import free_port
+from gym_bridge.testing.cli import run_cli
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = "examples/eval_equivalence_tools.yaml"
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
-
-
-def _cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "gym_bridge.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=REPO,
-    )
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +56,7 @@ def _cases(tmp: Path, dead_url: str, busy_port: int) -> list[tuple[list[str], st
 def test_every_command_ends_a_bad_input_in_one_line_and_exit_code_2(tmp_path, dead_url, busy_port):
     failures = []
     for args, start in _cases(tmp_path, dead_url, busy_port):
-        proc = _cli(*args)
+        proc = run_cli(*args, cwd=REPO)
         lines = proc.stderr.splitlines()
         if proc.returncode != 2 or len(lines) != 1 or not lines[0].startswith(start):
             failures.append(f"gym-bridge {' '.join(args)}: exit {proc.returncode}, stderr:\n{proc.stderr[-2000:]}")
@@ -79,7 +68,7 @@ def test_traceback_shows_the_whole_traceback():
         ["--traceback", "serve", "--model", "nosuchmodel"],
         ["serve", "--model", "nosuchmodel", "--traceback"],
     ):
-        proc = _cli(*args)
+        proc = run_cli(*args, cwd=REPO)
         assert proc.returncode == 1, proc.stderr
         assert "Traceback (most recent call last)" in proc.stderr
         assert proc.stderr.strip().splitlines()[-1].startswith("gym_bridge.models.registry.ModelNotFoundError: model")

@@ -10,14 +10,14 @@ the episode multi-turn.
 from __future__ import annotations
 
 import re
-from typing import Any, TypedDict
+from typing import TypedDict
 
-import ray
 import torch
 
 from gym_bridge.batched import BatchedDataDict
+from gym_bridge.environments import FinishedBatchSpec, start_env_actor
 from gym_bridge.interfaces import EnvironmentInterface
-from gym_bridge.types import EnvironmentReturn, LLMMessageLogType
+from gym_bridge.types import ActorHandle, EnvironmentReturn, LLMMessageLogType
 
 _INTEGER = re.compile(r"-?\d+")
 
@@ -26,6 +26,8 @@ DEFAULT_RETRY_TEMPLATE = "<|im_end|>\n<|im_start|>user\n{feedback}<|im_end|>\n<|
 
 
 class ArithmeticMetadata(TypedDict, total=False):
+    """A question's expected answer and how many retries it has left."""
+
     ground_truth: str
     attempts_left: int
 
@@ -48,9 +50,12 @@ class ArithmeticEnvironment(EnvironmentInterface):
         self.retry_template = retry_template
         self.stop_strings = stop_strings
 
-    def step(self, message_log_batch: list[LLMMessageLogType], metadata: list[ArithmeticMetadata]) -> EnvironmentReturn:
+    def step(
+        self, message_log_batch: list[LLMMessageLogType], metadata: list[ArithmeticMetadata]
+    ) -> EnvironmentReturn[ArithmeticMetadata | None]:
+        """Score each log's last assistant reply; a wrong one with attempts left gets a retry prompt."""
         observations: list[dict[str, str]] = []
-        next_metadata: list[dict[str, Any] | None] = []
+        next_metadata: list[ArithmeticMetadata | None] = []
         rewards: list[float] = []
         terminateds: list[bool] = []
         answers: list[str | None] = []
@@ -81,8 +86,9 @@ class ArithmeticEnvironment(EnvironmentInterface):
         )
 
     def global_post_process_and_metrics(
-        self, batch: BatchedDataDict[Any]
-    ) -> tuple[BatchedDataDict[Any], dict[str, Any]]:
+        self, batch: BatchedDataDict[FinishedBatchSpec]
+    ) -> tuple[BatchedDataDict[FinishedBatchSpec], dict[str, float]]:
+        """The batch unchanged, and ``accuracy``: the share of samples whose total reward is 1."""
         rewards = batch.get("total_reward")
         accuracy = (
             float((torch.as_tensor(rewards) == 1.0).float().mean()) if rewards is not None and len(rewards) else 0.0
@@ -90,6 +96,8 @@ class ArithmeticEnvironment(EnvironmentInterface):
         return batch, {"accuracy": accuracy}
 
 
-def arithmetic_env_actor(**kwargs: Any) -> Any:
+def arithmetic_env_actor(
+    retry_template: str = DEFAULT_RETRY_TEMPLATE, stop_strings: list[str] | None = None
+) -> ActorHandle:
     """Start an :class:`ArithmeticEnvironment` as a Ray actor (needs Ray running)."""
-    return ray.remote(num_cpus=0)(ArithmeticEnvironment).remote(**kwargs)
+    return start_env_actor(ArithmeticEnvironment, retry_template=retry_template, stop_strings=stop_strings)

@@ -10,14 +10,14 @@ strings, and metadata narrowed to the interval the hint leaves.
 from __future__ import annotations
 
 import re
-from typing import Any, TypedDict
+from typing import TypedDict
 
-import ray
 import torch
 
 from gym_bridge.batched import BatchedDataDict
+from gym_bridge.environments import FinishedBatchSpec, start_env_actor
 from gym_bridge.interfaces import EnvironmentInterface
-from gym_bridge.types import EnvironmentReturn, LLMMessageLogType
+from gym_bridge.types import ActorHandle, EnvironmentReturn, LLMMessageLogType
 
 _INTEGER = re.compile(r"-?\d+")
 _MAX_SCAN_CHARS = 4096
@@ -26,6 +26,8 @@ HINT_TEMPLATE = "<|im_end|>\n<|im_start|>user\n{hint}<|im_end|>\n<|im_start|>ass
 
 
 class GuessingMetadata(TypedDict, total=False):
+    """The secret, the interval the hints leave, the guesses left and the turn."""
+
     target: int
     low: int
     high: int
@@ -54,13 +56,17 @@ class GuessingGameEnvironment(EnvironmentInterface):
         self.valid_guess_reward = valid_guess_reward
 
     def _next_stops(self, turn: int) -> list[str] | None:
+        """The stop strings to send for turn ``turn + 1``."""
         if not self.stop_strings_per_turn:
             return None
         return self.stop_strings_per_turn[min(turn, len(self.stop_strings_per_turn) - 1)]
 
-    def step(self, message_log_batch: list[LLMMessageLogType], metadata: list[GuessingMetadata]) -> EnvironmentReturn:
+    def step(
+        self, message_log_batch: list[LLMMessageLogType], metadata: list[GuessingMetadata]
+    ) -> EnvironmentReturn[GuessingMetadata | None]:
+        """Score each log's last guess; a wrong one with guesses left gets a hint, narrowed metadata and stops."""
         observations: list[dict[str, str]] = []
-        next_metadata: list[dict[str, Any] | None] = []
+        next_metadata: list[GuessingMetadata | None] = []
         next_stops: list[list[str] | None] = []
         rewards: list[float] = []
         terminateds: list[bool] = []
@@ -107,13 +113,18 @@ class GuessingGameEnvironment(EnvironmentInterface):
         )
 
     def global_post_process_and_metrics(
-        self, batch: BatchedDataDict[Any]
-    ) -> tuple[BatchedDataDict[Any], dict[str, Any]]:
+        self, batch: BatchedDataDict[FinishedBatchSpec]
+    ) -> tuple[BatchedDataDict[FinishedBatchSpec], dict[str, float]]:
+        """The batch unchanged, and ``win_rate``: the share of samples with a positive total reward."""
         rewards = batch.get("total_reward")
         win_rate = float((torch.as_tensor(rewards) > 0).float().mean()) if rewards is not None and len(rewards) else 0.0
         return batch, {"win_rate": win_rate}
 
 
-def guessing_env_actor(**kwargs: Any) -> Any:
+def guessing_env_actor(
+    stop_strings_per_turn: list[list[str] | None] | None = None, valid_guess_reward: float = 0.0
+) -> ActorHandle:
     """Start a :class:`GuessingGameEnvironment` as a Ray actor (needs Ray running)."""
-    return ray.remote(num_cpus=0)(GuessingGameEnvironment).remote(**kwargs)
+    return start_env_actor(
+        GuessingGameEnvironment, stop_strings_per_turn=stop_strings_per_turn, valid_guess_reward=valid_guess_reward
+    )

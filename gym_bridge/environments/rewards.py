@@ -16,9 +16,10 @@ import re
 import signal
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
+from types import FrameType
 
 from gym_bridge.failures import GymBridgeError
+from gym_bridge.json_types import JsonMapping
 
 logger = logging.getLogger(__name__)
 
@@ -201,6 +202,10 @@ class RewardTimeout(GymBridgeError):
     """A reward function ran past its time limit."""
 
 
+class NonFiniteScore(GymBridgeError, ValueError):
+    """A reward function returned a score that is NaN or infinite."""
+
+
 @contextlib.contextmanager
 def time_limit(seconds: float | None) -> Iterator[None]:
     """Raise :class:`RewardTimeout` in the body after ``seconds`` (main thread only; elsewhere no limit).
@@ -212,7 +217,7 @@ def time_limit(seconds: float | None) -> Iterator[None]:
         yield
         return
 
-    def expire(signum: int, frame: Any) -> None:
+    def expire(signum: int, frame: FrameType | None) -> None:
         raise RewardTimeout(f"exceeded {seconds}s")
 
     previous = signal.signal(signal.SIGALRM, expire)
@@ -229,21 +234,21 @@ def bounded_call(
     fn: RewardFunction,
     ground_truth: str,
     response: str,
-    kwargs: dict[str, Any],
+    kwargs: JsonMapping,
     *,
     max_chars: int,
     time_limit_s: float | None,
 ) -> RewardResult:
     """``fn`` on texts cut to ``max_chars`` (the response keeps its end), under ``time_limit_s``.
 
-    Any exception, timeout or non-finite score gives ``(0.0, False)`` and a warning.
+    An exception, a timeout or a non-finite score gives ``(0.0, False)`` and a warning.
     """
     try:
         with time_limit(time_limit_s):
             score, correct = fn(str(ground_truth)[:max_chars], response[-max_chars:], **kwargs)
         score = float(score)
         if not math.isfinite(score):
-            raise ValueError(f"non-finite score {score}")
+            raise NonFiniteScore(f"non-finite score {score}")
         return score, correct
     except Exception as exc:  # a verifier must never take the environment down
         logger.warning("reward function %r failed (%s: %s); scoring 0", name, type(exc).__name__, exc)

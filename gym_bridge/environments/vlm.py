@@ -17,16 +17,20 @@ from __future__ import annotations
 
 import math
 import threading
-from typing import Any, NotRequired, TypedDict
+from collections.abc import Iterable
+from typing import NotRequired, TypedDict, cast
 
 import ray
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from gym_bridge.batched import BatchedDataDict
+from gym_bridge.environments import FinishedBatchSpec
 from gym_bridge.environments.rewards import REWARD_FUNCTIONS, bounded_call, extract_tag
+from gym_bridge.failures.errors import SettingError
 from gym_bridge.interfaces import EnvironmentInterface
-from gym_bridge.types import EnvironmentReturn, LLMMessageLogType
+from gym_bridge.json_types import JsonMapping, JsonObject
+from gym_bridge.types import ActorHandle, EnvironmentReturn, LLMMessageLogType
 
 
 class RewardFunctionSpec(BaseModel):
@@ -36,13 +40,13 @@ class RewardFunctionSpec(BaseModel):
 
     name: str
     weight: float = Field(1.0, ge=0.0)
-    kwargs: dict[str, Any] = Field(default_factory=dict)
+    kwargs: JsonObject = Field(default_factory=dict)
 
     @field_validator("name")
     @classmethod
     def _known(cls, name: str) -> str:
         if name not in REWARD_FUNCTIONS:
-            raise ValueError(f"unknown reward function {name!r}; known: {', '.join(sorted(REWARD_FUNCTIONS))}")
+            raise SettingError(f"unknown reward function {name!r}; known: {', '.join(sorted(REWARD_FUNCTIONS))}")
         return name
 
 
@@ -51,7 +55,7 @@ class VLMEnvConfig(TypedDict):
 
     num_workers: int
     stop_strings: NotRequired[list[str] | None]
-    reward_functions: list[dict[str, Any]]
+    reward_functions: list[JsonObject]
     """``{"name": ..., "weight": ..., "kwargs": {...}}`` per reward function."""
     max_chars: NotRequired[int]
     reward_time_limit_s: NotRequired[float | None]
@@ -72,17 +76,35 @@ class VLMEnvSettings(BaseModel):
     @classmethod
     def _non_empty(cls, specs: list[RewardFunctionSpec]) -> list[RewardFunctionSpec]:
         if not specs:
-            raise ValueError("reward_functions must name at least one reward function")
+            raise SettingError("reward_functions must name at least one reward function")
         if sum(s.weight for s in specs) <= 0:
-            raise ValueError("reward function weights must not all be zero")
+            raise SettingError("reward function weights must not all be zero")
         return specs
 
 
 class VLMEnvironmentMetadata(TypedDict):
+    """The answer a sample is scored against."""
+
     ground_truth: str
 
 
-def message_text(content: Any) -> str:
+class ScoredResponse(TypedDict):
+    """One response's score: the weighted ``reward``, whether it is ``correct`` and each function's score."""
+
+    reward: float
+    correct: bool
+    components: dict[str, float]
+
+
+class WorkerStats(TypedDict):
+    """What a verify worker reports of itself."""
+
+    items_scored: int
+    main_thread: bool
+    """Whether it scores on its main thread, where reward functions' time limits hold."""
+
+
+def message_text(content: str | Iterable[object] | None) -> str:
     """The text of a message's content: a string, or the ``text`` parts of OpenAI content parts."""
     if content is None:
         return ""
@@ -96,15 +118,15 @@ def message_text(content: Any) -> str:
 class VLMVerifyWorkerImpl:
     """Scores responses against ground truths; :data:`VLMVerifyWorker` is it as a Ray actor class."""
 
-    def __init__(self, cfg: VLMEnvConfig | VLMEnvSettings | dict[str, Any]) -> None:
+    def __init__(self, cfg: VLMEnvConfig | VLMEnvSettings | JsonMapping) -> None:
         self.cfg = VLMEnvSettings.model_validate(cfg)
         total = sum(s.weight for s in self.cfg.reward_functions)
         self.weights = [s.weight / total for s in self.cfg.reward_functions]
         self.items_scored = 0
 
-    def score(self, pred_responses: list[str], ground_truths: list[str]) -> list[dict[str, Any]]:
+    def score(self, pred_responses: list[str], ground_truths: list[str]) -> list[ScoredResponse]:
         """Per pair: ``reward`` (weighted sum), ``correct`` and each function's ``components`` score."""
-        out = []
+        out: list[ScoredResponse] = []
         for response, truth in zip(pred_responses, ground_truths, strict=True):
             components: dict[str, float] = {}
             flags: list[bool] = []
@@ -131,7 +153,7 @@ class VLMVerifyWorkerImpl:
         """The weighted reward of each response."""
         return [r["reward"] for r in self.score(pred_responses, ground_truths)]
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> WorkerStats:
         """How many items this worker scored, and whether it can enforce time limits (main thread)."""
         return {"items_scored": self.items_scored, "main_thread": threading.current_thread() is threading.main_thread()}
 
@@ -162,7 +184,7 @@ def _prompt_text(log: LLMMessageLogType) -> str:
     return "\n".join(parts)
 
 
-def chunk_to_workers(items: list[Any], num_workers: int) -> list[list[Any]]:
+def chunk_to_workers[T](items: list[T], num_workers: int) -> list[list[T]]:
     """Contiguous chunks of ``ceil(len / num_workers)`` items, one list per worker (possibly empty)."""
     size = max(1, math.ceil(len(items) / num_workers))
     return [items[w * size : (w + 1) * size] for w in range(num_workers)]
@@ -172,13 +194,14 @@ class VLMEnvironmentImpl(EnvironmentInterface):
     """The environment's code; :data:`VLMEnvironment` is it as a Ray actor class. Starts ``num_workers`` verify
     workers."""
 
-    def __init__(self, cfg: VLMEnvConfig | VLMEnvSettings | dict[str, Any]) -> None:
+    def __init__(self, cfg: VLMEnvConfig | VLMEnvSettings | JsonMapping) -> None:
         self.cfg = VLMEnvSettings.model_validate(cfg)
-        # Any: Ray types an actor's handle as ``ActorHandle[T] | type[T]``, whose methods lack ``.remote``
-        self.workers: list[Any] = [VLMVerifyWorker.remote(self.cfg) for _ in range(self.cfg.num_workers)]
+        # Ray types an actor's handle as ``ActorHandle[T] | type[T]``, whose methods lack ``.remote``
+        self.workers = [cast(ActorHandle, VLMVerifyWorker.remote(self.cfg)) for _ in range(self.cfg.num_workers)]
         self._next_worker = 0
 
-    def _score(self, responses: list[str], truths: list[str]) -> list[dict[str, Any]]:
+    def _score(self, responses: list[str], truths: list[str]) -> list[ScoredResponse]:
+        """Score on the workers, contiguous chunks each, starting one worker further on every call."""
         n = len(self.workers)
         start = self._next_worker
         self._next_worker = (start + 1) % n
@@ -190,7 +213,8 @@ class VLMEnvironmentImpl(EnvironmentInterface):
 
     def step(
         self, message_log_batch: list[LLMMessageLogType], metadata: list[VLMEnvironmentMetadata]
-    ) -> EnvironmentReturn:
+    ) -> EnvironmentReturn[VLMEnvironmentMetadata]:
+        """Score each log's assistant text against its ground truth; every episode ends after one turn."""
         responses = [
             "".join(message_text(m.get("content")) for m in log if m["role"] == "assistant")
             for log in message_log_batch
@@ -212,8 +236,8 @@ class VLMEnvironmentImpl(EnvironmentInterface):
         )
 
     def global_post_process_and_metrics(
-        self, batch: BatchedDataDict[Any]
-    ) -> tuple[BatchedDataDict[Any], dict[str, Any]]:
+        self, batch: BatchedDataDict[FinishedBatchSpec]
+    ) -> tuple[BatchedDataDict[FinishedBatchSpec], dict[str, float | list[float]]]:
         """Zero the rewards of samples that did not end properly (``truncated``), and score the batch.
 
         NeMo-RL's metrics: ``accuracy``, ``pass@samples_per_prompt`` (share of prompts with a correct sample),
@@ -236,7 +260,7 @@ class VLMEnvironmentImpl(EnvironmentInterface):
         prompt_keys = [(_prompt_text(log), str(info["ground_truth"])) for log, info in zip(logs, infos, strict=True)]
         solved = {key for key, ok in zip(prompt_keys, correct, strict=True) if ok}
         correct_lengths = [g for g, ok in zip(generated, correct, strict=True) if ok]
-        metrics: dict[str, Any] = {
+        metrics: dict[str, float | list[float]] = {
             "accuracy": sum(correct) / size,
             "pass@samples_per_prompt": len(solved) / len(set(prompt_keys)),
             "fraction_of_samples_properly_ended": float(ended.float().mean()),
@@ -254,12 +278,13 @@ class VLMEnvironmentImpl(EnvironmentInterface):
             metrics[f"reward/{spec.name}/mean"] = sum(r["components"][spec.name] for r in results) / size
         return batch, metrics
 
-    def worker_stats(self) -> list[dict[str, Any]]:
+    def worker_stats(self) -> list[WorkerStats]:
+        """Each verify worker's :class:`WorkerStats`."""
         return ray.get([w.stats.remote() for w in self.workers])
 
     def shutdown(self) -> None:
         for worker in self.workers:
-            ray.kill(worker)
+            ray.kill(cast("ray.actor.ActorHandle[object]", worker))  # Ray types the argument as its own class
         self.workers = []
 
 

@@ -25,11 +25,19 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
 import pytest
+
+from gym_bridge.json_types import JsonObject
+
+if TYPE_CHECKING:  # the plugin imports nothing heavy until a fixture runs (gym_bridge.types imports torch)
+    from gym_bridge.gym.actor_config import NemoGymConfig
+    from gym_bridge.rollout.manager import RolloutManager
+    from gym_bridge.serving import OpenAIServer
+    from gym_bridge.types import ActorHandle, Tokenizer
 
 DEFAULT_GYM_CONFIGS = (
     "responses_api_models/vllm_model/configs/vllm_model_for_training.yaml",
@@ -41,7 +49,7 @@ SERVED_MODEL_NAME = "tiny"
 """The model name our endpoint serves and Gym's model server asks for."""
 
 
-def wait_until(condition: Callable[[], Any], timeout_s: float, what: str, poll_s: float = 0.01) -> Any:
+def wait_until[T](condition: Callable[[], T], timeout_s: float, what: str, poll_s: float = 0.01) -> T:
     """Poll ``condition`` until it returns something truthy (returned) or ``timeout_s`` passes (TimeoutError)."""
     deadline = time.monotonic() + timeout_s
     while True:
@@ -53,20 +61,26 @@ def wait_until(condition: Callable[[], Any], timeout_s: float, what: str, poll_s
         time.sleep(poll_s)
 
 
-async def async_wait_until(
-    condition: Callable[[], Any | Awaitable[Any]], timeout_s: float, what: str, poll_s: float = 0.01
-) -> Any:
+async def async_wait_until[T](
+    condition: Callable[[], T | Coroutine[object, object, T]], timeout_s: float, what: str, poll_s: float = 0.01
+) -> T:
     """:func:`wait_until` for a running event loop; ``condition`` may be a coroutine function."""
     deadline = time.monotonic() + timeout_s
     while True:
-        value = condition()
-        if asyncio.iscoroutine(value):
-            value = await value
+        value = await _result_of(condition)
         if value:
             return value
         if time.monotonic() >= deadline:
             raise TimeoutError(f"{what}: not true within {timeout_s}s")
         await asyncio.sleep(poll_s)
+
+
+async def _result_of[T](condition: Callable[[], T | Coroutine[object, object, T]]) -> T:
+    """What ``condition()`` returns, awaited when it is a coroutine."""
+    value = condition()
+    if isinstance(value, Coroutine):
+        return await value
+    return value
 
 
 @pytest.fixture(scope="session")
@@ -82,7 +96,7 @@ def gym_policy_name() -> str:
 
 
 @pytest.fixture
-def gym_rollout_options() -> dict[str, Any]:
+def gym_rollout_options() -> JsonObject:
     """Override to change the :class:`RolloutManager` settings ``gym_rollout_manager`` uses."""
     return {
         "num_generations_per_prompt": 2,
@@ -120,15 +134,16 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_tokenizer(tiny_model_dir: Path) -> Any:
+def tiny_tokenizer(tiny_model_dir: Path) -> Tokenizer:
     """The tiny model's tokenizer (the scripted policy speaks it too)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
+    # transformers types decode() for batches too (str | list[str]); a flat id list decodes to str, as Tokenizer says
+    return cast("Tokenizer", AutoTokenizer.from_pretrained(tiny_model_dir))
 
 
 @pytest.fixture(scope="session")
-def scripted_policy(tiny_tokenizer: Any) -> Iterator[Any]:
+def scripted_policy(tiny_tokenizer: Tokenizer) -> Iterator[OpenAIServer]:
     """Our OpenAI-compatible server over ``ScriptedGeneration`` on the tiny tokenizer (``.base_url``)."""
     from gym_bridge.generation.scripted import ScriptedGeneration
     from gym_bridge.serving import OpenAIServer
@@ -140,7 +155,7 @@ def scripted_policy(tiny_tokenizer: Any) -> Iterator[Any]:
 
 
 @pytest.fixture(scope="session")
-def gym_policy(request: pytest.FixtureRequest, gym_policy_name: str) -> Iterator[Any]:
+def gym_policy(request: pytest.FixtureRequest, gym_policy_name: str) -> Iterator[OpenAIServer]:
     """The endpoint Gym's model server calls: our server over the policy ``gym_policy_name`` names."""
     if gym_policy_name == "scripted":
         yield request.getfixturevalue("scripted_policy")
@@ -164,20 +179,24 @@ def gym_policy(request: pytest.FixtureRequest, gym_policy_name: str) -> Iterator
 
 
 @pytest.fixture(scope="session")
-def gym_tokenizer(request: pytest.FixtureRequest, gym_policy_name: str, gym_policy: Any) -> Any:
+def gym_tokenizer(request: pytest.FixtureRequest, gym_policy_name: str, gym_policy: OpenAIServer) -> Tokenizer:
     """The tokenizer of ``gym_policy`` (the tiny one for the scripted and tiny policies)."""
     if gym_policy_name in ("scripted", "tiny"):
-        return request.getfixturevalue("tiny_tokenizer")
+        tokenizer: Tokenizer = request.getfixturevalue("tiny_tokenizer")
+        return tokenizer
     return gym_policy.state.tokenizer
 
 
 @pytest.fixture(scope="session")
-def nemo_gym_config(gym_configs: list[str], gym_policy: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
+def nemo_gym_config(
+    gym_configs: list[str], gym_policy: OpenAIServer, tmp_path_factory: pytest.TempPathFactory
+) -> NemoGymConfig:
     """The :class:`NemoGymConfig` for ``gym_configs`` on ``gym_policy``; override to add fields."""
-    from gym_bridge.gym.actor import NemoGymConfig
+    from gym_bridge.gym.actor_config import NemoGymConfig
     from gym_bridge.gym.servers import wheel_config_path
 
     paths = [p if Path(p).is_absolute() else str(wheel_config_path(p)) for p in gym_configs]
+    assert gym_policy.base_url is not None, "the gym_policy fixture starts its server"
     return NemoGymConfig(
         model_name=SERVED_MODEL_NAME,
         base_urls=[gym_policy.base_url],
@@ -191,7 +210,7 @@ def nemo_gym_config(gym_configs: list[str], gym_policy: Any, tmp_path_factory: p
 
 
 @pytest.fixture(scope="session")
-def gym_actor(ray_session: None, nemo_gym_config: Any, gym_tokenizer: Any) -> Iterator[Any]:
+def gym_actor(ray_session: None, nemo_gym_config: NemoGymConfig, gym_tokenizer: Tokenizer) -> Iterator[ActorHandle]:
     """One spun-up NemoGym actor for ``nemo_gym_config``, shut down (Gym processes included) at the end."""
     from gym_bridge.gym.spinup import start_nemo_gym_actor, stop_nemo_gym_actors
 
@@ -201,7 +220,9 @@ def gym_actor(ray_session: None, nemo_gym_config: Any, gym_tokenizer: Any) -> It
 
 
 @pytest.fixture
-def gym_rollout_manager(gym_actor: Any, gym_tokenizer: Any, gym_rollout_options: dict[str, Any]) -> Any:
+def gym_rollout_manager(
+    gym_actor: ActorHandle, gym_tokenizer: Tokenizer, gym_rollout_options: JsonObject
+) -> RolloutManager:
     """A ready ``RolloutManager(use_nemo_gym=True)`` on ``gym_actor`` (task name ``"nemo_gym"``)."""
     from gym_bridge.rollout.manager import RolloutManager
 

@@ -28,7 +28,7 @@ from types import TracebackType
 
 import psutil
 
-from gym_bridge.failures import GymBridgeError
+from gym_bridge.failures import GymBridgeError, SettingError
 from gym_bridge.gym.reaper import free_port
 
 __all__ = ["ClusterNode", "LocalClusterError", "LocalRayCluster", "NodeSpec"]
@@ -60,9 +60,9 @@ class NodeSpec:
 
     def __post_init__(self) -> None:
         if not self.name.isidentifier():
-            raise ValueError(f"NodeSpec.name must be an identifier (it is a Ray resource name), got {self.name!r}")
+            raise SettingError(f"NodeSpec.name must be an identifier (it is a Ray resource name), got {self.name!r}")
         if self.num_cpus < 0:
-            raise ValueError(f"NodeSpec.num_cpus must be >= 0, got {self.num_cpus}")
+            raise SettingError(f"NodeSpec.num_cpus must be >= 0, got {self.num_cpus}")
 
 
 @dataclass
@@ -108,10 +108,10 @@ class LocalRayCluster:
         health_check_failure_threshold: int = 5,
     ) -> None:
         if not nodes:
-            raise ValueError("LocalRayCluster needs at least one node")
+            raise SettingError("LocalRayCluster needs at least one node")
         names = [spec.name for spec in nodes]
         if len(set(names)) != len(names):
-            raise ValueError(f"node names must be distinct, got {names}")
+            raise SettingError(f"node names must be distinct, got {names}")
         self.specs = list(nodes)
         self.start_timeout_s = start_timeout_s
         self.stop_timeout_s = stop_timeout_s

@@ -23,12 +23,12 @@ import asyncio
 import json
 import sys
 from pathlib import Path
-from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
+from gym_bridge.json_types import JsonObject
 from gym_bridge.testing.process import ServiceProcess
 
 CHAT_PATH = "v1/chat/completions"
@@ -45,27 +45,27 @@ class FaultGate(ServiceProcess):
         command = [sys.executable, "-m", "gym_bridge.testing.fault_gate", "--upstream", self.upstream_root]
         self.spawn([*command, "--port", str(self.port)], timeout_s)
 
-    def set(self, mode: str = "pass", **params: Any) -> None:
+    def set(self, mode: str = "pass", **params: object) -> None:
         httpx.post(
             f"{self.root_url}/admin/mode", json={"mode": mode, "times": None, **params}, timeout=5
         ).raise_for_status()
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> JsonObject:
         return httpx.get(f"{self.root_url}/admin/stats", timeout=5).json()
 
 
 def build_app(upstream_root: str) -> FastAPI:
     app = FastAPI()
-    state: dict[str, Any] = {"mode": "pass", "times": None, "chat": 0, "faulted": 0, "auth": None}
+    state: JsonObject = {"mode": "pass", "times": None, "chat": 0, "faulted": 0, "auth": None}
     client = httpx.AsyncClient(base_url=upstream_root, timeout=120.0, trust_env=False)
 
     @app.post("/admin/mode")
-    async def set_mode(request: Request) -> dict[str, Any]:
+    async def set_mode(request: Request) -> JsonObject:
         state.update(await request.json())
         return state
 
     @app.get("/admin/stats")
-    async def stats() -> dict[str, Any]:
+    async def stats() -> JsonObject:
         return {"chat": state["chat"], "faulted": state["faulted"], "auth": state["auth"]}
 
     def take_fault() -> str:

@@ -6,12 +6,16 @@ same tool the same way.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from gym_bridge.batched import BatchedDataDict
+from gym_bridge.json_types import JsonObject
 from gym_bridge.types import Tokenizer, padding_id
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 MIXED_PROMPTS = [
     "Hello there",
@@ -21,7 +25,7 @@ MIXED_PROMPTS = [
 ]
 """Prompts of very different lengths (one token to a sentence), so padding and per-row lengths matter."""
 
-WEATHER_TOOL: dict[str, Any] = {
+WEATHER_TOOL: JsonObject = {
     "type": "function",
     "function": {
         "name": "get_weather",
@@ -32,7 +36,7 @@ WEATHER_TOOL: dict[str, Any] = {
 """One OpenAI function tool with a required argument."""
 
 
-def prompt_batch(tokenizer: Tokenizer, prompts: list[str], **extra: Any) -> BatchedDataDict:
+def prompt_batch(tokenizer: Tokenizer, prompts: list[str], **extra: object) -> BatchedDataDict:
     """``input_ids`` right-padded two tokens beyond the longest prompt, with ``input_lengths`` and ``extra`` fields."""
     encoded = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
     width = max(len(e) for e in encoded) + 2
@@ -78,7 +82,7 @@ def assert_output_contract(
 
 
 def reference_logprobs(
-    model: Any, seq: torch.Tensor, n_in: int, temperature: float
+    model: PreTrainedModel, seq: torch.Tensor, n_in: int, temperature: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One full forward pass over ``seq``: the logprobs of its generated tokens (from ``n_in`` on) at
     ``temperature``, and the logits that predicted them."""

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import math
-from typing import Any
 
 import torch
 
 from gym_bridge.data import datum_from_gym_row
 from gym_bridge.rollout.manager import RolloutManager
 from gym_bridge.testing.gym_rows import EQUIVALENCE_AGENT, TOOL_AGENT, equivalence_row, tool_call_rows
-from gym_bridge.types import GenerationConfig, Tokenizer
+from gym_bridge.types import ActorHandle, GenerationConfig, LLMMessageLogType, Tokenizer
 
 __all__ = [
     "check_tool_call_group_is_exact_and_in_order",
@@ -35,7 +34,11 @@ SCRIPTED_LOGPROB = math.log(0.5)
 
 
 def manager(
-    actor: Any, tokenizer: Tokenizer, n: int = 3, max_seq_len: int = 4096, generation_config: GenerationConfig = GEN_CFG
+    actor: ActorHandle,
+    tokenizer: Tokenizer,
+    n: int = 3,
+    max_seq_len: int = 4096,
+    generation_config: GenerationConfig = GEN_CFG,
 ) -> RolloutManager:
     return RolloutManager(
         tokenizer=tokenizer,
@@ -47,11 +50,11 @@ def manager(
     )
 
 
-def flat(log: Any) -> list[int]:
+def flat(log: LLMMessageLogType) -> list[int]:
     return torch.cat([m["token_ids"] for m in log]).tolist()
 
 
-async def check_tool_call_group_is_exact_and_in_order(gym_actor: Any, tiny_tokenizer: Tokenizer) -> None:
+async def check_tool_call_group_is_exact_and_in_order(gym_actor: ActorHandle, tiny_tokenizer: Tokenizer) -> None:
     """A tool-call group through the scripted policy: exact tokens, logprobs and Gym's items, in generation order."""
     from gym_bridge.generation.scripted import ScriptedGeneration
 
@@ -86,7 +89,7 @@ async def check_tool_call_group_is_exact_and_in_order(gym_actor: Any, tiny_token
         assert key in m
 
 
-async def check_two_agents_and_several_groups_in_flight(gym_actor: Any, tiny_tokenizer: Tokenizer) -> None:
+async def check_two_agents_and_several_groups_in_flight(gym_actor: ActorHandle, tiny_tokenizer: Tokenizer) -> None:
     """Two agents, four groups at once: each group's rewards and per-agent metrics are its own."""
     rows = [
         equivalence_row("Reply with exactly: 42", "42"),
@@ -105,7 +108,7 @@ async def check_two_agents_and_several_groups_in_flight(gym_actor: Any, tiny_tok
     assert not any(k.startswith(TOOL_AGENT) for k in m)
 
 
-async def check_truncation_flag(gym_actor: Any, tiny_tokenizer: Tokenizer) -> None:
+async def check_truncation_flag(gym_actor: ActorHandle, tiny_tokenizer: Tokenizer) -> None:
     """A completion whose tokens total ``max_seq_len`` is truncated (NeMo-RL's equality rule)."""
     row = equivalence_row("Reply with exactly: 42", "42")
     full = await manager(gym_actor, tiny_tokenizer, n=1).run_rollout(datum_from_gym_row(row, idx=0))

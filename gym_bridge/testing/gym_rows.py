@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import copy
 import json
+from pathlib import Path
 from typing import Any
 
 from gym_bridge.data import datum_from_gym_row
 from gym_bridge.failures import RolloutRetryPolicy, RolloutTimeouts
+from gym_bridge.gym.actor_config import NemoGymConfig
+from gym_bridge.json_types import JsonObject
 from gym_bridge.rollout.manager import RolloutManager
 from gym_bridge.testing import DEFAULT_GYM_CONFIGS, SERVED_MODEL_NAME
-from gym_bridge.types import DatumSpec, Tokenizer
+from gym_bridge.types import ActorHandle, DatumSpec, Tokenizer
 
 GYM_CONFIGS = list(DEFAULT_GYM_CONFIGS)
 # The smallest Gym set that grades: the model server and the equivalence agent (fault and two-node tests).
@@ -28,7 +31,7 @@ TOOL_AGENT = "example_single_tool_call_simple_agent"
 EQUIVALENCE_AGENT = "lc_equivalence_rule_simple_agent"
 
 
-def tool_call_rows() -> list[dict[str, Any]]:
+def tool_call_rows() -> list[JsonObject]:
     """The wheel's example rows for example_single_tool_call (weather questions), routed to its agent."""
     from gym_bridge.gym.servers import wheel_config_path
 
@@ -39,7 +42,7 @@ def tool_call_rows() -> list[dict[str, Any]]:
     return rows
 
 
-def equivalence_row(question: str, expected_answer: str, agent: str = EQUIVALENCE_AGENT) -> dict[str, Any]:
+def equivalence_row(question: str, expected_answer: str, agent: str = EQUIVALENCE_AGENT) -> JsonObject:
     """A single-turn equivalence_rule row (the wheel's examples are 8k-token contexts)."""
     return {
         "responses_create_params": {
@@ -54,7 +57,7 @@ def equivalence_row(question: str, expected_answer: str, agent: str = EQUIVALENC
     }
 
 
-def stamp(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def stamp(rows: list[JsonObject]) -> list[JsonObject]:
     """Deep copies of ``rows`` with ``_rowidx`` = position."""
     stamped = copy.deepcopy(rows)
     for i, row in enumerate(stamped):
@@ -62,8 +65,8 @@ def stamp(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return stamped
 
 
-def gym_actor_config(base_urls: list[str], log_dir: Any, **kwargs: Any):
-    from gym_bridge.gym.actor import NemoGymConfig
+def gym_actor_config(base_urls: list[str], log_dir: Path | None, **kwargs: Any) -> NemoGymConfig:
+    """The actor config of our Gym tests: the wheel's example servers on ``base_urls``, short timeouts."""
     from gym_bridge.gym.servers import wheel_config_path
 
     return NemoGymConfig(
@@ -80,7 +83,7 @@ def gym_actor_config(base_urls: list[str], log_dir: Any, **kwargs: Any):
 
 
 def make_manager(
-    actor: Any,
+    actor: ActorHandle,
     tokenizer: Tokenizer,
     *,
     rollout_s: float = 30.0,

@@ -16,9 +16,14 @@ from pathlib import Path
 
 import httpx
 
+from gym_bridge.failures import GymBridgeError
 from gym_bridge.testing import wait_until
 
 log = logging.getLogger(__name__)
+
+
+class ServiceProcessError(GymBridgeError, RuntimeError):
+    """A :class:`ServiceProcess` that is not started, or exited during start-up (named, with its log's tail)."""
 
 
 class ServiceProcess:
@@ -43,7 +48,7 @@ class ServiceProcess:
     @property
     def pid(self) -> int:
         if self.proc is None:
-            raise RuntimeError(f"the {self.name} is not started")
+            raise ServiceProcessError(f"the {self.name} is not started")
         return self.proc.pid
 
     def spawn(self, command: list[str], timeout_s: float) -> None:
@@ -56,7 +61,9 @@ class ServiceProcess:
 
         def answering() -> bool:
             if proc.poll() is not None:
-                raise RuntimeError(f"the {self.name} exited with {proc.returncode} during start-up:\n{self.log_tail()}")
+                raise ServiceProcessError(
+                    f"the {self.name} exited with {proc.returncode} during start-up:\n{self.log_tail()}"
+                )
             try:
                 return httpx.get(self.root_url + self.ready_path, timeout=2.0, trust_env=False).status_code == 200
             except httpx.HTTPError:

@@ -1,7 +1,9 @@
 """The GRPO loop through real NeMo-Gym servers, our server and the tiny model: versions, refit, staleness.
 
 One run (engine + server + Gym + manager + policy) is built for the module with the
-builder the recipe uses; the tests drive its trainer a few small steps at a time.
+builder the recipe uses. Each test drives trainers of its own over the run's manager, policy and engine, a few
+small steps at a time, and finds the run as every test does (:func:`handed_back`): whatever the test before it
+changed, the engine serves the policy's weights, and the retry policy and learning rate are the run's own.
 """
 
 from __future__ import annotations
@@ -78,6 +80,32 @@ def grpo_run(ray_session, tmp_path_factory):
     run.close()
 
 
+@pytest.fixture(autouse=True)
+def handed_back(grpo_run):
+    """After each test: the manager's retry policy and the optimizer's learning rates as they were, and the engine
+    refit to the policy's weights at a new version, so that no test depends on what ran before it."""
+    manager, policy, engine = grpo_run.trainer.manager, grpo_run.policy, grpo_run.engine
+    retry_policy = manager.retry_policy
+    rates = [group["lr"] for group in policy.optimizer.param_groups]
+    base_rates = list(policy.scheduler.base_lrs)
+    yield
+    manager.retry_policy = retry_policy
+    for group, rate in zip(policy.optimizer.param_groups, rates, strict=True):
+        group["lr"] = rate
+    policy.scheduler.base_lrs = base_rates
+    refit(policy, engine, max(engine.weight_version, manager.weight_version) + 1, manager)
+
+
+def recipe_trainer(run, tmp_path):
+    """A trainer with the recipe's loop settings over the module's manager, policy and engine, at their version."""
+    from gym_bridge.training import TrainerState
+
+    base = run.trainer
+    return GRPOTrainer(base.cfg, manager=base.manager, policy=base.policy, engine=base.engine,
+                       dataset=base.prompts.dataset, out_dir=tmp_path,
+                       state=TrainerState(weight_version=base.manager.weight_version), validator=base.validator)
+
+
 def trainer_like(run, tmp_path, *, engine=None, validator=None, **cfg):
     """A trainer over the module's manager, policy and engine, starting at their current version."""
     from gym_bridge.training import TrainerState
@@ -91,12 +119,13 @@ def trainer_like(run, tmp_path, *, engine=None, validator=None, **cfg):
 
 
 async def test_sync_steps_are_on_policy_and_tag_every_group_with_its_version(grpo_run, tmp_path):
-    trainer = grpo_run.trainer
+    trainer = recipe_trainer(grpo_run, tmp_path)
+    start = trainer.state.weight_version
     history = await trainer.run()
     assert [m["step"] for m in history] == [0, 1]
     for step, metrics in enumerate(history):
         assert metrics["train/groups"] == 2 and metrics["train/samples"] == 6
-        assert metrics["staleness/trained_start_versions"] == [step], "rolled out on the weights of this step"
+        assert metrics["staleness/trained_start_versions"] == [start + step], "rolled out on this step's weights"
         assert metrics["on_policy/tokens"] > 0
         # Step 1 samples from the engine after the first refit: it must serve the policy's weights.
         assert metrics["on_policy/logprob_abs_diff_mean"] < ON_POLICY_ATOL, metrics
@@ -106,7 +135,7 @@ async def test_sync_steps_are_on_policy_and_tag_every_group_with_its_version(grp
         assert metrics["time/rollout_s"] > 0 and metrics["time/train_s"] > 0 and metrics["time/refit_s"] > 0
         assert metrics["time/step_s"] >= metrics["time/train_s"] + metrics["time/refit_s"]
     assert history[0]["train/grad_norm"] > 0, "rewards differed, so the policy moved"
-    assert trainer.state.weight_version == 2 and trainer.manager.weight_version == 2
+    assert trainer.state.weight_version == start + 2 and trainer.manager.weight_version == start + 2
     lines = [json.loads(line) for line in trainer.metrics_path.read_text().splitlines()]
     assert [line["step"] for line in lines] == [0, 1] and all("time/step_s" in line for line in lines)
 
@@ -241,22 +270,19 @@ async def test_a_step_below_min_step_batch_fraction_stops_the_run(grpo_run, tmp_
     manager = grpo_run.trainer.manager
     bad = {"responses_create_params": {"input": "x"}}  # no agent_ref: a data failure, skipped
     trainer = trainer_like(grpo_run, tmp_path, min_step_batch_fraction=0.75, shuffle_data=False)
-    trainer.prompts.dataset = [trainer.prompts.dataset[0], datum_from_gym_row(bad, idx=99)]
-    policy = manager.retry_policy
-    manager.retry_policy = replace(policy, max_skipped_prompts=10)
-    try:
-        with pytest.raises(StepBatchShortfall, match="step 0 committed 1 of 2 prompt groups, below the floor of 2"):
-            await trainer.rollout(0)
-        assert trainer.state.requeued_total == 1 and len(trainer.prompts.state.requeued) == 1, "the lost prompt"
-        trainer.prompts.state.requeued.clear()
-        trainer.cfg = trainer.cfg.model_copy(update={"min_step_batch_fraction": 0.5})
-        assert len(await trainer.rollout(0)) == 1
-    finally:
-        manager.retry_policy = policy
+    trainer.prompts.dataset = [trainer.prompts.dataset[0], datum_from_gym_row(bad, idx=99)]  # this trainer's copy
+    manager.retry_policy = replace(manager.retry_policy, max_skipped_prompts=10)  # handed_back restores it
+    with pytest.raises(StepBatchShortfall, match="step 0 committed 1 of 2 prompt groups, below the floor of 2"):
+        await trainer.rollout(0)
+    assert trainer.state.requeued_total == 1 and len(trainer.prompts.state.requeued) == 1, "the lost prompt"
+    trainer.prompts.state.requeued.clear()
+    trainer.cfg = trainer.cfg.model_copy(update={"min_step_batch_fraction": 0.5})
+    assert len(await trainer.rollout(0)) == 1
 
 
 async def test_checkpoint_restores_weights_optimizer_and_state(grpo_run, tmp_path):
-    trainer = grpo_run.trainer
+    trainer = recipe_trainer(grpo_run, tmp_path)
+    await trainer.train_step(0, await trainer.rollout(0), 0.0)
     path = trainer.save_checkpoint()
     state = load_trainer_state(path)
     assert state == trainer.state
@@ -289,22 +315,20 @@ class SkippingEngine:
 
 @pytest.mark.parametrize("lose", ["all", "weights"])
 async def test_a_refit_that_did_not_arrive_late_in_a_run_stops_it(grpo_run, tmp_path, lose):
-    policy, engine, manager = grpo_run.policy, grpo_run.engine, grpo_run.trainer.manager
-    lr = [group["lr"] for group in policy.optimizer.param_groups]
+    policy = grpo_run.policy
+    # Learning has slowed (handed_back restores the rate): the logprob threshold alone would not notice the lag.
+    # The scheduler sets each step's rate from its base rates, so those slow down too.
     for group in policy.optimizer.param_groups:
-        group["lr"] = 1e-7  # learning has slowed: the logprob threshold alone would not notice the lag
-    skipping = SkippingEngine(engine, skip_from=3, lose=lose)
+        group["lr"] = 1e-7
+    policy.scheduler.base_lrs = [1e-7] * len(policy.scheduler.base_lrs)
+    skipping = SkippingEngine(grpo_run.engine, skip_from=3, lose=lose)
     trainer = trainer_like(grpo_run, tmp_path, engine=skipping, max_num_steps=4)
     expected = r"step 2: after the refit the engine serves weight version" if lose == "all" else \
         r"step 2: the engine reports weight version \d+ but \d+ parameter\(s\) differ"
-    try:
-        with pytest.raises(RefitMismatch, match=expected):
-            await trainer.run()
-        lines = [json.loads(line) for line in trainer.metrics_path.read_text().splitlines()]
-        assert [line["step"] for line in lines] == [0, 1]
-        assert all(line["refit/version_checked"] and line["refit/fingerprint_checked"] for line in lines)
-        assert lines[-1]["on_policy/logprob_abs_diff_max"] < ON_POLICY_ATOL
-    finally:
-        for group, value in zip(policy.optimizer.param_groups, lr, strict=True):
-            group["lr"] = value
-        refit(policy, engine, max(engine.weight_version, trainer.state.weight_version) + 1, manager)
+    with pytest.raises(RefitMismatch, match=expected):
+        await trainer.run()
+    lines = [json.loads(line) for line in trainer.metrics_path.read_text().splitlines()]
+    assert [line["step"] for line in lines] == [0, 1]
+    assert all(line["refit/version_checked"] and line["refit/fingerprint_checked"] for line in lines)
+    assert all(line.get("train/lr", 1e-7) == pytest.approx(1e-7) for line in lines), "each step learned slowly"
+    assert lines[-1]["on_policy/logprob_abs_diff_max"] < ON_POLICY_ATOL

@@ -156,6 +156,53 @@ def test_async_splits_the_gap_into_engine_mismatch_and_lag_with_the_sampling_ver
     assert set(t.weight_snapshots) == {t.state.weight_version - 1}, "one kept version per step of lag"
 
 
+class CommitsThenHangs:
+    """A manager whose prompts commit one every ``every_s`` seconds, ``commits`` of them; the others never finish."""
+
+    def __init__(self, commits: int, every_s: float) -> None:
+        self.commits, self.every_s = commits, every_s
+        self.cancelled = 0
+
+    def set_weight_version(self, version: int) -> None:
+        pass
+
+    async def collect(self, datum, sink) -> None:
+        slot = sink.reserve(datum["idx"])
+        try:
+            if datum["idx"] >= self.commits:
+                await asyncio.sleep(3600)
+            await asyncio.sleep(self.every_s * (datum["idx"] + 1))
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        record = PromptGroupRecord(datum["idx"], [], None, {}, completions([1, 0, 0, 0]), {})
+        sink.commit(slot, record, start_weight_version=0, end_weight_version=0)
+
+
+def test_a_stall_is_measured_from_the_last_commit_and_stops_the_steps_rollouts(tiny_tokenizer, tmp_path):
+    import time
+    from types import SimpleNamespace
+
+    from gym_bridge.failures import RolloutStall
+
+    cfg = GRPOLoopConfig(num_prompts_per_step=5, stall_timeout_s=1.5, stall_interval_s=0.02, stall_action="abort")
+    manager = CommitsThenHangs(commits=4, every_s=0.1)
+    t = GRPOTrainer(cfg, manager=manager, policy=SimpleNamespace(tokenizer=tiny_tokenizer), engine=None,
+                    dataset=dataset(SPREAD), out_dir=tmp_path)
+
+    async def stall() -> float:
+        started = time.monotonic()
+        with pytest.raises(RolloutStall, match=r"step 0: no rollout committed in \d+s \(4 groups committed so far"):
+            await t.rollout(0)
+        return time.monotonic() - started
+
+    elapsed = asyncio.run(stall())
+    # The deadline runs from the last commit (0.4 s), and the watch looks every interval: a watch that only woke
+    # once per stall_timeout_s would see the commits late and stop at 3 s.
+    assert 0.4 + 1.5 <= elapsed < 0.4 + 1.5 + 1.0, elapsed
+    assert manager.cancelled == 1, "the prompt still in flight is cancelled"
+
+
 def test_dynamic_sampling_draws_more_prompts_when_a_batch_has_no_signal(tiny_model_dir, tmp_path):
     flat, spread = [1, 1, 1, 1], [1, 0, 0, 0]
     rewards = [flat, flat, spread, flat, spread, spread, flat, flat]

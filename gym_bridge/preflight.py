@@ -31,6 +31,7 @@ import httpx
 from pydantic import SecretStr
 
 from gym_bridge.failures import GymBridgeError
+from gym_bridge.json_types import JsonMapping, JsonObject
 
 __all__ = [
     "VLLM_TOOL_FLAGS",
@@ -111,7 +112,7 @@ class PreflightError(GymBridgeError, RuntimeError):
         lines = "\n".join(f"endpoint {check.line}" for check in self.failed)
         super().__init__(lines or "no endpoint to check: base_urls is empty")
 
-    def __reduce__(self) -> tuple[Any, ...]:
+    def __reduce__(self) -> tuple[type[PreflightError], tuple[list[EndpointCheck]]]:
         return (PreflightError, (self.checks,))
 
 
@@ -123,7 +124,7 @@ class _Failed(GymBridgeError):
         self.served = served
 
 
-def rows_use_tools(rows: Sequence[dict[str, Any]]) -> bool:
+def rows_use_tools(rows: Sequence[JsonMapping]) -> bool:
     """True when a Gym row offers tools (so its agent's chats carry ``tools``)."""
     return any((row.get("responses_create_params") or {}).get("tools") for row in rows)
 
@@ -158,9 +159,12 @@ def _refused(exc: BaseException) -> bool:
     return False
 
 
-async def _send(client: httpx.AsyncClient, method: str, url: str, what: str, **kwargs: Any) -> httpx.Response:
+async def _send(
+    client: httpx.AsyncClient, method: str, url: str, what: str, *, body: JsonObject | None = None
+) -> httpx.Response:
+    """``method url`` with ``body`` as JSON; a transport failure or a refused key is a :class:`_Failed` naming it."""
     try:
-        response = await client.request(method, url, **kwargs)
+        response = await client.request(method, url, json=body)
     except httpx.ConnectError as exc:
         reason = "connection refused" if _refused(exc) else _short(str(exc) or type(exc).__name__)
         raise _Failed(EndpointProblem.UNREACHABLE, f"nothing answers ({reason})") from exc
@@ -177,7 +181,7 @@ async def _send(client: httpx.AsyncClient, method: str, url: str, what: str, **k
     return response
 
 
-def _json(response: httpx.Response, what: str) -> Any:
+def _json(response: httpx.Response, what: str) -> object:
     if response.status_code != 200:
         raise _Failed(
             EndpointProblem.HTTP_ERROR, f"{what} answered HTTP {response.status_code}: {_error_message(response)}"
@@ -188,14 +192,14 @@ def _json(response: httpx.Response, what: str) -> Any:
         raise _Failed(EndpointProblem.HTTP_ERROR, f"{what} answered HTTP 200 with a body that is not JSON") from exc
 
 
-def _served_models(body: Any) -> tuple[str, ...]:
+def _served_models(body: object) -> tuple[str, ...]:
     data = body.get("data") if isinstance(body, dict) else None
     if not isinstance(data, list):
         raise _Failed(EndpointProblem.HTTP_ERROR, "GET /v1/models answered without a 'data' list of models")
     return tuple(str(card.get("id")) for card in data if isinstance(card, dict) and card.get("id") is not None)
 
 
-def _check_token_data(body: Any) -> None:
+def _check_token_data(body: object) -> None:
     """A one-token chat answer must carry logprobs (``token_id:<int>`` labels) and ``token_ids``."""
     choices = body.get("choices") if isinstance(body, dict) else None
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
@@ -247,14 +251,14 @@ async def _check(client: httpx.AsyncClient, base_url: str, model_name: str, tool
         "return_token_ids": True,
     }
     what = "a one-token chat completion"
-    _check_token_data(_json(await _send(client, "POST", f"{base}/chat/completions", what, json=chat), what))
+    _check_token_data(_json(await _send(client, "POST", f"{base}/chat/completions", what, body=chat), what))
     what = "POST /tokenize"
     response = await _send(
         client,
         "POST",
         f"{base.removesuffix('/v1')}/tokenize",
         what,
-        json={"model": model_name, "messages": _PROBE_MESSAGES},
+        body={"model": model_name, "messages": _PROBE_MESSAGES},
     )
     if response.status_code in (404, 405):
         raise _Failed(
@@ -267,7 +271,7 @@ async def _check(client: httpx.AsyncClient, base_url: str, model_name: str, tool
         raise _Failed(EndpointProblem.NO_TOKENIZE, "POST /tokenize answered without a 'tokens' list")
     if tools:
         what = "a chat completion with tools"
-        response = await _send(client, "POST", f"{base}/chat/completions", what, json={**chat, "tools": [_PROBE_TOOL]})
+        response = await _send(client, "POST", f"{base}/chat/completions", what, body={**chat, "tools": [_PROBE_TOOL]})
         if 400 <= response.status_code < 500:
             raise _Failed(
                 EndpointProblem.TOOLS_REFUSED,

@@ -41,11 +41,11 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 for _key, _value in {
     "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",
@@ -56,6 +56,19 @@ for _key, _value in {
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from nemo_rl_check import imports  # noqa: E402
+
+if TYPE_CHECKING:
+    import torch
+    from nemo_rl.algorithms.grpo import MasterConfig
+    from nemo_rl.data.interfaces import DatumSpec as NemoRLDatum
+    from nemo_rl.distributed.batched_data_dict import BatchedDataDict as NemoRLBatch
+    from wandb import Table
+
+    from gym_bridge.json_types import JsonMapping, JsonObject
+    from gym_bridge.types import ActorHandle, Tokenizer
+
+    type Found = Any
+    """A value the checks compare between NeMo-RL's objects and ours: either system's result, record or column."""
 
 RECIPE = "examples/nemo_gym/grpo_workplace_assistant_nemotron_nano_v2_9b.yaml"
 """NeMo-RL's default Gym recipe (the one examples/nemo_gym/run_grpo_nemo_gym.py loads without --config)."""
@@ -106,7 +119,7 @@ _unmet: list[str] = []
 """The current check's unmet expectations: a check goes on after one, so a run reports all of them."""
 
 
-def expect(condition: Any, message: str) -> None:
+def expect(condition: object, message: str) -> None:
     if not condition:
         _unmet.append(message)
 
@@ -144,11 +157,11 @@ def describe(error: BaseException) -> str:
 class GenerationConfigHolder:
     """What NeMo-RL's Gym path reads from ``policy_generation``: ``.cfg`` (``vllm_cfg.max_model_len``) only."""
 
-    def __init__(self, cfg: dict[str, Any]) -> None:
+    def __init__(self, cfg: JsonObject) -> None:
         self.cfg = cfg
 
 
-def load_master_config(root: Path) -> Any:
+def load_master_config(root: Path) -> MasterConfig:
     from omegaconf import OmegaConf
 
     from nemo_rl.algorithms.grpo import MasterConfig
@@ -159,14 +172,14 @@ def load_master_config(root: Path) -> Any:
     return MasterConfig(**OmegaConf.to_container(cfg, resolve=True))
 
 
-def gym_rows() -> list[dict[str, Any]]:
+def gym_rows() -> list[JsonObject]:
     """One equivalence row the scripted policy answers right, one tool-call row (two agents)."""
     from gym_bridge.testing.gym_rows import equivalence_row, tool_call_rows
 
     return [equivalence_row("Reply with exactly: 42", "42"), tool_call_rows()[0]]
 
 
-def nemo_rl_datums(tokenizer: Any) -> list[dict[str, Any]]:
+def nemo_rl_datums(tokenizer: Tokenizer) -> list[NemoRLDatum]:
     """NeMo-RL's DatumSpecs for :func:`gym_rows`, made by its own ``nemo_gym_data_processor``."""
     from nemo_rl.data.processors import nemo_gym_data_processor
 
@@ -178,7 +191,7 @@ def nemo_rl_datums(tokenizer: Any) -> list[dict[str, Any]]:
     ]
 
 
-def nemo_rl_repeated_batch(tokenizer: Any, collector_self: Any = None) -> Any:
+def nemo_rl_repeated_batch(tokenizer: Tokenizer, collector_self: object = None) -> NemoRLBatch:
     """grpo.py's ``repeated_batch``: ``rl_collate_fn`` then ``repeat_interleave``; with ``collector_self`` the
     async collector's ``_stamp_nemo_gym_task_indices`` first (``_ng_task_index`` per prompt)."""
     from nemo_rl.data.collate_fn import rl_collate_fn
@@ -195,7 +208,7 @@ def collector_class() -> type:
     return AsyncTrajectoryCollector.__ray_metadata__.modified_class
 
 
-def generation_config(mc: Any) -> dict[str, Any]:
+def generation_config(mc: MasterConfig) -> JsonObject:
     """grpo.py's ``generation_config`` for the Gym path (stop criteria cleared, grpo.py ~2939)."""
     return {**mc.policy["generation"], "stop_token_ids": None, "stop_strings": None}
 
@@ -203,11 +216,11 @@ def generation_config(mc: Any) -> dict[str, Any]:
 # ---- shared assertions ----------------------------------------------------------------------------------
 
 
-def table_rows(table: Any) -> list[dict[str, Any]]:
+def table_rows(table: Table) -> list[JsonObject]:
     return [json.loads(row[0]) for row in table.data]
 
 
-def check_message_logs(message_logs: list[list[dict[str, Any]]], where: str, notes: list[str]) -> None:
+def check_message_logs(message_logs: Sequence[Sequence[JsonMapping]], where: str, notes: list[str]) -> None:
     """Token ids int64, assistant logprobs float and as long as the tokens, as NeMo-RL's training code needs."""
     import torch
 
@@ -249,7 +262,7 @@ ROLLOUT_METRIC_KEYS = (
 )
 
 
-def check_final_batch(result: Any, agents: list[str], where: str, notes: list[str], tables: bool) -> list[float]:
+def check_final_batch(result: Found, agents: list[str], where: str, notes: list[str], tables: bool) -> list[float]:
     """A NemoGymRolloutResult as grpo.py consumes it; returns the rewards Gym graded (from the full results)."""
     import torch
 
@@ -295,7 +308,7 @@ def check_final_batch(result: Any, agents: list[str], where: str, notes: list[st
     return rewards
 
 
-def check_record(record: Any, agent: str, where: str, notes: list[str]) -> None:
+def check_record(record: Found, agent: str, where: str, notes: list[str]) -> None:
     """A PromptGroupRecord from a manager: N completions, rewards = Gym's graded reward, metrics present."""
     expect(len(record.completions) == NUM_GENERATIONS, f"{where}: {len(record.completions)} completions")
     check_message_logs([c.message_log for c in record.completions], where, notes)
@@ -315,18 +328,20 @@ def check_record(record: Any, agent: str, where: str, notes: list[str]) -> None:
 @dataclass
 class Env:
     root: Path
-    mc: Any
-    tokenizer: Any
-    actor: Any
+    mc: MasterConfig
+    tokenizer: Tokenizer
+    actor: ActorHandle
     generation: GenerationConfigHolder
     agents: list[str]
 
 
-def run_async_batch(env: Env, fn: Callable[..., Any], batch: Any, *, tables: bool) -> list[Any]:
+def run_async_batch(
+    env: Env, fn: Callable[..., AsyncIterator[Found]], batch: NemoRLBatch, *, tables: bool
+) -> list[Found]:
     """Drain ``fn`` (a ``run_async_nemo_gym_rollout``) with the trajectory collector's keywords."""
     from nemo_rl.experience.rollouts import get_nemo_gym_thinking_tags, should_mask_flagged_samples
 
-    async def drain() -> list[Any]:
+    async def drain() -> list[Found]:
         return [
             r
             async for r in fn(
@@ -351,7 +366,7 @@ def run_async_batch(env: Env, fn: Callable[..., Any], batch: Any, *, tables: boo
     return asyncio.run(drain())
 
 
-def run_sync_batch(env: Env, fn: Callable[..., Any], batch: Any) -> Any:
+def run_sync_batch(env: Env, fn: Callable[..., Found], batch: NemoRLBatch) -> Found:
     """``fn`` (a ``run_nemo_gym_rollout_sync``) called keyword for keyword as grpo.py's training step calls it."""
     from nemo_rl.algorithms.grpo import _get_effort_config
     from nemo_rl.experience.rollouts import get_nemo_gym_thinking_tags, should_mask_flagged_samples
@@ -408,7 +423,7 @@ def check_a_sync(env: Env, notes: list[str]) -> None:
     expect(rewards[:NUM_GENERATIONS] == [1.0] * NUM_GENERATIONS, f"equivalence rewards {rewards[:NUM_GENERATIONS]}")
 
 
-def nemo_rl_manager(env: Env, **kwargs: Any) -> Any:
+def nemo_rl_manager(env: Env, **kwargs: object) -> Found:
     from nemo_rl.experience.rollout_manager import RolloutManager, RolloutRetryPolicy, RolloutTimeouts
 
     return RolloutManager(
@@ -424,8 +439,8 @@ def nemo_rl_manager(env: Env, **kwargs: Any) -> Any:
     )
 
 
-def run_manager(env: Env, manager: Any, notes: list[str], where: str) -> None:
-    async def go() -> list[Any]:
+def run_manager(env: Env, manager: Found, notes: list[str], where: str) -> None:
+    async def go() -> list[Found]:
         return [await manager.run_rollout(datum) for datum in nemo_rl_datums(env.tokenizer)]
 
     records = asyncio.run(go())
@@ -598,7 +613,7 @@ def check_c_collector(env: Env, notes: list[str]) -> None:
     index_map = cls._build_task_index_map(batch, NUM_GENERATIONS)
     expect(index_map == {7: 0, 8: 1}, f"_build_task_index_map gave {index_map}")
 
-    async def drain() -> list[Any]:
+    async def drain() -> list[Found]:
         return [
             g
             async for g in cls._iter_rollout_groups(
@@ -630,7 +645,7 @@ def check_c_collector(env: Env, notes: list[str]) -> None:
             expect(rewards == [1.0] * NUM_GENERATIONS, f"equivalence group rewards {rewards}")
 
 
-def describe_value(value: Any) -> str:
+def describe_value(value: object) -> str:
     import torch
 
     if isinstance(value, torch.Tensor):
@@ -640,7 +655,7 @@ def describe_value(value: Any) -> str:
     return type(value).__name__
 
 
-def compare_metrics(theirs: dict[str, Any], ours: dict[str, Any], where: str, notes: list[str]) -> None:
+def compare_metrics(theirs: JsonMapping, ours: JsonMapping, where: str, notes: list[str]) -> None:
     """NeMo-RL's metric keys all present in ours with equal values (timings excepted); extra keys are notes."""
     missing = sorted(k for k in theirs if k not in ours)
     extra = sorted(k for k in ours if k not in theirs)
@@ -673,7 +688,9 @@ def compare_metrics(theirs: dict[str, Any], ours: dict[str, Any], where: str, no
                      "(same values)")
 
 
-def compare_message_logs(theirs: list[Any], ours: list[Any], where: str) -> None:
+def compare_message_logs(
+    theirs: Sequence[Sequence[JsonMapping]], ours: Sequence[Sequence[JsonMapping]], where: str
+) -> None:
     import torch
 
     for i, (la, lb) in enumerate(zip(theirs, ours, strict=True)):
@@ -690,7 +707,7 @@ def compare_message_logs(theirs: list[Any], ours: list[Any], where: str) -> None
                     expect(va == vb, f"{where}: row {i} msg {j} {key}: NeMo-RL {va!r}, ours {vb!r}")
 
 
-def compare_results(theirs: Any, ours: Any, where: str, notes: list[str]) -> None:
+def compare_results(theirs: Found, ours: Found, where: str, notes: list[str]) -> None:
     """Two NemoGymRolloutResults of the same batch on the same actor (the scripted policy is deterministic)."""
     import torch
 
@@ -724,7 +741,7 @@ VOLATILE_KEYS = frozenset({"id", "call_id", "created_at"})
 """Fields Gym's servers make fresh for every response (uuids, clock): never equal across two runs."""
 
 
-def diff_paths(a: Any, b: Any, path: str = "") -> list[str]:
+def diff_paths(a: object, b: object, path: str = "") -> list[str]:
     """Where two JSON values differ: ``path (NeMo-RL's -> ours)`` entries; :data:`VOLATILE_KEYS` are skipped."""
     if isinstance(a, dict) and isinstance(b, dict):
         a = {k: v for k, v in a.items() if k not in VOLATILE_KEYS}
@@ -742,7 +759,7 @@ def diff_paths(a: Any, b: Any, path: str = "") -> list[str]:
     return []
 
 
-def compare_records(theirs: Any, ours: Any, where: str, notes: list[str]) -> None:
+def compare_records(theirs: Found, ours: Found, where: str, notes: list[str]) -> None:
     """Two PromptGroupRecords of the same prompt, NeMo-RL's impl and ours, both under NeMo-RL's manager."""
     expect(type(theirs).__name__ == type(ours).__name__, f"{where}: record type {type(ours)} vs {type(theirs)}")
     for attr in ("prompt_idx", "extra_env_info", "metadata"):
@@ -779,7 +796,7 @@ def check_e_same(env: Env, notes: list[str]) -> None:
     ours = run_sync_batch(env, gym_bridge.run_nemo_gym_rollout_sync, nemo_rl_repeated_batch(tok))
     compare_results(theirs, ours, "sync batch", notes)
 
-    def stream(fn: Any) -> list[Any]:
+    def stream(fn: Callable[..., AsyncIterator[Found]]) -> list[Found]:
         batch = nemo_rl_repeated_batch(tok, SimpleNamespace(_next_nemo_gym_task_index=0))
         return run_async_batch(env, fn, batch, tables=False)
 
@@ -812,14 +829,14 @@ def check_e_same(env: Env, notes: list[str]) -> None:
     finally:
         nrm.AsyncNemoGymRolloutImpl = saved
 
-    async def records(manager: Any) -> list[Any]:
+    async def records(manager: Found) -> list[Found]:
         return [await manager.run_rollout(d) for d in nemo_rl_datums(tok)]
 
     for i, (ra, rb) in enumerate(zip(asyncio.run(records(manager_theirs)), asyncio.run(records(manager_ours)))):
         compare_records(ra, rb, f"manager prompt {i}", notes)
 
 
-def _input_ids(final_batch: Any, tokenizer: Any) -> Any:
+def _input_ids(final_batch: JsonMapping, tokenizer: Tokenizer) -> torch.Tensor:
     from nemo_rl.data.llm_message_utils import batched_message_log_to_flat_message
 
     first = [log[:1] for log in final_batch["message_log"]]
@@ -912,7 +929,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if outcomes and all(o.ok for o in outcomes) and len(outcomes) == len(selected) else 1
 
 
-def start(stack: contextlib.ExitStack, root: Path, mc: Any) -> Env:
+def start(stack: contextlib.ExitStack, root: Path, mc: MasterConfig) -> Env:
     """Ray, our endpoint over the scripted policy, our NemoGym actor on real Gym servers; torn down by ``stack``."""
     import ray
     from transformers import AutoTokenizer
@@ -936,7 +953,7 @@ def start(stack: contextlib.ExitStack, root: Path, mc: Any) -> Env:
     stack.callback(server.stop_thread)
     t0 = time.monotonic()
     # NeMo-RL's spin-up signature; env.nemo_gym as NeMo-RL's grpo.setup passes it (the wheel's configs here).
-    box: dict[str, Any] = {}
+    box: dict[str, ActorHandle] = {}
 
     def spin() -> None:
         box["actor"] = gym_bridge.spinup_nemo_gym_actor(
@@ -963,35 +980,33 @@ def gym_bridge_wheel_config(path: str) -> Path:
     return wheel_config_path(path)
 
 
-def gym_bridge_state() -> str:
-    """Where gym_bridge was imported from, and that tree's commit (``-dirty`` when it has changes)."""
+def git_output(tree: Path, *args: str) -> str | None:
+    """``git -C tree args``'s stripped output; None when git fails, says nothing, or ``tree`` is no git tree."""
     import subprocess
 
+    try:
+        out = subprocess.run(["git", "-C", str(tree), *args], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0:
+        return None
+    return out.stdout.strip() or None
+
+
+def gym_bridge_state() -> str:
+    """Where gym_bridge was imported from, and that tree's commit (``-dirty`` when it has changes)."""
     import gym_bridge
 
     where = Path(gym_bridge.__file__).resolve().parent.parent
-    try:
-        out = subprocess.run(
-            ["git", "-C", str(where), "describe", "--always", "--dirty"], capture_output=True, text=True, timeout=10
-        )
-        if out.returncode == 0 and out.stdout.strip():
-            return f"{where} at {out.stdout.strip()}"
-    except (OSError, subprocess.TimeoutExpired):
-        pass
-    return f"{where} (not a git tree)"
+    described = git_output(where, "describe", "--always", "--dirty")
+    return f"{where} at {described}" if described else f"{where} (not a git tree)"
 
 
 def nemo_rl_commit(root: Path) -> str:
-    import subprocess
-
-    try:
-        out = subprocess.run(
-            ["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
-        )
-        if out.returncode == 0 and out.stdout.strip():
-            return f"commit {out.stdout.strip()}"
-    except (OSError, subprocess.TimeoutExpired):
-        pass
+    """The NeMo-RL checkout's short commit, else ``$NEMO_RL_COMMIT``, else a line saying it is unknown."""
+    commit = git_output(root, "rev-parse", "--short", "HEAD")
+    if commit:
+        return f"commit {commit}"
     return os.environ.get("NEMO_RL_COMMIT", "not a git checkout; commit unknown (set NEMO_RL_COMMIT to name it)")
 
 

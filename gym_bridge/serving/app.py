@@ -102,6 +102,7 @@ class ServingState:
 
     @property
     def model_names(self) -> tuple[str, ...]:
+        """The names a request's ``model`` may give: the served name and the model path."""
         return (self.served_model_name, self.model_path)
 
 

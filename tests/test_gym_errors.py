@@ -119,7 +119,9 @@ def test_stop_at_once_does_not_fire_after_a_success_or_a_different_error(first):
         watch.config_failure(config_error("tools refused", 0))
     for row in range(1, 4):
         watch.config_failure(config_error("model `x` does not exist", row))  # never raises
-    assert watch.closed or watch.stop_after == 0  # the window is shut: no later prompt can fire the rule
+    # A success or a different error shuts the window for good; with the rule off, nothing is even counted.
+    expected = {"committed": (True, 0), "other config error": (True, 1), "disabled": (False, 0)}[first]
+    assert (watch.closed, watch.seen) == expected
     fresh = ConfigFailureWatch(stop_after=2)  # the control: the same errors on an open window do fire it
     fresh.config_failure(config_error("model `x` does not exist", 1))
     with pytest.raises(RunConfigurationError):

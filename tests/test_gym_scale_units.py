@@ -4,8 +4,10 @@ and an actor that admits every group at once. Unit tests of single functions; no
 from __future__ import annotations
 
 import asyncio
+import socket
 from typing import Any
 
+from gym_bridge.failures import GymTransportError
 from gym_bridge.gym.actor import NemoGym, NemoGymConfig
 from gym_bridge.gym.client import GymClient
 from gym_bridge.gym.health import SharedWatch
@@ -127,9 +129,9 @@ def test_rows_waiting_for_a_pooled_connection_are_not_failed_by_the_connect_time
         app.router.add_post("/run", slow)
         runner = web.AppRunner(app)
         await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        sock = socket.create_server(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+        await web.SockSite(runner, sock).start()
         actor = NemoGym(_config(max_connections=1, connect_timeout_s=0.1))
         try:
             client = actor._http_client()
@@ -175,20 +177,23 @@ def test_groups_launched_together_submit_their_streams_one_loop_iteration_apart(
     """1,024 groups submitting in one iteration would hold the driver's loop ~0.5 s (benchmarks/RESULTS.md)."""
     clock = [0]
     actor = _StreamingActor(clock)
-    client = GymClient([actor])
+    client = GymClient([actor], max_row_attempts=1)
 
     async def iterations() -> None:
         while True:
             clock[0] += 1
             await asyncio.sleep(0)
 
-    async def scenario() -> None:
+    async def scenario() -> list[object]:
         ticker = asyncio.create_task(iterations())
-        rows = [{"_rowidx": 0}]
-        await asyncio.gather(*(client._stream(0, rows, [None], keep_env_failures=True) for _ in range(16)))
+        groups = [client.run_group([{"_rowidx": 0}], prompt_idx=g, deadline_s=None) for g in range(16)]
+        outcomes = await asyncio.gather(*groups, return_exceptions=True)
         ticker.cancel()
+        return outcomes
 
-    asyncio.run(scenario())
+    outcomes = asyncio.run(scenario())
     assert len(actor.submitted_at) == 16
     assert len(set(actor.submitted_at)) == 16, actor.submitted_at
     assert client.in_flight_rows == [0]
+    # The stand-in streams no rows, so each group ends with its row missing, and nothing else goes wrong.
+    assert all(isinstance(o, GymTransportError) and "missing rows [0]" in str(o) for o in outcomes), outcomes

@@ -257,7 +257,8 @@ def batched_message_log_to_flat_message(
     - ``lengths[i]`` (int32) is the longest tensor among sample ``i``'s keys.
     - A sample lacking a tensor key gets a zero-length tensor of that key's dtype;
       every tensor is right-padded with ``pad_value_dict[key]`` (default 0).
-      Different dtypes or devices across samples raise ``RuntimeError`` naming the key.
+      Different dtypes or devices across samples raise :class:`BatchShapeError` (a ``RuntimeError``) naming
+      the key.
     - Non-tensor keys become one list per sample (``None`` for a sample lacking it).
     - With no tensor keys at all, each key holds the first value per sample and
       ``lengths`` is empty. An empty batch gives an empty dict and empty lengths.

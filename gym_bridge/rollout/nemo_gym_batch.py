@@ -142,9 +142,9 @@ async def run_async_nemo_gym_rollout(
     ``policy_generation`` is read for its ``cfg`` only (the engine's ``max_model_len``).
 
     Raises:
-        SettingError: (a ``ValueError``) an option the Gym path cannot honour (``greedy``, ``max_rollout_turns``,
-            stop strings, ``top_k``), a batch that does not split into groups, or a group mixing agents or task
-            indices.
+        SettingError: an option the Gym path cannot honour (``greedy``, ``max_rollout_turns``, stop strings,
+            ``top_k``), a batch that does not split into groups, or a group mixing agents or task indices; a
+            ``ValueError``, as NeMo-RL's callers expect.
         InvalidGymRow: a row that cannot be dispatched, named by its index and field.
         RolloutFailure: the typed failure of the first group that failed (see :mod:`gym_bridge.failures`).
     """

@@ -14,7 +14,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 from difflib import SequenceMatcher
 from pathlib import Path
 
@@ -22,6 +21,7 @@ import pytest
 
 from gym_bridge.eval.runs import load_run
 from gym_bridge.eval.store import read_jsonl
+from gym_bridge.testing.cli import run_cli
 from gym_bridge.testing.gym_rows import equivalence_row
 
 REPO = Path(__file__).resolve().parents[1]
@@ -42,13 +42,13 @@ def dataset(folder: Path) -> Path:
     path.write_text(ROWS.read_text().rstrip("\n") + "\n" + "".join(json.dumps(row) + "\n" for row in extra))
     return path
 
+
 pytestmark = [pytest.mark.gym, pytest.mark.e2e, pytest.mark.slow]
 
 
-def cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+def cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0", "RAY_USAGE_STATS_ENABLED": "0"}
-    return subprocess.run([sys.executable, "-m", "gym_bridge.cli", *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=timeout)  # fmt: skip
+    return run_cli(*args, cwd=REPO, env=env, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -202,8 +202,9 @@ def test_a_second_command_needs_resume_which_runs_only_the_unfinished_policy(
     (scripted / "results.jsonl").write_bytes(b"".join(kept))
     for name in ("compare.json", "compare.md", "compare.png"):
         (out / name).unlink()
-    resumed = cli("eval", str(TWO_POLICIES), f"output_dir={out}", f"dataset={runs['dataset']}", "--resume",
-                  "--no-progress")
+    resumed = cli(
+        "eval", str(TWO_POLICIES), f"output_dir={out}", f"dataset={runs['dataset']}", "--resume", "--no-progress"
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert (tiny / "results.jsonl").read_bytes() == tiny_results
     assert last_session(tiny)["rollouts_started"] is None, "the finished policy started nothing"

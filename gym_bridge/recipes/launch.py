@@ -99,7 +99,9 @@ def start_nemo_gym(spec: GymLaunchSpec, tokenizer: Tokenizer) -> NemoGymRollouts
         try:
             manager = RolloutManager(
                 tokenizer=tokenizer,
-                task_to_env={"nemo_gym": actors if len(actors) > 1 else actors[0]},
+                # the nemo_gym backend takes one actor or a list of them (nemo_gym_actors); the manager's type
+                # names one
+                task_to_env={"nemo_gym": cast("ActorHandle", actors) if len(actors) > 1 else actors[0]},
                 num_generations_per_prompt=spec.num_generations_per_prompt,
                 max_seq_len=spec.max_seq_len,
                 # the spec holds it as a plain mapping of GenerationConfig keys

@@ -2,12 +2,13 @@
 
 One run (engine + server + Gym + manager + policy) is built for the module with the
 builder the recipe uses. Each test drives trainers of its own over the run's manager, policy and engine, a few
-small steps at a time, and finds the run as every test does (:func:`handed_back`): whatever the test before it
-changed, the engine serves the policy's weights, and the retry policy and learning rate are the run's own.
+small steps at a time, and starts from the run as it was built (:func:`as_built`): the policy's weights,
+optimizer and learning-rate schedule, the manager's retry policy, and an engine serving those weights.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import replace
 
@@ -80,19 +81,25 @@ def grpo_run(ray_session, tmp_path_factory):
     run.close()
 
 
+@pytest.fixture(scope="module")
+def built(grpo_run):
+    """What the tests change of the run, as it was built: the policy's weights, optimizer and schedule state (the
+    learning rates with them) and steps taken, and the manager's retry policy."""
+    policy = grpo_run.policy
+    return (copy.deepcopy(policy.model.state_dict()), copy.deepcopy(policy.optimizer.state_dict()),
+            copy.deepcopy(policy.scheduler.state_dict()), policy.steps_taken, grpo_run.trainer.manager.retry_policy)
+
+
 @pytest.fixture(autouse=True)
-def handed_back(grpo_run):
-    """After each test: the manager's retry policy and the optimizer's learning rates as they were, and the engine
-    refit to the policy's weights at a new version, so that no test depends on what ran before it."""
-    manager, policy, engine = grpo_run.trainer.manager, grpo_run.policy, grpo_run.engine
-    retry_policy = manager.retry_policy
-    rates = [group["lr"] for group in policy.optimizer.param_groups]
-    base_rates = list(policy.scheduler.base_lrs)
-    yield
-    manager.retry_policy = retry_policy
-    for group, rate in zip(policy.optimizer.param_groups, rates, strict=True):
-        group["lr"] = rate
-    policy.scheduler.base_lrs = base_rates
+def as_built(grpo_run, built):
+    """Before each test: the run as it was built, and the engine refit to those weights at a new version, so that
+    no test depends on what ran before it (each row's sampling seed comes from the run seed and the row)."""
+    policy, engine, manager = grpo_run.policy, grpo_run.engine, grpo_run.trainer.manager
+    weights, optimizer, scheduler, steps_taken, manager.retry_policy = built
+    policy.model.load_state_dict(weights)
+    policy.optimizer.load_state_dict(optimizer)
+    policy.scheduler.load_state_dict(scheduler)
+    policy.steps_taken = steps_taken
     refit(policy, engine, max(engine.weight_version, manager.weight_version) + 1, manager)
 
 
@@ -271,7 +278,7 @@ async def test_a_step_below_min_step_batch_fraction_stops_the_run(grpo_run, tmp_
     bad = {"responses_create_params": {"input": "x"}}  # no agent_ref: a data failure, skipped
     trainer = trainer_like(grpo_run, tmp_path, min_step_batch_fraction=0.75, shuffle_data=False)
     trainer.prompts.dataset = [trainer.prompts.dataset[0], datum_from_gym_row(bad, idx=99)]  # this trainer's copy
-    manager.retry_policy = replace(manager.retry_policy, max_skipped_prompts=10)  # handed_back restores it
+    manager.retry_policy = replace(manager.retry_policy, max_skipped_prompts=10)  # as_built restores it
     with pytest.raises(StepBatchShortfall, match="step 0 committed 1 of 2 prompt groups, below the floor of 2"):
         await trainer.rollout(0)
     assert trainer.state.requeued_total == 1 and len(trainer.prompts.state.requeued) == 1, "the lost prompt"
@@ -316,7 +323,7 @@ class SkippingEngine:
 @pytest.mark.parametrize("lose", ["all", "weights"])
 async def test_a_refit_that_did_not_arrive_late_in_a_run_stops_it(grpo_run, tmp_path, lose):
     policy = grpo_run.policy
-    # Learning has slowed (handed_back restores the rate): the logprob threshold alone would not notice the lag.
+    # Learning has slowed (as_built restores the rate): the logprob threshold alone would not notice the lag.
     # The scheduler sets each step's rate from its base rates, so those slow down too.
     for group in policy.optimizer.param_groups:
         group["lr"] = 1e-7

@@ -7,13 +7,20 @@ from gym_bridge.training.advantages import (
     grpo_advantages,
     message_level_advantages,
 )
-from gym_bridge.training.batch import AdvantageSettings, GroupStats, train_batch
+from gym_bridge.training.batch import AdvantageSettings, GroupStats, TrainBatchSpec, train_batch
 from gym_bridge.training.fidelity import OnPolicyError, on_policy_error, seq_logprob_error_mask
-from gym_bridge.training.loop import GRPOLoopConfig, GRPOTrainer, TrainerState, load_trainer_state
+from gym_bridge.training.loop import (
+    GRPOLoopConfig,
+    GRPOTrainer,
+    RolloutCollector,
+    TrainablePolicy,
+    TrainerState,
+    load_trainer_state,
+)
 from gym_bridge.training.loss import ClippedPGLoss, ClippedPGLossConfig, sum_on_policy_errors
-from gym_bridge.training.metrics import append_metrics, plot_reward_curve, read_metrics
+from gym_bridge.training.metrics import MetricsLine, append_metrics, plot_reward_curve, read_metrics
 from gym_bridge.training.prompts import PromptQueue, PromptQueueState
-from gym_bridge.training.refit import check_refit, refit
+from gym_bridge.training.refit import RefitTarget, check_refit, refit
 from gym_bridge.training.rewards import RewardShaper
 from gym_bridge.training.staleness import StalenessBuffer
 from gym_bridge.training.validation import GymValidator, ValidationSet, Validator
@@ -26,11 +33,16 @@ __all__ = [
     "GRPOTrainer",
     "GroupStats",
     "GymValidator",
+    "MetricsLine",
     "OnPolicyError",
     "PromptQueue",
     "PromptQueueState",
+    "RefitTarget",
     "RewardShaper",
+    "RolloutCollector",
     "StalenessBuffer",
+    "TrainBatchSpec",
+    "TrainablePolicy",
     "TrainerState",
     "ValidationSet",
     "Validator",

@@ -15,13 +15,10 @@ import threading
 import weakref
 from collections.abc import Callable
 from enum import Enum
-from typing import TYPE_CHECKING, Final
+from typing import Final, Protocol
 
-from gym_bridge.generation.hf_config import EngineShutDownError
+from gym_bridge.generation.hf_config import EngineShutDownError, HFGenerationConfig
 from gym_bridge.generation.hf_decode import Row, RowResult, RunningBatch
-
-if TYPE_CHECKING:
-    from gym_bridge.generation.hf import HFGeneration
 
 logger = logging.getLogger("gym_bridge.generation.hf")
 
@@ -40,7 +37,18 @@ WAKE: Final = Signal.WAKE
 type WorkItem = Row | Signal
 
 
-def worker_loop(engine_ref: weakref.ref[HFGeneration], q: queue.SimpleQueue[WorkItem]) -> None:
+class WorkerEngine(Protocol):
+    """What the worker thread reads of its HFGeneration (held by a weak reference, so a dropped engine stops it)."""
+
+    cfg: HFGenerationConfig
+    _pause: threading.Event
+    _drained: threading.Event
+    _closed: bool
+
+    def _admit_and_step(self, batch: RunningBatch | None, pending: list[Row]) -> RunningBatch | None: ...
+
+
+def worker_loop(engine_ref: weakref.ref[WorkerEngine], q: queue.SimpleQueue[WorkItem]) -> None:
     """The worker thread of an HFGeneration: take queued rows, admit them, step the running batch."""
     pending: list[Row] = []
     batch: RunningBatch | None = None

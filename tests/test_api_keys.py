@@ -27,6 +27,7 @@ from gym_bridge.serving import OpenAIServer, ServerFeatures, build_proxy
 from gym_bridge.serving.auth import inbound_api_key, is_loopback, open_port_warning
 from gym_bridge.serving.upstream import UpstreamError
 from gym_bridge.testing import wait_until
+from gym_bridge.testing.cli import run_cli
 
 REPO = Path(__file__).resolve().parents[1]
 KEY = "sk-test-9c4e1f7a2b5d8e3f"  # planted: must never be written anywhere
@@ -289,15 +290,8 @@ def test_the_eval_config_names_a_variable_never_holds_a_key(monkeypatch, tmp_pat
 # ---------------------------------------------------------------- the commands
 
 
-def _cli(*args: str, env: dict[str, str], timeout: float = 180) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "gym_bridge.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=REPO,
-        env=env,
-    )
+def _cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return run_cli(*args, cwd=REPO, env=env, timeout=180)
 
 
 @pytest.mark.e2e

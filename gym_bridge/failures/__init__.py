@@ -36,18 +36,28 @@ The whole exception tree (all defined in :mod:`gym_bridge.failures.errors`)::
      │    └── GymServerDied           a server of a started set is no longer running
      └── EngineShutDownError          the local generation engine was shut down (generation/hf.py)
 
-Configuration and usage errors subclass ``GymBridgeError`` too but stay beside the code that checks the
-input, since they are never a rollout attempt's outcome: ``EvalConfigError``, ``DatasetError`` (``ValueError``)
-and ``RunDirError`` in :mod:`gym_bridge.eval`, ``TrainingConfigError`` (``ValueError``) in
-:mod:`gym_bridge.config.training`, ``BackendNotFoundError`` / ``BackendLoadError`` in
-:mod:`gym_bridge.rollout.registry`, ``UnknownTaskError`` in :mod:`gym_bridge.rollout.env_step`,
-``UnsupportedGymVersion`` in :mod:`gym_bridge.gym.versions`, ``PreflightError`` in :mod:`gym_bridge.preflight`,
-``LocalClusterError`` in :mod:`gym_bridge.testing.cluster`, ``SmolLM2Unavailable`` in :mod:`gym_bridge.models.smollm2`,
-``RewardTimeout`` in :mod:`gym_bridge.environments.rewards`, ``TranslationError``, ``CompletionsError`` and
-``GymModelConfigError`` in :mod:`gym_bridge.gym_model`, ``GymConfigNotFound`` in :mod:`gym_bridge.gym.server_config`,
-``ModelNotFoundError``, ``ModelLoadError`` and ``ModelCacheError`` in :mod:`gym_bridge.models`, ``ServerBindError``
-and ``UpstreamError`` in :mod:`gym_bridge.serving`, and ``ServingError`` (an HTTP answer of our server) in
-:mod:`gym_bridge.serving.errors`. ``gym-bridge``'s ``main()`` prints any of them as one line, exit code 2.
+Errors that are never a rollout attempt's outcome (bad input, a misused object, a process that would not
+start) subclass ``GymBridgeError`` too but stay beside the code that checks for them; most also subclass the
+builtin a caller would expect (``ValueError``, ``RuntimeError``, ``OSError``, ...)::
+
+    batched                BatchShapeError
+    config.training        TrainingConfigError
+    environments.rewards   RewardTimeout, NonFiniteScore
+    eval                   EvalConfigError, DatasetError, RunDirError, RunReadError, CompareError, RescoreError
+    generation.openai_http BlockingCallInEventLoop
+    gym                    UnsupportedGymVersion, GymConfigNotFound
+    gym_model              TranslationError, CompletionsError, ClientNotStarted, GymModelConfigError
+    models                 ModelNotFoundError, ModelLoadError, ModelCacheError, SmolLM2Unavailable
+    policy.hf              ReferenceModelMissing
+    preflight              PreflightError
+    rollout                BackendNotFoundError, BackendLoadError, BackendContractError, UnknownTaskError,
+                           EnvironmentReturnError, EmptyRolloutStream, SlotError
+    serving                ServingError (an HTTP answer of our server), IncompleteGeneration, ServerBindError,
+                           ServerStartError, ServerStateError, UpstreamError
+    testing                LocalClusterError, ServiceProcessError
+
+``SettingError`` (above) is the one for an invalid setting or argument with no type closer to its input.
+``gym-bridge``'s ``main()`` prints any of them as one line, exit code 2.
 ``tests/test_failures.py`` checks that every exception class of the package derives from ``GymBridgeError``.
 
 Every class takes a single message string, so it pickles across Ray; the ``__cause__``

@@ -272,6 +272,6 @@ def test_server_that_hangs_hits_the_deadline(tmp_path, monkeypatch):
     with pytest.raises(GymStartupError, match="'stuck' was not answering after the 25") as info:
         servers.start()
     elapsed = time.monotonic() - t0
-    assert 25 <= elapsed < 25 + 10
+    assert 25 <= elapsed < 25 + 60  # the stop after the deadline is bounded; the margin is for a loaded machine
     assert "hanging on purpose" in str(info.value)
     _assert_nothing_left(servers, servers._launcher_proc.pid)

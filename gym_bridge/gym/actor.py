@@ -51,6 +51,7 @@ import orjson
 from gym_bridge.failures import (
     GymResultError,
     GymServerDied,
+    GymServersError,
     GymTransportError,
     InvalidGymRow,
     NemoGymRestarted,
@@ -102,7 +103,7 @@ class NemoGym:
         """Start the Gym servers; return agent name -> URL."""
         async with self._spinup_lock:
             if self._servers is not None:
-                raise RuntimeError("spinup() was already called")
+                raise GymServersError("spinup() was already called")
             await self._start_servers()
         return dict(self._agent_urls)
 

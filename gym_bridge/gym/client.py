@@ -26,6 +26,7 @@ from gym_bridge.failures import (
     GymTransportError,
     RolloutFailure,
     RolloutStats,
+    SettingError,
     classify_rollout_failure,
     deadline,
     gym_failure_kind_class,
@@ -60,9 +61,9 @@ class GymClient:
         resend_env_infra_failures: bool = True,
     ) -> None:
         if not actors or any(actor is None for actor in actors):
-            raise ValueError("GymClient needs at least one NemoGym actor")
+            raise SettingError("GymClient needs at least one NemoGym actor")
         if max_row_attempts < 1:
-            raise ValueError(f"max_row_attempts must be >= 1, got {max_row_attempts}")
+            raise SettingError(f"max_row_attempts must be >= 1, got {max_row_attempts}")
         self.actors = list(actors)
         self.max_row_attempts = max_row_attempts
         self.stats = stats if stats is not None else RolloutStats()

@@ -23,6 +23,7 @@ from gym_bridge.failures import (
     GymResultError,
     MissingGenerationData,
     NaNLogprobs,
+    SettingError,
     TokenDrift,
 )
 from gym_bridge.gym.decode import decode_turns
@@ -122,7 +123,7 @@ def convert_gym_result(
             non-numeric or non-finite reward.
     """
     if on_drift not in ("raise", "truncate"):
-        raise ValueError(f"on_drift must be 'raise' or 'truncate', got {on_drift!r}")
+        raise SettingError(f"on_drift must be 'raise' or 'truncate', got {on_drift!r}")
     output = _output_items(result)
     message_log: list[dict[str, Any]] = []
     seen: list[int] = []

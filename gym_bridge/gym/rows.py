@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
-from gym_bridge.failures import InvalidGymRow
+from gym_bridge.failures import InvalidGymRow, SettingError
 from gym_bridge.gym.versions import installed_gym
 from gym_bridge.types import NEMO_GYM_TASK_INDEX_KEY, GenerationSamplingParams
 
@@ -55,7 +55,7 @@ class ResponsesCreateParams(BaseModel):
             gym = installed_gym()
             unknown = sorted(set(data) - gym.request_fields)
             if unknown:
-                raise ValueError(f"unknown key(s) {unknown} ({gym.label} rejects them with 422)")
+                raise SettingError(f"unknown key(s) {unknown} ({gym.label} rejects them with 422)")
         return data
 
     input: str | list[Any]

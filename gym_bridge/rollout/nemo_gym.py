@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from gym_bridge.failures import GymRowIndexError, RolloutRetryPolicy, RolloutStats, RolloutTimeouts
+from gym_bridge.failures import GymRowIndexError, RolloutRetryPolicy, RolloutStats, RolloutTimeouts, SettingError
 from gym_bridge.gym.client import GymClient
 from gym_bridge.gym.convert import scalar_fields
 from gym_bridge.gym.result import GymRowResult
@@ -97,26 +97,26 @@ class AsyncNemoGymRolloutImpl:
         ``seed`` (ours): the run seed every row's sampling seed is derived from, with the prompt's identity and the
         sample index; the endpoint takes it as its per-request ``seed``. None sends rows unseeded (as NeMo-RL)."""
         if generation_config is None:
-            raise ValueError(
+            raise SettingError(
                 "the nemo_gym rollout backend needs generation_config (temperature, top_p, max_new_tokens)"
             )
         unsupported = [key for key in ("stop_strings", "stop_token_ids", "top_k") if generation_config.get(key)]
         if unsupported:
-            raise ValueError(
+            raise SettingError(
                 f"the nemo_gym backend cannot honour generation_config {', '.join(unsupported)}: "
                 "NeMo-Gym's model server does not forward them; unset them"
             )
         if greedy:
-            raise ValueError("the nemo_gym backend does not support greedy decoding; set temperature instead")
+            raise SettingError("the nemo_gym backend does not support greedy decoding; set temperature instead")
         if max_rollout_turns not in (None, 1):
-            raise ValueError(
+            raise SettingError(
                 f"the nemo_gym backend needs max_rollout_turns=1 or None (got {max_rollout_turns}): "
                 "multi-turn episodes are driven by the Gym agent"
             )
         if max_gym_row_attempts is None:
             max_gym_row_attempts = (retry_policy or RolloutRetryPolicy.single_attempt()).max_gym_row_attempts
         if max_gym_row_attempts < 1:
-            raise ValueError(f"max_gym_row_attempts must be >= 1, got {max_gym_row_attempts}")
+            raise SettingError(f"max_gym_row_attempts must be >= 1, got {max_gym_row_attempts}")
         actors = nemo_gym_actors(task_to_env, nemo_gym_actor)
         self.actors = actors
         self.tokenizer = tokenizer
@@ -221,7 +221,7 @@ def nemo_gym_actors(task_to_env: Mapping[str, Any] | None, explicit: Any = None)
     given = list(actor) if isinstance(actor, (list, tuple)) else [actor]
     actors: list[ActorHandle] = [a for a in given if a is not None]
     if not actors or len(actors) != len(given):
-        raise ValueError(
+        raise SettingError(
             "the nemo_gym backend needs a NemoGym actor: pass nemo_gym_actor= or task_to_env['nemo_gym'] "
             "(spinup_nemo_gym_actor makes one)"
         )
@@ -266,7 +266,7 @@ def group_metrics(
     """
     n = len(completions)
     if len(agents) != n:
-        raise ValueError(f"group_metrics got {len(agents)} agent names for {n} completions")
+        raise SettingError(f"group_metrics got {len(agents)} agent names for {n} completions")
     turns = [sum(m["role"] == "user" for m in c.message_log) for c in completions]
     gen = [sum(int(m["token_ids"].numel()) for m in c.message_log if m["role"] == "assistant") for c in completions]
     totals = [sum(int(m["token_ids"].numel()) for m in c.message_log) for c in completions]

@@ -17,6 +17,7 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
@@ -25,7 +26,7 @@ from pydantic import BaseModel, ValidationError
 
 from gym_bridge.failures import EngineShutDownError, GenerationUnavailable, RolloutDataFailure
 from gym_bridge.interfaces import GenerationInterface
-from gym_bridge.json_types import JsonObject
+from gym_bridge.json_types import JsonMapping, JsonObject
 from gym_bridge.serving.chat import ChatPrompt, build_chat_prompt
 from gym_bridge.serving.drift import DriftCounter
 from gym_bridge.serving.engine import (
@@ -180,15 +181,7 @@ async def chat_completions(request: Request) -> JSONResponse:
     req = await _parse(request, ChatCompletionRequest, state)
     state.drift.count_request("chat_completions")
     _check_chat(req, state)
-    prompt = build_chat_prompt(
-        state.tokenizer,
-        req.messages,
-        tools=req.tools,
-        chat_template_kwargs=req.chat_template_kwargs,
-        required_prefix_token_ids=req.required_prefix_token_ids,
-        vocab_size=state.vocab_size,
-        splice=state.token_id_correction,
-    )
+    prompt = _render_chat(req, req.messages, state)
     headers = state.drift.record(prompt)
     samples = await _generate(
         state, req, prompt.token_ids, req.requested_max_tokens(), clamp=state.features.clamp_max_tokens
@@ -321,16 +314,27 @@ def _tokenize_chat(req: TokenizeRequest, state: ServingState) -> list[int]:
     """The chat of a ``/tokenize`` request rendered exactly as chat completions renders it."""
     if not req.messages:
         raise ServingError("messages must not be empty", param="messages")
+    return _render_chat(req, req.messages, state, add_generation_prompt=req.add_generation_prompt).token_ids
+
+
+def _render_chat(
+    req: ChatCompletionRequest | TokenizeRequest,
+    messages: Sequence[JsonMapping],
+    state: ServingState,
+    *,
+    add_generation_prompt: bool = True,
+) -> ChatPrompt:
+    """The one way a request's chat becomes token ids: the server's tokenizer, its splice setting and vocabulary."""
     return build_chat_prompt(
         state.tokenizer,
-        req.messages,
+        messages,
         tools=req.tools,
-        add_generation_prompt=req.add_generation_prompt,
+        add_generation_prompt=add_generation_prompt,
         chat_template_kwargs=req.chat_template_kwargs,
         required_prefix_token_ids=req.required_prefix_token_ids,
         vocab_size=state.vocab_size,
         splice=state.token_id_correction,
-    ).token_ids
+    )
 
 
 def _completion_prompts(req: CompletionRequest, state: ServingState) -> list[list[int]]:

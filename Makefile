@@ -26,7 +26,7 @@ demo: setup
 
 # The whole suite (the browser test has its own target), then the example suite that uses only the public pytest plugin.
 test: setup
-	$(UV) run pytest -n 2 --dist loadgroup -m "not browser"
+	$(UV) run pytest -n 2 --dist loadgroup -m "not browser" --durations=15
 	$(MAKE) --no-print-directory test-plugin
 
 # The trace viewer in a real headless browser: Debian's chromium and chromium-driver (`apt-get install chromium

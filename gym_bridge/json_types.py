@@ -5,12 +5,12 @@ contract, which gym-bridge reads key by key and does not model as a whole."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, TypeAlias
+from typing import Any
 
 __all__ = ["JsonMapping", "JsonObject"]
 
-JsonObject: TypeAlias = dict[str, Any]
+type JsonObject = dict[str, Any]
 """A parsed JSON object, or one being built to send."""
 
-JsonMapping: TypeAlias = Mapping[str, Any]
+type JsonMapping = Mapping[str, Any]
 """A JSON object (or a config section parsed from YAML) that the receiving function only reads."""

@@ -10,8 +10,13 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from gym_bridge.failures.errors import SettingError
+
+if TYPE_CHECKING:
+    from gym_bridge.types import LLMMessageLogType
 
 type MetricValue = float | list[float]
 """One summary metric: a number (an int stays an int), or the ``/histogram`` list."""
@@ -57,3 +62,28 @@ def summarize(
     for p in percentiles:
         out[f"{key_name}/p{p:g}"] = pct(values, p)
     return out
+
+
+@dataclass(frozen=True)
+class TokenCounts:
+    """A message log's tokens: ``prompt`` (every message the model did not generate: chat template, tool
+    results) and ``generated`` (every model call's output)."""
+
+    prompt: int
+    generated: int
+
+    @property
+    def total(self) -> int:
+        return self.prompt + self.generated
+
+
+def token_counts(message_log: LLMMessageLogType) -> TokenCounts:
+    """The one place a message log's prompt and generated tokens are counted (metrics, eval records, truncation)."""
+    prompt = generated = 0
+    for message in message_log:
+        count = int(message["token_ids"].numel())
+        if message["role"] == "assistant":
+            generated += count
+        else:
+            prompt += count
+    return TokenCounts(prompt=prompt, generated=generated)

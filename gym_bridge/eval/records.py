@@ -6,14 +6,14 @@ import hashlib
 import json
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
 from gym_bridge.failures import classify_rollout_failure
 from gym_bridge.json_types import JsonMapping, JsonObject
+from gym_bridge.metrics import token_counts
 
 if TYPE_CHECKING:  # torch stays out of the readers' imports (compare, the viewer)
-    from gym_bridge.types import Completion, LLMMessageLogType, PromptGroupRecord, Tokenizer
+    from gym_bridge.types import Completion, PromptGroupRecord, Tokenizer
 
 
 def termination_reason(completion: Completion) -> str:
@@ -41,32 +41,6 @@ def row_id(row: object) -> str:
     """
     canonical = json.dumps(row, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]
-
-
-@dataclass(frozen=True)
-class TokenCounts:
-    """A completion's tokens: ``prompt`` (every message the model did not generate: chat template, tool
-    results) and ``generated`` (every model call's output)."""
-
-    prompt: int
-    generated: int
-
-    @property
-    def total(self) -> int:
-        return self.prompt + self.generated
-
-
-def token_counts(message_log: LLMMessageLogType) -> TokenCounts:
-    """The one place eval counts a completion's prompt and generated tokens (the result line's
-    ``prompt_tokens`` / ``generated_tokens`` / ``total_tokens``, which the report and viewer read)."""
-    prompt = generated = 0
-    for message in message_log:
-        count = int(message["token_ids"].numel())
-        if message["role"] == "assistant":
-            generated += count
-        else:
-            prompt += count
-    return TokenCounts(prompt=prompt, generated=generated)
 
 
 def trace_record(completion: Completion, tokenizer: Tokenizer) -> list[JsonObject]:

@@ -25,7 +25,7 @@ from gym_bridge.gym.client import GymClient
 from gym_bridge.gym.convert import scalar_fields
 from gym_bridge.gym.result import GymRowResult
 from gym_bridge.gym.rows import build_rows, row_seed, validate_row
-from gym_bridge.metrics import calculate_single_metric, pct, summarize
+from gym_bridge.metrics import calculate_single_metric, pct, summarize, token_counts
 from gym_bridge.rollout.truncation import gym_completion_truncated
 from gym_bridge.types import (
     ActorHandle,
@@ -238,7 +238,7 @@ def gym_completion(
     full_result = row.full_result
     if row.token_drift is not None:
         full_result = {**full_result, "token_drift": row.token_drift}
-    total = sum(int(m["token_ids"].numel()) for m in row.message_log)
+    total = token_counts(row.message_log).total
     return Completion(
         message_log=row.message_log,
         env_extras=full_result,
@@ -268,8 +268,8 @@ def group_metrics(
     if len(agents) != n:
         raise SettingError(f"group_metrics got {len(agents)} agent names for {n} completions")
     turns = [sum(m["role"] == "user" for m in c.message_log) for c in completions]
-    gen = [sum(int(m["token_ids"].numel()) for m in c.message_log if m["role"] == "assistant") for c in completions]
-    totals = [sum(int(m["token_ids"].numel()) for m in c.message_log) for c in completions]
+    counts = [token_counts(c.message_log) for c in completions]
+    gen, totals = [c.generated for c in counts], [c.total for c in counts]
     max_turn_gen = [
         max((int(m["token_ids"].numel()) for m in c.message_log if m["role"] == "assistant"), default=0)
         for c in completions

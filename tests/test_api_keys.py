@@ -290,8 +290,8 @@ def test_the_eval_config_names_a_variable_never_holds_a_key(monkeypatch, tmp_pat
 # ---------------------------------------------------------------- the commands
 
 
-def _cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return run_cli(*args, cwd=REPO, env=env, timeout=180)
+def _cli(*args: str, env: dict[str, str], timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    return run_cli(*args, cwd=REPO, env=env, timeout=timeout)
 
 
 @pytest.mark.e2e

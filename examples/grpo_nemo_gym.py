@@ -27,6 +27,13 @@ from gym_bridge.training.metrics import plot_reward_curve, read_metrics
 
 logger = logging.getLogger("grpo_nemo_gym")
 
+ASYNC_CORRECTION = {
+    "use_importance_sampling_correction": True,
+    "truncated_importance_sampling_type": "tis",
+    "truncated_importance_sampling_ratio": 2.0,
+}
+"""NeMo-RL's decoupled correction for samples one version old, which async needs (NeMo-RL refuses async without it)."""
+
 
 def step_line(m: dict) -> str:
     if m.get("kind") == "val":
@@ -66,6 +73,8 @@ def main() -> None:
         config["grpo"].setdefault("async_grpo", {})["enabled"] = True
         if config["grpo"].pop("use_dynamic_sampling", False):
             logger.info("--async: grpo.use_dynamic_sampling off (NeMo-RL's async loop does not apply it)")
+        config.setdefault("loss_fn", {}).update(ASYNC_CORRECTION)
+        logger.info("--async: importance-sampling correction on (%s)", ASYNC_CORRECTION)
     if args.seed is not None:
         config["grpo"]["seed"] = args.seed
     out = Path(args.out)

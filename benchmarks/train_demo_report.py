@@ -162,7 +162,7 @@ def first_lagged_update(run: dict[str, Any]) -> dict[str, Any] | None:
 def repeat_section(sync: dict[str, Any], repeats: list[dict[str, Any]], seeds: list[dict[str, Any]],
                    asyncs: list[dict[str, Any]], trl: list[dict[str, Any]]) -> list[str]:
     """The targets of runs that repeat: equal rollouts and answers for one seed, every seed learning, async holding."""
-    out = ["", "| target (runs that repeat) | measured | verdict |", "|---|---|---|"]
+    out: list[str] = []
     for i, other in enumerate(repeats, start=2):
         steps, n_steps, vals, n_vals = repeat_check(sync, other)
         out.append(f"| run 1 and run {i} of one config: identical rollout token ids at every step (hash per step) "
@@ -209,7 +209,7 @@ def repeat_section(sync: dict[str, Any], repeats: list[dict[str, Any]], seeds: l
             out.append(f"| async engine mismatch at sync's noise floor (median mean abs difference) | async "
                        f"{statistics.median(mismatch):.1e}, sync {statistics.median(sync_mismatch):.1e} | "
                        f"{verdict(statistics.median(mismatch) <= 10 * statistics.median(sync_mismatch))} |")
-    return out
+    return ["", "| target (runs that repeat) | measured | verdict |", "|---|---|---|", *out] if out else []
 
 
 def median(lines: list[dict[str, Any]], key: str) -> float:

@@ -187,17 +187,25 @@ async def chat_completions(request: Request) -> JSONResponse:
         state, req, prompt.token_ids, req.requested_max_tokens(), clamp=state.features.clamp_max_tokens
     )
     choices = [_chat_choice(state, req, prompt, index, sample) for index, sample in enumerate(samples)]
-    body: JsonObject = {
-        "id": f"chatcmpl-{uuid.uuid4().hex}",
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": req.model or state.served_model_name,
-        "choices": choices,
-        "usage": _usage(len(prompt.token_ids), samples),
-    }
+    usage = _usage(len(prompt.token_ids), samples)
+    body = _response_body("chatcmpl", "chat.completion", req.model, state, choices, usage)
     if req.return_token_ids and state.features.token_ids:
         body["prompt_token_ids"] = prompt.token_ids
     return JSONResponse(body, headers=_with_weight_version(body, samples, headers))
+
+
+def _response_body(
+    id_prefix: str, kind: str, model: str | None, state: ServingState, choices: list[JsonObject], usage: dict[str, int]
+) -> JsonObject:
+    """The OpenAI response envelope both completion routes answer with."""
+    return {
+        "id": f"{id_prefix}-{uuid.uuid4().hex}",
+        "object": kind,
+        "created": int(time.time()),
+        "model": model or state.served_model_name,
+        "choices": choices,
+        "usage": usage,
+    }
 
 
 async def completions(request: Request) -> JSONResponse:
@@ -217,14 +225,7 @@ async def completions(request: Request) -> JSONResponse:
         all_samples.extend(samples)
         for sample in samples:
             choices.append(_completion_choice(state, req, prompt_ids, len(choices), sample))
-    body: JsonObject = {
-        "id": f"cmpl-{uuid.uuid4().hex}",
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": req.model or state.served_model_name,
-        "choices": choices,
-        "usage": _usage(prompt_tokens, all_samples),
-    }
+    body = _response_body("cmpl", "text_completion", req.model, state, choices, _usage(prompt_tokens, all_samples))
     return JSONResponse(body, headers=_with_weight_version(body, all_samples, {}))
 
 

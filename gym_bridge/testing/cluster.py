@@ -17,6 +17,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -29,7 +30,6 @@ from types import TracebackType
 import psutil
 
 from gym_bridge.failures import GymBridgeError, SettingError
-from gym_bridge.gym.reaper import free_port
 
 __all__ = ["ClusterNode", "LocalClusterError", "LocalRayCluster", "NodeSpec"]
 
@@ -39,6 +39,9 @@ _SOCKET_DIR_BUDGET = 44
 """Longest node temp dir: Ray appends ~62 bytes (session name, ``sockets/plasma_store``) to it, and a Unix
 socket path holds 107."""
 _START_ATTEMPTS = 3
+_RETRIED_START_FAULTS = ("timed out during startup", "same port is used by multiple components")
+"""``ray start`` output that a fresh attempt (new temp dir, new ports) can clear: a slow start on a loaded
+machine, or a chosen port another process took before Ray bound it."""
 _RAY_ENV = {
     "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",  # under `uv run`, Ray would ship the working directory to workers
     "RAY_USAGE_STATS_ENABLED": "0",
@@ -228,8 +231,6 @@ class LocalRayCluster:
             node = ClusterNode(spec, Path(tempfile.mkdtemp(prefix=f"{spec.name[:4]}", dir=self._root)), head)
             if len(str(node.temp_dir)) > _SOCKET_DIR_BUDGET:
                 raise LocalClusterError(f"node {spec.name!r}: temp dir {node.temp_dir} is too long for Ray's sockets")
-            if head:
-                self.port = free_port("127.0.0.1")
             self.nodes[spec.name] = node
             result = self._run_ray_start(node)
             if result.returncode == 0:
@@ -239,17 +240,21 @@ class LocalRayCluster:
             self._stop_node(node)
             del self.nodes[spec.name]
             output = (result.stdout or "")[-3000:]
-            if attempt == _START_ATTEMPTS or "timed out during startup" not in output:
+            if attempt == _START_ATTEMPTS or not any(fault in output for fault in _RETRIED_START_FAULTS):
                 raise LocalClusterError(
                     f"`ray start` of node {spec.name!r} failed (exit {result.returncode}); logs under "
                     f"{node.temp_dir}/session_latest/logs:\n{output}"
                 )
             logger.warning(
-                "node %s missed Ray's start-up window; attempt %d of %d", spec.name, attempt + 1, _START_ATTEMPTS
+                "node %s did not start; attempt %d of %d:\n%s", spec.name, attempt + 1, _START_ATTEMPTS, output
             )
 
     def _run_ray_start(self, node: ClusterNode) -> subprocess.CompletedProcess[str]:
         spec = node.spec
+        # Explicit ports, all distinct: no race for Ray's defaults with a second raylet, no wait on port files.
+        ports = iter(_free_ports(9 if node.head else 6))
+        if node.head:
+            self.port = next(ports)
         args = [
             sys.executable, "-m", "ray.scripts.scripts", "start",
             "--node-ip-address=127.0.0.1",
@@ -258,21 +263,20 @@ class LocalRayCluster:
             f"--object-store-memory={spec.object_store_memory}",
             f"--temp-dir={node.temp_dir}",
             "--disable-usage-stats",
-            # Explicit ports: no race for Ray's defaults with a second raylet, and no wait on port files.
-            f"--node-manager-port={free_port("127.0.0.1")}",
-            f"--object-manager-port={free_port("127.0.0.1")}",
-            f"--dashboard-agent-listen-port={free_port("127.0.0.1")}",
-            f"--dashboard-agent-grpc-port={free_port("127.0.0.1")}",
-            f"--metrics-export-port={free_port("127.0.0.1")}",
-            f"--runtime-env-agent-port={free_port("127.0.0.1")}",
+            f"--node-manager-port={next(ports)}",
+            f"--object-manager-port={next(ports)}",
+            f"--dashboard-agent-listen-port={next(ports)}",
+            f"--dashboard-agent-grpc-port={next(ports)}",
+            f"--metrics-export-port={next(ports)}",
+            f"--runtime-env-agent-port={next(ports)}",
         ]  # fmt: skip
         if node.head:
             args += [
                 "--head",
                 f"--port={self.port}",
                 "--include-dashboard=false",
-                f"--dashboard-port={free_port('127.0.0.1')}",
-                f"--ray-client-server-port={free_port('127.0.0.1')}",
+                f"--dashboard-port={next(ports)}",
+                f"--ray-client-server-port={next(ports)}",
                 f"--system-config={json.dumps(self.system_config)}",
             ]
         else:
@@ -322,6 +326,16 @@ class LocalRayCluster:
         gcs = ray.get_runtime_context().gcs_address
         if gcs.rsplit(":", 1)[-1] == str(self.port):
             ray.shutdown()
+
+
+def _free_ports(count: int) -> list[int]:
+    """``count`` distinct ports free on 127.0.0.1 now: each socket stays bound until all are chosen, so the
+    kernel cannot hand one port out twice."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [int(sock.getsockname()[1]) for sock in socks]
 
 
 def _process(pid: int) -> psutil.Process | None:

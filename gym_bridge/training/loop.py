@@ -457,7 +457,7 @@ class GRPOTrainer:
             if timeout is None or time.monotonic() - idle_since < timeout:
                 continue
             message = (
-                f"step {step}: no rollout committed in {timeout:.0f}s ({committed} groups committed so far, "
+                f"step {step}: no rollout committed in {timeout:g}s ({committed} groups committed so far, "
                 f"stall_timeout_s={timeout})"
             )
             if self.cfg.stall_action == "abort":

@@ -159,6 +159,19 @@ def test_positional_parameters_are_nemo_rl_s_and_nothing_else_is_positional(targ
     assert positional == NEMO_RL_ORDERS[target]
 
 
+def test_rollout_stats_take_nemo_rl_s_keywords():
+    """NeMo-RL's manager and collectors call these with its own argument names (rollout_manager.py 172-196)."""
+    stats = RolloutStats()
+    stats.record_redispatch(reason="RolloutTimeout")
+    stats.record_data_retry(reason="InvalidGymRow")
+    stats.record_data_failure(reason="InvalidGymRow")
+    stats.record_infra_drop(reason="RolloutTimeout", consecutive=2)
+    stats.record_gym_row_redispatch()
+    stats.record_gym_row_redispatch(rows=3)
+    assert stats.gym_row_redispatches == 4 and stats.max_consecutive_infra_drops == 2
+    assert stats.as_metrics()["rollout/gym_row_redispatch_total"] == 4
+
+
 # ---------------------------------------------------------------- calculate_rewards
 
 

@@ -31,9 +31,9 @@ class RolloutStats:
     def record_redispatch(self, reason: str) -> None:
         _bump(self.redispatches_by_reason, reason)
 
-    def record_gym_row_redispatch(self, count: int) -> None:
-        """``count`` rows of one group re-sent to Gym after an infrastructure failure."""
-        self.gym_row_redispatches += count
+    def record_gym_row_redispatch(self, rows: int = 1) -> None:
+        """``rows`` rows of one group re-sent to Gym after an infrastructure failure (NeMo-RL's signature)."""
+        self.gym_row_redispatches += rows
 
     def record_env_failure_redispatch(self, failure_kind: str) -> None:
         _bump(self.env_failure_redispatches_by_kind, failure_kind)

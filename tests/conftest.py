@@ -98,3 +98,23 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
             if fixturedef.scope == "session":
                 fixturedef.finish(item._request)  # type: ignore[attr-defined]
     return result
+
+
+
+_lane_totals: dict[str, tuple[float, int]] = {}
+"""lane -> (seconds of setup, call and teardown, tests): what the xdist controller saw of each lane."""
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Add each test's phases to its lane's total (the ``@lane`` suffix loadgroup puts on a test's id)."""
+    if "@" in report.nodeid:
+        lane = report.nodeid.rpartition("@")[2]
+        seconds, tests = _lane_totals.get(lane, (0.0, 0))
+        _lane_totals[lane] = (seconds + report.duration, tests + (report.when == "call"))
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """Each lane's total: the suite takes as long as its longer lane, so these are what to balance."""
+    if _lane_totals:
+        lanes = ", ".join(f"{lane} {s:.0f} s ({n} tests)" for lane, (s, n) in sorted(_lane_totals.items()))
+        terminalreporter.write_line(f"lane totals: {lanes}")

@@ -100,7 +100,6 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
     return result
 
 
-
 _lane_totals: dict[str, tuple[float, int]] = {}
 """lane -> (seconds of setup, call and teardown, tests): what the xdist controller saw of each lane."""
 

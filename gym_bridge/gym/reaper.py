@@ -4,6 +4,7 @@ and the process checks (alive, answering, log tail) GymServers uses to start, wa
 from __future__ import annotations
 
 import atexit
+import contextlib
 import http.client
 import logging
 import os
@@ -89,9 +90,17 @@ def _install_cleanup_handlers() -> None:
 
 def free_port(host: str) -> int:
     """A port the OS says is free on ``host`` now."""
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+    return free_ports(host, 1)[0]
+
+
+def free_ports(host: str, count: int) -> list[int]:
+    """``count`` distinct ports free on ``host`` now: each socket stays bound until all are chosen, so the
+    kernel cannot hand one port out twice."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for sock in socks:
+            sock.bind((host, 0))
+        return [int(sock.getsockname()[1]) for sock in socks]
 
 
 def reserve_port_window() -> int:

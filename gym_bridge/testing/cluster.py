@@ -17,7 +17,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,6 +29,7 @@ from types import TracebackType
 import psutil
 
 from gym_bridge.failures import GymBridgeError, SettingError
+from gym_bridge.gym.reaper import free_ports
 
 __all__ = ["ClusterNode", "LocalClusterError", "LocalRayCluster", "NodeSpec"]
 
@@ -252,7 +252,7 @@ class LocalRayCluster:
     def _run_ray_start(self, node: ClusterNode) -> subprocess.CompletedProcess[str]:
         spec = node.spec
         # Explicit ports, all distinct: no race for Ray's defaults with a second raylet, no wait on port files.
-        ports = iter(_free_ports(9 if node.head else 6))
+        ports = iter(free_ports("127.0.0.1", 9 if node.head else 6))
         if node.head:
             self.port = next(ports)
         args = [
@@ -326,16 +326,6 @@ class LocalRayCluster:
         gcs = ray.get_runtime_context().gcs_address
         if gcs.rsplit(":", 1)[-1] == str(self.port):
             ray.shutdown()
-
-
-def _free_ports(count: int) -> list[int]:
-    """``count`` distinct ports free on 127.0.0.1 now: each socket stays bound until all are chosen, so the
-    kernel cannot hand one port out twice."""
-    with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(count)]
-        for sock in socks:
-            sock.bind(("127.0.0.1", 0))
-        return [int(sock.getsockname()[1]) for sock in socks]
 
 
 def _process(pid: int) -> psutil.Process | None:

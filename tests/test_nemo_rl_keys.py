@@ -19,6 +19,7 @@ import pytest
 import yaml
 
 from gym_bridge.config.grpo import (
+    engine_batch_size,
     loop_config_from,
     loss_config_from,
     policy_config,
@@ -72,7 +73,8 @@ def built(config: dict[str, Any]) -> str:
     settings = nemo_gym_rollout_settings(config, base_urls=["http://127.0.0.1:1/v1"])
     loop = loop_config_from(config, settings)
     data = (train_data_path(config), config.get("data", {}).get("validation"), validation_options(config))
-    return repr((settings, loop, loss_config_from(config), policy_config(config, "weights", loop), data))
+    policy = policy_config(config, "weights", loop)
+    return repr((settings, loop, loss_config_from(config), policy, engine_batch_size(config), data))
 
 
 def changed(value: Any) -> Any:
@@ -162,6 +164,8 @@ def test_every_recipe_key_is_applied_refused_or_listed_without_effect():
         ("policy.optimizer.kwargs.weight_decay", "applied"),
         ("loss_fn.reference_policy_kl_penalty", "applied"),
         ("loss_fn.use_importance_sampling_correction", "applied"),
+        ("loss_fn.force_on_policy_ratio", "applied"),
+        ("policy.generation.vllm_kwargs.max_num_seqs", "applied"),
         ("grpo.use_dynamic_sampling", "applied"),
         ("grpo.dynamic_sampling_max_gen_batches", "applied"),
         ("grpo.batch_multiplier", "refused"),

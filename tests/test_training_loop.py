@@ -139,6 +139,26 @@ def test_the_old_policy_is_the_trainers_logprobs_before_the_update_not_the_sampl
     assert metrics["train/policy_step_tokens"] == 24
 
 
+def test_force_on_policy_ratio_takes_the_old_policy_from_the_update_itself(tiny_model_dir, tmp_path):
+    """NeMo-RL's ``loss_fn.force_on_policy_ratio``: no pass before the update, the same update and metrics."""
+    runs = {}
+    for force in (False, True):
+        t = trainer(tiny_model_dir, tmp_path / str(force), max_num_steps=1, train_micro_batch_size=4,
+                    loss=ClippedPGLossConfig(force_on_policy_ratio=force))
+        passes = []
+        get_logprobs = t.policy.get_logprobs
+        t.policy.get_logprobs = lambda data, *a, _f=get_logprobs: passes.append(1) or _f(data, *a)
+        metrics = asyncio.run(t.train_step(0, asyncio.run(t.rollout(0)), 0.0, refit_engine=False))
+        runs[force] = (len(passes), metrics, t.policy.model.state_dict())
+    assert runs[False][0] == 2 and runs[True][0] == 1, "only the movement pass is left"
+    (_, plain, plain_weights), (_, forced, forced_weights) = runs[False], runs[True]
+    for key in ("train/engine_mismatch_abs_diff_mean", "train/policy_step_abs_diff_mean", "train/loss"):
+        assert forced[key] == pytest.approx(plain[key], rel=1e-4, abs=1e-6), key
+    assert forced["train/policy_step_abs_diff_mean"] > 0
+    for key, value in plain_weights.items():
+        torch.testing.assert_close(forced_weights[key], value, rtol=1e-4, atol=1e-6)
+
+
 def test_async_splits_the_gap_into_engine_mismatch_and_lag_with_the_sampling_versions_weights(tiny_model_dir,
                                                                                               tmp_path):
     is_loss = ClippedPGLossConfig(use_importance_sampling_correction=True)

@@ -41,6 +41,9 @@ def test_the_old_policy_is_the_trainers_logprobs_before_the_update_never_the_sam
     del data["prev_logprobs"]
     with pytest.raises(KeyError, match="prev_logprobs"):
         loss_and_grad(ClippedPGLoss(), [[-1.0, -1.0]], data)
+    forced = ClippedPGLoss(ClippedPGLossConfig(force_on_policy_ratio=True))
+    forced_loss, forced_grad, _ = loss_and_grad(forced, [[-1.0, -1.0]], data)
+    assert forced_loss == loss and torch.equal(forced_grad, grad), "the update's own logprobs: ratio 1"
 
 
 def test_a_batch_that_takes_two_optimizer_steps_keeps_its_old_policy(tiny_model_dir):

@@ -82,7 +82,6 @@ _LOSS_VARIANTS_NOT_IMPLEMENTED = {
     "sequence_level_importance_ratios": False,
     "use_kl_in_reward": False,
     "use_on_policy_kl_approximation": False,
-    "force_on_policy_ratio": False,
     "use_cispo": False,
     "positive_example_nll_weight": 0.0,
 }
@@ -386,6 +385,19 @@ def policy_config(config: JsonMapping, weights: str, loop_cfg: GRPOLoopConfig) -
         )
     except ValidationError as exc:
         raise TrainingConfigError(_problems(exc, _POLICY_KEYS)) from None
+
+
+def engine_batch_size(config: JsonMapping) -> int | None:
+    """``policy.generation.vllm_kwargs.max_num_seqs`` (vLLM's most sequences in one decode batch, which NeMo-RL
+    passes to vLLM): our engine's ``max_batch_size``; None when unset."""
+    value = config_section(config, "policy.generation.vllm_kwargs").get("max_num_seqs")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise TrainingConfigError(
+            f"policy.generation.vllm_kwargs.max_num_seqs must be a positive integer, got {value!r}"
+        )
+    return value
 
 
 def _check_scheduler(spec: Sequence[JsonMapping] | JsonMapping | None) -> None:

@@ -19,6 +19,7 @@ import torch
 
 from gym_bridge.config.grpo import (
     config_section,
+    engine_batch_size,
     load_gym_rows,
     loop_config_from,
     policy_config,
@@ -123,7 +124,11 @@ def build_grpo_run(config: JsonMapping, out_dir: str | Path, *, resume: bool = T
     generation = dict(config_section(config, "policy.generation"))
     engine = HFGeneration(
         HFGenerationConfig.from_generation_config(
-            generation, model=weights, max_model_len=max_len, seed=seed + (state.step if state else 0)
+            generation,
+            model=weights,
+            max_model_len=max_len,
+            seed=seed + (state.step if state else 0),
+            max_batch_size=engine_batch_size(config) or HFGenerationConfig.model_fields["max_batch_size"].default,
         )
     )
     server = OpenAIServer(

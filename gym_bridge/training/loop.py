@@ -48,7 +48,13 @@ from gym_bridge.rollout.reward_shaping import EffortLevelsConfig
 from gym_bridge.rollout.sink import CommittedGroup, InMemorySink, RolloutSink
 from gym_bridge.training.batch import AdvantageSettings, GroupStats, TrainBatchSpec, train_batch
 from gym_bridge.training.fidelity import logprob_gap, seq_logprob_error_mask
-from gym_bridge.training.loss import ClippedPGLoss, ClippedPGLossConfig, loss_metrics, sum_on_policy_errors
+from gym_bridge.training.loss import (
+    ClippedPGLoss,
+    ClippedPGLossConfig,
+    LogprobRecorder,
+    loss_metrics,
+    sum_on_policy_errors,
+)
 from gym_bridge.training.metrics import MetricsLine, append_metrics
 from gym_bridge.training.prompts import PromptQueue, PromptQueueState
 from gym_bridge.training.refit import RefitSource, RefitTarget, VersionTagger, check_refit, refit
@@ -96,7 +102,9 @@ class TrainablePolicy(RefitSource, Protocol):
         self, data: TrainBatch, micro_batch_size: int | None = None
     ) -> BatchedDataDict[ReferenceLogprobOutputSpec]: ...
 
-    def train(self, data: TrainBatch, loss_fn: ClippedPGLoss, *, mbs: int | None = None) -> JsonObject: ...
+    def train(
+        self, data: TrainBatch, loss_fn: ClippedPGLoss | LogprobRecorder, *, mbs: int | None = None
+    ) -> JsonObject: ...
 
     def save_checkpoint(self, path: Path) -> None: ...
 
@@ -618,23 +626,28 @@ class GRPOTrainer:
     def _train(self, batch: TrainBatch, versions: Sequence[int], step: int) -> TrainOutcome:
         """One optimizer step under the step's torch seed (:func:`step_seed`).
 
-        First the trainer's logprobs of the batch at its current weights (``prev_logprobs``, the PPO old policy:
-        NeMo-RL's ``policy.get_logprobs`` before training), the sequence-level logprob-error mask when
-        ``seq_logprob_error_threshold`` is set, and reference logprobs when the loss has a KL penalty; afterwards
-        the logprobs at the new weights. ``versions``: each sample's sampling weight version, for
+        The old policy (``prev_logprobs``) is the trainer's logprobs of the batch at its current weights: NeMo-RL's
+        ``policy.get_logprobs`` before training, or, with ``loss_fn.force_on_policy_ratio`` and no
+        ``seq_logprob_error_threshold`` (which needs them first), the update's own forward, recorded
+        (:class:`LogprobRecorder`). Reference logprobs come first when the loss has a KL penalty; afterwards the
+        logprobs at the new weights. ``versions``: each sample's sampling weight version, for
         :meth:`_policy_movement`.
         """
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(step_seed(self.cfg.seed, step))
-            prev = self._old_policy_logprobs(batch)
-            scored = (
-                torch.as_tensor(batch["token_mask"]).float() * torch.as_tensor(batch["sample_mask"]).float()[:, None]
-            )
-            at_sampling = self._logprobs_at_sampling(batch, prev, versions)
-            seq_metrics = self._mask_seq_logprob_errors(batch, prev)
+            self._keep_weight_snapshot()
             self._add_reference_logprobs(batch)
-            result = dict(self.policy.train(batch, self.loss, mbs=self.cfg.train_micro_batch_size))
+            if self.cfg.loss.force_on_policy_ratio and self.cfg.seq_logprob_error_threshold is None:
+                recorder = LogprobRecorder(self.loss)
+                result = dict(self.policy.train(batch, recorder, mbs=self.cfg.train_micro_batch_size))
+                prev, seq_metrics = recorder.logprobs(len(versions)), {}
+            else:
+                prev = self._old_policy_logprobs(batch)
+                seq_metrics = self._mask_seq_logprob_errors(batch, prev)
+                result = dict(self.policy.train(batch, self.loss, mbs=self.cfg.train_micro_batch_size))
             after = torch.as_tensor(self.policy.get_logprobs(batch)["logprobs"]).float()
+        scored = torch.as_tensor(batch["token_mask"]).float() * torch.as_tensor(batch["sample_mask"]).float()[:, None]
+        at_sampling = self._logprobs_at_sampling(batch, prev, versions)
         gen = torch.as_tensor(batch["generation_logprobs"]).float()
         movement = self._policy_movement(gen, prev, at_sampling, after, scored)
         return TrainOutcome(result, seq_metrics, movement)
@@ -667,13 +680,17 @@ class GRPOTrainer:
             reference = self.policy.get_reference_policy_logprobs(batch, self.cfg.train_micro_batch_size)
             batch["reference_policy_logprobs"] = reference["reference_logprobs"]
 
+    def _keep_weight_snapshot(self) -> None:
+        """Async only: a copy of the weights before this update, to score later samples of this version with."""
+        if self.cfg.lookahead and isinstance(self.policy, SnapshotPolicy):
+            self.weight_snapshots[self.state.weight_version] = self.policy.weights_snapshot()
+
     def _logprobs_at_sampling(
         self, batch: TrainBatch, prev: torch.Tensor, versions: Sequence[int]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(logprobs, known)``: the trainer's logprobs of each sample at the weights that sampled it, and which
         samples have them. A sample of the current version has ``prev``; an older one is scored with the weights
-        kept for its version (async only: :attr:`weight_snapshots`, taken here before each update, as many as
-        ``max_trajectory_age_steps``)."""
+        kept for its version (async only: :attr:`weight_snapshots`, as many as ``max_trajectory_age_steps``)."""
         current = self.state.weight_version
         version = torch.as_tensor(list(versions), dtype=torch.int64)
         logprobs, known = prev.clone(), version == current
@@ -686,7 +703,6 @@ class GRPOTrainer:
                 part = type(batch)({key: batch[key][rows] for key in ("input_ids", "input_lengths")})
                 logprobs[rows] = torch.as_tensor(policy.get_logprobs_at(part, self.weight_snapshots[v])).float()
                 known[rows] = True
-            self.weight_snapshots[current] = policy.weights_snapshot()
             oldest = current + 1 - self.cfg.max_trajectory_age_steps  # the oldest version the next update can use
             self.weight_snapshots = {v: w for v, w in self.weight_snapshots.items() if v >= oldest}
         return logprobs, known

@@ -3,7 +3,10 @@
 The old policy of the PPO ratio is ``prev_logprobs``: the trainer's own logprobs of the
 batch before its update, computed by a separate pass before training, as NeMo-RL's
 ``grpo_train`` computes them with ``policy.get_logprobs``. They stay fixed however many
-optimizer steps the batch takes. With ``use_importance_sampling_correction`` each token is
+optimizer steps the batch takes. With ``force_on_policy_ratio`` (NeMo-RL's key; exact when a
+batch takes one optimizer step, as the GRPO loop's do) the old policy is the training forward's
+own logprobs, detached, and the separate pass is skipped: the ratio is 1 in value and the
+gradient is the same. With ``use_importance_sampling_correction`` each token is
 also weighted by ``exp(prev - gen)`` (``gen``: the engine's sampling logprobs), truncated
 as ``truncated_importance_sampling_type`` says: NeMo-RL's decoupled form, which corrects
 for samples from older weights or an engine that differs from the trainer. The loss is
@@ -44,6 +47,9 @@ class ClippedPGLossConfig(BaseModel):
     truncated_importance_sampling_type: Literal["tis", "icepop"] | None = None
     truncated_importance_sampling_ratio: float | None = Field(None, gt=0.0)
     truncated_importance_sampling_ratio_min: float | None = Field(None, ge=0.0)
+    force_on_policy_ratio: bool = False
+    """The old policy is the training forward's own logprobs, detached (NeMo-RL's ``force_on_policy_ratio``): no
+    ``prev_logprobs`` pass. Exact only when the batch takes one optimizer step."""
 
     @model_validator(mode="after")
     def _truncation_is_complete(self) -> Self:
@@ -103,8 +109,8 @@ class ClippedPGLossMetrics(TypedDict):
 
 class ClippedPGLoss:
     """A :class:`~gym_bridge.policy.hf.LossFunction`; ``data`` needs ``advantages``, ``token_mask``,
-    ``generation_logprobs`` and ``prev_logprobs`` (aligned to token positions), and ``reference_policy_logprobs``
-    when the KL penalty is on."""
+    ``generation_logprobs`` and (unless ``force_on_policy_ratio``) ``prev_logprobs``, aligned to token positions, and
+    ``reference_policy_logprobs`` when the KL penalty is on."""
 
     def __init__(self, cfg: ClippedPGLossConfig | None = None) -> None:
         self.cfg = cfg or ClippedPGLossConfig()
@@ -137,12 +143,15 @@ class ClippedPGLoss:
         if advantages.ndim == 1:
             advantages = advantages[:, None]
         gen = torch.as_tensor(data["generation_logprobs"], dtype=dtype, device=device)
-        if data.get("prev_logprobs") is None:
+        if cfg.force_on_policy_ratio:
+            prev = token_logprobs.detach()
+        elif data.get("prev_logprobs") is None:
             raise KeyError(
                 "ClippedPGLoss needs data['prev_logprobs']: the trainer's logprobs of the batch before its update "
-                "(policy.get_logprobs), the old policy of the PPO ratio"
+                "(policy.get_logprobs), the old policy of the PPO ratio; or loss_fn.force_on_policy_ratio: true"
             )
-        prev = torch.as_tensor(data["prev_logprobs"], dtype=dtype, device=device)
+        else:
+            prev = torch.as_tensor(data["prev_logprobs"], dtype=dtype, device=device)
         if cfg.use_importance_sampling_correction:
             weights, out_of_bounds = self.importance_weights(prev, gen)
         else:
@@ -180,6 +189,38 @@ class ClippedPGLoss:
             "is_out_of_bounds_tokens": float((out_of_bounds.float() * mask).sum()),
             "kl_sum": kl_sum,
         }
+
+
+class LogprobRecorder:
+    """A loss that records the logprobs each micro-batch trains with (detached, on the CPU) and hands the call on.
+
+    With ``force_on_policy_ratio`` they are the batch's old-policy logprobs, so the trainer has them for its
+    metrics without a pass of their own. Micro-batches are recorded in call order, which a policy's ``train``
+    takes in row order."""
+
+    def __init__(self, loss: ClippedPGLoss) -> None:
+        self.loss = loss
+        self.parts: list[torch.Tensor] = []
+
+    def __call__(
+        self,
+        token_logprobs: torch.Tensor,
+        data: BatchedDataDict[TrainBatchSpec],
+        global_valid_seqs: torch.Tensor,
+        global_valid_toks: torch.Tensor,
+    ) -> tuple[torch.Tensor, ClippedPGLossMetrics]:
+        self.parts.append(token_logprobs.detach().float().cpu())
+        return self.loss(token_logprobs, data, global_valid_seqs, global_valid_toks)
+
+    def logprobs(self, rows: int) -> torch.Tensor:
+        """The recorded logprobs as one ``[rows, S]`` tensor; a record of another size is an error."""
+        out = torch.cat(self.parts) if self.parts else torch.zeros((0, 0))
+        if out.shape[0] != rows:
+            raise SettingError(
+                f"loss_fn.force_on_policy_ratio: the policy's train passed {out.shape[0]} rows through the loss for "
+                f"a batch of {rows}; it must call the loss once per row, in row order, in one optimizer step"
+            )
+        return out
 
 
 def sum_on_policy_errors(mb_metrics: Sequence[ClippedPGLossMetrics]) -> OnPolicyError:

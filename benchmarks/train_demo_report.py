@@ -192,7 +192,8 @@ def repeat_section(sync: dict[str, Any], repeats: list[dict[str, Any]], seeds: l
         out.append(f"| {len(asyncs)} seeds, async: held-out never below the start | lowest minus start: "
                    f"{', '.join(f'{100 * x:+.1f}' for x in lows)} points | {verdict(all(x >= 0 for x in lows))} |")
         out.append(f"| async final within 5 points of the sync mean ({sync_mean:.3f}) | "
-                   f"{', '.join(f'{x:.3f}' for x in finals)} | {verdict(all(abs(x - sync_mean) <= 0.05 for x in finals))} |")
+                   f"{', '.join(f'{x:.3f}' for x in finals)} (mean {statistics.mean(finals):.3f}) | "
+                   f"{verdict(all(abs(x - sync_mean) <= 0.05 for x in finals))} |")
         lagged = [first_lagged_update(r) for r in asyncs]
         seen = [m for m in lagged if m is not None]
         text = ", ".join(f"step {m['step']}: mean {m['train/policy_lag_abs_diff_mean']:.3f}, max "

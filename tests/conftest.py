@@ -7,9 +7,7 @@ after the last test that uses it instead of idling to the end of the session.
 Under pytest-xdist (``make test`` runs ``-n 2 --dist loadgroup``) the suite runs in two lanes, one per
 worker: every module that needs the session Ray, so Ray and each Gym set start once, in one worker;
 every other module (subprocess end-to-end runs with their own Ray, model builds, unit tests) in the
-other, except the few in ``RAY_LANE_GUESTS``, which run beside the session Ray to even the lanes' totals
-(each run ends with a "lane totals" line). A lane keeps collection order, so each module's fixtures are set
-up once.
+other. A lane keeps collection order, so each module's fixtures are set up once.
 """
 
 from __future__ import annotations
@@ -28,9 +26,6 @@ pytest_plugins = ["gym_bridge.testing"]
 
 SHARED_GYM = "gym_actor"
 RAY_LANE, LOCAL_LANE = "ray", "local"
-RAY_LANE_GUESTS = frozenset({"test_cli_errors.py"})
-"""Modules without the session Ray that run in its lane: subprocess flows with a Ray of their own, moved so that
-both lanes take about as long (RESULTS.md, "Test suite and lanes")."""
 GYM_LAYER_MODULES = ("test_gym_", "test_nemo_gym")  # with the gym-marked tests: what the compat lanes run
 _LAST_GYM_USER = pytest.StashKey[pytest.Item | None]()
 
@@ -76,8 +71,7 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         getattr(item, "module", None) for item in items if "ray_session" in getattr(item, "fixturenames", ())
     }
     for item in items:  # two lanes of whole modules: each module's fixtures are set up once, in one worker
-        guest = item.path.name in RAY_LANE_GUESTS
-        lane = RAY_LANE if guest or getattr(item, "module", None) in ray_modules else LOCAL_LANE
+        lane = RAY_LANE if getattr(item, "module", None) in ray_modules else LOCAL_LANE
         item.add_marker(pytest.mark.xdist_group(lane))
         if item.get_closest_marker("gym") or item.path.name.startswith(GYM_LAYER_MODULES):
             item.add_marker(pytest.mark.gym_layer)

@@ -17,10 +17,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import sys
 from pathlib import Path
 
 import yaml
 
+from gym_bridge.failures import GymBridgeError
 from gym_bridge.ray_utils import init_ray
 from gym_bridge.recipes.grpo_run import build_grpo_run
 from gym_bridge.training.metrics import plot_reward_curve, read_metrics
@@ -100,4 +102,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except GymBridgeError as exc:  # a bad config or a failed start: its message in one line, as the CLI does
+        print(f"grpo_nemo_gym: {exc}", file=sys.stderr)
+        sys.exit(2)

@@ -302,3 +302,23 @@ def test_the_train_demo_config_warms_up_from_a_tenth_of_its_rate():
     assert rates == pytest.approx([2e-6, 8e-6, 1.4e-5, 2e-5, 2e-5])
     assert loop.use_dynamic_sampling, "the demo's sync loop samples dynamically"
     assert not loop.loss.use_importance_sampling_correction, "the demo's sync loss reads no sampling logprobs"
+
+
+@pytest.mark.e2e
+def test_the_train_demo_ends_a_bad_config_in_one_line_and_exit_code_2(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).parents[1]
+    text = (repo / "examples" / "grpo_nemo_gym.yaml").read_text()
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text.replace("      max_num_seqs: 192", "      max_num_seqs: 0  #", 1))
+    done = subprocess.run([sys.executable, "examples/grpo_nemo_gym.py", str(bad), "--out", str(tmp_path / "run")],
+                          cwd=repo, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines()[-1] == (
+        "grpo_nemo_gym: policy.generation.vllm_kwargs.max_num_seqs must be a positive integer, got 0"
+    )
+

@@ -3,7 +3,10 @@ mean difference, and McNemar's exact test on per-prompt pass/fail verdicts.
 
 Both work prompt by prompt (the unit that was sampled from the task distribution), so a prompt that both
 runs find hard counts once, and the interval reflects how much the verdict depends on which prompts
-happened to be in the dataset.
+happened to be in the dataset. Both scale to hundreds of thousands of prompts: McNemar's tail is summed in
+log space (time linear in the discordant pairs), and the bootstrap draws how often each distinct prompt
+outcome is picked (a multinomial) instead of every pick, falling back to picks in chunks of bounded size
+when the outcomes are mostly distinct.
 """
 
 from __future__ import annotations
@@ -18,8 +21,13 @@ from gym_bridge.failures.errors import SettingError
 
 DEFAULT_LEVEL = 0.95
 DEFAULT_RESAMPLES = 10_000
-_CHUNK = 1_000
-"""Resamples drawn at once: bounds memory to ``_CHUNK * prompts`` counts."""
+MIN_PAIRED_PROMPTS = 10
+"""Below this many paired prompts a percentile bootstrap is not an interval (3 prompts, all fixed, give
+``[+1, +1]`` while McNemar's exact p is 0.25): callers claim no difference and make no gate decision."""
+_CHUNK_CELLS = 4_000_000
+"""Picks drawn at once on the fallback path (resamples x prompts): about 32 MB of int64, whatever the size."""
+_MAX_DISTINCT = 4_096
+"""Up to this many distinct prompt outcomes the bootstrap draws counts per outcome (a multinomial)."""
 
 
 @dataclass(frozen=True)
@@ -40,11 +48,25 @@ def mcnemar_exact(before: Sequence[bool], after: Sequence[bool]) -> McNemarResul
     """
     if len(before) != len(after):
         raise SettingError(f"paired verdicts differ in length: {len(before)} before, {len(after)} after")
-    fixed = sum(not b and a for b, a in zip(before, after, strict=True))
-    broken = sum(b and not a for b, a in zip(before, after, strict=True))
-    n = fixed + broken
-    tail = sum(math.comb(n, k) for k in range(min(fixed, broken) + 1)) / 2**n
-    return McNemarResult(len(before), fixed, broken, min(1.0, 2 * tail))
+    was = np.asarray(before, dtype=bool)
+    now = np.asarray(after, dtype=bool)
+    fixed = int(np.count_nonzero(now & ~was))
+    broken = int(np.count_nonzero(was & ~now))
+    return McNemarResult(len(before), fixed, broken, binomial_two_sided_half(min(fixed, broken), fixed + broken))
+
+
+def binomial_two_sided_half(k: int, n: int) -> float:
+    """Two-sided exact p of ``k`` (the smaller count) of ``n`` under Binomial(n, 1/2), summed in log space.
+
+    ``log C(n, j)`` grows by ``log((n - j + 1) / j)`` per step, so the tail takes ``k`` steps and no big integers.
+    """
+    if n == 0:
+        return 1.0
+    steps = np.arange(1, k + 1, dtype=np.float64)
+    log_terms = np.concatenate(([0.0], np.cumsum(np.log(n - steps + 1) - np.log(steps))))
+    top = float(log_terms.max())
+    log_tail = top + math.log(math.fsum(np.exp(log_terms - top).tolist())) - n * math.log(2.0)
+    return min(1.0, 2.0 * math.exp(log_tail))
 
 
 @dataclass(frozen=True)
@@ -72,28 +94,52 @@ def paired_bootstrap(
     Every resample draws prompts with replacement, the same prompts for every metric (one paired resample),
     from ``numpy.random.default_rng(seed)``: the same input and seed give the same intervals. The interval is
     the ``(1 - level) / 2`` and ``(1 + level) / 2`` quantiles (linear interpolation) of the resampled means,
-    as ``scipy.stats.bootstrap(..., method="percentile")`` computes them.
+    as ``scipy.stats.bootstrap(..., method="percentile")`` computes them. Memory stays bounded whatever the
+    number of prompts (see the module docstring).
 
     Raises:
-        SettingError: ``level`` not in (0, 1), ``resamples`` < 1, or no prompts (a ``ValueError``).
+        SettingError: ``level`` not in (0, 1), ``resamples`` < 1, non-finite differences, or no prompts
+            (a ``ValueError``).
     """
     if not 0.0 < level < 1.0:
         raise SettingError(f"the confidence level must be in (0, 1), got {level}")
     if resamples < 1:
         raise SettingError(f"resamples must be >= 1, got {resamples}")
     data = np.atleast_2d(np.asarray(differences, dtype=np.float64))
-    metrics, n = data.shape
+    n = data.shape[1]
     if n == 0:
         raise SettingError("no prompts to resample")
+    if not np.isfinite(data).all():
+        raise SettingError("the differences to resample must be finite numbers")
     rng = np.random.default_rng(seed)
-    means = np.empty((resamples, metrics))
-    offsets = None
-    for start in range(0, resamples, _CHUNK):
-        size = min(_CHUNK, resamples - start)
-        picks = rng.integers(0, n, size=(size, n))
-        if offsets is None or len(offsets) != size:
-            offsets = (np.arange(size) * n)[:, None]
-        counts = np.bincount((picks + offsets).ravel(), minlength=size * n).reshape(size, n)
-        means[start : start + size] = counts @ data.T / n
+    outcomes, inverse = np.unique(data.T, axis=0, return_inverse=True)
+    if len(outcomes) <= _MAX_DISTINCT:
+        means = _multinomial_means(outcomes, np.bincount(inverse.ravel(), minlength=len(outcomes)), resamples, rng)
+    else:
+        means = _chunked_means(data, resamples, rng)
     lows, highs = np.quantile(means, [(1 - level) / 2, (1 + level) / 2], axis=0)
-    return [Interval(float(data[i].mean()), float(lows[i]), float(highs[i]), level) for i in range(metrics)]
+    return [Interval(float(data[i].mean()), float(lows[i]), float(highs[i]), level) for i in range(data.shape[0])]
+
+
+def _multinomial_means(
+    outcomes: np.ndarray, counts: np.ndarray, resamples: int, rng: np.random.Generator
+) -> np.ndarray:
+    """Resampled means when prompts share few outcomes: how often each outcome is drawn is Multinomial(n, freq)."""
+    n = int(counts.sum())
+    picked = rng.multinomial(n, counts / n, size=resamples)
+    means: np.ndarray = picked @ outcomes / n
+    return means
+
+
+def _chunked_means(data: np.ndarray, resamples: int, rng: np.random.Generator) -> np.ndarray:
+    """Resampled means from explicit picks, a bounded number of cells at a time (resamples x prompts)."""
+    metrics, n = data.shape
+    chunk = max(1, _CHUNK_CELLS // n)
+    means = np.empty((resamples, metrics))
+    for start in range(0, resamples, chunk):
+        size = min(chunk, resamples - start)
+        picks = rng.integers(0, n, size=(size, n))
+        picks += (np.arange(size) * n)[:, None]
+        counts = np.bincount(picks.ravel(), minlength=size * n).reshape(size, n)
+        means[start : start + size] = counts @ data.T / n
+    return means

@@ -10,6 +10,10 @@ the first (the baseline), over the prompts all runs finished, per agent and over
   pass, i.e. its pass@1 >= 0.5);
 - the prompts whose verdict flipped either way, with their rewards.
 
+Below :data:`~gym_bridge.stats.MIN_PAIRED_PROMPTS` paired prompts a row claims no difference (no ▲ / ▼) and
+the gate makes no decision: a percentile bootstrap over a handful of prompts is not an interval. Every text a
+run folder holds (folder, model and agent names, prompts) reaches ``compare.md`` as inert Markdown.
+
 Runs with other rows (another dataset) or another grader config (``config_paths``, ``gym_overrides``,
 ``pass_threshold``) are refused, except a run that ``gym-bridge rescore`` made from the other: there the
 grader change is the point, and the report states it. Everything is checked before anything is written.
@@ -19,16 +23,18 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from gym_bridge.eval.passk import default_ks, pass_at_k
+from gym_bridge.eval.report import markdown_text, plot_label
 from gym_bridge.eval.runs import LoadedRun, RunGroup, load_run
 from gym_bridge.failures import GymBridgeError
 from gym_bridge.json_types import JsonObject
-from gym_bridge.stats import DEFAULT_LEVEL, DEFAULT_RESAMPLES, mcnemar_exact, paired_bootstrap
+from gym_bridge.stats import DEFAULT_LEVEL, DEFAULT_RESAMPLES, MIN_PAIRED_PROMPTS, mcnemar_exact, paired_bootstrap
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +57,8 @@ class CompareOutcome:
     out_dir: Path
     worse: list[str]
     """One line per gated comparison in which B is worse than A by more than the margin (empty: none)."""
+    undecided: list[str]
+    """One line per gated comparison with too few paired prompts to decide (:data:`MIN_PAIRED_PROMPTS`)."""
 
 
 def compare_runs(
@@ -75,8 +83,8 @@ def compare_runs(
         raise CompareError(f"--level must be in (0, 1), got {level}")
     if resamples < 100:
         raise CompareError(f"--resamples must be >= 100, got {resamples}")
-    if fail_if_worse is not None and fail_if_worse < 0:
-        raise CompareError(f"--fail-if-worse must be >= 0, got {fail_if_worse}")
+    if fail_if_worse is not None and not (math.isfinite(fail_if_worse) and fail_if_worse >= 0):
+        raise CompareError(f"--fail-if-worse must be a finite number >= 0, got {fail_if_worse}")
     runs = [load_run(d) for d in run_dirs]
     labels = _labels(runs)
     base = runs[0]
@@ -103,22 +111,27 @@ def compare_runs(
         "seed": seed,
         "pass_threshold": base.pass_threshold,
         "prompt_passes_when": "pass@1 >= 0.5 (at least half of its completions pass)",
+        "min_paired_prompts": MIN_PAIRED_PROMPTS,
         "comparisons": [],
     }
     worse: list[str] = []
+    undecided: list[str] = []
     for label, other, change in zip(labels[1:], runs[1:], grader_changes, strict=True):
         comparison = _compare_pair(base, other, shared, level=level, resamples=resamples, seed=seed)
         comparison.update(a=labels[0], b=label, grader_change=change)
         if fail_if_worse is not None:
             comparison["gate"] = _gate(comparison, fail_if_worse, level)
             worse += [f"{label} vs {labels[0]}: {line}" for line in comparison["gate"]["worse"]]
+            if not comparison["gate"]["decided"]:
+                undecided.append(f"{label} vs {labels[0]}: {comparison['gate']['reason']}")
+                logger.warning("no gate decision for %s vs %s: %s", label, labels[0], comparison["gate"]["reason"])
         report["comparisons"].append(comparison)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / COMPARE_JSON).write_text(json.dumps(report, indent=1) + "\n")
     (out / COMPARE_MD).write_text(render_markdown(report))
     render_plot(report, out / COMPARE_PNG)
-    return CompareOutcome(report=report, out_dir=out, worse=worse)
+    return CompareOutcome(report=report, out_dir=out, worse=worse, undecided=undecided)
 
 
 def _labels(runs: list[LoadedRun]) -> list[str]:
@@ -198,6 +211,7 @@ def _compare_pair(
         test = mcnemar_exact(passed_a, passed_b)
         agents[agent] = {
             "prompts": len(keys),
+            "claims": len(keys) >= MIN_PAIRED_PROMPTS,
             "metrics": {
                 name: {"a": float(a[i].mean()), "b": float(b[i].mean()), **intervals[i].as_dict()}
                 for i, name in enumerate(names)
@@ -246,48 +260,63 @@ def _prompt_preview(record: JsonObject, limit: int = 160) -> str:
 
 
 def _gate(comparison: JsonObject, delta: float, level: float) -> JsonObject:
-    """B is worse than A by more than ``delta`` when the upper end of the overall interval lies below ``-delta``."""
+    """B is worse than A by more than ``delta`` when the upper end of the overall interval lies below ``-delta``;
+    no decision either way below :data:`MIN_PAIRED_PROMPTS` paired prompts."""
+    prompts = comparison["agents"][ALL]["prompts"]
+    if prompts < MIN_PAIRED_PROMPTS:
+        reason = f"{prompts} paired prompts, fewer than the {MIN_PAIRED_PROMPTS} an interval needs"
+        return {"delta": delta, "metrics": list(GATED_METRICS), "worse": [], "decided": False, "reason": reason}
     lines = []
     for name in GATED_METRICS:
         m = comparison["agents"][ALL]["metrics"][name]
         if m["high"] < -delta:
             lines.append(f"{name} {_fmt_interval(m)} at {level:.0%}: worse by more than {delta}")
-    return {"delta": delta, "metrics": list(GATED_METRICS), "worse": lines}
+    return {"delta": delta, "metrics": list(GATED_METRICS), "worse": lines, "decided": True, "reason": None}
 
 
-def _fmt_interval(m: dict[str, float]) -> str:
-    mark = " ▲" if m["low"] > 0 else (" ▼" if m["high"] < 0 else "")
+def _fmt_interval(m: dict[str, float], claims: bool = True) -> str:
+    """``diff [low, high]``, with ▲ / ▼ when the interval lies above / below 0 and the row may claim it."""
+    mark = " ▲" if claims and m["low"] > 0 else (" ▼" if claims and m["high"] < 0 else "")
     return f"{m['diff']:+.3f} [{m['low']:+.3f}, {m['high']:+.3f}]{mark}"
 
 
-def _cell(text: str) -> str:
-    return " ".join(str(text).split()).replace("|", "\\|")
+def _rewards(values: list[float]) -> str:
+    """A prompt's rewards for a table cell: checked numbers only."""
+    return ", ".join(f"{float(r):.2f}" for r in values)
 
 
 def render_markdown(report: JsonObject) -> str:
     level = report["level"]
     lines = ["# Comparison", ""]
     for run in report["runs"]:
-        extra = f"; rescored from `{run['rescored_from']}`" if run.get("rescored_from") else ""
-        lines.append(f"- **{run['label']}**: `{run['dir']}`: {run.get('model') or 'model unknown'}{extra}")
+        extra = f"; rescored from {markdown_text(run['rescored_from'])}" if run.get("rescored_from") else ""
+        model = markdown_text(run.get("model") or "model unknown")
+        lines.append(f"- **{markdown_text(run['label'])}**: {markdown_text(run['dir'])}: {model}{extra}")
     lines += [
         "",
-        f"Baseline: **{report['baseline']}**. {report['shared_prompts']} prompts finished in every run are compared "
-        "(matched by row identity); "
-        + ", ".join(f"{r['label']} has {r['not_shared']} more" for r in report["runs"] if r["not_shared"])
+        f"Baseline: **{markdown_text(report['baseline'])}**. {report['shared_prompts']} prompts finished in every run "
+        "are compared (matched by row identity); "
+        + ", ".join(
+            f"{markdown_text(r['label'])} has {r['not_shared']} more" for r in report["runs"] if r["not_shared"]
+        )
         + ("." if any(r["not_shared"] for r in report["runs"]) else "no run has others."),
         f"Differences are B - A with {level:.0%} paired percentile bootstrap intervals over prompts "
-        f"({report['resamples']} resamples, seed {report['seed']}); ▲ / ▼: the interval lies above / below 0. "
+        f"({report['resamples']} resamples, seed {report['seed']}); ▲ / ▼: the interval lies above / below 0, "
+        f"claimed only over at least {MIN_PAIRED_PROMPTS} paired prompts (below that no ▲ / ▼ and no gate "
+        "decision: a bootstrap over a handful of prompts is not an interval). "
         f"A completion passes when its reward >= {report['pass_threshold']}; a prompt passes (McNemar, flips) when "
         "at least half of its completions pass. McNemar: exact two-sided binomial test on the prompts that flipped.",
         "",
         f"![differences with {level:.0%} intervals]({COMPARE_PNG})",
     ]
     for comparison in report["comparisons"]:
-        a, b, names = comparison["a"], comparison["b"], comparison["metrics"]
+        a, b, names = markdown_text(comparison["a"]), markdown_text(comparison["b"]), comparison["metrics"]
         lines += ["", f"## {b} vs {a}", ""]
         if comparison.get("grader_change"):
-            change = "; ".join(f"{k}: {v['a']!r} -> {v['b']!r}" for k, v in comparison["grader_change"].items())
+            change = "; ".join(
+                f"{markdown_text(k)}: {markdown_text(repr(v['a']))} -> {markdown_text(repr(v['b']))}"
+                for k, v in comparison["grader_change"].items()
+            )
             lines += [f"Same responses, another grader (a rescore): {change}.", ""]
         header = ["agent", "prompts"]
         for name in names:
@@ -295,16 +324,22 @@ def render_markdown(report: JsonObject) -> str:
         header.append("McNemar fixed / broken (p)")
         lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         for agent, row in comparison["agents"].items():
-            cells = [f"**{agent}**" if agent == ALL else agent, str(row["prompts"])]
+            cells = ["**all**" if agent == ALL else markdown_text(agent), str(row["prompts"])]
             for name in names:
                 m = row["metrics"][name]
-                cells += [f"{m['a']:.3f}", f"{m['b']:.3f}", _fmt_interval(m)]
+                cells += [f"{m['a']:.3f}", f"{m['b']:.3f}", _fmt_interval(m, row.get("claims", True))]
             test = row["mcnemar"]
             cells.append(f"{test['fixed']} / {test['broken']} (p = {test['p_value']:.3g})")
             lines.append("| " + " | ".join(cells) + " |")
         gate = comparison.get("gate")
         if gate is not None:
-            verdict = "; ".join(gate["worse"]) if gate["worse"] else f"not worse by more than {gate['delta']}"
+            verdict = (
+                f"no decision: {gate['reason']}"
+                if not gate.get("decided", True)
+                else "; ".join(gate["worse"])
+                if gate["worse"]
+                else f"not worse by more than {gate['delta']}"
+            )
             lines += ["", f"Gate (--fail-if-worse {gate['delta']} on {', '.join(gate['metrics'])}): {verdict}."]
         flips = comparison["flips"]
         lines += ["", f"### Prompts that flipped ({len(flips)})", ""]
@@ -314,10 +349,10 @@ def render_markdown(report: JsonObject) -> str:
                 "|---|---|---|---|---|---|",
             ]
             for f in flips:
-                rewards_a, rewards_b = (", ".join(f"{r:.2f}" for r in f[k]) for k in ("rewards_a", "rewards_b"))
+                row = f"{markdown_text(f['row_id'])} (line {markdown_text(f['dataset_line'])})"
                 lines.append(
-                    f"| {f['direction']} | {f['agent']} | {f['row_id']} (line {f['dataset_line']}) | "
-                    f"{_cell(f['prompt'])} | {rewards_a} | {rewards_b} |"
+                    f"| {f['direction']} | {markdown_text(f['agent'])} | {row} | {markdown_text(f['prompt'])} | "
+                    f"{_rewards(f['rewards_a'])} | {_rewards(f['rewards_b'])} |"
                 )
         else:
             lines.append("None.")
@@ -340,9 +375,10 @@ def render_plot(report: JsonObject, path: Path) -> None:
             ms = [comparison["agents"][agent]["metrics"][name] for agent in agents]
             diffs = [m["diff"] for m in ms]
             errors = [[m["diff"] - m["low"] for m in ms], [m["high"] - m["diff"] for m in ms]]
-            ax.errorbar(diffs, ys, xerr=errors, fmt="o", capsize=3, label=f"{comparison['b']} - {comparison['a']}")
+            label = plot_label(f"{comparison['b']} - {comparison['a']}")
+            ax.errorbar(diffs, ys, xerr=errors, fmt="o", capsize=3, label=label)
         ax.axvline(0.0, color="grey", linewidth=0.8)
-        ax.set_yticks(range(len(agents)), agents, fontsize=8)
+        ax.set_yticks(range(len(agents)), [plot_label(agent) for agent in agents], fontsize=8)
         ax.invert_yaxis()
         ax.set_title(f"{name}: difference with {report['level']:.0%} interval")
     axes[0][0].legend(fontsize=7)

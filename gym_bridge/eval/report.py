@@ -3,8 +3,10 @@ files alone."""
 
 from __future__ import annotations
 
+import html
 import json
 import math
+import re
 import statistics
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -119,8 +121,38 @@ def compute_metrics(run_dir: str | Path) -> JsonObject:
     }
 
 
+_MARKDOWN_ACTIVE = re.compile(r"([\\`*_\[\]()#!|~$])")
+"""ASCII punctuation that CommonMark or GFM may read as markup (links, emphasis, tables, code); escaped by a
+backslash, which CommonMark allows before any ASCII punctuation."""
+
+
+def markdown_text(value: object, limit: int = 400) -> str:
+    """``value`` as inert Markdown text on one line: HTML escaped, markup characters escaped, cut to ``limit``.
+
+    Why: agent names, model names and error messages come from run folders (model output, other people's
+    files); a ``|`` or newline must not break a table and ``<img onerror>`` or ``[x](javascript:)`` must not
+    become markup in a Markdown viewer.
+    """
+    text = " ".join(str(value).split())
+    if len(text) > limit:
+        text = text[: limit - 3] + "..."
+    return html.escape(_MARKDOWN_ACTIVE.sub(r"\\\1", text), quote=True)
+
+
+def plot_label(value: object, limit: int = 60) -> str:
+    """``value`` as a matplotlib label: one line, short, ``$`` escaped (mathtext would parse it, and may fail)."""
+    text = " ".join(str(value).split())
+    text = text if len(text) <= limit else text[: limit - 3] + "..."
+    return text.replace("$", "\\$").lstrip("_")
+
+
 def _fmt(value: object) -> str:
-    return f"{value:.3f}" if isinstance(value, float) else str(value)
+    """A table cell: a finite float to three places, a non-finite one as ``nan`` / ``inf``, anything else as text."""
+    if isinstance(value, float):
+        return f"{value:.3f}" if math.isfinite(value) else str(value)
+    if isinstance(value, int):
+        return str(value)
+    return markdown_text(value)
 
 
 def render_markdown(metrics: JsonObject) -> str:
@@ -129,8 +161,8 @@ def render_markdown(metrics: JsonObject) -> str:
     lines = [
         "# Evaluation report",
         "",
-        f"Run folder: `{metrics['run_dir']}`  ",
-        f"Model: {metrics.get('model', 'unknown')}  ",
+        f"Run folder: {markdown_text(metrics['run_dir'])}  ",
+        f"Model: {markdown_text(metrics.get('model', 'unknown'))}  ",
         f"Prompts: {metrics['prompts_done']} done, {metrics['prompts_failed']} failed"
         + (f", {metrics['prompts_total']} in the dataset" if metrics.get("prompts_total") else "")
         + f"; {metrics['num_generations_per_prompt']} completions per prompt; "
@@ -144,10 +176,10 @@ def render_markdown(metrics: JsonObject) -> str:
         "|---|---|---|" + "---|" * len(ks) + "---|---|---|",
     ]
     for agent, m in agents.items():
-        cells = [agent if agent != ALL else "**all**", m["prompts"], m["mean_reward"]]
+        cells: list[object] = [markdown_text(agent) if agent != ALL else "**all**", m["prompts"], m["mean_reward"]]
         cells += [m["pass_at_k"].get(k, "") for k in ks]
         cells += [m["generated_tokens"].get("mean", ""), m["turns"].get("mean", ""), m["truncation_rate"]]
-        lines.append("| " + " | ".join(_fmt(c) for c in cells) + " |")
+        lines.append("| " + " | ".join(c if isinstance(c, str) else _fmt(c) for c in cells) + " |")
     failures = metrics["failures"]
     if failures["by_error"]:
         examples = failures.get("example_message", {})
@@ -159,7 +191,7 @@ def render_markdown(metrics: JsonObject) -> str:
             "|---|---|---|",
         ]
         lines += [
-            f"| {name} | {count} | {_cell(examples.get(name, ''))} |"
+            f"| {markdown_text(name)} | {count} | {markdown_text(examples.get(name, ''))} |"
             for name, count in sorted(failures["by_error"].items())
         ]
     timing = metrics["timing"]
@@ -186,7 +218,7 @@ def render_plot(metrics: JsonObject, rewards: dict[str, list[float]], path: Path
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     agents = [a for a in metrics["agents"] if a != ALL]
     if rewards:
-        left.hist([rewards[a] for a in agents], bins=10, label=agents, stacked=True)
+        left.hist([rewards[a] for a in agents], bins=10, label=[plot_label(a) for a in agents], stacked=True)
         left.legend(fontsize=7)
     left.set_title("Reward distribution (all completions)")
     left.set_xlabel("reward")
@@ -194,7 +226,9 @@ def render_plot(metrics: JsonObject, rewards: dict[str, list[float]], path: Path
     for agent in agents + ([ALL] if ALL in metrics["agents"] else []):
         passk = metrics["agents"][agent]["pass_at_k"]
         ks = [int(k.split("@")[1]) for k in passk]
-        right.plot(ks, list(passk.values()), marker="o", label=agent, linestyle="--" if agent == ALL else "-")
+        right.plot(
+            ks, list(passk.values()), marker="o", label=plot_label(agent), linestyle="--" if agent == ALL else "-"
+        )
         right.set_xticks(ks)
     right.set_title("pass@k per agent")
     right.set_xlabel("k")
@@ -220,9 +254,3 @@ def build_report(run_dir: str | Path) -> JsonObject:
     render_plot(metrics, rewards, run_dir / PLOT_FILE)
     build_viewer(run_dir)
     return metrics
-
-
-def _cell(text: str, limit: int = 400) -> str:
-    """``text`` as one Markdown table cell: one line, pipes escaped, cut to ``limit``."""
-    text = " ".join(str(text).split()).replace("|", "\\|")
-    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -97,7 +97,7 @@ def test_known_create_params_fields_match_the_installed_gym():
 
 def test_a_materialized_row_is_refused_in_one_line_naming_it():
     row = {"task_id": "math-17", "task_input": {"question": "2+2"}}
-    with pytest.raises(InvalidGymRow, match=r"^prompt_idx=4: a materialized Gym row \(task_id='math-17'.*agent_ref$"):
+    with pytest.raises(InvalidGymRow, match=r"^prompt_idx=4: a materialized Gym row \(task_id='math-17'.*task_source$"):
         validate_row(row, prompt_idx=4)
 
 

@@ -32,6 +32,7 @@ from pydantic import (
 )
 
 from gym_bridge.failures import GymBridgeError, RolloutRetryPolicy
+from gym_bridge.gym.routing import RowRouting
 from gym_bridge.json_types import JsonMapping, JsonObject
 
 if TYPE_CHECKING:  # torch stays out of the config's imports (the CLI reads configs)
@@ -130,6 +131,15 @@ class EvalConfig(BaseModel):
     )
     pass_threshold: float = Field(1.0, description="A completion passes when its reward >= this.")
     gym_overrides: JsonObject = Field(default_factory=dict, description="Merged into Gym's global config.")
+    agent_name: str | None = Field(None, description="Route every row to this agent (Gym's +agent_name).")
+    agent_map: dict[str, str] = Field(
+        default_factory=dict,
+        description="{row agent_ref.name or task_source: agent}, '_default' for every other row (Gym's +agent_map).",
+    )
+    fan_out: dict[str, list[str]] = Field(
+        default_factory=dict,
+        description="{row agent_ref.name or task_source: [agents]}: one task per agent (Gym's +fan_out).",
+    )
     policies: list[PolicyEntry] | None = Field(
         None,
         description="Several policies in one command: each a name plus the policy keys (base_urls, model_name, "
@@ -237,6 +247,16 @@ class EvalConfig(BaseModel):
         """The sampling every row is stamped with."""
         return {"temperature": self.temperature, "top_p": self.top_p, "max_new_tokens": self.max_new_tokens}
 
+    @property
+    def routing(self) -> RowRouting:
+        """Gym's routing keys as one setting (:class:`~gym_bridge.gym.routing.RowRouting`)."""
+        return RowRouting(agent_name=self.agent_name, agent_map=self.agent_map, fan_out=self.fan_out)
+
+    @model_validator(mode="after")
+    def _routing_consistent(self) -> EvalConfig:
+        self.routing  # noqa: B018 - RowRouting checks the three keys together
+        return self
+
     def fingerprint(self, dataset_sha256: str) -> JsonObject:
         """The settings a resumed run must share with the original (results would not be comparable otherwise)."""
         return {
@@ -253,6 +273,7 @@ class EvalConfig(BaseModel):
             "seed": self.seed,
             "config_paths": list(self.config_paths),
             "gym_overrides": self.gym_overrides,
+            **({"routing": self.routing.model_dump(mode="json")} if not self.routing.is_empty else {}),
         }
 
 

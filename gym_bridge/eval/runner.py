@@ -23,7 +23,7 @@ import signal
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
@@ -31,17 +31,19 @@ from pydantic import SecretStr
 from tqdm import tqdm
 
 from gym_bridge.eval.config import EvalConfig, EvalConfigError
-from gym_bridge.eval.dataset import DatasetRow, file_sha256, load_dataset
+from gym_bridge.eval.dataset import DatasetError, DatasetRow, file_sha256, load_dataset
 from gym_bridge.eval.report import build_report, describe_model
 from gym_bridge.eval.sink import RunStoreSink
 from gym_bridge.eval.store import RunStore, read_jsonl
-from gym_bridge.failures import RunConfigurationError
+from gym_bridge.failures import InvalidGymRow, RunConfigurationError
+from gym_bridge.gym.rows import ValidGymRow
 from gym_bridge.json_types import JsonObject
 
 if TYPE_CHECKING:
     from gym_bridge.config.launch_spec import GymLaunchSpec
+    from gym_bridge.gym.routing import GymRoutes
     from gym_bridge.rollout.manager import RolloutManager
-    from gym_bridge.types import Tokenizer
+    from gym_bridge.types import ActorHandle, Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +117,7 @@ def run_eval(
     """
     if config.policies is not None:
         raise EvalConfigError("policies: a config with several policies runs through run_policies")
-    rows = load_dataset(config.dataset, limit=config.limit)
+    rows = load_dataset(config.dataset, limit=config.limit, routing=config.routing)
     store = RunStore(config.output_dir)
     done = store.open(
         config.fingerprint(file_sha256(config.dataset)),
@@ -220,7 +222,7 @@ def run_policies(config: EvalConfig, *, resume: bool = False, progress: bool = T
         raise RunDirError(
             f"the output folder {out} is not empty: pass --resume to continue those runs, or choose another output_dir"
         )
-    rows = load_dataset(config.dataset, limit=config.limit)
+    rows = load_dataset(config.dataset, limit=config.limit, routing=config.routing)
     _preflight_endpoints([cfg for _, cfg in policies if not cfg.embedded and not _finished(cfg, rows)], rows)
     started = time.perf_counter()
     ray = _SharedRay()
@@ -291,6 +293,7 @@ def _run_pending(
         _preflight(spec, None if config.embedded else config.api_key())
         rollouts = start_nemo_gym(spec, tokenizer)
         try:
+            pending = _routed(pending, rollouts.actor)
             previous = read_jsonl(store.results_path)
             bar = tqdm(
                 total=outcome.prompts_total,
@@ -319,6 +322,27 @@ def _run_pending(
 
                 with _sigint_deferred("stopping Ray"):
                     ray.shutdown()
+
+
+def _routed(pending: list[DatasetRow], actor: ActorHandle) -> list[DatasetRow]:
+    """Each row with the agent the launched Gym config routes it to (``task_source`` rows resolved by Gym's own
+    resolver); :class:`DatasetError` naming every row that routes nowhere, before any row is sent."""
+    import ray
+
+    routes: GymRoutes = ray.get(actor.routes.remote(), timeout=60)
+    routed, problems = [], []
+    for item in pending:
+        try:
+            row = routes.routed(item.row, where=f"prompt_idx={item.prompt_idx}")
+        except InvalidGymRow as exc:
+            problems.append(f"line {item.line}: {exc}")
+        else:
+            routed.append(item if row is item.row else replace(item, row=ValidGymRow(row)))
+    if problems:
+        raise DatasetError(
+            f"{len(problems)} row(s) route to no agent of the launched Gym config:\n" + "\n".join(problems[:20])
+        )
+    return routed
 
 
 def _preflight(spec: GymLaunchSpec, api_key: SecretStr | None) -> None:

@@ -11,7 +11,7 @@ would create a venv or install packages is refused, and each server is forked
 from a process that imported NeMo-Gym's dependencies once (:mod:`gym_bridge.gym._forkserver`)
 instead of starting a fresh interpreter. It reports to the
 parent through a JSON status file: ``phase`` (parsing, spawning, ready, failed),
-``servers`` (name -> host, port, pid, log) and ``error``.
+``servers`` (name -> host, port, pid, log), ``routes`` (:mod:`gym_bridge.gym._gym_routes`) and ``error``.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 from gym_bridge.failures.errors import GymStartupError
 from gym_bridge.gym._forkserver import ForkedServer, fork_context, parse_server_command, start_server
+from gym_bridge.gym._gym_routes import gym_routes
 from gym_bridge.json_types import JsonObject
 
 if TYPE_CHECKING:
@@ -183,7 +184,12 @@ def main(argv: list[str]) -> int:
         servers = _server_instances(global_config_dict)
         _link_venvs(servers, Path(spec["venv_dir"]))
         head = global_config_dict["head_server"]
-        status.update(phase="spawning", servers=servers, head={"host": head["host"], "port": head["port"]})
+        status.update(
+            phase="spawning",
+            servers=servers,
+            head={"host": head["host"], "port": head["port"]},
+            routes=gym_routes(global_config_dict),
+        )
         gym_env.run_command = _make_run_command(status, Path(spec["log_dir"]), forks)
         gym_env.RunHelper().start(global_config_dict_parser_config=parser_config)
     except BaseException as exc:

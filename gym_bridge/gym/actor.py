@@ -24,10 +24,12 @@ Errors raised inside the actor are typed and picklable (see
 error ``GymTransportError``; an expired ``request_timeout_s`` ``RolloutTimeout``;
 bad rows and bad results ``RolloutDataFailure`` subclasses.
 
-Rows go straight to each agent's ``POST {agent_url}/run`` over our own aiohttp
-session, which is what Gym's ``RolloutCollectionHelper.run_examples`` does (JSON
-body, ``Content-Type: application/json``, no cookie jar), plus a bounded wait and
-no retry loop. aiohttp, not httpx, because httpx's connection pool cost 4-8 ms of
+Rows are posted where Gym's ``RolloutCollectionHelper.run_examples`` posts them (JSON body,
+``Content-Type: application/json``, no cookie jar): ``POST {server}/run`` of the environment server
+in front of the row's agent, or of the agent itself when that server is the pass-through
+``legacy_agent`` relay (one hop fewer) or there is none (Gym < 0.6); plus a bounded wait and no retry
+loop. ``task_source`` rows are resolved by the routes Gym's own resolver computed at start
+(:mod:`gym_bridge.gym.routing`). aiohttp, not httpx, because httpx's connection pool cost 4-8 ms of
 CPU per request at 256-1,024 requests in flight against aiohttp's 0.6 ms
 (benchmarks/RESULTS.md), and this actor sends every row of every group in flight.
 """
@@ -64,6 +66,7 @@ from gym_bridge.gym.actor_config import NemoGymConfig, actor_configs
 from gym_bridge.gym.convert import convert_gym_result
 from gym_bridge.gym.health import EndpointWatch, SharedWatch
 from gym_bridge.gym.result import GymRowBatch, GymRowResult, NemoRLRowResult
+from gym_bridge.gym.routing import GymRoutes
 from gym_bridge.gym.rows import ROW_INDEX_KEY, dispatch_target
 from gym_bridge.gym.servers import GymServers
 from gym_bridge.types import Tokenizer
@@ -89,6 +92,7 @@ class NemoGym:
         self.cfg = cfg if isinstance(cfg, NemoGymConfig) else NemoGymConfig.model_validate(cfg)
         self._servers: GymServers | None = None
         self._agent_urls: dict[str, str] = {}
+        self._routes = GymRoutes(agents=())
         self._tokenizer: Tokenizer | None = tokenizer
         self._client: aiohttp.ClientSession | None = None
         self._executor: ThreadPoolExecutor | None = None
@@ -121,12 +125,12 @@ class NemoGym:
             await asyncio.to_thread(servers.stop)
             raise
         self._restarted = False
-        types = servers.server_types
-        self._agent_urls = {
-            name: url for name, url in servers.server_urls.items() if types.get(name) == _AGENT_SERVER_TYPE
-        }
+        types, urls = servers.server_types, servers.server_urls
+        agents = sorted(name for name in urls if types.get(name) == _AGENT_SERVER_TYPE)
+        self._routes = GymRoutes.from_json(servers.routes, agents)
+        self._agent_urls = {agent: urls[self._routes.dispatch.get(agent, agent)] for agent in agents}
         if not self._agent_urls:
-            logger.warning("NeMo-Gym started without any agent server: %s", sorted(servers.server_urls))
+            logger.warning("NeMo-Gym started without any agent server: %s", sorted(urls))
 
     async def _ready(self) -> GymServers:
         """The running servers; after a Ray restart, re-spin or raise as ``cfg.on_restart`` says."""
@@ -157,6 +161,11 @@ class NemoGym:
         await self._ready()
         return sorted(self._agent_urls)
 
+    async def routes(self) -> GymRoutes:
+        """Where this server set sends rows: agents, their entry servers, ``task_source`` resolution."""
+        await self._ready()
+        return self._routes
+
     async def server_info(self) -> dict[str, Any]:
         """Gym's server URLs, process ids and log folder, for diagnostics and tests."""
         servers = self._servers
@@ -177,6 +186,7 @@ class NemoGym:
         client, self._client = self._client, None
         executor, self._executor = self._executor, None
         self._agent_urls = {}
+        self._routes = GymRoutes(agents=())
         try:
             if client is not None:
                 await client.close()
@@ -299,8 +309,14 @@ class NemoGym:
             await self._endpoints.check()
 
     def _route(self, i: int, row: Any) -> str:
-        """The agent URL of a row, checking the row before anything is sent."""
-        _, name = dispatch_target(row, i, self._agent_urls)
+        """The URL a row is posted to, checking the row before anything is sent.
+
+        A row that names only its ``task_source`` gains ``agent_ref`` (this actor's copy), as Gym's collection
+        stamps it. The URL is the agent's entry server: the environment server in front of it when that server
+        does work of its own, else the agent itself (a ``legacy_agent`` relay forwards ``/run`` unchanged)."""
+        _, name = dispatch_target(row, i, self._routes)
+        if row.get("agent_ref") is None:
+            row["agent_ref"] = {"name": name}
         return self._agent_urls[name]
 
     def _http_client(self) -> aiohttp.ClientSession:

@@ -162,6 +162,13 @@ class NemoGymConfig(BaseModel):
             self.config_paths = [*self.config_paths, *(p for p in paths if p not in self.config_paths)]
             self.overrides = {**initial, **self.overrides}
             self.initial_global_config_dict = None
+        capture = self.overrides.get("token_id_capture")
+        if capture and (not isinstance(capture, dict) or capture.get("enabled")):
+            raise SettingError(
+                "token_id_capture is not supported: gym-bridge does not finalise Gym's token-id capture, so an "
+                "agent whose responses carry no token ids would train on nothing; use an agent that returns them "
+                "(Gym's simple_agent with vllm_model or model_server: gym_bridge does)"
+            )
         return self
 
     def servers_config(self) -> GymServersConfig:

@@ -32,7 +32,8 @@ from gym_bridge.failures import (
     gym_failure_kind_class,
 )
 from gym_bridge.gym.result import GymRowBatch, GymRowResult
-from gym_bridge.gym.rows import ROW_INDEX_KEY, check_agent
+from gym_bridge.gym.routing import GymRoutes
+from gym_bridge.gym.rows import ROW_INDEX_KEY, with_attempt
 from gym_bridge.types import ActorHandle
 
 __all__ = ["GymClient", "GymGroupResult"]
@@ -71,7 +72,7 @@ class GymClient:
         self.resend_env_infra_failures = resend_env_infra_failures
         self._in_flight = [0] * len(self.actors)
         self._dead: set[int] = set()
-        self._known_agents: list[str] | None = None
+        self._routes: GymRoutes | None = None
         self._locks: tuple[asyncio.AbstractEventLoop, asyncio.Lock, asyncio.Lock] | None = None
 
     @property
@@ -79,40 +80,51 @@ class GymClient:
         """Rows in flight per actor (for metrics and tests)."""
         return list(self._in_flight)
 
-    async def agent_names(self) -> list[str] | None:
-        """The running agents (asked once, of the first live actor); None for an actor that cannot say.
+    async def routes(self) -> GymRoutes | None:
+        """Where the Gym servers send rows (asked once, of the first live actor); None for an actor that cannot say.
 
         Groups launched together share the one question (a lock, not a call per group).
         """
-        if self._known_agents is not None:
-            return self._known_agents
+        if self._routes is not None:
+            return self._routes
         async with self._loop_locks()[0]:
             for i, actor in enumerate(self.actors):
-                if self._known_agents is not None or not hasattr(actor, "agent_names"):
+                if self._routes is not None or not hasattr(actor, "routes"):
                     break
                 if i in self._dead:
                     continue
                 try:
-                    self._known_agents = list(await actor.agent_names.remote())
+                    self._routes = await actor.routes.remote()
                 except ray.exceptions.ActorDiedError as exc:
                     self._mark_dead(i, exc)
-        return self._known_agents
+        return self._routes
+
+    async def agent_names(self) -> list[str] | None:
+        """The running agents; None for an actor that cannot say."""
+        routes = await self.routes()
+        return list(routes.agents) if routes is not None else None
+
+    async def routed(self, row: dict[str, Any], *, prompt_idx: int) -> dict[str, Any]:
+        """``row`` with ``agent_ref`` naming the running agent it goes to (:meth:`GymRoutes.routed`)."""
+        routes = await self.routes()
+        return row if routes is None else routes.routed(row, where=f"prompt_idx={prompt_idx}")
 
     async def run_group(
         self, rows: list[dict[str, Any]], *, prompt_idx: int, deadline_s: float | None
     ) -> GymGroupResult:
         """Roll out one group's stamped rows (``_rowidx`` = position) within ``deadline_s`` seconds.
 
-        The deadline covers every attempt, agent discovery included.
+        The deadline covers every attempt, agent discovery included. A row that names only its ``task_source``
+        is sent with ``agent_ref`` stamped (a copy), an unknown agent or source is :class:`InvalidGymRow`.
 
         Raises the typed failure of the last attempt (``RolloutTimeout`` at the deadline,
         :class:`GymRowIndexError` for a bad streamed index, data failures at once).
         """
         async with deadline(deadline_s, "NeMo-Gym prompt group"):
-            known = await self.agent_names()
-            if known is not None:
-                for name in {row["agent_ref"]["name"] for row in rows}:
-                    check_agent(name, known, where=f"prompt_idx={prompt_idx}")
+            routes = await self.routes()
+            if routes is not None:
+                where = f"prompt_idx={prompt_idx}"
+                rows = [routes.routed(row, where=where) for row in rows]
             return await self._collect(rows, prompt_idx)
 
     @property
@@ -168,6 +180,7 @@ class GymClient:
                     type(last_error).__name__ if last_error else "masked rows",
                     last_error or "the environment flagged an infrastructure failure_kind",
                 )
+                pending = [with_attempt(row, attempts - 1) for row in pending]
             actor = self._pick_actor(failed_actors)
             last_attempt = attempts == self.max_row_attempts
             try:

@@ -2,7 +2,9 @@
 
 A row is what NeMo-Gym's agent ``/run`` endpoint takes: ``responses_create_params``
 (OpenAI Responses "create" parameters, ``input`` required), ``agent_ref`` naming the
-agent server, and any verifier fields, which are passed through untouched.
+agent server or ``task_source`` naming the instance that declared its dataset (Gym 0.7's
+prepared files; :mod:`gym_bridge.gym.routing` resolves it), and any verifier fields,
+which are passed through untouched.
 
 A row is validated once, where it enters (the eval dataset, a batch function, the rollout
 backend): :func:`validate_row` returns a :class:`ValidGymRow`, which every later step takes
@@ -13,8 +15,12 @@ Seeds: with a run seed, every stamped row carries its own sampling seed in
 ``num_repeats_add_seed`` writes it), which Gym's ``vllm_model`` merges into the
 chat-completions body and gym-bridge's model server into its completions body: the
 endpoint's per-request ``seed``. :func:`rollout_seed` derives it from the run seed, the
-prompt's stable identity (:func:`prompt_identity`) and the sample index, so a row keeps
+prompt's stable identity (:func:`prompt_identity`) and the rollout index, so a row keeps
 its seed when it is re-sent and the same prompt gets the same seeds in another run.
+
+Identity: each of the N rows carries Gym's rollout identity (``_ng_task_index``,
+``_ng_rollout_index``, ``_ng_rollout_id``; ``_ng_attempt_index`` on a re-send), the keys
+Gym's own collection stamps and its servers read, as far as the installed Gym reads them.
 """
 
 from __future__ import annotations
@@ -28,8 +34,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from gym_bridge.failures import InvalidGymRow, SettingError
-from gym_bridge.gym.versions import installed_gym
-from gym_bridge.types import NEMO_GYM_TASK_INDEX_KEY, GenerationSamplingParams
+from gym_bridge.gym.routing import GymRoutes, check_routable, row_agent
+from gym_bridge.gym.versions import ATTEMPT_INDEX_KEY, ROLLOUT_ID_KEY, ROLLOUT_INDEX_KEY, TASK_INDEX_KEY, installed_gym
+from gym_bridge.types import GenerationSamplingParams
 
 ROW_INDEX_KEY = "_rowidx"
 SEED_KEY = "seed"
@@ -66,12 +73,16 @@ class ResponsesCreateParams(BaseModel):
 
 
 class GymRow(BaseModel):
-    """The fields of a Gym row that gym-bridge relies on; everything else passes through."""
+    """The fields of a Gym row that gym-bridge relies on; everything else passes through.
+
+    A row names its agent (``agent_ref``) or, as Gym 0.7's ``gym dataset collate`` writes it, the config
+    instance that declared its dataset (``task_source``), which :mod:`gym_bridge.gym.routing` resolves."""
 
     model_config = ConfigDict(extra="allow")
 
     responses_create_params: ResponsesCreateParams
-    agent_ref: AgentRef
+    agent_ref: AgentRef | None = None
+    task_source: str | None = None
 
 
 class ValidGymRow(dict[str, Any]):
@@ -81,35 +92,36 @@ class ValidGymRow(dict[str, Any]):
     __slots__ = ()
 
     @property
-    def agent_name(self) -> str:
-        return str(self["agent_ref"]["name"])
+    def agent_name(self) -> str | None:
+        """The agent the row names (``agent_ref.name``); None for a row routed by its ``task_source``."""
+        return row_agent(self)
 
 
 def validate_row(row: Any, *, prompt_idx: int, known_agents: list[str] | None = None) -> ValidGymRow:
     """Check one row where it enters; raise :class:`InvalidGymRow` naming the prompt, field and reason.
 
     A :class:`ValidGymRow` is returned as it is (its agent still checked against ``known_agents``)."""
+    where = f"prompt_idx={prompt_idx}"
     if isinstance(row, ValidGymRow):
         if known_agents is not None:
-            check_agent(row.agent_name, known_agents, where=f"prompt_idx={prompt_idx}")
+            check_agent(row.agent_name, known_agents, where=where)
         return row
     if not isinstance(row, dict):
-        raise InvalidGymRow(
-            f"prompt_idx={prompt_idx}: the Gym row (extra_env_info) must be a dict, got {type(row).__name__}"
-        )
+        raise InvalidGymRow(f"{where}: the Gym row (extra_env_info) must be a dict, got {type(row).__name__}")
     if "agent_ref" not in row and ("task_id" in row or "task_input" in row):
         raise InvalidGymRow(
-            f"prompt_idx={prompt_idx}: a materialized Gym row (task_id={row.get('task_id')!r}, task_input, no "
-            "agent_ref) is not supported: gym-bridge sends each row to its agent's /run, so the row must name "
-            "its agent in agent_ref"
+            f"{where}: a materialized Gym row (task_id={row.get('task_id')!r}, task_input, no agent_ref) is not "
+            "supported: gym-bridge does not run Gym's episode protocol (taskset routes); give the row "
+            "responses_create_params and agent_ref or task_source"
         )
     try:
         parsed = GymRow.model_validate(row)
     except ValidationError as exc:
         problems = "; ".join(f"{'.'.join(str(p) for p in err['loc']) or '(row)'}: {err['msg']}" for err in exc.errors())
-        raise InvalidGymRow(f"prompt_idx={prompt_idx}: invalid Gym row: {problems}") from None
-    if known_agents is not None:
-        check_agent(parsed.agent_ref.name, known_agents, where=f"prompt_idx={prompt_idx}")
+        raise InvalidGymRow(f"{where}: invalid Gym row: {problems}") from None
+    check_routable(row, where=where)
+    if known_agents is not None and parsed.agent_ref is not None:
+        check_agent(parsed.agent_ref.name, known_agents, where=where)
     return ValidGymRow(row)
 
 
@@ -122,22 +134,20 @@ def check_agent(name: Any, known_agents: Collection[str], *, where: str) -> None
         )
 
 
-def dispatch_target(row: Any, position: int, known_agents: Collection[str]) -> tuple[int, str]:
+def dispatch_target(row: Any, position: int, routes: GymRoutes) -> tuple[int, str]:
     """``(row index, agent name)`` of a stamped row about to be sent; :class:`InvalidGymRow` names what is wrong.
 
-    The cheap check the NemoGym actor makes on every row it receives (callers other
-    than the rollout backend included); :func:`validate_row` checks the whole row.
+    The cheap check the NemoGym actor makes on every row it receives (callers other than the rollout backend
+    included, NeMo-RL's own code among them); the agent comes from ``agent_ref`` or, for a ``task_source`` row,
+    from ``routes`` (:meth:`GymRoutes.agent_of`). :func:`validate_row` checks the whole row.
     """
     if not isinstance(row, dict):
         raise InvalidGymRow(f"row {position} must be a dict, got {type(row).__name__}")
     rowidx = row.get(ROW_INDEX_KEY)
     if not isinstance(rowidx, int) or isinstance(rowidx, bool):
         raise InvalidGymRow(f"row {position} has no int {ROW_INDEX_KEY} (got {rowidx!r})")
-    ref = row.get("agent_ref")
-    name = ref.get("name") if isinstance(ref, dict) else None
-    check_agent(name, known_agents, where=f"row {position} ({ROW_INDEX_KEY}={rowidx}, agent_ref={ref!r})")
-    assert isinstance(name, str)  # check_agent found it among the known (str) agent names
-    return rowidx, name
+    where = f"row {position} ({ROW_INDEX_KEY}={rowidx}, agent_ref={row.get('agent_ref')!r})"
+    return rowidx, routes.agent_of(row, where=where)
 
 
 def build_rows(
@@ -147,17 +157,79 @@ def build_rows(
     max_new_tokens: int | None,
     *,
     run_seed: int | None = None,
+    task_index: int | None = None,
 ) -> list[dict[str, Any]]:
-    """N copies of ``template`` stamped by :func:`stamped_row`, ``_rowidx`` 0..N-1.
+    """N copies of ``template`` stamped by :func:`stamped_row`, ``_rowidx`` 0..N-1, each with Gym's rollout identity.
 
-    With ``run_seed``, row ``i`` carries :func:`rollout_seed` ``(run_seed, template, i)``; without it the
-    rows keep whatever seed the template carries (none, usually)."""
-    if run_seed is None:
-        return [stamped_row(template, i, sampling, max_new_tokens) for i in range(n)]
+    Copy ``i`` is rollout ``repeat * n + i`` of its task (:func:`rollout_identity`), where ``repeat`` is the
+    template's own ``_ng_rollout_index`` (the k-th of k identical dataset rows, :func:`mark_repeats`), else 0.
+    With ``run_seed`` it carries :func:`rollout_seed` of that rollout index; without it the rows keep whatever
+    seed the template carries (none, usually). ``task_index``: the task's ``_ng_task_index`` when the template
+    carries none (the backend passes the prompt index); with neither, no identity is stamped."""
     identity = prompt_identity(template)
-    return [
-        stamped_row(template, i, sampling, max_new_tokens, seed=_derived_seed(run_seed, identity, i)) for i in range(n)
-    ]
+    base = repeat_of(template) * n
+    task = template.get(TASK_INDEX_KEY, task_index)
+    rows = []
+    for i in range(n):
+        seed = None if run_seed is None else _derived_seed(run_seed, identity, base + i)
+        row = stamped_row(template, i, sampling, max_new_tokens, seed=seed)
+        if task is not None:
+            row.update(rollout_identity(task, base + i))
+        rows.append(row)
+    return rows
+
+
+def repeat_of(row: Mapping[str, Any]) -> int:
+    """Which repeat of its task a dataset row is: its ``_ng_rollout_index`` (0 when it has none)."""
+    repeat = row.get(ROLLOUT_INDEX_KEY, 0)
+    if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 0:
+        raise InvalidGymRow(f"{ROLLOUT_INDEX_KEY} must be a non-negative int, got {repeat!r}")
+    return repeat
+
+
+def rollout_identity(task_index: Any, rollout_index: int) -> dict[str, Any]:
+    """Gym's identity keys of one rollout, as its collection stamps them, limited to those the installed Gym reads:
+    ``_ng_task_index``, ``_ng_rollout_index`` and (0.7) ``_ng_rollout_id`` = ``"<task>-<rollout>"``."""
+    keys = installed_gym().rollout_identity_keys
+    identity = {
+        TASK_INDEX_KEY: task_index,
+        ROLLOUT_INDEX_KEY: rollout_index,
+        ROLLOUT_ID_KEY: f"{task_index}-{rollout_index}",
+    }
+    return {key: value for key, value in identity.items() if key in keys}
+
+
+def with_attempt(row: dict[str, Any], attempt: int) -> dict[str, Any]:
+    """``row`` as re-send number ``attempt`` (0 = the first send): Gym's ``_ng_attempt_index`` where the installed
+    Gym reads it, every other key (the seed included) as it was. A shallow copy; the caller's row is kept."""
+    if ATTEMPT_INDEX_KEY not in installed_gym().rollout_identity_keys:
+        return row
+    return {**row, ATTEMPT_INDEX_KEY: attempt}
+
+
+def mark_repeats(rows: list[dict[str, Any]], first_index: list[int]) -> list[dict[str, Any]]:
+    """Identical rows of a dataset as one task rolled out more than once, as Gym's collection treats them.
+
+    Rows whose canonical JSON occurs more than once get ``_ng_task_index`` = ``first_index`` of the first of them
+    and ``_ng_rollout_index`` = 0, 1, ... in order (copies; unique rows are returned as they are). So each repeat
+    gets its own rollout indices and seeds, and its own ``row_id`` in a run folder."""
+    counts: dict[str, int] = {}
+    keys = [_canonical(row) if isinstance(row, dict) else None for row in rows]
+    for key in keys:
+        if key is not None:
+            counts[key] = counts.get(key, 0) + 1
+    first: dict[str, int] = {}
+    seen: dict[str, int] = {}
+    marked = []
+    for row, key, index in zip(rows, keys, first_index, strict=True):
+        if key is None or counts[key] == 1 or TASK_INDEX_KEY in row or ROLLOUT_INDEX_KEY in row:
+            marked.append(row)
+            continue
+        task = first.setdefault(key, index)
+        repeat = seen.get(key, 0)
+        seen[key] = repeat + 1
+        marked.append({**row, TASK_INDEX_KEY: task, ROLLOUT_INDEX_KEY: repeat})
+    return marked
 
 
 def stamped_row(
@@ -194,20 +266,29 @@ def stamped_row(
 
 def prompt_identity(row: Mapping[str, Any]) -> str:
     """A dataset row's stable identity: Gym's ``_ng_task_index`` when the row has one, else its canonical JSON
-    (sorted keys, no spaces, as the eval's ``row_id``). Identical rows share an identity."""
-    task_index = row.get(NEMO_GYM_TASK_INDEX_KEY)
+    (sorted keys, no spaces, as the eval's ``row_id``) without the per-rollout stamps. Identical rows share an
+    identity; their repeats differ by rollout index."""
+    task_index = row.get(TASK_INDEX_KEY)
     if task_index is not None:
-        return f"{NEMO_GYM_TASK_INDEX_KEY}={task_index}"
-    fields = {key: value for key, value in row.items() if key != ROW_INDEX_KEY}
+        return f"{TASK_INDEX_KEY}={task_index}"
+    return _canonical(row)
+
+
+def _canonical(row: Mapping[str, Any]) -> str:
+    fields = {key: value for key, value in row.items() if key not in _PER_ROLLOUT_KEYS}
     return json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
 
 
-def rollout_seed(run_seed: int, row: Mapping[str, Any], sample_index: int) -> int:
-    """The sampling seed of sample ``sample_index`` of the prompt ``row`` in a run seeded ``run_seed``.
+_PER_ROLLOUT_KEYS = frozenset({ROW_INDEX_KEY, ROLLOUT_INDEX_KEY, ATTEMPT_INDEX_KEY, ROLLOUT_ID_KEY})
 
-    The first 63 bits of ``sha256("<run_seed>:<sample_index>:<prompt identity>")``: independent of the
-    order, timing and machine a row is sent in, different for each sample of a group."""
-    return _derived_seed(run_seed, prompt_identity(row), sample_index)
+
+def rollout_seed(run_seed: int, row: Mapping[str, Any], rollout_index: int) -> int:
+    """The sampling seed of rollout ``rollout_index`` of the task ``row`` in a run seeded ``run_seed``.
+
+    The first 63 bits of ``sha256("<run_seed>:<rollout index>:<prompt identity>")``; sample ``i`` of a group of
+    ``n`` is rollout ``repeat * n + i`` (:func:`build_rows`), so ``i`` itself for a task's first repeat.
+    Independent of the order, timing and machine a row is sent in; different for each sample and repeat."""
+    return _derived_seed(run_seed, prompt_identity(row), rollout_index)
 
 
 def row_seed(row: Mapping[str, Any]) -> int | None:

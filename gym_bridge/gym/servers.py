@@ -130,6 +130,12 @@ class GymServers:
         """Each server's Gym type: ``responses_api_agents``, ``resources_servers`` or ``responses_api_models``."""
         return {name: s.get("server_type") for name, s in self._status.get("servers", {}).items()}
 
+    @property
+    def routes(self) -> JsonObject:
+        """Where the launched config sends rows, as Gym's own code resolved it (:mod:`gym_bridge.gym._gym_routes`)."""
+        routes = self._status.get("routes")
+        return routes if isinstance(routes, dict) else {}
+
     def pids(self) -> set[int]:
         """Every process of this set still running: the launcher, the servers and their children."""
         return {p.pid for p in self._processes() if is_alive(p)}

@@ -63,6 +63,11 @@ _REQUEST_FIELDS_0_6 = _REQUEST_FIELDS_0_4 | {
 }
 
 
+TASK_INDEX_KEY = "_ng_task_index"
+ROLLOUT_INDEX_KEY = "_ng_rollout_index"
+ATTEMPT_INDEX_KEY = "_ng_attempt_index"
+ROLLOUT_ID_KEY = "_ng_rollout_id"
+
 _RATE_LIMIT_STATUSES = frozenset({429, 502, 503, 504, 520})
 
 
@@ -108,6 +113,12 @@ class GymVersion:
     (before: 0)."""
     response_null_fields: tuple[str, ...]
     """0.7: ``NeMoGymResponse`` adds ``completed_at``, ``moderation`` and ``prompt_cache_retention`` (null)."""
+    task_source_routing: bool
+    """0.6: rows may name the config instance that declared their dataset (``task_source``) instead of an agent;
+    the launcher resolves each with Gym's own ``RolloutCollectionHelper.resolve_task_sources``."""
+    rollout_identity_keys: tuple[str, ...]
+    """The ``_ng_*`` keys Gym's collection stamps on each rollout and reads back: task and rollout index on every
+    version, ``_ng_attempt_index`` from 0.5, ``_ng_rollout_id`` (the token-capture key) from 0.7."""
     head_readiness_path: str
     """The head server's readiness route: ``/readyz`` (0.7, 200 once every server and endpoint answered) or ``/``."""
     global_config: JsonObject = field(default_factory=dict)
@@ -145,6 +156,12 @@ def gym_version(version: str | Version) -> GymVersion:
         response_status=at_least("0.6"),
         usage_details_unknown=at_least("0.7"),
         response_null_fields=("completed_at", "moderation", "prompt_cache_retention") if at_least("0.7") else (),
+        task_source_routing=at_least("0.6"),
+        rollout_identity_keys=(
+            (TASK_INDEX_KEY, ROLLOUT_INDEX_KEY)
+            + ((ATTEMPT_INDEX_KEY,) if at_least("0.5") else ())
+            + ((ROLLOUT_ID_KEY,) if at_least("0.7") else ())
+        ),
         head_readiness_path="/readyz" if at_least("0.7") else "/",
         global_config={"model_endpoint_readiness_timeout_seconds": 0} if at_least("0.5") else {},
     )

@@ -24,6 +24,7 @@ from gym_bridge.failures import GymRowIndexError, RolloutRetryPolicy, RolloutSta
 from gym_bridge.gym.client import GymClient
 from gym_bridge.gym.convert import scalar_fields
 from gym_bridge.gym.result import GymRowResult
+from gym_bridge.gym.routing import row_agent
 from gym_bridge.gym.rows import build_rows, row_seed, validate_row
 from gym_bridge.metrics import calculate_single_metric, pct, summarize, token_counts
 from gym_bridge.rollout.truncation import gym_completion_truncated
@@ -146,7 +147,14 @@ class AsyncNemoGymRolloutImpl:
         # The agent name is checked by the client, under the deadline; a ValidGymRow is not validated again.
         template = validate_row(datum.get("extra_env_info"), prompt_idx=prompt_idx)
         async with self.client.loop_turn():  # groups launched together build their rows in turn
-            rows = build_rows(template, self.num_generations, self.sampling, self.max_new_tokens, run_seed=self.seed)
+            rows = build_rows(
+                template,
+                self.num_generations,
+                self.sampling,
+                self.max_new_tokens,
+                run_seed=self.seed,
+                task_index=prompt_idx,
+            )
 
         t_run = time.perf_counter()
         group = await self.client.run_group(rows, prompt_idx=prompt_idx, deadline_s=self.timeouts.rollout_s)
@@ -162,7 +170,7 @@ class AsyncNemoGymRolloutImpl:
             )
             for row in group.rows
         ]
-        agent = rows[0]["agent_ref"]["name"]
+        agent = row_agent(await self.client.routed(template, prompt_idx=prompt_idx)) or "(unknown)"
         metrics = group_metrics(completions, [agent] * len(completions), fields=[row.metrics for row in group.rows])
         metrics[f"{agent}/full_result"] = full_result_table([c.env_extras for c in completions])
         metrics.update(group.timing)

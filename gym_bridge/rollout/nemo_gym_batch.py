@@ -26,6 +26,7 @@ from gym_bridge.batched import BatchedDataDict, batched_message_log_to_flat_mess
 from gym_bridge.failures import GymBridgeError, SettingError
 from gym_bridge.gym.client import GymClient, GymGroupResult
 from gym_bridge.gym.result import GymRowResult
+from gym_bridge.gym.routing import routing_basis
 from gym_bridge.gym.rows import stamped_row, validate_row
 from gym_bridge.json_types import JsonMapping, JsonObject
 from gym_bridge.rollout.nemo_gym import (
@@ -159,18 +160,21 @@ async def run_async_nemo_gym_rollout(
     if message_logs is not None and len(message_logs) != len(rows):
         raise SettingError(f"input_batch has {len(message_logs)} message logs for {len(rows)} NeMo-Gym rows")
     max_new_tokens = generation_config.get("max_new_tokens")
-    stamped = [
-        [stamped_row(rows[start + i], i, sampling, max_new_tokens) for i in range(end - start)] for start, end in groups
-    ]
-    shaping = _Shaping(tokenizer, effort_config, reward_penalty_config, thinking_tags)
-    loss_multiplier = _loss_multiplier(input_batch, len(rows))
-    post = _GroupPost(tokenizer, engine_max_len, mask_env_flagged_samples, log_full_result_tables, shaping)
     client = GymClient(
         nemo_gym_actors(task_to_env),
         max_row_attempts=1,
         timer_prefix=TIMER_PREFIX,
         resend_env_infra_failures=False,
     )
+    routes = await client.routes()
+    if routes is not None:  # task_source rows gain agent_ref here, so metrics and final_batch name the agent
+        rows = [routes.routed(row, where=f"row {i}") for i, row in enumerate(rows)]
+    stamped = [
+        [stamped_row(rows[start + i], i, sampling, max_new_tokens) for i in range(end - start)] for start, end in groups
+    ]
+    shaping = _Shaping(tokenizer, effort_config, reward_penalty_config, thinking_tags)
+    loss_multiplier = _loss_multiplier(input_batch, len(rows))
+    post = _GroupPost(tokenizer, engine_max_len, mask_env_flagged_samples, log_full_result_tables, shaping)
 
     started = time.perf_counter()
     timing: dict[str, float] = {}
@@ -402,7 +406,7 @@ def _split(rows: list[JsonObject], num_generations: int, returns_entire_batch: b
     groups = [(start, start + num_generations) for start in range(0, len(rows), num_generations)]
     if not returns_entire_batch:
         for g, (start, end) in enumerate(groups):
-            agents = [row["agent_ref"]["name"] for row in rows[start:end]]
+            agents = [routing_basis(row) for row in rows[start:end]]
             if len(set(agents)) != 1:
                 raise SettingError(f"prompt group {g} (rows {start}..{end - 1}) mixes NeMo-Gym agents: {agents}")
             _task_index(rows[start:end])

@@ -1,0 +1,184 @@
+"""Which agent a Gym row goes to, by Gym 0.7's rules, without importing Gym on the driver.
+
+Two steps, as Gym's own collection takes them:
+
+1. :class:`RowRouting` (the user's ``agent_name`` / ``agent_map`` / ``fan_out``) is applied to the dataset's
+   rows where they enter (:meth:`RowRouting.apply`): a row whose ``agent_ref.name`` or ``task_source`` has an
+   ``agent_map`` entry, or any row when there is a ``_default``, gets that agent in ``agent_ref``; a row that
+   ``fan_out`` lists becomes one row per agent. Precedence, Gym's:
+   ``agent_map[<row value>] > agent_map._default > agent_ref > task_source``.
+2. :class:`GymRoutes` (what the launched config says, computed by Gym's own resolver in the launcher:
+   :mod:`gym_bridge.gym._gym_routes`) resolves a row that still names only its ``task_source`` and says
+   which server a row for each agent is posted to (:meth:`GymRoutes.agent_of`, :meth:`GymRoutes.routed`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from gym_bridge.failures import InvalidGymRow, SettingError
+from gym_bridge.gym.versions import installed_gym
+
+__all__ = ["TASK_SOURCE_KEY", "GymRoutes", "RowRouting", "routing_basis", "row_agent"]
+
+TASK_SOURCE_KEY = "task_source"
+DEFAULT_KEY = "_default"
+
+
+def row_agent(row: Mapping[str, Any]) -> str | None:
+    """The agent a row names in ``agent_ref.name``, or None."""
+    ref = row.get("agent_ref")
+    name = ref.get("name") if isinstance(ref, Mapping) else None
+    return name if isinstance(name, str) else None
+
+
+def routing_basis(row: Mapping[str, Any]) -> str | None:
+    """What a row routes by as written in the data: its ``agent_ref.name``, else its ``task_source``."""
+    source = row.get(TASK_SOURCE_KEY)
+    return row_agent(row) or (source if isinstance(source, str) else None)
+
+
+class RowRouting(BaseModel):
+    """Gym's routing keys of a collection (``RolloutCollectionConfig``), as settings of a run."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    agent_name: str | None = None
+    """Every row goes to this agent: shorthand for ``agent_map={_default: <agent_name>}``."""
+    agent_map: dict[str, str] = Field(default_factory=dict)
+    """``{row value: agent}``, the row value being its ``agent_ref.name`` or ``task_source``; ``_default``
+    applies to every row without an entry."""
+    fan_out: dict[str, list[str]] = Field(default_factory=dict)
+    """``{row value: [agents]}``: each such row runs once per agent, each copy its own task."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RowRouting:
+        if self.agent_name is not None and DEFAULT_KEY in self.agent_map:
+            raise SettingError(
+                f"agent_name ({self.agent_name!r}) and agent_map._default ({self.agent_map[DEFAULT_KEY]!r}) both "
+                "route every row: set one of them"
+            )
+        empty = sorted(key for key, agents in self.fan_out.items() if not agents)
+        if empty:
+            raise SettingError(f"fan_out lists no agent for {empty}")
+        return self
+
+    @property
+    def is_empty(self) -> bool:
+        return self.agent_name is None and not self.agent_map and not self.fan_out
+
+    def _mapped(self, row: Mapping[str, Any]) -> str | None:
+        source = row.get(TASK_SOURCE_KEY)
+        for key in (row_agent(row), source if isinstance(source, str) else None):
+            if key is not None and key in self.agent_map:
+                return self.agent_map[key]
+        return self.agent_map.get(DEFAULT_KEY, self.agent_name)
+
+    def apply(self, row: Any) -> list[Any]:
+        """The rows ``row`` becomes: itself re-routed, one copy per ``fan_out`` agent, or itself unchanged.
+
+        A re-routed row is a shallow copy with ``agent_ref = {"name": agent}`` (the caller's row is kept);
+        anything that is not a dict is returned as it is, for the row validator to name."""
+        if self.is_empty or not isinstance(row, dict):
+            return [row]
+        basis = routing_basis(row)
+        if basis is not None and basis in self.fan_out:
+            return [_with_agent(row, agent) for agent in self.fan_out[basis]]
+        mapped = self._mapped(row)
+        return [row if mapped is None else _with_agent(row, mapped)]
+
+
+def _with_agent(row: dict[str, Any], agent: str) -> dict[str, Any]:
+    if row_agent(row) == agent:
+        return row
+    return {**row, "agent_ref": {"name": agent}}
+
+
+@dataclass(frozen=True)
+class GymRoutes:
+    """Where one launched Gym server set sends rows (read from the launcher's status file)."""
+
+    agents: tuple[str, ...]
+    dispatch: Mapping[str, str] = field(default_factory=dict)
+    """agent -> the server a row for it is posted to: the environment server in front of it, or itself."""
+    dispatch_errors: Mapping[str, str] = field(default_factory=dict)
+    task_sources: Mapping[str, str] | None = None
+    """instance -> the agent its datasets' rows go to; None where the installed Gym cannot resolve them."""
+    task_source_errors: Mapping[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any], agents: list[str]) -> GymRoutes:
+        """Routes from the launcher's JSON; ``agents`` (the running agent servers) where it says nothing."""
+        sources = data.get("task_sources")
+        return cls(
+            agents=tuple(sorted(data.get("agents") or agents)),
+            dispatch=dict(data.get("dispatch") or {name: name for name in agents}),
+            dispatch_errors=dict(data.get("dispatch_errors") or {}),
+            task_sources=dict(sources) if isinstance(sources, dict) else None,
+            task_source_errors=dict(data.get("task_source_errors") or {}),
+        )
+
+    def agent_of(self, row: Mapping[str, Any], *, where: str) -> str:
+        """The running agent ``row`` goes to; :class:`InvalidGymRow` naming the row, the value and the agents."""
+        agent = row_agent(row)
+        if agent is None:
+            agent = self._resolve_task_source(row.get(TASK_SOURCE_KEY), where)
+        elif agent not in self.agents:
+            raise InvalidGymRow(f"{where}: agent_ref.name {agent!r} is not a running agent; {self._known()}")
+        if agent in self.dispatch_errors:
+            raise InvalidGymRow(f"{where}: {self.dispatch_errors[agent]}")
+        return agent
+
+    def routed(self, row: dict[str, Any], *, where: str) -> dict[str, Any]:
+        """``row`` with ``agent_ref`` naming its agent (a copy when it had to be stamped, as Gym stamps it)."""
+        agent = self.agent_of(row, where=where)
+        return row if row_agent(row) == agent else {**row, "agent_ref": {"name": agent}}
+
+    def _resolve_task_source(self, source: Any, where: str) -> str:
+        if source is None:
+            raise InvalidGymRow(
+                f"{where}: the row has neither agent_ref nor task_source; set agent_name or agent_map._default "
+                f"to route it; {self._known()}"
+            )
+        if self.task_sources is None:
+            raise InvalidGymRow(_no_task_source_routing(where, source))
+        if source in self.task_sources:
+            return self.task_sources[source]
+        if source in self.task_source_errors:
+            raise InvalidGymRow(f"{where}: task_source {source!r} routes nowhere: {self.task_source_errors[source]}")
+        raise InvalidGymRow(
+            f"{where}: task_source {source!r} routes nowhere: it is not an agent or resources server of the "
+            f"launched Gym config (instances with datasets: {', '.join(sorted(self.task_sources)) or '(none)'}); "
+            f"{self._known()}"
+        )
+
+    def _known(self) -> str:
+        return f"known agents: {', '.join(self.agents) or '(none)'}"
+
+
+def _no_task_source_routing(where: str, source: Any) -> str:
+    gym = installed_gym()
+    return (
+        f"{where}: task_source {source!r} without agent_ref needs nemo-gym >= 0.6 to resolve it ({gym.label} "
+        "is installed): give the row agent_ref.name, or route it with agent_name / agent_map"
+    )
+
+
+def check_routable(row: Mapping[str, Any], *, where: str) -> None:
+    """Refuse, where a row enters, a row that no installed Gym can route: no agent and no (resolvable) source."""
+    if row_agent(row) is not None:
+        return
+    source = row.get(TASK_SOURCE_KEY)
+    if source is None:
+        raise InvalidGymRow(
+            f"{where}: invalid Gym row: agent_ref: Field required (or task_source, which Gym 0.6+ resolves to the "
+            "agent that declared the row's dataset; or set agent_name / agent_map._default)"
+        )
+    if not isinstance(source, str) or not source:
+        raise InvalidGymRow(f"{where}: invalid Gym row: task_source must be a non-empty string, got {source!r}")
+    if not installed_gym().task_source_routing:
+        raise InvalidGymRow(_no_task_source_routing(where, source))

@@ -177,34 +177,34 @@ def _check_endpoint(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
+    """Rebuild a run folder's report; a folder that cannot be read or written is one error line (main())."""
     from gym_bridge.eval import RunDirError, build_report
+    from gym_bridge.eval.runs import RunReadError, shown
 
+    where = f"cannot build the report of {shown(args.run_dir)}"
     try:
         build_report(args.run_dir)
-    except (OSError, RunDirError, ValueError) as exc:
-        print(f"gym-bridge report: cannot build the report of {args.run_dir}: {exc}", file=sys.stderr)
-        return 2
+    except RunReadError as exc:
+        raise RunReadError(f"{where}: {exc}") from exc
+    except OSError as exc:
+        raise RunDirError(f"{where}: {shown(exc)}") from exc
     print(f"report: {args.run_dir}/report.md")
     return 0
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from gym_bridge.eval.compare import CompareError, compare_runs
-    from gym_bridge.eval.runs import RunReadError
+    """Compare runs; a run folder that cannot be read or compared is one error line (main())."""
+    from gym_bridge.eval.compare import compare_runs
 
     out = args.out or "compare-" + "-vs-".join(p.rstrip("/").split("/")[-1] for p in args.run_dirs)
-    try:
-        outcome = compare_runs(
-            args.run_dirs,
-            out,
-            level=args.level,
-            resamples=args.resamples,
-            seed=args.seed,
-            fail_if_worse=args.fail_if_worse,
-        )
-    except (CompareError, RunReadError) as exc:
-        print(f"gym-bridge compare: {exc}", file=sys.stderr)
-        return 2
+    outcome = compare_runs(
+        args.run_dirs,
+        out,
+        level=args.level,
+        resamples=args.resamples,
+        seed=args.seed,
+        fail_if_worse=args.fail_if_worse,
+    )
     print(f"comparison: {outcome.out_dir / 'compare.md'}")
     for line in outcome.worse:
         print(f"gym-bridge compare: {line}", file=sys.stderr)
@@ -212,20 +212,14 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _rescore(args: argparse.Namespace) -> int:
+    """Grade a run's stored responses again; a folder, option or Gym start that fails is one error line (main())."""
     import logging
 
-    from gym_bridge.eval.config import EvalConfigError
-    from gym_bridge.eval.rescore import RescoreError, rescore_run
-    from gym_bridge.eval.runs import RunReadError
-    from gym_bridge.failures import GymServersError
+    from gym_bridge.eval.rescore import rescore_run
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     out = args.out or f"{args.run_dir.rstrip('/')}-rescored"
-    try:
-        outcome = rescore_run(args.run_dir, out, config_file=args.config, overrides=args.overrides)
-    except (RescoreError, RunReadError, EvalConfigError, GymServersError) as exc:
-        print(f"gym-bridge rescore: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", file=sys.stderr)
-        return 2
+    outcome = rescore_run(args.run_dir, out, config_file=args.config, overrides=args.overrides)
     print(
         f"{outcome.completions} completions verified again: {outcome.changed} rewards changed, "
         f"{len(outcome.unverified)} could not be verified (listed in {outcome.out_dir / 'rescore.json'})"

@@ -1,4 +1,9 @@
-"""What one finished prompt group or one failure looks like on disk (a JSON line each)."""
+"""What a run folder's files hold: one finished prompt group or one failure per JSON line, and ``run.json``.
+
+The writers build plain dicts (:func:`group_record`, :func:`failure_record`); the readers check what they use
+against the pydantic models below (:class:`ResultLine`, :class:`FailureLine`, :class:`RunFile`), strictly (no
+string read as a number, no NaN), so a hand-edited or hostile file is refused by field, never half-used.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +11,9 @@ import hashlib
 import json
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Annotated, Any, Final
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt
 
 from gym_bridge.failures import classify_rollout_failure
 from gym_bridge.json_types import JsonMapping, JsonObject
@@ -166,3 +173,113 @@ def failure_record(exc: BaseException, *, prompt_idx: int, agent: str, line: int
         "elapsed_s": elapsed_s,
         "finished_at": time.time(),
     }
+
+
+# ---- what the readers check ------------------------------------------------------------------
+
+
+def _no_nul(text: str) -> str:
+    """Refuse a NUL character, which no path may hold (``Path.resolve`` would raise on it)."""
+    if "\x00" in text:
+        raise ValueError("holds a NUL character")
+    return text
+
+
+FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+"""A finite number (an integer is read as one); never a string, a bool, NaN or infinity."""
+PathText = Annotated[str, AfterValidator(_no_nul)]
+"""A path as text, without a NUL character."""
+
+
+class _OnDisk(BaseModel):
+    """Strict: a string is not a number, a number is not a bool; keys a reader does not use are ignored."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class CompletionLine(_OnDisk):
+    """One completion of a result line, the fields the readers use (``report``, ``compare``, ``rescore``)."""
+
+    reward: FiniteFloat
+    truncated: bool = False
+    termination: str | None = None
+    turns: NonNegativeInt | None = None
+    generated_tokens: NonNegativeInt | None = None
+    total_tokens: NonNegativeInt | None = None
+    gym_result: dict[str, Any] | None = None
+
+
+class PromptLine(_OnDisk):
+    """What ``eval --resume`` reads of a ``results.jsonl`` line: which prompt it finished."""
+
+    prompt_idx: NonNegativeInt
+
+
+class ResultLine(PromptLine):
+    """One line of ``results.jsonl``: a finished prompt group."""
+
+    agent: str
+    row_id: str | None = None
+    line: NonNegativeInt | None = None
+    """The row's line in the dataset."""
+    completions: list[CompletionLine] = Field(min_length=1)
+    elapsed_s: FiniteFloat | None = None
+    finished_at: FiniteFloat | None = None
+
+
+class FailureLine(_OnDisk):
+    """One line of ``failures.jsonl``: a prompt group that failed (a later resume may have finished it)."""
+
+    prompt_idx: NonNegativeInt
+    agent: str | None = None
+    error: str
+    message: str = ""
+    failure_class: str = Field("", alias="class")
+
+
+class RunSession(_OnDisk):
+    """One start of ``gym-bridge eval`` (or a rescore) recorded in ``run.json``."""
+
+    started: FiniteFloat
+    ended: FiniteFloat
+    rollouts_started: FiniteFloat | None = None
+    outcome: str | None = None
+
+
+class RunConfigFields(_OnDisk):
+    """The eval config stored in ``run.json`` (``config``), the keys the readers use."""
+
+    pass_threshold: FiniteFloat = 1.0
+    config_paths: list[PathText] = Field(default_factory=list)
+    gym_overrides: dict[str, Any] = Field(default_factory=dict)
+    dataset: PathText | None = None
+    model_name: str | None = None
+    base_urls: list[str] | None = None
+    embedded_policy: str | None = None
+    tokenizer: str | None = None
+
+
+class RunFingerprint(_OnDisk):
+    """The settings a resumed run must share (``run.json``'s ``fingerprint``), the keys the readers use."""
+
+    dataset_sha256: str | None = None
+    num_generations_per_prompt: PositiveInt | None = None
+    config_paths: list[PathText] | None = None
+    gym_overrides: dict[str, Any] | None = None
+
+
+class RescoreNote(_OnDisk):
+    """``run.json``'s ``rescore``: the run folder a rescore was made from."""
+
+    source: PathText | None = None
+
+
+class RunFile(_OnDisk):
+    """``run.json``: the fingerprint, the config, the model in words, the dataset size and the sessions."""
+
+    fingerprint: RunFingerprint = Field(default_factory=RunFingerprint)
+    config: RunConfigFields = Field(default_factory=RunConfigFields)
+    model: str | None = None
+    prompts_total: NonNegativeInt | None = None
+    sessions: list[RunSession] = Field(default_factory=list)
+    rescore: RescoreNote | None = None

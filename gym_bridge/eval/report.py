@@ -1,5 +1,7 @@
 """``metrics.json``, ``report.md``, ``report.png`` and the trace viewer ``report.html`` of a run folder, from its
-files alone."""
+files alone, read through :func:`~gym_bridge.eval.runs.load_run` (a malformed or hostile folder is one error
+line naming the file, line and field; the report of a run still being written, or killed mid-line, is built
+from the lines finished so far)."""
 
 from __future__ import annotations
 
@@ -9,10 +11,12 @@ import math
 import re
 import statistics
 from collections import Counter, defaultdict
+from collections.abc import Sequence
 from pathlib import Path
 
 from gym_bridge.eval.passk import default_ks, pass_at_k
-from gym_bridge.eval.store import FAILURES_FILE, RESULTS_FILE, RUN_FILE, read_jsonl
+from gym_bridge.eval.records import FailureLine
+from gym_bridge.eval.runs import LoadedRun, RunGroup, load_run
 from gym_bridge.eval.viewer import VIEWER_FILE, build_viewer
 from gym_bridge.json_types import JsonObject
 from gym_bridge.metrics import pct
@@ -23,7 +27,7 @@ PLOT_FILE = "report.png"
 ALL = "all"
 
 
-def _stats(values: list[float]) -> dict[str, float]:
+def _stats(values: Sequence[float]) -> dict[str, float]:
     if not values:
         return {}
     return {
@@ -35,17 +39,13 @@ def _stats(values: list[float]) -> dict[str, float]:
     }
 
 
-def _group_metrics(groups: list[JsonObject], threshold: float) -> JsonObject:
-    completions = [c for g in groups for c in g["completions"]]
-    rewards = [float(c["reward"]) for c in completions]
-    ns = {len(g["completions"]) for g in groups}
-    n = min(ns)
+def _group_metrics(groups: list[RunGroup], threshold: float) -> JsonObject:
+    completions = [c for g in groups for c in g.result.completions]
+    rewards = [c.reward for c in completions]
+    n = min(len(g.rewards) for g in groups)
     pass_k = {}
     for k in default_ks(n):
-        values = [
-            pass_at_k(len(g["completions"]), sum(float(c["reward"]) >= threshold for c in g["completions"]), k)
-            for g in groups
-        ]
+        values = [pass_at_k(len(g.rewards), sum(r >= threshold for r in g.rewards), k) for g in groups]
         pass_k[f"pass@{k}"] = math.fsum(values) / len(values)
     return {
         "prompts": len(groups),
@@ -53,12 +53,12 @@ def _group_metrics(groups: list[JsonObject], threshold: float) -> JsonObject:
         "mean_reward": math.fsum(rewards) / len(rewards),
         "reward": _stats(rewards),
         "pass_at_k": pass_k,
-        "generated_tokens": _stats([c["generated_tokens"] for c in completions]),
-        "total_tokens": _stats([c["total_tokens"] for c in completions]),
-        "turns": _stats([c["turns"] for c in completions]),
-        "truncation_rate": sum(bool(c["truncated"]) for c in completions) / len(completions),
-        "termination": dict(Counter(c["termination"] for c in completions)),
-        "group_seconds": _stats([float(g.get("elapsed_s", 0.0)) for g in groups]),
+        "generated_tokens": _stats([c.generated_tokens for c in completions if c.generated_tokens is not None]),
+        "total_tokens": _stats([c.total_tokens for c in completions if c.total_tokens is not None]),
+        "turns": _stats([c.turns for c in completions if c.turns is not None]),
+        "truncation_rate": sum(c.truncated for c in completions) / len(completions),
+        "termination": dict(Counter(c.termination or "unknown" for c in completions)),
+        "group_seconds": _stats([g.result.elapsed_s or 0.0 for g in groups]),
     }
 
 
@@ -75,38 +75,54 @@ def describe_model(config: JsonObject) -> str:
     )
 
 
+def read_for_report(run_dir: str | Path) -> LoadedRun:
+    """The run folder as the report reads it: results and failures, old lines without ``row_id`` accepted, a
+    torn last line skipped.
+
+    Raises:
+        RunReadError: the folder or a file in it is missing, not regular, too large or malformed (named).
+    """
+    return load_run(run_dir, need_row_ids=False, finished=False, failures=True)
+
+
 def compute_metrics(run_dir: str | Path) -> JsonObject:
-    """Metrics of the finished groups of a run folder (failures later resolved by a resume are not counted)."""
-    run_dir = Path(run_dir)
-    run = json.loads((run_dir / RUN_FILE).read_text())
-    threshold = float(run.get("config", {}).get("pass_threshold", 1.0))
-    results = read_jsonl(run_dir / RESULTS_FILE)
-    done = {r["prompt_idx"] for r in results}
-    failures = [f for f in read_jsonl(run_dir / FAILURES_FILE) if f["prompt_idx"] not in done]
-    latest_failure: dict[int, JsonObject] = {f["prompt_idx"]: f for f in failures}
-    by_agent: dict[str, list[JsonObject]] = defaultdict(list)
-    for r in results:
-        by_agent[r["agent"]].append(r)
+    """Metrics of the finished groups of a run folder (failures later resolved by a resume are not counted).
+
+    Raises:
+        RunReadError: see :func:`read_for_report`.
+    """
+    return run_metrics(read_for_report(run_dir))
+
+
+def run_metrics(run: LoadedRun) -> JsonObject:
+    """Metrics of a run folder already read."""
+    threshold = run.pass_threshold
+    results = run.groups
+    done = {g.prompt_idx for g in results}
+    latest_failure: dict[int, FailureLine] = {f.prompt_idx: f for f in run.failures if f.prompt_idx not in done}
+    by_agent: dict[str, list[RunGroup]] = defaultdict(list)
+    for g in results:
+        by_agent[g.agent].append(g)
     agents = {agent: _group_metrics(groups, threshold) for agent, groups in sorted(by_agent.items())}
     if results:
         agents[ALL] = _group_metrics(results, threshold)
-    sessions = run.get("sessions", [])
-    finished = [r["finished_at"] for r in results]
-    busy_s = math.fsum(s["ended"] - s["started"] for s in sessions)
-    rollout_s = math.fsum(s["ended"] - s["rollouts_started"] for s in sessions if s.get("rollouts_started"))
-    completions = sum(len(r["completions"]) for r in results)
+    sessions = run.meta.sessions
+    finished = [g.result.finished_at for g in results if g.result.finished_at is not None]
+    busy_s = math.fsum(s.ended - s.started for s in sessions)
+    rollout_s = math.fsum(s.ended - s.rollouts_started for s in sessions if s.rollouts_started)
+    completions = sum(len(g.rewards) for g in results)
     return {
-        "run_dir": str(run_dir),
-        "model": run.get("model") or describe_model(run.get("config", {})),
+        "run_dir": str(run.dir),
+        "model": run.meta.model or describe_model(run.config),
         "pass_threshold": threshold,
-        "num_generations_per_prompt": run.get("fingerprint", {}).get("num_generations_per_prompt"),
-        "prompts_total": run.get("prompts_total"),
+        "num_generations_per_prompt": run.meta.fingerprint.num_generations_per_prompt,
+        "prompts_total": run.meta.prompts_total,
         "prompts_done": len(results),
         "prompts_failed": len(latest_failure),
         "failures": {
-            "by_error": dict(Counter(f["error"] for f in latest_failure.values())),
-            "by_class": dict(Counter(f["class"] for f in latest_failure.values())),
-            "example_message": {f["error"]: f["message"] for f in latest_failure.values()},
+            "by_error": dict(Counter(f.error for f in latest_failure.values())),
+            "by_class": dict(Counter(f.failure_class for f in latest_failure.values())),
+            "example_message": {f.error: f.message for f in latest_failure.values()},
         },
         "agents": agents,
         "timing": {
@@ -243,12 +259,17 @@ def render_plot(metrics: JsonObject, rewards: dict[str, list[float]], path: Path
 
 def build_report(run_dir: str | Path) -> JsonObject:
     """Write ``metrics.json``, ``report.md``, ``report.png`` and ``report.html`` into ``run_dir``; return the
-    metrics."""
+    metrics.
+
+    Raises:
+        RunReadError: see :func:`read_for_report`; nothing is written then.
+    """
     run_dir = Path(run_dir)
-    metrics = compute_metrics(run_dir)
+    run = read_for_report(run_dir)
+    metrics = run_metrics(run)
     rewards: dict[str, list[float]] = defaultdict(list)
-    for r in read_jsonl(run_dir / RESULTS_FILE):
-        rewards[r["agent"]] += [float(c["reward"]) for c in r["completions"]]
+    for g in run.groups:
+        rewards[g.agent] += g.rewards
     (run_dir / METRICS_FILE).write_text(json.dumps(metrics, indent=1) + "\n")
     (run_dir / REPORT_FILE).write_text(render_markdown(metrics))
     render_plot(metrics, rewards, run_dir / PLOT_FILE)

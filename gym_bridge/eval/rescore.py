@@ -7,6 +7,12 @@ is gone or changed) with the stored ``responses_create_params`` and ``response``
 server comes from the config's agent blocks. A server that says its verify cannot be repeated
 (``GET /reverify_mode`` = ``unsupported``) is not asked.
 
+What a rescore takes from the source folder is data only (:func:`trusted_config_files`,
+:func:`check_stored_overrides`): the stored responses and the grader settings, where ``config_paths`` may name
+only configs inside the installed nemo-gym and ``gym_overrides`` may only change settings of the servers those
+configs define, never add a server or set an entrypoint, a path, a command, an address or an interpolation.
+Anything more comes from the user: ``--config`` (its grader settings replace the folder's) or ``key=value``.
+
 The new folder is a run folder like any other (``run.json`` with ``rescore.source`` pointing at the source,
 ``results.jsonl``, the report and viewer), so ``gym-bridge compare SOURCE NEW`` shows what the grader change
 did. A completion that cannot be re-verified keeps its stored reward, is marked ``"rescored": false`` with the
@@ -17,20 +23,30 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import hashlib
 import json
 import logging
+import re
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import TypedDict
 
 import httpx
 import yaml
 
-from gym_bridge.eval.dataset import file_sha256
 from gym_bridge.eval.records import ROW_ID_KEY, row_id
 from gym_bridge.eval.report import build_report
-from gym_bridge.eval.runs import LoadedRun, load_run
+from gym_bridge.eval.runs import (
+    RUN_FILE,
+    LoadedRun,
+    ReadLimits,
+    RunReadError,
+    jsonl_lines,
+    load_run,
+    read_file,
+    shown,
+)
 from gym_bridge.eval.store import FAILURES_FILE, RunStore, read_jsonl
 from gym_bridge.failures import GymBridgeError
 from gym_bridge.json_types import JsonMapping, JsonObject
@@ -41,6 +57,15 @@ RESCORE_FILE = "rescore.json"
 GRADER_KEYS = ("config_paths", "gym_overrides", "pass_threshold")
 """The only settings a rescore may change: everything else made the stored responses."""
 _NOT_REQUEST_KEYS = {"reward", "token_drift", "mask_sample", "failure_kind"}
+_SERVER_LEVELS = 3
+"""A Gym config nests ``<server name>: {<server type>: {<implementation>: {settings}}}``."""
+CODE_WORDS = frozenset(
+    {"entrypoint", "path", "paths", "fpath", "dir", "dirs", "directory", "file", "files", "filename", "command",
+     "cmd", "exec", "executable", "script", "scripts", "venv", "python", "pip", "uv", "install", "requirements",
+     "module", "import", "target", "class", "host", "port", "url", "urls", "address", "env", "shell", "bin"}
+)  # fmt: skip
+"""Words that mark a setting as code, a path, a command or an address (``jsonl_fpath``, ``_target_``,
+``base_url``): a run folder's ``gym_overrides`` may set none of them."""
 
 
 class RescoreError(GymBridgeError, ValueError):
@@ -95,15 +120,101 @@ def grader_config(source: LoadedRun, config_file: str | Path | None, overrides: 
     return config
 
 
-def _config_blocks(config_paths: list[str], overrides: JsonObject) -> JsonObject:
-    """Gym's server blocks from the config files, with the overrides merged (as Gym layers them)."""
+def _config_blocks(config_paths: list[str] | list[Path], overrides: JsonObject) -> JsonObject:
+    """Gym's server blocks from the config files, with the overrides merged (as Gym layers them).
+
+    Raises:
+        RescoreError: a config file cannot be read or is not a YAML mapping.
+        GymConfigNotFound: a relative path is neither in the cwd nor in the installed nemo-gym.
+    """
     from gym_bridge.gym.server_config import deep_merge, wheel_config_path
 
     merged: JsonObject = {}
     for name in config_paths:
         path = Path(name) if Path(name).exists() else wheel_config_path(name)
-        merged = deep_merge(merged, yaml.safe_load(path.read_text()) or {})
+        try:
+            blocks = yaml.safe_load(path.read_text()) or {}
+        except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+            raise RescoreError(f"config_paths: {shown(path)} cannot be read as YAML ({shown(exc)})") from None
+        if not isinstance(blocks, dict):
+            raise RescoreError(f"config_paths: {shown(path)} is not a YAML mapping of Gym servers")
+        merged = deep_merge(merged, blocks)
     return deep_merge(merged, overrides)
+
+
+def trusted_config_files(config_paths: list[str], run_json: Path | None) -> list[Path]:
+    """The Gym config files a rescore loads: the user's (``run_json`` None) found as Gym finds them, in the cwd
+    then in the installed nemo-gym; a run folder's only inside the installed nemo-gym, under a Gym server type,
+    so a folder cannot name a config of its own (or one in the cwd) that starts a server of its choice.
+
+    Raises:
+        RunReadError: a path from ``run_json`` is absolute, climbs (``..``), or is not a config of the
+            installed nemo-gym (the field named).
+        GymConfigNotFound: a user's relative path is neither in the cwd nor in the installed nemo-gym.
+    """
+    from gym_bridge.gym.server_config import GymConfigNotFound, wheel_config_path
+    from gym_bridge.gym.versions import installed_gym
+
+    if run_json is None:
+        return [Path(name) if Path(name).exists() else wheel_config_path(name) for name in config_paths]
+    files = []
+    for i, name in enumerate(config_paths):
+        relative = PurePosixPath(name)
+        problem = (
+            f"{shown(run_json)}: field 'config.config_paths[{i}]': {shown(name)!r} is not a config of the installed "
+            f"nemo-gym; {_FROM_THE_USER}"
+        )
+        climbs = relative.is_absolute() or ".." in relative.parts
+        if climbs or relative.parts[:1] not in [(kind,) for kind in installed_gym().server_types]:
+            raise RunReadError(problem)
+        try:
+            files.append(wheel_config_path(str(relative)))
+        except GymConfigNotFound:
+            raise RunReadError(problem) from None
+    return files
+
+
+_FROM_THE_USER = "a rescore takes only grader settings from a run folder: pass your own config with --config"
+
+
+def check_stored_overrides(overrides: JsonMapping, blocks: JsonMapping, run_json: Path) -> None:
+    """Refuse a run folder's ``gym_overrides`` unless they are grader settings as data: each names a server, server
+    type and implementation that the config files define (no server of its own), and no setting below is code,
+    a path, a command or an address (:data:`CODE_WORDS`) or an interpolation (``${...}``, which Gym's config
+    resolves, reading the environment).
+
+    Raises:
+        RunReadError: the first setting refused, its field named.
+    """
+    stack: list[tuple[str, object, object, int]] = [("config.gym_overrides", overrides, blocks, 0)]
+    while stack:
+        name, value, known, level = stack.pop()
+        if level < _SERVER_LEVELS:
+            if not isinstance(value, dict) or not isinstance(known, dict):
+                raise _refused(run_json, name, "is not a mapping of the servers config_paths define")
+            for key, inner in value.items():
+                if key not in known:
+                    raise _refused(run_json, f"{name}.{key}", "names no server that config_paths define")
+                stack.append((f"{name}.{key}", inner, known[key], level + 1))
+        elif isinstance(value, dict):
+            for key, inner in value.items():
+                if _names_code(str(key)):
+                    raise _refused(run_json, f"{name}.{key}", "names code, a path, a command or an address")
+                stack.append((f"{name}.{key}", inner, None, level + 1))
+        elif isinstance(value, list):
+            stack.extend((f"{name}[{i}]", inner, None, level + 1) for i, inner in enumerate(value))
+        elif isinstance(value, str) and "${" in value:
+            raise _refused(run_json, name, "is an interpolation (${...}), which Gym's config would resolve")
+
+
+def _names_code(key: str) -> bool:
+    """Whether a setting's name holds a word of :data:`CODE_WORDS` (snake_case, kebab-case or camelCase)."""
+    words = re.split(r"[^a-z0-9]+", re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", key).lower())
+    return not CODE_WORDS.isdisjoint(words)
+
+
+def _refused(run_json: Path, name: str, why: str) -> RunReadError:
+    return RunReadError(f"{shown(run_json)}: field {shown(name)!r} {why}; {_FROM_THE_USER}")
 
 
 def agent_resources_servers(blocks: JsonMapping) -> dict[str, str]:
@@ -119,19 +230,33 @@ def agent_resources_servers(blocks: JsonMapping) -> dict[str, str]:
 
 
 def _dataset_rows(source: LoadedRun) -> dict[str, JsonObject]:
-    """The dataset's rows by identity, when the file is still there unchanged; else none (stored fields serve)."""
-    path = source.config.get("dataset")
-    if not path or not Path(path).is_file():
+    """The dataset's rows by identity, when the file is still there unchanged; else none (stored fields serve).
+
+    The file is read as a run folder's files are (a regular file, under the size cap) and split on ``\n`` only.
+    """
+    path = source.meta.config.dataset
+    try:
+        data = read_file(Path(path), ReadLimits.from_env().max_jsonl_bytes) if path else None
+    except RunReadError as exc:
+        logger.warning("%s: the verify requests are built from the stored Gym results", exc)
+        return {}
+    if data is None:
         logger.warning("the dataset %s is gone: the verify requests are built from the stored Gym results", path)
         return {}
-    if file_sha256(Path(path)) != source.fingerprint.get("dataset_sha256"):
+    if hashlib.sha256(data).hexdigest() != source.meta.fingerprint.dataset_sha256:
         logger.warning("the dataset %s changed since the run: the stored Gym results' fields are used", path)
         return {}
     rows: dict[str, JsonObject] = {}
-    for line in Path(path).read_text(encoding="utf-8").splitlines():
+    lines, tail = jsonl_lines(data)
+    for line in [*lines, tail]:
         if line.strip():
-            row = json.loads(line)
-            rows.setdefault(row_id(row), row)
+            try:
+                row = json.loads(line)
+            except (ValueError, RecursionError):
+                logger.warning("the dataset %s has a bad line: the stored Gym results' fields are used", path)
+                return {}
+            if isinstance(row, dict):
+                rows.setdefault(row_id(row), row)
     return rows
 
 
@@ -161,19 +286,31 @@ def rescore_run(
 ) -> RescoreOutcome:
     """Verify every stored completion of ``source_dir`` again through real Gym servers; write ``out_dir``.
 
+    Everything is checked before anything starts, the trust boundary included (:func:`trusted_config_files`,
+    :func:`check_stored_overrides`): a folder that names code, a path or a command is refused, never run.
+
     Raises:
-        RunReadError: the source run folder cannot be read (missing, being written, a malformed line).
+        RunReadError: the source run folder cannot be read (missing, being written, a malformed line or field),
+            or its grader settings name more than data (the field named).
         RescoreError: bad overrides, an output folder that is not empty, or an agent without a resources server.
         GymStartupError: Gym's servers did not start.
     """
+    from gym_bridge.gym.server_config import deep_merge
     from gym_bridge.gym.servers import GymServers, GymServersConfig
 
-    source = load_run(source_dir)
+    source = load_run(source_dir, failures=True)
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
-        raise RescoreError(f"the output folder {out} is not empty; choose another --out")
-    config = grader_config(source, config_file, overrides or [])
-    blocks = _config_blocks(list(config["config_paths"]), dict(config.get("gym_overrides") or {}))
+        raise RescoreError(f"the output folder {shown(out)} is not empty; choose another --out")
+    overrides = overrides or []
+    config = grader_config(source, config_file, overrides)
+    run_json = source.dir / RUN_FILE
+    paths_from_run = config_file is None and not any(o.partition("=")[0].strip() == "config_paths" for o in overrides)
+    files = trusted_config_files(list(config["config_paths"]), run_json if paths_from_run else None)
+    base = _config_blocks(files, {})
+    if config_file is None:
+        check_stored_overrides(source.config.get("gym_overrides") or {}, base, run_json)
+    blocks = deep_merge(base, dict(config.get("gym_overrides") or {}))
     servers_of = agent_resources_servers(blocks)
     missing = sorted({g.agent for g in source.groups} - set(servers_of))
     if missing:
@@ -185,10 +322,10 @@ def rescore_run(
     store.open(fingerprint, resume=False)  # holds run.lock until written: compare refuses a rescore in progress
     servers = GymServers(
         GymServersConfig(
-            config_paths=list(config["config_paths"]),
+            config_paths=[str(path) for path in files],
             overrides=dict(config.get("gym_overrides") or {}),
             policy_base_urls=["http://127.0.0.1:9/v1"],  # nothing generates: no model is called
-            policy_model_name=str(config.get("model_name") or "none"),
+            policy_model_name="none",
             use_ray=False,
             startup_timeout_s=startup_timeout_s,
             log_dir=(out / "gym-logs").resolve(),
@@ -233,7 +370,7 @@ async def _verify_all(
         async def one(g: int, k: int) -> None:
             group = source.groups[g]
             server = servers_of[group.agent]
-            gym_result = group.record["completions"][k].get("gym_result") or {}
+            gym_result = group.result.completions[k].gym_result or {}
             if modes.get(server) == "unsupported":
                 results[g, k] = {"error": f"{server} says its verify cannot be repeated (reverify_mode unsupported)"}
                 return
@@ -276,7 +413,7 @@ def _write(
     changed = total = 0
     try:
         for g, group in enumerate(source.groups):
-            record = copy.deepcopy(group.record)
+            record = {**group.record, "completions": [dict(c) for c in group.record["completions"]]}
             for k, completion in enumerate(record["completions"]):
                 total += 1
                 verdict = verdicts[g, k]
@@ -324,8 +461,8 @@ def _write(
     }
     store.update_run(
         config=config,
-        prompts_total=source.run.get("prompts_total"),
-        model=source.run.get("model"),
+        prompts_total=source.meta.prompts_total,
+        model=source.meta.model,
         rescore={"source": summary["source"], "changed": changed, "unverified": len(unverified)},
     )
     store.record_session(started, outcome="rescored")

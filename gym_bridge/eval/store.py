@@ -8,6 +8,9 @@ on a fresh line.
 While a store is open it holds an exclusive ``flock`` on ``run.lock``, so readers (``gym-bridge compare``,
 ``rescore``) can tell a run still being written from a finished or killed one (:func:`writer_active`);
 the kernel releases the lock when the writer exits, even on SIGKILL.
+
+Reading goes through :mod:`gym_bridge.eval.runs` (regular files only, size caps, typed lines), resume included:
+a folder someone sent you is checked the same way whether you compare it or continue it.
 """
 
 from __future__ import annotations
@@ -20,15 +23,40 @@ import time
 from pathlib import Path
 from typing import IO, TextIO
 
+import orjson
+
+from gym_bridge.eval.records import PromptLine
+from gym_bridge.eval.runs import (
+    FAILURES_FILE,
+    LOCK_FILE,
+    RESULTS_FILE,
+    RUN_FILE,
+    ReadLimits,
+    RunReadError,
+    jsonl_lines,
+    open_lock,
+    read_file,
+    read_result_lines,
+    read_run_json,
+    shown,
+    writer_active,
+)
 from gym_bridge.failures import GymBridgeError
 from gym_bridge.json_types import JsonObject
 
 logger = logging.getLogger(__name__)
 
-RUN_FILE = "run.json"
-RESULTS_FILE = "results.jsonl"
-FAILURES_FILE = "failures.jsonl"
-LOCK_FILE = "run.lock"
+__all__ = [
+    "FAILURES_FILE",
+    "LOCK_FILE",
+    "RESULTS_FILE",
+    "RUN_FILE",
+    "RunDirError",
+    "RunReadError",
+    "RunStore",
+    "read_jsonl",
+    "writer_active",
+]
 
 
 class RunDirError(GymBridgeError, RuntimeError):
@@ -36,42 +64,38 @@ class RunDirError(GymBridgeError, RuntimeError):
 
 
 def read_jsonl(path: Path, *, repair: bool = False) -> list[JsonObject]:
-    """The records of a JSONL file, without a torn last line (cut off when ``repair``).
+    """The records of a JSONL file, without a torn last line (cut off when ``repair``); split on ``\n`` only.
 
     A bad line anywhere but last is corruption, not a crash mid-write: that raises.
+
+    Raises:
+        RunDirError: a line before the last is not a JSON object.
+        RunReadError: the file is not a regular file, or is over the size cap (:class:`ReadLimits`).
     """
-    if not path.exists():
+    data = read_file(path, ReadLimits.from_env().max_jsonl_bytes)
+    if data is None:
         return []
-    data = path.read_bytes()
+    lines, tail = jsonl_lines(data)
     records: list[JsonObject] = []
-    good_end = 0
-    lines = data.split(b"\n")
-    for i, raw in enumerate(lines):
-        last = i == len(lines) - 1
-        if last and not raw:
-            break  # the file ends with a newline
-        record = _json_object(raw, last=last)
+    for number, raw in enumerate(lines, start=1):
+        record = _json_object(raw)
         if isinstance(record, str):
-            if last:
-                logger.warning("%s: ignoring a torn last line (%d bytes)", path, len(raw))
-                if repair:
-                    with path.open("r+b") as f:
-                        f.truncate(good_end)
-                        os.fsync(f.fileno())
-                break
-            raise RunDirError(f"{path}:{i + 1} is not a JSON object ({record}); the file is corrupt")
+            raise RunDirError(f"{shown(path)}:{number} is not a JSON object ({record}); the file is corrupt")
         records.append(record)
-        good_end += len(raw) + 1
+    if tail:
+        logger.warning("%s: ignoring a torn last line (%d bytes)", shown(path), len(tail))
+        if repair:
+            with path.open("r+b") as f:
+                f.truncate(len(data) - len(tail))
+                os.fsync(f.fileno())
     return records
 
 
-def _json_object(raw: bytes, *, last: bool) -> JsonObject | str:
-    """The JSON object on one line, or what is wrong with it (a last line without its newline is torn)."""
-    if last:
-        return "no newline: torn write"
+def _json_object(raw: bytes) -> JsonObject | str:
+    """The JSON object on one line, or what is wrong with it."""
     try:
-        record = json.loads(raw)
-    except ValueError as exc:
+        record = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
         return str(exc)
     return record if isinstance(record, dict) else "not an object"
 
@@ -96,23 +120,18 @@ class RunStore:
         Raises:
             RunDirError: the folder is not empty and ``resume`` is false, or ``run.json``
                 records a fingerprint that differs (the message names the keys).
+            RunReadError: on resume, ``run.json`` or a ``results.jsonl`` line is malformed, a file is not regular
+                or too large, or a ``prompt_idx`` is repeated (the file, line and field named).
         """
         if resume and self.run_path.exists():
             self._hold_lock()
-            recorded = json.loads(self.run_path.read_text()).get("fingerprint", {})
-            changed = [
-                f"{key} ({recorded.get(key)!r} -> {fingerprint.get(key)!r})"
-                for key in sorted(set(recorded) | set(fingerprint))
-                if recorded.get(key) != fingerprint.get(key)
-            ]
-            if changed:
+            try:
+                self._check_resumable(fingerprint)
+                self.done = self._resumed_prompts()
+                read_jsonl(self.failures_path, repair=True)
+            except GymBridgeError:
                 self.close()
-                raise RunDirError(
-                    f"cannot resume {self.dir}: the config changed in a way that matters: {'; '.join(changed)}. "
-                    "Use a new output_dir, or restore these settings."
-                )
-            self.done = {int(r["prompt_idx"]) for r in read_jsonl(self.results_path, repair=True)}
-            read_jsonl(self.failures_path, repair=True)
+                raise
         else:
             if self.dir.exists() and any(self.dir.iterdir()):
                 raise RunDirError(
@@ -125,9 +144,37 @@ class RunStore:
         self.update_run(**(meta or {}))
         return set(self.done)
 
+    def _check_resumable(self, fingerprint: JsonObject) -> None:
+        """Refuse to resume a run whose recorded fingerprint differs from ``fingerprint`` (the keys named)."""
+        recorded = self._read_run().get("fingerprint") or {}
+        changed = [
+            f"{key} ({recorded.get(key)!r} -> {fingerprint.get(key)!r})"
+            for key in sorted(set(recorded) | set(fingerprint))
+            if recorded.get(key) != fingerprint.get(key)
+        ]
+        if changed:
+            raise RunDirError(
+                f"cannot resume {self.dir}: the config changed in a way that matters: {'; '.join(changed)}. "
+                "Use a new output_dir, or restore these settings."
+            )
+
+    def _read_run(self) -> JsonObject:
+        """``run.json``, checked as any reader checks it (:func:`~gym_bridge.eval.runs.read_run_json`)."""
+        return read_run_json(self.dir, ReadLimits.from_env())[0]
+
+    def _resumed_prompts(self) -> set[int]:
+        """The prompt indices ``results.jsonl`` already holds, its torn last line cut off; a line that is not a JSON
+        object with an integer ``prompt_idx``, or repeats one, raises :class:`RunReadError` naming it."""
+        read_jsonl(self.results_path, repair=True)
+        lines = read_result_lines(self.dir, ReadLimits.from_env(), PromptLine, need_row_ids=False, finished=False)
+        return {result.prompt_idx for _, _, result in lines}
+
     def _hold_lock(self) -> None:
         """Take ``run.lock`` for as long as this store is open (see the module docstring)."""
-        lock = (self.dir / LOCK_FILE).open("a")
+        try:
+            lock = os.fdopen(open_lock(self.dir / LOCK_FILE, create=True), "a")
+        except OSError as exc:
+            raise RunDirError(f"{shown(self.dir / LOCK_FILE)}: cannot be used as the run's lock ({exc})") from None
         try:
             fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -137,13 +184,13 @@ class RunStore:
 
     def update_run(self, **fields: object) -> None:
         """Merge ``fields`` into ``run.json`` (atomically replaced)."""
-        run = json.loads(self.run_path.read_text())
+        run = self._read_run()
         run.update(fields)
         _write_atomic(self.run_path, run)
 
     def record_session(self, started: float, *, outcome: str, rollouts_started: float | None = None) -> None:
         """Add one session (a start of ``gym-bridge eval``) to ``run.json``; a SIGKILLed one is never recorded."""
-        run = json.loads(self.run_path.read_text())
+        run = self._read_run()
         session = {"started": started, "rollouts_started": rollouts_started, "ended": time.time(), "outcome": outcome}
         run.setdefault("sessions", []).append(session)
         _write_atomic(self.run_path, run)
@@ -173,20 +220,6 @@ class RunStore:
         if self._lock is not None:
             self._lock.close()  # closing the file releases the flock
             self._lock = None
-
-
-def writer_active(run_dir: str | Path) -> bool:
-    """Whether a process holds ``run_dir``'s store open right now (a run still being written)."""
-    path = Path(run_dir) / LOCK_FILE
-    if not path.exists():
-        return False
-    with path.open("a") as lock:
-        try:
-            fcntl.flock(lock.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except OSError:
-            return True
-        fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
-    return False
 
 
 def _write_atomic(path: Path, data: JsonObject) -> None:

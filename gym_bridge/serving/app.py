@@ -4,8 +4,11 @@
 Each route is a module-level handler that reads the :class:`ServingState` from ``request.app.state``;
 :func:`build_app` only creates the app and registers the routes and the exception handlers.
 
-Bodies are parsed by hand (size limit, JSON, pydantic) so every refusal is a 4xx
-with the OpenAI error shape, never FastAPI's 422 or a 500. A failure of an HTTP
+Bodies are parsed by hand (size limit, JSON, nesting depth, pydantic) so every refusal is a 4xx
+with the OpenAI error shape, never FastAPI's 422 or a 500. Request bodies are untrusted: the work
+that grows with a body (parsing, tokenizing, chat rendering, building the answer) runs in worker
+threads (``asyncio.to_thread``), never on the event loop, so one large request does not hold
+``/health`` or any other request; stop strings are capped as vLLM caps them. A failure of an HTTP
 generation backend keeps its upstream status (a 429 stays a 429, a context-length
 400 stays a 400 naming the context length); an unreachable upstream is a 503 and a
 malformed upstream answer a 500.
@@ -13,6 +16,7 @@ malformed upstream answer a 500.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -21,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ValidationError
 
 from gym_bridge.failures import EngineShutDownError, GenerationUnavailable, RolloutDataFailure
@@ -63,6 +67,11 @@ class ServerLimits:
     max_body_bytes: int = 8 * 1024 * 1024
     max_n: int = 16
     max_prompts: int = 64
+    max_stop_strings: int = 4
+    """vLLM's cap (``VLLM_MAX_STOP_STRINGS``, 4 by default): more ``stop`` entries are a 400 naming ``stop``."""
+    max_json_depth: int = 64
+    """Deepest nesting of objects and arrays a body may have; deeper is a 400 (JSON nested 100,000 deep
+    would otherwise exhaust the parser's recursion)."""
 
 
 #: vLLM's exact 400 message for a chat with tools when started without a tool-call parser.
@@ -175,23 +184,30 @@ async def models(request: Request) -> JsonObject:
     return {"object": "list", "data": cards}
 
 
-async def chat_completions(request: Request) -> JSONResponse:
+async def chat_completions(request: Request) -> Response:
     """``POST /v1/chat/completions``: render the chat (carried token ids spliced in), generate ``n`` choices."""
     state = serving_state(request)
     req = await _parse(request, ChatCompletionRequest, state)
     state.drift.count_request("chat_completions")
     _check_chat(req, state)
-    prompt = _render_chat(req, req.messages, state)
+    prompt = await asyncio.to_thread(_render_chat, req, req.messages, state)
     headers = state.drift.record(prompt)
     samples = await _generate(
         state, req, prompt.token_ids, req.requested_max_tokens(), clamp=state.features.clamp_max_tokens
     )
-    choices = [_chat_choice(state, req, prompt, index, sample) for index, sample in enumerate(samples)]
+    choices = await asyncio.to_thread(_chat_choices, state, req, prompt, samples)
     usage = _usage(len(prompt.token_ids), samples)
     body = _response_body("chatcmpl", "chat.completion", req.model, state, choices, usage)
     if req.return_token_ids and state.features.token_ids:
         body["prompt_token_ids"] = prompt.token_ids
-    return JSONResponse(body, headers=_with_weight_version(body, samples, headers))
+    return await _json_response(body, _with_weight_version(body, samples, headers))
+
+
+def _chat_choices(
+    state: ServingState, req: ChatCompletionRequest, prompt: ChatPrompt, samples: list[Sample]
+) -> list[JsonObject]:
+    """Every choice of a chat answer (decoding and parsing: run in a worker thread)."""
+    return [_chat_choice(state, req, prompt, index, sample) for index, sample in enumerate(samples)]
 
 
 def _response_body(
@@ -208,7 +224,7 @@ def _response_body(
     }
 
 
-async def completions(request: Request) -> JSONResponse:
+async def completions(request: Request) -> Response:
     """``POST /v1/completions``: ``n`` choices for each text or token-id prompt, numbered across prompts."""
     state = serving_state(request)
     req = await _parse(request, CompletionRequest, state)
@@ -219,45 +235,78 @@ async def completions(request: Request) -> JSONResponse:
     choices: list[JsonObject] = []
     all_samples: list[Sample] = []
     prompt_tokens = 0
-    for prompt_ids in _completion_prompts(req, state):
+    for prompt_ids in await asyncio.to_thread(_completion_prompts, req, state):
         samples = await _generate(state, req, prompt_ids, req.max_tokens)
         prompt_tokens += len(prompt_ids)
         all_samples.extend(samples)
-        for sample in samples:
-            choices.append(_completion_choice(state, req, prompt_ids, len(choices), sample))
+        choices += await asyncio.to_thread(_completion_choices, state, req, prompt_ids, len(choices), samples)
     body = _response_body("cmpl", "text_completion", req.model, state, choices, _usage(prompt_tokens, all_samples))
-    return JSONResponse(body, headers=_with_weight_version(body, all_samples, {}))
+    return await _json_response(body, _with_weight_version(body, all_samples, {}))
 
 
-async def tokenize(request: Request) -> JsonObject:
+def _completion_choices(
+    state: ServingState, req: CompletionRequest, prompt_ids: list[int], first: int, samples: list[Sample]
+) -> list[JsonObject]:
+    """The choices of one prompt, numbered from ``first`` (decoding: run in a worker thread)."""
+    return [_completion_choice(state, req, prompt_ids, first + k, sample) for k, sample in enumerate(samples)]
+
+
+async def tokenize(request: Request) -> Response:
     """``POST /tokenize``: the token ids of a text ``prompt``, or of ``messages`` rendered as chat completions does."""
     state = serving_state(request)
     req = await _parse(request, TokenizeRequest, state)
     _check_model(req.model, state)
+    tokens = await asyncio.to_thread(_tokenize_ids, req, state)
+    return await _json_response({"tokens": tokens, "count": len(tokens), "max_model_len": state.profile.max_model_len})
+
+
+def _tokenize_ids(req: TokenizeRequest, state: ServingState) -> list[int]:
+    """The ids of a ``/tokenize`` request's prompt or chat (run in a worker thread: a body may hold megabytes)."""
     if req.messages is not None and req.prompt is None:
-        tokens = _tokenize_chat(req, state)
-    elif req.prompt is not None and req.messages is None:
-        tokens = list(state.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
-    else:
-        raise ServingError("send exactly one of 'prompt' or 'messages'")
-    return {"tokens": tokens, "count": len(tokens), "max_model_len": state.profile.max_model_len}
+        return _tokenize_chat(req, state)
+    if req.prompt is not None and req.messages is None:
+        return list(state.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+    raise ServingError("send exactly one of 'prompt' or 'messages'")
 
 
-async def detokenize(request: Request) -> JsonObject:
+async def detokenize(request: Request) -> Response:
     """``POST /detokenize``: the text of token ids, special tokens kept."""
     state = serving_state(request)
     req = await _parse(request, DetokenizeRequest, state)
     _check_model(req.model, state)
-    _check_vocab(req.tokens, state)
-    return {"prompt": state.tokenizer.decode(req.tokens, skip_special_tokens=False)}
+    return await _json_response({"prompt": await asyncio.to_thread(_detokenize_text, req.tokens, state)})
+
+
+async def _json_response(body: JsonObject, headers: dict[str, str] | None = None) -> Response:
+    """``body`` as a JSON response, encoded in a worker thread (a ``/tokenize`` answer may hold millions of ids)."""
+    content = await asyncio.to_thread(_json_bytes, body)
+    return Response(content, media_type="application/json", headers=headers)
+
+
+def _json_bytes(body: JsonObject) -> bytes:
+    """Compact UTF-8 JSON, as Starlette's ``JSONResponse`` renders it."""
+    return json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")
+
+
+def _detokenize_text(ids: list[int], state: ServingState) -> str:
+    """The text of ``ids``, checked against the vocabulary (run in a worker thread)."""
+    _check_vocab(ids, state)
+    return state.tokenizer.decode(ids, skip_special_tokens=False)
 
 
 # ---------------------------------------------------------------------- request checks
 
 
 async def _parse[M: BaseModel](request: Request, model: type[M], state: ServingState) -> M:
-    """The body as ``model``: over the size limit 413, not a JSON object or invalid fields 400."""
-    limit = state.limits.max_body_bytes
+    """The body as ``model``: over the size limit 413; not JSON, nested too deep or invalid fields 400.
+
+    The body is read on the event loop and decoded in a worker thread (8 MB of JSON takes a while)."""
+    raw = await _read_body(request, state.limits.max_body_bytes)
+    return await asyncio.to_thread(parse_body, bytes(raw), model, state.limits)
+
+
+async def _read_body(request: Request, limit: int) -> bytearray:
+    """The raw body, refused with 413 as soon as it (or its declared length) passes ``limit`` bytes."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise ServingError(f"request body exceeds {limit} bytes", 413)
@@ -266,12 +315,23 @@ async def _parse[M: BaseModel](request: Request, model: type[M], state: ServingS
         raw.extend(chunk)
         if len(raw) > limit:
             raise ServingError(f"request body exceeds {limit} bytes", 413)
+    return raw
+
+
+def parse_body[M: BaseModel](raw: bytes, model: type[M], limits: ServerLimits) -> M:
+    """``raw`` as ``model``, refused with a 400 when it is not a JSON object, nests deeper than
+    ``limits.max_json_depth`` (the parser's own recursion limit included) or has invalid fields."""
+    too_deep = f"the body nests objects and arrays deeper than {limits.max_json_depth} levels"
     try:
         payload = json.loads(raw)
+    except RecursionError:
+        raise ServingError(too_deep) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ServingError(f"the body is not valid JSON: {exc}") from exc
     if not isinstance(payload, dict):
         raise ServingError("the body must be a JSON object")
+    if json_depth(payload, limits.max_json_depth) > limits.max_json_depth:
+        raise ServingError(too_deep)
     try:
         return model.model_validate(payload)
     except ValidationError as exc:
@@ -279,6 +339,21 @@ async def _parse[M: BaseModel](request: Request, model: type[M], state: ServingS
             f"{'.'.join(str(p) for p in err['loc']) or 'body'}: {err['msg']}" for err in exc.errors()[:5]
         )
         raise ServingError(f"invalid request: {problems}") from exc
+
+
+def json_depth(value: object, stop_after: int) -> int:
+    """How deep objects and arrays nest in parsed JSON (a scalar: 0), walked without recursion; the walk
+    ends as soon as the depth passes ``stop_after``."""
+    deepest = 0
+    stack: list[tuple[dict[str, object] | list[object], int]] = []
+    if isinstance(value, (dict, list)):
+        stack.append((value, 1))
+    while stack and deepest <= stop_after:
+        node, depth = stack.pop()
+        deepest = max(deepest, depth)
+        children = node.values() if isinstance(node, dict) else node
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return deepest
 
 
 def _check_model(name: str | None, state: ServingState) -> None:
@@ -292,6 +367,11 @@ def _check_common(req: SamplingFields, state: ServingState) -> None:
         raise ServingError("stream=true is not supported by this server", param="stream")
     if req.n > state.limits.max_n:
         raise ServingError(f"n must be at most {state.limits.max_n}, got {req.n}", param="n")
+    stops = 1 if isinstance(req.stop, str) else len(req.stop or ())
+    if stops > state.limits.max_stop_strings:
+        raise ServingError(
+            f"stop holds {stops} strings; at most {state.limits.max_stop_strings} are allowed", param="stop"
+        )
 
 
 def _check_chat(req: ChatCompletionRequest, state: ServingState) -> None:

@@ -50,10 +50,11 @@ class SamplingFields(_Request):
     return_token_ids: bool = False
 
     def stop_strings(self) -> list[str]:
+        """The non-empty stop strings, each once, in the order sent (de-duplicated in linear time)."""
         if self.stop is None:
             return []
-        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop)
-        return [s for s in stops if s]
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop
+        return list(dict.fromkeys(s for s in stops if s))
 
 
 class ChatCompletionRequest(SamplingFields):

@@ -46,11 +46,28 @@ class ServerStartError(GymBridgeError, RuntimeError):
 
 
 class _AccessFilter(logging.Filter):
-    """Drop access-log lines of successful requests (as NeMo-RL's server does)."""
+    """Drop access-log lines of successful requests (as NeMo-RL's server does); in the others the query string
+    is redacted, so a key sent as ``?api_key=...`` is never written to a log."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         args = record.args
-        return not (isinstance(args, tuple) and len(args) >= 5 and isinstance(args[4], int) and 200 <= args[4] < 300)
+        if not (isinstance(args, tuple) and len(args) >= 5):
+            return True
+        if isinstance(args[4], int) and 200 <= args[4] < 300:
+            return False
+        if isinstance(args[2], str):
+            record.args = (*args[:2], redact_query(args[2]), *args[3:])
+        return True
+
+
+def redact_query(path: str) -> str:
+    """``path`` with its query string replaced by ``<redacted>``: a key may be a value or a bare name there."""
+    base, sep, _ = path.partition("?")
+    return base + "?<redacted>" if sep else path
+
+
+_ACCESS_FILTER = _AccessFilter()
+"""One filter for every server of the process (``addFilter`` adds an instance once)."""
 
 
 def _listening_socket(host: str, port: int) -> socket.socket:
@@ -147,7 +164,7 @@ class OpenAIServer:
         self._sock = sock
         port = sock.getsockname()[1]
         config = uvicorn.Config(self.app, log_config=None, timeout_keep_alive=120, lifespan="off", access_log=True)
-        logging.getLogger("uvicorn.access").addFilter(_AccessFilter())
+        logging.getLogger("uvicorn.access").addFilter(_ACCESS_FILTER)
         self._server = uvicorn.Server(config)
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="openai-server")
         while not self._server.started:

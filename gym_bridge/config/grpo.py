@@ -33,7 +33,6 @@ this trainer by nature are listed, with the reason, in :data:`gym_bridge.config.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,8 +41,12 @@ from typing import Any
 import torch
 from pydantic import ValidationError
 
-from gym_bridge.config.training import NemoGymRolloutSettings, TrainingConfigError
-from gym_bridge.json_types import JsonMapping, JsonObject
+from gym_bridge.config.training import ROUTING_KEYS, NemoGymRolloutSettings, TrainingConfigError
+from gym_bridge.failures import SettingError
+from gym_bridge.gym.routing import RowRouting
+from gym_bridge.gym.row_file import read_row_file
+from gym_bridge.gym.rows import ValidGymRow
+from gym_bridge.json_types import JsonMapping
 from gym_bridge.policy.hf import HFPolicyConfig, build_lr_scheduler
 from gym_bridge.training.loop import GRPOLoopConfig
 from gym_bridge.training.loss import ClippedPGLossConfig
@@ -58,6 +61,7 @@ __all__ = [
     "loss_config_from",
     "policy_config",
     "result_logging",
+    "row_routing",
     "train_data_path",
     "validation_options",
     "validation_sets",
@@ -338,25 +342,34 @@ def validation_sets(config: JsonMapping) -> list[ValidationSet]:
     if validation.get("data_path"):
         named.append(("validation", validation["data_path"]))
     named.extend((str(name), path) for name, path in (validation.get("extra_sets") or {}).items())
-    return [ValidationSet(name, load_gym_rows(path)[: limit or None]) for name, path in named]
+    routing = row_routing(config)
+    return [ValidationSet(name, load_gym_rows(path, routing)[: limit or None]) for name, path in named]
 
 
-def load_gym_rows(path: str | Path) -> list[JsonObject]:
-    """Gym rows from a JSONL file; a bad line is an error naming its line number."""
-    rows = []
-    for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise TrainingConfigError(f"{path}:{number}: not JSON: {exc}") from exc
-        if not isinstance(row, dict) or "responses_create_params" not in row:
-            raise TrainingConfigError(f"{path}:{number}: a Gym row needs 'responses_create_params'")
-        rows.append(row)
+def row_routing(config: JsonMapping) -> RowRouting:
+    """Gym's routing keys under ``env.nemo_gym`` (``agent_name``, ``agent_map``, ``fan_out``), as Gym names them."""
+    section = config_section(config, "env.nemo_gym")
+    given = {key: section[key] for key in ROUTING_KEYS if section.get(key) is not None}
+    try:
+        return RowRouting(**given)
+    except (ValidationError, SettingError) as exc:
+        raise TrainingConfigError(f"env.nemo_gym: {exc}") from None
+
+
+def load_gym_rows(path: str | Path, routing: RowRouting | None = None) -> list[ValidGymRow]:
+    """The tasks of a JSONL file of Gym rows, read as every entrance reads them
+    (:func:`~gym_bridge.gym.row_file.read_row_file`); bad lines are one error naming each."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise TrainingConfigError(f"cannot read {path}: {exc}") from None
+    rows, problems = read_row_file(path, text, routing=routing)
+    if problems:
+        raise TrainingConfigError(f"{len(problems)} bad line(s): " + "; ".join(problems[:5]))
     if not rows:
         raise TrainingConfigError(f"{path}: no rows")
-    return rows
+    return [item.row for item in rows]
 
 
 def policy_config(config: JsonMapping, weights: str, loop_cfg: GRPOLoopConfig) -> HFPolicyConfig:

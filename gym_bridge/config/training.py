@@ -63,6 +63,9 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _BRIDGE_KEYS = ("rollout_timeout_s", "max_row_attempts", "num_actors", "split_base_urls")
+ROUTING_KEYS = ("agent_name", "agent_map", "fan_out")
+"""Gym's collection keys under ``env.nemo_gym``: read into :class:`~gym_bridge.gym.routing.RowRouting` where rows
+enter (``config.grpo.row_routing``), not Gym's global config."""
 _NEMO_RL_ONLY_GYM_KEYS = ("is_trajectory_collection", "effort_levels")
 """Keys of ``env.nemo_gym`` that NeMo-RL pops before Gym sees the section: read into the settings, not Gym's."""
 _READ_KEYS = (
@@ -350,7 +353,7 @@ def nemo_gym_config_from(config: JsonMapping, *, base_urls: list[str] | None = N
     if unused:
         logger.debug("training config keys the rollout layer does not use: %s", ", ".join(unused))
     section = copy.deepcopy(dict(_get(config, "env.nemo_gym")))
-    for key in _BRIDGE_KEYS + _NEMO_RL_ONLY_GYM_KEYS:
+    for key in _BRIDGE_KEYS + _NEMO_RL_ONLY_GYM_KEYS + ROUTING_KEYS:
         section.pop(key, None)
     urls = base_urls or section.pop("base_urls", None)
     section.pop("base_urls", None)

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from gym_bridge.failures import GymBridgeError, InvalidGymRow
+from gym_bridge.failures import GymBridgeError
 from gym_bridge.gym.routing import TASK_SOURCE_KEY, RowRouting, row_agent
-from gym_bridge.gym.rows import mark_repeats, validate_row
+from gym_bridge.gym.row_file import read_row_file
 from gym_bridge.json_types import JsonObject
 
 _MAX_REPORTED = 20
@@ -34,13 +32,6 @@ class DatasetRow:
     def agent(self) -> str:
         """The row's agent: ``agent_ref.name`` (a ``task_source`` row gains it once Gym's config resolves it)."""
         return row_agent(self.row) or f"task_source:{self.row.get(TASK_SOURCE_KEY)}"
-
-
-@dataclass(frozen=True)
-class _NotJSON:
-    """A line that did not parse: it keeps its ``prompt_idx`` so the rows after it keep theirs."""
-
-    error: str
 
 
 def file_sha256(path: Path) -> str:
@@ -69,32 +60,8 @@ def load_dataset(path: str | Path, *, limit: int | None = None, routing: RowRout
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise DatasetError(f"cannot read the dataset {path}: {exc}") from None
-    routing = routing or RowRouting()
-    parsed: list[tuple[int, Any]] = []
-    problems: list[str] = []
-    lines = 0
-    for line_no, line in enumerate(text.split("\n"), start=1):
-        if limit is not None and lines >= limit:
-            break
-        if not line.strip():
-            continue
-        lines += 1
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            parsed.append((line_no, _NotJSON(str(exc))))
-            continue
-        parsed += [(line_no, routed) for routed in routing.apply(row)]
-    marked = mark_repeats([row for _, row in parsed], list(range(len(parsed))))
-    rows: list[DatasetRow] = []
-    for prompt_idx, ((line_no, _), row) in enumerate(zip(parsed, marked, strict=True)):
-        if isinstance(row, _NotJSON):
-            problems.append(f"{path}:{line_no}: not valid JSON: {row.error}")
-            continue
-        try:
-            rows.append(DatasetRow(prompt_idx=prompt_idx, line=line_no, row=validate_row(row, prompt_idx=prompt_idx)))
-        except InvalidGymRow as exc:
-            problems.append(f"{path}:{line_no}: {exc}")
+    lines, problems = read_row_file(path, text, limit=limit, routing=routing)
+    rows = [DatasetRow(prompt_idx=item.prompt_idx, line=item.line, row=item.row) for item in lines]
     if problems:
         more = f"\n... and {len(problems) - _MAX_REPORTED} more" if len(problems) > _MAX_REPORTED else ""
         raise DatasetError(f"{len(problems)} bad line(s):\n" + "\n".join(problems[:_MAX_REPORTED]) + more)

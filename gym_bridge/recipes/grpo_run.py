@@ -24,6 +24,7 @@ from gym_bridge.config.grpo import (
     loop_config_from,
     policy_config,
     result_logging,
+    row_routing,
     train_data_path,
     validation_options,
     validation_sets,
@@ -53,10 +54,12 @@ def validator_from(
     *,
     pass_threshold: float,
     reward_shaper: RewardShaper | None = None,
+    deadline_s: float | None = None,
 ) -> GymValidator | None:
     """A :class:`GymValidator` over the run's Gym actors, or None when the config has no validation data.
 
-    ``reward_shaper`` shapes validation rewards as training's are (NeMo-RL's ``validate`` does the same)."""
+    ``reward_shaper`` shapes validation rewards as training's are (NeMo-RL's ``validate`` does the same);
+    ``deadline_s`` bounds each held-out group as training's groups are bounded."""
     sets = validation_sets(config)
     if not sets:
         return None
@@ -70,6 +73,7 @@ def validator_from(
         pass_threshold=pass_threshold,
         results_path=out_dir / "val_results.jsonl",
         reward_shaper=reward_shaper,
+        deadline_s=deadline_s,
     )
 
 
@@ -158,7 +162,7 @@ def build_grpo_run(config: JsonMapping, out_dir: str | Path, *, resume: bool = T
         if state is not None:
             policy.load_optimizer(checkpoint)
             engine.update_weights(policy.state_dict_for_refit(), state.weight_version)
-        rows = load_gym_rows(train_data_path(config))
+        rows = load_gym_rows(train_data_path(config), row_routing(config))
         dataset = [datum_from_gym_row(row, idx=i) for i, row in enumerate(rows)]
         trainer = GRPOTrainer(
             loop_cfg,
@@ -174,6 +178,7 @@ def build_grpo_run(config: JsonMapping, out_dir: str | Path, *, resume: bool = T
                 out_dir,
                 pass_threshold=loop_cfg.pass_threshold,
                 reward_shaper=reward_shaper_from(loop_cfg, engine.tokenizer),
+                deadline_s=rollouts.manager.timeouts.rollout_s,
             ),
         )
     except BaseException:

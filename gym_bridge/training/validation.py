@@ -22,7 +22,7 @@ from typing import Protocol
 
 from gym_bridge.failures.errors import SettingError
 from gym_bridge.gym.client import GymClient
-from gym_bridge.gym.rows import stamped_row
+from gym_bridge.gym.rows import build_rows
 from gym_bridge.json_types import JsonMapping, JsonObject
 from gym_bridge.rollout.nemo_gym import gym_completion
 from gym_bridge.training.rewards import RewardShaper
@@ -122,6 +122,7 @@ class GymValidator:
         pass_threshold: float = 1.0,
         results_path: Path | None = None,
         reward_shaper: RewardShaper | None = None,
+        deadline_s: float | None = None,
     ) -> None:
         if not sets or any(not s.rows for s in sets):
             raise SettingError("validation needs at least one set, each with rows")
@@ -132,11 +133,12 @@ class GymValidator:
         self.num_generations, self.pass_threshold = num_generations, pass_threshold
         self.results_path = results_path
         self.reward_shaper = reward_shaper
+        self.deadline_s = deadline_s
 
     async def _problem(self, row: JsonMapping, prompt_idx: int) -> list[Completion]:
         """``num_generations`` rollouts of one held-out row through Gym, rewards shaped when configured."""
-        stamped = [stamped_row(dict(row), i, self.sampling, self.max_new_tokens) for i in range(self.num_generations)]
-        group = await self.client.run_group(stamped, prompt_idx=prompt_idx, deadline_s=None)
+        rows = build_rows(dict(row), self.num_generations, self.sampling, self.max_new_tokens, task_index=prompt_idx)
+        group = await self.client.run_group(rows, prompt_idx=prompt_idx, deadline_s=self.deadline_s)
         completions = [gym_completion(r, max_seq_len=None, mask_env_flagged_samples=False) for r in group.rows]
         if self.reward_shaper is not None:
             completions, _ = self.reward_shaper.shape([row] * len(completions), completions)

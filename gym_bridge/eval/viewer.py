@@ -6,119 +6,232 @@ sorting, and shows each completion's turns as the model saw them: the prompt tok
 (chat template, tool results), the generated tokens shaded by their sampling logprob, the tool calls and
 results and final answer of Gym's response, the reward and the fields the grader compared. The table renders
 only the rows in view and a completion only when opened, so a run of 10,000 completions opens in seconds.
+
+A run folder is untrusted (model output is attacker-controlled, and folders travel between people): every value
+is reduced here to text or a checked number (:func:`text`, :func:`number`; a non-finite number travels as the
+string ``"NaN"``, ``"Infinity"`` or ``"-Infinity"`` and is shown as such), whatever type the file gave it; the
+page escapes all of it, and its Content-Security-Policy runs only its own script, named by hash.
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
+import math
+import re
 from pathlib import Path
 
+from gym_bridge.eval.runs import ReadLimits, read_file
 from gym_bridge.eval.store import FAILURES_FILE, RESULTS_FILE, RUN_FILE, read_jsonl
 from gym_bridge.json_types import JsonObject
 
 VIEWER_FILE = "report.html"
 TEMPLATE = Path(__file__).with_name("viewer_template.html")
 _DATA_MARK = "__GYM_BRIDGE_DATA__"
+_HASH_MARK = "__GYM_BRIDGE_SCRIPT_HASH__"
+_SCRIPT = re.compile(r"<script>(.*?)</script>", re.S)
+_TEXT_LIMIT = 1 << 20
+"""Characters of one value the page shows (a longer one is cut, saying so)."""
 _HIDDEN_GYM_KEYS = {"responses_create_params", "response", "reward", "token_drift"}
 """Gym result keys shown elsewhere on the page; the rest is what the grader compared and returned."""
 
 
+def text(value: object, limit: int = _TEXT_LIMIT) -> str:
+    """``value`` as text: a string as is, anything else as JSON (numbers, objects), cut to ``limit`` characters."""
+    if not isinstance(value, str):
+        value = json.dumps(value, default=str, allow_nan=True, ensure_ascii=False)
+    return value if len(value) <= limit else value[:limit] + f"... [cut: {len(value)} characters]"
+
+
+def optional_text(value: object) -> str | None:
+    """None as None, anything else as :func:`text`."""
+    return None if value is None else text(value)
+
+
+def number(value: object) -> float | int | str | None:
+    """A checked number: a finite int or float as is, a non-finite float as ``"NaN"`` / ``"Infinity"`` /
+    ``"-Infinity"``; anything else (a string, a bool, an object) is not a number: None."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    return value
+
+
+def _mapping(value: object) -> JsonObject:
+    return value if isinstance(value, dict) else {}
+
+
+def _sequence(value: object) -> list[object]:
+    return value if isinstance(value, list) else []
+
+
 def _items(response: object) -> list[JsonObject]:
     """Gym's response output items, reduced to what a reader needs: messages, tool calls, tool results."""
-    if not isinstance(response, dict):
-        return []
     items: list[JsonObject] = []
-    for item in response.get("output") or []:
+    for item in _sequence(_mapping(response).get("output")):
         if not isinstance(item, dict):
             continue
         kind = item.get("type")
         if kind == "message":
-            text = "".join(part.get("text", "") for part in item.get("content") or [] if isinstance(part, dict))
-            items.append({"type": "message", "text": text})
+            items.append({"type": "message", "text": _parts_text(item.get("content"))})
         elif kind == "function_call":
-            items.append({"type": "call", "name": item.get("name"), "arguments": item.get("arguments")})
+            items.append({"type": "call", "name": text(item.get("name")), "arguments": text(item.get("arguments"))})
         elif kind == "function_call_output":
-            items.append({"type": "result", "output": item.get("output")})
+            items.append({"type": "result", "output": text(item.get("output"))})
         elif kind == "reasoning":
-            summary = item.get("summary") or item.get("content") or []
-            text = "".join(part.get("text", "") for part in summary if isinstance(part, dict))
-            items.append({"type": "reasoning", "text": text})
+            items.append({"type": "reasoning", "text": _parts_text(item.get("summary") or item.get("content"))})
     return items
 
 
+def _parts_text(parts: object) -> str:
+    """The text of a list of content parts (``{"text": ...}``); a bare string as is."""
+    if isinstance(parts, str):
+        return text(parts)
+    return text("".join(text(p.get("text", "")) for p in _sequence(parts) if isinstance(p, dict)))
+
+
+def _drift(c: JsonObject, gym: JsonObject) -> JsonObject | None:
+    """Where a completion's tokens drifted (model call and position), or None."""
+    found = gym.get("token_drift") if c.get("token_drift") or gym.get("token_drift") else None
+    if not found:
+        return None
+    where = _mapping(found)
+    turn = number(where.get("turn"))
+    return {"turn": turn if isinstance(turn, int) else None, "position": text(where.get("position"))}
+
+
+def _step(step: object) -> JsonObject:
+    """One trace step: an assistant turn's tokens and logprobs, or the text a prompt added."""
+    fields = _mapping(step)
+    role = text(fields.get("role"))
+    if role != "assistant":
+        return {"role": role, "text": text(fields.get("text", ""))}
+    tokens = [text(t) for t in _sequence(fields.get("tokens"))]
+    logprobs = fields.get("logprobs")
+    checked = [number(lp) for lp in _sequence(logprobs)] if isinstance(logprobs, list) else None
+    return {"role": role, "tokens": tokens, "logprobs": checked}
+
+
 def _completion(c: JsonObject) -> JsonObject:
-    gym = c.get("gym_result") if isinstance(c.get("gym_result"), dict) else {}
-    assert isinstance(gym, dict)
+    """What the page shows of one completion: every value text, a checked number, a bool or None."""
+    gym = _mapping(c.get("gym_result"))
+    trace = c.get("trace")
     return {
-        "reward": c.get("reward"),
-        "termination": c.get("termination"),
-        "truncated": bool(c.get("truncated")),
-        "masked": bool(c.get("masked")),
-        "failure_kind": c.get("failure_kind"),
-        "drift": gym.get("token_drift") if c.get("token_drift") or gym.get("token_drift") else None,
-        "generated_tokens": c.get("generated_tokens"),
-        "turns": c.get("turns"),
-        "trace": c.get("trace"),
-        "text": c.get("text", ""),
+        "reward": number(c.get("reward")),
+        "termination": optional_text(c.get("termination")),
+        "truncated": c.get("truncated") is True,
+        "masked": c.get("masked") is True,
+        "failure_kind": optional_text(c.get("failure_kind")),
+        "drift": _drift(c, gym),
+        "generated_tokens": number(c.get("generated_tokens")),
+        "turns": number(c.get("turns")),
+        "trace": [_step(step) for step in trace] if isinstance(trace, list) else None,
+        "text": text(c.get("text", "")),
         "items": _items(gym.get("response")),
-        "grader": {k: v for k, v in gym.items() if k not in _HIDDEN_GYM_KEYS},
+        "grader": {text(k): text(v) for k, v in gym.items() if k not in _HIDDEN_GYM_KEYS},
     }
 
 
 def _prompt_text(record: JsonObject) -> str:
-    try:
-        items = record["completions"][0]["gym_result"]["responses_create_params"]["input"]
-    except (KeyError, IndexError, TypeError):
-        return ""
+    """The last user message of the row's prompt (from the first completion's Gym result), as text."""
+    completions = _sequence(record.get("completions"))
+    first = _mapping(completions[0]) if completions else {}
+    items = _mapping(_mapping(first.get("gym_result")).get("responses_create_params")).get("input")
     if isinstance(items, str):
-        return items
-    users = [i.get("content") for i in items if isinstance(i, dict) and i.get("role") == "user"]
-    last = users[-1] if users else ""
-    return last if isinstance(last, str) else json.dumps(last)
+        return text(items)
+    users = [i.get("content") for i in _sequence(items) if isinstance(i, dict) and i.get("role") == "user"]
+    return text(users[-1]) if users else ""
+
+
+def _id(value: object) -> int | float | str | None:
+    """An identifier shown on the page (prompt index, dataset line): a checked number, else text."""
+    checked = number(value)
+    return checked if checked is not None or value is None else text(value)
+
+
+def _group(record: JsonObject) -> JsonObject:
+    return {
+        "idx": _id(record.get("prompt_idx")),
+        "line": _id(record.get("line")),
+        "row_id": optional_text(record.get("row_id")),
+        "agent": text(record.get("agent") or ""),
+        "prompt": _prompt_text(record),
+        "completions": [_completion(_mapping(c)) for c in _sequence(record.get("completions"))],
+    }
+
+
+def _failure(f: JsonObject) -> JsonObject:
+    failure: JsonObject = {k: optional_text(f.get(k)) for k in ("agent", "error", "class", "message")}
+    return {**failure, "prompt_idx": _id(f.get("prompt_idx")), "line": _id(f.get("line"))}
+
+
+def _threshold(run: JsonObject) -> float | int | str:
+    """The run's pass threshold as a checked number (1.0 when it is missing or not a number)."""
+    checked = number(_mapping(run.get("config")).get("pass_threshold", 1.0))
+    return 1.0 if checked is None else checked
+
+
+def _read_run_json(path: Path) -> JsonObject:
+    """``run.json`` as an object (empty when missing or not an object), read under the run-folder size cap."""
+    raw = read_file(path, ReadLimits().max_run_json_bytes)
+    try:
+        run = json.loads(raw) if raw is not None else {}
+    except ValueError:
+        return {}
+    return run if isinstance(run, dict) else {}
 
 
 def viewer_data(run_dir: str | Path) -> JsonObject:
-    """What the page shows, from the run folder's files alone."""
+    """What the page shows, from the run folder's files alone, every value text or a checked number."""
     run_dir = Path(run_dir)
-    run = json.loads((run_dir / RUN_FILE).read_text())
-    threshold = float(run.get("config", {}).get("pass_threshold", 1.0))
-    groups = []
-    for record in read_jsonl(run_dir / RESULTS_FILE):
-        completions = [_completion(c) for c in record.get("completions", [])]
-        groups.append(
-            {
-                "idx": record.get("prompt_idx"),
-                "line": record.get("line"),
-                "row_id": record.get("row_id"),
-                "agent": record.get("agent"),
-                "prompt": _prompt_text(record),
-                "completions": completions,
-            }
-        )
+    run = _read_run_json(run_dir / RUN_FILE)
+    groups = [_group(record) for record in read_jsonl(run_dir / RESULTS_FILE)]
     done = {g["idx"] for g in groups}
-    failures = [
-        {k: f.get(k) for k in ("prompt_idx", "line", "agent", "error", "class", "message")}
-        for f in read_jsonl(run_dir / FAILURES_FILE)
-        if f.get("prompt_idx") not in done
-    ]
+    failures = [_failure(f) for f in read_jsonl(run_dir / FAILURES_FILE)]
     return {
         "run": {
-            "dir": str(run_dir),
-            "model": run.get("model"),
-            "pass_threshold": threshold,
-            "prompts_total": run.get("prompts_total"),
-            "rescored_from": (run.get("rescore") or {}).get("source"),
+            "dir": text(str(run_dir)),
+            "model": optional_text(run.get("model")),
+            "pass_threshold": _threshold(run),
+            "prompts_total": _id(run.get("prompts_total")),
+            "rescored_from": optional_text(_mapping(run.get("rescore")).get("source")),
         },
         "groups": groups,
-        "failures": failures,
+        "failures": [f for f in failures if f["prompt_idx"] not in done],
     }
 
 
 def render_viewer(data: JsonObject) -> str:
-    """The page: the template with ``data`` embedded as JSON; every ``<`` is escaped (``\\u003c``, inside JSON
-    strings only), so no string can end the script element."""
-    payload = json.dumps(data, separators=(",", ":"), default=str).replace("<", "\\u003c")
-    return TEMPLATE.read_text().replace(_DATA_MARK, payload, 1)
+    """The page: the template with ``data`` embedded as JSON and the CSP naming the page's script by hash.
+
+    Every ``<`` is escaped (``\\u003c``, inside JSON strings only), so no string can end the data block; a
+    non-finite float that reached ``data`` unchecked becomes the string ``"NaN"`` / ``"Infinity"``, never a
+    bare ``NaN`` that ``JSON.parse`` refuses (a blank page)."""
+    payload = json.dumps(_finite_json(data), separators=(",", ":"), default=str, allow_nan=False)
+    page = TEMPLATE.read_text()
+    return page.replace(_HASH_MARK, script_hash(page), 1).replace(_DATA_MARK, payload.replace("<", "\\u003c"), 1)
+
+
+def _finite_json(value: object) -> object:
+    """``value`` with every non-finite float replaced by its :func:`number` string (lists and dicts walked)."""
+    if isinstance(value, float):
+        return number(value)
+    if isinstance(value, dict):
+        return {k: _finite_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_json(v) for v in value]
+    return value
+
+
+def script_hash(page: str) -> str:
+    """The CSP source (``'sha256-...'``) of the page's one executable inline script."""
+    scripts = _SCRIPT.findall(page)
+    if len(scripts) != 1:
+        raise ValueError(f"the viewer template must hold exactly one executable script, found {len(scripts)}")
+    digest = hashlib.sha256(scripts[0].encode("utf-8")).digest()
+    return f"'sha256-{base64.b64encode(digest).decode('ascii')}'"
 
 
 def build_viewer(run_dir: str | Path) -> Path:

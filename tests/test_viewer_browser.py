@@ -118,3 +118,108 @@ def test_viewer_loads_filters_sorts_and_expands(browser: Chromium, page: Path, t
     shot = tmp_path / "viewer.png"
     browser.screenshot(shot)
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000
+
+
+# ---- hostile run folders (issue 42) ------------------------------------------------------------
+
+
+def alert_open(browser: Chromium) -> str | None:
+    """The text of an open alert, or None when no script of a payload opened one."""
+    try:
+        return str(browser._call("GET", browser._s("/alert/text")))
+    except RuntimeError as exc:
+        if "no such alert" in str(exc):
+            return None
+        raise
+
+
+def hostile_page(folder: Path, *, non_finite: bool = False) -> Path:
+    """``report.html`` of a run with payloads in every field (type-confused ones too) and failed groups."""
+    from test_hostile_viewer import XSS, confuse
+
+    from gym_bridge.eval.viewer import render_viewer, viewer_data
+
+    run = synthetic_run(folder, 12, 3, skill=0.5)
+    confuse(run)
+    failures = [{"prompt_idx": 100 + i, "line": payload, "agent": payload, "error": payload, "class": [payload],
+                 "message": payload} for i, payload in enumerate(XSS)]  # fmt: skip
+    (run / "failures.jsonl").write_text("".join(json.dumps(f) + "\n" for f in failures))
+    data = viewer_data(run)
+    if non_finite:
+        first = data["groups"][0]["completions"]
+        first[0]["reward"], first[1]["reward"], first[2]["generated_tokens"] = float("nan"), float("inf"), float("-inf")
+        step = next(s for s in first[0]["trace"] if s["role"] == "assistant")
+        step["logprobs"][2] = float("nan")
+    page = run / "report.html"
+    page.write_text(render_viewer(data))
+    return page
+
+
+MARKUP = "#spacer img, #spacer svg, #spacer script, #detail img, #detail svg, #detail script, [onerror], [onload], [onmouseover]"
+
+
+def open_everything(browser: Chromium) -> int:
+    """Click every row and open every completion of it; return how many completions were opened."""
+    opened = 0
+    rows = browser.run("return document.querySelectorAll('#spacer .row').length")
+    for k in range(rows):
+        browser.run(f"document.querySelectorAll('#spacer .row')[{k}].click()")
+        heads = browser.run("return document.querySelectorAll('#detail .completion > .head').length")
+        for j in range(heads):
+            browser.run(f"document.querySelectorAll('#detail .completion > .head')[{j}].click()")
+            browser.run(
+                "for (const s of document.querySelectorAll('#detail [title]')) "
+                "s.dispatchEvent(new MouseEvent('mouseover', {bubbles: true}));"
+            )
+            opened += 1
+        assert alert_open(browser) is None, f"a payload ran in row {k}"
+    return opened
+
+
+def test_payloads_in_every_field_render_as_text(browser: Chromium, tmp_path: Path) -> None:
+    from test_hostile_viewer import XSS
+
+    page = hostile_page(tmp_path / "run")
+    browser.open(page.as_uri())
+    state = browser.run("return window.gymBridgeViewer")
+    assert state["groups"] == 12 + len(XSS), "every group and failed group is a row: the page is not blank"
+    assert open_everything(browser) == 12 * 3
+    assert alert_open(browser) is None
+    assert browser.run(f"return document.querySelectorAll({json.dumps(MARKUP)}).length") == 0
+    browser.run("document.querySelectorAll('#spacer .row')[0].click();"
+                "document.querySelector('#detail .completion > .head').click();")  # fmt: skip
+    titles = browser.run("return [...document.querySelectorAll('#detail .gen span')].map(s => s.title)")
+    assert titles[:2] == ["logprob n/a", "logprob n/a"], "a string logprob is not a number, and never markup"
+    detail = browser.run("return document.getElementById('detail').textContent")
+    assert XSS[0] in detail, "the payload is shown, as text"
+    console = browser.console()
+    assert not [e for e in console if "Content Security Policy" in e.get("message", "")], console
+
+
+def test_non_finite_numbers_are_shown_as_such(browser: Chromium, tmp_path: Path) -> None:
+    page = hostile_page(tmp_path / "run", non_finite=True)
+    browser.open(page.as_uri())
+    assert browser.run("return window.gymBridgeViewer.completions") == 12 * 3
+    browser.run("document.querySelectorAll('#spacer .row')[0].click()")
+    heads = browser.run("return [...document.querySelectorAll('#detail .completion > .head')].map(h => h.textContent)")
+    assert "reward NaN" in heads[0] and "reward Infinity" in heads[1] and "-Infinity generated tokens" in heads[2]
+    assert "NaN" in browser.run("return document.querySelector('#spacer .row').children[4].textContent")
+    browser.run("document.querySelector('#detail .completion > .head').click()")
+    titles = browser.run("return [...document.querySelectorAll('#detail .gen span')].map(s => s.title)")
+    assert titles[2] == "logprob NaN"
+    assert not [e for e in browser.console() if e.get("level") in ("SEVERE", "ERROR")]
+
+
+def test_the_csp_blocks_injected_markup_and_runs_the_page(browser: Chromium, tmp_path: Path) -> None:
+    page = hostile_page(tmp_path / "run")
+    html = page.read_text()
+    assert "'unsafe-inline'" not in html.split("script-src", 1)[1].split(";", 1)[0]
+    browser.open(page.as_uri())
+    assert browser.run("return typeof window.gymBridgeViewer") == "object", "the page's own script runs (by hash)"
+    browser.run("document.body.insertAdjacentHTML('beforeend', "
+                "'<img src=\"data:,\" onerror=\"window.injected = 1\" onload=\"window.injected = 1\">"
+                "<a id=\"js\" href=\"javascript:window.injected = 2\">x</a>');"
+                "const s = document.createElement('script'); s.textContent = 'window.injected = 3';"
+                "document.body.appendChild(s); document.getElementById('js').click();")  # fmt: skip
+    assert browser.run("return window.injected === undefined"), "no injected handler, URL or script runs"
+    assert alert_open(browser) is None

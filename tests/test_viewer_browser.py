@@ -155,7 +155,8 @@ def hostile_page(folder: Path, *, non_finite: bool = False) -> Path:
     return page
 
 
-MARKUP = "#spacer img, #spacer svg, #spacer script, #detail img, #detail svg, #detail script, [onerror], [onload], [onmouseover]"
+MARKUP = ", ".join(f"{box} {tag}" for box in ("#spacer", "#detail") for tag in ("img", "svg", "script", "iframe"))
+MARKUP += ", [onerror], [onload], [onmouseover]"
 
 
 def open_everything(browser: Chromium) -> int:

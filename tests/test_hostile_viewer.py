@@ -2,7 +2,9 @@
 ``report.html``'s data is text or a checked number whatever type the folder gave it, non-finite numbers travel
 as their names, the page's CSP runs only its own script (by hash), and agent names, model names and error
 messages cannot break a table or become markup in ``report.md`` / ``compare.md``.
-The same payloads run in headless Chromium in ``test_viewer_browser.py``."""
+The same payloads run in headless Chromium in ``test_viewer_browser.py``. The last section holds compare's own
+hostile inputs: 200,000 prompts (linear McNemar, a bootstrap in bounded memory), three prompts (no claim, no
+gate decision, the minimum checked by exact enumeration) and a non-finite ``--fail-if-worse``."""
 
 from __future__ import annotations
 
@@ -217,3 +219,95 @@ def test_compare_md_escapes_agents_models_and_prompts(tmp_path: Path, agent: str
     assert len(rows) == 4 and len({cells(row) for row in rows}) == 1, rows
     flips = table_rows(md, "| flip |")
     assert len(flips) == 2 + 15 and len({cells(row) for row in flips}) == 1
+
+
+# ---- compare at scale and at small counts ------------------------------------------------------
+
+
+def test_mcnemar_takes_linear_time_and_matches_the_binomial_test() -> None:
+    import time
+
+    from scipy.stats import binomtest
+
+    from gym_bridge.stats import mcnemar_exact
+
+    before = [i % 2 == 0 for i in range(200_000)]
+    after = [i % 4 < 2 for i in range(200_000)]
+    started = time.process_time()
+    result = mcnemar_exact(before, after)
+    assert time.process_time() - started < 10.0, "a liveness bound: the big-integer sum took minutes here"
+    assert (result.wrong_to_right, result.right_to_wrong) == (50_000, 50_000) and result.p_value == 1.0
+    for fixed, broken in ((9_000, 11_000), (3, 0), (40, 12)):
+        got = mcnemar_exact([False] * fixed + [True] * broken, [True] * fixed + [False] * broken).p_value
+        assert got == pytest.approx(binomtest(broken, fixed + broken, 0.5).pvalue, rel=1e-9)
+
+
+@pytest.mark.parametrize("distinct", ["few", "many"])
+def test_the_bootstrap_runs_in_bounded_memory(distinct: str) -> None:
+    import tracemalloc
+
+    import numpy as np
+
+    from gym_bridge.stats import paired_bootstrap
+
+    rng = np.random.default_rng(0)
+    prompts = 200_000
+    data = rng.integers(-1, 2, (3, prompts)).astype(float) if distinct == "few" else rng.normal(size=(1, prompts))
+    tracemalloc.start()
+    intervals = paired_bootstrap(data, resamples=300 if distinct == "many" else 10_000, seed=1)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 256 << 20, f"peak {peak >> 20} MiB: picks are drawn in bounded chunks"
+    assert all(iv.low <= iv.estimate <= iv.high for iv in intervals)
+
+
+def false_claim_rate(n: int, discordant: float, resamples: int = 2_000) -> float:
+    """P(the percentile interval excludes 0) under "no difference", by exact enumeration of every outcome of ``n``
+    paired prompts whose difference is +1 or -1 with probability ``discordant / 2`` each, else 0."""
+    import numpy as np
+
+    from gym_bridge.stats import paired_bootstrap
+
+    total = 0.0
+    for up in range(n + 1):
+        for down in range(n + 1 - up):
+            same = n - up - down
+            if discordant == 1.0 and same:
+                continue
+            log_p = math.lgamma(n + 1) - math.lgamma(up + 1) - math.lgamma(down + 1) - math.lgamma(same + 1)
+            log_p += (up + down) * math.log(discordant / 2) + (same * math.log(1 - discordant) if same else 0.0)
+            d = np.array([1.0] * up + [-1.0] * down + [0.0] * same)
+            interval = paired_bootstrap(d, resamples=resamples, seed=0)[0]
+            total += math.exp(log_p) * (interval.low > 0 or interval.high < 0)
+    return total
+
+
+def test_the_minimum_of_paired_prompts_holds_by_exact_enumeration() -> None:
+    from gym_bridge.stats import MIN_PAIRED_PROMPTS
+
+    assert false_claim_rate(3, 1.0) == pytest.approx(0.25), "3 prompts: a 95 % interval claims a change 1 in 4"
+    worst = max(false_claim_rate(MIN_PAIRED_PROMPTS, q) for q in (0.2, 0.5, 0.7, 0.9, 1.0))
+    assert worst < 0.08, f"at {MIN_PAIRED_PROMPTS} paired prompts the 95 % interval claims falsely {worst:.3f}"
+
+
+def test_below_the_minimum_nothing_is_claimed_or_gated(tmp_path: Path) -> None:
+    a = write_run(tmp_path / "a", {i: 1.0 for i in range(3)}, "agent", "model a")
+    b = write_run(tmp_path / "b", {i: 0.0 for i in range(3)}, "agent", "model b")
+    outcome = compare_runs([a, b], tmp_path / "out", fail_if_worse=0.0)
+    overall = outcome.report["comparisons"][0]["agents"]["all"]
+    assert overall["metrics"]["mean_reward"]["high"] < 0 and overall["claims"] is False
+    assert outcome.worse == [] and len(outcome.undecided) == 1 and "3 paired prompts" in outcome.undecided[0]
+    md = (tmp_path / "out" / "compare.md").read_text()
+    assert "▼" not in md.split("## ", 2)[2] and "no decision: 3 paired prompts" in md
+
+
+@pytest.mark.parametrize("delta", ["nan", "inf", "-inf"])
+def test_a_non_finite_gate_is_refused_in_one_line(tmp_path: Path, delta: str, capsys) -> None:
+    from gym_bridge.cli import main
+
+    a = write_run(tmp_path / "a", {i: 1.0 for i in range(12)}, "agent", "model a")
+    b = write_run(tmp_path / "b", {i: 0.0 for i in range(12)}, "agent", "model b")
+    assert main(["compare", str(a), str(b), "--out", str(tmp_path / "out"), f"--fail-if-worse={delta}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("gym-bridge compare: ") and "\n" not in err and "finite" in err
+    assert not (tmp_path / "out").exists()

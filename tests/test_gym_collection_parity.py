@@ -11,16 +11,22 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import subprocess
 import sys
+import sysconfig
+from pathlib import Path
 
 import pytest
 import ray
 import torch
 
-from gym_bridge.gym.rows import build_rows
+from gym_bridge.failures import InvalidGymRow
+from gym_bridge.gym.rows import build_rows, validate_row
+from gym_bridge.gym.versions import installed_gym
+from gym_bridge.testing.cli import run_cli
+from gym_bridge.testing.gym_rows import EQUIVALENCE_AGENT, TOOL_AGENT, tool_call_rows
 from gym_bridge.types import GenerationSamplingParams
-from gym_bridge.testing.gym_rows import tool_call_rows
 
 pytestmark = [pytest.mark.gym, pytest.mark.timeout(300)]
 
@@ -65,17 +71,7 @@ def test_rewards_tokens_and_logprobs_equal_gyms_own_collection(gym_actor, gym_to
     for i, row in enumerate(rows):
         row["_rowidx"] = i
 
-    head = ray.get(gym_actor.server_info.remote())["head"]
-    done = subprocess.run(
-        [sys.executable, "-c", _GYM_COLLECT, head],
-        input=json.dumps(rows),
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env={**os.environ, "PYTHONPATH": ""},
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    gym_results = json.loads(done.stdout)
+    gym_results = _gyms_own_collection(gym_actor, rows)
 
     from gym_bridge.gym.client import GymClient
 
@@ -93,3 +89,102 @@ def test_rewards_tokens_and_logprobs_equal_gyms_own_collection(gym_actor, gym_to
         final = turns[-1]
         assert history == final["prompt_token_ids"] + final["generation_token_ids"]  # the whole episode, exactly
     assert any(len(_gym_turns(gym)) > 1 for gym in gym_results), "a tool call makes a second model turn"
+
+
+def _collate(out_dir: Path) -> Path:
+    """Gym 0.7's own ``gym dataset collate`` on the wheel's example configs, in a scratch copy of their folders."""
+    site = Path(sysconfig.get_paths()["purelib"])
+    for folder in ("example_single_tool_call", "equivalence_rule"):
+        shutil.copytree(site / "resources_servers" / folder, out_dir / "resources_servers" / folder)
+    configs = ",".join(f"resources_servers/{c}" for c in _COLLATED_CONFIGS)
+    done = subprocess.run(
+        [str(Path(sys.executable).with_name("gym")), "dataset", "collate", f"+config_paths=[{configs}]",
+         "+output_dirpath=out", "+mode=example_validation"],
+        cwd=out_dir, capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    return out_dir / "out" / "example.jsonl"
+
+
+_COLLATED_CONFIGS = ("example_single_tool_call/configs/example_single_tool_call.yaml", "equivalence_rule/configs/lc.yaml")
+_TASK_SOURCE = installed_gym().task_source_routing
+
+
+@pytest.fixture(scope="module")
+def collated(tmp_path_factory) -> Path:
+    if not _TASK_SOURCE:
+        pytest.skip(f"{installed_gym().label} has no `gym dataset collate` (test_task_source_rows_are_refused_...)")
+    return _collate(tmp_path_factory.mktemp("collate"))
+
+
+def test_rows_gym_07_collates_run_as_gyms_own_collection_runs_them(gym_actor, collated):
+    """``gym dataset collate`` writes rows with ``task_source`` and no ``agent_ref``; both sides resolve them (Gym
+    with its own resolver in ``run_examples``, we with the routes Gym's resolver computed at start) and roll
+    them out alike. The equivalence rows' prompts exceed the scripted policy's context on both sides, so the
+    tool-call rows are compared."""
+    collated_rows = [json.loads(line) for line in collated.read_text().split("\n") if line.strip()]
+    assert len(collated_rows) == 10 and all("task_source" in r and "agent_ref" not in r for r in collated_rows)
+    sources = [r for r in collated_rows if r["task_source"] == TOOL_AGENT]
+    assert len(sources) == 5
+    rows = []
+    for i, row in enumerate(sources):
+        built = build_rows(row, 1, GenerationSamplingParams(temperature=1.0, top_p=1.0), 64, task_index=i)[0]
+        built["_rowidx"] = i
+        rows.append(built)
+    assert all("agent_ref" not in row for row in rows)
+    gym_results = _gyms_own_collection(gym_actor, rows)
+
+    from gym_bridge.gym.client import GymClient
+
+    ours = asyncio.run(GymClient([gym_actor]).run_group(rows, prompt_idx=0, deadline_s=120)).rows
+    assert [row.reward for row in ours] == [gym["reward"] for gym in gym_results]
+    for row, gym in zip(ours, gym_results, strict=True):
+        assistant = [m for m in row.message_log if m["role"] == "assistant"]
+        assert [m["token_ids"].tolist() for m in assistant] == [t["generation_token_ids"] for t in _gym_turns(gym)]
+        for message, turn in zip(assistant, _gym_turns(gym), strict=True):
+            assert torch.equal(message["generation_logprobs"], torch.tensor(turn["generation_log_probs"]))
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_a_collated_dataset_runs_through_gym_bridge_eval(collated, tmp_path):
+    """The collated file, unchanged, through ``gym-bridge eval``: every row is sent to the agent Gym resolves for
+    it. The tool-call rows finish; the equivalence rows (Gym's long-context examples, 3,900-7,100 tokens) come
+    back from the scripted policy with no generation, a named data failure recorded under their agent."""
+    out = tmp_path / "run"
+    done = run_cli("eval", "examples/eval_equivalence_tools.yaml", f"dataset={collated}", f"output_dir={out}",
+                   "max_seq_len=8192", "num_generations_per_prompt=2", timeout=420)  # fmt: skip
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    results = [json.loads(line) for line in (out / "results.jsonl").read_text().split("\n") if line.strip()]
+    failures_path = out / "failures.jsonl"
+    failures = [json.loads(line) for line in failures_path.read_text().split("\n") if line.strip()]
+    assert sorted(r["prompt_idx"] for r in results + failures) == list(range(10)), done.stderr[-3000:]
+    assert sorted(r["prompt_idx"] for r in results if r["agent"] == TOOL_AGENT) == list(range(5))
+    assert all(len(r["completions"]) == 2 and r["completions"][0]["reward"] == 1.0 for r in results)
+    assert {f["agent"] for f in failures} <= {EQUIVALENCE_AGENT}
+    assert {f["error"] for f in failures} <= {"MissingGenerationData"}
+
+
+def test_task_source_rows_are_refused_in_one_line_where_gym_cannot_resolve_them():
+    """On 0.4 and 0.5 a ``task_source`` row without ``agent_ref`` is refused where it enters, naming the field and
+    the installed version; on 0.6+ it is a valid row."""
+    row = {"responses_create_params": {"input": "hi"}, "task_source": TOOL_AGENT}
+    if _TASK_SOURCE:
+        assert validate_row(row, prompt_idx=3).agent_name is None
+        return
+    with pytest.raises(InvalidGymRow, match=rf"^prompt_idx=3: task_source .* needs nemo-gym >= 0.6 .*{installed_gym().version}"):
+        validate_row(row, prompt_idx=3)
+
+
+def _gyms_own_collection(gym_actor, rows: list[dict]) -> list[dict]:
+    head = ray.get(gym_actor.server_info.remote())["head"]
+    done = subprocess.run(
+        [sys.executable, "-c", _GYM_COLLECT, head],
+        input=json.dumps(rows),
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "PYTHONPATH": ""},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)

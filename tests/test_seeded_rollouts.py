@@ -17,8 +17,10 @@ import ray
 
 from gym_bridge.generation.hf import HFGeneration, HFGenerationConfig
 from gym_bridge.gym.reaper import free_port
-from gym_bridge.gym.rows import rollout_seed, row_seed
+from gym_bridge.data import datum_from_gym_row
+from gym_bridge.gym.rows import mark_repeats, rollout_seed, row_seed
 from gym_bridge.gym.servers import wheel_config_path
+from gym_bridge.gym.versions import installed_gym
 from gym_bridge.gym.spinup import start_nemo_gym_actor
 from gym_bridge.rollout.manager import RolloutManager
 from gym_bridge.serving import OpenAIServer
@@ -110,3 +112,37 @@ async def test_a_redispatched_row_keeps_its_seed_and_regenerates_the_same_sample
     first, second = [await unseeded.run_rollout(datum) for _ in range(2)]
     assert all(c.seed is None for c in first.completions)
     assert generated(first) != generated(second), "unseeded rows draw from the shared generator, which moves on"
+
+
+async def test_identical_rows_are_one_task_rolled_out_twice_and_a_resend_counts_its_attempt(
+    seeded_gym, gate, tiny_tokenizer
+):
+    """A dataset holding one row twice (:func:`mark_repeats`, as every row file is read): one ``_ng_task_index``,
+    rollout indices 0..N-1 and N..2N-1, distinct seeds and distinct samples from the seeded server. Re-sent after
+    the endpoint failed, a row keeps its rollout index and seed and carries ``_ng_attempt_index`` >= 1 (Gym's
+    agents echo the row's ``_ng_*`` keys into their result)."""
+    seeded = manager(seeded_gym, tiny_tokenizer, RUN_SEED)
+    row = prompt(4)["extra_env_info"]
+    first, second = mark_repeats([dict(row), dict(row)], [7, 8])
+    a = await seeded.run_rollout(datum_from_gym_row(first, idx=7))
+    b = await seeded.run_rollout(datum_from_gym_row(second, idx=8))
+    echoed = [[c.env_extras or {} for c in record.completions] for record in (a, b)]
+    assert [[e.get("_ng_task_index") for e in group] for group in echoed] == [[7] * N, [7] * N]
+    assert [[e.get("_ng_rollout_index") for e in group] for group in echoed] == [list(range(N)), list(range(N, 2 * N))]
+    assert not {c.seed for c in a.completions} & {c.seed for c in b.completions}
+    assert generated(a) != generated(b), "the two repeats of one task draw different samples"
+
+    gate.set("status", status=500, times=3 * N)
+    try:
+        again = await seeded.run_rollout(datum_from_gym_row(second, idx=8))
+    finally:
+        gate.set("pass")
+    resent = [c.env_extras or {} for c in again.completions]
+    assert [e.get("_ng_rollout_index") for e in resent] == list(range(N, 2 * N))
+    assert [c.seed for c in again.completions] == [c.seed for c in b.completions]
+    assert generated(again) == generated(b)
+    attempts = max(e.get("_ng_attempt_index", 0) for e in resent)
+    if "_ng_attempt_index" in installed_gym().rollout_identity_keys:
+        assert attempts >= 1, "a re-sent row counts its attempt"
+    else:
+        assert attempts == 0, f"{installed_gym().label} does not read _ng_attempt_index: none is stamped"

@@ -357,3 +357,8 @@ def test_eval_resume_reads_the_folder_through_the_same_reader(tmp_path: Path) ->
         with pytest.raises(RunReadError, match=re.escape(f"{folder}/{expected}")):
             store.open(fingerprint, resume=True)
         assert store._lock is None, "a refused resume lets go of the folder's lock"
+
+    folder = write_run(tmp_path / "text-reward", run={"fingerprint": fingerprint})
+    write_lines(folder / "results.jsonl", [result_line(0, ["0.5"])])  # type: ignore[list-item]
+    with pytest.raises(RunReadError, match=re.escape("results.jsonl:1: field 'completions[0].reward'")):
+        RunStore(folder).open(fingerprint, resume=True)

@@ -13,7 +13,7 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Annotated, Any, Final
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, InstanceOf, NonNegativeInt, PositiveInt
 
 from gym_bridge.failures import classify_rollout_failure
 from gym_bridge.json_types import JsonMapping, JsonObject
@@ -206,13 +206,25 @@ class CompletionLine(_OnDisk):
     turns: NonNegativeInt | None = None
     generated_tokens: NonNegativeInt | None = None
     total_tokens: NonNegativeInt | None = None
-    gym_result: dict[str, Any] | None = None
+    gym_result: InstanceOf[dict] | None = None  # type: ignore[type-arg]
+    """Gym's result as stored; checked to be an object, not copied."""
 
 
 class PromptLine(_OnDisk):
-    """What ``eval --resume`` reads of a ``results.jsonl`` line: which prompt it finished."""
+    """A ``results.jsonl`` line's prompt: what every reader of the file checks (one line per prompt)."""
 
     prompt_idx: NonNegativeInt
+
+
+class _Reward(_OnDisk):
+    reward: FiniteFloat
+
+
+class ResumeLine(PromptLine):
+    """What ``eval --resume`` reads of a ``results.jsonl`` line: the prompt it finished and its rewards (the
+    progress bar's running mean)."""
+
+    completions: list[_Reward] = Field(default_factory=list)
 
 
 class ResultLine(PromptLine):

@@ -26,6 +26,7 @@ import stat
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -310,22 +311,16 @@ class RunGroup:
     """The row's identity in this run: its ``row_id``, with ``#k`` for the k-th repeat of an identical row."""
     line: int
     """The line in ``results.jsonl`` (1-based)."""
-    result: ResultLine
-    """The line, typed."""
+    prompt_idx: int
+    agent: str
+    rewards: list[float]
     record: JsonObject
-    """The line as read (every key, for previews and rewrites)."""
+    """The line as read (every key, for previews and rewrites); it passed :class:`ResultLine`'s checks."""
 
-    @property
-    def prompt_idx(self) -> int:
-        return self.result.prompt_idx
-
-    @property
-    def agent(self) -> str:
-        return self.result.agent
-
-    @property
-    def rewards(self) -> list[float]:
-        return [c.reward for c in self.result.completions]
+    @cached_property
+    def result(self) -> ResultLine:
+        """The line, typed (built again on first use: a run of 200,000 prompts keeps no model per line)."""
+        return ResultLine.model_validate(self.record)
 
 
 @dataclass
@@ -391,7 +386,9 @@ def load_run(
         key = result.row_id if result.row_id is not None else f"idx:{result.prompt_idx}"
         repeat = seen[key]
         seen[key] += 1
-        groups.append(RunGroup(key=f"{key}#{repeat}" if repeat else key, line=number, result=result, record=record))
+        rewards = [c.reward for c in result.completions]
+        group = RunGroup(f"{key}#{repeat}" if repeat else key, number, result.prompt_idx, result.agent, rewards, record)
+        groups.append(group)
     if finished and not groups:
         raise RunReadError(f"{shown(folder / RESULTS_FILE)}: empty; the run has no finished prompt group")
     found = read_failure_lines(folder, limits) if failures else []

@@ -25,7 +25,7 @@ from typing import IO, TextIO
 
 import orjson
 
-from gym_bridge.eval.records import PromptLine
+from gym_bridge.eval.records import ResumeLine
 from gym_bridge.eval.runs import (
     FAILURES_FILE,
     LOCK_FILE,
@@ -164,9 +164,10 @@ class RunStore:
 
     def _resumed_prompts(self) -> set[int]:
         """The prompt indices ``results.jsonl`` already holds, its torn last line cut off; a line that is not a JSON
-        object with an integer ``prompt_idx``, or repeats one, raises :class:`RunReadError` naming it."""
+        object with an integer ``prompt_idx`` and finite rewards, or repeats a ``prompt_idx``, raises
+        :class:`RunReadError` naming it."""
         read_jsonl(self.results_path, repair=True)
-        lines = read_result_lines(self.dir, ReadLimits.from_env(), PromptLine, need_row_ids=False, finished=False)
+        lines = read_result_lines(self.dir, ReadLimits.from_env(), ResumeLine, need_row_ids=False, finished=False)
         return {result.prompt_idx for _, _, result in lines}
 
     def _hold_lock(self) -> None:

@@ -232,19 +232,20 @@ def agent_resources_servers(blocks: JsonMapping) -> dict[str, str]:
 def _dataset_rows(source: LoadedRun) -> dict[str, JsonObject]:
     """The dataset's rows by identity, when the file is still there unchanged; else none (stored fields serve).
 
-    The file is read as a run folder's files are (a regular file, under the size cap) and split on ``\n`` only.
+    The file is read as a run folder's files are (a regular file, under the size cap) and split on ``\\n`` only.
     """
     path = source.meta.config.dataset
+    shown_path = shown(path)
     try:
         data = read_file(Path(path), ReadLimits.from_env().max_jsonl_bytes) if path else None
     except RunReadError as exc:
         logger.warning("%s: the verify requests are built from the stored Gym results", exc)
         return {}
     if data is None:
-        logger.warning("the dataset %s is gone: the verify requests are built from the stored Gym results", path)
+        logger.warning("the dataset %s is gone: the verify requests are built from the stored Gym results", shown_path)
         return {}
     if hashlib.sha256(data).hexdigest() != source.meta.fingerprint.dataset_sha256:
-        logger.warning("the dataset %s changed since the run: the stored Gym results' fields are used", path)
+        logger.warning("the dataset %s changed since the run: the stored Gym results' fields are used", shown_path)
         return {}
     rows: dict[str, JsonObject] = {}
     lines, tail = jsonl_lines(data)
@@ -253,7 +254,7 @@ def _dataset_rows(source: LoadedRun) -> dict[str, JsonObject]:
             try:
                 row = json.loads(line)
             except (ValueError, RecursionError):
-                logger.warning("the dataset %s has a bad line: the stored Gym results' fields are used", path)
+                logger.warning("the dataset %s has a bad line: the stored Gym results' fields are used", shown_path)
                 return {}
             if isinstance(row, dict):
                 rows.setdefault(row_id(row), row)

@@ -44,7 +44,8 @@ LOCK_FILE = "run.lock"
 MAX_BYTES_ENV = "GYM_BRIDGE_RUN_MAX_BYTES"
 """The environment variable that raises (or lowers) :attr:`ReadLimits.max_jsonl_bytes`."""
 MAX_RUN_JSON_DEPTH = 64
-"""How deeply ``run.json`` may nest; ours nests 5 levels, and deeper data breaks the writers' copies."""
+"""How deeply ``run.json`` may nest: the writers nest a few levels, and their copies (``json.dump`` with an indent,
+``copy.deepcopy``) recurse once per level."""
 
 
 class RunReadError(GymBridgeError, ValueError):
@@ -72,7 +73,7 @@ class ReadLimits(BaseModel):
         if not raw:
             return cls()
         if not raw.isdigit() or int(raw) == 0:
-            raise RunReadError(f"{MAX_BYTES_ENV}={shown(raw)!s} is not a positive number of bytes")
+            raise RunReadError(f"{MAX_BYTES_ENV}={shown(raw)} is not a positive number of bytes")
         return cls(max_jsonl_bytes=int(raw))
 
 

@@ -64,7 +64,7 @@ class RunDirError(GymBridgeError, RuntimeError):
 
 
 def read_jsonl(path: Path, *, repair: bool = False) -> list[JsonObject]:
-    """The records of a JSONL file, without a torn last line (cut off when ``repair``); split on ``\n`` only.
+    """The records of a JSONL file, without a torn last line (cut off when ``repair``); split on ``\\n`` only.
 
     A bad line anywhere but last is corruption, not a crash mid-write: that raises.
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -18,60 +17,31 @@ import sysconfig
 from pathlib import Path
 
 import pytest
-import ray
 import torch
 
 from gym_bridge.failures import InvalidGymRow
 from gym_bridge.gym.rows import build_rows, validate_row
 from gym_bridge.gym.versions import installed_gym
 from gym_bridge.testing.cli import run_cli
-from gym_bridge.testing.gym_rows import EQUIVALENCE_AGENT, TOOL_AGENT, tool_call_rows
+from gym_bridge.testing.gym_rows import (
+    EQUIVALENCE_AGENT,
+    TOOL_AGENT,
+    gym_token_turns,
+    gyms_own_collection,
+    tool_call_rows,
+)
 from gym_bridge.types import GenerationSamplingParams
 
 pytestmark = [pytest.mark.gym, pytest.mark.timeout(300)]
 
-_GYM_COLLECT = """
-import asyncio, json, os, sys, urllib.request
-from urllib.parse import urlsplit
-head_url = sys.argv[1]
-with urllib.request.urlopen(head_url + "/global_config_dict_yaml", timeout=30) as response:
-    os.environ["NEMO_GYM_CONFIG_DICT"] = json.loads(response.read())
-from nemo_gym.rollout_collection import RolloutCollectionHelper
-from nemo_gym.server_utils import BaseServerConfig
-rows = json.loads(sys.stdin.read())
-answers = os.fdopen(os.dup(1), "w")
-os.dup2(2, 1)  # Gym's own prints go to stderr
-
-async def main():
-    parts = urlsplit(head_url)
-    head = BaseServerConfig(host=parts.hostname, port=parts.port)
-    results = {}
-    for future in RolloutCollectionHelper().run_examples(examples=rows, head_server_config=head):
-        row, result = await future
-        results[row["_rowidx"]] = result
-    answers.write(json.dumps([results[i] for i in range(len(rows))]))
-
-asyncio.run(main())
-"""
-
-
-def _gym_turns(result: dict) -> list[dict]:
-    """Each model call's tokens in a Gym result: the output items that carry them."""
-    return [
-        {key: item[key] for key in ("prompt_token_ids", "generation_token_ids", "generation_log_probs")}
-        for item in result["response"]["output"]
-        if item.get("generation_token_ids")
-    ]
-
-
-def test_rewards_tokens_and_logprobs_equal_gyms_own_collection(gym_actor, gym_tokenizer):
+def test_rewards_tokens_and_logprobs_equalgyms_own_collection(gym_actor, gym_tokenizer):
     rows = []
     for row in tool_call_rows()[:4]:
         rows += build_rows(row, 1, GenerationSamplingParams(temperature=1.0, top_p=1.0), max_new_tokens=64)
     for i, row in enumerate(rows):
         row["_rowidx"] = i
 
-    gym_results = _gyms_own_collection(gym_actor, rows)
+    gym_results = gyms_own_collection(gym_actor, rows)
 
     from gym_bridge.gym.client import GymClient
 
@@ -79,7 +49,7 @@ def test_rewards_tokens_and_logprobs_equal_gyms_own_collection(gym_actor, gym_to
     assert [row.row_index for row in ours] == list(range(len(rows)))
     for row, gym in zip(ours, gym_results, strict=True):
         assert row.reward == gym["reward"]
-        turns = _gym_turns(gym)
+        turns = gym_token_turns(gym)
         assert turns, "the scripted policy's turns carry token ids"
         assistant = [m for m in row.message_log if m["role"] == "assistant"]
         assert [m["token_ids"].tolist() for m in assistant] == [t["generation_token_ids"] for t in turns]
@@ -88,7 +58,7 @@ def test_rewards_tokens_and_logprobs_equal_gyms_own_collection(gym_actor, gym_to
         history = torch.cat([m["token_ids"] for m in row.message_log]).tolist()
         final = turns[-1]
         assert history == final["prompt_token_ids"] + final["generation_token_ids"]  # the whole episode, exactly
-    assert any(len(_gym_turns(gym)) > 1 for gym in gym_results), "a tool call makes a second model turn"
+    assert any(len(gym_token_turns(gym)) > 1 for gym in gym_results), "a tool call makes a second model turn"
 
 
 def _collate(out_dir: Path) -> Path:
@@ -132,7 +102,7 @@ def test_rows_gym_07_collates_run_as_gyms_own_collection_runs_them(gym_actor, co
         built["_rowidx"] = i
         rows.append(built)
     assert all("agent_ref" not in row for row in rows)
-    gym_results = _gyms_own_collection(gym_actor, rows)
+    gym_results = gyms_own_collection(gym_actor, rows)
 
     from gym_bridge.gym.client import GymClient
 
@@ -140,8 +110,8 @@ def test_rows_gym_07_collates_run_as_gyms_own_collection_runs_them(gym_actor, co
     assert [row.reward for row in ours] == [gym["reward"] for gym in gym_results]
     for row, gym in zip(ours, gym_results, strict=True):
         assistant = [m for m in row.message_log if m["role"] == "assistant"]
-        assert [m["token_ids"].tolist() for m in assistant] == [t["generation_token_ids"] for t in _gym_turns(gym)]
-        for message, turn in zip(assistant, _gym_turns(gym), strict=True):
+        assert [m["token_ids"].tolist() for m in assistant] == [t["generation_token_ids"] for t in gym_token_turns(gym)]
+        for message, turn in zip(assistant, gym_token_turns(gym), strict=True):
             assert torch.equal(message["generation_logprobs"], torch.tensor(turn["generation_log_probs"]))
 
 
@@ -174,17 +144,3 @@ def test_task_source_rows_are_refused_in_one_line_where_gym_cannot_resolve_them(
         return
     with pytest.raises(InvalidGymRow, match=rf"^prompt_idx=3: task_source .* needs nemo-gym >= 0.6 .*{installed_gym().version}"):
         validate_row(row, prompt_idx=3)
-
-
-def _gyms_own_collection(gym_actor, rows: list[dict]) -> list[dict]:
-    head = ray.get(gym_actor.server_info.remote())["head"]
-    done = subprocess.run(
-        [sys.executable, "-c", _GYM_COLLECT, head],
-        input=json.dumps(rows),
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env={**os.environ, "PYTHONPATH": ""},
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout)

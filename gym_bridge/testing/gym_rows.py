@@ -9,8 +9,13 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
+
+import ray
 
 from gym_bridge.data import datum_from_gym_row
 from gym_bridge.failures import RolloutRetryPolicy, RolloutTimeouts
@@ -121,3 +126,55 @@ def make_manager(
 def prompt(k: int) -> DatumSpec:
     """Prompt ``k``: an equivalence row whose right answer is ``k``."""
     return datum_from_gym_row(equivalence_row(f"Reply with exactly: {k}", str(k)), idx=k)
+
+
+_GYM_COLLECT = """
+import asyncio, json, os, sys, urllib.request
+from urllib.parse import urlsplit
+head_url = sys.argv[1]
+with urllib.request.urlopen(head_url + "/global_config_dict_yaml", timeout=30) as response:
+    os.environ["NEMO_GYM_CONFIG_DICT"] = json.loads(response.read())
+from nemo_gym.rollout_collection import RolloutCollectionHelper
+from nemo_gym.server_utils import BaseServerConfig
+rows = json.loads(sys.stdin.read())
+answers = os.fdopen(os.dup(1), "w")
+os.dup2(2, 1)  # Gym's own prints go to stderr
+
+async def main():
+    parts = urlsplit(head_url)
+    head = BaseServerConfig(host=parts.hostname, port=parts.port)
+    results = {}
+    for future in RolloutCollectionHelper().run_examples(examples=rows, head_server_config=head):
+        row, result = await future
+        results[row["_rowidx"]] = result
+    answers.write(json.dumps([results[i] for i in range(len(rows))]))
+
+asyncio.run(main())
+"""
+
+
+def gym_token_turns(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each model call's tokens in a Gym result: the output items that carry them."""
+    return [
+        {key: item[key] for key in ("prompt_token_ids", "generation_token_ids", "generation_log_probs")}
+        for item in result["response"]["output"]
+        if item.get("generation_token_ids")
+    ]
+
+
+def gyms_own_collection(gym_actor: ActorHandle, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows rolled out by Gym's own ``RolloutCollectionHelper.run_examples`` on ``gym_actor``'s servers, in a
+    process of its own as a Gym user runs it; results in row order."""
+    head = ray.get(gym_actor.server_info.remote())["head"]
+    done = subprocess.run(
+        [sys.executable, "-c", _GYM_COLLECT, head],
+        input=json.dumps(rows),
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "PYTHONPATH": ""},
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"Gym's run_examples failed: {done.stderr[-3000:]}")
+    results: list[dict[str, Any]] = json.loads(done.stdout)
+    return results

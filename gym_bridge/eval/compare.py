@@ -45,6 +45,8 @@ ALL = "all"
 GRADER_KEYS = ("config_paths", "gym_overrides", "pass_threshold")
 """What decides a reward: a difference here makes two runs' rewards incomparable."""
 GATED_METRICS = ("mean_reward", "pass@1")
+MD_FLIPS = 200
+"""Flipped prompts listed in ``compare.md`` per direction (``compare.json`` lists every one)."""
 
 
 class CompareError(GymBridgeError, ValueError):
@@ -194,41 +196,52 @@ def _prompt_metrics(group: RunGroup, threshold: float, ks: list[int]) -> list[fl
 def _compare_pair(
     base: LoadedRun, other: LoadedRun, shared: list[str], *, level: float, resamples: int, seed: int
 ) -> JsonObject:
+    """Every metric of both runs per agent and overall, with intervals and McNemar, and the flipped prompts.
+
+    Each prompt's metrics are computed once (metrics x prompts arrays in ``shared`` order); an agent's rows are
+    a column selection of them."""
     threshold = base.pass_threshold
     ks = default_ks(min(min(len(r.by_key[k].rewards) for k in shared) for r in (base, other)))
     names = ["mean_reward", *(f"pass@{k}" for k in ks)]
-    by_agent: dict[str, list[str]] = {}
-    for key in shared:
-        by_agent.setdefault(base.by_key[key].agent, []).append(key)
-    groups = {**dict(sorted(by_agent.items())), ALL: shared}
-    agents: JsonObject = {}
-    flips: list[JsonObject] = []
-    for agent, keys in groups.items():
-        a = np.array([_prompt_metrics(base.by_key[k], threshold, ks) for k in keys]).T
-        b = np.array([_prompt_metrics(other.by_key[k], threshold, ks) for k in keys]).T
-        intervals = paired_bootstrap(b - a, level=level, resamples=resamples, seed=seed)
-        passed_a, passed_b = (a[1] >= 0.5).tolist(), (b[1] >= 0.5).tolist()
-        test = mcnemar_exact(passed_a, passed_b)
-        agents[agent] = {
-            "prompts": len(keys),
-            "claims": len(keys) >= MIN_PAIRED_PROMPTS,
-            "metrics": {
-                name: {"a": float(a[i].mean()), "b": float(b[i].mean()), **intervals[i].as_dict()}
-                for i, name in enumerate(names)
-            },
-            "mcnemar": {
-                "prompts": test.n,
-                "fixed": test.wrong_to_right,
-                "broken": test.right_to_wrong,
-                "p_value": test.p_value,
-            },
-        }
-        if agent == ALL:
-            for key, was, now in zip(keys, passed_a, passed_b, strict=True):
-                if was != now:
-                    flips.append(_flip(base.by_key[key], other.by_key[key], "fixed" if now else "broken"))
+    all_a = np.array([_prompt_metrics(base.by_key[k], threshold, ks) for k in shared]).T
+    all_b = np.array([_prompt_metrics(other.by_key[k], threshold, ks) for k in shared]).T
+    by_agent: dict[str, list[int]] = {}
+    for i, key in enumerate(shared):
+        by_agent.setdefault(base.by_key[key].agent, []).append(i)
+    groups = {**dict(sorted(by_agent.items())), ALL: list(range(len(shared)))}
+    agents = {
+        agent: _agent_row(all_a[:, columns], all_b[:, columns], names, level=level, resamples=resamples, seed=seed)
+        for agent, columns in groups.items()
+    }
+    passed_a, passed_b = all_a[1] >= 0.5, all_b[1] >= 0.5
+    flips = [
+        _flip(base.by_key[shared[i]], other.by_key[shared[i]], "fixed" if passed_b[i] else "broken")
+        for i in np.flatnonzero(passed_a != passed_b).tolist()
+    ]
     flips.sort(key=lambda f: (f["direction"] != "fixed", f["prompt_idx"]))
     return {"metrics": names, "agents": agents, "flips": flips}
+
+
+def _agent_row(
+    a: np.ndarray, b: np.ndarray, names: list[str], *, level: float, resamples: int, seed: int
+) -> JsonObject:
+    """One table row: each metric of A and B (metrics x prompts) with the paired interval, and McNemar."""
+    intervals = paired_bootstrap(b - a, level=level, resamples=resamples, seed=seed)
+    test = mcnemar_exact(a[1] >= 0.5, b[1] >= 0.5)
+    return {
+        "prompts": a.shape[1],
+        "claims": a.shape[1] >= MIN_PAIRED_PROMPTS,
+        "metrics": {
+            name: {"a": float(a[i].mean()), "b": float(b[i].mean()), **intervals[i].as_dict()}
+            for i, name in enumerate(names)
+        },
+        "mcnemar": {
+            "prompts": test.n,
+            "fixed": test.wrong_to_right,
+            "broken": test.right_to_wrong,
+            "p_value": test.p_value,
+        },
+    }
 
 
 def _flip(a: RunGroup, b: RunGroup, direction: str) -> JsonObject:
@@ -348,12 +361,16 @@ def render_markdown(report: JsonObject) -> str:
                 f"| flip | agent | row | prompt | rewards {a} | rewards {b} |",
                 "|---|---|---|---|---|---|",
             ]
-            for f in flips:
+            shown = [f for f in flips if f["direction"] == "fixed"][:MD_FLIPS]
+            shown += [f for f in flips if f["direction"] == "broken"][:MD_FLIPS]
+            for f in shown:
                 row = f"{markdown_text(f['row_id'])} (line {markdown_text(f['dataset_line'])})"
                 lines.append(
                     f"| {f['direction']} | {markdown_text(f['agent'])} | {row} | {markdown_text(f['prompt'])} | "
                     f"{_rewards(f['rewards_a'])} | {_rewards(f['rewards_b'])} |"
                 )
+            if len(shown) < len(flips):
+                lines += ["", f"The first {MD_FLIPS} of each direction; all {len(flips)} are in {COMPARE_JSON}."]
         else:
             lines.append("None.")
     return "\n".join(lines) + "\n"

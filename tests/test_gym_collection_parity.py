@@ -10,10 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
-import subprocess
-import sys
-import sysconfig
 from pathlib import Path
 
 import pytest
@@ -26,6 +22,7 @@ from gym_bridge.testing.cli import run_cli
 from gym_bridge.testing.gym_rows import (
     EQUIVALENCE_AGENT,
     TOOL_AGENT,
+    gym_dataset_collate,
     gym_token_turns,
     gyms_own_collection,
     tool_call_rows,
@@ -61,22 +58,10 @@ def test_rewards_tokens_and_logprobs_equalgyms_own_collection(gym_actor, gym_tok
     assert any(len(gym_token_turns(gym)) > 1 for gym in gym_results), "a tool call makes a second model turn"
 
 
-def _collate(out_dir: Path) -> Path:
-    """Gym 0.7's own ``gym dataset collate`` on the wheel's example configs, in a scratch copy of their folders."""
-    site = Path(sysconfig.get_paths()["purelib"])
-    for folder in ("example_single_tool_call", "equivalence_rule"):
-        shutil.copytree(site / "resources_servers" / folder, out_dir / "resources_servers" / folder)
-    configs = ",".join(f"resources_servers/{c}" for c in _COLLATED_CONFIGS)
-    done = subprocess.run(
-        [str(Path(sys.executable).with_name("gym")), "dataset", "collate", f"+config_paths=[{configs}]",
-         "+output_dirpath=out", "+mode=example_validation"],
-        cwd=out_dir, capture_output=True, text=True, timeout=180,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    return out_dir / "out" / "example.jsonl"
-
-
-_COLLATED_CONFIGS = ("example_single_tool_call/configs/example_single_tool_call.yaml", "equivalence_rule/configs/lc.yaml")
+_COLLATED_CONFIGS = [
+    "resources_servers/example_single_tool_call/configs/example_single_tool_call.yaml",
+    "resources_servers/equivalence_rule/configs/lc.yaml",
+]
 _TASK_SOURCE = installed_gym().task_source_routing
 
 
@@ -84,7 +69,7 @@ _TASK_SOURCE = installed_gym().task_source_routing
 def collated(tmp_path_factory) -> Path:
     if not _TASK_SOURCE:
         pytest.skip(f"{installed_gym().label} has no `gym dataset collate` (test_task_source_rows_are_refused_...)")
-    return _collate(tmp_path_factory.mktemp("collate"))
+    return gym_dataset_collate(tmp_path_factory.mktemp("collate"), _COLLATED_CONFIGS)
 
 
 def test_rows_gym_07_collates_run_as_gyms_own_collection_runs_them(gym_actor, collated):

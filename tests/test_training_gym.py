@@ -18,6 +18,8 @@ import torch
 from gym_bridge.data import datum_from_gym_row
 from gym_bridge.failures import RefitMismatch, RolloutStall, StepBatchShortfall
 from gym_bridge.gym.client import GymClient
+from gym_bridge.gym.versions import installed_gym
+from gym_bridge.testing.gym_rows import EQUIVALENCE_AGENT, gym_dataset_collate
 from gym_bridge.policy import HFPolicy, HFPolicyConfig
 from gym_bridge.training import (
     ClippedPGLossConfig,
@@ -34,6 +36,8 @@ from gym_bridge.recipes.grpo_run import build_grpo_run
 pytestmark = [pytest.mark.gym, pytest.mark.slow]
 
 WORDS = ["blue", "seven", "apple", "river"]
+LC_CONFIG = "resources_servers/equivalence_rule/configs/lc.yaml"
+LC_DATA = "resources_servers/equivalence_rule/data/example.jsonl"
 ON_POLICY_ATOL = 1e-4
 
 
@@ -70,12 +74,16 @@ def tiny_config(data_path, log_dir):
 @pytest.fixture(scope="module")
 def grpo_run(ray_session, tmp_path_factory):
     folder = tmp_path_factory.mktemp("grpo")
-    data = folder / "rows.jsonl"
-    data.write_text("".join(json.dumps({
+    rows = [{
         "responses_create_params": {"input": [{"role": "user", "content": f"Answer with one word: {w}"}]},
         "expected_answer": w,
-        "agent_ref": {"type": "responses_api_agents", "name": "lc_equivalence_rule_simple_agent"},
-    }) + "\n" for w in WORDS))
+    } for w in WORDS]  # fmt: skip
+    if installed_gym().task_source_routing:  # the rows as Gym 0.7 prepares them: task_source, no agent_ref
+        data = gym_dataset_collate(folder / "collate", [LC_CONFIG], data={LC_DATA: rows})
+        assert all("task_source" in json.loads(line) for line in data.read_text().split("\n") if line.strip())
+    else:
+        data = folder / "rows.jsonl"
+        data.write_text("".join(json.dumps({**row, "agent_ref": {"name": EQUIVALENCE_AGENT}}) + "\n" for row in rows))
     run = build_grpo_run(tiny_config(data, folder / "gym-logs"), folder / "run")
     yield run
     run.close()

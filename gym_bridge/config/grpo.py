@@ -42,7 +42,6 @@ import torch
 from pydantic import ValidationError
 
 from gym_bridge.config.training import ROUTING_KEYS, NemoGymRolloutSettings, TrainingConfigError
-from gym_bridge.failures import SettingError
 from gym_bridge.gym.routing import RowRouting
 from gym_bridge.gym.row_file import read_row_file
 from gym_bridge.gym.rows import ValidGymRow
@@ -352,8 +351,9 @@ def row_routing(config: JsonMapping) -> RowRouting:
     given = {key: section[key] for key in ROUTING_KEYS if section.get(key) is not None}
     try:
         return RowRouting(**given)
-    except (ValidationError, SettingError) as exc:
-        raise TrainingConfigError(f"env.nemo_gym: {exc}") from None
+    except ValidationError as exc:
+        problems = "; ".join(err["msg"].removeprefix("Value error, ") for err in exc.errors())
+        raise TrainingConfigError(f"env.nemo_gym: {problems}") from None
 
 
 def load_gym_rows(path: str | Path, routing: RowRouting | None = None) -> list[ValidGymRow]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -178,3 +179,29 @@ def gyms_own_collection(gym_actor: ActorHandle, rows: list[dict[str, Any]]) -> l
         raise RuntimeError(f"Gym's run_examples failed: {done.stderr[-3000:]}")
     results: list[dict[str, Any]] = json.loads(done.stdout)
     return results
+
+
+def gym_dataset_collate(
+    workdir: Path, config_paths: list[str], *, data: dict[str, list[JsonObject]] | None = None
+) -> Path:
+    """Rows prepared by Gym 0.7's own ``gym dataset collate`` (``+mode=example_validation``) from the wheel's
+    ``config_paths``, run in a scratch copy of their server folders under ``workdir``; ``data`` replaces files of
+    those folders first (``{"resources_servers/x/data/example.jsonl": rows}``). Returns the collated file."""
+    import sysconfig
+
+    site = Path(sysconfig.get_paths()["purelib"])
+    for folder in sorted({"/".join(Path(p).parts[:2]) for p in config_paths}):
+        shutil.copytree(site / folder, workdir / folder)
+    for relative, rows in (data or {}).items():
+        path = workdir / relative
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        path.with_name(f"{path.stem}_metrics.json").unlink(missing_ok=True)  # Gym checks new data against it
+    done = subprocess.run(
+        [str(Path(sys.executable).with_name("gym")), "dataset", "collate", f"+config_paths=[{','.join(config_paths)}]",
+         "+output_dirpath=collated", "+mode=example_validation"],
+        cwd=workdir, capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    if done.returncode != 0:
+        raise RuntimeError(f"gym dataset collate failed: {done.stdout[-2000:]}{done.stderr[-2000:]}")
+    (collated,) = (workdir / "collated").glob("*.jsonl")
+    return collated

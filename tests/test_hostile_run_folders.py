@@ -126,6 +126,10 @@ def hostile_folders(tmp: Path, only: tuple[str, ...] | None = None) -> list[tupl
     case("idx-bool", "{dir}/results.jsonl:2: field 'prompt_idx': should be a valid integer", lines=bool_idx)
     agent = [{**result_line(0, [1.0]), "agent": {"name": "x"}}]
     case("agent-object", "{dir}/results.jsonl:1: field 'agent': should be a valid string", lines=agent)
+    prompt = result_line(0, [1.0])
+    prompt["completions"][0]["gym_result"]["responses_create_params"] = {"input": 5}
+    case("prompt-number", "{dir}/results.jsonl:1: field 'completions[0].gym_result': responses_create_params.input "
+         "is neither a string nor a list (int)", lines=[prompt])  # fmt: skip
     return [(folder, expected) for folder, expected in cases if only is None or folder.name in only]
 
 

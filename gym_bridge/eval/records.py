@@ -13,7 +13,16 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Annotated, Any, Final
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, InstanceOf, NonNegativeInt, PositiveInt
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    InstanceOf,
+    NonNegativeInt,
+    PositiveInt,
+    field_validator,
+)
 
 from gym_bridge.failures import classify_rollout_failure
 from gym_bridge.json_types import JsonMapping, JsonObject
@@ -208,6 +217,18 @@ class CompletionLine(_OnDisk):
     total_tokens: NonNegativeInt | None = None
     gym_result: InstanceOf[dict] | None = None  # type: ignore[type-arg]
     """Gym's result as stored; checked to be an object, not copied."""
+
+    @field_validator("gym_result")
+    @classmethod
+    def _prompt_is_text_or_items(cls, gym_result: JsonObject | None) -> JsonObject | None:
+        """The prompt the readers preview (``responses_create_params.input``) is Gym's: a string or a list."""
+        params = (gym_result or {}).get("responses_create_params")
+        if params is not None and not isinstance(params, dict):
+            raise ValueError("responses_create_params is not an object")
+        prompt = (params or {}).get("input")
+        if prompt is not None and not isinstance(prompt, str | list):
+            raise ValueError(f"responses_create_params.input is neither a string nor a list ({type(prompt).__name__})")
+        return gym_result
 
 
 class PromptLine(_OnDisk):

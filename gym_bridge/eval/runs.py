@@ -48,6 +48,10 @@ MAX_RUN_JSON_DEPTH = 64
 ``copy.deepcopy``) recurse once per level."""
 
 
+_PREVIEW = reprlib.Repr(maxlevel=2, maxdict=3, maxlist=3, maxstring=40, maxother=40)
+"""How much of a refused value an error line shows."""
+
+
 class RunReadError(GymBridgeError, ValueError):
     """A run folder cannot be read: missing, still being written, not a regular file, too large, or a malformed
     line or field (named)."""
@@ -196,7 +200,7 @@ def field_problem(exc: ValidationError, prefix: str = "") -> str:
     if error["type"] == "missing":
         return f"field {shown(name)!r} is missing"
     message = error["msg"].removeprefix("Value error, ").removeprefix("Input ")
-    return f"field {shown(name)!r}: {message} (got {shown(reprlib.repr(error['input']))})"
+    return f"field {shown(name)!r}: {message} (got {shown(_PREVIEW.repr(error['input']))})"
 
 
 # ---- the files --------------------------------------------------------------------------------

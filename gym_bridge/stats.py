@@ -6,7 +6,12 @@ runs find hard counts once, and the interval reflects how much the verdict depen
 happened to be in the dataset. Both scale to hundreds of thousands of prompts: McNemar's tail is summed in
 log space (time linear in the discordant pairs), and the bootstrap draws how often each distinct prompt
 outcome is picked (a multinomial) instead of every pick, falling back to picks in chunks of bounded size
-when the outcomes are mostly distinct.
+when the outcomes are mostly distinct. When they are mostly distinct *and* picks would number more than
+:data:`_EXACT_CELLS` (about 10,000 prompts at 10,000 resamples: continuous rewards at scale), the percentile
+interval is taken from the bootstrap distribution's Cornish-Fisher expansion instead of resampling it: the
+resampled mean has mean ``m``, sd ``s / sqrt(n)``, skewness ``g / sqrt(n)`` and excess kurtosis ``k / n`` from the
+sample's own moments, and at such ``n`` the expansion is closer to the ideal bootstrap's quantiles than 10,000
+resamples are (``Interval.method`` says which was used).
 """
 
 from __future__ import annotations
@@ -28,6 +33,10 @@ _CHUNK_CELLS = 4_000_000
 """Picks drawn at once on the fallback path (resamples x prompts): about 32 MB of int64, whatever the size."""
 _MAX_DISTINCT = 4_096
 """Up to this many distinct prompt outcomes the bootstrap draws counts per outcome (a multinomial)."""
+_EXACT_CELLS = 100_000_000
+"""Beyond this many picks (resamples x prompts) with mostly distinct outcomes, the Cornish-Fisher expansion."""
+RESAMPLED = "percentile bootstrap"
+EXPANDED = "percentile bootstrap, Cornish-Fisher expansion"
 
 
 @dataclass(frozen=True)
@@ -77,6 +86,8 @@ class Interval:
     low: float
     high: float
     level: float
+    method: str = RESAMPLED
+    """:data:`RESAMPLED`, or :data:`EXPANDED` for many distinct outcomes at scale (see the module docstring)."""
 
     def as_dict(self) -> dict[str, float]:
         return {"diff": self.estimate, "low": self.low, "high": self.high}
@@ -115,10 +126,43 @@ def paired_bootstrap(
     outcomes, inverse = np.unique(data.T, axis=0, return_inverse=True)
     if len(outcomes) <= _MAX_DISTINCT:
         means = _multinomial_means(outcomes, np.bincount(inverse.ravel(), minlength=len(outcomes)), resamples, rng)
+    elif n * resamples > _EXACT_CELLS:
+        return [cornish_fisher_interval(row, level) for row in data]
     else:
         means = _chunked_means(data, resamples, rng)
     lows, highs = np.quantile(means, [(1 - level) / 2, (1 + level) / 2], axis=0)
     return [Interval(float(data[i].mean()), float(lows[i]), float(highs[i]), level) for i in range(data.shape[0])]
+
+
+def cornish_fisher_interval(values: np.ndarray, level: float) -> Interval:
+    """The ideal percentile bootstrap interval of the mean of ``values``, from the Cornish-Fisher expansion of
+    the resampled mean's distribution (its moments follow from the sample's: see the module docstring)."""
+    n = len(values)
+    mean = float(values.mean())
+    centred = values - mean
+    variance = float(np.mean(centred**2))
+    if variance == 0.0:
+        return Interval(mean, mean, mean, level, EXPANDED)
+    sd = math.sqrt(variance)
+    skew = float(np.mean(centred**3)) / sd**3 / math.sqrt(n)
+    kurtosis = (float(np.mean(centred**4)) / variance**2 - 3.0) / n
+    low, high = (
+        mean + sd / math.sqrt(n) * _cornish_fisher(z, skew, kurtosis)
+        for z in (_normal_quantile((1 - level) / 2), _normal_quantile((1 + level) / 2))
+    )
+    return Interval(mean, low, high, level, EXPANDED)
+
+
+def _cornish_fisher(z: float, skew: float, kurtosis: float) -> float:
+    """The standardised quantile of a distribution with this skewness and excess kurtosis, at normal quantile z."""
+    return z + (z * z - 1) * skew / 6 + (z**3 - 3 * z) * kurtosis / 24 - (2 * z**3 - 5 * z) * skew * skew / 36
+
+
+def _normal_quantile(p: float) -> float:
+    """The standard normal quantile (``statistics.NormalDist``: exact to double precision)."""
+    from statistics import NormalDist
+
+    return NormalDist().inv_cdf(p)
 
 
 def _multinomial_means(

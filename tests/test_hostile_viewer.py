@@ -311,3 +311,25 @@ def test_a_non_finite_gate_is_refused_in_one_line(tmp_path: Path, delta: str, ca
     err = capsys.readouterr().err.strip()
     assert err.startswith("gym-bridge compare: ") and "\n" not in err and "finite" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_many_distinct_outcomes_at_scale_take_the_expansion_of_the_same_bootstrap() -> None:
+    import time
+
+    import numpy as np
+
+    from gym_bridge.stats import EXPANDED, RESAMPLED, _chunked_means, cornish_fisher_interval, paired_bootstrap
+
+    rng = np.random.default_rng(3)
+    x = np.minimum(rng.exponential(0.1, 12_000), 1.0) - np.minimum(rng.exponential(0.09, 12_000), 1.0)
+    expanded = cornish_fisher_interval(x, 0.95)
+    means = _chunked_means(x[None, :], 8_000, np.random.default_rng(0))[:, 0]
+    low, high = np.quantile(means, [0.025, 0.975])
+    se = float(x.std()) / math.sqrt(len(x))
+    assert abs(expanded.low - low) < 0.1 * se and abs(expanded.high - high) < 0.1 * se, "within resampling error"
+    big = rng.beta(0.5, 3, 200_000) - rng.beta(0.6, 3, 200_000)
+    started = time.process_time()
+    intervals = paired_bootstrap(np.vstack([big, big > 0]), seed=0)
+    assert time.process_time() - started < 30.0, "a liveness bound: resampling it took minutes"
+    assert [iv.method for iv in intervals] == [EXPANDED, EXPANDED], "one paired method for every row"
+    assert paired_bootstrap(np.vstack([big > 0, big < 0]), seed=0)[0].method == RESAMPLED, "few outcomes: resampled"

@@ -34,7 +34,14 @@ from gym_bridge.eval.report import markdown_text, plot_label
 from gym_bridge.eval.runs import LoadedRun, RunGroup, load_run
 from gym_bridge.failures import GymBridgeError
 from gym_bridge.json_types import JsonObject
-from gym_bridge.stats import DEFAULT_LEVEL, DEFAULT_RESAMPLES, MIN_PAIRED_PROMPTS, mcnemar_exact, paired_bootstrap
+from gym_bridge.stats import (
+    DEFAULT_LEVEL,
+    DEFAULT_RESAMPLES,
+    EXPANDED,
+    MIN_PAIRED_PROMPTS,
+    mcnemar_exact,
+    paired_bootstrap,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -232,7 +239,12 @@ def _agent_row(
         "prompts": a.shape[1],
         "claims": a.shape[1] >= MIN_PAIRED_PROMPTS,
         "metrics": {
-            name: {"a": float(a[i].mean()), "b": float(b[i].mean()), **intervals[i].as_dict()}
+            name: {
+                "a": float(a[i].mean()),
+                "b": float(b[i].mean()),
+                **intervals[i].as_dict(),
+                "method": intervals[i].method,
+            }
             for i, name in enumerate(names)
         },
         "mcnemar": {
@@ -322,6 +334,17 @@ def render_markdown(report: JsonObject) -> str:
         "",
         f"![differences with {level:.0%} intervals]({COMPARE_PNG})",
     ]
+    if any(
+        m.get("method") == EXPANDED
+        for comparison in report["comparisons"]
+        for row in comparison["agents"].values()
+        for m in row["metrics"].values()
+    ):
+        lines[-2:-2] = [
+            "Where the prompts' outcomes are mostly distinct at this scale (continuous rewards), an interval is the "
+            "ideal bootstrap's, from the Cornish-Fisher expansion of the resampled mean (`method` in "
+            f"{COMPARE_JSON}), not from resampling.",
+        ]
     for comparison in report["comparisons"]:
         a, b, names = markdown_text(comparison["a"]), markdown_text(comparison["b"]), comparison["metrics"]
         lines += ["", f"## {b} vs {a}", ""]

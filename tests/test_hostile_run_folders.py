@@ -2,7 +2,8 @@
 (``compare``, ``report``, ``rescore``, ``eval --resume``) in a subprocess. Each ends in exactly one stderr line
 naming the file, line and field, with exit code 2, without hanging on a FIFO or reading a device; and nothing a
 folder names is run: a rescore whose ``run.json`` points a Gym server's entrypoint at a script is refused at read
-time, and the script's marker file never appears. Nothing here starts Ray or Gym."""
+time, and the script's marker file never appears. Nothing here starts Ray or Gym; the one ``eval --resume`` through
+the real command is marked slow (it imports the run loop), and the store's resume is driven directly beside it."""
 
 from __future__ import annotations
 
@@ -335,18 +336,21 @@ def resumable_run(folder: Path) -> list[str]:
     return args
 
 
-def test_eval_resume_reads_the_folder_through_the_same_reader(tmp_path: Path) -> None:
-    """Through the real command once (it imports the run loop: ~10 s), then the store's resume directly."""
-    from gym_bridge.eval.runs import RunReadError
-    from gym_bridge.eval.store import RunStore
-
+@pytest.mark.slow  # the command imports the run loop (torch): 10-30 s on two busy cores
+def test_eval_resume_refuses_a_repeated_prompt_through_the_real_command(tmp_path: Path) -> None:
     args = resumable_run(tmp_path / "repeated")
     lines = [result_line(0, [1.0]), result_line(1, [1.0]), result_line(0, [0.0])]
     write_lines(tmp_path / "repeated" / "results.jsonl", lines)
     line = refused("eval", str(EXAMPLE), *args, "--resume")
     assert f"{tmp_path / 'repeated'}/results.jsonl:3: field 'prompt_idx': 0 is also on line 1" in line
 
-    fingerprint = json.loads((tmp_path / "repeated" / "run.json").read_text())["fingerprint"]
+
+def test_eval_resume_reads_the_folder_through_the_same_reader(tmp_path: Path) -> None:
+    """The store's resume (what ``eval --resume`` calls before anything starts) on planted files."""
+    from gym_bridge.eval.runs import RunReadError
+    from gym_bridge.eval.store import RunDirError, RunStore
+
+    fingerprint = {"dataset_sha256": "data-1", "num_generations_per_prompt": 2}
     planted_files = [
         ("fifo", "results.jsonl", "results.jsonl: not a regular file (a FIFO)"),
         ("zero", "run.json", "run.json: not a regular file (a character device)"),
@@ -365,4 +369,9 @@ def test_eval_resume_reads_the_folder_through_the_same_reader(tmp_path: Path) ->
     folder = write_run(tmp_path / "text-reward", run={"fingerprint": fingerprint})
     write_lines(folder / "results.jsonl", [result_line(0, ["0.5"])])  # type: ignore[list-item]
     with pytest.raises(RunReadError, match=re.escape("results.jsonl:1: field 'completions[0].reward'")):
+        RunStore(folder).open(fingerprint, resume=True)
+
+    folder = write_run(tmp_path / "lock-fifo", run={"fingerprint": fingerprint})
+    os.mkfifo(folder / "run.lock")
+    with pytest.raises(RunDirError, match=r"run\.lock: cannot be used as the run's lock"):
         RunStore(folder).open(fingerprint, resume=True)

@@ -69,6 +69,7 @@ from gym_bridge.gym.result import GymRowBatch, GymRowResult, NemoRLRowResult
 from gym_bridge.gym.routing import GymRoutes
 from gym_bridge.gym.rows import ROW_INDEX_KEY, dispatch_target
 from gym_bridge.gym.servers import GymServers
+from gym_bridge.gym.token_capture import TokenCapture, with_capture_dir
 from gym_bridge.types import Tokenizer
 
 __all__ = ["NemoGym", "NemoGymConfig", "NemoGymRestarted", "NemoGymUnavailable", "actor_configs"]
@@ -93,6 +94,7 @@ class NemoGym:
         self._servers: GymServers | None = None
         self._agent_urls: dict[str, str] = {}
         self._routes = GymRoutes(agents=())
+        self._capture: TokenCapture | None = None
         self._tokenizer: Tokenizer | None = tokenizer
         self._client: aiohttp.ClientSession | None = None
         self._executor: ThreadPoolExecutor | None = None
@@ -116,7 +118,13 @@ class NemoGym:
         return await self.spinup()
 
     async def _start_servers(self) -> None:
-        servers = GymServers(self.cfg.servers_config())
+        config = self.cfg.servers_config()
+        default_dir = config.log_dir / "token-captures" if config.log_dir else None
+        overrides, capture_dir = with_capture_dir(config.overrides, default_dir)
+        if capture_dir is not None:
+            config = config.model_copy(update={"overrides": overrides})
+            self._capture = await asyncio.to_thread(TokenCapture, capture_dir)
+        servers = GymServers(config)
         self._servers = servers
         try:
             await asyncio.to_thread(servers.start)
@@ -348,6 +356,8 @@ class NemoGym:
     async def _post(self, client: aiohttp.ClientSession, url: str, row: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
         where = f"NeMo-Gym /run at {url} for {ROW_INDEX_KEY}={row[ROW_INDEX_KEY]} (agent {row['agent_ref']['name']!r})"
         request = orjson.dumps(row)  # bytes, as aiohttp sends them: no str in between
+        if self._capture is not None:
+            self._capture.clear(row)
         try:
             async with (
                 deadline(self.cfg.request_timeout_s, where),
@@ -364,7 +374,20 @@ class NemoGym:
             if isinstance(failure, GymTransportError):
                 self._raise_if_a_server_died(where)
             raise failure
+        if self._capture is not None:
+            body = await self._finalized(row, body, where)
         return row, body
+
+    async def _finalized(self, row: dict[str, Any], body: bytes, where: str) -> bytes:
+        """The result with its captured token ids (:mod:`gym_bridge.gym.token_capture`), as JSON bytes again."""
+        assert self._capture is not None
+        try:
+            result = _loads(body)
+        except ValueError as exc:
+            raise GymResultError(f"{where}: /run returned invalid JSON: {exc}") from None
+        if not isinstance(result, dict):
+            return body  # the converter names what is wrong with it
+        return orjson.dumps(await self._capture.finalize(row, result))
 
     def _raise_if_a_server_died(self, where: str) -> None:
         """After a failed /run, name a dead Gym server (the likely cause) instead of a nested 500."""

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationInfo, fi
 from gym_bridge.failures import SettingError
 from gym_bridge.gym.convert import DEFAULT_INVALID_TOOL_CALL_PATTERNS, DEFAULT_THINKING_TAGS
 from gym_bridge.gym.servers import GymServersConfig
+from gym_bridge.gym.token_capture import capture_block
 from gym_bridge.json_types import JsonObject
 
 __all__ = ["NemoGymConfig", "actor_configs"]
@@ -77,6 +78,9 @@ class NemoGymConfig(BaseModel):
     invalid_tool_call_patterns: tuple[str, ...] = DEFAULT_INVALID_TOOL_CALL_PATTERNS
     thinking_tags: tuple[str, ...] = DEFAULT_THINKING_TAGS
     log_dir: Path | None = None
+    server_dirs: dict[str, Path] = Field(default_factory=dict)
+    """Gym server folders of your own, ``"<server_type>/<impl>" -> folder`` (an agent or resources server that
+    is not in the nemo-gym wheel), visible to Gym's config lookup without copying anything into site-packages."""
     """Per-server Gym logs; default ``<cwd>/gym-logs/...``."""
     actor_options: dict[str, Any] = Field(default_factory=dict)
     """Passed to ``ray.remote(NemoGym).options(...)`` (``num_cpus``, ``max_restarts``, ``scheduling_strategy``, ...);
@@ -162,13 +166,7 @@ class NemoGymConfig(BaseModel):
             self.config_paths = [*self.config_paths, *(p for p in paths if p not in self.config_paths)]
             self.overrides = {**initial, **self.overrides}
             self.initial_global_config_dict = None
-        capture = self.overrides.get("token_id_capture")
-        if capture and (not isinstance(capture, dict) or capture.get("enabled")):
-            raise SettingError(
-                "token_id_capture is not supported: gym-bridge does not finalise Gym's token-id capture, so an "
-                "agent whose responses carry no token ids would train on nothing; use an agent that returns them "
-                "(Gym's simple_agent with vllm_model or model_server: gym_bridge does)"
-            )
+        capture_block(self.overrides)  # refuses what the installed Gym cannot capture, in one line
         return self
 
     def servers_config(self) -> GymServersConfig:
@@ -181,12 +179,12 @@ class NemoGymConfig(BaseModel):
             if "port" not in head:
                 head["port"] = _free_port_in(self.host, self.port_range_low, self.port_range_high)
                 overrides["head_server"] = head
-        config_paths, server_dirs = list(self.config_paths), {}
+        config_paths, server_dirs = list(self.config_paths), dict(self.server_dirs)
         if self.model_server == "gym_bridge":
             from gym_bridge import gym_model
 
             config_paths = gym_model.swap_model_config(config_paths)
-            server_dirs = {gym_model.SERVER_KEY: gym_model.SERVER_DIR}
+            server_dirs[gym_model.SERVER_KEY] = gym_model.SERVER_DIR
         return GymServersConfig(
             config_paths=config_paths,
             server_dirs=server_dirs,

@@ -67,6 +67,7 @@ TASK_INDEX_KEY = "_ng_task_index"
 ROLLOUT_INDEX_KEY = "_ng_rollout_index"
 ATTEMPT_INDEX_KEY = "_ng_attempt_index"
 ROLLOUT_ID_KEY = "_ng_rollout_id"
+ROLLOUT_IDENTITY_KEYS = (TASK_INDEX_KEY, ROLLOUT_INDEX_KEY, ATTEMPT_INDEX_KEY, ROLLOUT_ID_KEY)
 
 _RATE_LIMIT_STATUSES = frozenset({429, 502, 503, 504, 520})
 
@@ -119,6 +120,9 @@ class GymVersion:
     rollout_identity_keys: tuple[str, ...]
     """The ``_ng_*`` keys Gym's collection stamps on each rollout and reads back: task and rollout index on every
     version, ``_ng_attempt_index`` from 0.5, ``_ng_rollout_id`` (the token-capture key) from 0.7."""
+    token_id_capture: bool
+    """0.7: Gym's model server records token ids under a rollout's capture key (``token_id_capture``), for agents
+    whose responses carry none; the NemoGym actor finalises them (:mod:`gym_bridge.gym.token_capture`)."""
     head_readiness_path: str
     """The head server's readiness route: ``/readyz`` (0.7, 200 once every server and endpoint answered) or ``/``."""
     global_config: JsonObject = field(default_factory=dict)
@@ -162,6 +166,7 @@ def gym_version(version: str | Version) -> GymVersion:
             + ((ATTEMPT_INDEX_KEY,) if at_least("0.5") else ())
             + ((ROLLOUT_ID_KEY,) if at_least("0.7") else ())
         ),
+        token_id_capture=at_least("0.7"),
         head_readiness_path="/readyz" if at_least("0.7") else "/",
         global_config={"model_endpoint_readiness_timeout_seconds": 0} if at_least("0.5") else {},
     )

@@ -55,11 +55,12 @@ def validator_from(
     pass_threshold: float,
     reward_shaper: RewardShaper | None = None,
     deadline_s: float | None = None,
+    seed: int | None = None,
 ) -> GymValidator | None:
     """A :class:`GymValidator` over the run's Gym actors, or None when the config has no validation data.
 
     ``reward_shaper`` shapes validation rewards as training's are (NeMo-RL's ``validate`` does the same);
-    ``deadline_s`` bounds each held-out group as training's groups are bounded."""
+    ``deadline_s`` bounds each held-out group and ``seed`` seeds its rows, as training's groups are."""
     sets = validation_sets(config)
     if not sets:
         return None
@@ -74,6 +75,7 @@ def validator_from(
         results_path=out_dir / "val_results.jsonl",
         reward_shaper=reward_shaper,
         deadline_s=deadline_s,
+        seed=seed,
     )
 
 
@@ -179,6 +181,7 @@ def build_grpo_run(config: JsonMapping, out_dir: str | Path, *, resume: bool = T
                 pass_threshold=loop_cfg.pass_threshold,
                 reward_shaper=reward_shaper_from(loop_cfg, engine.tokenizer),
                 deadline_s=rollouts.manager.timeouts.rollout_s,
+                seed=settings.launch.manager_options.get("seed"),
             ),
         )
     except BaseException:

@@ -123,6 +123,7 @@ class GymValidator:
         results_path: Path | None = None,
         reward_shaper: RewardShaper | None = None,
         deadline_s: float | None = None,
+        seed: int | None = None,
     ) -> None:
         if not sets or any(not s.rows for s in sets):
             raise SettingError("validation needs at least one set, each with rows")
@@ -133,11 +134,18 @@ class GymValidator:
         self.num_generations, self.pass_threshold = num_generations, pass_threshold
         self.results_path = results_path
         self.reward_shaper = reward_shaper
-        self.deadline_s = deadline_s
+        self.deadline_s, self.seed = deadline_s, seed
 
     async def _problem(self, row: JsonMapping, prompt_idx: int) -> list[Completion]:
         """``num_generations`` rollouts of one held-out row through Gym, rewards shaped when configured."""
-        rows = build_rows(dict(row), self.num_generations, self.sampling, self.max_new_tokens, task_index=prompt_idx)
+        rows = build_rows(
+            dict(row),
+            self.num_generations,
+            self.sampling,
+            self.max_new_tokens,
+            run_seed=self.seed,
+            task_index=prompt_idx,
+        )
         group = await self.client.run_group(rows, prompt_idx=prompt_idx, deadline_s=self.deadline_s)
         completions = [gym_completion(r, max_seq_len=None, mask_env_flagged_samples=False) for r in group.rows]
         if self.reward_shaper is not None:

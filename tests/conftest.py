@@ -13,6 +13,7 @@ other. A lane keeps collection order, so each module's fixtures are set up once.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,24 @@ def tiny_lm(tiny_model_dir: Path) -> tuple[Any, Any]:
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     model.eval()
     return AutoTokenizer.from_pretrained(tiny_model_dir), model
+
+
+@pytest.fixture(scope="module")
+def tiny_sampling_policy(tiny_lm: tuple[Any, Any]) -> Iterator[Any]:
+    """Our server over the tiny model sampling at temperature 1 (24 new tokens, seeded engine), for one module."""
+    from gym_bridge.generation.hf import HFGeneration, HFGenerationConfig
+    from gym_bridge.serving import OpenAIServer
+    from gym_bridge.testing import SERVED_MODEL_NAME
+
+    tokenizer, model = tiny_lm
+    generation = HFGeneration(
+        HFGenerationConfig(max_new_tokens=24, temperature=1.0, seed=0), model=model, tokenizer=tokenizer
+    )
+    server = OpenAIServer(generation, tokenizer, served_model_name=SERVED_MODEL_NAME)
+    server.start_in_thread()
+    yield server
+    server.stop_thread()
+    generation.shutdown()
 
 
 @pytest.fixture(scope="session")

@@ -18,15 +18,12 @@ import pytest
 import torch
 
 from gym_bridge.failures import SettingError
-from gym_bridge.generation.hf import HFGeneration, HFGenerationConfig
 from gym_bridge.gym.client import GymClient
 from gym_bridge.gym.rows import build_rows
 from gym_bridge.gym.servers import wheel_config_path
 from gym_bridge.gym.spinup import start_nemo_gym_actor, stop_nemo_gym_actors
 from gym_bridge.gym.token_capture import capture_block
 from gym_bridge.gym.versions import installed_gym
-from gym_bridge.serving import OpenAIServer
-from gym_bridge.testing import SERVED_MODEL_NAME
 from gym_bridge.testing.gym_rows import gym_actor_config, tool_call_rows
 from gym_bridge.types import GenerationSamplingParams
 
@@ -38,19 +35,7 @@ CAPTURES = installed_gym().token_id_capture
 
 
 @pytest.fixture(scope="module")
-def tiny_policy(tiny_lm) -> Iterator[OpenAIServer]:
-    tokenizer, model = tiny_lm
-    generation = HFGeneration(HFGenerationConfig(max_new_tokens=12, temperature=1.0, seed=0), model=model,
-                              tokenizer=tokenizer)  # fmt: skip
-    server = OpenAIServer(generation, tokenizer, served_model_name=SERVED_MODEL_NAME)
-    server.start_in_thread()
-    yield server
-    server.stop_thread()
-    generation.shutdown()
-
-
-@pytest.fixture(scope="module")
-def capturing_actor(ray_session, tiny_policy, tiny_tokenizer, tmp_path_factory) -> Iterator[Any]:
+def capturing_actor(ray_session, tiny_sampling_policy, tiny_tokenizer, tmp_path_factory) -> Iterator[Any]:
     if not CAPTURES:
         pytest.skip(f"{installed_gym().label} has no token_id_capture (test_capture_is_refused_... covers it)")
     configs = [
@@ -58,7 +43,7 @@ def capturing_actor(ray_session, tiny_policy, tiny_tokenizer, tmp_path_factory) 
         str(wheel_config_path("resources_servers/example_single_tool_call/configs/example_single_tool_call.yaml")),
         str(AGENT_DIR / "configs" / "tokenless_agent.yaml"),
     ]
-    config = gym_actor_config([tiny_policy.base_url], tmp_path_factory.mktemp("capture-logs")).model_copy(
+    config = gym_actor_config([tiny_sampling_policy.base_url], tmp_path_factory.mktemp("capture-logs")).model_copy(
         update={
             "config_paths": configs,
             "server_dirs": {"responses_api_agents/tokenless_agent": AGENT_DIR},

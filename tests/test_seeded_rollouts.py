@@ -15,7 +15,6 @@ from typing import Any
 import pytest
 import ray
 
-from gym_bridge.generation.hf import HFGeneration, HFGenerationConfig
 from gym_bridge.gym.reaper import free_port
 from gym_bridge.data import datum_from_gym_row
 from gym_bridge.gym.rows import mark_repeats, rollout_seed, row_seed
@@ -23,8 +22,6 @@ from gym_bridge.gym.servers import wheel_config_path
 from gym_bridge.gym.versions import installed_gym
 from gym_bridge.gym.spinup import start_nemo_gym_actor
 from gym_bridge.rollout.manager import RolloutManager
-from gym_bridge.serving import OpenAIServer
-from gym_bridge.testing import SERVED_MODEL_NAME
 from gym_bridge.testing.fault_gate import FaultGate
 from gym_bridge.testing.gym_rows import EQUIVALENCE_GYM_CONFIGS, N, gym_actor_config, make_manager, prompt
 from gym_bridge.types import PromptGroupRecord
@@ -35,20 +32,8 @@ RUN_SEED = 20261125
 
 
 @pytest.fixture(scope="module")
-def tiny_policy(tiny_lm) -> Iterator[OpenAIServer]:
-    tokenizer, model = tiny_lm
-    generation = HFGeneration(HFGenerationConfig(max_new_tokens=24, temperature=1.0, seed=0), model=model,
-                              tokenizer=tokenizer)  # fmt: skip
-    server = OpenAIServer(generation, tokenizer, served_model_name=SERVED_MODEL_NAME)
-    server.start_in_thread()
-    yield server
-    server.stop_thread()
-    generation.shutdown()
-
-
-@pytest.fixture(scope="module")
-def gate(tiny_policy, tmp_path_factory) -> Iterator[FaultGate]:
-    gate = FaultGate(tiny_policy.root_url, free_port("127.0.0.1"), tmp_path_factory.mktemp("gate") / "gate.log")
+def gate(tiny_sampling_policy, tmp_path_factory) -> Iterator[FaultGate]:
+    gate = FaultGate(tiny_sampling_policy.root_url, free_port("127.0.0.1"), tmp_path_factory.mktemp("gate") / "gate.log")
     gate.start()
     gate.set("pass")
     yield gate

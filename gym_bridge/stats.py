@@ -5,10 +5,10 @@ Both work prompt by prompt (the unit that was sampled from the task distribution
 runs find hard counts once, and the interval reflects how much the verdict depends on which prompts
 happened to be in the dataset. Both scale to hundreds of thousands of prompts: McNemar's tail is summed in
 log space (time linear in the discordant pairs), and the bootstrap draws how often each distinct prompt
-outcome is picked (a multinomial) instead of every pick, falling back to picks in chunks of bounded size
-when the outcomes are mostly distinct. When they are mostly distinct *and* picks would number more than
-:data:`_EXACT_CELLS` (about 10,000 prompts at 10,000 resamples: continuous rewards at scale), the percentile
-interval is taken from the bootstrap distribution's Cornish-Fisher expansion instead of resampling it: the
+outcome is picked (a multinomial) instead of every pick. When more than 4,096 outcomes are distinct
+(continuous rewards) it draws the picks in chunks of bounded memory, unless they would number more than
+:data:`_EXACT_CELLS` (at 10,000 resamples: over 2,000 prompts, so every such run): then the percentile interval
+comes from the Cornish-Fisher expansion of the bootstrap distribution instead of from resampling it. The
 resampled mean has mean ``m``, sd ``s / sqrt(n)``, skewness ``g / sqrt(n)`` and excess kurtosis ``k / n`` from the
 sample's own moments, and at such ``n`` the expansion is closer to the ideal bootstrap's quantiles than 10,000
 resamples are (``Interval.method`` says which was used).
@@ -33,7 +33,7 @@ _CHUNK_CELLS = 4_000_000
 """Picks drawn at once on the fallback path (resamples x prompts): about 32 MB of int64, whatever the size."""
 _MAX_DISTINCT = 4_096
 """Up to this many distinct prompt outcomes the bootstrap draws counts per outcome (a multinomial)."""
-_EXACT_CELLS = 100_000_000
+_EXACT_CELLS = 20_000_000
 """Beyond this many picks (resamples x prompts) with mostly distinct outcomes, the Cornish-Fisher expansion."""
 RESAMPLED = "percentile bootstrap"
 EXPANDED = "percentile bootstrap, Cornish-Fisher expansion"

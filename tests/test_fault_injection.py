@@ -42,6 +42,7 @@ from gym_bridge.rollout.manager import RolloutManager, RolloutOutcome
 from gym_bridge.rollout.nemo_gym import GymRowIndexError
 from gym_bridge.rollout.sink import InMemorySink
 from gym_bridge.testing import async_wait_until
+from gym_bridge.testing.fault_gate import FaultGate
 from gym_bridge.testing.gym_rows import (
     EQUIVALENCE_GYM_CONFIGS,
     N,
@@ -50,7 +51,6 @@ from gym_bridge.testing.gym_rows import (
     make_manager,
     prompt,
 )
-from gym_bridge.testing.fault_gate import FaultGate
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.gym, pytest.mark.slow]
 
@@ -396,8 +396,8 @@ class TamperingRelay:
     def __init__(self, inner, plan: str):
         self.inner, self.plan, self.calls = inner, plan, 0
 
-    async def agent_names(self):
-        return await self.inner.agent_names.remote()
+    async def routes(self):
+        return await self.inner.routes.remote()
 
     async def run_row_batches(self, rows, timer_prefix):
         self.calls += 1

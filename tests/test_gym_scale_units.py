@@ -11,6 +11,7 @@ from gym_bridge.failures import GymTransportError
 from gym_bridge.gym.actor import NemoGym, NemoGymConfig
 from gym_bridge.gym.client import GymClient
 from gym_bridge.gym.health import SharedWatch
+from gym_bridge.gym.routing import GymRoutes
 from gym_bridge.gym.spinup import DEFAULT_MAX_CONCURRENCY, actor_options
 
 
@@ -75,14 +76,14 @@ def test_a_failed_watch_is_replaced_for_the_next_stream():
 
 
 class _Method:
-    def __init__(self, answer: list[str]) -> None:
+    def __init__(self, answer: Any) -> None:
         self.answer = answer
         self.calls = 0
 
     def remote(self) -> Any:
         self.calls += 1
 
-        async def reply() -> list[str]:
+        async def reply() -> Any:
             await asyncio.sleep(0.01)
             return self.answer
 
@@ -91,7 +92,7 @@ class _Method:
 
 class _Actor:
     def __init__(self) -> None:
-        self.agent_names = _Method(["a", "b"])
+        self.routes = _Method(GymRoutes(agents=("a", "b")))
 
 
 def test_groups_launched_together_ask_the_actor_for_its_agents_once():
@@ -102,7 +103,7 @@ def test_groups_launched_together_ask_the_actor_for_its_agents_once():
         return await asyncio.gather(*(client.agent_names() for _ in range(64)))
 
     answers = asyncio.run(scenario())
-    assert actor.agent_names.calls == 1
+    assert actor.routes.calls == 1
     assert answers == [["a", "b"]] * 64
 
 

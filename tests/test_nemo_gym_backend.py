@@ -16,6 +16,7 @@ import torch
 from gym_bridge.failures import GymTransportError, RolloutDataFailure, RolloutTimeout, RolloutTimeouts
 from gym_bridge.gym.convert import gym_row_result
 from gym_bridge.gym.result import GymRowBatch, GymRowResult
+from gym_bridge.gym.routing import GymRoutes
 from gym_bridge.rollout.manager import RolloutManager
 from gym_bridge.rollout.nemo_gym import AsyncNemoGymRolloutImpl, GymRowIndexError
 from gym_bridge.types import token_tensor
@@ -60,10 +61,10 @@ class ScriptedStreamActor:
         self.calls: list[list[int]] = []
         self.hang_agents = hang_agents
 
-    async def agent_names(self):
+    async def routes(self):
         if self.hang_agents:  # an actor that never answers (e.g. stuck starting its servers)
             await asyncio.sleep(60)
-        return ["agent_a"]
+        return GymRoutes(agents=("agent_a",))
 
     def dispatched(self):
         return self.calls

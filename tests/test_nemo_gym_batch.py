@@ -12,6 +12,7 @@ from gym_bridge import GymResultError, run_async_nemo_gym_rollout
 from gym_bridge.failures import SettingError
 from gym_bridge.gym.convert import gym_row_result
 from gym_bridge.gym.result import GymRowBatch
+from gym_bridge.gym.routing import GymRoutes
 from gym_bridge.types import GenerationSamplingParams, token_tensor
 
 pytestmark = pytest.mark.usefixtures("ray_session")
@@ -27,8 +28,8 @@ class StreamedResults:
     def __init__(self, fields: list[dict]):
         self.fields = fields
 
-    async def agent_names(self):
-        return [AGENT]
+    async def routes(self):
+        return GymRoutes(agents=(AGENT,))
 
     async def run_row_batches(self, rows, timer_prefix):
         converted = []

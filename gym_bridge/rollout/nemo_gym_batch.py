@@ -160,6 +160,11 @@ async def run_async_nemo_gym_rollout(
     if message_logs is not None and len(message_logs) != len(rows):
         raise SettingError(f"input_batch has {len(message_logs)} message logs for {len(rows)} NeMo-Gym rows")
     max_new_tokens = generation_config.get("max_new_tokens")
+    stamped = [
+        [stamped_row(rows[start + i], i, sampling, max_new_tokens) for i in range(end - start)] for start, end in groups
+    ]
+    shaping = _Shaping(tokenizer, effort_config, reward_penalty_config, thinking_tags)
+    loss_multiplier = _loss_multiplier(input_batch, len(rows))
     client = GymClient(
         nemo_gym_actors(task_to_env),
         max_row_attempts=1,
@@ -169,11 +174,6 @@ async def run_async_nemo_gym_rollout(
     routes = await client.routes()
     if routes is not None:  # task_source rows gain agent_ref here, so metrics and final_batch name the agent
         rows = [routes.routed(row, where=f"row {i}") for i, row in enumerate(rows)]
-    stamped = [
-        [stamped_row(rows[start + i], i, sampling, max_new_tokens) for i in range(end - start)] for start, end in groups
-    ]
-    shaping = _Shaping(tokenizer, effort_config, reward_penalty_config, thinking_tags)
-    loss_multiplier = _loss_multiplier(input_batch, len(rows))
     post = _GroupPost(tokenizer, engine_max_len, mask_env_flagged_samples, log_full_result_tables, shaping)
 
     started = time.perf_counter()

@@ -38,7 +38,10 @@ _HIDDEN_GYM_KEYS = {"responses_create_params", "response", "reward", "token_drif
 
 
 def text(value: object, limit: int = _TEXT_LIMIT) -> str:
-    """``value`` as text: a string as is, anything else as JSON (numbers, objects), cut to ``limit`` characters."""
+    """``value`` as text: a string as is, None as nothing, anything else as JSON (numbers, objects), cut to
+    ``limit`` characters."""
+    if value is None:
+        return ""
     if not isinstance(value, str):
         value = json.dumps(value, default=str, allow_nan=True, ensure_ascii=False)
     return value if len(value) <= limit else value[:limit] + f"... [cut: {len(value)} characters]"

@@ -61,7 +61,7 @@ def confuse(run: Path) -> None:
     wrong[2]["token_drift"] = True
     (run / "results.jsonl").write_text("".join(json.dumps(g) + "\n" for g in lines))
     meta = json.loads((run / "run.json").read_text())
-    meta["model"] = XSS[0] + XSS[-1]
+    meta.update(model=XSS[0] + XSS[-1], prompts_total=XSS[2], rescore={"source": XSS[1]}, config=[XSS[4]])
     (run / "run.json").write_text(json.dumps(meta))
 
 
@@ -102,6 +102,7 @@ def test_every_value_is_text_or_a_checked_number(tmp_path: Path) -> None:
     assert wrong[0]["reward"] is None and wrong[0]["trace"] is None and wrong[0]["truncated"] is False
     assert wrong[1]["trace"][0] == {"role": "assistant", "tokens": [], "logprobs": None}
     assert wrong[2]["drift"] == {"turn": None, "position": XSS[-1]} and wrong[2]["items"] == []
+    assert data["run"]["pass_threshold"] == 1.0 and data["run"]["rescored_from"] == XSS[1], "a config that is a list"
 
 
 def test_numbers_are_checked() -> None:

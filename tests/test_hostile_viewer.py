@@ -209,7 +209,7 @@ def write_run(folder: Path, rewards: dict[int, float], agent: str, model: str) -
     return folder
 
 
-@pytest.mark.parametrize("agent", [XSS[-1], XSS[0], XSS[6]])
+@pytest.mark.parametrize("agent", [XSS[-1], XSS[0], XSS[6], r"_a $\frac{1}{$ b"])
 def test_compare_md_escapes_agents_models_and_prompts(tmp_path: Path, agent: str) -> None:
     a = write_run(tmp_path / "a", {i: 0.0 for i in range(20)}, agent, XSS[0])
     b = write_run(tmp_path / "b", {i: float(i < 15) for i in range(20)}, agent, XSS[-1])
@@ -220,6 +220,7 @@ def test_compare_md_escapes_agents_models_and_prompts(tmp_path: Path, agent: str
     assert len(rows) == 4 and len({cells(row) for row in rows}) == 1, rows
     flips = table_rows(md, "| flip |")
     assert len(flips) == 2 + 15 and len({cells(row) for row in flips}) == 1
+    assert (tmp_path / "out" / "compare.png").stat().st_size > 1000, "mathtext in a name is drawn as text"
 
 
 # ---- compare at scale and at small counts ------------------------------------------------------

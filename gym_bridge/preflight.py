@@ -57,6 +57,10 @@ _PROBE_TOOL = {
     },
 }
 _MAX_DETAIL_CHARS = 300
+_MAX_BODY_BYTES = 4 << 20
+"""The most of one answer a check reads: an endpoint that streams without end must not fill memory."""
+_MAX_NAMES = 10
+"""Served model names listed in a message (a server may serve thousands)."""
 
 
 class EndpointProblem(StrEnum):
@@ -130,7 +134,10 @@ def rows_use_tools(rows: Sequence[JsonMapping]) -> bool:
 
 
 def _short(text: str) -> str:
+    """One printable line of at most ``_MAX_DETAIL_CHARS``: whitespace runs become one space, and control or other
+    unprintable characters their escapes (an endpoint's text must not split the line or drive the terminal)."""
     text = " ".join(text.split())
+    text = "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in text)
     return text if len(text) <= _MAX_DETAIL_CHARS else text[: _MAX_DETAIL_CHARS - 3] + "..."
 
 
@@ -138,7 +145,7 @@ def _error_message(response: httpx.Response) -> str:
     """The server's own message from an error body (OpenAI/vLLM ``error.message``, FastAPI ``detail``)."""
     try:
         body = response.json()
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
         return _short(response.text) or response.reason_phrase
     if isinstance(body, dict):
         error = body.get("error")
@@ -164,7 +171,7 @@ async def _send(
 ) -> httpx.Response:
     """``method url`` with ``body`` as JSON; a transport failure or a refused key is a :class:`_Failed` naming it."""
     try:
-        response = await client.request(method, url, json=body)
+        response = await _bounded(client, method, url, what, body)
     except httpx.ConnectError as exc:
         reason = "connection refused" if _refused(exc) else _short(str(exc) or type(exc).__name__)
         raise _Failed(EndpointProblem.UNREACHABLE, f"nothing answers ({reason})") from exc
@@ -181,6 +188,25 @@ async def _send(
     return response
 
 
+async def _bounded(
+    client: httpx.AsyncClient, method: str, url: str, what: str, body: JsonObject | None
+) -> httpx.Response:
+    """The response with its body read, up to ``_MAX_BODY_BYTES``: a longer answer is a :class:`_Failed`."""
+    async with client.stream(method, url, json=body) as streamed:
+        content = bytearray()
+        async for chunk in streamed.aiter_bytes():
+            content += chunk
+            if len(content) > _MAX_BODY_BYTES:
+                raise _Failed(
+                    EndpointProblem.HTTP_ERROR,
+                    f"{what} answered more than {_MAX_BODY_BYTES >> 20} MiB (HTTP {streamed.status_code}); an "
+                    "OpenAI-compatible server's answer to it is a few KiB",
+                )
+    return httpx.Response(
+        streamed.status_code, headers=streamed.headers, content=bytes(content), request=streamed.request
+    )
+
+
 def _json(response: httpx.Response, what: str) -> object:
     if response.status_code != 200:
         raise _Failed(
@@ -190,13 +216,15 @@ def _json(response: httpx.Response, what: str) -> object:
         return response.json()
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise _Failed(EndpointProblem.HTTP_ERROR, f"{what} answered HTTP 200 with a body that is not JSON") from exc
+    except RecursionError:
+        raise _Failed(EndpointProblem.HTTP_ERROR, f"{what} answered HTTP 200 with JSON nested too deeply") from None
 
 
 def _served_models(body: object) -> tuple[str, ...]:
     data = body.get("data") if isinstance(body, dict) else None
     if not isinstance(data, list):
         raise _Failed(EndpointProblem.HTTP_ERROR, "GET /v1/models answered without a 'data' list of models")
-    return tuple(str(card.get("id")) for card in data if isinstance(card, dict) and card.get("id") is not None)
+    return tuple(str(card["id"]) for card in data if isinstance(card, dict) and card.get("id") is not None)
 
 
 def _check_token_data(body: object) -> None:
@@ -234,10 +262,12 @@ async def _check(client: httpx.AsyncClient, base_url: str, model_name: str, tool
     base = base_url.rstrip("/")
     served = _served_models(_json(await _send(client, "GET", f"{base}/models", "GET /v1/models"), "GET /v1/models"))
     if model_name not in served:
-        names = ", ".join(repr(name) for name in served) or "no model"
+        names = _short(", ".join(repr(name) for name in served[:_MAX_NAMES])) or "no model"
+        if len(served) > _MAX_NAMES:
+            names += f" and {len(served) - _MAX_NAMES} more"
         raise _Failed(
             EndpointProblem.MODEL_NOT_SERVED,
-            f"does not serve model {model_name!r}; it serves {names} (set model_name to the served name)",
+            f"does not serve model {_short(repr(model_name))}; it serves {names} (set model_name to the served name)",
             served,
         )
     chat = {

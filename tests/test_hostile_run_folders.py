@@ -375,3 +375,17 @@ def test_eval_resume_reads_the_folder_through_the_same_reader(tmp_path: Path) ->
     os.mkfifo(folder / "run.lock")
     with pytest.raises(RunDirError, match=r"run\.lock: cannot be used as the run's lock"):
         RunStore(folder).open(fingerprint, resume=True)
+
+
+def test_a_policies_run_checks_its_folders_with_the_same_reader(tmp_path: Path) -> None:
+    """``run_policies`` asks each policy's folder whether it is finished before starting anything: a hostile
+    ``prompt_idx`` there is a :class:`RunReadError` naming the line, not a traceback."""
+    from gym_bridge.eval.config import EvalConfig
+    from gym_bridge.eval.dataset import DatasetRow
+    from gym_bridge.eval.runner import _finished
+    from gym_bridge.eval.runs import RunReadError
+
+    folder = write_run(tmp_path / "policy", lines=[{**result_line(0, [1.0]), "prompt_idx": "zero"}])
+    config = EvalConfig.model_validate({"dataset": "d.jsonl", "config_paths": [LC_CONFIG], "output_dir": str(folder)})
+    with pytest.raises(RunReadError, match=re.escape("results.jsonl:1: field 'prompt_idx'")):
+        _finished(config, [DatasetRow(prompt_idx=0, line=1, row=row(0))])

@@ -250,11 +250,14 @@ def run_policies(config: EvalConfig, *, resume: bool = False, progress: bool = T
 
 def _finished(config: EvalConfig, rows: list[DatasetRow]) -> bool:
     """Whether ``config``'s run folder already holds a result for every row (its resume runs nothing)."""
+    from gym_bridge.eval.records import ResumeLine
+    from gym_bridge.eval.runs import ReadLimits, read_result_lines
     from gym_bridge.eval.store import RESULTS_FILE, RUN_FILE
 
-    if not (config.output_dir / RUN_FILE).exists():
+    if not (config.output_dir / RUN_FILE).exists() or not (config.output_dir / RESULTS_FILE).exists():
         return False
-    done = {int(r["prompt_idx"]) for r in read_jsonl(config.output_dir / RESULTS_FILE)}
+    lines = read_result_lines(config.output_dir, ReadLimits.from_env(), ResumeLine, need_row_ids=False, finished=False)
+    done = {result.prompt_idx for _, _, result in lines}
     return all(row.prompt_idx in done for row in rows)
 
 

@@ -15,7 +15,6 @@ from gym_bridge.eval.config import EvalConfig
 from pydantic import ValidationError
 
 from gym_bridge.failures import InvalidGymRow
-from gym_bridge.gym.actor_config import NemoGymConfig
 from gym_bridge.gym.routing import GymRoutes, RowRouting
 from gym_bridge.gym.row_file import read_row_file
 from gym_bridge.gym.rows import build_rows, mark_repeats, row_seed, rollout_seed, with_attempt
@@ -140,8 +139,3 @@ def test_a_training_config_reads_gyms_routing_keys_and_keeps_them_from_gyms_glob
     with pytest.raises(TrainingConfigError, match=r"^env.nemo_gym: agent_name \('a'\) and agent_map._default \('b'\) both"):
         row_routing({"env": {"nemo_gym": {"agent_name": "a", "agent_map": {"_default": "b"}}}})
 
-
-def test_token_id_capture_is_refused_in_one_line():
-    with pytest.raises(ValidationError, match="token_id_capture is not supported: gym-bridge does not finalise"):
-        NemoGymConfig(model_name="m", base_urls=["http://127.0.0.1:1/v1"], config_paths=["x.yaml"],
-                      overrides={"token_id_capture": {"enabled": True}})  # fmt: skip

@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from gym_bridge.failures import InvalidGymRow
 from gym_bridge.gym.routing import GymRoutes, RowRouting
 from gym_bridge.gym.row_file import read_row_file
-from gym_bridge.gym.rows import build_rows, mark_repeats, row_seed, rollout_seed, with_attempt
+from gym_bridge.gym.rows import build_rows, mark_repeats, rollout_seed, row_seed, validate_row, with_attempt
 from gym_bridge.gym.versions import installed_gym
 from gym_bridge.types import GenerationSamplingParams
 
@@ -106,6 +106,11 @@ def test_each_copy_carries_gyms_rollout_identity_and_repeats_get_their_own():
     assert row_seed(resent) == row_seed(a[1]) and resent["_ng_rollout_index"] == 1
     assert resent.get("_ng_attempt_index") == (2 if "_ng_attempt_index" in keys else None)
     assert "_ng_attempt_index" not in a[1], "the caller's row is kept"
+
+
+def test_a_rollout_index_that_is_not_a_count_is_refused_where_the_row_enters():
+    with pytest.raises(InvalidGymRow, match=r"^prompt_idx=2: invalid Gym row: _ng_rollout_index must be a non-negative int, got '1'$"):
+        validate_row(row(agent_ref={"name": "a"}, _ng_rollout_index="1"), prompt_idx=2)
 
 
 def test_a_row_file_splits_on_newlines_only_routes_and_marks_repeats(tmp_path: Path):

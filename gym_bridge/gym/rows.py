@@ -120,6 +120,10 @@ def validate_row(row: Any, *, prompt_idx: int, known_agents: list[str] | None = 
         problems = "; ".join(f"{'.'.join(str(p) for p in err['loc']) or '(row)'}: {err['msg']}" for err in exc.errors())
         raise InvalidGymRow(f"{where}: invalid Gym row: {problems}") from None
     check_routable(row, where=where)
+    try:
+        repeat_of(row)
+    except InvalidGymRow as exc:
+        raise InvalidGymRow(f"{where}: invalid Gym row: {exc}") from None
     if known_agents is not None and parsed.agent_ref is not None:
         check_agent(parsed.agent_ref.name, known_agents, where=where)
     return ValidGymRow(row)

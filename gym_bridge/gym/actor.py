@@ -195,6 +195,7 @@ class NemoGym:
         executor, self._executor = self._executor, None
         self._agent_urls = {}
         self._routes = GymRoutes(agents=())
+        self._capture = None
         try:
             if client is not None:
                 await client.close()

@@ -85,6 +85,13 @@ def test_routes_resolve_a_task_source_and_name_what_routes_nowhere():
         old.agent_of(row(task_source="src_a"), where="w")
 
 
+def test_a_whole_dataset_is_routed_at_once_and_every_row_that_routes_nowhere_named():
+    rows = [row(task_source="src_a"), row(task_source="nope"), row(agent_ref={"name": "zz"})]
+    routed, problems = ROUTES.route_all(rows, ["line 1", "line 2", "line 3"])
+    assert routed == [{**rows[0], "agent_ref": {"name": "a"}}]
+    assert [p.split(":")[0] for p in problems] == ["line 2", "line 3"]
+
+
 def test_each_copy_carries_gyms_rollout_identity_and_repeats_get_their_own():
     keys = installed_gym().rollout_identity_keys
     first, second = mark_repeats([row(q=1), row(q=1)], [5, 6])

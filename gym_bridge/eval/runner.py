@@ -35,7 +35,7 @@ from gym_bridge.eval.dataset import DatasetError, DatasetRow, file_sha256, load_
 from gym_bridge.eval.report import build_report, describe_model
 from gym_bridge.eval.sink import RunStoreSink
 from gym_bridge.eval.store import RunStore, read_jsonl
-from gym_bridge.failures import InvalidGymRow, RunConfigurationError
+from gym_bridge.failures import RunConfigurationError
 from gym_bridge.gym.rows import ValidGymRow
 from gym_bridge.json_types import JsonObject
 
@@ -333,19 +333,17 @@ def _routed(pending: list[DatasetRow], actor: ActorHandle) -> list[DatasetRow]:
     import ray
 
     routes: GymRoutes = ray.get(actor.routes.remote(), timeout=60)
-    routed, problems = [], []
-    for item in pending:
-        try:
-            row = routes.routed(item.row, where=f"prompt_idx={item.prompt_idx}")
-        except InvalidGymRow as exc:
-            problems.append(f"line {item.line}: {exc}")
-        else:
-            routed.append(item if row is item.row else replace(item, row=ValidGymRow(row)))
+    rows, problems = routes.route_all(
+        [item.row for item in pending], [f"line {i.line}: prompt_idx={i.prompt_idx}" for i in pending]
+    )
     if problems:
         raise DatasetError(
             f"{len(problems)} row(s) route to no agent of the launched Gym config:\n" + "\n".join(problems[:20])
         )
-    return routed
+    return [
+        item if row is item.row else replace(item, row=ValidGymRow(row))
+        for item, row in zip(pending, rows, strict=True)
+    ]
 
 
 def _preflight(spec: GymLaunchSpec, api_key: SecretStr | None) -> None:

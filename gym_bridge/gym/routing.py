@@ -14,7 +14,7 @@ Two steps, as Gym's own collection takes them:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -137,6 +137,19 @@ class GymRoutes:
         """``row`` with ``agent_ref`` naming its agent (a copy when it had to be stamped, as Gym stamps it)."""
         agent = self.agent_of(row, where=where)
         return row if row_agent(row) == agent else {**row, "agent_ref": {"name": agent}}
+
+    def route_all(
+        self, rows: Sequence[dict[str, Any]], wheres: Sequence[str]
+    ) -> tuple[list[dict[str, Any]], list[str]]:
+        """Every row :meth:`routed` (``wheres`` names each in a message), and one problem per row that routes nowhere:
+        what a run checks of its whole dataset right after Gym starts, before any row is sent."""
+        routed, problems = [], []
+        for row, where in zip(rows, wheres, strict=True):
+            try:
+                routed.append(self.routed(row, where=where))
+            except InvalidGymRow as exc:
+                problems.append(str(exc))
+        return routed, problems
 
     def _resolve_task_source(self, source: Any, where: str) -> str:
         if source is None:

@@ -33,13 +33,15 @@ from gym_bridge.config.training import TrainingConfigError, nemo_gym_rollout_set
 from gym_bridge.data import datum_from_gym_row
 from gym_bridge.generation.hf import HFGeneration, HFGenerationConfig
 from gym_bridge.gym.client import GymClient
+from gym_bridge.gym.routing import GymRoutes
+from gym_bridge.gym.rows import ValidGymRow
 from gym_bridge.json_types import JsonMapping
 from gym_bridge.policy.hf import HFPolicy
 from gym_bridge.recipes.launch import NemoGymRollouts, start_nemo_gym_rollouts
 from gym_bridge.serving import OpenAIServer
 from gym_bridge.training.loop import GRPOLoopConfig, GRPOTrainer, load_trainer_state
 from gym_bridge.training.rewards import RewardShaper
-from gym_bridge.training.validation import GymValidator
+from gym_bridge.training.validation import GymValidator, ValidationSet
 from gym_bridge.types import ActorHandle, Tokenizer
 
 __all__ = ["GRPORun", "build_grpo_run", "reward_shaper_from", "validator_from"]
@@ -64,6 +66,10 @@ def validator_from(
     sets = validation_sets(config)
     if not sets:
         return None
+    sets = [
+        ValidationSet(held.name, routed_rows([ValidGymRow(r) for r in held.rows], actors[0], f"validation {held.name}"))
+        for held in sets
+    ]
     options = validation_options(config)
     return GymValidator(
         GymClient(actors, timer_prefix="timing/validation"),
@@ -77,6 +83,20 @@ def validator_from(
         deadline_s=deadline_s,
         seed=seed,
     )
+
+
+def routed_rows(rows: list[ValidGymRow], actor: ActorHandle, what: str = "training") -> list[ValidGymRow]:
+    """``what`` rows with the agent the launched Gym config routes each to (``task_source`` rows resolved by Gym's own
+    resolver); :class:`TrainingConfigError` naming every row that routes nowhere, before any step runs."""
+    import ray
+
+    routes: GymRoutes = ray.get(actor.routes.remote(), timeout=60)
+    routed, problems = routes.route_all(rows, [f"{what} row {i}" for i in range(len(rows))])
+    if problems:
+        raise TrainingConfigError(
+            f"{len(problems)} {what} row(s) route to no running agent: " + "; ".join(problems[:5])
+        )
+    return [row if isinstance(row, ValidGymRow) else ValidGymRow(row) for row in routed]
 
 
 def reward_shaper_from(loop_cfg: GRPOLoopConfig, tokenizer: Tokenizer) -> RewardShaper:
@@ -164,7 +184,7 @@ def build_grpo_run(config: JsonMapping, out_dir: str | Path, *, resume: bool = T
         if state is not None:
             policy.load_optimizer(checkpoint)
             engine.update_weights(policy.state_dict_for_refit(), state.weight_version)
-        rows = load_gym_rows(train_data_path(config), row_routing(config))
+        rows = routed_rows(load_gym_rows(train_data_path(config), row_routing(config)), rollouts.actor)
         dataset = [datum_from_gym_row(row, idx=i) for i, row in enumerate(rows)]
         trainer = GRPOTrainer(
             loop_cfg,

@@ -16,8 +16,6 @@ import torch
 from gym_bridge.failures.errors import SettingError
 from gym_bridge.json_types import JsonMapping, JsonObject
 
-NEMO_GYM_TASK_INDEX_KEY = "_ng_task_index"
-
 TOKEN_DTYPE = torch.int64
 LOGPROB_DTYPE = torch.float32
 

@@ -14,7 +14,7 @@ Two steps, as Gym's own collection takes them:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,10 +23,19 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from gym_bridge.failures import InvalidGymRow, SettingError
 from gym_bridge.gym.versions import installed_gym
 
-__all__ = ["TASK_SOURCE_KEY", "GymRoutes", "RowRouting", "check_routable", "routing_basis", "row_agent"]
+__all__ = ["TASK_SOURCE_KEY", "GymRoutes", "RowRouting", "check_agent", "check_routable", "routing_basis", "row_agent"]
 
 TASK_SOURCE_KEY = "task_source"
 DEFAULT_KEY = "_default"
+
+
+def check_agent(name: Any, known_agents: Collection[str], *, where: str) -> None:
+    """Raise :class:`InvalidGymRow` unless ``name`` is one of the running agents (listed in the message)."""
+    if name not in known_agents:
+        raise InvalidGymRow(
+            f"{where}: agent_ref.name {name!r} is not a running agent; "
+            f"known agents: {', '.join(sorted(known_agents)) or '(none)'}"
+        )
 
 
 def row_agent(row: Mapping[str, Any]) -> str | None:
@@ -127,16 +136,15 @@ class GymRoutes:
         agent = row_agent(row)
         if agent is None:
             agent = self._resolve_task_source(row.get(TASK_SOURCE_KEY), where)
-        elif agent not in self.agents:
-            raise InvalidGymRow(f"{where}: agent_ref.name {agent!r} is not a running agent; {self._known()}")
+        else:
+            check_agent(agent, self.agents, where=where)
         if agent in self.dispatch_errors:
             raise InvalidGymRow(f"{where}: {self.dispatch_errors[agent]}")
         return agent
 
     def routed(self, row: dict[str, Any], *, where: str) -> dict[str, Any]:
         """``row`` with ``agent_ref`` naming its agent (a copy when it had to be stamped, as Gym stamps it)."""
-        agent = self.agent_of(row, where=where)
-        return row if row_agent(row) == agent else {**row, "agent_ref": {"name": agent}}
+        return _with_agent(row, self.agent_of(row, where=where))
 
     def route_all(
         self, rows: Sequence[dict[str, Any]], wheres: Sequence[str]

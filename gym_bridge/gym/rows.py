@@ -28,13 +28,13 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from gym_bridge.failures import InvalidGymRow, SettingError
-from gym_bridge.gym.routing import GymRoutes, check_routable, row_agent
+from gym_bridge.gym.routing import GymRoutes, check_agent, check_routable, row_agent
 from gym_bridge.gym.versions import ATTEMPT_INDEX_KEY, ROLLOUT_ID_KEY, ROLLOUT_INDEX_KEY, TASK_INDEX_KEY, installed_gym
 from gym_bridge.types import GenerationSamplingParams
 
@@ -127,15 +127,6 @@ def validate_row(row: Any, *, prompt_idx: int, known_agents: list[str] | None = 
     if known_agents is not None and parsed.agent_ref is not None:
         check_agent(parsed.agent_ref.name, known_agents, where=where)
     return ValidGymRow(row)
-
-
-def check_agent(name: Any, known_agents: Collection[str], *, where: str) -> None:
-    """Raise :class:`InvalidGymRow` unless ``name`` is one of the running agents (listed in the message)."""
-    if name not in known_agents:
-        raise InvalidGymRow(
-            f"{where}: agent_ref.name {name!r} is not a running agent; "
-            f"known agents: {', '.join(sorted(known_agents)) or '(none)'}"
-        )
 
 
 def dispatch_target(row: Any, position: int, routes: GymRoutes) -> tuple[int, str]:

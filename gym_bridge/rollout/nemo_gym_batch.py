@@ -28,6 +28,7 @@ from gym_bridge.gym.client import GymClient, GymGroupResult
 from gym_bridge.gym.result import GymRowResult
 from gym_bridge.gym.routing import routing_basis
 from gym_bridge.gym.rows import stamped_row, validate_row
+from gym_bridge.gym.versions import TASK_INDEX_KEY
 from gym_bridge.json_types import JsonMapping, JsonObject
 from gym_bridge.rollout.nemo_gym import (
     TIMER_PREFIX,
@@ -49,7 +50,6 @@ from gym_bridge.rollout.reward_shaping import (
     validate_reward_components_match_scalar,
 )
 from gym_bridge.types import (
-    NEMO_GYM_TASK_INDEX_KEY,
     ActorHandle,
     DatumSpec,
     GenerationConfig,
@@ -160,9 +160,6 @@ async def run_async_nemo_gym_rollout(
     if message_logs is not None and len(message_logs) != len(rows):
         raise SettingError(f"input_batch has {len(message_logs)} message logs for {len(rows)} NeMo-Gym rows")
     max_new_tokens = generation_config.get("max_new_tokens")
-    stamped = [
-        [stamped_row(rows[start + i], i, sampling, max_new_tokens) for i in range(end - start)] for start, end in groups
-    ]
     shaping = _Shaping(tokenizer, effort_config, reward_penalty_config, thinking_tags)
     loss_multiplier = _loss_multiplier(input_batch, len(rows))
     client = GymClient(
@@ -172,8 +169,11 @@ async def run_async_nemo_gym_rollout(
         resend_env_infra_failures=False,
     )
     routes = await client.routes()
-    if routes is not None:  # task_source rows gain agent_ref here, so metrics and final_batch name the agent
+    if routes is not None:  # task_source rows gain agent_ref once, here: metrics and final_batch name the agent
         rows = [routes.routed(row, where=f"row {i}") for i, row in enumerate(rows)]
+    stamped = [
+        [stamped_row(rows[start + i], i, sampling, max_new_tokens) for i in range(end - start)] for start, end in groups
+    ]
     post = _GroupPost(tokenizer, engine_max_len, mask_env_flagged_samples, log_full_result_tables, shaping)
 
     started = time.perf_counter()
@@ -415,12 +415,12 @@ def _split(rows: list[JsonObject], num_generations: int, returns_entire_batch: b
 
 def _task_index(rows: Sequence[JsonMapping]) -> int | None:
     """The group's ``_ng_task_index``, checked equal across its rows; None when the first row has none."""
-    if not rows or NEMO_GYM_TASK_INDEX_KEY not in rows[0]:
+    if not rows or TASK_INDEX_KEY not in rows[0]:
         return None
-    indices = [row.get(NEMO_GYM_TASK_INDEX_KEY) for row in rows]
-    first = int(rows[0][NEMO_GYM_TASK_INDEX_KEY])
+    indices = [row.get(TASK_INDEX_KEY) for row in rows]
+    first = int(rows[0][TASK_INDEX_KEY])
     if any(index is None or int(index) != first for index in indices):
-        raise SettingError(f"expected one {NEMO_GYM_TASK_INDEX_KEY} per prompt group, got {indices}")
+        raise SettingError(f"expected one {TASK_INDEX_KEY} per prompt group, got {indices}")
     return first
 
 

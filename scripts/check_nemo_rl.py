@@ -57,6 +57,8 @@ for _key, _value in {
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from nemo_rl_check import imports  # noqa: E402
 
+from gym_bridge.gym.versions import ROLLOUT_IDENTITY_KEYS  # noqa: E402  (light: package metadata only)
+
 if TYPE_CHECKING:
     import torch
     from nemo_rl.algorithms.grpo import MasterConfig
@@ -773,6 +775,11 @@ def compare_records(theirs: Found, ours: Found, where: str, notes: list[str]) ->
             expect(getattr(ca, attr) == getattr(cb, attr),
                    f"{where}: completion {i} {attr}: NeMo-RL {getattr(ca, attr)!r}, ours {getattr(cb, attr)!r}")
         ea, eb = dict(ca.env_extras), dict(cb.env_extras)
+        # Gym's rollout identity, which our backend stamps on every row (docs/nemo_gym.md) and Gym's agents echo.
+        identity = sorted((set(eb) - set(ea)) & set(ROLLOUT_IDENTITY_KEYS))
+        if identity and (note := f"{where}: Gym's rollout identity only in ours (stamped, echoed): {identity}") not in notes:
+            notes.append(note)
+        eb = {k: v for k, v in eb.items() if k not in identity}
         expect(set(ea) == set(eb), f"{where}: completion {i} env_extras keys: only NeMo-RL {sorted(set(ea) - set(eb))}, "
                f"only ours {sorted(set(eb) - set(ea))}")
         fields_a = {f for f in vars(ca)} if hasattr(ca, "__dict__") else set()

@@ -116,6 +116,7 @@ async def test_identical_rows_are_one_task_rolled_out_twice_and_a_resend_counts_
     assert [[e.get("_ng_rollout_index") for e in group] for group in echoed] == [list(range(N)), list(range(N, 2 * N))]
     assert not {c.seed for c in a.completions} & {c.seed for c in b.completions}
     assert generated(a) != generated(b), "the two repeats of one task draw different samples"
+    assert not [k for r in (a, b) for k in r.rollout_metrics if "/_ng_" in k], "identity is not a verifier field"
 
     gate.set("status", status=500, times=3 * N)
     try:

@@ -26,6 +26,7 @@ from gym_bridge.gym.convert import scalar_fields
 from gym_bridge.gym.result import GymRowResult
 from gym_bridge.gym.routing import row_agent
 from gym_bridge.gym.rows import build_rows, row_seed, validate_row
+from gym_bridge.gym.versions import ROLLOUT_IDENTITY_KEYS
 from gym_bridge.metrics import calculate_single_metric, pct, summarize, token_counts
 from gym_bridge.rollout.truncation import gym_completion_truncated
 from gym_bridge.types import (
@@ -171,7 +172,10 @@ class AsyncNemoGymRolloutImpl:
             for row in group.rows
         ]
         agent = row_agent(await self.client.routed(template, prompt_idx=prompt_idx)) or "(unknown)"
-        metrics = group_metrics(completions, [agent] * len(completions), fields=[row.metrics for row in group.rows])
+        # The identity this backend stamped comes back in each result; it is no verifier field to summarise.
+        stamped = set(ROLLOUT_IDENTITY_KEYS) - set(template)
+        fields = [{k: v for k, v in row.metrics.items() if k not in stamped} for row in group.rows]
+        metrics = group_metrics(completions, [agent] * len(completions), fields=fields)
         metrics[f"{agent}/full_result"] = full_result_table([c.env_extras for c in completions])
         metrics.update(group.timing)
         metrics[f"{TIMER_PREFIX}/run_rollouts"] = run_s

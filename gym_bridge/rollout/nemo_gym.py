@@ -172,9 +172,8 @@ class AsyncNemoGymRolloutImpl:
             for row in group.rows
         ]
         agent = row_agent(await self.client.routed(template, prompt_idx=prompt_idx)) or "(unknown)"
-        # The identity this backend stamped comes back in each result; it is no verifier field to summarise.
-        stamped = set(ROLLOUT_IDENTITY_KEYS) - set(template)
-        fields = [{k: v for k, v in row.metrics.items() if k not in stamped} for row in group.rows]
+        # Gym's rollout identity (stamped on every row, echoed in each result) is no verifier field to summarise.
+        fields = [{k: v for k, v in row.metrics.items() if k not in ROLLOUT_IDENTITY_KEYS} for row in group.rows]
         metrics = group_metrics(completions, [agent] * len(completions), fields=fields)
         metrics[f"{agent}/full_result"] = full_result_table([c.env_extras for c in completions])
         metrics.update(group.timing)

@@ -270,15 +270,10 @@ class ColocatablePolicyInterface(PolicyInterface):
 
 @runtime_checkable
 class RolloutBackend(Protocol):
-    """The hook contract for a rollout backend (entry-point group ``gym_bridge.rollout_backends``).
+    """What a rollout backend instance does (entry-point group ``gym_bridge.rollout_backends``).
 
-    ``RolloutManager`` constructs the class with keyword arguments: of the common ones
-    (``tokenizer``, ``task_to_env``, ``num_generations_per_prompt``, ``max_seq_len``,
-    ``max_rollout_turns``, ``policy_generation``, ``generation_config``,
-    ``mask_env_flagged_samples``, ``timeouts``, ``retry_policy``, ``stats``) those its
-    ``__init__`` declares, plus every extra keyword the caller passed, each of which the
-    backend must declare (else ``TypeError`` naming it). A backend taking ``**kwargs``
-    receives them all.
+    The class is built by ``RolloutManager`` through ``from_context(context, options)``, with its ``Options``
+    model validated first (:class:`gym_bridge.rollout.backend.BackendClass`, checked when the class is loaded).
 
     ``run_rollout`` rolls out one prompt and returns a complete group of
     ``num_generations_per_prompt`` completions in generation order, or raises a

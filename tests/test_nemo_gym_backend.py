@@ -13,7 +13,13 @@ import pytest
 import ray
 import torch
 
-from gym_bridge.failures import GymTransportError, RolloutDataFailure, RolloutTimeout, RolloutTimeouts
+from gym_bridge.failures import (
+    GymTransportError,
+    RolloutDataFailure,
+    RolloutRetryPolicy,
+    RolloutTimeout,
+    RolloutTimeouts,
+)
 from gym_bridge.gym.convert import gym_row_result
 from gym_bridge.gym.result import GymRowBatch, GymRowResult
 from gym_bridge.gym.routing import GymRoutes
@@ -107,11 +113,12 @@ def stream_actor(ray_session):
 def make(stream_actor):
     """Build the backend over the shared scripted actor, reset to ``plans``."""
 
-    def build(plans, hang_agents=False, **kwargs):
+    def build(plans, hang_agents=False, max_gym_row_attempts=1, **kwargs):
         ray.get(stream_actor.reset.remote(plans, hang_agents))
         impl = AsyncNemoGymRolloutImpl(
             tokenizer=None, task_to_env={}, num_generations_per_prompt=4, max_seq_len=100, generation_config=GEN_CFG,
-            nemo_gym_actor=stream_actor, **kwargs,
+            nemo_gym_actor=stream_actor,
+            retry_policy=RolloutRetryPolicy.single_attempt(max_gym_row_attempts=max_gym_row_attempts), **kwargs,
         )
         return impl, stream_actor
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from gym_bridge.rollout.backend import BackendOptionsError
 from gym_bridge.rollout.manager import RolloutManager, backend_name_for
 from gym_bridge.rollout.nemo_gym import AsyncNemoGymRolloutImpl
 from gym_bridge.rollout.registry import (
@@ -19,27 +20,40 @@ from gym_bridge.rollout.registry import (
 from gym_bridge.types import DatumSpec, token_tensor
 
 THIRD_PARTY_MODULE = '''
+from gym_bridge.rollout.backend import BackendOptions
 from gym_bridge.types import Completion, PromptGroupRecord
+
+
+class EchoOptions(BackendOptions):
+    custom_option: str = "default"
 
 
 class EchoBackend:
     """Returns the prompt as every completion, with reward = generation index."""
 
-    def __init__(self, *, num_generations_per_prompt, **kwargs):
+    Options = EchoOptions
+
+    def __init__(self, num_generations_per_prompt, max_seq_len, options):
         self.n = num_generations_per_prompt
-        self.kwargs = kwargs
+        self.max_seq_len = max_seq_len
+        self.options = options
+
+    @classmethod
+    def from_context(cls, context, options):
+        return cls(context.num_generations_per_prompt, context.max_seq_len, options)
 
     async def run_rollout(self, datum):
         completions = [Completion(list(datum["message_log"]), None, False, float(i)) for i in range(self.n)]
         return PromptGroupRecord(datum["idx"], datum["message_log"], None, {"task_name": "echo"}, completions, {})
 
 
-class StrictBackend(EchoBackend):
-    """Declares what it takes, no ``**kwargs``: gets only those of the manager's arguments."""
+class StrictOptions(BackendOptions):
+    flavour: str = "plain"
+    rounds: int = 1
 
-    def __init__(self, num_generations_per_prompt, *, flavour="plain"):
-        super().__init__(num_generations_per_prompt=num_generations_per_prompt)
-        self.flavour = flavour
+
+class StrictBackend(EchoBackend):
+    Options = StrictOptions
 
 
 class ShortBackend(EchoBackend):
@@ -47,6 +61,21 @@ class ShortBackend(EchoBackend):
         record = await super().run_rollout(datum)
         record.completions.pop()
         return record
+
+
+class NoOptionsBackend:
+    """The contract before typed options: a constructor of keywords, no Options model."""
+
+    def __init__(self, **kwargs):
+        self.kwargs = kwargs
+
+    async def run_rollout(self, datum):
+        raise NotImplementedError
+
+
+class SyncBackend(EchoBackend):
+    def run_rollout(self, datum):
+        raise NotImplementedError
 '''
 
 
@@ -70,6 +99,8 @@ def third_party(tmp_path, monkeypatch):
             "echo": "acme_rollouts:EchoBackend",
             "short": "acme_rollouts:ShortBackend",
             "strict": "acme_rollouts:StrictBackend",
+            "untyped": "acme_rollouts:NoOptionsBackend",
+            "sync": "acme_rollouts:SyncBackend",
             "broken": "acme_rollouts_missing.module:Backend",
             "not_a_backend": "acme_rollouts:THIRD_PARTY_CONSTANT",
         },
@@ -120,22 +151,41 @@ def test_unknown_backend_lists_the_registered_names():
 async def test_third_party_backend_is_found_and_used(third_party):
     assert available_backends()["echo"].distribution == "acme-rollouts 1.2.3"
     manager = RolloutManager(None, {}, 3, 128, backend="echo", custom_option="passed through")
-    assert manager.backend.kwargs["custom_option"] == "passed through"
-    assert manager.backend.kwargs["max_seq_len"] == 128
+    assert manager.backend.options.custom_option == "passed through"
+    assert manager.backend.max_seq_len == 128 and manager.context.num_generations_per_prompt == 3
     record = await manager.run_rollout(_datum())
     assert record.prompt_idx == 7
     assert [c.reward for c in record.completions] == [0.0, 1.0, 2.0]
 
 
-async def test_a_backend_gets_the_arguments_it_declares_and_unknown_keywords_are_refused(third_party):
+async def test_a_misspelt_or_mistyped_option_is_one_line_naming_it_before_anything_is_built(third_party):
     manager = RolloutManager(None, {}, 2, 128, backend="strict", flavour="spicy")
-    assert manager.backend.flavour == "spicy" and manager.backend.kwargs == {}  # nothing it did not declare
+    assert manager.backend.options.flavour == "spicy" and manager.backend.options.rounds == 1
     assert len((await manager.run_rollout(_datum())).completions) == 2
-    with pytest.raises(TypeError) as info:
-        RolloutManager(None, {}, 2, 128, backend="strict", colour="red")
+    with pytest.raises(BackendOptionsError) as info:
+        RolloutManager(None, {}, 2, 128, backend="strict", flavor="red")
     message = str(info.value)
-    assert "'strict'" in message and "acme_rollouts.StrictBackend" in message and "'colour'" in message
-    assert "accepts: flavour, num_generations_per_prompt" in message
+    assert "\n" not in message
+    assert message == "rollout backend 'strict': unknown option 'flavor' (it takes: flavour, rounds)"
+    with pytest.raises(BackendOptionsError, match=r"option 'rounds': Input should be a valid integer"):
+        RolloutManager(None, {}, 2, 128, backend="strict", rounds="many")
+
+
+def test_the_built_in_backends_refuse_a_misspelt_option_at_load(tiny_tokenizer):
+    with pytest.raises(BackendOptionsError) as info:
+        RolloutManager(tiny_tokenizer, {}, 2, 128, use_nemo_gym=True, generation_config={}, max_gym_row_atempts=3)
+    assert str(info.value).startswith("rollout backend 'nemo_gym': unknown option 'max_gym_row_atempts' (it takes:")
+    with pytest.raises(BackendOptionsError, match="rollout backend 'nemo_gym': option 'seed'"):
+        RolloutManager(tiny_tokenizer, {}, 2, 128, use_nemo_gym=True, generation_config={}, seed="7")
+    with pytest.raises(BackendOptionsError, match="rollout backend 'native': unknown option 'temperature'"):
+        RolloutManager(tiny_tokenizer, {}, 2, 128, temperature=0.5)
+
+
+def test_a_class_outside_the_contract_is_refused_when_loaded(third_party):
+    with pytest.raises(BackendLoadError, match="'untyped' registered by acme-rollouts 1.2.3 .* declares no Options"):
+        load_backend("untyped")
+    with pytest.raises(BackendLoadError, match="'sync' .* has no async run_rollout"):
+        load_backend("sync")
 
 
 async def test_a_backend_that_loses_a_completion_is_caught(third_party):

@@ -37,4 +37,5 @@ class GymLaunchSpec:
     """None: the manager's default (one attempt of everything)."""
     mask_env_flagged_samples: bool = True
     manager_options: Mapping[str, Any] = field(default_factory=dict)
-    """Further ``RolloutManager`` / backend keywords (``full_results_path``, ``max_gym_row_attempts``, ...)."""
+    """The ``nemo_gym`` backend's options (:class:`~gym_bridge.rollout.nemo_gym.NemoGymOptions`: ``full_results_path``,
+    ``seed``, ...)."""

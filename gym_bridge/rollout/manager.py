@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import inspect
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -24,6 +23,7 @@ from gym_bridge.failures import (
     classify_rollout_failure,
 )
 from gym_bridge.interfaces import GenerationInterface, RolloutBackend
+from gym_bridge.rollout.backend import RolloutContext, backend_options
 from gym_bridge.rollout.registry import load_backend
 from gym_bridge.rollout.sink import ReplayBuffer, RolloutSink
 from gym_bridge.types import ActorHandle, DatumSpec, GenerationConfig, PromptGroupRecord, Tokenizer
@@ -63,10 +63,9 @@ class RolloutOutcome(enum.StrEnum):
 class RolloutManager:
     """Rolls out prompts through one backend from the ``gym_bridge.rollout_backends`` registry.
 
-    The positional order is NeMo-RL's. Each backend receives the common arguments
-    its constructor accepts (pluggy-style: a backend declares what it takes);
-    ``backend_kwargs`` must all be accepted by the chosen backend, else
-    :class:`TypeError` names the keyword and the backend. ``max_rollout_turns=None``
+    The positional order is NeMo-RL's. The manager builds one :class:`RolloutContext` from them and hands it to
+    the backend's ``from_context`` with the keyword options, validated by the backend's ``Options`` model first:
+    an unknown or mistyped option is a :class:`BackendOptionsError` naming it. ``max_rollout_turns=None``
     sets no turn limit of ours (Gym's agent, or the environment, ends the episode).
     The retry policy defaults to a single attempt of everything.
     """
@@ -87,7 +86,7 @@ class RolloutManager:
         retry_policy: RolloutRetryPolicy | None = None,
         *,
         backend: str | None = None,
-        **backend_kwargs: object,
+        **backend_options_given: object,
     ) -> None:
         if num_generations_per_prompt < 1:
             raise SettingError(f"num_generations_per_prompt must be >= 1, got {num_generations_per_prompt}")
@@ -101,6 +100,7 @@ class RolloutManager:
         self._tq_buffer = tq_buffer
         self.backend_name = backend_name_for(use_nemo_gym, backend)
         backend_cls = load_backend(self.backend_name)
+        options = backend_options(backend_cls, self.backend_name, backend_options_given)
         self.timeouts = timeouts or RolloutTimeouts()
         self.retry_policy = retry_policy or RolloutRetryPolicy.single_attempt()
         self.stats = RolloutStats()
@@ -108,21 +108,20 @@ class RolloutManager:
         self._consecutive_infra_drops = 0
         self._config_watch = ConfigFailureWatch(self.retry_policy.stop_after_config_failures)
         self._weight_version = 0
-        common: dict[str, object] = {
-            "tokenizer": tokenizer,
-            "task_to_env": dict(task_to_env or {}),
-            "num_generations_per_prompt": num_generations_per_prompt,
-            "max_seq_len": max_seq_len,
-            "max_rollout_turns": max_rollout_turns,
-            "policy_generation": policy_generation,
-            "generation_config": generation_config,
-            "mask_env_flagged_samples": mask_env_flagged_samples,
-            "timeouts": self.timeouts,
-            "retry_policy": self.retry_policy,
-            "stats": self.stats,
-        }
-        arguments = backend_arguments(backend_cls, self.backend_name, common, backend_kwargs)
-        self.backend: RolloutBackend = backend_cls(**arguments)
+        self.context = RolloutContext(
+            tokenizer=tokenizer,
+            task_to_env=dict(task_to_env or {}),
+            num_generations_per_prompt=num_generations_per_prompt,
+            max_seq_len=max_seq_len,
+            max_rollout_turns=max_rollout_turns,
+            policy_generation=policy_generation,
+            generation_config=generation_config,
+            mask_env_flagged_samples=mask_env_flagged_samples,
+            timeouts=self.timeouts,
+            retry_policy=self.retry_policy,
+            stats=self.stats,
+        )
+        self.backend: RolloutBackend = backend_cls.from_context(self.context, options)
         self.num_generations_per_prompt = num_generations_per_prompt
 
     @property
@@ -358,28 +357,6 @@ class _BufferSlots:
 
     async def drop(self, slot: str, error: BaseException) -> None:
         await self.buffer.remove_group(slot)
-
-
-def backend_arguments(
-    backend_cls: type, name: str, common: Mapping[str, object], extra: Mapping[str, object]
-) -> dict[str, object]:
-    """The keywords to construct ``backend_cls`` with: the common ones it accepts, and every extra one.
-
-    A backend taking ``**kwargs`` accepts everything. An extra keyword the backend does
-    not accept is a :class:`TypeError` naming it, the backend and what it does accept.
-    """
-    params = inspect.signature(backend_cls).parameters
-    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    accepted = {n for n, p in params.items() if p.kind in named}
-    unknown = sorted(set(extra) - accepted) if not takes_any else []
-    if unknown:
-        raise TypeError(
-            f"rollout backend {name!r} ({backend_cls.__module__}.{backend_cls.__qualname__}) got unexpected "
-            f"keyword argument(s) {', '.join(repr(k) for k in unknown)}; it accepts: {', '.join(sorted(accepted))}"
-        )
-    chosen = {k: v for k, v in common.items() if takes_any or k in accepted}
-    return {**chosen, **extra}
 
 
 async def _drop_quietly(slots: _Slots, slot: str, error: BaseException) -> None:

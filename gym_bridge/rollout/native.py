@@ -14,8 +14,10 @@ import copy
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Self
 
 import torch
+from pydantic import StrictBool
 
 from gym_bridge.batched import BatchedDataDict
 from gym_bridge.failures import (
@@ -33,6 +35,7 @@ from gym_bridge.failures import (
 from gym_bridge.interfaces import GenerationInterface
 from gym_bridge.json_types import JsonObject
 from gym_bridge.metrics import calculate_single_metric, pct, summarize
+from gym_bridge.rollout.backend import BackendOptions, RolloutContext
 from gym_bridge.rollout.env_step import EnvMetadata, calculate_rewards_async, environment_for
 from gym_bridge.rollout.truncation import fit_observation
 from gym_bridge.types import (
@@ -83,8 +86,16 @@ class _Trajectory:
     stats: TrajectoryStats = field(default_factory=TrajectoryStats)
 
 
+class NativeOptions(BackendOptions):
+    """The ``native`` backend's own keyword: ``greedy`` decoding (each turn takes the most likely token)."""
+
+    greedy: StrictBool = False
+
+
 class AsyncRolloutImpl:
     """The ``native`` rollout backend: one prompt group per ``run_rollout`` call."""
+
+    Options = NativeOptions
 
     def __init__(
         self,
@@ -119,6 +130,22 @@ class AsyncRolloutImpl:
         self.greedy = greedy
         self.retry_policy = retry_policy or RolloutRetryPolicy.single_attempt()
         self.stats = stats or RolloutStats()
+
+    @classmethod
+    def from_context(cls, context: RolloutContext, options: NativeOptions) -> Self:
+        """The backend from the manager's context and its validated options."""
+        return cls(
+            context.tokenizer,
+            context.task_to_env,
+            context.num_generations_per_prompt,
+            context.max_seq_len,
+            context.max_rollout_turns,
+            context.policy_generation,
+            context.timeouts,
+            greedy=options.greedy,
+            retry_policy=context.retry_policy,
+            stats=context.stats,
+        )
 
     async def run_rollout(self, datum: DatumSpec) -> PromptGroupRecord:
         task_name = datum.get("task_name")

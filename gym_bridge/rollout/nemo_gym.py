@@ -18,7 +18,9 @@ import logging
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
+
+from pydantic import StrictBool, StrictInt
 
 from gym_bridge.failures import GymRowIndexError, RolloutRetryPolicy, RolloutStats, RolloutTimeouts, SettingError
 from gym_bridge.gym.client import GymClient
@@ -28,6 +30,7 @@ from gym_bridge.gym.routing import row_agent
 from gym_bridge.gym.rows import build_rows, row_seed, validate_row
 from gym_bridge.gym.versions import ROLLOUT_IDENTITY_KEYS
 from gym_bridge.metrics import calculate_single_metric, pct, summarize, token_counts
+from gym_bridge.rollout.backend import BackendOptions, RolloutContext
 from gym_bridge.rollout.truncation import gym_completion_truncated
 from gym_bridge.types import (
     ActorHandle,
@@ -43,6 +46,7 @@ __all__ = [
     "NEMO_GYM_TASK",
     "AsyncNemoGymRolloutImpl",
     "GymRowIndexError",
+    "NemoGymOptions",
     "full_result_table",
     "group_metrics",
     "gym_completion",
@@ -55,6 +59,16 @@ NEMO_GYM_TASK = "nemo_gym"
 TIMER_PREFIX = "timing/rollout"
 
 
+class NemoGymOptions(BackendOptions):
+    """The ``nemo_gym`` backend's own keywords (see :class:`AsyncNemoGymRolloutImpl`)."""
+
+    nemo_gym_actor: Any = None
+    greedy: StrictBool = False
+    full_results_path: Path | None = None
+    resend_env_infra_failures: StrictBool = True
+    seed: StrictInt | None = None
+
+
 class AsyncNemoGymRolloutImpl:
     """The ``nemo_gym`` rollout backend.
 
@@ -63,9 +77,9 @@ class AsyncNemoGymRolloutImpl:
     servers, same configs), and each attempt then goes to the one with the fewest rows
     in flight from this backend, avoiding actors that already failed this group.
 
-    It is constructed as NeMo-RL's ``RolloutManager`` constructs its ``AsyncNemoGymRolloutImpl``: with
-    ``policy_generation``, which the Gym path does not use (Gym's model server calls the endpoint). Any other
-    keyword is a ``TypeError``, so a misspelt option is never silently dropped.
+    The constructor is NeMo-RL's (``policy_generation`` is accepted and unused: Gym's model server calls the
+    endpoint); any other keyword is a ``TypeError``, so a misspelt option is never silently dropped. The manager
+    builds it with :meth:`from_context`, its own keywords validated by :class:`NemoGymOptions` first.
     """
 
     def __init__(
@@ -82,15 +96,14 @@ class AsyncNemoGymRolloutImpl:
         stats: RolloutStats | None = None,
         *,
         nemo_gym_actor: Any = None,
-        max_gym_row_attempts: int | None = None,
         greedy: bool = False,
         full_results_path: str | Path | None = None,
         resend_env_infra_failures: bool = True,
         policy_generation: Any = None,
         seed: int | None = None,
     ) -> None:
-        """NeMo-RL's positional order. The row budget is ``max_gym_row_attempts`` when given, else
-        ``retry_policy.max_gym_row_attempts``, else one attempt (NeMo-RL's ``single_attempt()``).
+        """NeMo-RL's positional order. The row budget is ``retry_policy.max_gym_row_attempts`` (one attempt without
+        a policy: NeMo-RL's ``single_attempt()``).
 
         ``resend_env_infra_failures`` (ours; NeMo-RL's behaviour is False): a row the environment masked
         for an infrastructure ``failure_kind`` is re-sent within the row budget instead of entering the
@@ -115,10 +128,7 @@ class AsyncNemoGymRolloutImpl:
                 f"the nemo_gym backend needs max_rollout_turns=1 or None (got {max_rollout_turns}): "
                 "multi-turn episodes are driven by the Gym agent"
             )
-        if max_gym_row_attempts is None:
-            max_gym_row_attempts = (retry_policy or RolloutRetryPolicy.single_attempt()).max_gym_row_attempts
-        if max_gym_row_attempts < 1:
-            raise SettingError(f"max_gym_row_attempts must be >= 1, got {max_gym_row_attempts}")
+        max_gym_row_attempts = (retry_policy or RolloutRetryPolicy.single_attempt()).max_gym_row_attempts
         actors = nemo_gym_actors(task_to_env, nemo_gym_actor)
         self.actors = actors
         self.tokenizer = tokenizer
@@ -140,6 +150,26 @@ class AsyncNemoGymRolloutImpl:
             stats=self.stats,
             timer_prefix=TIMER_PREFIX,
             resend_env_infra_failures=resend_env_infra_failures and mask_env_flagged_samples,
+        )
+
+    Options = NemoGymOptions
+
+    @classmethod
+    def from_context(cls, context: RolloutContext, options: NemoGymOptions) -> Self:
+        """The backend from the manager's context and its validated options."""
+        return cls(
+            context.tokenizer,
+            context.task_to_env,
+            context.num_generations_per_prompt,
+            context.max_seq_len,
+            context.max_rollout_turns,
+            context.generation_config,
+            context.mask_env_flagged_samples,
+            context.timeouts,
+            context.retry_policy,
+            context.stats,
+            policy_generation=context.policy_generation,
+            **dict(options),
         )
 
     async def run_rollout(self, datum: DatumSpec) -> PromptGroupRecord:

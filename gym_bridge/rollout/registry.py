@@ -5,7 +5,9 @@ Any installed distribution can add a backend by declaring, in its pyproject::
     [project.entry-points."gym_bridge.rollout_backends"]
     my_backend = "my_package.module:MyRolloutBackend"
 
-The class must satisfy :class:`gym_bridge.interfaces.RolloutBackend`.
+The class must meet :class:`gym_bridge.rollout.backend.BackendClass` (an ``Options`` model and a
+``from_context`` constructor), its instances :class:`gym_bridge.interfaces.RolloutBackend`; ``load_backend`` checks
+it when it loads the class, before anything is built.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
 
 from gym_bridge.failures import GymBridgeError
+from gym_bridge.rollout.backend import BackendClass, backend_contract_problem
 
 ENTRY_POINT_GROUP = "gym_bridge.rollout_backends"
 
@@ -55,12 +58,12 @@ def available_backends() -> dict[str, BackendEntry]:
     return {name: BackendEntry.from_entry_point(eps[0]) for name, eps in sorted(_entry_points().items())}
 
 
-def load_backend(name: str) -> type:
+def load_backend(name: str) -> type[BackendClass]:
     """Import the class registered as ``name``.
 
     Raises :class:`BackendNotFoundError` listing the registered names, or
-    :class:`BackendLoadError` naming the distribution whose entry point is broken
-    (or ambiguous, when two distributions register the same name).
+    :class:`BackendLoadError` naming the distribution whose entry point is broken, ambiguous (two
+    distributions register the same name) or not a backend class (what of the contract it lacks).
     """
     found = _entry_points()
     if name not in found:
@@ -79,9 +82,9 @@ def load_backend(name: str) -> type:
             f"rollout backend {name!r} registered by {entry.distribution} as {entry.value!r} "
             f"failed to load: {type(exc).__name__}: {exc}"
         ) from exc
-    if not isinstance(backend, type) or not callable(getattr(backend, "run_rollout", None)):
+    problem = backend_contract_problem(backend)
+    if problem is not None:
         raise BackendLoadError(
-            f"rollout backend {name!r} registered by {entry.distribution} as {entry.value!r} "
-            "is not a class with an async run_rollout(datum) method"
+            f"rollout backend {name!r} registered by {entry.distribution} as {entry.value!r} {problem}"
         )
-    return backend
+    return backend  # type: ignore[no-any-return]  # checked against the contract just above

@@ -33,6 +33,13 @@ class HFGenerationConfig(BaseModel):
     seed: int | None = Field(0, description="Seed of the sampling generator; None draws a random one.")
     batch_wait_s: float = Field(0.002, ge=0.0, description="How long the worker waits to coalesce requests.")
     shutdown_timeout_s: float = Field(30.0, gt=0.0)
+    enable_prefix_caching: bool = Field(
+        True, description="vLLM's automatic prefix caching: rows reuse the keys and values of a cached prompt prefix."
+    )
+    prefix_cache_block_size: int = Field(16, ge=1, description="Tokens per cached block (vLLM's block_size).")
+    prefix_cache_max_bytes: int = Field(
+        1 << 30, ge=0, description="Bytes of cached keys and values kept; least recently used blocks go first."
+    )
 
     @classmethod
     def from_generation_config(
@@ -70,6 +77,8 @@ class HFGenerationStats:
     forward_passes: int = 0
     max_rows_in_batch: int = 0
     weight_updates: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens whose keys and values came from the cache
 
 
 @dataclass(frozen=True)

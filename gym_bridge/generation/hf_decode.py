@@ -16,6 +16,7 @@ Unseeded rows share the engine's generator, so their draws depend on batch compo
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,7 +24,10 @@ from typing import Any
 import torch
 
 from gym_bridge.generation.hf_config import EngineShutDownError, HFGenerationStats, RowSampling
+from gym_bridge.generation.prefix_cache import PrefixCache, cache_supported, past_from_blocks, row_blocks
 from gym_bridge.types import Tokenizer
+
+logger = logging.getLogger("gym_bridge.generation.hf")
 
 #: Left padding columns that every row masks out are trimmed once there are this many.
 TRIM_COLUMNS = 32
@@ -71,6 +75,7 @@ class DecodeContext:
     stats: HFGenerationStats
     logits_to_keep: bool
     is_closed: Callable[[], bool]
+    prefix_cache: PrefixCache | None = None
 
 
 class RunningBatch:
@@ -89,7 +94,11 @@ class RunningBatch:
         return len(self.rows)
 
     def admit(self, rows: Sequence[Row]) -> None:
-        """Prefill ``rows`` and add them; rows with nothing to generate finish at once (truncated)."""
+        """Prefill ``rows`` and add them; rows with nothing to generate finish at once (truncated).
+
+        With a prefix cache, each row starts from its longest cached prefix, and a row whose next block
+        another joining row is about to compute waits one prefill for it (:meth:`PrefixCache.waves`).
+        """
         ctx = self.ctx
         joining = []
         for row in rows:
@@ -103,16 +112,46 @@ class RunningBatch:
                 joining.append(row)
         if not joining:
             return
-        width = max(len(r.prompt) for r in joining)
+        prefix_cache = ctx.prefix_cache
+        if prefix_cache is None:
+            self._prefill(joining, [[] for _ in joining])
+            return
+        names = [prefix_cache.block_names(row.prompt) for row in joining]
+        for wave in prefix_cache.waves([len(row.prompt) for row in joining], names):
+            if wave:
+                self._prefill([joining[i] for i in wave], [names[i] for i in wave])
+
+    def _prefill(self, joining: list[Row], names: list[list[bytes]]) -> None:
+        """One forward over the uncached part of every joining row's prompt, then stack them onto the batch.
+
+        Row ``j``'s columns: zeros, its cached prefix (``past`` wide in all), zeros, the rest of its prompt.
+        """
+        ctx = self.ctx
+        prefix_cache = ctx.prefix_cache
+        found = [
+            prefix_cache.lookup(len(row.prompt), row_names) if prefix_cache is not None else []
+            for row, row_names in zip(joining, names, strict=True)
+        ]
+        cached = [len(blocks) * (prefix_cache.block_size if prefix_cache is not None else 0) for blocks in found]
+        fed = [len(row.prompt) - c for row, c in zip(joining, cached, strict=True)]
+        past, width = max(cached), max(fed)
         input_ids = torch.full((len(joining), width), ctx.pad_token_id, dtype=torch.long)
-        attention = torch.zeros((len(joining), width), dtype=torch.long)
+        attention = torch.zeros((len(joining), past + width), dtype=torch.long)
         for j, row in enumerate(joining):
-            input_ids[j, width - len(row.prompt) :] = torch.tensor(row.prompt, dtype=torch.long)
-            attention[j, width - len(row.prompt) :] = 1
+            input_ids[j, width - fed[j] :] = torch.tensor(row.prompt[cached[j] :], dtype=torch.long)
+            attention[j, past - cached[j] : past] = 1
+            attention[j, past + width - fed[j] :] = 1
         input_ids, attention = input_ids.to(ctx.device), attention.to(ctx.device)
-        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)[:, past:]
         cache = _new_cache(ctx.model)
+        if past:
+            past_from_blocks(cache, found, past)
         logits = self._forward(input_ids, attention, positions, cache)
+        if prefix_cache is not None:
+            ctx.stats.prefix_cache_queries += sum(len(row.prompt) for row in joining)
+            ctx.stats.prefix_cache_hits += sum(cached)
+            for j, row in enumerate(joining):
+                self._remember(cache, attention, j, row.prompt)
         next_pos = attention.sum(-1)
         ctx.stats.max_rows_in_batch = max(ctx.stats.max_rows_in_batch, len(self.rows) + len(joining))
         if not self.rows:
@@ -125,12 +164,26 @@ class RunningBatch:
             )
             return
         assert self._attention is not None and self._next_pos is not None and self._logits is not None
-        total = max(self._attention.shape[1], width)
+        total = max(self._attention.shape[1], attention.shape[1])
         _stack_caches(self._cache, cache, total)
         self._attention = torch.cat([_pad_left(self._attention, total), _pad_left(attention, total)], 0)
         self._next_pos = torch.cat([self._next_pos, next_pos])
         self._logits = torch.cat([self._logits, logits])
         self.rows = self.rows + joining
+
+    def _remember(self, cache: Any, attention: torch.Tensor, j: int, tokens: list[int]) -> None:
+        """Put the full blocks of ``tokens`` (row ``j`` of ``cache``, at its unmasked columns) in the prefix cache."""
+        prefix_cache = self.ctx.prefix_cache
+        if prefix_cache is None:
+            return
+        if not cache_supported(cache):
+            logger.warning("prefix caching is off: this model's KV cache is not one full-attention DynamicCache")
+            self.ctx.prefix_cache = None
+            return
+        names = prefix_cache.block_names(tokens)
+        wanted = [not prefix_cache.contains(name) for name in names]
+        columns = attention[j].nonzero().squeeze(-1)
+        prefix_cache.insert(names, row_blocks(cache, j, columns, prefix_cache.block_size, wanted))
 
     def step(self) -> None:
         """Pick every row's next token; finished rows leave; the rest run one forward pass."""
@@ -146,12 +199,13 @@ class RunningBatch:
                 continue
             row.tokens.append(token_list[j])
             row.logprobs.append(lp_list[j])
-            if token_list[j] in ctx.stop_token_ids or self._hit_stop_string(row):
-                self._finish(row, truncated=False)
-            elif len(row.tokens) >= row.cap:
-                self._finish(row, truncated=True)
-            else:
+            stopped = token_list[j] in ctx.stop_token_ids or self._hit_stop_string(row)
+            if not stopped and len(row.tokens) < row.cap:
                 keep.append(j)
+                continue
+            if ctx.prefix_cache is not None:
+                self._remember(self._cache, self._attention, j, row.prompt + row.tokens[:-1])
+            self._finish(row, truncated=not stopped)
         if not keep:
             self.rows, self._cache, self._attention, self._next_pos, self._logits = [], None, None, None, None
             return

@@ -1,0 +1,116 @@
+"""A generation batch as :class:`~gym_bridge.generation.hf_decode.Row`s for
+:class:`~gym_bridge.generation.hf.HFGeneration`: checked ids, merged stop strings, per-row sampling and seeds."""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+from collections.abc import Mapping
+from typing import Any, SupportsIndex
+
+import torch
+
+from gym_bridge.batched import BatchedDataDict
+from gym_bridge.failures.errors import SettingError
+from gym_bridge.generation.batch import check_input
+from gym_bridge.generation.hf_config import PER_ROW_SAMPLING_KEYS, HFGenerationConfig, RowSampling
+from gym_bridge.generation.hf_decode import Row
+from gym_bridge.types import GenerationDatumSpec
+
+__all__ = ["first_id", "row_sampling", "rows_from_batch"]
+
+
+def rows_from_batch(
+    data: BatchedDataDict[GenerationDatumSpec],
+    greedy: bool,
+    cfg: HFGenerationConfig,
+    *,
+    vocab_size: int,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor, list[Row]]:
+    """The batch's ids and lengths, and one :class:`Row` per input row (a bad id or per-row list is a SettingError)."""
+    input_ids, lengths = check_input(data)
+    batch = input_ids.shape[0]
+    row_stops = data.get("stop_strings")
+    if row_stops is not None and len(row_stops) != batch:
+        raise SettingError(f"stop_strings has {len(row_stops)} rows, input_ids {batch}")
+    if batch and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab_size):
+        # Padding positions may hold anything; check only the real tokens.
+        for i in range(batch):
+            real = input_ids[i, : int(lengths[i])]
+            if int(real.min()) < 0 or int(real.max()) >= vocab_size:
+                raise SettingError(f"row {i} holds token ids outside [0, {vocab_size})")
+    overrides = {key: data[key] for key in PER_ROW_SAMPLING_KEYS if data.get(key) is not None}
+    for key, values in overrides.items():
+        if len(values) != batch:
+            raise SettingError(f"{key} has {len(values)} rows, input_ids {batch}")
+    rows = []
+    for i in range(batch):
+        stops = list(cfg.stop_strings or [])
+        extra = row_stops[i] if row_stops is not None else None
+        if isinstance(extra, str):
+            extra = [extra]
+        for s in extra or []:
+            if s and s not in stops:
+                stops.append(s)
+        sampling = row_sampling(cfg, {key: values[i] for key, values in overrides.items()}, row=i)
+        rows.append(
+            Row(
+                prompt=input_ids[i, : int(lengths[i])].tolist(),
+                stop_strings=tuple(stops),
+                greedy=greedy or sampling.greedy,
+                sampling=sampling,
+                generator=None if sampling.seed is None else _seeded_generator(device, sampling.seed, row=i),
+            )
+        )
+    return input_ids, lengths, rows
+
+
+def row_sampling(cfg: HFGenerationConfig, override: Mapping[str, Any], *, row: int) -> RowSampling:
+    """The config's sampling with this row's overrides (None means "use the config")."""
+    given = {key: value for key, value in override.items() if value is not None}
+    temperature = float(given.get("temperature", cfg.temperature))
+    top_p = float(given.get("top_p", cfg.top_p))
+    top_k = given.get("top_k", cfg.top_k)
+    max_new_tokens = int(given.get("max_new_tokens", cfg.max_new_tokens))
+    if temperature < 0 or not 0 < top_p <= 1 or max_new_tokens < 0:
+        raise SettingError(
+            f"row {row}: invalid sampling temperature={temperature} top_p={top_p} max_new_tokens={max_new_tokens}"
+        )
+    return RowSampling(
+        temperature=temperature,
+        top_p=top_p,
+        top_k=None if top_k in (None, 0, -1) else int(top_k),
+        max_new_tokens=max_new_tokens,
+        seed=_row_seed(override.get("seed"), row=row),
+    )
+
+
+def _seeded_generator(device: torch.device, seed: int, *, row: int) -> torch.Generator:
+    """A row's own generator on the engine's device, seeded as vLLM seeds a request's."""
+    generator = torch.Generator(device=device)
+    try:
+        generator.manual_seed(seed)
+    except RuntimeError as exc:
+        raise SettingError(f"row {row}: seed {seed} is outside torch's seed range [-2**63, 2**64)") from exc
+    return generator
+
+
+def _row_seed(value: object, *, row: int) -> int | None:
+    """A row's ``seed`` as an int (None: unseeded); a bool or a value that is not an integer is refused."""
+    if value is None:
+        return None
+    if not isinstance(value, bool) and isinstance(value, SupportsIndex):
+        with contextlib.suppress(TypeError):
+            return operator.index(value)
+    raise SettingError(f"row {row}: seed must be an int or None, got {value!r}")
+
+
+def first_id(*candidates: object, default: int) -> int:
+    """The first candidate that is an id, or the first id of a list of them (config eos ids may be lists)."""
+    for c in candidates:
+        if isinstance(c, int):
+            return c
+        if isinstance(c, (list, tuple)) and c:
+            return int(c[0])
+    return default

@@ -1,0 +1,177 @@
+"""Automatic prefix caching for :class:`~gym_bridge.generation.hf.HFGeneration`, as vLLM does it.
+
+A prompt is cut into blocks of ``block_size`` tokens. Block ``b`` is named by the hash chain
+``sha256(name of block b-1, tokens of block b)``, so one name stands for the whole prefix up to
+the block's end, and two rows share a cached block only when they share every token before it.
+A cached block holds the keys and values of its tokens in every layer (``[layers, 2, heads,
+block_size, head_dim]``); a row that finds its first ``k`` blocks cached starts from their keys
+and values and prefills only the rest of its prompt.
+
+Only full blocks are cached, and a lookup always leaves at least the prompt's last token to
+prefill (the logits of the first generated token come from it). The cache is bounded by
+``max_bytes`` and evicts the least recently used block first; a lookup or an insert touches a
+chain from its last block to its first, so a prefix's first blocks outlive its later ones (a
+later block is useless without every block before it). The cache belongs to one set of weights:
+:meth:`PrefixCache.clear` runs at every refit.
+
+``queries`` and ``hits`` count prompt tokens looked up and prompt tokens found, for the life of
+the cache (vLLM's ``vllm:prefix_cache_queries`` and ``vllm:prefix_cache_hits``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["PrefixCache", "PrefixCacheCounts", "cache_supported", "past_from_blocks", "row_blocks"]
+
+_ROOT = b"gym-bridge-prefix-cache"
+
+
+@dataclass(frozen=True)
+class PrefixCacheCounts:
+    """Prompt tokens looked up in the prefix cache and prompt tokens found there, since the engine started."""
+
+    queries: int
+    hits: int
+
+
+class PrefixCache:
+    """KV blocks of token prefixes, keyed by their hash chain, with a byte budget and LRU eviction."""
+
+    def __init__(self, block_size: int, max_bytes: int) -> None:
+        """An empty cache of ``block_size``-token blocks holding at most ``max_bytes`` of keys and values."""
+        self.block_size = block_size
+        self.max_bytes = max_bytes
+        self.queries = 0
+        self.hits = 0
+        self._blocks: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+        self._bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of keys and values held now."""
+        return self._bytes
+
+    def counts(self) -> PrefixCacheCounts:
+        """The lifetime query and hit counters."""
+        return PrefixCacheCounts(self.queries, self.hits)
+
+    def block_names(self, tokens: Sequence[int]) -> list[bytes]:
+        """The hash-chain name of every full block of ``tokens``, in order."""
+        names: list[bytes] = []
+        parent = _ROOT
+        size = self.block_size
+        for start in range(0, len(tokens) - size + 1, size):
+            block = array("q", tokens[start : start + size]).tobytes()
+            parent = hashlib.sha256(parent + block).digest()
+            names.append(parent)
+        return names
+
+    def contains(self, name: bytes) -> bool:
+        """Whether the block named ``name`` is cached."""
+        return name in self._blocks
+
+    def usable(self, prompt_len: int, names: Sequence[bytes]) -> int:
+        """How many leading blocks of a prompt may come from the cache: its last token is always prefilled."""
+        return min(len(names), (prompt_len - 1) // self.block_size)
+
+    def cached_count(self, names: Sequence[bytes]) -> int:
+        """How many of ``names``, from the first, are cached now (no counting, no LRU touch)."""
+        count = 0
+        for name in names:
+            if name not in self._blocks:
+                break
+            count += 1
+        return count
+
+    def waves(self, lengths: Sequence[int], names: Sequence[Sequence[bytes]]) -> tuple[list[int], list[int]]:
+        """Split rows that join together into those prefilled first and those that wait for blocks the first compute.
+
+        A row waits when the first block it misses is one an earlier row of the first wave computes (the N
+        samples of one prompt: one computes the prompt, the others then find it cached).
+        """
+        coming: set[bytes] = set()
+        first: list[int] = []
+        second: list[int] = []
+        for i, (length, row_names) in enumerate(zip(lengths, names, strict=True)):
+            usable = row_names[: self.usable(length, row_names)]
+            have = self.cached_count(usable)
+            if have < len(usable) and usable[have] in coming:
+                second.append(i)
+            else:
+                first.append(i)
+                coming.update(row_names)
+        return first, second
+
+    def lookup(self, prompt_len: int, names: Sequence[bytes]) -> list[torch.Tensor]:
+        """The cached blocks of the longest usable cached prefix; counts the query and the hit."""
+        found = [self._blocks[name] for name in names[: self.cached_count(names[: self.usable(prompt_len, names)])]]
+        for name in reversed(names[: len(found)]):
+            self._blocks.move_to_end(name)
+        self.queries += prompt_len
+        self.hits += len(found) * self.block_size
+        return found
+
+    def insert(self, names: Sequence[bytes], blocks: Sequence[torch.Tensor | None]) -> None:
+        """Cache ``blocks`` under ``names`` (None: already cached), then evict down to the budget."""
+        for name, block in zip(reversed(names), reversed(blocks), strict=True):
+            if block is not None and name not in self._blocks:
+                self._blocks[name] = block
+                self._bytes += block.numel() * block.element_size()
+            if name in self._blocks:
+                self._blocks.move_to_end(name)
+        while self._bytes > self.max_bytes and self._blocks:
+            _, evicted = self._blocks.popitem(last=False)
+            self._bytes -= evicted.numel() * evicted.element_size()
+
+    def clear(self) -> None:
+        """Drop every block (the weights changed, so every cached key and value is stale); counters stay."""
+        self._blocks.clear()
+        self._bytes = 0
+
+
+def cache_supported(cache: Any) -> bool:
+    """Whether blocks can be cut from ``cache`` (a filled DynamicCache): full-attention layers of one shape."""
+    from transformers.cache_utils import DynamicLayer
+
+    layers = list(cache.layers)
+    if not layers or any(type(layer) is not DynamicLayer or not layer.is_initialized for layer in layers):
+        return False
+    shape = layers[0].keys.shape[1:2] + layers[0].keys.shape[3:]
+    return all(layer.keys.shape[1:2] + layer.keys.shape[3:] == shape for layer in layers)
+
+
+def row_blocks(cache: Any, row: int, columns: torch.Tensor, block_size: int, wanted: Sequence[bool]) -> list[Any]:
+    """The blocks of one row of a filled ``cache``: its tokens sit at ``columns``; None for a block not ``wanted``."""
+    picks = [b for b, want in enumerate(wanted) if want]
+    if not picks:
+        return [None] * len(wanted)
+    index = torch.cat([columns[b * block_size : (b + 1) * block_size] for b in picks])
+    stacked = torch.stack(
+        [torch.stack([layer.keys[row, :, index], layer.values[row, :, index]]) for layer in cache.layers]
+    )
+    parts = iter(stacked.split(block_size, dim=3))
+    return [next(parts).clone() if want else None for want in wanted]
+
+
+def past_from_blocks(cache: Any, rows: Sequence[Sequence[torch.Tensor]], width: int) -> None:
+    """Fill an empty ``cache`` with each row's cached blocks, right-aligned in ``width`` columns (zeros before)."""
+    sample = next(block for blocks in rows for block in blocks)
+    layers, _, heads, _, head_dim = sample.shape
+    past = sample.new_zeros((layers, 2, len(rows), heads, width, head_dim))
+    for j, blocks in enumerate(rows):
+        if blocks:
+            joined = torch.cat(list(blocks), dim=3)
+            past[:, :, j, :, width - joined.shape[3] :] = joined
+    for index, kv in enumerate(past):
+        cache.update(kv[0], kv[1], index)

@@ -27,6 +27,16 @@ class RolloutStats:
     gym_row_redispatches: int = 0
     env_failure_redispatches_by_kind: dict[str, int] = field(default_factory=dict)
     """Rows Gym returned masked with an infrastructure ``failure_kind``, re-sent (by kind)."""
+    saturation_timeouts_by_reason: dict[str, int] = field(default_factory=dict)
+    """Timeouts judged a saturated engine (``endpoint_queue`` or ``latency``), whether or not they halved the limit."""
+    admission_backoffs: int = 0
+    """Halvings of the limit on Gym rows in flight (one per saturation)."""
+    admission_backoff_s: float = 0.0
+    """Seconds of admission pause those back-offs asked for."""
+    admission_limit: int | None = None
+    """The limit on Gym rows in flight now; None while there is none."""
+    admission_lowest_limit: int | None = None
+    """The lowest that limit went; None while it never was set."""
 
     def record_redispatch(self, reason: str) -> None:
         _bump(self.redispatches_by_reason, reason)
@@ -37,6 +47,20 @@ class RolloutStats:
 
     def record_env_failure_redispatch(self, failure_kind: str) -> None:
         _bump(self.env_failure_redispatches_by_kind, failure_kind)
+
+    def record_saturation_timeout(self, reason: str, pause_s: float | None) -> None:
+        """A timeout judged a saturated engine; ``pause_s`` when it backed off (halved the limit and paused)."""
+        _bump(self.saturation_timeouts_by_reason, reason)
+        if pause_s is not None:
+            self.admission_backoffs += 1
+            self.admission_backoff_s += pause_s
+
+    def record_admission_limit(self, limit: int | None) -> None:
+        """The limit on Gym rows in flight changed to ``limit`` (None: lifted)."""
+        self.admission_limit = limit
+        if limit is not None:
+            low = self.admission_lowest_limit
+            self.admission_lowest_limit = limit if low is None else min(low, limit)
 
     def record_data_retry(self, reason: str) -> None:
         _bump(self.data_retries_by_reason, reason)
@@ -60,13 +84,21 @@ class RolloutStats:
             "rollout/env_failure_redispatch_total": float(sum(self.env_failure_redispatches_by_kind.values())),
             "rollout/infra_drops_total": float(sum(self.infra_drops_by_reason.values())),
             "rollout/max_consecutive_infra_drops": float(self.max_consecutive_infra_drops),
+            "rollout/saturation_timeout_total": float(sum(self.saturation_timeouts_by_reason.values())),
+            "rollout/admission_backoff_total": float(self.admission_backoffs),
+            "rollout/admission_backoff_s": float(self.admission_backoff_s),
         }
+        if self.admission_limit is not None:
+            metrics["rollout/admission_limit"] = float(self.admission_limit)
+        if self.admission_lowest_limit is not None:
+            metrics["rollout/admission_lowest_limit"] = float(self.admission_lowest_limit)
         for prefix, counter in (
             ("rollout/redispatch_total", self.redispatches_by_reason),
             ("rollout/data_retry_total", self.data_retries_by_reason),
             ("rollout/data_failures_total", self.data_failures_by_reason),
             ("rollout/infra_drops_total", self.infra_drops_by_reason),
             ("rollout/env_failure_redispatch_total", self.env_failure_redispatches_by_kind),
+            ("rollout/saturation_timeout_total", self.saturation_timeouts_by_reason),
         ):
             metrics.update({f"{prefix}/{reason}": float(n) for reason, n in sorted(counter.items())})
         return metrics

@@ -63,12 +63,15 @@ from gym_bridge.failures import (
     gym_run_failure,
 )
 from gym_bridge.gym.actor_config import NemoGymConfig, actor_configs
+from gym_bridge.gym.admission import EndpointLoad
 from gym_bridge.gym.convert import convert_gym_result
+from gym_bridge.gym.endpoint_load import read_endpoint_load
 from gym_bridge.gym.health import EndpointWatch, SharedWatch
 from gym_bridge.gym.result import GymRowBatch, GymRowResult, NemoRLRowResult
 from gym_bridge.gym.routing import GymRoutes
 from gym_bridge.gym.rows import ROW_INDEX_KEY, dispatch_target
 from gym_bridge.gym.servers import GymServers
+from gym_bridge.gym.stream_window import BATCH_WINDOW_S, failed, gather_window
 from gym_bridge.gym.token_capture import TokenCapture, with_capture_dir
 from gym_bridge.types import Tokenizer
 
@@ -79,10 +82,8 @@ logger = logging.getLogger(__name__)
 _AGENT_SERVER_TYPE = "responses_api_agents"
 _ERROR_BODY_LIMIT = 65536  # Gym nests each server's error escaped inside the next: keep it whole to unwrap it
 _PROGRESS_EVERY = 10
-_BATCH_WINDOW_S = 0.5
-"""Rows finishing within this window of a finished row travel with it in one streamed element (each element
-costs about a millisecond of Ray's CPU on each side, benchmarks/ray_stream_cost.py); the last rows of a call,
-and a failure, go at once. What a lost actor takes with it is at most this window's finished rows."""
+_LOAD_TIMEOUT_S = 3.0
+"""The bound on reading the model endpoints' ``/metrics`` for their load."""
 _JSON_HEADERS = {"Content-Type": "application/json"}
 
 
@@ -174,6 +175,10 @@ class NemoGym:
         await self._ready()
         return self._routes
 
+    async def endpoint_load(self) -> EndpointLoad:
+        """The model endpoints' waiting and running requests from their ``/metrics`` (vLLM's gauges), bounded."""
+        return await read_endpoint_load(self.cfg.base_urls, _LOAD_TIMEOUT_S)
+
     async def server_info(self) -> dict[str, Any]:
         """Gym's server URLs, process ids and log folder, for diagnostics and tests."""
         servers = self._servers
@@ -233,7 +238,7 @@ class NemoGym:
         """Yield :class:`GymRowBatch` es in completion order, each row's ``row_index`` its ``_rowidx``.
 
         Every row is posted to its agent's ``/run`` at once. Rows that finish within
-        ``_BATCH_WINDOW_S`` of the first unsent one, or while a batch is being converted,
+        ``BATCH_WINDOW_S`` of the first unsent one, or while a batch is being converted,
         travel together in one element (one Ray message instead of one per row). The
         element that completes the call carries ``timing``: ``{prefix}/await_results``,
         ``{prefix}/postprocess_results`` and ``{prefix}/postprocess_results_pct``
@@ -265,11 +270,11 @@ class NemoGym:
         try:
             while remaining:
                 t0 = time.perf_counter()
-                ready = await _gather_window(finished, remaining, _BATCH_WINDOW_S)
-                failed = next((task for task in ready if _failed(task)), None)
-                if failed is not None and failed is not watch and len(ready) > 1:
-                    ready.remove(failed)  # the rows that finished before it travel first
-                    finished.put_nowait(failed)
+                ready = await gather_window(finished, remaining, BATCH_WINDOW_S)
+                failure = next((task for task in ready if failed(task)), None)
+                if failure is not None and failure is not watch and len(ready) > 1:
+                    ready.remove(failure)  # the rows that finished before it travel first
+                    finished.put_nowait(failure)
                 posted = [task.result() for task in ready]  # raises a failure that came alone
                 t1 = time.perf_counter()
                 batch = await loop.run_in_executor(self._convert_executor(), partial(self._convert_batch, posted))
@@ -438,30 +443,3 @@ def _was_restarted() -> bool:
             return bool(ray.is_initialized() and ray.get_runtime_context().was_current_actor_reconstructed)
     except Exception:  # not inside an actor
         return False
-
-
-async def _gather_window(
-    finished: asyncio.Queue[asyncio.Task[Any]], remaining: int, window_s: float
-) -> list[asyncio.Task[Any]]:
-    """The next finished task, then those that finish within ``window_s`` of it: until ``remaining`` are in,
-    the window closes or a task failed (the watch included)."""
-    ready = [await finished.get()]
-    loop = asyncio.get_running_loop()
-    closes = loop.time() + window_s
-    while len(ready) < remaining and not _failed(ready[-1]):
-        if finished.empty():
-            left = closes - loop.time()
-            if left <= 0:
-                break
-            try:
-                async with asyncio.timeout(left):
-                    ready.append(await finished.get())
-            except TimeoutError:
-                break
-        else:
-            ready.append(finished.get_nowait())
-    return ready
-
-
-def _failed(task: asyncio.Task[Any]) -> bool:
-    return task.cancelled() or task.exception() is not None

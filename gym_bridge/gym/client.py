@@ -5,8 +5,11 @@ with the fewest rows in flight from this client, avoiding actors that already fa
 this group), streams the rows through ``NemoGym.run_row_batches``, checks every row index
 that comes back, and re-dispatches only the rows that never arrived after an infrastructure
 failure (and, with ``resend_env_infra_failures``, the rows the environment masked for an
-infrastructure ``failure_kind``). One deadline spans all of it,
-agent discovery included. The result is typed: :class:`GymGroupResult`.
+infrastructure ``failure_kind``). One deadline spans all of it, agent discovery included; it counts the
+group's time running, not its waits for admission. Every attempt is admitted by the client's
+:class:`~gym_bridge.gym.admission.AdmissionControl`: a timeout into a saturated engine halves the rows in
+flight and pauses admission, so re-sends back off instead of storming. The result is typed:
+:class:`GymGroupResult`.
 """
 
 from __future__ import annotations
@@ -26,10 +29,18 @@ from gym_bridge.failures import (
     GymTransportError,
     RolloutFailure,
     RolloutStats,
+    RolloutTimeout,
     SettingError,
     classify_rollout_failure,
-    deadline,
     gym_failure_kind_class,
+)
+from gym_bridge.gym.admission import (
+    AdmissionControl,
+    AdmissionSettings,
+    AdmissionTicket,
+    EndpointLoad,
+    InFlightDeadline,
+    saturation_reason,
 )
 from gym_bridge.gym.result import GymRowBatch, GymRowResult
 from gym_bridge.gym.routing import GymRoutes
@@ -39,6 +50,9 @@ from gym_bridge.types import ActorHandle
 __all__ = ["GymClient", "GymGroupResult"]
 
 logger = logging.getLogger(__name__)
+
+_LOAD_PROBE_S = 5.0
+"""The bound on asking an actor for its endpoints' load after a timeout."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +74,10 @@ class GymClient:
         stats: RolloutStats | None = None,
         timer_prefix: str = "timing/rollout",
         resend_env_infra_failures: bool = True,
+        admission: AdmissionSettings | None = None,
     ) -> None:
+        """``admission``: how rows in flight adapt to a saturated engine (default: adaptive);
+        ``AdmissionSettings(adaptive=False)`` sends every row at once and re-sends without pause."""
         if not actors or any(actor is None for actor in actors):
             raise SettingError("GymClient needs at least one NemoGym actor")
         if max_row_attempts < 1:
@@ -70,6 +87,7 @@ class GymClient:
         self.stats = stats if stats is not None else RolloutStats()
         self.timer_prefix = timer_prefix
         self.resend_env_infra_failures = resend_env_infra_failures
+        self.admission = AdmissionControl(admission or AdmissionSettings())
         self._in_flight = [0] * len(self.actors)
         self._dead: set[int] = set()
         self._routes: GymRoutes | None = None
@@ -114,18 +132,21 @@ class GymClient:
     ) -> GymGroupResult:
         """Roll out one group's stamped rows (``_rowidx`` = position) within ``deadline_s`` seconds.
 
-        The deadline covers every attempt, agent discovery included. A row that names only its ``task_source``
-        is sent with ``agent_ref`` stamped (a copy), an unknown agent or source is :class:`InvalidGymRow`.
+        The deadline covers every attempt, agent discovery included, but not the waits for admission
+        (:class:`InFlightDeadline`): no row is in flight longer than ``deadline_s``. A row that names only its
+        ``task_source`` is sent with ``agent_ref`` stamped (a copy), an unknown agent or source is
+        :class:`InvalidGymRow`.
 
         Raises the typed failure of the last attempt (``RolloutTimeout`` at the deadline,
         :class:`GymRowIndexError` for a bad streamed index, data failures at once).
         """
-        async with deadline(deadline_s, "NeMo-Gym prompt group"):
+        clock = InFlightDeadline(deadline_s, "NeMo-Gym prompt group")
+        async with clock.running():
             routes = await self.routes()
-            if routes is not None:
-                where = f"prompt_idx={prompt_idx}"
-                rows = [routes.routed(row, where=where) for row in rows]
-            return await self._collect(rows, prompt_idx)
+        if routes is not None:
+            where = f"prompt_idx={prompt_idx}"
+            rows = [routes.routed(row, where=where) for row in rows]
+        return await self._collect(rows, prompt_idx, clock)
 
     @property
     def dead_actors(self) -> list[int]:
@@ -157,8 +178,10 @@ class GymClient:
         candidates = [i for i in live if i not in avoid] or live
         return min(candidates, key=lambda i: (self._in_flight[i], i))
 
-    async def _collect(self, rows: list[dict[str, Any]], prompt_idx: int) -> GymGroupResult:
-        """Stream the rows; after an infrastructure failure re-dispatch only the missing ones, elsewhere if possible."""
+    async def _collect(self, rows: list[dict[str, Any]], prompt_idx: int, clock: InFlightDeadline) -> GymGroupResult:
+        """Stream the rows; after an infrastructure failure re-dispatch only the missing ones, elsewhere if possible.
+
+        Each attempt waits for admission first; a timeout that the engine's load explains backs admission off."""
         n = len(rows)
         results: list[GymRowResult | None] = [None] * n
         timing: dict[str, float] = {}
@@ -181,17 +204,24 @@ class GymClient:
                     last_error or "the environment flagged an infrastructure failure_kind",
                 )
                 pending = [with_attempt(row, attempts - 1) for row in pending]
-            actor = self._pick_actor(failed_actors)
             last_attempt = attempts == self.max_row_attempts
+            ticket = await self.admission.acquire(len(pending))
+            actor = self._pick_actor(failed_actors)
             try:
-                timing = await self._stream(actor, pending, results, keep_env_failures=last_attempt) or timing
+                async with clock.running():
+                    streamed = await self._stream(actor, pending, results, ticket, keep_env_failures=last_attempt)
+                timing = streamed or timing
             except Exception as exc:
                 last_error = exc
                 failed_actors.add(actor)
                 if isinstance(exc, ray.exceptions.ActorDiedError):
                     self._mark_dead(actor, exc)
-                if classify_rollout_failure(exc) is not FailureClass.INFRA or attempts == self.max_row_attempts:
+                if isinstance(exc, RolloutTimeout):
+                    await self._judge_timeout(actor, ticket, prompt_idx)
+                if classify_rollout_failure(exc) is not FailureClass.INFRA or last_attempt or clock.expired:
                     raise
+            finally:
+                self.admission.release(ticket)
         done = [result for result in results if result is not None]
         if len(done) < n:
             missing = [i for i, result in enumerate(results) if result is None]
@@ -200,6 +230,45 @@ class GymClient:
                 f"of {n} after {attempts} attempt(s)"
             ) from last_error
         return GymGroupResult(rows=done, timing=timing)
+
+    async def _judge_timeout(self, actor: int, ticket: AdmissionTicket, prompt_idx: int) -> None:
+        """A timeout of ``ticket``'s attempt: when the endpoint's queue or the latency says the engine is
+        saturated, count it and back admission off (halve the limit, pause), once per saturation."""
+        control = self.admission
+        if not control.adaptive:
+            return
+        elapsed = control.clock() - ticket.admitted_at
+        in_flight = control.in_flight
+        load = await self._endpoint_load(actor)
+        reason = saturation_reason(load, control.fastest_row_s, elapsed, in_flight, control.settings.latency_rise)
+        if reason is None:
+            return
+        pause = control.back_off(ticket)
+        self.stats.record_saturation_timeout(reason.value, pause)
+        if pause is not None:
+            self.stats.record_admission_limit(control.limit)
+            logger.warning(
+                "prompt_idx=%d: timed out with %d rows in flight into a saturated engine (%s%s); "
+                "rows in flight limited to %s, admission paused %.1fs",
+                prompt_idx,
+                in_flight,
+                reason.value,
+                f", {load.waiting:g} requests waiting" if load is not None and load.waiting else "",
+                control.limit,
+                pause,
+            )
+
+    async def _endpoint_load(self, actor: int) -> EndpointLoad | None:
+        """The actor's endpoints' load (``NemoGym.endpoint_load``); None when the actor cannot say in time."""
+        handle = self.actors[actor]
+        if not hasattr(handle, "endpoint_load"):
+            return None
+        try:
+            load = await asyncio.wait_for(_unwrapped(handle.endpoint_load.remote()), _LOAD_PROBE_S)
+        except Exception as exc:  # a dead or busy actor: the latency decides
+            logger.debug("could not read the endpoints' load: %s", exc)
+            return None
+        return load if isinstance(load, EndpointLoad) else None
 
     def _mark_dead(self, actor: int, exc: BaseException) -> None:
         """No more groups go to ``actor``: Ray says it is gone for good (a restarting one is ActorUnavailableError)."""
@@ -212,6 +281,7 @@ class GymClient:
         actor: int,
         pending: list[dict[str, Any]],
         results: list[GymRowResult | None],
+        ticket: AdmissionTicket,
         *,
         keep_env_failures: bool,
     ) -> dict[str, float] | None:
@@ -232,7 +302,7 @@ class GymClient:
                 if not isinstance(batch, GymRowBatch):
                     raise GymTransportError(f"the NemoGym stream sent a {type(batch).__name__}, not a GymRowBatch")
                 for row in batch.rows:
-                    self._accept(actor, row, results, dispatched, seen, keep_env_failures)
+                    self._accept(actor, row, results, dispatched, seen, ticket, keep_env_failures)
                 if batch.timing:
                     timing = batch.timing
         finally:
@@ -248,6 +318,7 @@ class GymClient:
         results: list[GymRowResult | None],
         dispatched: set[int],
         seen: set[int],
+        ticket: AdmissionTicket,
         keep_env_failures: bool,
     ) -> None:
         """Check one streamed row index and keep the row.
@@ -262,7 +333,12 @@ class GymClient:
             raise GymRowIndexError(f"duplicate row index {rowidx}")
         seen.add(rowidx)
         self._in_flight[actor] -= 1
-        if self.resend_env_infra_failures and not keep_env_failures and _infra_flagged(row):
+        resend = self.resend_env_infra_failures and not keep_env_failures and _infra_flagged(row)
+        limit = self.admission.limit
+        self.admission.row_done(ticket, success=not resend)
+        if self.admission.limit != limit:
+            self.stats.record_admission_limit(self.admission.limit)
+        if resend:
             self.stats.record_env_failure_redispatch(str(row.failure_kind))
             logger.warning(
                 "row %d came back masked (%s: %s); re-sending it", rowidx, row.failure_kind, row.failure_reason

@@ -26,6 +26,7 @@ from gym_bridge.config.grpo import (
     train_data_path,
     validation_options,
 )
+from gym_bridge.config.logger import logger_settings
 from gym_bridge.config.no_effect import NO_EFFECT_KEYS, no_effect_reason
 from gym_bridge.config.training import TrainingConfigError, nemo_gym_rollout_settings
 
@@ -74,7 +75,8 @@ def built(config: dict[str, Any]) -> str:
     loop = loop_config_from(config, settings)
     data = (train_data_path(config), config.get("data", {}).get("validation"), validation_options(config))
     policy = policy_config(config, "weights", loop)
-    return repr((settings, loop, loss_config_from(config), policy, engine_batch_size(config), data))
+    logging = logger_settings(config)
+    return repr((settings, loop, loss_config_from(config), policy, engine_batch_size(config), data, logging))
 
 
 def changed(value: Any) -> Any:

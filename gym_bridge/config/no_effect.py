@@ -11,10 +11,15 @@ __all__ = ["NO_EFFECT_KEYS", "no_effect_reason"]
 
 NO_EFFECT_KEYS: dict[str, str] = {
     "cluster": "the Ray cluster's shape (nodes, GPUs per node, ports): gym-bridge's run is one process and a local Ray",
-    "logger": (
-        "where metrics go (wandb, tensorboard, mlflow, swanlab, GPU monitoring, log_dir); gym-bridge writes "
-        "metrics.jsonl in the run folder. Only logger.wandb_enabled with "
-        "logger.wandb.log_nemo_gym_full_result_tables is read (the full-result log)"
+    "logger.tensorboard": (
+        "NeMo-RL's Logger writes TensorBoard under log_dir/tensorboard and never reads this section; so does "
+        "gym-bridge (logger.tensorboard_enabled and logger.log_dir are read: gym_bridge.config.logger)"
+    ),
+    "logger.swanlab": "SwanLab's project and run name: read only with logger.swanlab_enabled: true, which is refused",
+    "logger.monitor_gpus": "NeMo-RL's Ray GPU monitoring (Prometheus scrapes of GPU nodes); gym-bridge runs none",
+    "logger.gpu_monitoring": "the GPU monitor's intervals: read only with logger.monitor_gpus, which changes nothing",
+    "logger.num_val_samples_to_print": (
+        "how many validation samples NeMo-RL prints; gym-bridge writes every held-out answer to val_results.jsonl"
     ),
     "checkpointing": (
         "NeMo-RL's checkpoint store (paths, formats, top-k by metric, fault-tolerance saves); gym-bridge "

@@ -114,10 +114,13 @@ class GRPOTrainer(RolloutPhase, UpdatePhase):
         out_dir: Path,
         state: TrainerState | None = None,
         validator: Validator | None = None,
+        metric_sinks: Sequence[Callable[[MetricsLine], object]] = (),
     ) -> None:
         self.cfg = cfg
         self.manager, self.policy, self.engine = manager, policy, engine
         self.validator = validator
+        self.metric_sinks = list(metric_sinks)
+        """Each metrics line goes to these too, after ``metrics.jsonl`` (the run's experiment loggers)."""
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.out_dir / "metrics.jsonl"
@@ -287,9 +290,15 @@ class GRPOTrainer(RolloutPhase, UpdatePhase):
             metrics["time/step_s"] = time.perf_counter() - step_started
         self.state.step = step + 1
         self.state.dropped_stale_total = self.buffer.dropped_total
-        append_metrics(self.metrics_path, metrics)
+        self._log(metrics)
 
     # ------------------------------------------------------------------ the run
+
+    def _log(self, metrics: MetricsLine) -> None:
+        """Append one line to ``metrics.jsonl``, then hand it to every metric sink."""
+        append_metrics(self.metrics_path, metrics)
+        for sink in self.metric_sinks:
+            sink(metrics)
 
     async def validate(self, step: int) -> MetricsLine | None:
         """One validation with the current weights, logged as its own ``kind: val`` line."""
@@ -299,7 +308,7 @@ class GRPOTrainer(RolloutPhase, UpdatePhase):
         metrics: MetricsLine = {"kind": "val", "step": step, "weight_version": self.state.weight_version}
         metrics.update(await self.validator(step, self.state.weight_version))
         metrics["time/val_s"] = time.perf_counter() - started
-        append_metrics(self.metrics_path, metrics)
+        self._log(metrics)
         return metrics
 
     def _validates_after(self, step: int) -> bool:

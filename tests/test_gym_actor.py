@@ -18,6 +18,7 @@ from gym_bridge.failures import (
 )
 from gym_bridge.generation.scripted import ScriptedGeneration
 from gym_bridge.gym.actor import NemoGym, NemoGymConfig, NemoGymRestarted, NemoGymUnavailable
+from gym_bridge.gym.admission import EndpointLoad
 from gym_bridge.gym.result import GymRowBatch
 from gym_bridge.gym.spinup import start_nemo_gym_actor
 from gym_bridge.testing import wait_until
@@ -78,6 +79,13 @@ def mixed_results(gym_actor):
 def test_agents_and_health(gym_actor):
     assert ray.get(gym_actor.agent_names.remote()) == sorted([EQUIVALENCE_AGENT, TOOL_AGENT])
     ray.get(gym_actor.health_check.remote(), timeout=10)
+
+
+def test_endpoint_load_reads_the_endpoints_metrics(gym_actor):
+    """Our server answers /metrics; its numbers are what it reports (vLLM's request gauges only if it has them)."""
+    load = ray.get(gym_actor.endpoint_load.remote(), timeout=30)
+    assert isinstance(load, EndpointLoad) and load.reachable
+    assert load.waiting is None or load.waiting >= 0
 
 
 def test_every_row_streams_back_once_with_timing_last(mixed_results):

@@ -1,0 +1,165 @@
+"""An eval of Gym's own ``workplace_assistant`` example rows (27 tools, up to 6 steps) with SmolLM2 on CPU.
+
+Gym's multi-step tool environment, as a user tries it: the wheel's example rows (5 prompts), 2 samples each,
+SmolLM2-135M-Instruct served by gym-bridge's OpenAI server on ``HFGeneration`` (``max_seq_len`` 8192), through
+``run_eval`` (what ``gym-bridge eval`` runs). Prints the wall time, the rows finished and failed, the client's
+admission back-offs (``rollout/admission_*``, ``rollout/saturation_timeout_total``) and the server's prefix cache
+counters (``vllm:prefix_cache_queries`` / ``hits`` on ``/metrics``) when it has them.
+
+    uv run python benchmarks/workplace_assistant.py                     # prefix caching on (the engine's default)
+    uv run python benchmarks/workplace_assistant.py --no-prefix-cache   # the same run computing every prefix
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+AGENT = "workplace_assistant_simple_agent"
+ROWS_PATH = "resources_servers/workplace_assistant/data/example.jsonl"
+CONFIG_PATHS = [
+    "responses_api_models/vllm_model/configs/vllm_model_for_training.yaml",
+    "resources_servers/workplace_assistant/configs/workplace_assistant.yaml",
+]
+SERVED_NAME = "smollm2"
+PREFIX_METRICS = re.compile(
+    r"^(vllm:prefix_cache_(?:queries|hits))(?:_total)?(?:\{[^}\n]*\})?[ \t]+(\S+)", re.MULTILINE
+)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompts", type=int, default=5, help="example rows evaluated (the wheel has 5)")
+    parser.add_argument("--samples", type=int, default=2, help="samples per prompt")
+    parser.add_argument("--max-seq-len", type=int, default=8192)
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--rollout-timeout-s", type=float, default=600.0)
+    parser.add_argument("--request-timeout-s", type=float, default=300.0)
+    parser.add_argument("--concurrency", type=int, default=None, help="groups in flight (default: --prompts)")
+    parser.add_argument("--no-prefix-cache", action="store_true", help="the engine without prefix caching")
+    parser.add_argument("--output-dir", type=Path, default=None, help="the run folder (default: a temp folder)")
+    return parser.parse_args()
+
+
+def example_rows(limit: int) -> list[dict[str, Any]]:
+    """The wheel's ``workplace_assistant`` example rows, routed to its simple agent."""
+    from gym_bridge.gym.servers import wheel_config_path
+
+    text = wheel_config_path(ROWS_PATH).read_text()
+    rows = [json.loads(line) for line in text.split("\n") if line.strip()][:limit]
+    for row in rows:
+        row["agent_ref"] = {"type": "responses_api_agents", "name": AGENT}
+    return rows
+
+
+def prefix_cache_counters(root_url: str) -> dict[str, float]:
+    """``vllm:prefix_cache_queries`` / ``hits`` from the server's ``/metrics`` (empty when it has none)."""
+    with urllib.request.urlopen(f"{root_url}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    counters: dict[str, float] = {}
+    for name, value in PREFIX_METRICS.findall(text):
+        counters[name] = counters.get(name, 0.0) + float(value)
+    return counters
+
+
+def main() -> int:
+    args = parse_args()
+    from gym_bridge.eval.config import EvalConfig
+    from gym_bridge.eval.runner import run_eval
+    from gym_bridge.generation.hf import HFGeneration, HFGenerationConfig
+    from gym_bridge.models.registry import resolve_model_path
+    from gym_bridge.serving import OpenAIServer
+
+    model = resolve_model_path("smollm2")
+    work = Path(tempfile.mkdtemp(prefix="workplace-assistant-"))
+    output_dir = args.output_dir or work / "run"
+    dataset = work / "rows.jsonl"
+    dataset.write_text("".join(json.dumps(row) + "\n" for row in example_rows(args.prompts)))
+    engine_options: dict[str, Any] = {"model": str(model), "max_new_tokens": args.max_new_tokens, "seed": 0}
+    if "enable_prefix_caching" in HFGenerationConfig.model_fields:
+        engine_options["enable_prefix_caching"] = not args.no_prefix_cache
+    elif args.no_prefix_cache:
+        print("this engine has no prefix caching: --no-prefix-cache changes nothing", file=sys.stderr)
+    generation = HFGeneration(HFGenerationConfig(**engine_options))
+    server = OpenAIServer(generation, generation.tokenizer, served_model_name=SERVED_NAME, model_path=str(model))
+    server.start_in_thread()
+    try:
+        assert server.base_url is not None and server.root_url is not None
+        config = EvalConfig(
+            dataset=dataset,
+            config_paths=CONFIG_PATHS,
+            output_dir=output_dir,
+            base_urls=[server.base_url],
+            model_name=SERVED_NAME,
+            tokenizer=str(model),
+            num_generations_per_prompt=args.samples,
+            concurrency=args.concurrency or args.prompts,
+            max_new_tokens=args.max_new_tokens,
+            max_seq_len=args.max_seq_len,
+            rollout_timeout_s=args.rollout_timeout_s,
+            request_timeout_s=args.request_timeout_s,
+            temperature=0.7,
+            top_p=0.95,
+            seed=0,
+        )
+        before = prefix_cache_counters(server.root_url)
+        t0 = time.monotonic()
+        outcome = run_eval(config, progress=False)
+        elapsed = time.monotonic() - t0
+        ended = time.time()
+        after = prefix_cache_counters(server.root_url)
+    finally:
+        server.stop_thread()
+        generation.shutdown()
+    sending_s = ended - outcome.rollouts_started if outcome.rollouts_started else None
+    report(args, outcome, elapsed, sending_s, before, after)
+    return 0 if outcome.failed_now == 0 else 1
+
+
+def report(
+    args: argparse.Namespace,
+    outcome: Any,
+    elapsed: float,
+    sending_s: float | None,
+    before: dict[str, float],
+    after: dict[str, float],
+) -> None:
+    """What the run did, one fact a line."""
+    run = json.loads((outcome.run_dir / "run.json").read_text())
+    stats = run.get("rollout_stats") or {}
+    rows_done = outcome.done_now * args.samples
+    print(
+        f"workplace_assistant: {args.prompts} prompts x {args.samples} samples, SmolLM2, max_seq_len {args.max_seq_len}"
+    )
+    print(f"prefix caching: {'off' if args.no_prefix_cache else 'on (engine default)'}")
+    sending = f" ({sending_s:.1f} s from the first group sent to the end)" if sending_s is not None else ""
+    print(f"wall time: {elapsed:.1f} s{sending}")
+    done, total, failed = outcome.done_now, outcome.prompts_total, outcome.failed_now
+    print(f"groups finished: {done} of {total} ({rows_done} rows); failed: {failed}")
+    for key in sorted(stats):
+        if key.startswith(("rollout/admission", "rollout/saturation", "rollout/redispatch", "rollout/infra_drops")):
+            print(f"{key}: {stats[key]:g}")
+    if after:
+        queries = after.get("vllm:prefix_cache_queries", 0.0) - before.get("vllm:prefix_cache_queries", 0.0)
+        hits = after.get("vllm:prefix_cache_hits", 0.0) - before.get("vllm:prefix_cache_hits", 0.0)
+        rate = f"{hits / queries:.1%}" if queries else "n/a"
+        print(f"prefix cache: {queries:g} queries, {hits:g} hits ({rate})")
+    else:
+        print("prefix cache: the server reports no vllm:prefix_cache_* counters")
+    print(f"run folder: {outcome.run_dir}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -21,11 +21,11 @@ if TYPE_CHECKING:
 _EXPORTS: dict[str, tuple[str, ...]] = {
     "gym_bridge.batched": ("BatchedDataDict",),
     "gym_bridge.config.launch_spec": ("GymLaunchSpec",),
-    "gym_bridge.config.training": (
-        "nemo_gym_config_from",
+    "gym_bridge.config.nemo_rl_gym": (
         "setup_nemo_gym_config",
         "should_use_nemo_gym",
     ),
+    "gym_bridge.config.training": ("nemo_gym_config_from",),
     "gym_bridge.data": (
         "datum_from_chat",
         "datum_from_gym_row",
@@ -56,7 +56,6 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "gym_bridge.failures.stats": ("RolloutStats",),
     "gym_bridge.gym.actor_config": ("NemoGymConfig",),
     "gym_bridge.gym.spinup": (
-        "spinup_nemo_gym_actor",
         "spinup_nemo_gym_actors",
         "start_nemo_gym_actor",
         "stop_nemo_gym_actors",
@@ -84,6 +83,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "NemoGymRollouts",
         "build_nemo_gym_rollouts",
         "launch_nemo_gym",
+        "spinup_nemo_gym_actor",
         "start_nemo_gym",
     ),
     "gym_bridge.rollout.env_step": ("calculate_rewards",),

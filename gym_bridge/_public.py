@@ -12,10 +12,12 @@ from gym_bridge.batched import (
 from gym_bridge.config.launch_spec import (
     GymLaunchSpec as GymLaunchSpec,
 )
-from gym_bridge.config.training import (
-    nemo_gym_config_from as nemo_gym_config_from,
+from gym_bridge.config.nemo_rl_gym import (
     setup_nemo_gym_config as setup_nemo_gym_config,
     should_use_nemo_gym as should_use_nemo_gym,
+)
+from gym_bridge.config.training import (
+    nemo_gym_config_from as nemo_gym_config_from,
 )
 from gym_bridge.data import (
     datum_from_chat as datum_from_chat,
@@ -53,7 +55,6 @@ from gym_bridge.gym.actor_config import (
     NemoGymConfig as NemoGymConfig,
 )
 from gym_bridge.gym.spinup import (
-    spinup_nemo_gym_actor as spinup_nemo_gym_actor,
     spinup_nemo_gym_actors as spinup_nemo_gym_actors,
     start_nemo_gym_actor as start_nemo_gym_actor,
     stop_nemo_gym_actors as stop_nemo_gym_actors,
@@ -83,6 +84,7 @@ from gym_bridge.recipes.launch import (
     NemoGymRollouts as NemoGymRollouts,
     build_nemo_gym_rollouts as build_nemo_gym_rollouts,
     launch_nemo_gym as launch_nemo_gym,
+    spinup_nemo_gym_actor as spinup_nemo_gym_actor,
     start_nemo_gym as start_nemo_gym,
 )
 from gym_bridge.rollout.env_step import (

@@ -22,7 +22,7 @@ from typing import Any
 import yaml
 from omegaconf import OmegaConf
 
-from gym_bridge.config.training import _load_with_defaults, _register_resolvers
+from gym_bridge.config.loading import _load_with_defaults, _register_resolvers
 
 _MISSING_ENV = re.compile(r"Environment variable '([^']+)' not found")
 DEFAULT_OUT = Path(__file__).resolve().parent.parent / "tests" / "data" / "nemo_rl_gym_recipe_keys.yaml"

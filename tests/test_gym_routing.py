@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from gym_bridge.config.grpo import load_gym_rows, row_routing
-from gym_bridge.config.training import TrainingConfigError, nemo_gym_config_from
+from gym_bridge.config.keys import TrainingConfigError
+from gym_bridge.config.training import nemo_gym_config_from
 from gym_bridge.eval.config import EvalConfig
 from pydantic import ValidationError
 

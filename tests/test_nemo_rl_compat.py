@@ -258,7 +258,8 @@ def test_sync_rollout_refuses_multimodal_deduplication_it_cannot_do():
 
 def test_should_use_nemo_gym_refuses_what_nemo_rls_asserts_refuse():
     """NeMo-RL asserts on a backend without an async HTTP server and on megatron's removed async_engine key."""
-    from gym_bridge.config.training import TrainingConfigError, should_use_nemo_gym
+    from gym_bridge.config.keys import TrainingConfigError
+    from gym_bridge.config.nemo_rl_gym import should_use_nemo_gym
 
     def config(generation: dict) -> dict:
         return {"env": {"should_use_nemo_gym": True}, "policy": {"generation": generation}}

@@ -10,13 +10,10 @@ from omegaconf import OmegaConf
 from pydantic import ValidationError
 
 from gym_bridge import NemoGymConfig, setup_nemo_gym_config, should_use_nemo_gym
-from gym_bridge.gym.spinup import nemo_rl_gym_config
-from gym_bridge.config.training import (
-    TrainingConfigError,
-    load_training_config,
-    nemo_gym_rollout_settings,
-    unused_training_keys,
-)
+from gym_bridge.config.nemo_rl_gym import nemo_rl_gym_config
+from gym_bridge.config.keys import TrainingConfigError
+from gym_bridge.config.loading import load_training_config
+from gym_bridge.config.training import nemo_gym_rollout_settings, unused_training_keys
 from gym_bridge.config.grpo import loop_config_from
 
 DATA = Path(__file__).parent / "data" / "nemo_rl_keys"
@@ -79,17 +76,17 @@ def test_every_nemo_rl_gym_key_is_read_and_honoured(every_key):
     settings = nemo_gym_rollout_settings(every_key, base_urls=URLS)
     assert not [key for key in unused_training_keys(every_key) if key.startswith(NEMO_RL_PREFIXES)]
 
-    policy, timeouts = settings.retry_policy, settings.timeouts
+    policy, timeouts = settings.launch.retry_policy, settings.launch.timeouts
     assert (timeouts.rollout_s, policy.max_gym_row_attempts) == (900.0, 5)
     assert (policy.max_infra_attempts, policy.max_data_attempts, policy.max_skipped_prompts) == (4, 2, 1)
     assert policy.max_consecutive_dropped_prompts == 3  # grpo.async_grpo.max_generation_failures, async on
-    assert settings.mask_env_flagged_samples is False
+    assert settings.launch.mask_env_flagged_samples is False
     assert settings.log_full_result_tables and settings.log_nemo_gym_responses
     assert settings.is_trajectory_collection is False
     assert settings.effort_levels == {"low_string": "/low", "low_weight": 0.5}
     assert settings.reward_penalties == {"penalize_empty_final_answer": True}
     assert settings.async_grpo.max_trajectory_age_steps == 2 and settings.async_grpo.in_flight_weight_updates
-    gym = settings.gym
+    gym = settings.launch.gym
     assert (gym.port_range_low, gym.port_range_high) == (15000, 15999)
     assert gym.servers_config().overrides["port_range_low"] == 15000
     assert gym.invalid_tool_call_patterns == ("<tool_call>",)

@@ -28,7 +28,8 @@ from gym_bridge.config.grpo import (
 )
 from gym_bridge.config.logger import logger_settings
 from gym_bridge.config.no_effect import NO_EFFECT_KEYS, no_effect_reason
-from gym_bridge.config.training import TrainingConfigError, nemo_gym_rollout_settings
+from gym_bridge.config.keys import TrainingConfigError
+from gym_bridge.config.training import nemo_gym_rollout_settings
 
 FIXTURE = Path(__file__).parent / "data" / "nemo_rl_gym_recipe_keys.yaml"
 BASE: dict[str, Any] = {

@@ -240,17 +240,38 @@ def test_a_row_whose_extra_body_is_not_a_json_object_is_named():
 
 
 def test_grpo_seed_reaches_the_nemo_gym_backend_and_a_bad_one_is_named():
-    from gym_bridge.config.training import TrainingConfigError, nemo_gym_rollout_settings
+    from gym_bridge.config.keys import TrainingConfigError
+    from gym_bridge.config.training import nemo_gym_rollout_settings
 
     config = yaml.safe_load((Path(__file__).parents[1] / "examples" / "nemo_gym_grpo.yaml").read_text())
     config.setdefault("grpo", {})["seed"] = 1234
     urls = ["http://127.0.0.1:9/v1"]
     assert nemo_gym_rollout_settings(config, base_urls=urls).launch.manager_options == {"seed": 1234}
-    config["grpo"]["seed"] = None
-    assert "seed" not in nemo_gym_rollout_settings(config, base_urls=urls).launch.manager_options
     config["grpo"]["seed"] = "abc"
     with pytest.raises(TrainingConfigError, match=r"grpo.seed must be an int, got 'abc'"):
         nemo_gym_rollout_settings(config, base_urls=urls)
+
+
+@pytest.mark.parametrize("seed", [None, 0, 7])
+def test_one_run_seed_reaches_torch_the_engine_the_loop_and_the_rows(tmp_path, seed):
+    """grpo.seed has one reader: with the key left out, torch (GRPORunSettings.seed, which start_grpo_run seeds
+    torch with), the engine, the loop and every row's sampling seed all take the same default, as they take a set
+    value; before, the rows went unseeded while torch and the engine took 0."""
+    from gym_bridge.config.run_settings import grpo_run_settings
+
+    config = yaml.safe_load((Path(__file__).parents[1] / "examples" / "nemo_gym_grpo.yaml").read_text())
+    grpo = config.setdefault("grpo", {})
+    grpo.pop("seed", None)
+    if seed is not None:
+        grpo["seed"] = seed
+    config["data"] = {"path": str(Path(__file__).parents[1] / "examples" / "data" / "gym_rows.jsonl")}
+    settings = grpo_run_settings(config)
+    expected = 0 if seed is None else seed
+    assert settings.seed == expected
+    assert settings.engine.seed == expected and settings.loop.seed == expected
+    assert settings.rollout.launch.manager_options == {"seed": expected}
+    resumed = settings.resumed_from(str(tmp_path), step=3)
+    assert resumed.engine.seed == expected + 3 and resumed.policy.model == str(tmp_path)
 
 
 def test_eval_seed_is_the_run_seed_of_the_backend(tmp_path):

@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gym_bridge.config.training import TrainingConfigError, nemo_gym_config_from, should_use_nemo_gym
+from gym_bridge.config.keys import TrainingConfigError
+from gym_bridge.config.nemo_rl_gym import should_use_nemo_gym
+from gym_bridge.config.training import nemo_gym_config_from
 
 EXAMPLE = Path(__file__).parents[1] / "examples" / "nemo_gym_grpo.yaml"
 
@@ -79,7 +81,8 @@ URLS = ["http://127.0.0.1:9/v1"]
 def test_a_nemo_rl_grpo_yaml_with_stop_strings_loads_unchanged(caplog):
     import logging
 
-    from gym_bridge.config.training import load_training_config, nemo_gym_rollout_settings
+    from gym_bridge.config.loading import load_training_config
+    from gym_bridge.config.training import nemo_gym_rollout_settings
     from gym_bridge.rollout.nemo_gym import AsyncNemoGymRolloutImpl
 
     config = load_training_config(NEMO_RL_YAML)
@@ -101,12 +104,12 @@ def test_a_nemo_rl_grpo_yaml_with_stop_strings_loads_unchanged(caplog):
         assert key not in unused[0]  # read into the settings
     assert "grpo.num_generations_per_prompt" not in unused[0] and "env.nemo_gym.config_paths" not in unused[0]
 
-    generation = settings.generation_config
+    generation = settings.launch.generation_config
     assert generation["stop_strings"] is None and generation["stop_token_ids"] is None
     assert generation["max_new_tokens"] == 1024  # ${policy.max_total_sequence_length} resolved
-    assert settings.num_generations_per_prompt == 4 and settings.max_seq_len == 1024
-    assert settings.max_row_attempts == 3 and settings.num_actors == 1 and settings.rollout_timeout_s is None
-    gym = settings.gym
+    assert settings.launch.num_generations_per_prompt == 4 and settings.launch.max_seq_len == 1024
+    assert settings.launch.retry_policy.max_gym_row_attempts == 3 and settings.launch.num_actors == 1 and settings.launch.timeouts.rollout_s is None
+    gym = settings.launch.gym
     assert gym.model_name == "tiny" and gym.base_urls == URLS and gym.thinking_tags == ("<think>", "</think>")
     assert gym.config_paths[1] == "resources_servers/equivalence_rule/configs/lc.yaml"
     assert gym.overrides == {
@@ -117,17 +120,18 @@ def test_a_nemo_rl_grpo_yaml_with_stop_strings_loads_unchanged(caplog):
 
 
 def test_an_unresolved_yaml_and_defaults_inheritance():
-    from gym_bridge.config.training import load_training_config, nemo_gym_rollout_settings
+    from gym_bridge.config.loading import load_training_config
+    from gym_bridge.config.training import nemo_gym_rollout_settings
 
     raw = yaml.safe_load(NEMO_RL_YAML.read_text())  # "${...}" left as strings
     assert raw["policy"]["generation"]["max_new_tokens"] == "${policy.max_total_sequence_length}"
     settings = nemo_gym_rollout_settings(raw, base_urls=URLS)
-    assert settings.generation_config["max_new_tokens"] == 1024
+    assert settings.launch.generation_config["max_new_tokens"] == 1024
     child = load_training_config(NEMO_RL_CHILD)
     assert child["policy"]["train_global_batch_size"] == 4 * 8  # ${mul:...} after the child's override
     settings = nemo_gym_rollout_settings(child, base_urls=URLS)
-    assert settings.num_generations_per_prompt == 8 and settings.max_seq_len == 2048
-    assert settings.generation_config["max_new_tokens"] == 2048
+    assert settings.launch.num_generations_per_prompt == 8 and settings.launch.max_seq_len == 2048
+    assert settings.launch.generation_config["max_new_tokens"] == 2048
 
 
 def test_a_config_that_does_not_ask_for_gym_is_refused():
@@ -167,20 +171,20 @@ def test_async_rl_rollout_failure_becomes_nemo_rl_s_retry_policy_and_timeouts():
         "nemo_gym": {"rollout_timeout_s": 900, "max_row_attempts": 5},
     }
     settings = settings_of(gym_config(async_rl={"rollout_failure": failure}))
-    assert settings.timeouts == RolloutTimeouts(rollout_s=900.0)
-    assert settings.retry_policy == RolloutRetryPolicy(
+    assert settings.launch.timeouts == RolloutTimeouts(rollout_s=900.0)
+    assert settings.launch.retry_policy == RolloutRetryPolicy(
         max_infra_attempts=4, max_data_attempts=2, max_gym_row_attempts=5, backoff_base_s=2.0, max_backoff_s=30.0
     )  # NeMo-RL's RolloutFailureConfig defaults for the rest
-    assert (settings.rollout_timeout_s, settings.max_row_attempts, settings.min_step_batch_fraction) == (900.0, 5, 0.9)
+    assert (settings.launch.timeouts.rollout_s, settings.launch.retry_policy.max_gym_row_attempts, settings.min_step_batch_fraction) == (900.0, 5, 0.9)
     assert settings_of(gym_config()).min_step_batch_fraction == 0.0  # no section: no floor
 
 
 def test_the_dropped_prompt_budget_comes_from_either_section_but_not_two_different_values():
     failure = {"rollout_failure": {"max_consecutive_dropped_prompts": 2}}
     on = {"async_grpo": {"enabled": True}}
-    assert settings_of(gym_config(async_rl=failure, grpo=on)).retry_policy.max_consecutive_dropped_prompts == 2
+    assert settings_of(gym_config(async_rl=failure, grpo=on)).launch.retry_policy.max_consecutive_dropped_prompts == 2
     on_with_budget = {"async_grpo": {"enabled": True, "max_generation_failures": 4}}
-    assert settings_of(gym_config(grpo=on_with_budget)).retry_policy.max_consecutive_dropped_prompts == 4
+    assert settings_of(gym_config(grpo=on_with_budget)).launch.retry_policy.max_consecutive_dropped_prompts == 4
     with pytest.raises(TrainingConfigError, match=r"max_generation_failures \(4\) and .*dropped_prompts \(2\)"):
         settings_of(gym_config(async_rl=failure, grpo=on_with_budget))
 
@@ -215,7 +219,7 @@ def test_async_rl_stall_watchdog_and_the_single_controller_pump_keys(caplog):
 
     from gym_bridge.config.async_settings import StallWatchdogSettings
 
-    assert settings_of(gym_config()).stall_watchdog == StallWatchdogSettings.off()
+    assert settings_of(gym_config()).async_rl.stall_watchdog == StallWatchdogSettings.off()
     pump = {
         "sampler": {"name": "in_order"},
         "max_inflight_prompts": 32,
@@ -223,8 +227,8 @@ def test_async_rl_stall_watchdog_and_the_single_controller_pump_keys(caplog):
     }
     with caplog.at_level(logging.WARNING, logger="gym_bridge.config.training"):
         settings = settings_of(gym_config(async_rl={"stall_watchdog": {"stall_action": "abort"}, **pump}))
-    assert (settings.stall_watchdog.stall_timeout_s, settings.stall_watchdog.interval_s) == (600.0, 30.0)  # NeMo-RL's
-    assert settings.stall_watchdog.stall_action == "abort" and settings.async_rl.recompute_kv_cache_after_weight_updates
+    assert (settings.async_rl.stall_watchdog.stall_timeout_s, settings.async_rl.stall_watchdog.interval_s) == (600.0, 30.0)  # NeMo-RL's
+    assert settings.async_rl.stall_watchdog.stall_action == "abort" and settings.async_rl.recompute_kv_cache_after_weight_updates
     [warning] = [r.getMessage() for r in caplog.records]
     assert "async_rl.sampler, async_rl.max_inflight_prompts" in warning and "no effect" in warning
 
@@ -233,7 +237,7 @@ def test_attribute_style_master_configs_are_read_as_nemo_rl_passes_them():
     from omegaconf import OmegaConf
     from pydantic import BaseModel, ConfigDict
 
-    from gym_bridge.config.training import setup_nemo_gym_config
+    from gym_bridge.config.nemo_rl_gym import setup_nemo_gym_config
 
     class MasterConfig(BaseModel):  # NeMo-RL's: a pydantic model whose sections are dicts
         model_config = ConfigDict(extra="allow")
@@ -245,7 +249,7 @@ def test_attribute_style_master_configs_are_read_as_nemo_rl_passes_them():
     config["env"]["should_use_nemo_gym"] = True
     master = MasterConfig(**config)
     assert should_use_nemo_gym(master)
-    assert settings_of(master).gym.config_paths == config["env"]["nemo_gym"]["config_paths"]
+    assert settings_of(master).launch.gym.config_paths == config["env"]["nemo_gym"]["config_paths"]
 
     node = OmegaConf.create({"env": {}, "policy": {"is_vlm": True, "tokenizer": {"name": "vlm"}, "generation": {}}})
     setup_nemo_gym_config(node, tokenizer=None)  # an OmegaConf node copies what it is given: set in place anyway

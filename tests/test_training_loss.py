@@ -10,7 +10,7 @@ import torch
 
 from gym_bridge.batched import BatchedDataDict
 from gym_bridge.config.grpo import loss_config_from, policy_config
-from gym_bridge.config.training import TrainingConfigError
+from gym_bridge.config.keys import TrainingConfigError
 from gym_bridge.training import ClippedPGLoss, ClippedPGLossConfig, GRPOLoopConfig
 from gym_bridge.training.loss import loss_metrics
 

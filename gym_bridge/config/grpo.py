@@ -41,7 +41,8 @@ from typing import Any
 import torch
 from pydantic import ValidationError
 
-from gym_bridge.config.training import ROUTING_KEYS, NemoGymRolloutSettings, TrainingConfigError
+from gym_bridge.config.keys import TrainingConfigError, config_section, config_value
+from gym_bridge.config.training import ROUTING_KEYS, NemoGymRolloutSettings, run_seed
 from gym_bridge.gym.routing import RowRouting
 from gym_bridge.gym.row_file import read_row_file
 from gym_bridge.gym.rows import ValidGymRow
@@ -54,7 +55,6 @@ from gym_bridge.types import GenerationSamplingParams
 
 __all__ = [
     "ValidationOptions",
-    "config_section",
     "load_gym_rows",
     "loop_config_from",
     "loss_config_from",
@@ -65,18 +65,6 @@ __all__ = [
     "validation_options",
     "validation_sets",
 ]
-
-
-def config_section(config: JsonMapping, dotted: str) -> JsonMapping:
-    """The sub-mapping at ``dotted`` (``a.b.c``); empty when any part is missing."""
-    node: object = config
-    for part in dotted.split("."):
-        node = node.get(part) if isinstance(node, Mapping) else None
-    if not node:
-        return {}
-    if not isinstance(node, Mapping):
-        raise TrainingConfigError(f"{dotted} must be a mapping of keys, got {type(node).__name__}")
-    return node
 
 
 _LOSS_VARIANTS_NOT_IMPLEMENTED = {
@@ -123,6 +111,7 @@ lacks: the GRPO loop (delayed validation, early stop, reward scaling and DAPO sh
 policy (Megatron, MTP drafts, MoE routing replay, VLMs, quantisation, HF config overrides, an
 optimizer other than torch AdamW with eps 1e-8, chat templates other than the tokenizer's own), distillation,
 the data plane, and NeMo-RL's data pipeline (datasets other than JSONL Gym rows, prompt files)."""
+_ABSENT = object()
 _ADVANTAGE_ESTIMATORS = ("grpo", "gdpo", "opd", "reinforce_plus_plus")
 """NeMo-RL 7ea279a's estimators (``_create_advantage_estimator``); ``grpo`` is its default and the one we have."""
 _POLICY_KEYS = {
@@ -179,21 +168,11 @@ def _refuse_unimplemented(name: str, section: JsonMapping, defaults: Mapping[str
         raise TrainingConfigError(f"{', '.join(refused)} is not implemented by {by}; remove the key or set its default")
 
 
-def _lookup(config: JsonMapping, dotted: str) -> tuple[bool, object]:
-    """``(True, value)`` at ``dotted``, or ``(False, None)`` when a part is missing."""
-    node: object = config
-    for part in dotted.split("."):
-        if not isinstance(node, Mapping) or part not in node:
-            return False, None
-        node = node[part]
-    return True, node
-
-
 def _refuse_not_implemented(config: JsonMapping) -> None:
     """Each :data:`_NOT_IMPLEMENTED` key set to another value is an error naming it, in one line."""
     for dotted, allowed in _NOT_IMPLEMENTED.items():
-        present, value = _lookup(config, dotted)
-        if present and value not in allowed:
+        value = config_value(config, dotted, _ABSENT)
+        if value is not _ABSENT and value not in allowed:
             raise TrainingConfigError(
                 f"{dotted}={value!r} is not implemented by gym-bridge's GRPO trainer; remove the key or set "
                 f"{' or '.join(repr(a) for a in allowed)}"
@@ -250,7 +229,7 @@ def loop_config_from(config: JsonMapping, settings: NemoGymRolloutSettings) -> G
         )
     checkpointing = config_section(config, "checkpointing")
     values: dict[str, object] = {
-        "seed": grpo.get("seed"),
+        "seed": run_seed(config),
         "shuffle_data": config_section(config, "data").get("shuffle"),
         "val_period": grpo.get("val_period"),
         "val_at_start": grpo.get("val_at_start"),
@@ -269,7 +248,7 @@ def loop_config_from(config: JsonMapping, settings: NemoGymRolloutSettings) -> G
         "seq_logprob_error_threshold": grpo.get("seq_logprob_error_threshold"),
         "effort_levels": settings.effort_levels,
         "reward_penalties": settings.reward_penalties,
-        "thinking_tags": settings.gym.thinking_tags,
+        "thinking_tags": settings.launch.gym.thinking_tags,
         "pass_threshold": grpo.get("pass_threshold"),
         "use_dynamic_sampling": grpo.get("use_dynamic_sampling"),
         "batch_multiplier": grpo.get("batch_multiplier"),
@@ -277,9 +256,9 @@ def loop_config_from(config: JsonMapping, settings: NemoGymRolloutSettings) -> G
         "async_rollouts": settings.async_grpo.enabled,
         "max_trajectory_age_steps": settings.async_grpo.max_trajectory_age_steps,
         "in_flight_weight_updates": settings.async_grpo.in_flight_weight_updates,
-        "stall_timeout_s": settings.stall_watchdog.stall_timeout_s,
-        "stall_action": settings.stall_watchdog.stall_action,
-        "stall_interval_s": settings.stall_watchdog.interval_s,
+        "stall_timeout_s": settings.async_rl.stall_watchdog.stall_timeout_s,
+        "stall_action": settings.async_rl.stall_watchdog.stall_action,
+        "stall_interval_s": settings.async_rl.stall_watchdog.interval_s,
         "min_step_batch_fraction": settings.min_step_batch_fraction,
         "loss": loss,
         "train_micro_batch_size": config_section(config, "policy").get("train_micro_batch_size"),

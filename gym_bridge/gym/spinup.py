@@ -3,21 +3,16 @@
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 from gym_bridge.gym.actor_config import NemoGymConfig, actor_configs
-from gym_bridge.json_types import JsonMapping
 from gym_bridge.types import ActorHandle, Tokenizer
 
 if TYPE_CHECKING:
     import ray.actor
 
 __all__ = [
-    "NEMO_RL_GYM_KNOBS",
-    "nemo_rl_gym_config",
-    "spinup_nemo_gym_actor",
     "spinup_nemo_gym_actors",
     "start_nemo_gym_actor",
     "stop_nemo_gym_actors",
@@ -37,83 +32,6 @@ def actor_options(config: NemoGymConfig) -> dict[str, Any]:
     and behind it every ``health_check`` and ``shutdown``.
     """
     return {"max_concurrency": DEFAULT_MAX_CONCURRENCY, **config.actor_options}
-
-
-NEMO_RL_GYM_KNOBS = (
-    "invalid_tool_call_patterns",
-    "thinking_tags",
-    "tokenizer_config",
-    "pad_dynamic_image_shapes",
-    "port_range_low",
-    "port_range_high",
-)
-"""Keys of ``env.nemo_gym`` that are NemoGymConfig fields in NeMo-RL, not Gym's global config."""
-_RUNNER_ONLY_KEYS = ("is_trajectory_collection",)
-"""Keys of ``env.nemo_gym`` NeMo-RL's Gym runner pops before spin-up; dropped here too, so Gym never sees them."""
-
-
-def spinup_nemo_gym_actor(
-    env_configs: JsonMapping,
-    base_urls: list[str],
-    model_name: str,
-    *,
-    tokenizer: Tokenizer,
-    enable_router_replay: bool = False,
-    routed_experts_dtype: str = "int16",
-    use_fastokens: bool = False,
-) -> ActorHandle:
-    """NeMo-RL's spin-up: the NemoGym actor for ``env_configs["nemo_gym"]`` (NeMo-RL's ``master_config.env``)
-    against ``base_urls``, started, with the tokenizer installed (:func:`nemo_rl_gym_config`, then
-    :func:`start_nemo_gym_actor`).
-
-    As NeMo-RL's, with ``env.nemo_gym.num_gpu_nodes > 0`` the actor prefers the caller's Ray node (Gym's
-    GPU-hosted servers are placed where the caller expects)."""
-    config = nemo_rl_gym_config(
-        env_configs,
-        base_urls,
-        model_name,
-        enable_router_replay=enable_router_replay,
-        routed_experts_dtype=routed_experts_dtype,
-        use_fastokens=use_fastokens,
-    )
-    if config.overrides.get("num_gpu_nodes") and "scheduling_strategy" not in config.actor_options:
-        import ray
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        if ray.is_initialized():
-            here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=True)
-            config = config.model_copy(update={"actor_options": {**config.actor_options, "scheduling_strategy": here}})
-    return start_nemo_gym_actor(config, tokenizer)
-
-
-def nemo_rl_gym_config(
-    env_configs: JsonMapping,
-    base_urls: list[str],
-    model_name: str,
-    *,
-    enable_router_replay: bool,
-    routed_experts_dtype: str,
-    use_fastokens: bool,
-) -> NemoGymConfig:
-    """The NemoGymConfig NeMo-RL's spin-up builds: its knobs (:data:`NEMO_RL_GYM_KNOBS`) become fields, the rest
-    of ``env_configs["nemo_gym"]`` is Gym's global config (``$NEMO_GYM_VENV_DIR``, when set, its default
-    ``uv_venv_dir``, as in NeMo-RL). Options this package cannot serve (router replay, fastokens, a multimodal
-    processor) raise a ``ValidationError`` naming them."""
-    section = dict(env_configs["nemo_gym"])
-    knobs = {key: section.pop(key) for key in NEMO_RL_GYM_KNOBS if key in section}
-    for key in _RUNNER_ONLY_KEYS:
-        section.pop(key, None)
-    if os.environ.get("NEMO_GYM_VENV_DIR"):
-        section.setdefault("uv_venv_dir", os.environ["NEMO_GYM_VENV_DIR"])
-    return NemoGymConfig(
-        model_name=model_name,
-        base_urls=list(base_urls),
-        initial_global_config_dict=section,
-        require_routed_experts=enable_router_replay,
-        routed_experts_dtype=routed_experts_dtype,
-        use_fastokens=use_fastokens,
-        **knobs,
-    )
 
 
 def start_nemo_gym_actor(config: NemoGymConfig, tokenizer: Tokenizer, *, margin_s: float = 60.0) -> ActorHandle:

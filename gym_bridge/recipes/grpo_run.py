@@ -1,7 +1,7 @@
 """Assemble a GRPO run through NeMo-Gym from a NeMo-RL-style config: engine, server, Gym, manager, policy.
 
-The settings come from :mod:`gym_bridge.config.grpo` and :mod:`gym_bridge.config.training`. The engine is
- :class:`~gym_bridge.generation.hf.HFGeneration` behind our
+The settings are one :class:`~gym_bridge.config.run_settings.GRPORunSettings`, read before anything starts; nothing
+here reads a config key. The engine is :class:`~gym_bridge.generation.hf.HFGeneration` behind our
 :class:`~gym_bridge.serving.OpenAIServer` (a thread of this process), which Gym's model
 server calls; the trained copy is an :class:`~gym_bridge.policy.hf.HFPolicy`. A run folder
 with a checkpoint resumes from it: both copies load the checkpoint's weights. ``grpo.seed`` seeds
@@ -17,21 +17,11 @@ from pathlib import Path
 
 import torch
 
-from gym_bridge.config.grpo import (
-    config_section,
-    engine_batch_size,
-    load_gym_rows,
-    loop_config_from,
-    policy_config,
-    result_logging,
-    row_routing,
-    train_data_path,
-    validation_options,
-    validation_sets,
-)
-from gym_bridge.config.training import TrainingConfigError, nemo_gym_rollout_settings
+from gym_bridge.config.grpo import result_logging
+from gym_bridge.config.keys import TrainingConfigError
+from gym_bridge.config.run_settings import GRPORunSettings, grpo_run_settings
 from gym_bridge.data import datum_from_gym_row
-from gym_bridge.generation.hf import HFGeneration, HFGenerationConfig
+from gym_bridge.generation.hf import HFGeneration
 from gym_bridge.gym.client import GymClient
 from gym_bridge.gym.routing import GymRoutes
 from gym_bridge.gym.rows import ValidGymRow
@@ -44,44 +34,40 @@ from gym_bridge.training.rewards import RewardShaper
 from gym_bridge.training.validation import GymValidator, ValidationSet
 from gym_bridge.types import ActorHandle, Tokenizer
 
-__all__ = ["GRPORun", "build_grpo_run", "reward_shaper_from", "validator_from"]
+__all__ = ["GRPORun", "build_grpo_run", "reward_shaper_from", "start_grpo_run", "validator_from"]
 
 logger = logging.getLogger(__name__)
 
 
 def validator_from(
-    config: JsonMapping,
+    settings: GRPORunSettings,
     actors: list[ActorHandle],
     out_dir: Path,
     *,
-    pass_threshold: float,
     reward_shaper: RewardShaper | None = None,
-    deadline_s: float | None = None,
-    seed: int | None = None,
 ) -> GymValidator | None:
     """A :class:`GymValidator` over the run's Gym actors, or None when the config has no validation data.
 
-    ``reward_shaper`` shapes validation rewards as training's are (NeMo-RL's ``validate`` does the same);
-    ``deadline_s`` bounds each held-out group and ``seed`` seeds its rows, as training's groups are."""
-    sets = validation_sets(config)
-    if not sets:
+    Validation rewards are shaped as training's are (``reward_shaper``; NeMo-RL's ``validate`` does the same);
+    each held-out group has the training groups' deadline, and its rows the run seed."""
+    if not settings.validation_sets:
         return None
     sets = [
         ValidationSet(held.name, routed_rows([ValidGymRow(r) for r in held.rows], actors[0], f"validation {held.name}"))
-        for held in sets
+        for held in settings.validation_sets
     ]
-    options = validation_options(config)
+    options = settings.validation
     return GymValidator(
         GymClient(actors, timer_prefix="timing/validation"),
         sets,
         sampling=options.sampling,
         max_new_tokens=options.max_new_tokens,
         num_generations=options.num_generations,
-        pass_threshold=pass_threshold,
+        pass_threshold=settings.loop.pass_threshold,
         results_path=out_dir / "val_results.jsonl",
         reward_shaper=reward_shaper,
-        deadline_s=deadline_s,
-        seed=seed,
+        deadline_s=settings.rollout.launch.timeouts.rollout_s,
+        seed=settings.seed,
     )
 
 
@@ -132,50 +118,36 @@ class GRPORun:
 
 
 def build_grpo_run(config: JsonMapping, out_dir: str | Path, *, resume: bool = True) -> GRPORun:
-    """Start the engine, its server, Gym and the manager; load the policy; resume from ``out_dir`` if it can.
+    """Read every setting (:func:`~gym_bridge.config.run_settings.grpo_run_settings`: a bad key stops here, before
+    any model loads), then :func:`start_grpo_run`. Ray must be initialised (:func:`gym_bridge.ray_utils.init_ray`)."""
+    return start_grpo_run(grpo_run_settings(config), out_dir, resume=resume)
 
-    Ray must be initialised (:func:`gym_bridge.ray_utils.init_ray`).
-    """
+
+def start_grpo_run(settings: GRPORunSettings, out_dir: str | Path, *, resume: bool = True) -> GRPORun:
+    """Start the engine, its server, Gym and the manager; load the policy; resume from ``out_dir`` if it can."""
     out_dir = Path(out_dir)
-    policy_cfg = config_section(config, "policy")
-    seed = int(config_section(config, "grpo").get("seed", 0))
-    torch.manual_seed(seed)
-    logger.info("grpo.seed %d", seed)
+    torch.manual_seed(settings.seed)
+    logger.info("grpo.seed %d", settings.seed)
     checkpoint = out_dir / "checkpoint"
     state = load_trainer_state(checkpoint) if resume else None
-    weights = str(checkpoint) if state is not None else str(policy_cfg["model_name"])
     if state is not None:
         logger.info("resuming from %s at step %d (weight version %d)", checkpoint, state.step, state.weight_version)
-    max_len = int(policy_cfg["max_total_sequence_length"])
-    generation = dict(config_section(config, "policy.generation"))
-    engine = HFGeneration(
-        HFGenerationConfig.from_generation_config(
-            generation,
-            model=weights,
-            max_model_len=max_len,
-            seed=seed + (state.step if state else 0),
-            max_batch_size=engine_batch_size(config) or HFGenerationConfig.model_fields["max_batch_size"].default,
-        )
-    )
+        settings = settings.resumed_from(str(checkpoint), state.step)
+    engine = HFGeneration(settings.engine)
     server = OpenAIServer(
-        engine, engine.tokenizer, served_model_name=str(policy_cfg["model_name"]), max_model_len=max_len
+        engine, engine.tokenizer, served_model_name=settings.served_model_name, max_model_len=settings.max_model_len
     )
     try:
-        base_url = server.start_in_thread()
-        settings = nemo_gym_rollout_settings(config, base_urls=[base_url])
-        if settings.is_trajectory_collection:
-            raise TrainingConfigError(
-                "env.nemo_gym.is_trajectory_collection: true collects without training; this GRPO recipe trains. "
-                "Use `gym-bridge eval` to roll out a dataset and keep every result"
-            )
-        loop_cfg = loop_config_from(config, settings)
-        rollouts = start_nemo_gym_rollouts(settings, engine.tokenizer, **result_logging(settings, out_dir))
+        settings = settings.serving_at([server.start_in_thread()])
+        rollouts = start_nemo_gym_rollouts(
+            settings.rollout, engine.tokenizer, **result_logging(settings.rollout, out_dir)
+        )
     except BaseException:
         server.stop_thread()
         engine.shutdown()
         raise
     try:
-        policy = HFPolicy(policy_config(config, weights, loop_cfg))
+        policy = HFPolicy(settings.policy)
         deterministic_before = torch.are_deterministic_algorithms_enabled()
         if policy.device.type == "cpu" and engine.device.type == "cpu":
             # CPU kernels are deterministic already, so this costs nothing; on a GPU it would need
@@ -184,24 +156,17 @@ def build_grpo_run(config: JsonMapping, out_dir: str | Path, *, resume: bool = T
         if state is not None:
             policy.load_optimizer(checkpoint)
             engine.update_weights(policy.state_dict_for_refit(), state.weight_version)
-        rows = routed_rows(load_gym_rows(train_data_path(config), row_routing(config)), rollouts.actor)
-        dataset = [datum_from_gym_row(row, idx=i) for i, row in enumerate(rows)]
+        rows = routed_rows(settings.train_rows, rollouts.actor)
         trainer = GRPOTrainer(
-            loop_cfg,
+            settings.loop,
             manager=rollouts.manager,
             policy=policy,
             engine=engine,
-            dataset=dataset,
+            dataset=[datum_from_gym_row(row, idx=i) for i, row in enumerate(rows)],
             out_dir=out_dir,
             state=state,
             validator=validator_from(
-                config,
-                rollouts.actors,
-                out_dir,
-                pass_threshold=loop_cfg.pass_threshold,
-                reward_shaper=reward_shaper_from(loop_cfg, engine.tokenizer),
-                deadline_s=rollouts.manager.timeouts.rollout_s,
-                seed=settings.launch.manager_options.get("seed"),
+                settings, rollouts.actors, out_dir, reward_shaper=reward_shaper_from(settings.loop, engine.tokenizer)
             ),
         )
     except BaseException:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, cast
 
 from gym_bridge.config.launch_spec import GymLaunchSpec
+from gym_bridge.config.nemo_rl_gym import nemo_rl_gym_config
 from gym_bridge.config.training import NemoGymRolloutSettings, nemo_gym_rollout_settings
 from gym_bridge.json_types import JsonMapping
 
@@ -31,6 +32,7 @@ __all__ = [
     "NemoGymRollouts",
     "build_nemo_gym_rollouts",
     "launch_nemo_gym",
+    "spinup_nemo_gym_actor",
     "start_nemo_gym",
     "start_nemo_gym_rollouts",
 ]
@@ -169,3 +171,40 @@ def start_nemo_gym_rollouts(
         manager_options={**settings.launch.manager_options, **manager_kwargs},
     )
     return start_nemo_gym(spec, tokenizer)
+
+
+def spinup_nemo_gym_actor(
+    env_configs: JsonMapping,
+    base_urls: list[str],
+    model_name: str,
+    *,
+    tokenizer: Tokenizer,
+    enable_router_replay: bool = False,
+    routed_experts_dtype: str = "int16",
+    use_fastokens: bool = False,
+) -> ActorHandle:
+    """NeMo-RL's spin-up, with its signature: the NemoGym actor for ``env_configs["nemo_gym"]`` (NeMo-RL's
+    ``master_config.env``) against ``base_urls``, started, with the tokenizer installed
+    (:func:`~gym_bridge.config.nemo_rl_gym.nemo_rl_gym_config`, then
+    :func:`~gym_bridge.gym.spinup.start_nemo_gym_actor`).
+
+    As NeMo-RL's, with ``env.nemo_gym.num_gpu_nodes > 0`` the actor prefers the caller's Ray node (Gym's
+    GPU-hosted servers are placed where the caller expects)."""
+    config = nemo_rl_gym_config(
+        env_configs,
+        base_urls,
+        model_name,
+        enable_router_replay=enable_router_replay,
+        routed_experts_dtype=routed_experts_dtype,
+        use_fastokens=use_fastokens,
+    )
+    if config.overrides.get("num_gpu_nodes") and "scheduling_strategy" not in config.actor_options:
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        if ray.is_initialized():
+            here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=True)
+            config = config.model_copy(update={"actor_options": {**config.actor_options, "scheduling_strategy": here}})
+    from gym_bridge.gym.spinup import start_nemo_gym_actor
+
+    return start_nemo_gym_actor(config, tokenizer)

@@ -1,0 +1,119 @@
+"""Reading a NeMo-RL YAML as NeMo-RL's ``load_config`` does: ``defaults:`` parents, ``_override_`` sections,
+``${...}`` interpolation with NeMo-RL's resolvers; and any config (a mapping or attribute-style) as a plain dict."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from types import SimpleNamespace
+from typing import cast
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from pydantic import BaseModel
+
+from gym_bridge.config.keys import TrainingConfigError
+from gym_bridge.json_types import JsonMapping, JsonObject
+
+__all__ = ["load_training_config", "plain_config", "resolved_config"]
+
+_RESOLVERS: dict[str, Callable[[float, float], float]] = {
+    "add": lambda a, b: a + b,
+    "mul": lambda a, b: a * b,
+    "div": lambda a, b: a / b,
+    "max": lambda a, b: max(a, b),
+}
+_OVERRIDE = "_override_"
+
+
+def _register_resolvers() -> None:
+    """The interpolation functions NeMo-RL registers (``nemo_rl/utils/config.py``): add, mul, div, max."""
+    for name, fn in _RESOLVERS.items():
+        if not OmegaConf.has_resolver(name):
+            OmegaConf.register_new_resolver(name, fn)
+
+
+def _load_with_defaults(path: Path) -> DictConfig:
+    """The YAML at ``path`` with its ``defaults:`` parents merged under it, ``${...}`` still unresolved."""
+    node = OmegaConf.load(path)
+    if not isinstance(node, DictConfig):
+        raise TrainingConfigError(f"{path}: a training config must be a mapping, not a list")
+    parents = node.pop("defaults", None)
+    if parents is None:
+        return node
+    merged = OmegaConf.create()
+    for parent in [parents] if isinstance(parents, str) else list(parents):
+        merged = _merge_with_override(merged, _load_with_defaults((path.parent / str(parent)).resolve()))
+    return _merge_with_override(merged, node)
+
+
+def _merge_with_override(base: DictConfig, child: DictConfig) -> DictConfig:
+    """Merge ``child`` over ``base``; a top-level section of ``child`` marked ``_override_: true`` replaces
+    the parent's section instead of merging into it (NeMo-RL's rule)."""
+    for key in list(child.keys()):
+        if OmegaConf.is_missing(child, key):
+            continue
+        value = child[key]
+        if isinstance(value, DictConfig) and value.get(_OVERRIDE, False):
+            value.pop(_OVERRIDE)
+            if key in base:
+                base.pop(key)
+    merged = OmegaConf.merge(base, child)
+    assert isinstance(merged, DictConfig)  # two mappings merge into a mapping
+    return merged
+
+
+def load_training_config(path: str | Path) -> JsonObject:
+    """A NeMo-RL YAML as a plain dict: ``defaults:`` parents merged under it, ``${...}`` resolved."""
+    _register_resolvers()
+    return resolved_config(_load_with_defaults(Path(path)))
+
+
+def _asplain_config(config: object) -> object:
+    """An attribute-style config (a pydantic model such as NeMo-RL's ``MasterConfig``, a dataclass, a namespace)
+    as nested plain containers; mappings, lists and scalars as they are."""
+    if OmegaConf.is_config(config) or isinstance(config, (str, bytes, int, float, bool)) or config is None:
+        return config
+    if isinstance(config, Mapping):
+        return {key: _asplain_config(value) for key, value in config.items()}
+    if isinstance(config, (list, tuple)):
+        return [_asplain_config(value) for value in config]
+    if isinstance(config, BaseModel):
+        return _asplain_config(config.model_dump())
+    if dataclasses.is_dataclass(config) and not isinstance(config, type):
+        return _asplain_config({field.name: getattr(config, field.name) for field in dataclasses.fields(config)})
+    if isinstance(config, SimpleNamespace):
+        return _asplain_config(vars(config))
+    return config
+
+
+def resolved_config(config: object) -> JsonObject:
+    """``config`` (OmegaConf, a mapping or an attribute-style config) as a plain dict with ``${...}`` resolved."""
+    _register_resolvers()
+    if isinstance(config, (DictConfig, ListConfig)):
+        node: DictConfig | ListConfig = config
+    else:
+        plain = _asplain_config(config)
+        if not isinstance(plain, dict):
+            raise TrainingConfigError(f"a training config must be a mapping, not {type(plain).__name__}")
+        node = OmegaConf.create(copy.deepcopy(plain))
+    container = OmegaConf.to_container(node, resolve=True)
+    if not isinstance(container, dict):
+        raise TrainingConfigError(f"a training config must be a mapping, not {type(container).__name__}")
+    return cast("JsonObject", container)  # OmegaConf types keys as any DictKeyType; a YAML config's are str
+
+
+def _has_interpolation(value: object) -> bool:
+    if isinstance(value, str):
+        return "${" in value
+    if isinstance(value, Mapping):
+        return any(_has_interpolation(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_has_interpolation(v) for v in value)
+    return False
+
+
+def plain_config(config: JsonMapping) -> JsonMapping:
+    """``config`` with any ``${...}`` left unresolved (e.g. read with ``yaml.safe_load``) resolved."""
+    return resolved_config(config) if _has_interpolation(config) else config

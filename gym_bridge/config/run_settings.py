@@ -1,0 +1,117 @@
+"""One typed value for a whole GRPO run read from a NeMo-RL-style config, read and checked before anything starts.
+
+After :func:`grpo_run_settings` nothing reads a raw config key: the recipe starts the engine, the server, Gym
+and the trainer from :class:`GRPORunSettings` alone, so every key has one reader and every default one place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from pydantic import ValidationError
+
+from gym_bridge.config.grpo import (
+    ValidationOptions,
+    engine_batch_size,
+    load_gym_rows,
+    loop_config_from,
+    policy_config,
+    row_routing,
+    train_data_path,
+    validation_options,
+    validation_sets,
+)
+from gym_bridge.config.keys import TrainingConfigError, config_section, config_value
+from gym_bridge.config.training import NemoGymRolloutSettings, nemo_gym_rollout_settings, run_seed
+from gym_bridge.generation.hf_config import HFGenerationConfig
+from gym_bridge.gym.rows import ValidGymRow
+from gym_bridge.json_types import JsonMapping
+from gym_bridge.policy.hf import HFPolicyConfig
+from gym_bridge.training.loop_config import GRPOLoopConfig
+from gym_bridge.training.validation import ValidationSet
+
+__all__ = ["ENDPOINT_PENDING", "GRPORunSettings", "grpo_run_settings"]
+
+ENDPOINT_PENDING = "http://127.0.0.1:0/v1"
+"""The endpoint the rollout settings name until the run's own server is up (:meth:`GRPORunSettings.serving_at`)."""
+
+
+@dataclass(frozen=True)
+class GRPORunSettings:
+    """Everything a GRPO run through Gym takes from its config: one reader per key, every check already done."""
+
+    seed: int
+    """``grpo.seed``: torch, the engine, the loop and every row's sampling seed (one value, one default)."""
+    served_model_name: str
+    """``policy.model_name``: the weights at the start and the name the endpoint serves them under."""
+    max_model_len: int
+    """``policy.max_total_sequence_length``: the engine's and the server's context."""
+    engine: HFGenerationConfig
+    """The engine from ``policy.generation`` and ``policy.generation.vllm_kwargs.max_num_seqs``, seeded ``seed``."""
+    rollout: NemoGymRolloutSettings
+    """The Gym path (``env.nemo_gym``, ``async_rl``, ...); its endpoint is :data:`ENDPOINT_PENDING` until
+    :meth:`serving_at` names the run's server."""
+    loop: GRPOLoopConfig
+    policy: HFPolicyConfig
+    train_rows: list[ValidGymRow]
+    """``data.train.data_path``, read and validated (routed against the launched Gym once it runs)."""
+    validation: ValidationOptions
+    validation_sets: list[ValidationSet]
+
+    def serving_at(self, base_urls: list[str]) -> GRPORunSettings:
+        """These settings with the rollout endpoint set to the run's own server."""
+        return replace(self, rollout=self.rollout.with_base_urls(base_urls))
+
+    def resumed_from(self, weights: str, step: int) -> GRPORunSettings:
+        """These settings with both model copies loading ``weights`` and the engine seeded for ``step``."""
+        return replace(
+            self,
+            engine=self.engine.model_copy(update={"model": weights, "seed": self.seed + step}),
+            policy=self.policy.model_copy(update={"model": weights}),
+        )
+
+
+def grpo_run_settings(config: JsonMapping) -> GRPORunSettings:
+    """Read and check every key a GRPO run uses; :class:`TrainingConfigError` names the first bad or missing key."""
+    seed = run_seed(config)
+    model_name = str(config_value(config, "policy.model_name"))
+    max_model_len = _positive_int(config, "policy.max_total_sequence_length")
+    rollout = nemo_gym_rollout_settings(config, base_urls=[ENDPOINT_PENDING])
+    if rollout.is_trajectory_collection:
+        raise TrainingConfigError(
+            "env.nemo_gym.is_trajectory_collection: true collects without training; this GRPO recipe trains. "
+            "Use `gym-bridge eval` to roll out a dataset and keep every result"
+        )
+    loop = loop_config_from(config, rollout)
+    engine_keys: dict[str, object] = {"model": model_name, "max_model_len": max_model_len, "seed": seed}
+    batch_size = engine_batch_size(config)
+    if batch_size is not None:
+        engine_keys["max_batch_size"] = batch_size
+    try:
+        engine = HFGenerationConfig.from_generation_config(
+            config_section(config, "policy.generation"), validation=False, **engine_keys
+        )
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"policy.generation.{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors()
+        )
+        raise TrainingConfigError(problems) from None
+    return GRPORunSettings(
+        seed=seed,
+        served_model_name=model_name,
+        max_model_len=max_model_len,
+        engine=engine,
+        rollout=rollout,
+        loop=loop,
+        policy=policy_config(config, model_name, loop),
+        train_rows=load_gym_rows(train_data_path(config), row_routing(config)),
+        validation=validation_options(config),
+        validation_sets=validation_sets(config),
+    )
+
+
+def _positive_int(config: JsonMapping, dotted: str) -> int:
+    value = config_value(config, dotted)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise TrainingConfigError(f"{dotted} must be a positive integer, got {value!r}")
+    return value

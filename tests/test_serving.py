@@ -398,3 +398,37 @@ def test_responses_say_which_weight_version_generated_them(client, tiny_model_di
         assert [c["weight_version"] for c in body["choices"]] == [3] * len(body["choices"])
     expected = torch.log_softmax(logits[len(prompt) - 1 : -1] / TEMPERATURE, -1).gather(-1, torch.tensor(gen)[:, None])
     assert torch.allclose(torch.tensor(msg["generation_log_probs"]), expected.squeeze(-1), atol=1e-4)
+
+
+def _prefix_cache_counters(client: httpx.Client, server: OpenAIServer) -> dict[str, int]:
+    """vLLM's prefix-cache counters as ``/metrics`` exposes them (Prometheus text, ``_total`` samples)."""
+    r = client.get(server.root_url + "/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    found = {}
+    for name in ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits"):
+        assert f"# TYPE {name}_total counter" in r.text
+        match = re.search(rf'^{name}_total\{{engine="0",model_name="tiny"\}} (\d+)$', r.text, re.MULTILINE)
+        assert match, r.text
+        found[name] = int(match.group(1))
+    return found
+
+
+def test_metrics_count_prefix_cache_queries_and_hits(client, hf_server):
+    """Chats that share a long system prompt: the second request's prompt is found in the cache, the counters rise."""
+    system = {"role": "system", "content": "You answer arithmetic questions. " * 12}
+    before = _prefix_cache_counters(client, hf_server)
+    first = _chat(client, hf_server, messages=[system, *USER], max_tokens=4, n=2, return_token_ids=True)
+    mid = _prefix_cache_counters(client, hf_server)
+    question = [{"role": "user", "content": "And what is 3 + 4?"}]
+    second = _chat(client, hf_server, messages=[system, *question], max_tokens=4, return_token_ids=True)
+    after = _prefix_cache_counters(client, hf_server)
+    shared = first["prompt_token_ids"][: len(second["prompt_token_ids"])]
+    common = next(i for i, (a, b) in enumerate(zip(shared, second["prompt_token_ids"], strict=True)) if a != b)
+    assert common >= 100  # the system prompt the two chats share
+    queries = "vllm:prefix_cache_queries"
+    hits = "vllm:prefix_cache_hits"
+    assert mid[queries] - before[queries] == 2 * len(first["prompt_token_ids"])
+    assert after[queries] - mid[queries] == len(second["prompt_token_ids"])
+    # The second of the n=2 samples reuses the first's prompt; the later chat reuses the shared system prompt.
+    assert mid[hits] - before[hits] >= len(first["prompt_token_ids"]) - 16
+    assert after[hits] - mid[hits] >= common - 16

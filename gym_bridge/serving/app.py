@@ -1,8 +1,10 @@
 """FastAPI routes: ``/v1/chat/completions``, ``/v1/completions``, ``/tokenize``, ``/detokenize``, ``/v1/models``,
 ``/health``, ``/metrics``.
 
-Each route is a module-level handler that reads the :class:`ServingState` from ``request.app.state``;
-:func:`build_app` only creates the app and registers the routes and the exception handlers.
+Each route is a module-level handler that reads the :class:`~gym_bridge.serving.state.ServingState` from
+``request.app.state``; :func:`build_app` only creates the app and registers the routes and the exception handlers.
+Bodies are read by :mod:`~gym_bridge.serving.bodies`, answers built by :mod:`~gym_bridge.serving.responses`, and
+``/metrics`` is :mod:`~gym_bridge.serving.metrics`.
 
 Bodies are parsed by hand (size limit, JSON, nesting depth, pydantic) so every refusal is a 4xx
 with the OpenAI error shape, never FastAPI's 422 or a 500. Request bodies are untrusted: the work
@@ -20,30 +22,18 @@ import asyncio
 import json
 import logging
 import time
-import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from pydantic import BaseModel, ValidationError
+from fastapi.responses import JSONResponse, Response
 
 from gym_bridge.failures import EngineShutDownError, GenerationUnavailable, RolloutDataFailure
-from gym_bridge.interfaces import GenerationInterface
 from gym_bridge.json_types import JsonMapping, JsonObject
+from gym_bridge.serving.bodies import json_depth, parse_body, parse_request
 from gym_bridge.serving.chat import ChatPrompt, build_chat_prompt
-from gym_bridge.serving.drift import DriftCounter
-from gym_bridge.serving.engine import (
-    EngineProfile,
-    Sample,
-    SamplingOverrides,
-    generate_rows,
-    max_tokens_for,
-    resolve_greedy,
-    weight_version_of,
-)
+from gym_bridge.serving.engine import Sample, SamplingOverrides, generate_rows, max_tokens_for, resolve_greedy
 from gym_bridge.serving.errors import ServingError, error_body
-from gym_bridge.serving.parsers import parse_assistant_text
+from gym_bridge.serving.metrics import metrics
 from gym_bridge.serving.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -51,69 +41,34 @@ from gym_bridge.serving.protocol import (
     SamplingFields,
     TokenizeRequest,
 )
-from gym_bridge.types import Tokenizer
+from gym_bridge.serving.responses import (
+    WEIGHT_VERSION_HEADER,
+    chat_choice,
+    completion_choice,
+    response_body,
+    usage_of,
+    with_weight_version,
+)
+from gym_bridge.serving.state import (
+    AUTO_TOOL_CHOICE_REFUSED,
+    ServerFeatures,
+    ServerLimits,
+    ServingState,
+    serving_state,
+)
+
+__all__ = [
+    "AUTO_TOOL_CHOICE_REFUSED",
+    "WEIGHT_VERSION_HEADER",
+    "ServerFeatures",
+    "ServerLimits",
+    "ServingState",
+    "build_app",
+    "json_depth",
+    "parse_body",
+]
 
 logger = logging.getLogger(__name__)
-
-
-#: Response header naming the weight version that generated the response (engines with refits only).
-WEIGHT_VERSION_HEADER = "x-gym-bridge-weight-version"
-
-
-@dataclass(frozen=True)
-class ServerLimits:
-    """Request limits; anything over them is refused with a 4xx."""
-
-    max_body_bytes: int = 8 * 1024 * 1024
-    max_n: int = 16
-    max_prompts: int = 64
-    max_stop_strings: int = 4
-    """vLLM's cap (``VLLM_MAX_STOP_STRINGS``, 4 by default): more ``stop`` entries are a 400 naming ``stop``."""
-    max_json_depth: int = 64
-    """Deepest nesting of objects and arrays a body may have; deeper is a 400 (JSON nested 100,000 deep
-    would otherwise exhaust the parser's recursion)."""
-
-
-#: vLLM's exact 400 message for a chat with tools when started without a tool-call parser.
-AUTO_TOOL_CHOICE_REFUSED = '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
-
-
-@dataclass(frozen=True)
-class ServerFeatures:
-    """What the server supports; turning one off makes it answer like a vLLM set up without it
-    (for preflight tests and for people who want to see the failure before a run)."""
-
-    auto_tool_choice: bool = True
-    """False: a chat offering tools with ``tool_choice`` auto gets vLLM's 400 :data:`AUTO_TOOL_CHOICE_REFUSED`."""
-    logprobs: bool = True
-    """False: ``logprobs`` is null in every answer, as from a server that does not compute them."""
-    token_ids: bool = True
-    """False: ``return_token_ids`` and ``return_tokens_as_token_ids`` are ignored and no token-id fields are sent."""
-    clamp_max_tokens: bool = False
-    """True: a chat's ``max_tokens`` beyond the room its prompt leaves is cut to that room, as NeMo-RL's training
-    server does (``vllm_worker_async``); False: vLLM's 400."""
-
-
-@dataclass
-class ServingState:
-    """What every route reads: the engine, its tokenizer, the names it is served under, limits and counters."""
-
-    generation: GenerationInterface
-    tokenizer: Tokenizer
-    served_model_name: str
-    model_path: str
-    reasoning_parser: bool
-    profile: EngineProfile
-    limits: ServerLimits
-    vocab_size: int
-    token_id_correction: bool = True
-    features: ServerFeatures = field(default_factory=ServerFeatures)
-    drift: DriftCounter = field(default_factory=DriftCounter)
-
-    @property
-    def model_names(self) -> tuple[str, ...]:
-        """The names a request's ``model`` may give: the served name and the model path."""
-        return (self.served_model_name, self.model_path)
 
 
 def build_app(state: ServingState) -> FastAPI:
@@ -130,12 +85,6 @@ def build_app(state: ServingState) -> FastAPI:
     app.add_api_route("/tokenize", tokenize, methods=["POST"])
     app.add_api_route("/detokenize", detokenize, methods=["POST"])
     return app
-
-
-def serving_state(request: Request) -> ServingState:
-    """The :class:`ServingState` of the app serving ``request`` (set by :func:`build_app`)."""
-    state: ServingState = request.app.state.serving
-    return state
 
 
 # ---------------------------------------------------------------------- exception handlers
@@ -160,12 +109,6 @@ async def health() -> dict[str, str]:
     return {"status": "ok"}
 
 
-async def metrics(request: Request) -> PlainTextResponse:
-    """``GET /metrics``: the drift and request counters in Prometheus text format."""
-    text = serving_state(request).drift.prometheus_text()
-    return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
-
-
 async def models(request: Request) -> JsonObject:
     """``GET /v1/models``: one card per name the model is served under."""
     state = serving_state(request)
@@ -187,7 +130,7 @@ async def models(request: Request) -> JsonObject:
 async def chat_completions(request: Request) -> Response:
     """``POST /v1/chat/completions``: render the chat (carried token ids spliced in), generate ``n`` choices."""
     state = serving_state(request)
-    req = await _parse(request, ChatCompletionRequest, state)
+    req = await parse_request(request, ChatCompletionRequest, state)
     state.drift.count_request("chat_completions")
     _check_chat(req, state)
     prompt = await asyncio.to_thread(_render_chat, req, req.messages, state)
@@ -196,38 +139,24 @@ async def chat_completions(request: Request) -> Response:
         state, req, prompt.token_ids, req.requested_max_tokens(), clamp=state.features.clamp_max_tokens
     )
     choices = await asyncio.to_thread(_chat_choices, state, req, prompt, samples)
-    usage = _usage(len(prompt.token_ids), samples)
-    body = _response_body("chatcmpl", "chat.completion", req.model, state, choices, usage)
+    usage = usage_of(len(prompt.token_ids), samples)
+    body = response_body("chatcmpl", "chat.completion", req.model, state, choices, usage)
     if req.return_token_ids and state.features.token_ids:
         body["prompt_token_ids"] = prompt.token_ids
-    return await _json_response(body, _with_weight_version(body, samples, headers))
+    return await _json_response(body, with_weight_version(body, samples, headers))
 
 
 def _chat_choices(
     state: ServingState, req: ChatCompletionRequest, prompt: ChatPrompt, samples: list[Sample]
 ) -> list[JsonObject]:
     """Every choice of a chat answer (decoding and parsing: run in a worker thread)."""
-    return [_chat_choice(state, req, prompt, index, sample) for index, sample in enumerate(samples)]
-
-
-def _response_body(
-    id_prefix: str, kind: str, model: str | None, state: ServingState, choices: list[JsonObject], usage: dict[str, int]
-) -> JsonObject:
-    """The OpenAI response envelope both completion routes answer with."""
-    return {
-        "id": f"{id_prefix}-{uuid.uuid4().hex}",
-        "object": kind,
-        "created": int(time.time()),
-        "model": model or state.served_model_name,
-        "choices": choices,
-        "usage": usage,
-    }
+    return [chat_choice(state, req, prompt, index, sample) for index, sample in enumerate(samples)]
 
 
 async def completions(request: Request) -> Response:
     """``POST /v1/completions``: ``n`` choices for each text or token-id prompt, numbered across prompts."""
     state = serving_state(request)
-    req = await _parse(request, CompletionRequest, state)
+    req = await parse_request(request, CompletionRequest, state)
     state.drift.count_request("completions")
     _check_common(req, state)
     if req.echo:
@@ -240,21 +169,21 @@ async def completions(request: Request) -> Response:
         prompt_tokens += len(prompt_ids)
         all_samples.extend(samples)
         choices += await asyncio.to_thread(_completion_choices, state, req, prompt_ids, len(choices), samples)
-    body = _response_body("cmpl", "text_completion", req.model, state, choices, _usage(prompt_tokens, all_samples))
-    return await _json_response(body, _with_weight_version(body, all_samples, {}))
+    body = response_body("cmpl", "text_completion", req.model, state, choices, usage_of(prompt_tokens, all_samples))
+    return await _json_response(body, with_weight_version(body, all_samples, {}))
 
 
 def _completion_choices(
     state: ServingState, req: CompletionRequest, prompt_ids: list[int], first: int, samples: list[Sample]
 ) -> list[JsonObject]:
     """The choices of one prompt, numbered from ``first`` (decoding: run in a worker thread)."""
-    return [_completion_choice(state, req, prompt_ids, first + k, sample) for k, sample in enumerate(samples)]
+    return [completion_choice(state, req, prompt_ids, first + k, sample) for k, sample in enumerate(samples)]
 
 
 async def tokenize(request: Request) -> Response:
     """``POST /tokenize``: the token ids of a text ``prompt``, or of ``messages`` rendered as chat completions does."""
     state = serving_state(request)
-    req = await _parse(request, TokenizeRequest, state)
+    req = await parse_request(request, TokenizeRequest, state)
     _check_model(req.model, state)
     tokens = await asyncio.to_thread(_tokenize_ids, req, state)
     return await _json_response({"tokens": tokens, "count": len(tokens), "max_model_len": state.profile.max_model_len})
@@ -272,7 +201,7 @@ def _tokenize_ids(req: TokenizeRequest, state: ServingState) -> list[int]:
 async def detokenize(request: Request) -> Response:
     """``POST /detokenize``: the text of token ids, special tokens kept."""
     state = serving_state(request)
-    req = await _parse(request, DetokenizeRequest, state)
+    req = await parse_request(request, DetokenizeRequest, state)
     _check_model(req.model, state)
     return await _json_response({"prompt": await asyncio.to_thread(_detokenize_text, req.tokens, state)})
 
@@ -295,65 +224,6 @@ def _detokenize_text(ids: list[int], state: ServingState) -> str:
 
 
 # ---------------------------------------------------------------------- request checks
-
-
-async def _parse[M: BaseModel](request: Request, model: type[M], state: ServingState) -> M:
-    """The body as ``model``: over the size limit 413; not JSON, nested too deep or invalid fields 400.
-
-    The body is read on the event loop and decoded in a worker thread (8 MB of JSON takes a while)."""
-    raw = await _read_body(request, state.limits.max_body_bytes)
-    return await asyncio.to_thread(parse_body, bytes(raw), model, state.limits)
-
-
-async def _read_body(request: Request, limit: int) -> bytearray:
-    """The raw body, refused with 413 as soon as it (or its declared length) passes ``limit`` bytes."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise ServingError(f"request body exceeds {limit} bytes", 413)
-    raw = bytearray()
-    async for chunk in request.stream():
-        raw.extend(chunk)
-        if len(raw) > limit:
-            raise ServingError(f"request body exceeds {limit} bytes", 413)
-    return raw
-
-
-def parse_body[M: BaseModel](raw: bytes, model: type[M], limits: ServerLimits) -> M:
-    """``raw`` as ``model``, refused with a 400 when it is not a JSON object, nests deeper than
-    ``limits.max_json_depth`` (the parser's own recursion limit included) or has invalid fields."""
-    too_deep = f"the body nests objects and arrays deeper than {limits.max_json_depth} levels"
-    try:
-        payload = json.loads(raw)
-    except RecursionError:
-        raise ServingError(too_deep) from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ServingError(f"the body is not valid JSON: {exc}") from exc
-    if not isinstance(payload, dict):
-        raise ServingError("the body must be a JSON object")
-    if json_depth(payload, limits.max_json_depth) > limits.max_json_depth:
-        raise ServingError(too_deep)
-    try:
-        return model.model_validate(payload)
-    except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc']) or 'body'}: {err['msg']}" for err in exc.errors()[:5]
-        )
-        raise ServingError(f"invalid request: {problems}") from exc
-
-
-def json_depth(value: object, stop_after: int) -> int:
-    """How deep objects and arrays nest in parsed JSON (a scalar: 0), walked without recursion; the walk
-    ends as soon as the depth passes ``stop_after``."""
-    deepest = 0
-    stack: list[tuple[dict[str, object] | list[object], int]] = []
-    if isinstance(value, (dict, list)):
-        stack.append((value, 1))
-    while stack and deepest <= stop_after:
-        node, depth = stack.pop()
-        deepest = max(deepest, depth)
-        children = node.values() if isinstance(node, dict) else node
-        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
-    return deepest
 
 
 def _check_model(name: str | None, state: ServingState) -> None:
@@ -481,101 +351,3 @@ async def _generate(
         raise ServingError(f"upstream generation failed: {exc}", status) from exc
     except EngineShutDownError as exc:
         raise ServingError(f"the generation engine is not available: {exc}", 503) from exc
-
-
-# ---------------------------------------------------------------------- response bodies
-
-
-def _chat_choice(
-    state: ServingState, req: ChatCompletionRequest, prompt: ChatPrompt, index: int, sample: Sample
-) -> JsonObject:
-    """One chat choice: the parsed message (reasoning, tool calls), logprobs and token ids as the features allow."""
-    features = state.features
-    use_tools = bool(req.tools) and req.tool_choice != "none"
-    text = _text(state, sample, req.stop_strings())
-    parsed = parse_assistant_text(text, reasoning=state.reasoning_parser, tools=use_tools)
-    finish = sample.finish_reason
-    if parsed.tool_calls and finish == "stop":
-        finish = "tool_calls"
-    message: JsonObject = {"role": "assistant", "content": parsed.content, "tool_calls": parsed.tool_calls}
-    if state.reasoning_parser:
-        message["reasoning_content"] = parsed.reasoning_content
-    if features.token_ids:
-        message["prompt_token_ids"] = prompt.token_ids
-        message["generation_token_ids"] = sample.token_ids
-        message["generation_log_probs"] = sample.logprobs
-    as_ids = req.return_tokens_as_token_ids is not False and features.token_ids
-    choice: JsonObject = {
-        "index": index,
-        "message": message,
-        "logprobs": _chat_logprobs(state, sample, as_ids) if req.logprobs and features.logprobs else None,
-        "finish_reason": finish,
-        "stop_reason": None,
-    }
-    if req.return_token_ids and features.token_ids:
-        choice["token_ids"] = sample.token_ids
-    if sample.weight_version is not None:
-        choice["weight_version"] = sample.weight_version
-    return choice
-
-
-def _completion_choice(
-    state: ServingState, req: CompletionRequest, prompt_ids: list[int], index: int, sample: Sample
-) -> JsonObject:
-    """One text-completion choice: the text, logprobs when asked, token ids when asked."""
-    as_ids = bool(req.return_tokens_as_token_ids)
-    choice: JsonObject = {
-        "index": index,
-        "text": _text(state, sample, req.stop_strings()),
-        "logprobs": _completion_logprobs(state, sample, as_ids) if req.logprobs is not None else None,
-        "finish_reason": sample.finish_reason,
-        "stop_reason": None,
-    }
-    if req.return_token_ids:
-        choice["prompt_token_ids"] = prompt_ids
-        choice["token_ids"] = sample.token_ids
-    if sample.weight_version is not None:
-        choice["weight_version"] = sample.weight_version
-    return choice
-
-
-def _text(state: ServingState, sample: Sample, stops: list[str]) -> str:
-    """The visible text: special tokens skipped, cut before the first stop string (vLLM's default)."""
-    text = state.tokenizer.decode(sample.token_ids, skip_special_tokens=True)
-    cuts = [text.find(s) for s in stops if s in text]
-    return text[: min(cuts)] if cuts else text
-
-
-def _token_label(state: ServingState, token_id: int, as_ids: bool) -> str:
-    return f"token_id:{token_id}" if as_ids else state.tokenizer.decode([token_id], skip_special_tokens=False)
-
-
-def _chat_logprobs(state: ServingState, sample: Sample, as_ids: bool) -> JsonObject:
-    content = []
-    for tok, lp in zip(sample.token_ids, sample.logprobs, strict=True):
-        label = _token_label(state, tok, as_ids)
-        content.append({"token": label, "logprob": lp, "bytes": list(label.encode()), "top_logprobs": []})
-    return {"content": content}
-
-
-def _completion_logprobs(state: ServingState, sample: Sample, as_ids: bool) -> JsonObject:
-    tokens = [_token_label(state, t, as_ids) for t in sample.token_ids]
-    offsets, pos = [], 0
-    for tok in sample.token_ids:
-        offsets.append(pos)
-        pos += len(state.tokenizer.decode([tok], skip_special_tokens=True))
-    return {"tokens": tokens, "token_logprobs": sample.logprobs, "top_logprobs": None, "text_offset": offsets}
-
-
-def _with_weight_version(body: JsonObject, samples: list[Sample], headers: dict[str, str]) -> dict[str, str]:
-    """Top-level ``weight_version`` (the oldest among the choices; each choice has its own) and its header."""
-    version = weight_version_of(samples)
-    if version is None:
-        return headers
-    body["weight_version"] = version
-    return {**headers, WEIGHT_VERSION_HEADER: str(version)}
-
-
-def _usage(prompt_tokens: int, samples: list[Sample]) -> dict[str, int]:
-    completion = sum(len(s.token_ids) for s in samples)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}

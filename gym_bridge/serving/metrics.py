@@ -1,0 +1,66 @@
+"""``GET /metrics``: the server's counters in Prometheus text format (version 0.0.4).
+
+The drift and request counters (:class:`~gym_bridge.serving.drift.DriftCounter`), and, for an engine that keeps a
+prefix cache (:class:`~gym_bridge.generation.hf.HFGeneration`), its counters under vLLM's names and semantics:
+``vllm:prefix_cache_queries`` (prompt tokens looked up) and ``vllm:prefix_cache_hits`` (prompt tokens found), which
+prometheus_client exposes with the ``_total`` suffix and the ``model_name`` and ``engine`` labels, as vLLM does.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+from fastapi import Request
+from fastapi.responses import PlainTextResponse
+
+from gym_bridge.serving.state import ServingState, serving_state
+
+__all__ = ["PrefixCacheReporter", "metrics", "prometheus_text"]
+
+
+class PrefixCacheTokens(Protocol):
+    """Prompt tokens queried and hit, as an engine counts them."""
+
+    @property
+    def queries(self) -> int: ...
+
+    @property
+    def hits(self) -> int: ...
+
+
+@runtime_checkable
+class PrefixCacheReporter(Protocol):
+    """An engine that keeps a prefix cache and counts its lookups since it started."""
+
+    def prefix_cache_counts(self) -> PrefixCacheTokens: ...
+
+
+_PREFIX_CACHE_METRICS = (
+    ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.", "queries"),
+    ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", "hits"),
+)
+
+
+def prometheus_text(state: ServingState) -> str:
+    """Every counter the server exposes, in Prometheus text format."""
+    text = state.drift.prometheus_text()
+    generation = state.generation
+    if not isinstance(generation, PrefixCacheReporter):
+        return text
+    counts = generation.prefix_cache_counts()
+    labels = f'{{engine="0",model_name="{_label_value(state.served_model_name)}"}}'
+    lines = []
+    for name, help_text, field in _PREFIX_CACHE_METRICS:
+        lines += [f"# HELP {name}_total {help_text}", f"# TYPE {name}_total counter"]
+        lines.append(f"{name}_total{labels} {getattr(counts, field)}")
+    return text + "\n".join(lines) + "\n"
+
+
+async def metrics(request: Request) -> PlainTextResponse:
+    """``GET /metrics``: the drift, request and prefix-cache counters in Prometheus text format."""
+    return PlainTextResponse(prometheus_text(serving_state(request)), media_type="text/plain; version=0.0.4")
+
+
+def _label_value(value: str) -> str:
+    """``value`` escaped for a Prometheus label: backslash, double quote and newline."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")

@@ -35,27 +35,21 @@ def imports(path: Path, modules: set[str]) -> set[str]:
 
 LAYERS: list[tuple[str, list[str]]] = [
     ("bottom", ["types", "json_types", "batched", "interfaces", "failures", "metrics", "stats", "data", "ray_utils"]),
-    (
-        "components",
-        [
-            "rollout",
-            "gym",
-            "gym_model",
-            "generation",
-            "serving",
-            "policy",
-            "environments",
-            "models",
-            "training",
-            "preflight",
-        ],
-    ),
+    ("components: models", ["models"]),
+    ("components: generation", ["generation"]),
+    ("components: serving", ["serving"]),
+    ("components: policy, environments, preflight", ["policy", "environments", "preflight"]),
+    ("components: the Gym version seam", ["gym.versions"]),
+    ("components: gym_model", ["gym_model"]),
+    ("components: gym", ["gym"]),
+    ("components: rollout", ["rollout"]),
+    ("components: training", ["training"]),
     ("config", ["config"]),
     ("recipes", ["recipes"]),
     ("tools", ["eval", "cli", "testing"]),
 ]
 """The layers in import order: each imports only from itself and the layers before it (docs/architecture.md draws
-the same table for readers)."""
+the same table for readers). A module named on its own (``gym.versions``) sits in its own layer, below its folder."""
 
 
 def layers() -> list[tuple[str, list[str]]]:
@@ -74,20 +68,43 @@ def layer_of(module: str, table: list[tuple[str, list[str]]]) -> int:
     return max(matches)[1]
 
 
-def test_no_module_imports_from_a_later_layer():
-    table = layers()
+def package_graph() -> dict[str, set[str]]:
+    """Every package module (outside the public API) and the package modules it imports."""
     files = module_files()
+    return {module: imports(path, set(files)) - OUTSIDE for module, path in files.items() if module not in OUTSIDE}
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Each import in ``graph`` that reaches a later layer (or leaves ``failures/``), as one readable line."""
+    table = layers()
     upward = []
-    for module, path in sorted(files.items()):
-        if module in OUTSIDE:
-            continue
+    for module, targets in sorted(graph.items()):
         mine = layer_of(module, table)
-        for target in sorted(imports(path, set(files)) - OUTSIDE):
+        for target in sorted(targets):
             if layer_of(target, table) > mine:
                 upward.append(f"{module} ({table[mine][0]}) imports {target} ({table[layer_of(target, table)][0]})")
             if module.startswith("gym_bridge.failures") and not target.startswith("gym_bridge.failures"):
                 upward.append(f"{module} imports {target}: failures/ imports nothing")
-    assert upward == []
+    return upward
+
+
+def test_no_module_imports_from_a_later_layer():
+    assert upward_imports(package_graph()) == []
+
+
+def test_a_planted_upward_import_is_caught_in_every_layer():
+    """For each layer, one of its modules made to import a module of the next layer is reported: the table's order
+    is enforced between every pair of neighbouring layers, the components' sub-layers included."""
+    graph = package_graph()
+    table = layers()
+    by_layer: dict[int, list[str]] = {}
+    for module in sorted(graph):
+        by_layer.setdefault(layer_of(module, table), []).append(module)
+    for rank in range(len(table) - 1):
+        lower, upper = by_layer[rank][0], by_layer[rank + 1][0]
+        planted = {**graph, lower: graph[lower] | {upper}}
+        assert any(line.startswith(f"{lower} ") and line.endswith(f"{upper} ({table[rank + 1][0]})")
+                   for line in upward_imports(planted)), f"{lower} -> {upper} not caught"
 
 
 def test_no_import_loops():

@@ -34,7 +34,7 @@ from gym_bridge.failures.errors import SettingError
 from gym_bridge.generation.batch import assemble_output
 from gym_bridge.interfaces import GenerationInterface
 from gym_bridge.json_types import JsonMapping, JsonObject
-from gym_bridge.serving.chat import vocab_size_of
+from gym_bridge.models.vocab import vocab_size_of
 from gym_bridge.types import TOKEN_DTYPE, GenerationDatumSpec, GenerationOutputSpec, Tokenizer
 
 SCRIPTED_LOGPROB = math.log(0.5)

@@ -34,7 +34,8 @@ from gym_bridge.gym_model.translate import (
     responses_to_chat,
 )
 from gym_bridge.json_types import JsonObject
-from gym_bridge.serving.chat import build_chat_prompt, vocab_size_of
+from gym_bridge.models.vocab import vocab_size_of
+from gym_bridge.serving.chat import build_chat_prompt
 from gym_bridge.serving.errors import ServingError
 from gym_bridge.serving.parsers import parse_tool_calls
 

@@ -15,11 +15,10 @@ from __future__ import annotations
 import copy
 import json
 import logging
-from collections.abc import Sequence, Sized
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeGuard
 
-from gym_bridge.failures.errors import SettingError
 from gym_bridge.json_types import JsonMapping, JsonObject
 from gym_bridge.serving.errors import ServingError
 from gym_bridge.serving.protocol import TOKEN_FIELDS
@@ -214,10 +213,3 @@ def _is_id_list(value: object) -> TypeGuard[list[int]]:
 def _check_ids(ids: list[int], vocab_size: int | None, what: str) -> None:
     if any(t < 0 or (vocab_size is not None and t >= vocab_size) for t in ids):
         raise ServingError(f"{what} hold ids outside the vocabulary [0, {vocab_size})")
-
-
-def vocab_size_of(tokenizer: Tokenizer) -> int:
-    """``len(tokenizer)``: its vocabulary with added tokens, which every Hugging Face tokenizer reports."""
-    if not isinstance(tokenizer, Sized):
-        raise SettingError(f"the tokenizer {type(tokenizer).__name__} has no len(), so its vocabulary size is unknown")
-    return len(tokenizer)

@@ -21,9 +21,9 @@ from pydantic import SecretStr
 
 from gym_bridge.failures import GymBridgeError
 from gym_bridge.interfaces import GenerationInterface
+from gym_bridge.models.vocab import vocab_size_of
 from gym_bridge.serving.app import ServerFeatures, ServerLimits, ServingState, build_app
 from gym_bridge.serving.auth import ApiKeyMiddleware, open_port_warning
-from gym_bridge.serving.chat import vocab_size_of
 from gym_bridge.serving.engine import EngineProfile
 from gym_bridge.types import Tokenizer
 

@@ -28,6 +28,8 @@ from gym_bridge.failures import (
 )
 from gym_bridge.gym.decode import decode_turns
 from gym_bridge.gym.result import GymRowResult
+from gym_bridge.json_types import JsonObject
+from gym_bridge.serving.chat import render_ids
 from gym_bridge.types import LOGPROB_DTYPE, TOKEN_DTYPE, LLMMessageLogType, Tokenizer
 
 __all__ = [
@@ -356,17 +358,27 @@ def _missing_message(result: dict[str, Any], output: list[Any], tokenizer: Token
 
 
 def _first_prompt_length(result: dict[str, Any], tokenizer: Tokenizer) -> str:
+    """The first prompt's length as the model server renders it: the input messages and the tools the request offers."""
     params = result.get("responses_create_params")
-    messages = params.get("input") if isinstance(params, dict) else None
+    if not isinstance(params, dict):
+        params = {}
+    messages = params.get("input")
     if isinstance(messages, str):
         messages = [{"role": "user", "content": messages}]
     if not isinstance(messages, list):
         return "first prompt length unknown (no input messages)"
+    tools = [_chat_tool(tool) for tool in params.get("tools") or [] if isinstance(tool, dict)]
     try:
-        chat = [{"role": m["role"], "content": m["content"]} for m in messages]
-        ids = tokenizer.apply_chat_template(chat, tokenize=True, add_generation_prompt=True)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return f"first prompt ~{len(ids)} tokens by the chat template"
+        chat: list[JsonObject] = [{"role": m["role"], "content": m["content"]} for m in messages]
+        ids = render_ids(tokenizer, chat, tools or None, True, None)
     except Exception as exc:  # only for a diagnostic message
         return f"first prompt length unknown ({type(exc).__name__}: {exc})"
+    with_tools = f", {len(tools)} tools included" if tools else ""
+    return f"first prompt ~{len(ids)} tokens by the chat template{with_tools}"
+
+
+def _chat_tool(tool: dict[str, Any]) -> JsonObject:
+    """A Responses API function tool (``name`` at the top) in the chat shape the chat template renders."""
+    if "function" not in tool and "name" in tool:
+        return {"type": "function", "function": {k: v for k, v in tool.items() if k not in ("type", "strict")}}
+    return tool

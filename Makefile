@@ -90,5 +90,6 @@ example-gym: setup
 	$(UV) run python examples/nemo_gym_rollout.py examples/nemo_gym_grpo.yaml
 
 # GRPO through NeMo-Gym on the CPU: SmolLM2 learns two-digit addition, validated on held-out problems (~23 min on 2 cores).
+# docs/training.md: what it writes (metrics, plots, TensorBoard events, a checkpoint) and how to evaluate the checkpoint.
 train-demo: setup
-	$(UV) run python examples/grpo_nemo_gym.py examples/grpo_nemo_gym.yaml --out runs/train-demo-$$(date +%Y%m%d-%H%M%S)
+	$(UV) run gym-bridge train examples/grpo_nemo_gym.yaml --out runs/train-demo-$$(date +%Y%m%d-%H%M%S)

@@ -166,6 +166,42 @@ def _eval_policies(config: EvalConfig, args: argparse.Namespace) -> int:
     return 1 if failed or done.compare_error is not None else 0
 
 
+def _train(args: argparse.Namespace) -> int:
+    """Train a NeMo-RL GRPO config into a run folder; a bad key or value is one error line (main())."""
+    import logging
+    import time
+
+    from gym_bridge.config.overrides import load_with_overrides
+    from gym_bridge.failures.errors import SettingError
+    from gym_bridge.recipes.train import train
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    for noisy in ("httpx", "gym_bridge.gym", "gym_bridge.serving", "gym_bridge.rollout", "ray", "mlflow", "alembic"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    config = load_with_overrides(args.config, args.overrides)
+    if args.out is None and args.resume:
+        raise SettingError("--resume needs --out, the run folder to continue")
+    stem = args.config.rstrip("/").split("/")[-1].rsplit(".", 1)[0]
+    out = args.out or f"runs/{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+    try:
+        outcome = train(config, out, resume=args.resume, progress=not args.no_progress)
+    except KeyboardInterrupt:
+        print(f"gym-bridge train: interrupted; continue with --resume --out {out}", file=sys.stderr)
+        return 130
+    print(f"run: {outcome.run_dir}")
+    print(f"checkpoint: {outcome.checkpoint}")
+    if outcome.plots is not None:
+        print(f"plots: {outcome.plots.png} {outcome.plots.html}")
+        for name, (first, last, test) in outcome.plots.mcnemar.items():
+            print(
+                f"held-out {name}: {test.wrong_to_right} wrong->right, {test.right_to_wrong} right->wrong of "
+                f"{test.n} answers (step {first:g} vs {last:g}), McNemar p={test.p_value:.3g}"
+            )
+    if outcome.loggers.enabled:
+        print(f"experiment logs ({', '.join(outcome.loggers.enabled)}): {outcome.loggers.log_dir}")
+    return 0
+
+
 def _check_endpoint(args: argparse.Namespace) -> int:
     from gym_bridge.preflight import check_endpoints
 
@@ -178,10 +214,22 @@ def _check_endpoint(args: argparse.Namespace) -> int:
 
 def _report(args: argparse.Namespace) -> int:
     """Rebuild a run folder's report; a folder that cannot be read or written is one error line (main())."""
+    from pathlib import Path
+
     from gym_bridge.eval import RunDirError, build_report
     from gym_bridge.eval.runs import RunReadError, shown
 
     where = f"cannot build the report of {shown(args.run_dir)}"
+    folder = Path(args.run_dir)
+    if (folder / "metrics.jsonl").is_file() and not (folder / "run.json").exists():  # a training run
+        from gym_bridge.training.plots import write_training_plots
+
+        try:
+            plots = write_training_plots(folder)
+        except OSError as exc:
+            raise RunDirError(f"{where}: {shown(exc)}") from exc
+        print(f"plots: {plots.png} {plots.html}")
+        return 0
     try:
         build_report(args.run_dir)
     except RunReadError as exc:
@@ -294,7 +342,20 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--timeout", type=float, default=20.0, help="seconds for each endpoint's checks")
     check.add_argument("--api-key", default=None, help="the endpoints' API key (default: $OPENAI_API_KEY)")
     check.set_defaults(func=_check_endpoint)
-    report = commands.add_parser("report", help="rebuild metrics.json, report.md and report.png of an eval run")
+    train = commands.add_parser(
+        "train", help="train a NeMo-RL GRPO config through NeMo-Gym into a run folder (see docs/training.md)"
+    )
+    train.add_argument("config", help="the training config (NeMo-RL's YAML: defaults, ${...}, _override_)")
+    train.add_argument(
+        "overrides", nargs="*", metavar="key=value", help="NeMo-RL's overrides, e.g. grpo.max_num_steps=2 +a.b=1 ~c"
+    )
+    train.add_argument("--out", default=None, help="the run folder (default: runs/<config>-<time>)")
+    train.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
+    train.add_argument("--no-progress", action="store_true", help="log lines instead of a progress bar")
+    train.set_defaults(func=_train)
+    report = commands.add_parser(
+        "report", help="rebuild an eval run's metrics.json, report.md and report.png, or a training run's plots"
+    )
     report.add_argument("run_dir")
     report.set_defaults(func=_report)
     compare = commands.add_parser(

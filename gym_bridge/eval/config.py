@@ -17,10 +17,11 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Annotated
 
 import yaml
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -67,6 +68,25 @@ _FLAT_RETRY_KEYS = {
 """Top-level keys that name a retry setting, and the ``retry:`` key that holds it."""
 
 
+EMBEDDED_NAMES = ("tiny", "smollm2", "scripted")
+
+
+def _embedded_policy(value: str) -> str:
+    """A built-in name, or a local model folder (one ``from_pretrained`` loads: it holds ``config.json``)."""
+    if value in EMBEDDED_NAMES:
+        return value
+    folder = Path(value).expanduser()
+    if not (folder / "config.json").is_file():
+        raise ValueError(
+            f"{value!r} is neither one of {', '.join(EMBEDDED_NAMES)} nor a local model folder (no config.json there)"
+        )
+    return value
+
+
+EmbeddedPolicy = Annotated[str, AfterValidator(_embedded_policy)]
+"""``tiny``, ``smollm2``, ``scripted`` or the path of a local model folder."""
+
+
 class PolicyEntry(BaseModel):
     """One entry of ``policies:``: a name (its run folder) and the keys of one policy."""
 
@@ -77,7 +97,7 @@ class PolicyEntry(BaseModel):
     model_name: str | None = None
     tokenizer: str | None = None
     api_key_env_var: str | None = None
-    embedded_policy: Literal["tiny", "smollm2", "scripted"] | None = None
+    embedded_policy: EmbeddedPolicy | None = None
 
     def keys(self) -> JsonObject:
         """The policy keys this entry sets (``name`` excluded)."""
@@ -106,9 +126,10 @@ class EvalConfig(BaseModel):
     tokenizer: str = Field(
         "tiny", description='"tiny", "smollm2" or a local tokenizer folder (default: the embedded model\'s).'
     )
-    embedded_policy: Literal["tiny", "smollm2", "scripted"] = Field(
+    embedded_policy: EmbeddedPolicy = Field(
         "smollm2",
-        description="tiny / smollm2: that built-in model served by HFGeneration; scripted: rule-based replies.",
+        description="tiny / smollm2: that built-in model served by HFGeneration; scripted: rule-based replies; "
+        "a local model folder (a save_pretrained folder, e.g. a gym-bridge train checkpoint): that model.",
     )
     concurrency: int = Field(4, ge=1, description="Prompt groups in flight.")
     rollout_timeout_s: float = Field(600.0, gt=0, description="Deadline of one prompt group, re-dispatches included.")

@@ -18,7 +18,8 @@ from gym_bridge.training.loop import (
     load_trainer_state,
 )
 from gym_bridge.training.loss import ClippedPGLoss, ClippedPGLossConfig, sum_on_policy_errors
-from gym_bridge.training.metrics import MetricsLine, append_metrics, plot_reward_curve, read_metrics
+from gym_bridge.training.metrics import MetricsLine, append_metrics, read_metrics
+from gym_bridge.training.plots import TrainingPlots, write_training_plots
 from gym_bridge.training.prompts import PromptQueue, PromptQueueState
 from gym_bridge.training.refit import RefitTarget, check_refit, refit
 from gym_bridge.training.rewards import RewardShaper
@@ -44,6 +45,7 @@ __all__ = [
     "TrainBatchSpec",
     "TrainablePolicy",
     "TrainerState",
+    "TrainingPlots",
     "ValidationSet",
     "Validator",
     "append_metrics",
@@ -54,10 +56,10 @@ __all__ = [
     "load_trainer_state",
     "message_level_advantages",
     "on_policy_error",
-    "plot_reward_curve",
     "read_metrics",
     "refit",
     "seq_logprob_error_mask",
     "sum_on_policy_errors",
     "train_batch",
+    "write_training_plots",
 ]

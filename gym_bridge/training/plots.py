@@ -136,6 +136,11 @@ def _series(lines: Sequence[Mapping[str, float]], keys: Mapping[str, str]) -> Se
     return merged
 
 
+def _without_zero(series: Series, label: str) -> Series:
+    """``series`` without ``label`` when it is 0 at every point (a reference KL the loss does not have)."""
+    return {k: v for k, v in series.items() if not (k == label and all(y == 0 for _, y in v))}
+
+
 def _train_steps(lines: Sequence[Mapping[str, float]]) -> list[dict[str, float]]:
     """Training lines at the count of steps done (a validation's ``step`` counts steps done too)."""
     return [{**m, "step": m["step"] + 1} for m in lines]
@@ -166,6 +171,7 @@ def panels(run: TrainingRun, tests: Mapping[str, tuple[float, float, McNemarResu
         f"(step {first:g} vs {last:g})"
         for name, (first, last, t) in tests.items()
     )
+    kl_keys = {"on_policy/gen_kl_error": "trainer vs engine (gen_kl_error)", "loss/reference_kl": "vs reference"}
     return [
         Panel(
             "reward",
@@ -177,10 +183,7 @@ def panels(run: TrainingRun, tests: Mapping[str, tuple[float, float, McNemarResu
         Panel(
             "KL",
             "KL",
-            _series(
-                steps,
-                {"on_policy/gen_kl_error": "trainer vs engine (gen_kl_error)", "loss/reference_kl": "vs reference"},
-            ),
+            _without_zero(_series(steps, kl_keys), "vs reference"),
         ),
         Panel("policy movement", "mean |dlogp|", _series(steps, {"train/policy_step_abs_diff_mean": "one update"})),
         Panel(

@@ -23,6 +23,7 @@ from gym_bridge.serving import OpenAIServer, ServerLimits
 from gym_bridge.serving.app import json_depth, parse_body
 from gym_bridge.serving.protocol import ChatCompletionRequest
 from gym_bridge.serving.server import redact_query
+from gym_bridge.testing import wait_until
 
 USER = [{"role": "user", "content": "What is 12 + 7?"}]
 LIVENESS_S = 10.0
@@ -197,7 +198,8 @@ def test_a_key_in_the_query_string_is_never_logged(
     with httpx.Client(timeout=60) as client:
         for path in (f"/v1/models?api_key={SECRET}", f"/v1/models?{SECRET}", f"/nowhere?key={SECRET}&x=1"):
             assert client.get(keyed_server.root_url + path).status_code in (401, 404)
-    time.sleep(0.2)  # the access log is written after the response
+    # the access log is written after the response: wait (bounded) until its three lines are there
+    wait_until(lambda: len([r for r in caplog.records if r.name == "uvicorn.access"]) >= 3, 30, "three access lines")
     access = [r.getMessage() for r in caplog.records if r.name == "uvicorn.access"]
     assert len(access) == 3 and all("?<redacted>" in line for line in access), access
     server_side = [r.getMessage() for r in caplog.records if not r.name.startswith(("httpx", "httpcore"))]

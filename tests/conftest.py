@@ -2,7 +2,8 @@
 session fixture (Ray, the tiny model, the scripted policy, the default Gym actor) exists once per session.
 
 The modules that share the session Gym (``gym_actor``) run one after another, and the Gym stops right
-after the last test that uses it instead of idling to the end of the session.
+after the last test that uses it instead of idling to the end of the session. So do the end-to-end flows that
+run ``gym-bridge eval`` in a subprocess joined to one Ray (``eval_ray_env``) instead of each starting its own.
 
 Under pytest-xdist (``make test`` runs ``-n 2 --dist loadgroup``) the suite runs in two lanes, one per
 worker: every module that needs the session Ray, so Ray and each Gym set start once, in one worker;
@@ -26,9 +27,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 pytest_plugins = ["gym_bridge.testing"]
 
 SHARED_GYM = "gym_actor"
+SHARED_EVAL_RAY = "eval_ray_env"
+SHARED = (SHARED_GYM, SHARED_EVAL_RAY)
+"""Session fixtures whose users run one after another and which stop right after their last user."""
 RAY_LANE, LOCAL_LANE = "ray", "local"
 GYM_LAYER_MODULES = ("test_gym_", "test_nemo_gym")  # with the gym-marked tests: what the compat lanes run
-_LAST_GYM_USER = pytest.StashKey[pytest.Item | None]()
+_LAST_USERS = pytest.StashKey[dict[str, pytest.Item]]()
 
 
 @pytest.fixture(scope="module")
@@ -71,8 +75,25 @@ def smollm2_model_dir() -> Path:
     return build_smollm2()
 
 
-def _uses_shared_gym(item: pytest.Item) -> bool:
-    return SHARED_GYM in getattr(item, "fixturenames", ())
+@pytest.fixture(scope="session")
+def eval_ray_env() -> Iterator[dict[str, str]]:
+    """The environment for ``gym-bridge eval`` subprocesses that join one Ray instead of each starting its own:
+    ``RAY_ADDRESS`` of a one-node cluster (``ray start``) of this worker's lane. Its users run one after another
+    and it stops after the last of them. This worker itself never joins it, so the module stays in its lane."""
+    from gym_bridge.testing.cluster import LocalRayCluster, NodeSpec
+
+    with LocalRayCluster([NodeSpec("evals", num_cpus=2, object_store_memory=256 * 1024**2)]) as cluster:
+        yield {
+            **os.environ,
+            "RAY_ADDRESS": cluster.address,
+            "RAY_AUTH_MODE": "disabled",  # as the cluster was started (gym_bridge.testing.cluster)
+            "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",
+            "RAY_USAGE_STATS_ENABLED": "0",
+        }
+
+
+def _uses(item: pytest.Item, fixture: str) -> bool:
+    return fixture in getattr(item, "fixturenames", ())
 
 
 @pytest.hookimpl(wrapper=True)
@@ -96,26 +117,30 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
             item.add_marker(pytest.mark.gym_layer)
     result = yield
 
-    users = {getattr(item, "module", None) for item in items if _uses_shared_gym(item)}
-    first = next((i for i, item in enumerate(items) if getattr(item, "module", None) in users), None)
-    if first is not None:
-        rank: dict[object, int] = {}
-        for i, item in enumerate(items):
-            module = getattr(item, "module", None)
-            rank.setdefault(module, first if module in users else i)
-        items.sort(key=lambda item: rank[getattr(item, "module", None)])  # stable: file order inside a module
-    config.stash[_LAST_GYM_USER] = next((item for item in reversed(items) if _uses_shared_gym(item)), None)
+    for fixture in SHARED:  # each shared fixture's modules one after another, where its first user runs
+        users = {getattr(item, "module", None) for item in items if _uses(item, fixture)}
+        first = next((i for i, item in enumerate(items) if getattr(item, "module", None) in users), None)
+        if first is not None:
+            rank: dict[object, int] = {}
+            for i, item in enumerate(items):
+                module = getattr(item, "module", None)
+                rank.setdefault(module, first if module in users else i)
+            items.sort(key=lambda item: rank[getattr(item, "module", None)])  # stable: file order inside a module
+    last = {fixture: next((item for item in reversed(items) if _uses(item, fixture)), None) for fixture in SHARED}
+    config.stash[_LAST_USERS] = {fixture: item for fixture, item in last.items() if item is not None}
     return result
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
-    """After the last test that uses the session Gym, stop it (its Gym servers and actor) right away."""
+    """After the last test that uses a shared session fixture (the session Gym, the evals' Ray), stop it right away."""
     result = yield
-    if nextitem is not None and item is item.config.stash.get(_LAST_GYM_USER, None):
-        for fixturedef in item._fixtureinfo.name2fixturedefs.get(SHARED_GYM, ()):  # type: ignore[attr-defined]
-            if fixturedef.scope == "session":
-                fixturedef.finish(item._request)  # type: ignore[attr-defined]
+    if nextitem is not None:
+        for fixture, last in item.config.stash.get(_LAST_USERS, {}).items():
+            if item is last:
+                for fixturedef in item._fixtureinfo.name2fixturedefs.get(fixture, ()):  # type: ignore[attr-defined]
+                    if fixturedef.scope == "session":
+                        fixturedef.finish(item._request)  # type: ignore[attr-defined]
     return result
 
 

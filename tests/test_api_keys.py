@@ -357,13 +357,15 @@ def _eval(run: Path, url: str, env: dict[str, str], *overrides: str) -> subproce
 @pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_an_eval_against_a_keyed_endpoint_runs_and_writes_the_key_nowhere(keyed, tmp_path):
+def test_an_eval_against_a_keyed_endpoint_runs_and_writes_the_key_nowhere(keyed, tmp_path, eval_ray_env):
     """Through real Gym (its vllm_model sends Gym's policy_api_key): the key named by api_key_env_var passes
     preflight and every turn, although the YAML's gym_overrides carry another policy_api_key (the actor config
-    wins); no file of the run folder and no line of the output holds the key."""
+    wins); no file of the run folder and no line of the output holds the key. The command joins the evals'
+    shared Ray (``eval_ray_env``) instead of starting its own."""
     url = keyed.base_url
     run = tmp_path / "run"
-    env = {**ENV_WITHOUT_KEYS, "EVAL_ENDPOINT_KEY": KEY}
+    without_keys = {k: v for k, v in eval_ray_env.items() if k not in ("OPENAI_API_KEY", "VLLM_API_KEY")}
+    env = {**without_keys, "EVAL_ENDPOINT_KEY": KEY}
     done = _eval(run, url, env, "api_key_env_var=EVAL_ENDPOINT_KEY", "gym_overrides.policy_api_key=yaml-key")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "2 of 2 prompt groups done (0 failed this run)" in done.stdout

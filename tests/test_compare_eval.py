@@ -4,7 +4,8 @@ the comparison the command writes and ``compare`` (the scripted policy beats the
 above 0, on exactly the prompts it answers), ``rescore`` (Gym's own /verify again under another grading rule
 changes exactly the rewards that rule changes), the seed (the tiny model's run repeated alone, one group at a
 time, gives the same completions token for token) and ``--resume`` per policy. The runs are made once for the
-module: each eval command starts its own Ray and Gym set.
+module. The commands join the evals' shared Ray (``eval_ray_env``; the two-policy command joins it once for both
+policies) and each policy starts its own Gym set; tests/test_eval_run.py runs the command with a Ray of its own.
 """
 
 from __future__ import annotations
@@ -46,17 +47,18 @@ def dataset(folder: Path) -> Path:
 pytestmark = [pytest.mark.gym, pytest.mark.e2e, pytest.mark.slow]
 
 
-def cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+def cli(*args: str, timeout: float = 600, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """The command in this repository; with ``env`` (``eval_ray_env``) it joins that Ray, else starts its own."""
+    env = env or {**os.environ, "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0", "RAY_USAGE_STATS_ENABLED": "0"}
     return run_cli(*args, cwd=REPO, env=env, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, Path]:
+def runs(tmp_path_factory, eval_ray_env: dict[str, str]) -> dict[str, Path]:
     """``examples/eval_two_policies.yaml`` in one command: the tiny model, then the scripted policy."""
     root = tmp_path_factory.mktemp("two-policies")
     rows = dataset(tmp_path_factory.mktemp("dataset"))
-    done = cli("eval", str(TWO_POLICIES), f"output_dir={root}", f"dataset={rows}", "--no-progress")
+    done = cli("eval", str(TWO_POLICIES), f"output_dir={root}", f"dataset={rows}", "--no-progress", env=eval_ray_env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Ray started once" in done.stdout
     return {"root": root, "tiny": root / "tiny", "scripted": root / "scripted", "dataset": rows}
@@ -172,14 +174,16 @@ def test_rescore_with_another_grading_rule_changes_exactly_its_rewards(runs: dic
 
 
 @pytest.mark.timeout(900)
-def test_one_seed_gives_the_same_completions_alone_and_in_company(runs: dict[str, Path], tmp_path: Path) -> None:
+def test_one_seed_gives_the_same_completions_alone_and_in_company(
+    runs: dict[str, Path], tmp_path: Path, eval_ray_env: dict[str, str]
+) -> None:
     """The tiny model samples at temperature 1; its run in the two-policy command sent four groups at a time.
     Run again alone with the same seed, one group at a time (rows meet other rows in the engine's decode
     batches differently), it gives the same tokens."""
     alone = tmp_path / "alone"
     done = cli("eval", str(ONE_POLICY), f"output_dir={alone}", f"dataset={runs['dataset']}", "embedded_policy=tiny",
                f"num_generations_per_prompt={N}", "max_new_tokens=24", "seed=0", "concurrency=1",
-               "--no-progress")  # fmt: skip
+               "--no-progress", env=eval_ray_env)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     first, second = generated_tokens(runs["tiny"]), generated_tokens(alone)
     assert sorted(first) == list(range(PROMPTS)) and first == second
@@ -189,7 +193,7 @@ def test_one_seed_gives_the_same_completions_alone_and_in_company(runs: dict[str
 
 @pytest.mark.timeout(900)
 def test_a_second_command_needs_resume_which_runs_only_the_unfinished_policy(
-    runs: dict[str, Path], tmp_path: Path
+    runs: dict[str, Path], tmp_path: Path, eval_ray_env: dict[str, str]
 ) -> None:
     out = tmp_path / "two"
     shutil.copytree(runs["root"], out)
@@ -203,8 +207,9 @@ def test_a_second_command_needs_resume_which_runs_only_the_unfinished_policy(
     for name in ("compare.json", "compare.md", "compare.png"):
         (out / name).unlink()
     resumed = cli(
-        "eval", str(TWO_POLICIES), f"output_dir={out}", f"dataset={runs['dataset']}", "--resume", "--no-progress"
-    )
+        "eval", str(TWO_POLICIES), f"output_dir={out}", f"dataset={runs['dataset']}", "--resume", "--no-progress",
+        env=eval_ray_env,
+    )  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert (tiny / "results.jsonl").read_bytes() == tiny_results
     assert last_session(tiny)["rollouts_started"] is None, "the finished policy started nothing"

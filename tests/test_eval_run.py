@@ -1,6 +1,7 @@
 """End-to-end ``gym-bridge eval`` runs in subprocesses: real Ray, real Gym, the embedded scripted policy.
 
-One run is SIGKILLed after its first result, resumed and SIGINTed, then resumed to the end:
+One run is SIGKILLed after its first result, resumed and SIGINTed (each with its own Ray), then resumed to the
+end (joined to the evals' shared Ray, ``eval_ray_env``):
 exactly one record per prompt group, exit code 130 and no process left on SIGINT, and a
 report whose PNG is a real image. A resume with a changed N is refused before anything starts.
 """
@@ -30,8 +31,9 @@ def eval_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "gym_bridge.cli", "eval", str(EXAMPLE), *args, "--no-progress"]
 
 
-def start(args: list[str], log: Path) -> subprocess.Popen:
-    env = {**os.environ, "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+def start(args: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """The command with its own Ray, or joined to the Ray ``env`` names (``eval_ray_env``)."""
+    env = env or {**os.environ, "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0", "RAY_USAGE_STATS_ENABLED": "0"}
     return subprocess.Popen(args, cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
 
 
@@ -75,7 +77,7 @@ pytestmark = [pytest.mark.gym, pytest.mark.e2e, pytest.mark.slow]
 
 
 @pytest.mark.timeout(900)
-def test_kill_resume_interrupt_resume(dataset: Path, tmp_path: Path) -> None:
+def test_kill_resume_interrupt_resume(dataset: Path, tmp_path: Path, eval_ray_env: dict[str, str]) -> None:
     run = tmp_path / "run"
     args = [f"dataset={dataset}", f"output_dir={run}", "num_generations_per_prompt=2", "concurrency=1"]
 
@@ -128,9 +130,10 @@ def test_kill_resume_interrupt_resume(dataset: Path, tmp_path: Path) -> None:
     assert killed_at < interrupted_at < ROWS
     assert json.loads((run / "run.json").read_text())["sessions"][-1]["outcome"] == "interrupted"
 
-    # 4. Resume to the end: exactly one record per prompt group, and the report.
+    # 4. Resume to the end: exactly one record per prompt group, and the report. The killed and the interrupted
+    # command started their own Ray (what they leave running is checked above); this one joins the evals' Ray.
     log = tmp_path / "4.log"
-    proc = start(eval_command(*args, "--resume"), log)
+    proc = start(eval_command(*args, "--resume"), log, eval_ray_env)
     assert proc.wait(600) == 0, log.read_text()[-3000:]
     print(f"finished after {time.monotonic() - t0:.0f}s")
     records = results(run)

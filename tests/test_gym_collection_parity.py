@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from pathlib import Path
 
 import pytest
+import ray
 import torch
 
 from gym_bridge.failures import InvalidGymRow
@@ -102,13 +104,15 @@ def test_rows_gym_07_collates_run_as_gyms_own_collection_runs_them(gym_actor, co
 
 @pytest.mark.e2e
 @pytest.mark.slow
-def test_a_collated_dataset_runs_through_gym_bridge_eval(collated, tmp_path):
+def test_a_collated_dataset_runs_through_gym_bridge_eval(collated, tmp_path, ray_session):
     """The collated file, unchanged, through ``gym-bridge eval``: every row is sent to the agent Gym resolves for
     it. The tool-call rows finish; the equivalence rows (Gym's long-context examples, 3,900-7,100 tokens) come
-    back from the scripted policy with no generation, a named data failure recorded under their agent."""
+    back from the scripted policy with no generation, a named data failure recorded under their agent. The
+    command joins the session Ray (``RAY_ADDRESS``) instead of starting its own; it starts its own Gym set."""
     out = tmp_path / "run"
+    env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
     done = run_cli("eval", "examples/eval_equivalence_tools.yaml", f"dataset={collated}", f"output_dir={out}",
-                   "max_seq_len=8192", "num_generations_per_prompt=2", timeout=420)  # fmt: skip
+                   "max_seq_len=8192", "num_generations_per_prompt=2", env=env, timeout=420)  # fmt: skip
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
     results = [json.loads(line) for line in (out / "results.jsonl").read_text().split("\n") if line.strip()]
     failures_path = out / "failures.jsonl"

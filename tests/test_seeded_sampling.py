@@ -276,14 +276,14 @@ def test_one_run_seed_reaches_torch_the_engine_the_loop_and_the_rows(tmp_path, s
 
 def test_eval_seed_is_the_run_seed_of_the_backend(tmp_path):
     from gym_bridge.eval.config import build_config
-    from gym_bridge.eval.runner import _launch_spec
+    from gym_bridge.eval.gym_launch import launch_spec
 
     base = {"dataset": str(tmp_path / "rows.jsonl"), "config_paths": ["x.yaml"], "output_dir": str(tmp_path)}
     assert build_config(base).seed == 0
     for given in (None, 77):
         config = build_config(base, [f"seed={'null' if given is None else given}"])
         assert config.seed == given and config.fingerprint("sha")["seed"] == given
-        assert _launch_spec(config, ["http://127.0.0.1:9/v1"], []).manager_options == {"seed": given}
+        assert launch_spec(config, ["http://127.0.0.1:9/v1"], []).manager_options == {"seed": given}
 
 
 def test_the_nemo_gym_backend_refuses_a_seed_that_is_not_an_int():

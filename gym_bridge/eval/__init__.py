@@ -6,6 +6,9 @@
 - :mod:`.records`  one prompt group / one failure as a JSON line, with each completion's trace
 - :mod:`.passk`    the unbiased pass@k estimator
 - :mod:`.runner`   the run loop (policy endpoint, Gym, bounded concurrency, SIGINT)
+- :mod:`.policy_endpoint`  the run's policy endpoint: the configured one, or an embedded server
+- :mod:`.gym_launch`  the Gym a run starts: its launch spec, the endpoints' preflight, rows routed
+- :mod:`.shutdown`  one bounded shutdown step that a SIGINT does not cut short
 - :mod:`.report`   metrics.json, report.md, report.png and report.html from a run folder
 - :mod:`.viewer`   report.html: the self-contained trace viewer
 - :mod:`.runs`     a finished run folder read strictly (folder, line and field named on any problem)

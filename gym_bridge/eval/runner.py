@@ -21,29 +21,27 @@ import math
 import os
 import signal
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
-from pydantic import SecretStr
 from tqdm import tqdm
 
 from gym_bridge.eval.config import EvalConfig, EvalConfigError
-from gym_bridge.eval.dataset import DatasetError, DatasetRow, file_sha256, load_dataset
+from gym_bridge.eval.dataset import DatasetRow, file_sha256, load_dataset
+from gym_bridge.eval.gym_launch import launch_spec, preflight_spec, routed
+from gym_bridge.eval.policy_endpoint import policy_endpoint
 from gym_bridge.eval.report import build_report, describe_model
+from gym_bridge.eval.shutdown import sigint_deferred
 from gym_bridge.eval.sink import RunStoreSink
 from gym_bridge.eval.store import RunStore, read_jsonl
 from gym_bridge.failures import RunConfigurationError
-from gym_bridge.gym.rows import ValidGymRow
 from gym_bridge.json_types import JsonObject
 
 if TYPE_CHECKING:
-    from gym_bridge.config.launch_spec import GymLaunchSpec
-    from gym_bridge.gym.routing import GymRoutes
     from gym_bridge.rollout.manager import RolloutManager
-    from gym_bridge.types import ActorHandle, Tokenizer
+    from gym_bridge.types import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -194,7 +192,7 @@ class _SharedRay:
         if self.started:
             import ray
 
-            with _sigint_deferred("stopping Ray"):
+            with sigint_deferred("stopping Ray"):
                 ray.shutdown()
             self.started = False
 
@@ -291,12 +289,12 @@ def _run_pending(
     from gym_bridge.recipes.launch import start_nemo_gym
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    with _policy_endpoint(config) as (base_urls, tokenizer):
-        spec = _launch_spec(config, base_urls, pending)
-        _preflight(spec, None if config.embedded else config.api_key())
+    with policy_endpoint(config) as (base_urls, tokenizer):
+        spec = launch_spec(config, base_urls, pending)
+        preflight_spec(spec, None if config.embedded else config.api_key())
         rollouts = start_nemo_gym(spec, tokenizer)
         try:
-            pending = _routed(pending, rollouts.actor)
+            pending = routed(pending, rollouts.actor)
             previous = read_jsonl(store.results_path)
             bar = tqdm(
                 total=outcome.prompts_total,
@@ -318,133 +316,13 @@ def _run_pending(
                 bar.close()
                 store.update_run(rollout_stats=rollouts.manager.stats.as_metrics())
         finally:
-            with _sigint_deferred("stopping NeMo-Gym"):
+            with sigint_deferred("stopping NeMo-Gym"):
                 rollouts.shutdown(timeout_s=config.startup_timeout_s)
             if rollouts.started_ray:
                 import ray
 
-                with _sigint_deferred("stopping Ray"):
+                with sigint_deferred("stopping Ray"):
                     ray.shutdown()
-
-
-def _routed(pending: list[DatasetRow], actor: ActorHandle) -> list[DatasetRow]:
-    """Each row with the agent the launched Gym config routes it to (``task_source`` rows resolved by Gym's own
-    resolver); :class:`DatasetError` naming every row that routes nowhere, before any row is sent."""
-    import ray
-
-    routes: GymRoutes = ray.get(actor.routes.remote(), timeout=60)
-    rows, problems = routes.route_all(
-        [item.row for item in pending], [f"line {i.line}: prompt_idx={i.prompt_idx}" for i in pending]
-    )
-    if problems:
-        raise DatasetError(
-            f"{len(problems)} row(s) route to no agent of the launched Gym config:\n" + "\n".join(problems[:20])
-        )
-    return [
-        item if row is item.row else replace(item, row=ValidGymRow(row))
-        for item, row in zip(pending, rows, strict=True)
-    ]
-
-
-def _preflight(spec: GymLaunchSpec, api_key: SecretStr | None) -> None:
-    """Check every endpoint with the run's API key (None: none is sent, so a refusal says so), before Ray or
-    Gym start (raises ``PreflightError``)."""
-    from gym_bridge.preflight import preflight_endpoints
-
-    checks = preflight_endpoints(
-        spec.gym.base_urls,
-        spec.gym.model_name,
-        tools=spec.uses_tools,
-        timeout_s=spec.preflight_timeout_s,
-        api_key=api_key,
-    )
-    for check in checks:
-        logger.info("preflight %s", check.line)
-
-
-@contextmanager
-def _policy_endpoint(config: EvalConfig) -> Iterator[tuple[list[str], Tokenizer]]:
-    """``(base_urls, tokenizer)``: the configured endpoints, or the embedded server for the run's duration."""
-    if not config.embedded:
-        yield list(config.base_urls), _endpoint_tokenizer(config)
-        return
-    from gym_bridge.generation.factory import EngineSpec, build_engine
-    from gym_bridge.serving import OpenAIServer
-
-    built = build_engine(
-        EngineSpec(
-            policy="scripted" if config.embedded_policy == "scripted" else "hf",
-            model=config.tokenizer,
-            max_new_tokens=config.max_new_tokens,
-            temperature=config.temperature,
-            top_p=config.top_p,
-            seed=config.seed,
-            max_model_len=config.max_seq_len,
-        )
-    )
-    generation, tokenizer, path = built.generation, built.tokenizer, built.model_path
-    server = OpenAIServer(generation, tokenizer, served_model_name=config.model_name, model_path=str(path))
-    try:
-        url = server.start_in_thread()
-        logger.info("embedded %s policy at %s", config.embedded_policy, url)
-        yield [url], tokenizer
-    finally:
-        with _sigint_deferred("stopping the embedded server"):
-            server.stop_thread()
-        with _sigint_deferred("stopping the embedded policy"):
-            shutdown = getattr(generation, "shutdown", None)
-            if shutdown is not None:
-                shutdown()
-
-
-def _endpoint_tokenizer(config: EvalConfig) -> Tokenizer:
-    """The served model's tokenizer (``config.tokenizer``: a built-in name or a local folder)."""
-    from transformers import AutoTokenizer
-
-    from gym_bridge.models.registry import resolve_model_path
-
-    path = resolve_model_path(config.tokenizer)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise EvalConfigError(f"tokenizer: cannot load a tokenizer from {path}: {first}") from exc
-    return cast("Tokenizer", tokenizer)  # a Hugging Face tokenizer has the protocol's methods; its stubs differ
-
-
-def _launch_spec(config: EvalConfig, base_urls: list[str], pending: list[DatasetRow]) -> GymLaunchSpec:
-    """What :func:`gym_bridge.recipes.launch.start_nemo_gym` starts for this run: one actor on ``base_urls``."""
-    from gym_bridge.failures import RolloutTimeouts
-    from gym_bridge.gym.actor import NemoGymConfig
-    from gym_bridge.preflight import rows_use_tools
-    from gym_bridge.recipes.launch import GymLaunchSpec
-
-    config_paths = [str(Path(p).resolve()) if Path(p).exists() else p for p in config.config_paths]
-    key = SecretStr("dummy_key") if config.embedded else config.api_key()  # the embedded server needs none
-    gym_config = NemoGymConfig(
-        **({"api_key": key} if key is not None else {}),
-        model_name=config.model_name,
-        base_urls=base_urls,
-        config_paths=config_paths,
-        overrides=dict(config.gym_overrides),
-        startup_timeout_s=config.startup_timeout_s,
-        request_timeout_s=config.request_timeout_s,
-        log_dir=(config.output_dir / "gym-logs").resolve(),
-        actor_options={"num_cpus": 0},
-    )
-    return GymLaunchSpec(
-        gym=gym_config,
-        num_generations_per_prompt=config.num_generations_per_prompt,
-        max_seq_len=config.max_seq_len,
-        generation_config=config.generation_config(),
-        uses_tools=rows_use_tools([item.row for item in pending]),
-        preflight=False,  # run by _preflight, with the API key
-        preflight_timeout_s=config.preflight_timeout_s,
-        ray_num_cpus=os.cpu_count() or 2,
-        timeouts=RolloutTimeouts(rollout_s=config.rollout_timeout_s),
-        retry_policy=config.retry_policy(),
-        manager_options={"seed": config.seed},
-    )
 
 
 async def _dispatch_all(
@@ -513,20 +391,3 @@ async def _dispatch_all(
         await asyncio.wait(workers, timeout=_DRAIN_TIMEOUT_S)
         loop.remove_signal_handler(signal.SIGINT)
     return interrupted
-
-
-@contextmanager
-def _sigint_deferred(step: str) -> Iterator[None]:
-    """One bounded shutdown step: run to the end (a SIGINT meanwhile is logged, not raised), and an
-    error is logged, not raised, so the other steps still run and the run's own outcome is kept."""
-    try:
-        previous = signal.signal(signal.SIGINT, lambda *_: logger.warning("SIGINT: still %s, please wait", step))
-    except ValueError:  # not the main thread
-        previous = None
-    try:
-        yield
-    except Exception:  # see the docstring
-        logger.exception("%s failed", step)
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGINT, previous)

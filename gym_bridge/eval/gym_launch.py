@@ -1,0 +1,92 @@
+"""What an eval run starts Gym with (its launch spec), the endpoints' preflight, and every row routed by that Gym."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from pydantic import SecretStr
+
+from gym_bridge.eval.config import EvalConfig
+from gym_bridge.eval.dataset import DatasetError, DatasetRow
+from gym_bridge.gym.rows import ValidGymRow
+
+if TYPE_CHECKING:
+    from gym_bridge.config.launch_spec import GymLaunchSpec
+    from gym_bridge.gym.routing import GymRoutes
+    from gym_bridge.types import ActorHandle
+
+logger = logging.getLogger(__name__)
+
+
+def launch_spec(config: EvalConfig, base_urls: list[str], pending: list[DatasetRow]) -> GymLaunchSpec:
+    """What :func:`gym_bridge.recipes.launch.start_nemo_gym` starts for this run: one actor on ``base_urls``."""
+    from gym_bridge.failures import RolloutTimeouts
+    from gym_bridge.gym.actor import NemoGymConfig
+    from gym_bridge.preflight import rows_use_tools
+    from gym_bridge.recipes.launch import GymLaunchSpec
+
+    config_paths = [str(Path(p).resolve()) if Path(p).exists() else p for p in config.config_paths]
+    key = SecretStr("dummy_key") if config.embedded else config.api_key()  # the embedded server needs none
+    gym_config = NemoGymConfig(
+        **({"api_key": key} if key is not None else {}),
+        model_name=config.model_name,
+        base_urls=base_urls,
+        config_paths=config_paths,
+        overrides=dict(config.gym_overrides),
+        startup_timeout_s=config.startup_timeout_s,
+        request_timeout_s=config.request_timeout_s,
+        log_dir=(config.output_dir / "gym-logs").resolve(),
+        actor_options={"num_cpus": 0},
+    )
+    return GymLaunchSpec(
+        gym=gym_config,
+        num_generations_per_prompt=config.num_generations_per_prompt,
+        max_seq_len=config.max_seq_len,
+        generation_config=config.generation_config(),
+        uses_tools=rows_use_tools([item.row for item in pending]),
+        preflight=False,  # run by preflight_spec, with the API key
+        preflight_timeout_s=config.preflight_timeout_s,
+        ray_num_cpus=os.cpu_count() or 2,
+        timeouts=RolloutTimeouts(rollout_s=config.rollout_timeout_s),
+        retry_policy=config.retry_policy(),
+        manager_options={"seed": config.seed},
+    )
+
+
+def preflight_spec(spec: GymLaunchSpec, api_key: SecretStr | None) -> None:
+    """Check every endpoint with the run's API key (None: none is sent, so a refusal says so), before Ray or
+    Gym start (raises ``PreflightError``)."""
+    from gym_bridge.preflight import preflight_endpoints
+
+    checks = preflight_endpoints(
+        spec.gym.base_urls,
+        spec.gym.model_name,
+        tools=spec.uses_tools,
+        timeout_s=spec.preflight_timeout_s,
+        api_key=api_key,
+    )
+    for check in checks:
+        logger.info("preflight %s", check.line)
+
+
+def routed(pending: list[DatasetRow], actor: ActorHandle) -> list[DatasetRow]:
+    """Each row with the agent the launched Gym config routes it to (``task_source`` rows resolved by Gym's own
+    resolver); :class:`DatasetError` naming every row that routes nowhere, before any row is sent."""
+    import ray
+
+    routes: GymRoutes = ray.get(actor.routes.remote(), timeout=60)
+    rows, problems = routes.route_all(
+        [item.row for item in pending], [f"line {i.line}: prompt_idx={i.prompt_idx}" for i in pending]
+    )
+    if problems:
+        raise DatasetError(
+            f"{len(problems)} row(s) route to no agent of the launched Gym config:\n" + "\n".join(problems[:20])
+        )
+    return [
+        item if row is item.row else replace(item, row=ValidGymRow(row))
+        for item, row in zip(pending, rows, strict=True)
+    ]

@@ -305,7 +305,8 @@ def test_with_the_users_config_the_folders_grader_settings_are_not_used(tmp_path
 
 def test_the_trust_boundary_accepts_grader_settings(wheel_server_dir: Path, tmp_path: Path) -> None:
     """What a run folder may carry: Gym's own configs and changed settings of their servers."""
-    from gym_bridge.eval.rescore import _config_blocks, check_stored_overrides, trusted_config_files
+    from gym_bridge.eval.rescore import _config_blocks
+    from gym_bridge.eval.rescore_trust import check_stored_overrides, trusted_config_files
 
     files = trusted_config_files([LC_CONFIG, TOOL_CONFIG], tmp_path / "run.json")
     assert all(f.is_absolute() and f.is_file() for f in files), "the wheel's files, never a same-named one in the cwd"

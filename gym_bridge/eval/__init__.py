@@ -14,6 +14,7 @@
 - :mod:`.runs`     a finished run folder read strictly (folder, line and field named on any problem)
 - :mod:`.compare`  runs compared over the prompts they share: intervals, McNemar, flips, a release gate
 - :mod:`.rescore`  stored completions graded again by Gym's ``/verify`` into a new run folder
+- :mod:`.rescore_trust`  what a rescore takes from a run folder: grader settings as data, never code or paths
 
 Names resolve on first use (module ``__getattr__``), so ``gym-bridge compare`` and ``report`` do not
 import torch or Ray, which only the run loop needs.

@@ -7,10 +7,11 @@ is gone or changed) with the stored ``responses_create_params`` and ``response``
 server comes from the config's agent blocks. A server that says its verify cannot be repeated
 (``GET /reverify_mode`` = ``unsupported``) is not asked.
 
-What a rescore takes from the source folder is data only (:func:`trusted_config_files`,
-:func:`check_stored_overrides`): the stored responses and the grader settings, where ``config_paths`` may name
-only configs inside the installed nemo-gym and ``gym_overrides`` may only change settings of the servers those
-configs define, never add a server or set an entrypoint, a path, a command, an address or an interpolation.
+What a rescore takes from the source folder is data only (:mod:`gym_bridge.eval.rescore_trust`:
+:func:`trusted_config_files`, :func:`check_stored_overrides`): the stored responses and the grader settings,
+where ``config_paths`` may name only configs inside the installed nemo-gym and ``gym_overrides`` may only change
+settings of the servers those configs define, never add a server or set an entrypoint, a path, a command, an
+address or an interpolation.
 Anything more comes from the user: ``--config`` (its grader settings replace the folder's) or ``key=value``.
 
 The new folder is a run folder like any other (``run.json`` with ``rescore.source`` pointing at the source,
@@ -26,10 +27,9 @@ import copy
 import hashlib
 import json
 import logging
-import re
 import time
 from dataclasses import dataclass, field
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import TypedDict
 
 import httpx
@@ -37,6 +37,7 @@ import yaml
 
 from gym_bridge.eval.records import ROW_ID_KEY, row_id
 from gym_bridge.eval.report import build_report
+from gym_bridge.eval.rescore_trust import check_stored_overrides, trusted_config_files
 from gym_bridge.eval.runs import (
     RUN_FILE,
     LoadedRun,
@@ -57,15 +58,6 @@ RESCORE_FILE = "rescore.json"
 GRADER_KEYS = ("config_paths", "gym_overrides", "pass_threshold")
 """The only settings a rescore may change: everything else made the stored responses."""
 _NOT_REQUEST_KEYS = {"reward", "token_drift", "mask_sample", "failure_kind"}
-_SERVER_LEVELS = 3
-"""A Gym config nests ``<server name>: {<server type>: {<implementation>: {settings}}}``."""
-CODE_WORDS = frozenset(
-    {"entrypoint", "path", "paths", "fpath", "dir", "dirs", "directory", "file", "files", "filename", "command",
-     "cmd", "exec", "executable", "script", "scripts", "venv", "python", "pip", "uv", "install", "requirements",
-     "module", "import", "target", "class", "host", "port", "url", "urls", "address", "env", "shell", "bin"}
-)  # fmt: skip
-"""Words that mark a setting as code, a path, a command or an address (``jsonl_fpath``, ``_target_``,
-``base_url``): a run folder's ``gym_overrides`` may set none of them."""
 
 
 class RescoreError(GymBridgeError, ValueError):
@@ -140,81 +132,6 @@ def _config_blocks(config_paths: list[str] | list[Path], overrides: JsonObject) 
             raise RescoreError(f"config_paths: {shown(path)} is not a YAML mapping of Gym servers")
         merged = deep_merge(merged, blocks)
     return deep_merge(merged, overrides)
-
-
-def trusted_config_files(config_paths: list[str], run_json: Path | None) -> list[Path]:
-    """The Gym config files a rescore loads: the user's (``run_json`` None) found as Gym finds them, in the cwd
-    then in the installed nemo-gym; a run folder's only inside the installed nemo-gym, under a Gym server type,
-    so a folder cannot name a config of its own (or one in the cwd) that starts a server of its choice.
-
-    Raises:
-        RunReadError: a path from ``run_json`` is absolute, climbs (``..``), or is not a config of the
-            installed nemo-gym (the field named).
-        GymConfigNotFound: a user's relative path is neither in the cwd nor in the installed nemo-gym.
-    """
-    from gym_bridge.gym.server_config import GymConfigNotFound, wheel_config_path
-    from gym_bridge.gym.versions import installed_gym
-
-    if run_json is None:
-        return [Path(name) if Path(name).exists() else wheel_config_path(name) for name in config_paths]
-    files = []
-    for i, name in enumerate(config_paths):
-        relative = PurePosixPath(name)
-        problem = (
-            f"{shown(run_json)}: field 'config.config_paths[{i}]': {shown(name)!r} is not a config of the installed "
-            f"nemo-gym; {_FROM_THE_USER}"
-        )
-        climbs = relative.is_absolute() or ".." in relative.parts
-        if climbs or relative.parts[:1] not in [(kind,) for kind in installed_gym().server_types]:
-            raise RunReadError(problem)
-        try:
-            files.append(wheel_config_path(str(relative)))
-        except GymConfigNotFound:
-            raise RunReadError(problem) from None
-    return files
-
-
-_FROM_THE_USER = "a rescore takes only grader settings from a run folder: pass your own config with --config"
-
-
-def check_stored_overrides(overrides: JsonMapping, blocks: JsonMapping, run_json: Path) -> None:
-    """Refuse a run folder's ``gym_overrides`` unless they are grader settings as data: each names a server, server
-    type and implementation that the config files define (no server of its own), and no setting below is code,
-    a path, a command or an address (:data:`CODE_WORDS`) or an interpolation (``${...}``, which Gym's config
-    resolves, reading the environment).
-
-    Raises:
-        RunReadError: the first setting refused, its field named.
-    """
-    stack: list[tuple[str, object, object, int]] = [("config.gym_overrides", overrides, blocks, 0)]
-    while stack:
-        name, value, known, level = stack.pop()
-        if level < _SERVER_LEVELS:
-            if not isinstance(value, dict) or not isinstance(known, dict):
-                raise _refused(run_json, name, "is not a mapping of the servers config_paths define")
-            for key, inner in value.items():
-                if key not in known:
-                    raise _refused(run_json, f"{name}.{key}", "names no server that config_paths define")
-                stack.append((f"{name}.{key}", inner, known[key], level + 1))
-        elif isinstance(value, dict):
-            for key, inner in value.items():
-                if _names_code(str(key)):
-                    raise _refused(run_json, f"{name}.{key}", "names code, a path, a command or an address")
-                stack.append((f"{name}.{key}", inner, None, level + 1))
-        elif isinstance(value, list):
-            stack.extend((f"{name}[{i}]", inner, None, level + 1) for i, inner in enumerate(value))
-        elif isinstance(value, str) and "${" in value:
-            raise _refused(run_json, name, "is an interpolation (${...}), which Gym's config would resolve")
-
-
-def _names_code(key: str) -> bool:
-    """Whether a setting's name holds a word of :data:`CODE_WORDS` (snake_case, kebab-case or camelCase)."""
-    words = re.split(r"[^a-z0-9]+", re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", key).lower())
-    return not CODE_WORDS.isdisjoint(words)
-
-
-def _refused(run_json: Path, name: str, why: str) -> RunReadError:
-    return RunReadError(f"{shown(run_json)}: field {shown(name)!r} {why}; {_FROM_THE_USER}")
 
 
 def agent_resources_servers(blocks: JsonMapping) -> dict[str, str]:

@@ -133,7 +133,7 @@ def test_topk_logits_shape(loaded):
 
 
 def test_the_scheduler_is_built_as_nemo_rls_policy_workers_build_it():
-    from gym_bridge.policy.hf import build_lr_scheduler
+    from gym_bridge.policy.lr_scheduler import build_lr_scheduler
 
     def lrs(spec, steps=4):
         optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1.0)

@@ -287,7 +287,7 @@ def test_the_train_demo_config_warms_up_from_a_tenth_of_its_rate():
 
     from gym_bridge.config.grpo import loop_config_from, policy_config
     from gym_bridge.config.training import nemo_gym_rollout_settings
-    from gym_bridge.policy.hf import build_lr_scheduler
+    from gym_bridge.policy.lr_scheduler import build_lr_scheduler
 
     config = yaml.safe_load((Path(__file__).parents[1] / "examples" / "grpo_nemo_gym.yaml").read_text())
     loop = loop_config_from(config, nemo_gym_rollout_settings(config, base_urls=["http://127.0.0.1:1/v1"]))

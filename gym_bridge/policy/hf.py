@@ -8,13 +8,14 @@ position 0 and on padding. ``T`` is ``cfg.temperature`` (1 by default), so at
 logprobs for the same tokens, up to float rounding (the training/inference
 mismatch check).
 
-``train`` takes a loss function with the signature of :class:`LossFunction`:
+``train`` takes a loss function with the signature of :class:`~gym_bridge.policy.loss.LossFunction`:
 it receives the micro-batch's token logprobs (as above, with gradients) and the
 micro-batch, plus the global batch's valid sequence and token counts, so that a
 loss normalised by those counts sums over micro-batches to the global-batch loss
-(gradient accumulation is then exact). :func:`policy_gradient_loss` is such a loss.
+(gradient accumulation is then exact). :func:`~gym_bridge.policy.loss.policy_gradient_loss` is such a loss.
 
-The learning rate follows ``cfg.scheduler``, NeMo-RL's ``policy.scheduler``: one
+The learning rate follows ``cfg.scheduler``, NeMo-RL's ``policy.scheduler`` (built by
+:func:`~gym_bridge.policy.lr_scheduler.build_lr_scheduler`): one
 ``torch.optim.lr_scheduler`` class (``{name, kwargs}``), or a list of them with a
 ``{milestones: [...]}`` entry, chained by ``SequentialLR``; none: a constant rate. As in
 NeMo-RL's DTensor policy workers, it steps once per :meth:`HFPolicy.train` call (one GRPO
@@ -24,11 +25,10 @@ step), and its state is saved with the optimizer.
 from __future__ import annotations
 
 import copy
-import importlib
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, NotRequired, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -38,6 +38,13 @@ from gym_bridge.failures.errors import GymBridgeError, SettingError
 from gym_bridge.interfaces import PolicyInterface
 from gym_bridge.json_types import JsonMapping, JsonObject
 from gym_bridge.models.loading import causal_lm_on_device
+from gym_bridge.policy.loss import (
+    LossFunction,
+    TokenBatchSpec,
+    length_mask,
+    token_mask,
+)
+from gym_bridge.policy.lr_scheduler import build_lr_scheduler
 from gym_bridge.types import (
     GenerationDatumSpec,
     LogprobOutputSpec,
@@ -62,21 +69,6 @@ class SavableTokenizer(Tokenizer, Protocol):
     def save_pretrained(self, save_directory: str | Path) -> object: ...
 
 
-class TokenBatchSpec(GenerationDatumSpec):
-    """The token batch :meth:`HFPolicy.train` reads: right-padded ``input_ids`` ``[B, S]`` and ``input_lengths``
-    ``[B]`` (the batch the logprob calls take), optionally ``token_mask`` ``[B, S]`` (the tokens to train on) and
-    ``sample_mask`` ``[B]``. A loss function reads further keys of its own."""
-
-    token_mask: NotRequired[torch.Tensor]
-    sample_mask: NotRequired[torch.Tensor]
-
-
-class PolicyGradientBatchSpec(TokenBatchSpec):
-    """:func:`policy_gradient_loss`'s batch: the token batch plus ``advantages`` (``[B]`` or ``[B, S]``)."""
-
-    advantages: torch.Tensor
-
-
 class HFPolicyConfig(BaseModel):
     """Settings of :class:`HFPolicy`."""
 
@@ -98,109 +90,6 @@ class HFPolicyConfig(BaseModel):
     scheduler: list[JsonObject] | JsonObject | None = Field(
         None, description="NeMo-RL's policy.scheduler (see build_lr_scheduler); None: a constant learning rate."
     )
-
-
-def _scheduler_class(name: object) -> type[torch.optim.lr_scheduler.LRScheduler]:
-    """The learning-rate scheduler class a dotted name names (``torch.optim.lr_scheduler.LinearLR``)."""
-    module_name, _, attr = str(name).rpartition(".")
-    try:
-        found = getattr(importlib.import_module(module_name), attr) if module_name else None
-    except (ImportError, AttributeError):
-        found = None
-    if not (isinstance(found, type) and issubclass(found, torch.optim.lr_scheduler.LRScheduler)):
-        raise SettingError(f"{name!r} is not a torch learning-rate scheduler class (torch.optim.lr_scheduler.*)")
-    return found
-
-
-def build_lr_scheduler(
-    optimizer: torch.optim.Optimizer, spec: Sequence[JsonMapping] | JsonMapping | None
-) -> torch.optim.lr_scheduler.LRScheduler:
-    """NeMo-RL's scheduler from ``policy.scheduler``, as its DTensor policy worker builds it.
-
-    A mapping ``{name, kwargs}`` is one scheduler; a list holds schedulers (``{name, kwargs}``) and one
-    ``{milestones: [...]}`` entry, chained by ``SequentialLR`` (the milestones are the optimizer steps at which
-    the next scheduler takes over); None is a constant rate (``LambdaLR`` of 1). A bad entry raises
-    :class:`~gym_bridge.failures.errors.SettingError` saying which.
-    """
-    if spec is None:
-        return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=lambda _: 1.0)
-    if isinstance(spec, Mapping):
-        spec = [spec]
-    schedulers: list[torch.optim.lr_scheduler.LRScheduler] = []
-    milestones: list[int] | None = None
-    for i, entry in enumerate(spec):
-        if not isinstance(entry, Mapping):
-            raise SettingError(f"entry {i} is not a mapping: {entry!r}")
-        if "name" in entry:
-            try:
-                schedulers.append(_scheduler_class(entry["name"])(optimizer, **dict(entry.get("kwargs") or {})))
-            except TypeError as exc:
-                raise SettingError(f"entry {i} ({entry['name']}): {exc}") from None
-        elif "milestones" in entry:
-            milestones = [int(m) for m in entry["milestones"]]
-        else:
-            raise SettingError(f"entry {i} has neither 'name' nor 'milestones': {dict(entry)!r}")
-    if not schedulers:
-        raise SettingError("no scheduler named")
-    if len(schedulers) == 1 and milestones is None:
-        return schedulers[0]
-    if milestones is None or len(milestones) != len(schedulers) - 1:
-        raise SettingError(
-            f"{len(schedulers)} schedulers need {len(schedulers) - 1} milestones in a {{milestones: [...]}} entry, "
-            f"got {milestones}"
-        )
-    return torch.optim.lr_scheduler.SequentialLR(optimizer, schedulers, milestones)
-
-
-class LossFunction[SpecT: TokenBatchSpec](Protocol):
-    """``(token_logprobs [b, S], micro_batch, global_valid_seqs, global_valid_toks) -> (loss, metrics)``.
-
-    ``SpecT`` names the batch the loss reads: the token batch plus the loss's own keys."""
-
-    def __call__(
-        self,
-        token_logprobs: torch.Tensor,
-        data: BatchedDataDict[SpecT],
-        global_valid_seqs: torch.Tensor,
-        global_valid_toks: torch.Tensor,
-    ) -> tuple[torch.Tensor, Mapping[str, object]]: ...
-
-
-def policy_gradient_loss(
-    token_logprobs: torch.Tensor,
-    data: BatchedDataDict[PolicyGradientBatchSpec],
-    global_valid_seqs: torch.Tensor,
-    global_valid_toks: torch.Tensor,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """REINFORCE: ``-sum(advantage * logprob * token_mask) / global_valid_toks``.
-
-    ``data`` needs ``advantages`` (``[b]`` or ``[b, S]``) and ``token_mask`` ``[b, S]``
-    (1 on the tokens to train on); ``sample_mask`` ``[b]`` is optional.
-    """
-    mask = _token_mask(data, token_logprobs.shape)
-    advantages = torch.as_tensor(data["advantages"], dtype=token_logprobs.dtype, device=token_logprobs.device)
-    if advantages.ndim == 1:
-        advantages = advantages[:, None]
-    loss = -(advantages * token_logprobs * mask).sum() / global_valid_toks.clamp(min=1)
-    return loss, {"loss": float(loss.detach()), "num_valid_tokens": float(mask.sum())}
-
-
-def _length_mask(lengths: torch.Tensor, width: int) -> torch.Tensor:
-    return torch.arange(width, device=lengths.device)[None, :] < lengths[:, None]
-
-
-def _token_mask(data: BatchedDataDict[TokenBatchSpec], shape: torch.Size) -> torch.Tensor:
-    """``token_mask`` (default: every real token after the first) times ``sample_mask``; float ``[b, S]``."""
-    lengths = torch.as_tensor(data["input_lengths"]).to(torch.int64)
-    if data.get("token_mask") is not None:
-        mask = torch.as_tensor(data["token_mask"]).float()
-    else:
-        mask = _length_mask(lengths, shape[1]).float()
-        mask[:, 0] = 0.0
-    mask = mask * _length_mask(lengths, shape[1]).float()
-    if data.get("sample_mask") is not None:
-        mask = mask * torch.as_tensor(data["sample_mask"]).float()[:, None]
-    return mask
 
 
 def _train_sizes(size: int, gbs: int, mbs: int) -> None:
@@ -264,7 +153,7 @@ class HFPolicy(PolicyInterface):
         names for this forward pass (``torch.func.functional_call``).
         """
         input_ids, lengths = input_ids.to(self.device), lengths.to(self.device)
-        attention = _length_mask(lengths, input_ids.shape[1]).long()
+        attention = length_mask(lengths, input_ids.shape[1]).long()
         first = max(1, min(first, input_ids.shape[1] - 1))
         keep = {"logits_to_keep": input_ids.shape[1] - first + 1} if first > 1 else {}
         inputs = {"input_ids": input_ids, "attention_mask": attention, "use_cache": False, **keep}
@@ -329,7 +218,7 @@ class HFPolicy(PolicyInterface):
         with torch.no_grad():
             for s in range(0, input_ids.shape[0], step):
                 ids, lens = input_ids[s : s + step].to(self.device), lengths[s : s + step].to(self.device)
-                attention = _length_mask(lens, ids.shape[1]).long()
+                attention = length_mask(lens, ids.shape[1]).long()
                 logits = self.model(input_ids=ids, attention_mask=attention, use_cache=False).logits[:, :-1]
                 top = torch.topk(logits.float() / self.cfg.temperature, k, dim=-1)
                 values.append(top.values.cpu())
@@ -401,7 +290,7 @@ class HFPolicy(PolicyInterface):
         accumulated in the (zeroed) parameters' ``.grad``. Losses see the global batch's valid sequence and token
         counts, so their sum is the global batch's loss."""
         width = torch.as_tensor(global_batch["input_ids"]).shape[1]
-        mask = _token_mask(global_batch, torch.Size((gbs, width)))
+        mask = token_mask(global_batch, torch.Size((gbs, width)))
         valid_toks = mask.sum()
         valid_seqs = (
             torch.as_tensor(global_batch["sample_mask"]).float().sum()

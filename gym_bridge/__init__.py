@@ -94,11 +94,11 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "gym_bridge.rollout.native": ("AsyncRolloutImpl",),
     "gym_bridge.rollout.nemo_gym": ("AsyncNemoGymRolloutImpl",),
     "gym_bridge.rollout.nemo_gym_batch": (
-        "NemoGymRolloutResult",
         "run_async_nemo_gym_rollout",
         "run_nemo_gym_rollout_sync",
         "should_log_nemo_gym_full_result_tables",
     ),
+    "gym_bridge.rollout.nemo_gym_batch_result": ("NemoGymRolloutResult",),
     "gym_bridge.rollout.reward_shaping": (
         "get_nemo_gym_thinking_tags",
         "should_mask_flagged_samples",

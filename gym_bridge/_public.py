@@ -101,10 +101,12 @@ from gym_bridge.rollout.nemo_gym import (
     AsyncNemoGymRolloutImpl as AsyncNemoGymRolloutImpl,
 )
 from gym_bridge.rollout.nemo_gym_batch import (
-    NemoGymRolloutResult as NemoGymRolloutResult,
     run_async_nemo_gym_rollout as run_async_nemo_gym_rollout,
     run_nemo_gym_rollout_sync as run_nemo_gym_rollout_sync,
     should_log_nemo_gym_full_result_tables as should_log_nemo_gym_full_result_tables,
+)
+from gym_bridge.rollout.nemo_gym_batch_result import (
+    NemoGymRolloutResult as NemoGymRolloutResult,
 )
 from gym_bridge.rollout.reward_shaping import (
     get_nemo_gym_thinking_tags as get_nemo_gym_thinking_tags,

@@ -1,0 +1,112 @@
+"""NeMo-RL's whole-batch Gym arguments checked, and the batch split into prompt groups, before any row is sent."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from gym_bridge.batched import BatchedDataDict
+from gym_bridge.failures import SettingError
+from gym_bridge.gym.routing import routing_basis
+from gym_bridge.gym.rows import validate_row
+from gym_bridge.gym.versions import TASK_INDEX_KEY
+from gym_bridge.json_types import JsonMapping, JsonObject
+from gym_bridge.types import DatumSpec, GenerationConfig, GenerationSamplingParams
+
+_ENGINE_CONFIG_KEYS = ("vllm_cfg", "trtllm_cfg", "mcore_generation_config")
+
+type LossMultiplier = torch.Tensor | Sequence[float]
+"""The batch's ``loss_multiplier`` column: a tensor, or one float per row."""
+
+
+def check_options(
+    generation_config: GenerationConfig,
+    sampling_params: GenerationSamplingParams | None,
+    greedy: bool,
+    max_rollout_turns: int | None,
+    max_seq_len: int | None,
+    engine_max_len: int | None,
+) -> None:
+    """Refuse an option the Gym path cannot honour (``SettingError``); warn when ``max_seq_len`` is over the
+    engine's ``max_model_len``."""
+    if greedy:
+        raise SettingError(
+            "greedy is not supported on the NeMo-Gym path; pass sampling_params for a validation profile"
+        )
+    if max_rollout_turns is not None:
+        raise SettingError("max_rollout_turns must be None on the NeMo-Gym path: the Gym agent ends each episode")
+    for key in ("stop_strings", "stop_token_ids"):
+        if generation_config.get(key):
+            raise SettingError(
+                f"generation_config.{key} is not supported on the NeMo-Gym path (Gym's model server does not "
+                "forward it); setup_nemo_gym_config clears it"
+            )
+    if max_seq_len is not None and engine_max_len is not None and max_seq_len > engine_max_len:
+        warnings.warn(
+            f"policy max_total_sequence_length ({max_seq_len}) is greater than the generation engine's "
+            f"max_model_len ({engine_max_len}); the engine truncates at its own limit",
+            stacklevel=3,
+        )
+
+
+def split_groups(rows: list[JsonObject], num_generations: int, returns_entire_batch: bool) -> list[tuple[int, int]]:
+    """The ``(start, end)`` of each group; every row is validated (in ``rows``, as a ``ValidGymRow``) before
+    anything is sent."""
+    if num_generations <= 0:
+        raise SettingError(f"num_generations must be greater than zero, got {num_generations}")
+    if not rows:
+        raise SettingError("the NeMo-Gym rollout batch (extra_env_info) is empty")
+    if len(rows) % num_generations:
+        raise SettingError(
+            f"the NeMo-Gym batch has {len(rows)} rows, not divisible by num_generations={num_generations}"
+        )
+    if returns_entire_batch and len(rows) != num_generations:
+        raise SettingError(
+            f"returns_entire_batch needs num_generations ({num_generations}) to equal the batch size ({len(rows)})"
+        )
+    rows[:] = [validate_row(row, prompt_idx=i // num_generations) for i, row in enumerate(rows)]
+    groups = [(start, start + num_generations) for start in range(0, len(rows), num_generations)]
+    if not returns_entire_batch:
+        for g, (start, end) in enumerate(groups):
+            agents = [routing_basis(row) for row in rows[start:end]]
+            if len(set(agents)) != 1:
+                raise SettingError(f"prompt group {g} (rows {start}..{end - 1}) mixes NeMo-Gym agents: {agents}")
+            group_task_index(rows[start:end])
+    return groups
+
+
+def group_task_index(rows: Sequence[JsonMapping]) -> int | None:
+    """The group's ``_ng_task_index``, checked equal across its rows; None when the first row has none."""
+    if not rows or TASK_INDEX_KEY not in rows[0]:
+        return None
+    indices = [row.get(TASK_INDEX_KEY) for row in rows]
+    first = int(rows[0][TASK_INDEX_KEY])
+    if any(index is None or int(index) != first for index in indices):
+        raise SettingError(f"expected one {TASK_INDEX_KEY} per prompt group, got {indices}")
+    return first
+
+
+def engine_max_model_len(policy_generation: object, max_seq_len: int | None) -> int | None:
+    """The engine's ``max_model_len`` from NeMo-RL's generation config, else ``max_total_sequence_length``,
+    else ``max_seq_len`` (our engines carry no such config)."""
+    cfg = getattr(policy_generation, "cfg", None)
+    if isinstance(cfg, Mapping):
+        for key in _ENGINE_CONFIG_KEYS:
+            if isinstance(cfg.get(key), Mapping) and cfg[key].get("max_model_len") is not None:
+                return int(cfg[key]["max_model_len"])
+        if cfg.get("max_total_sequence_length") is not None:
+            return int(cfg["max_total_sequence_length"])
+    return max_seq_len
+
+
+def loss_multiplier_column(input_batch: BatchedDataDict[DatumSpec], n: int) -> LossMultiplier:
+    """The batch's ``loss_multiplier`` column, else ones (NeMo-RL's datasets always set 1.0)."""
+    value = input_batch.get("loss_multiplier")
+    if value is None:
+        return torch.ones(n)
+    if len(value) != n:
+        raise SettingError(f"input_batch has {len(value)} loss_multiplier values for {n} NeMo-Gym rows")
+    column: LossMultiplier = value
+    return column

@@ -97,7 +97,8 @@ class RunningBatch:
         """Prefill ``rows`` and add them; rows with nothing to generate finish at once (truncated).
 
         With a prefix cache, each row starts from its longest cached prefix, and a row whose next block
-        another joining row is about to compute waits one prefill for it (:meth:`PrefixCache.waves`).
+        another joining row is about to compute waits one prefill for it (:meth:`PrefixCache.waves`); a row
+        whose whole prompt is another joining row's takes that row's keys, values and logits (:meth:`_copy_rows`).
         """
         ctx = self.ctx
         joining = []
@@ -117,9 +118,31 @@ class RunningBatch:
             self._prefill(joining, [[] for _ in joining])
             return
         names = [prefix_cache.block_names(row.prompt) for row in joining]
-        for wave in prefix_cache.waves([len(row.prompt) for row in joining], names):
-            if wave:
-                self._prefill([joining[i] for i in wave], [names[i] for i in wave])
+        first, second = prefix_cache.waves([len(row.prompt) for row in joining], names)
+        self._prefill([joining[i] for i in first], [names[i] for i in first])
+        leaders = {tuple(joining[i].prompt): joining[i] for i in first}
+        copies = [i for i in second if tuple(joining[i].prompt) in leaders]
+        rest = [i for i in second if tuple(joining[i].prompt) not in leaders]
+        if rest:
+            self._prefill([joining[i] for i in rest], [names[i] for i in rest])
+        if copies:
+            for i in copies:
+                found = prefix_cache.lookup(len(joining[i].prompt), names[i])
+                ctx.stats.prefix_cache_queries += len(joining[i].prompt)
+                ctx.stats.prefix_cache_hits += len(found) * prefix_cache.block_size
+            self._copy_rows([(leaders[tuple(joining[i].prompt)], joining[i]) for i in copies])
+
+    def _copy_rows(self, copies: list[tuple[Row, Row]]) -> None:
+        """Add rows whose prompt equals a row's in the batch (the N samples of one prompt): that row's keys,
+        values and next-token logits, with no forward pass."""
+        assert self._attention is not None and self._next_pos is not None and self._logits is not None
+        index = [self.rows.index(leader) for leader, _ in copies]
+        keep = torch.tensor(list(range(len(self.rows))) + index, dtype=torch.long, device=self.ctx.device)
+        for layer in self._cache.layers:
+            layer.keys, layer.values = layer.keys[keep], layer.values[keep]
+        self._attention, self._next_pos, self._logits = self._attention[keep], self._next_pos[keep], self._logits[keep]
+        self.rows = self.rows + [row for _, row in copies]
+        self.ctx.stats.max_rows_in_batch = max(self.ctx.stats.max_rows_in_batch, len(self.rows))
 
     def _prefill(self, joining: list[Row], names: list[list[bytes]]) -> None:
         """One forward over the uncached part of every joining row's prompt, then stack them onto the batch.

@@ -165,13 +165,15 @@ def row_blocks(cache: Any, row: int, columns: torch.Tensor, block_size: int, wan
 
 
 def past_from_blocks(cache: Any, rows: Sequence[Sequence[torch.Tensor]], width: int) -> None:
-    """Fill an empty ``cache`` with each row's cached blocks, right-aligned in ``width`` columns (zeros before)."""
+    """Fill an empty ``cache`` (one DynamicLayer per layer) with each row's cached blocks, right-aligned in ``width``
+    columns (zeros before); every block is copied once, straight into its place."""
     sample = next(block for blocks in rows for block in blocks)
-    layers, _, heads, _, head_dim = sample.shape
+    layers, _, heads, size, head_dim = sample.shape
     past = sample.new_zeros((layers, 2, len(rows), heads, width, head_dim))
     for j, blocks in enumerate(rows):
-        if blocks:
-            joined = torch.cat(list(blocks), dim=3)
-            past[:, :, j, :, width - joined.shape[3] :] = joined
-    for index, kv in enumerate(past):
-        cache.update(kv[0], kv[1], index)
+        start = width - len(blocks) * size
+        for b, block in enumerate(blocks):
+            past[:, :, j, :, start + b * size : start + (b + 1) * size] = block
+    for layer, kv in zip(cache.layers, past, strict=True):
+        layer.lazy_initialization(kv[0], kv[1])
+        layer.keys, layer.values = kv[0], kv[1]

@@ -270,6 +270,10 @@ def test_one_run_seed_reaches_torch_the_engine_the_loop_and_the_rows(tmp_path, s
     assert settings.seed == expected
     assert settings.engine.seed == expected and settings.loop.seed == expected
     assert settings.rollout.launch.manager_options == {"seed": expected}
+    from gym_bridge.config.training import DEFAULT_SEED
+    from gym_bridge.training.loop_config import GRPOLoopConfig
+
+    assert GRPOLoopConfig().seed == DEFAULT_SEED  # a hand-built loop config seeds as a config without the key
     resumed = settings.resumed_from(str(tmp_path), step=3)
     assert resumed.engine.seed == expected + 3 and resumed.policy.model == str(tmp_path)
 

@@ -46,9 +46,9 @@ from gym_bridge.config.nemo_rl_gym import should_use_nemo_gym
 from gym_bridge.failures import RolloutRetryPolicy, RolloutTimeouts
 from gym_bridge.gym.actor_config import NemoGymConfig
 from gym_bridge.json_types import JsonMapping, JsonObject
-from gym_bridge.training.loop_config import GRPOLoopConfig
 
 __all__ = [
+    "DEFAULT_SEED",
     "NemoGymRolloutSettings",
     "nemo_gym_config_from",
     "nemo_gym_generation_config",
@@ -58,6 +58,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+DEFAULT_SEED = 0
+"""The run seed of a config without ``grpo.seed`` (the trainer's ``GRPOLoopConfig.seed`` default is the same value;
+a test holds them equal). Defined here, not read from the trainer, so reading a config never imports torch or Ray."""
 _BRIDGE_KEYS = ("rollout_timeout_s", "max_row_attempts", "num_actors", "split_base_urls")
 ROUTING_KEYS = ("agent_name", "agent_map", "fan_out")
 """Gym's collection keys under ``env.nemo_gym``: read into :class:`~gym_bridge.gym.routing.RowRouting` where rows
@@ -274,10 +277,10 @@ def nemo_gym_rollout_settings(config: object, *, base_urls: list[str] | None = N
 
 def run_seed(config: JsonMapping) -> int:
     """``grpo.seed``, the one reader of the run seed: torch, the engine, the loop and every row's sampling seed
-    derive from it. Without the key it is :class:`GRPOLoopConfig`'s default, for all of them alike."""
+    derive from it. Without the key it is :data:`DEFAULT_SEED`, for all of them alike."""
     seed = config_value(config, "grpo.seed", None)
     if seed is None:
-        return int(GRPOLoopConfig.model_fields["seed"].default)
+        return DEFAULT_SEED
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TrainingConfigError(f"grpo.seed must be an int, got {seed!r}")
     return seed

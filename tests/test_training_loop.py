@@ -319,6 +319,6 @@ def test_the_train_demo_ends_a_bad_config_in_one_line_and_exit_code_2(tmp_path):
     assert done.returncode == 2, done.stderr[-2000:]
     assert "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines()[-1] == (
-        "grpo_nemo_gym: policy.generation.vllm_kwargs.max_num_seqs must be a positive integer, got 0"
+        "gym-bridge train: policy.generation.vllm_kwargs.max_num_seqs must be a positive integer, got 0"
     )
 

@@ -30,7 +30,16 @@ from gym_bridge.policy.hf import HFPolicyConfig
 from gym_bridge.training.loop_config import GRPOLoopConfig
 from gym_bridge.training.validation import ValidationSet
 
-__all__ = ["ENDPOINT_PENDING", "GRPORunSettings", "grpo_run_settings"]
+__all__ = ["ENDPOINT_PENDING", "REQUIRED_KEYS", "GRPORunSettings", "grpo_run_settings"]
+
+REQUIRED_KEYS = (
+    "policy.model_name",
+    "policy.max_total_sequence_length",
+    "grpo.num_prompts_per_step",
+    "grpo.num_generations_per_prompt",
+    "env.nemo_gym.config_paths",
+)
+"""Keys a GRPO run cannot start without (NeMo-RL's recipes set them all; its config schema requires them)."""
 
 ENDPOINT_PENDING = "http://127.0.0.1:0/v1"
 """The endpoint the rollout settings name until the run's own server is up (:meth:`GRPORunSettings.serving_at`)."""
@@ -73,6 +82,9 @@ class GRPORunSettings:
 
 def grpo_run_settings(config: JsonMapping) -> GRPORunSettings:
     """Read and check every key a GRPO run uses; :class:`TrainingConfigError` names the first bad or missing key."""
+    for key in REQUIRED_KEYS:
+        if config_value(config, key, None) is None:
+            raise TrainingConfigError(f"the training config has no '{key}' (NeMo-RL's GRPO recipes set it)")
     seed = run_seed(config)
     model_name = str(config_value(config, "policy.model_name"))
     max_model_len = _positive_int(config, "policy.max_total_sequence_length")

@@ -20,7 +20,6 @@ from pathlib import Path
 
 import yaml
 
-from gym_bridge.config.keys import TrainingConfigError, config_value
 from gym_bridge.config.logger import logger_settings
 from gym_bridge.failures import GymBridgeError
 from gym_bridge.json_types import JsonObject
@@ -29,18 +28,10 @@ from gym_bridge.training.loop import GRPOTrainer
 from gym_bridge.training.metrics import MetricsLine
 from gym_bridge.training.plots import TrainingPlots, write_training_plots
 
-__all__ = ["REQUIRED_KEYS", "TrainOutcome", "TrainRunError", "check_required", "step_line", "train"]
+__all__ = ["TrainOutcome", "TrainRunError", "step_line", "train"]
 
 logger = logging.getLogger(__name__)
 
-REQUIRED_KEYS = (
-    "policy.model_name",
-    "policy.max_total_sequence_length",
-    "grpo.num_prompts_per_step",
-    "grpo.num_generations_per_prompt",
-    "env.nemo_gym.config_paths",
-)
-"""Keys a GRPO run cannot start without (NeMo-RL's recipes set them all); checked before anything starts."""
 CONFIG_FILE = "config.yaml"
 
 
@@ -58,13 +49,6 @@ class TrainOutcome:
     plots: TrainingPlots | None
     checkpoint: Path
     loggers: LoggerPlan
-
-
-def check_required(config: Mapping[str, object]) -> None:
-    """Every key of :data:`REQUIRED_KEYS` is set; otherwise a :class:`TrainingConfigError` naming the first missing."""
-    for key in REQUIRED_KEYS:
-        if config_value(config, key, None) is None:
-            raise TrainingConfigError(f"the training config has no '{key}' (NeMo-RL's GRPO recipes set it)")
 
 
 def step_line(m: Mapping[str, object]) -> str:
@@ -107,20 +91,18 @@ def train(
     on_line: Callable[[MetricsLine], object] | None = None,
 ) -> TrainOutcome:
     """Train ``config`` into ``run_dir`` (resumed from its checkpoint with ``resume``); Ray is started if needed."""
+    from gym_bridge.config.run_settings import grpo_run_settings
     from gym_bridge.ray_utils import init_ray
-    from gym_bridge.recipes.grpo_run import build_grpo_run
+    from gym_bridge.recipes.grpo_run import start_grpo_run
 
     run_dir = Path(run_dir)
-    check_required(config)
+    settings = grpo_run_settings(config)  # every key read and checked before anything starts
     plan = logger_settings(config).plan(run_dir)
     _check_run_dir(run_dir, resume)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / CONFIG_FILE).write_text(yaml.safe_dump(config, sort_keys=False))
     init_ray()
-    try:
-        run = build_grpo_run(config, run_dir, resume=resume)
-    except KeyError as exc:  # a key the settings reader indexes directly: still the user's config, named
-        raise TrainingConfigError(f"the training config has no key {exc.args[0]!r} that the GRPO run needs") from exc
+    run = start_grpo_run(settings, run_dir, resume=resume)
     lines: list[MetricsLine] = []
     try:
         loggers = open_loggers(plan, config)

@@ -28,7 +28,8 @@ from typing import Any
 import torch
 
 from gym_bridge.batched import BatchedDataDict
-from gym_bridge.generation.hf import HFGeneration, HFGenerationConfig
+from gym_bridge.generation.hf import HFGeneration
+from gym_bridge.generation.hf_config import HFGenerationConfig
 from gym_bridge.models.loading import load_causal_lm
 from gym_bridge.models.registry import resolve_model_path
 from gym_bridge.serving.chat import render_ids

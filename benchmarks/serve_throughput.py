@@ -24,7 +24,8 @@ import torch
 from results_file import publish
 
 from gym_bridge.batched import BatchedDataDict
-from gym_bridge.generation.hf import HFGeneration, HFGenerationConfig
+from gym_bridge.generation.hf import HFGeneration
+from gym_bridge.generation.hf_config import HFGenerationConfig
 from gym_bridge.serving import OpenAIServer
 
 MESSAGES = [{"role": "user", "content": "Tell me about the weather in Paris today."}]

@@ -11,7 +11,8 @@ import logging
 
 from gym_bridge.data import datum_from_chat
 from gym_bridge.environments.arithmetic import arithmetic_env_actor
-from gym_bridge.generation.hf import HFGeneration, HFGenerationConfig
+from gym_bridge.generation.hf import HFGeneration
+from gym_bridge.generation.hf_config import HFGenerationConfig
 from gym_bridge.ray_utils import init_ray
 from gym_bridge.rollout.manager import RolloutManager
 

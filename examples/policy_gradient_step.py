@@ -16,7 +16,8 @@ import torch
 from gym_bridge.batched import BatchedDataDict, batched_message_log_to_flat_message
 from gym_bridge.data import datum_from_chat
 from gym_bridge.environments.guessing import guessing_env_actor
-from gym_bridge.generation.hf import HFGeneration, HFGenerationConfig
+from gym_bridge.generation.hf import HFGeneration
+from gym_bridge.generation.hf_config import HFGenerationConfig
 from gym_bridge.policy import HFPolicy, HFPolicyConfig, policy_gradient_loss
 from gym_bridge.ray_utils import init_ray
 from gym_bridge.rollout.sync import run_multi_turn_rollout

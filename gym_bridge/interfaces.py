@@ -27,17 +27,6 @@ from gym_bridge.types import (
 if TYPE_CHECKING:
     from ray import ObjectRef
 
-__all__ = [
-    "ColocatablePolicyInterface",
-    "EnvironmentInterface",
-    "GenerationInterface",
-    "LogprobOutputSpec",
-    "PolicyInterface",
-    "ReferenceLogprobOutputSpec",
-    "RolloutBackend",
-    "TopkLogitsOutputSpec",
-]
-
 
 def _not_implemented(obj: object, method: str) -> NotImplementedError:
     """The error an optional method raises where a class does not implement it: names the class and the method."""

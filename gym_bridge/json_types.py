@@ -7,8 +7,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["JsonMapping", "JsonObject"]
-
 type JsonObject = dict[str, Any]
 """A parsed JSON object, or one being built to send."""
 

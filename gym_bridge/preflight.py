@@ -33,17 +33,6 @@ from pydantic import SecretStr
 from gym_bridge.failures import GymBridgeError
 from gym_bridge.json_types import JsonMapping, JsonObject
 
-__all__ = [
-    "VLLM_TOOL_FLAGS",
-    "EndpointCheck",
-    "EndpointProblem",
-    "PreflightError",
-    "check_endpoint",
-    "check_endpoints",
-    "preflight_endpoints",
-    "rows_use_tools",
-]
-
 #: The flags a vLLM server needs before it accepts chats that offer tools (Hermes-style tool calls).
 VLLM_TOOL_FLAGS = "--enable-auto-tool-choice --tool-call-parser hermes"
 

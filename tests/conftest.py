@@ -49,7 +49,8 @@ def tiny_lm(tiny_model_dir: Path) -> tuple[Any, Any]:
 @pytest.fixture(scope="module")
 def tiny_sampling_policy(tiny_lm: tuple[Any, Any]) -> Iterator[Any]:
     """Our server over the tiny model sampling at temperature 1 (24 new tokens, seeded engine), for one module."""
-    from gym_bridge.generation.hf import HFGeneration, HFGenerationConfig
+    from gym_bridge.generation.hf import HFGeneration
+    from gym_bridge.generation.hf_config import HFGenerationConfig
     from gym_bridge.serving import OpenAIServer
     from gym_bridge.testing import SERVED_MODEL_NAME
 

@@ -20,22 +20,18 @@ from gym_bridge.batched import BatchedDataDict
 from gym_bridge.data import datum_from_chat
 from gym_bridge.environments.vlm import VLMEnvironment, VLMVerifyWorker
 from gym_bridge.failures import RolloutDataFailure
-from gym_bridge.generation.hf import HFGeneration, HFGenerationConfig
+from gym_bridge.generation.hf import HFGeneration
+from gym_bridge.generation.hf_config import HFGenerationConfig
 from gym_bridge.generation.scripted import ScriptedGeneration
-from gym_bridge.interfaces import (
-    ColocatablePolicyInterface,
-    EnvironmentInterface,
-    GenerationInterface,
-    LogprobOutputSpec,
-    PolicyInterface,
-    ReferenceLogprobOutputSpec,
-    TopkLogitsOutputSpec,
-)
+from gym_bridge.interfaces import ColocatablePolicyInterface, EnvironmentInterface, GenerationInterface, PolicyInterface
+from gym_bridge.types import LogprobOutputSpec, ReferenceLogprobOutputSpec, TopkLogitsOutputSpec
 from gym_bridge.policy import HFPolicy, HFPolicyConfig
 from gym_bridge.rollout.env_step import calculate_rewards
 from gym_bridge.rollout.manager import RolloutManager
 from gym_bridge.rollout.sync import generate_responses, run_multi_turn_rollout
-from gym_bridge.training.loop import STATE_FILE, GRPOLoopConfig, GRPOTrainer
+from gym_bridge.training.trainer_state import STATE_FILE
+from gym_bridge.training.loop_config import GRPOLoopConfig
+from gym_bridge.training.loop import GRPOTrainer
 from gym_bridge.types import EnvironmentReturn
 
 pytestmark = pytest.mark.usefixtures("ray_session")

@@ -93,12 +93,12 @@ def test_the_package_docstring_draws_every_exception_class_once():
 
 
 def test_moved_classes_still_import_from_where_they_were_raised():
-    from gym_bridge.generation.hf import EngineShutDownError
-    from gym_bridge.gym.actor import NemoGymRestarted, NemoGymUnavailable
-    from gym_bridge.gym.convert import GymResultError, MissingGenerationData, NaNLogprobs, TokenDrift
+    from gym_bridge.failures import EngineShutDownError
+    from gym_bridge.failures import NemoGymRestarted, NemoGymUnavailable
+    from gym_bridge.failures import GymResultError, MissingGenerationData, NaNLogprobs, TokenDrift
     from gym_bridge.gym.rows import InvalidGymRow
-    from gym_bridge.gym.servers import GymServerDied, GymServersError, GymStartupError
-    from gym_bridge.rollout.nemo_gym import GymRowIndexError
+    from gym_bridge.failures import GymServerDied, GymServersError, GymStartupError
+    from gym_bridge.failures import GymRowIndexError
 
     for cls in (EngineShutDownError, NemoGymRestarted, NemoGymUnavailable, GymResultError, MissingGenerationData,
                 NaNLogprobs, TokenDrift, InvalidGymRow, GymServerDied, GymServersError, GymStartupError,

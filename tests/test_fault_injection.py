@@ -30,16 +30,16 @@ from gym_bridge.failures import (
     RolloutTimeout,
     RunConfigurationError,
 )
-from gym_bridge.gym.actor import NemoGymUnavailable
-from gym_bridge.gym.convert import MissingGenerationData
+from gym_bridge.failures import NemoGymUnavailable
+from gym_bridge.failures import MissingGenerationData
 from gym_bridge.gym.reaper import free_port
 from gym_bridge.gym.result import GymRowBatch
 from gym_bridge.gym.rows import InvalidGymRow
-from gym_bridge.gym.servers import wheel_config_path
+from gym_bridge.gym.server_config import wheel_config_path
 from gym_bridge.gym.spinup import start_nemo_gym_actor
 from gym_bridge.gym.versions import installed_gym
 from gym_bridge.rollout.manager import RolloutManager, RolloutOutcome
-from gym_bridge.rollout.nemo_gym import GymRowIndexError
+from gym_bridge.failures import GymRowIndexError
 from gym_bridge.rollout.sink import InMemorySink
 from gym_bridge.testing import async_wait_until
 from gym_bridge.testing.fault_gate import FaultGate

@@ -17,7 +17,9 @@ from gym_bridge.failures import (
     classify_rollout_failure,
 )
 from gym_bridge.generation.scripted import ScriptedGeneration
-from gym_bridge.gym.actor import NemoGym, NemoGymConfig, NemoGymRestarted, NemoGymUnavailable
+from gym_bridge.gym.actor import NemoGym
+from gym_bridge.gym.actor_config import NemoGymConfig
+from gym_bridge.failures import NemoGymRestarted, NemoGymUnavailable
 from gym_bridge.gym.admission import EndpointLoad
 from gym_bridge.gym.result import GymRowBatch
 from gym_bridge.gym.spinup import start_nemo_gym_actor
@@ -261,7 +263,7 @@ def test_config_sets_gym_connector_limits():
 
 
 def test_spinup_failure_kills_the_actor_and_raises_typed(ray_session, tiny_tokenizer, tmp_path):
-    from gym_bridge.gym.servers import GymStartupError
+    from gym_bridge.failures import GymStartupError
 
     config = NemoGymConfig(
         model_name="m",

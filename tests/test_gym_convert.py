@@ -10,14 +10,8 @@ import pytest
 import torch
 
 from gym_bridge.failures import RolloutDataFailure
-from gym_bridge.gym.convert import (
-    GymResultError,
-    MissingGenerationData,
-    NaNLogprobs,
-    TokenDrift,
-    convert_gym_result,
-    detect_tool_call_and_thinking_flags,
-)
+from gym_bridge.failures import GymResultError, MissingGenerationData, NaNLogprobs, TokenDrift
+from gym_bridge.gym.convert import convert_gym_result, detect_tool_call_and_thinking_flags
 
 LP = math.log(0.5)
 

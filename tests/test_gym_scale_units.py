@@ -8,7 +8,8 @@ import socket
 from typing import Any
 
 from gym_bridge.failures import GymTransportError
-from gym_bridge.gym.actor import NemoGym, NemoGymConfig
+from gym_bridge.gym.actor import NemoGym
+from gym_bridge.gym.actor_config import NemoGymConfig
 from gym_bridge.gym.client import GymClient
 from gym_bridge.gym.health import SharedWatch
 from gym_bridge.gym.routing import GymRoutes

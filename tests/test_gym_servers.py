@@ -13,13 +13,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from gym_bridge.gym.servers import (
-    GymServerDied,
-    GymServers,
-    GymServersConfig,
-    GymStartupError,
-    wheel_config_path,
-)
+from gym_bridge.failures import GymServerDied, GymStartupError
+from gym_bridge.gym.servers import GymServers
+from gym_bridge.gym.server_config import GymServersConfig, wheel_config_path
 from gym_bridge.gym.versions import installed_gym
 from gym_bridge.testing import wait_until
 

@@ -20,7 +20,7 @@ import torch
 from gym_bridge.failures import SettingError
 from gym_bridge.gym.client import GymClient
 from gym_bridge.gym.rows import build_rows
-from gym_bridge.gym.servers import wheel_config_path
+from gym_bridge.gym.server_config import wheel_config_path
 from gym_bridge.gym.spinup import start_nemo_gym_actor, stop_nemo_gym_actors
 from gym_bridge.gym.token_capture import capture_block
 from gym_bridge.gym.versions import installed_gym

@@ -14,7 +14,9 @@ import torch
 
 from gym_bridge.batched import BatchedDataDict
 from gym_bridge.failures import SettingError
-from gym_bridge.generation.hf import EngineShutDownError, HFGeneration, HFGenerationConfig
+from gym_bridge.failures import EngineShutDownError
+from gym_bridge.generation.hf import HFGeneration
+from gym_bridge.generation.hf_config import HFGenerationConfig
 from gym_bridge.testing import async_wait_until
 from gym_bridge.testing.generation import (
     MIXED_PROMPTS,

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from gym_bridge.batched import BatchedDataDict
-from gym_bridge.generation.hf import HFGeneration, HFGenerationConfig
+from gym_bridge.generation.hf import HFGeneration
+from gym_bridge.generation.hf_config import HFGenerationConfig
 from gym_bridge.policy import HFPolicy, HFPolicyConfig, policy_gradient_loss
 
 # Generation decodes with a KV cache over a left-padded batch; the policy runs one full

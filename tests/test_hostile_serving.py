@@ -20,7 +20,7 @@ import pytest
 
 from gym_bridge.generation.scripted import ScriptedGeneration
 from gym_bridge.serving import OpenAIServer, ServerLimits
-from gym_bridge.serving.app import json_depth, parse_body
+from gym_bridge.serving.bodies import json_depth, parse_body
 from gym_bridge.serving.protocol import ChatCompletionRequest
 from gym_bridge.serving.server import redact_query
 from gym_bridge.testing import wait_until

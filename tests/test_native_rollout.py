@@ -11,7 +11,8 @@ import torch
 from gym_bridge.data import datum_from_chat
 from gym_bridge.environments.arithmetic import arithmetic_env_actor, score_answer
 from gym_bridge.failures import EnvironmentUnavailable, RolloutDataFailure, RolloutTimeout
-from gym_bridge.generation.hf import HFGeneration, HFGenerationConfig
+from gym_bridge.generation.hf import HFGeneration
+from gym_bridge.generation.hf_config import HFGenerationConfig
 from gym_bridge.rollout.env_step import UnknownTaskError
 from gym_bridge.rollout.manager import RolloutManager
 

@@ -24,7 +24,8 @@ from gym_bridge.gym.convert import gym_row_result
 from gym_bridge.gym.result import GymRowBatch, GymRowResult
 from gym_bridge.gym.routing import GymRoutes
 from gym_bridge.rollout.manager import RolloutManager
-from gym_bridge.rollout.nemo_gym import AsyncNemoGymRolloutImpl, GymRowIndexError
+from gym_bridge.rollout.nemo_gym import AsyncNemoGymRolloutImpl
+from gym_bridge.failures import GymRowIndexError
 from gym_bridge.types import token_tensor
 
 pytestmark = pytest.mark.usefixtures("ray_session")

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from gym_bridge.batched import BatchedDataDict
-from gym_bridge.generation.hf import HFGeneration, HFGenerationConfig
+from gym_bridge.generation.hf import HFGeneration
+from gym_bridge.generation.hf_config import HFGenerationConfig
 from gym_bridge.generation.prefix_cache import PrefixCache
 
 LOGPROB_TOL = 1e-5

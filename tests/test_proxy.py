@@ -23,7 +23,8 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
-from gym_bridge.generation.hf import HFGeneration, HFGenerationConfig
+from gym_bridge.generation.hf import HFGeneration
+from gym_bridge.generation.hf_config import HFGenerationConfig
 from gym_bridge.generation.scripted import ScriptedGeneration
 from gym_bridge.serving import OpenAIServer, build_proxy
 from gym_bridge.serving.drift import HEADER_CORRECTION, HEADER_DRIFT

@@ -62,3 +62,25 @@ def test_an_unknown_name_is_an_attribute_error():
         assert "NoSuchThing" in str(exc)
     else:
         raise AssertionError("gym_bridge.NoSuchThing resolved")
+
+
+def test_the_public_surface_is_named_in_one_place():
+    """``gym_bridge.__all__`` (and the package ``__init__`` files that gather a folder's names) is the API: no other
+    module names an ``__all__``, so nothing deep in the package looks like API. ``failures/errors.py`` keeps its list
+    for the one star import that draws the exception tree."""
+    import ast
+    from pathlib import Path
+
+    package = Path(gym_bridge.__file__).parent
+    named = sorted(
+        path.relative_to(package).as_posix()
+        for path in package.rglob("*.py")
+        if path.name != "__init__.py"
+        and any(
+            isinstance(target, ast.Name) and target.id == "__all__"
+            for node in ast.parse(path.read_text()).body
+            if isinstance(node, (ast.Assign, ast.AnnAssign))
+            for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+        )
+    )
+    assert named == ["failures/errors.py"]

@@ -23,7 +23,7 @@ from gym_bridge.data import datum_from_gym_row
 from gym_bridge.failures import RolloutRetryPolicy, RolloutTimeouts
 from gym_bridge.generation.scripted import ScriptedGeneration
 from gym_bridge.gym.admission import AdmissionControl, AdmissionSettings
-from gym_bridge.gym.servers import wheel_config_path
+from gym_bridge.gym.server_config import wheel_config_path
 from gym_bridge.gym.spinup import start_nemo_gym_actor, stop_nemo_gym_actors
 from gym_bridge.rollout.manager import RolloutManager, RolloutOutcome
 from gym_bridge.rollout.sink import InMemorySink

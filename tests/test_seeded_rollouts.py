@@ -18,7 +18,7 @@ import ray
 from gym_bridge.gym.reaper import free_port
 from gym_bridge.data import datum_from_gym_row
 from gym_bridge.gym.rows import mark_repeats, rollout_seed, row_seed
-from gym_bridge.gym.servers import wheel_config_path
+from gym_bridge.gym.server_config import wheel_config_path
 from gym_bridge.gym.versions import installed_gym
 from gym_bridge.gym.spinup import start_nemo_gym_actor
 from gym_bridge.rollout.manager import RolloutManager

@@ -21,7 +21,8 @@ import pytest
 import yaml
 
 from gym_bridge.failures import InvalidGymRow
-from gym_bridge.generation.hf import HFGeneration, HFGenerationConfig
+from gym_bridge.generation.hf import HFGeneration
+from gym_bridge.generation.hf_config import HFGenerationConfig
 from gym_bridge.gym.rows import (
     SEED_KEY,
     build_rows,
@@ -261,6 +262,7 @@ def test_one_run_seed_reaches_torch_the_engine_the_loop_and_the_rows(tmp_path, s
 
     config = yaml.safe_load((Path(__file__).parents[1] / "examples" / "nemo_gym_grpo.yaml").read_text())
     grpo = config.setdefault("grpo", {})
+    grpo["num_prompts_per_step"] = 2
     grpo.pop("seed", None)
     if seed is not None:
         grpo["seed"] = seed

@@ -18,7 +18,8 @@ import psutil
 import pytest
 import torch
 
-from gym_bridge.generation.hf import HFGeneration, HFGenerationConfig
+from gym_bridge.generation.hf import HFGeneration
+from gym_bridge.generation.hf_config import HFGenerationConfig
 from gym_bridge.generation.openai_http import OpenAIHTTPGeneration, OpenAIHTTPGenerationConfig
 from gym_bridge.generation.scripted import SCRIPTED_LOGPROB, ScriptedGeneration
 from gym_bridge.serving import OpenAIServer

@@ -15,7 +15,8 @@ from gym_bridge.data import datum_from_chat
 from gym_bridge.environments.arithmetic import arithmetic_env_actor
 from gym_bridge.environments.guessing import GuessingGameEnvironment, guessing_env_actor
 from gym_bridge.failures import RolloutTimeout, RolloutTimeouts
-from gym_bridge.generation.hf import HFGeneration, HFGenerationConfig
+from gym_bridge.generation.hf import HFGeneration
+from gym_bridge.generation.hf_config import HFGenerationConfig
 from gym_bridge.rollout.env_step import UnknownTaskError
 from gym_bridge.rollout.manager import RolloutManager
 from gym_bridge.rollout.sync import run_multi_turn_rollout

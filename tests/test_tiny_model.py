@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from gym_bridge.models import tiny
+from gym_bridge.models.cache import default_cache_dir
 from gym_bridge.models.tiny import (
     MARKER_FILE,
     RECIPE_TAG,
@@ -132,7 +133,7 @@ def test_seed_changes_weights_not_tokenizer(tiny_model_dir: Path, tmp_path: Path
 
 def test_default_cache_dir_and_resolve(monkeypatch: pytest.MonkeyPatch, tiny_model_dir: Path, tmp_path: Path) -> None:
     monkeypatch.setenv("GYM_BRIDGE_CACHE", str(tiny_model_dir.parent))
-    assert tiny.default_cache_dir() == tiny_model_dir.parent
+    assert default_cache_dir() == tiny_model_dir.parent
     assert tiny_model_path() == tiny_model_dir
     assert resolve_model_path("tiny") == tiny_model_dir  # reuses, does not rebuild elsewhere
     assert resolve_model_path(str(tiny_model_dir)) == tiny_model_dir
@@ -140,7 +141,7 @@ def test_default_cache_dir_and_resolve(monkeypatch: pytest.MonkeyPatch, tiny_mod
     with pytest.raises(FileNotFoundError, match="no-such-model"):
         resolve_model_path(str(missing))
     monkeypatch.delenv("GYM_BRIDGE_CACHE")
-    assert tiny.default_cache_dir() == Path.home() / ".cache" / "gym-bridge"
+    assert default_cache_dir() == Path.home() / ".cache" / "gym-bridge"
 
 
 def test_model_config(tiny_model_dir: Path, tiny_tokenizer) -> None:

@@ -24,9 +24,6 @@ from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat
 from gym_bridge.failures import RolloutRetryPolicy, RolloutTimeouts, SettingError
 from gym_bridge.json_types import JsonMapping, JsonObject
 
-__all__ = ["AsyncGRPOSettings", "AsyncRLSettings", "RolloutFailureSettings", "StallWatchdogSettings"]
-
-
 _RENAMED_FAILURE_KEYS = {
     "max_attempts_per_prompt": "max_infra_attempts_per_prompt",
     "on_data_exhausted": "max_skipped_prompts (fail_fast is 0)",

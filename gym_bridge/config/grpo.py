@@ -48,24 +48,10 @@ from gym_bridge.gym.row_file import read_row_file
 from gym_bridge.gym.rows import ValidGymRow
 from gym_bridge.json_types import JsonMapping
 from gym_bridge.policy.hf import HFPolicyConfig, build_lr_scheduler
-from gym_bridge.training.loop import GRPOLoopConfig
+from gym_bridge.training.loop_config import GRPOLoopConfig
 from gym_bridge.training.loss import ClippedPGLossConfig
 from gym_bridge.training.validation import ValidationSet
 from gym_bridge.types import GenerationSamplingParams
-
-__all__ = [
-    "ValidationOptions",
-    "load_gym_rows",
-    "loop_config_from",
-    "loss_config_from",
-    "policy_config",
-    "result_logging",
-    "row_routing",
-    "train_data_path",
-    "validation_options",
-    "validation_sets",
-]
-
 
 _LOSS_VARIANTS_NOT_IMPLEMENTED = {
     "disable_ppo_ratio": False,

@@ -8,8 +8,6 @@ from typing import Any
 from gym_bridge.failures import GymBridgeError
 from gym_bridge.json_types import JsonMapping
 
-__all__ = ["TrainingConfigError", "config_section", "config_value"]
-
 
 class TrainingConfigError(GymBridgeError, ValueError):
     """A training config lacks a key or holds a bad value; the message names the key."""

@@ -12,8 +12,6 @@ from gym_bridge.json_types import JsonMapping
 if TYPE_CHECKING:
     from gym_bridge.gym.actor_config import NemoGymConfig
 
-__all__ = ["GymLaunchSpec"]
-
 
 @dataclass(frozen=True)
 class GymLaunchSpec:

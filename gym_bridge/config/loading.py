@@ -16,8 +16,6 @@ from pydantic import BaseModel
 from gym_bridge.config.keys import TrainingConfigError
 from gym_bridge.json_types import JsonMapping, JsonObject
 
-__all__ = ["load_training_config", "plain_config", "resolved_config"]
-
 _RESOLVERS: dict[str, Callable[[float, float], float]] = {
     "add": lambda a, b: a + b,
     "mul": lambda a, b: a * b,

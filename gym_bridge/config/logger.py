@@ -20,8 +20,6 @@ from gym_bridge.config.keys import TrainingConfigError
 from gym_bridge.json_types import JsonMapping
 from gym_bridge.training.loggers import LoggerPlan, MlflowRun, WandbRun
 
-__all__ = ["LoggerSettings", "MlflowSettings", "WandbSettings", "logger_settings"]
-
 IGNORED_KEYS = ("tensorboard", "swanlab", "monitor_gpus", "gpu_monitoring", "num_val_samples_to_print")
 """Keys of NeMo-RL's ``logger`` that change nothing here; each is in ``NO_EFFECT_KEYS`` with its reason."""
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")

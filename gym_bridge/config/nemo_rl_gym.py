@@ -12,13 +12,6 @@ from gym_bridge.config.keys import TrainingConfigError
 from gym_bridge.gym.actor_config import NemoGymConfig
 from gym_bridge.json_types import JsonMapping
 
-__all__ = [
-    "NEMO_RL_GYM_KNOBS",
-    "nemo_rl_gym_config",
-    "setup_nemo_gym_config",
-    "should_use_nemo_gym",
-]
-
 NEMO_RL_GYM_KNOBS = (
     "invalid_tool_call_patterns",
     "thinking_tags",

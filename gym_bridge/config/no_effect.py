@@ -7,8 +7,6 @@ here. An entry covers its key and every key under it. ``tests/test_nemo_rl_keys.
 
 from __future__ import annotations
 
-__all__ = ["NO_EFFECT_KEYS", "no_effect_reason"]
-
 NO_EFFECT_KEYS: dict[str, str] = {
     "cluster": "the Ray cluster's shape (nodes, GPUs per node, ports): gym-bridge's run is one process and a local Ray",
     "logger.tensorboard": (

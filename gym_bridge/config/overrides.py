@@ -21,8 +21,6 @@ from gym_bridge.config.keys import TrainingConfigError
 from gym_bridge.config.loading import load_training_config
 from gym_bridge.json_types import JsonObject
 
-__all__ = ["load_with_overrides"]
-
 
 def _read(path: Path) -> JsonObject:
     """The config file with its parents merged and interpolations resolved; an unreadable file is one error."""

@@ -30,8 +30,6 @@ from gym_bridge.policy.hf import HFPolicyConfig
 from gym_bridge.training.loop_config import GRPOLoopConfig
 from gym_bridge.training.validation import ValidationSet
 
-__all__ = ["ENDPOINT_PENDING", "REQUIRED_KEYS", "GRPORunSettings", "grpo_run_settings"]
-
 REQUIRED_KEYS = (
     "policy.model_name",
     "policy.max_total_sequence_length",

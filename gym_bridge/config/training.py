@@ -47,15 +47,6 @@ from gym_bridge.failures import RolloutRetryPolicy, RolloutTimeouts
 from gym_bridge.gym.actor_config import NemoGymConfig
 from gym_bridge.json_types import JsonMapping, JsonObject
 
-__all__ = [
-    "DEFAULT_SEED",
-    "NemoGymRolloutSettings",
-    "nemo_gym_config_from",
-    "nemo_gym_generation_config",
-    "nemo_gym_rollout_settings",
-    "run_seed",
-]
-
 logger = logging.getLogger(__name__)
 
 DEFAULT_SEED = 0

@@ -24,10 +24,10 @@ logger = logging.getLogger(__name__)
 
 def launch_spec(config: EvalConfig, base_urls: list[str], pending: list[DatasetRow]) -> GymLaunchSpec:
     """What :func:`gym_bridge.recipes.launch.start_nemo_gym` starts for this run: one actor on ``base_urls``."""
+    from gym_bridge.config.launch_spec import GymLaunchSpec
     from gym_bridge.failures import RolloutTimeouts
-    from gym_bridge.gym.actor import NemoGymConfig
+    from gym_bridge.gym.actor_config import NemoGymConfig
     from gym_bridge.preflight import rows_use_tools
-    from gym_bridge.recipes.launch import GymLaunchSpec
 
     config_paths = [str(Path(p).resolve()) if Path(p).exists() else p for p in config.config_paths]
     key = SecretStr("dummy_key") if config.embedded else config.api_key()  # the embedded server needs none

@@ -39,6 +39,7 @@ from gym_bridge.eval.records import ROW_ID_KEY, row_id
 from gym_bridge.eval.report import build_report
 from gym_bridge.eval.rescore_trust import check_stored_overrides, trusted_config_files
 from gym_bridge.eval.runs import (
+    FAILURES_FILE,
     RUN_FILE,
     LoadedRun,
     ReadLimits,
@@ -48,7 +49,7 @@ from gym_bridge.eval.runs import (
     read_file,
     shown,
 )
-from gym_bridge.eval.store import FAILURES_FILE, RunStore, read_jsonl
+from gym_bridge.eval.store import RunStore, read_jsonl
 from gym_bridge.failures import GymBridgeError
 from gym_bridge.json_types import JsonMapping, JsonObject
 
@@ -213,8 +214,8 @@ def rescore_run(
         RescoreError: bad overrides, an output folder that is not empty, or an agent without a resources server.
         GymStartupError: Gym's servers did not start.
     """
-    from gym_bridge.gym.server_config import deep_merge
-    from gym_bridge.gym.servers import GymServers, GymServersConfig
+    from gym_bridge.gym.server_config import GymServersConfig, deep_merge
+    from gym_bridge.gym.servers import GymServers
 
     source = load_run(source_dir, failures=True)
     out = Path(out_dir)

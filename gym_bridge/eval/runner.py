@@ -249,8 +249,7 @@ def run_policies(config: EvalConfig, *, resume: bool = False, progress: bool = T
 def _finished(config: EvalConfig, rows: list[DatasetRow]) -> bool:
     """Whether ``config``'s run folder already holds a result for every row (its resume runs nothing)."""
     from gym_bridge.eval.records import ResumeLine
-    from gym_bridge.eval.runs import ReadLimits, read_result_lines
-    from gym_bridge.eval.store import RESULTS_FILE, RUN_FILE
+    from gym_bridge.eval.runs import RESULTS_FILE, RUN_FILE, ReadLimits, read_result_lines
 
     if not (config.output_dir / RUN_FILE).exists() or not (config.output_dir / RESULTS_FILE).exists():
         return False

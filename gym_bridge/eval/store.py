@@ -32,31 +32,17 @@ from gym_bridge.eval.runs import (
     RESULTS_FILE,
     RUN_FILE,
     ReadLimits,
-    RunReadError,
     jsonl_lines,
     open_lock,
     read_file,
     read_result_lines,
     read_run_json,
     shown,
-    writer_active,
 )
 from gym_bridge.failures import GymBridgeError
 from gym_bridge.json_types import JsonObject
 
 logger = logging.getLogger(__name__)
-
-__all__ = [
-    "FAILURES_FILE",
-    "LOCK_FILE",
-    "RESULTS_FILE",
-    "RUN_FILE",
-    "RunDirError",
-    "RunReadError",
-    "RunStore",
-    "read_jsonl",
-    "writer_active",
-]
 
 
 class RunDirError(GymBridgeError, RuntimeError):

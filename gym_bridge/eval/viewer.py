@@ -22,8 +22,8 @@ import math
 import re
 from pathlib import Path
 
-from gym_bridge.eval.runs import ReadLimits, read_file
-from gym_bridge.eval.store import FAILURES_FILE, RESULTS_FILE, RUN_FILE, read_jsonl
+from gym_bridge.eval.runs import FAILURES_FILE, RESULTS_FILE, RUN_FILE, ReadLimits, read_file
+from gym_bridge.eval.store import read_jsonl
 from gym_bridge.json_types import JsonObject
 
 VIEWER_FILE = "report.html"

@@ -21,18 +21,6 @@ from gym_bridge.failures.errors import (
     RolloutInfraFailure,
 )
 
-__all__ = [
-    "FailureClass",
-    "classify_environment_failure",
-    "classify_generation_failure",
-    "classify_rollout_failure",
-    "gym_failure_kind_class",
-    "gym_status_failure",
-    "http_status_is_infra",
-    "shorten",
-    "typed_gym_failure",
-]
-
 
 class FailureClass(StrEnum):
     INFRA = "infra"

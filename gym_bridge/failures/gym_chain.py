@@ -27,8 +27,6 @@ from gym_bridge.failures.errors import (
     RolloutFailure,
 )
 
-__all__ = ["GymErrorChain", "gym_run_failure", "unwrap_gym_error"]
-
 _LAYER = re.compile(r"Hit an exception in (?P<server>\S+?) calling an inner server: (?P<rest>.*)", re.DOTALL)
 _EXCEPTION_REPR = re.compile(r"(?P<type>[A-Za-z_][\w.]*)\((?P<arg>(?P<q>['\"]).*(?P=q))\)", re.DOTALL)
 _MAX_LAYERS = 16

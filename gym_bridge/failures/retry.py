@@ -12,14 +12,6 @@ from typing import Any
 
 from gym_bridge.failures.errors import RolloutTimeout, SettingError
 
-__all__ = [
-    "RolloutRetryPolicy",
-    "RolloutTimeouts",
-    "backoff_delay",
-    "deadline",
-    "gather_cancel_siblings",
-]
-
 
 def backoff_delay(attempt: int, base_s: float, max_s: float) -> float:
     """Capped exponential backoff: seconds before retry number ``attempt`` (1-based).

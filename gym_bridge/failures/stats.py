@@ -6,8 +6,6 @@ from dataclasses import dataclass, field
 
 from gym_bridge.failures.errors import EndpointConfigError, RunConfigurationError
 
-__all__ = ["ConfigFailureWatch", "RolloutStats"]
-
 
 def _bump(counter: dict[str, int], reason: str, by: int = 1) -> None:
     counter[reason] = counter.get(reason, 0) + by

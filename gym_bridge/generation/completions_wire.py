@@ -22,8 +22,6 @@ from gym_bridge.generation.openai_http_config import OpenAIHTTPGenerationConfig
 from gym_bridge.json_types import JsonObject
 from gym_bridge.types import GenerationDatumSpec
 
-__all__ = ["SAMPLING_KEYS", "check_batch", "completion_request", "parse_completion", "row_value"]
-
 #: Per-row columns of a generation batch that override the config's sampling (None = the config's value;
 #: for ``seed``: none sent, so the endpoint samples unseeded).
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_new_tokens", "seed")

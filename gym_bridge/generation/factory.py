@@ -52,7 +52,8 @@ def build_engine(spec: EngineSpec) -> BuiltEngine:
         raise SettingError(f"unknown policy {spec.policy!r}; known: {', '.join(POLICIES)}")
     path = resolve_model_path(spec.model)
     if spec.policy == "hf":
-        from gym_bridge.generation.hf import HFGeneration, HFGenerationConfig
+        from gym_bridge.generation.hf import HFGeneration
+        from gym_bridge.generation.hf_config import HFGenerationConfig
 
         generation = HFGeneration(
             HFGenerationConfig(

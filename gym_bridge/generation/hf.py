@@ -79,15 +79,10 @@ from dataclasses import asdict
 import torch
 
 from gym_bridge.batched import BatchedDataDict
+from gym_bridge.failures import EngineShutDownError
 from gym_bridge.failures.errors import SettingError
 from gym_bridge.generation.batch import assemble_output
-from gym_bridge.generation.hf_config import (
-    PER_ROW_SAMPLING_KEYS,
-    EngineShutDownError,
-    HFGenerationConfig,
-    HFGenerationStats,
-    RowSampling,
-)
+from gym_bridge.generation.hf_config import HFGenerationConfig, HFGenerationStats
 from gym_bridge.generation.hf_decode import DecodeContext, Row, RowResult, RunningBatch, decode_to_end
 from gym_bridge.generation.hf_rows import first_id, rows_from_batch
 from gym_bridge.generation.hf_worker import STOP, WAKE, WorkItem, fail_queued, make_deliver, worker_loop
@@ -97,16 +92,6 @@ from gym_bridge.json_types import JsonMapping
 from gym_bridge.models.fingerprint import weight_fingerprint
 from gym_bridge.models.loading import causal_lm_on_device
 from gym_bridge.types import GenerationDatumSpec, GenerationOutputSpec, Tokenizer
-
-__all__ = [
-    "PER_ROW_SAMPLING_KEYS",
-    "EngineShutDownError",
-    "HFGeneration",
-    "HFGenerationConfig",
-    "HFGenerationStats",
-    "PrefixCacheCounts",
-    "RowSampling",
-]
 
 logger = logging.getLogger(__name__)
 

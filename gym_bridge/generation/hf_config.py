@@ -7,11 +7,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from gym_bridge.failures import EngineShutDownError
 from gym_bridge.json_types import JsonMapping, JsonObject
 from gym_bridge.types import GenerationSamplingParams
-
-__all__ = ["PER_ROW_SAMPLING_KEYS", "EngineShutDownError", "HFGenerationConfig", "HFGenerationStats", "RowSampling"]
 
 
 class HFGenerationConfig(BaseModel):

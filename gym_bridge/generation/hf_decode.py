@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-from gym_bridge.generation.hf_config import EngineShutDownError, HFGenerationStats, RowSampling
+from gym_bridge.failures import EngineShutDownError
+from gym_bridge.generation.hf_config import HFGenerationStats, RowSampling
 from gym_bridge.generation.prefix_cache import PrefixCache, cache_supported, past_from_blocks, row_blocks
 from gym_bridge.types import Tokenizer
 

@@ -17,8 +17,6 @@ from gym_bridge.generation.hf_config import PER_ROW_SAMPLING_KEYS, HFGenerationC
 from gym_bridge.generation.hf_decode import Row
 from gym_bridge.types import GenerationDatumSpec
 
-__all__ = ["first_id", "row_sampling", "rows_from_batch"]
-
 
 def rows_from_batch(
     data: BatchedDataDict[GenerationDatumSpec],

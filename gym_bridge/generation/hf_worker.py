@@ -17,7 +17,8 @@ from collections.abc import Callable
 from enum import Enum
 from typing import Final, Protocol
 
-from gym_bridge.generation.hf_config import EngineShutDownError, HFGenerationConfig
+from gym_bridge.failures import EngineShutDownError
+from gym_bridge.generation.hf_config import HFGenerationConfig
 from gym_bridge.generation.hf_decode import Row, RowResult, RunningBatch
 
 logger = logging.getLogger("gym_bridge.generation.hf")

@@ -10,8 +10,6 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 from gym_bridge.failures import backoff_delay
 
-__all__ = ["OpenAIHTTPGenerationConfig"]
-
 
 class OpenAIHTTPGenerationConfig(BaseModel):
     """Settings of :class:`OpenAIHTTPGeneration`; ``api_key`` never appears in repr or logs."""

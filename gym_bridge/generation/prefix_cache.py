@@ -29,8 +29,6 @@ from typing import Any
 
 import torch
 
-__all__ = ["PrefixCache", "PrefixCacheCounts", "cache_supported", "past_from_blocks", "row_blocks"]
-
 _ROOT = b"gym-bridge-prefix-cache"
 
 

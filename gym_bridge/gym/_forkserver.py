@@ -38,8 +38,6 @@ from pathlib import Path
 
 import psutil
 
-__all__ = ["ForkedServer", "ServerCommand", "fork_context", "parse_server_command", "start_server"]
-
 
 @dataclass(frozen=True)
 class ServerCommand:

@@ -62,7 +62,7 @@ from gym_bridge.failures import (
     deadline,
     gym_run_failure,
 )
-from gym_bridge.gym.actor_config import NemoGymConfig, actor_configs
+from gym_bridge.gym.actor_config import NemoGymConfig
 from gym_bridge.gym.admission import EndpointLoad
 from gym_bridge.gym.convert import convert_gym_result
 from gym_bridge.gym.endpoint_load import read_endpoint_load
@@ -74,8 +74,6 @@ from gym_bridge.gym.servers import GymServers
 from gym_bridge.gym.stream_window import BATCH_WINDOW_S, failed, gather_window
 from gym_bridge.gym.token_capture import TokenCapture, with_capture_dir
 from gym_bridge.types import Tokenizer
-
-__all__ = ["NemoGym", "NemoGymConfig", "NemoGymRestarted", "NemoGymUnavailable", "actor_configs"]
 
 logger = logging.getLogger(__name__)
 

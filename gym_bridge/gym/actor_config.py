@@ -16,11 +16,9 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationInfo, fi
 
 from gym_bridge.failures import SettingError
 from gym_bridge.gym.convert import DEFAULT_INVALID_TOOL_CALL_PATTERNS, DEFAULT_THINKING_TAGS
-from gym_bridge.gym.servers import GymServersConfig
+from gym_bridge.gym.server_config import GymServersConfig
 from gym_bridge.gym.token_capture import capture_block
 from gym_bridge.json_types import JsonObject
-
-__all__ = ["NemoGymConfig", "actor_configs"]
 
 # NeMo-RL's defaults for Gym's own aiohttp pools (Gym's agents fan out to models and tools).
 _GYM_CONNECTOR_DEFAULTS = {

@@ -23,16 +23,6 @@ from dataclasses import dataclass, field
 
 from gym_bridge.failures import RolloutTimeout, SettingError, backoff_delay
 
-__all__ = [
-    "AdmissionControl",
-    "AdmissionSettings",
-    "AdmissionTicket",
-    "EndpointLoad",
-    "InFlightDeadline",
-    "SaturationReason",
-    "saturation_reason",
-]
-
 
 @dataclass(frozen=True)
 class AdmissionSettings:

@@ -47,8 +47,6 @@ from gym_bridge.gym.routing import GymRoutes
 from gym_bridge.gym.rows import ROW_INDEX_KEY, with_attempt
 from gym_bridge.types import ActorHandle
 
-__all__ = ["GymClient", "GymGroupResult"]
-
 logger = logging.getLogger(__name__)
 
 _LOAD_PROBE_S = 5.0

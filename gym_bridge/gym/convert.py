@@ -32,20 +32,6 @@ from gym_bridge.json_types import JsonObject
 from gym_bridge.serving.chat import render_ids
 from gym_bridge.types import LOGPROB_DTYPE, TOKEN_DTYPE, LLMMessageLogType, Tokenizer
 
-__all__ = [
-    "DEFAULT_INVALID_TOOL_CALL_PATTERNS",
-    "DEFAULT_THINKING_TAGS",
-    "GymResultError",
-    "MissingGenerationData",
-    "NaNLogprobs",
-    "TokenDrift",
-    "convert_gym_result",
-    "detect_tool_call_and_thinking_flags",
-    "gym_row_result",
-    "incomplete_reason",
-    "scalar_fields",
-]
-
 DEFAULT_INVALID_TOOL_CALL_PATTERNS: tuple[str, ...] = (
     "<tool_call>",
     "</tool_call>",

@@ -20,8 +20,6 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from gym_bridge.types import Tokenizer
 
-__all__ = ["decode_turns", "token_bytes_table"]
-
 _CHAR_BYTES: dict[str, int] = {char: byte for byte, char in bytes_to_unicode().items()}  # type: ignore[no-untyped-call]
 _TABLES: weakref.WeakKeyDictionary[Tokenizer, list[bytes] | None] = weakref.WeakKeyDictionary()
 

@@ -16,8 +16,6 @@ import aiohttp
 
 from gym_bridge.gym.admission import EndpointLoad
 
-__all__ = ["RUNNING", "WAITING", "metrics_url", "parse_request_gauges", "read_endpoint_load"]
-
 WAITING = "vllm:num_requests_waiting"
 RUNNING = "vllm:num_requests_running"
 _BODY_LIMIT = 1 << 20

@@ -13,8 +13,6 @@ from urllib.parse import urlsplit
 
 from gym_bridge.failures import EndpointUnavailable
 
-__all__ = ["EndpointWatch", "SharedWatch", "probe_endpoint"]
-
 
 class EndpointWatch:
     """Fails with :class:`EndpointUnavailable` once a model endpoint has refused every connection for ``window_s``.

@@ -26,19 +26,6 @@ class Stoppable(Protocol):
     def stop(self) -> None: ...
 
 
-__all__ = [
-    "PORT_WINDOW",
-    "answers",
-    "free_port",
-    "is_alive",
-    "next_instance_index",
-    "register_live",
-    "release",
-    "reserve_port_window",
-    "tail",
-    "wait_gone",
-]
-
 logger = logging.getLogger(__name__)
 
 # Gym's default range (10001-20000) overlaps Ray's worker ports; stay below Linux's ephemeral range.

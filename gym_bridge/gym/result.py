@@ -17,8 +17,6 @@ import torch
 
 from gym_bridge.types import LLMMessageLogType
 
-__all__ = ["GymRowBatch", "GymRowResult", "NemoRLRowResult", "log_as_numpy", "log_as_tensors"]
-
 
 class NemoRLRowResult(TypedDict):
     """One element of NeMo-RL's actor stream, ``(rowidx, result, timing)``: its ``result``.

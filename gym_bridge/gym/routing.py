@@ -23,8 +23,6 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from gym_bridge.failures import InvalidGymRow, SettingError
 from gym_bridge.gym.versions import installed_gym
 
-__all__ = ["TASK_SOURCE_KEY", "GymRoutes", "RowRouting", "check_agent", "check_routable", "routing_basis", "row_agent"]
-
 TASK_SOURCE_KEY = "task_source"
 DEFAULT_KEY = "_default"
 

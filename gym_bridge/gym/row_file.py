@@ -18,8 +18,6 @@ from gym_bridge.failures import InvalidGymRow
 from gym_bridge.gym.routing import RowRouting
 from gym_bridge.gym.rows import ValidGymRow, mark_repeats, validate_row
 
-__all__ = ["RowLine", "read_row_file"]
-
 
 @dataclass(frozen=True)
 class RowLine:

@@ -19,9 +19,6 @@ class GymConfigNotFound(GymBridgeError, FileNotFoundError):
     """A Gym config path that is not in the installed nemo-gym wheel (or nemo-gym is not installed)."""
 
 
-__all__ = ["GymConfigNotFound", "GymServersConfig", "HeadServerAddress", "deep_merge", "wheel_config_path"]
-
-
 class HeadServerAddress(NamedTuple):
     host: str
     port: int

@@ -43,19 +43,9 @@ from gym_bridge.gym.reaper import (
     tail,
     wait_gone,
 )
-from gym_bridge.gym.server_config import GymServersConfig, HeadServerAddress, deep_merge, wheel_config_path
+from gym_bridge.gym.server_config import GymServersConfig, HeadServerAddress, deep_merge
 from gym_bridge.gym.versions import installed_gym
 from gym_bridge.json_types import JsonObject
-
-__all__ = [
-    "GymServerDied",
-    "GymServers",
-    "GymServersConfig",
-    "GymServersError",
-    "GymStartupError",
-    "HeadServerAddress",
-    "wheel_config_path",
-]
 
 logger = logging.getLogger(__name__)
 

@@ -12,11 +12,6 @@ from gym_bridge.types import ActorHandle, Tokenizer
 if TYPE_CHECKING:
     import ray.actor
 
-__all__ = [
-    "spinup_nemo_gym_actors",
-    "start_nemo_gym_actor",
-    "stop_nemo_gym_actors",
-]
 
 logger = logging.getLogger(__name__)
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-__all__ = ["BATCH_WINDOW_S", "failed", "gather_window"]
-
 BATCH_WINDOW_S = 0.5
 """Rows finishing within this window of a finished row travel with it in one streamed element (each element
 costs about a millisecond of Ray's CPU on each side, benchmarks/ray_stream_cost.py); the last rows of a call,

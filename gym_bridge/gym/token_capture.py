@@ -23,8 +23,6 @@ from gym_bridge.failures import SettingError
 from gym_bridge.gym.versions import ROLLOUT_IDENTITY_KEYS, installed_gym
 from gym_bridge.json_types import JsonObject
 
-__all__ = ["CAPTURE_KEY", "TokenCapture", "capture_block", "with_capture_dir"]
-
 CAPTURE_KEY = "token_id_capture"
 """Gym's run-level block in its global config."""
 

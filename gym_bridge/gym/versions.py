@@ -17,8 +17,6 @@ from packaging.version import Version
 from gym_bridge.failures import GymBridgeError
 from gym_bridge.json_types import JsonObject
 
-__all__ = ["SUPPORTED_GYM", "GymVersion", "UnsupportedGymVersion", "gym_version", "installed_gym"]
-
 SUPPORTED_GYM = (Version("0.4.0"), Version("0.8.0"))
 """The supported range, lower bound included: what ``pyproject.toml`` admits."""
 

@@ -44,7 +44,6 @@ if TYPE_CHECKING:  # gym_bridge.types imports torch, which this server does with
 
     from gym_bridge.types import Tokenizer
 
-__all__ = ["GymModelServer", "main"]
 
 logger = logging.getLogger(__name__)
 

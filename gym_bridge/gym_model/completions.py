@@ -25,8 +25,6 @@ from gym_bridge.failures import GymBridgeError, http_status_is_infra
 from gym_bridge.generation.routing import SessionRouter
 from gym_bridge.json_types import JsonMapping
 
-__all__ = ["CompletionsClient", "CompletionsError", "Generated", "discover"]
-
 logger = logging.getLogger(__name__)
 
 _BODY_LIMIT = 300

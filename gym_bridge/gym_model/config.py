@@ -9,8 +9,6 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 from gym_bridge.failures import GymBridgeError
 from gym_bridge.json_types import JsonObject
 
-__all__ = ["GymModelConfig", "GymModelConfigError", "load_from_gym_env"]
-
 CONFIG_DICT_ENV = "NEMO_GYM_CONFIG_DICT"
 CONFIG_PATH_ENV = "NEMO_GYM_CONFIG_PATH"
 _SERVER_TYPE = "responses_api_models"

@@ -21,15 +21,6 @@ from gym_bridge.failures import GymBridgeError
 from gym_bridge.gym.versions import installed_gym
 from gym_bridge.json_types import JsonMapping, JsonObject
 
-__all__ = [
-    "ChatTurn",
-    "TranslationError",
-    "empty_output_items",
-    "output_items",
-    "response_body",
-    "responses_to_chat",
-]
-
 _THINK = re.compile(r"<think>(.*?)</think>", re.DOTALL)
 _FUNCTION_KEYS = ("name", "description", "parameters")
 _TOKEN_KEYS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")

@@ -28,22 +28,11 @@ from typing import TYPE_CHECKING
 
 from gym_bridge.json_types import JsonObject
 from gym_bridge.models import cache
-from gym_bridge.models.cache import CACHE_ENV, default_cache_dir
 from gym_bridge.models.templates import hermes_chat_template, pin_tokenizer_config
 
 if TYPE_CHECKING:
     from transformers import LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-__all__ = [
-    "CACHE_ENV",
-    "CHAT_TEMPLATE",
-    "MARKER_FILE",
-    "RECIPE_TAG",
-    "build_tiny_model",
-    "default_cache_dir",
-    "load_tiny",
-    "tiny_model_path",
-]
 
 #: Bump when anything below changes the built artefacts (corpus, template, sizes).
 RECIPE_TAG = "tiny-v1"

@@ -10,8 +10,6 @@ from gym_bridge.failures import SettingError
 if TYPE_CHECKING:  # gym_bridge.types imports torch, which the Gym model server does without
     from gym_bridge.types import Tokenizer
 
-__all__ = ["vocab_size_of"]
-
 
 def vocab_size_of(tokenizer: Tokenizer) -> int:
     """``len(tokenizer)``: its vocabulary with added tokens, which every Hugging Face tokenizer reports."""

@@ -29,12 +29,12 @@ from gym_bridge.json_types import JsonMapping
 from gym_bridge.policy.hf import HFPolicy
 from gym_bridge.recipes.launch import NemoGymRollouts, start_nemo_gym_rollouts
 from gym_bridge.serving import OpenAIServer
-from gym_bridge.training.loop import GRPOLoopConfig, GRPOTrainer, load_trainer_state
+from gym_bridge.training.loop import GRPOTrainer
+from gym_bridge.training.loop_config import GRPOLoopConfig
 from gym_bridge.training.rewards import RewardShaper
+from gym_bridge.training.trainer_state import load_trainer_state
 from gym_bridge.training.validation import GymValidator, ValidationSet
 from gym_bridge.types import ActorHandle, Tokenizer
-
-__all__ = ["GRPORun", "build_grpo_run", "reward_shaper_from", "start_grpo_run", "validator_from"]
 
 logger = logging.getLogger(__name__)
 

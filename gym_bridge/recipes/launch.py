@@ -27,16 +27,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "GymLaunchSpec",
-    "NemoGymRollouts",
-    "build_nemo_gym_rollouts",
-    "launch_nemo_gym",
-    "spinup_nemo_gym_actor",
-    "start_nemo_gym",
-    "start_nemo_gym_rollouts",
-]
-
 
 @dataclass
 class NemoGymRollouts:

@@ -28,8 +28,6 @@ from gym_bridge.training.loop import GRPOTrainer
 from gym_bridge.training.metrics import MetricsLine
 from gym_bridge.training.plots import TrainingPlots, write_training_plots
 
-__all__ = ["TrainOutcome", "TrainRunError", "step_line", "train"]
-
 logger = logging.getLogger(__name__)
 
 CONFIG_FILE = "config.yaml"

@@ -20,15 +20,6 @@ from gym_bridge.failures import GymBridgeError, RolloutRetryPolicy, RolloutStats
 from gym_bridge.interfaces import GenerationInterface, RolloutBackend
 from gym_bridge.types import ActorHandle, GenerationConfig, Tokenizer
 
-__all__ = [
-    "BackendClass",
-    "BackendOptions",
-    "BackendOptionsError",
-    "RolloutContext",
-    "backend_contract_problem",
-    "backend_options",
-]
-
 
 @dataclass(frozen=True)
 class RolloutContext:

@@ -22,7 +22,7 @@ from typing import Any, Self
 
 from pydantic import StrictBool, StrictInt
 
-from gym_bridge.failures import GymRowIndexError, RolloutRetryPolicy, RolloutStats, RolloutTimeouts, SettingError
+from gym_bridge.failures import RolloutRetryPolicy, RolloutStats, RolloutTimeouts, SettingError
 from gym_bridge.gym.client import GymClient
 from gym_bridge.gym.convert import scalar_fields
 from gym_bridge.gym.result import GymRowResult
@@ -41,17 +41,6 @@ from gym_bridge.types import (
     PromptGroupRecord,
     Tokenizer,
 )
-
-__all__ = [
-    "NEMO_GYM_TASK",
-    "AsyncNemoGymRolloutImpl",
-    "GymRowIndexError",
-    "NemoGymOptions",
-    "full_result_table",
-    "group_metrics",
-    "gym_completion",
-    "nemo_gym_actors",
-]
 
 logger = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from gym_bridge.failures import GymBridgeError, SettingError
 from gym_bridge.gym.client import GymClient
 from gym_bridge.gym.rows import stamped_row
 from gym_bridge.json_types import JsonMapping
-from gym_bridge.rollout.nemo_gym import TIMER_PREFIX, full_result_table, nemo_gym_actors
+from gym_bridge.rollout.nemo_gym import TIMER_PREFIX, nemo_gym_actors
 from gym_bridge.rollout.nemo_gym_batch_input import (
     check_options,
     engine_max_model_len,
@@ -32,7 +32,6 @@ from gym_bridge.rollout.nemo_gym_batch_input import (
 )
 from gym_bridge.rollout.nemo_gym_batch_result import (
     GroupPost,
-    NemoGymFinalBatch,
     NemoGymRolloutResult,
     RewardShaping,
 )
@@ -44,16 +43,6 @@ from gym_bridge.types import (
     GenerationSamplingParams,
     Tokenizer,
 )
-
-__all__ = [
-    "EmptyRolloutStream",
-    "NemoGymFinalBatch",
-    "NemoGymRolloutResult",
-    "full_result_table",
-    "run_async_nemo_gym_rollout",
-    "run_nemo_gym_rollout_sync",
-    "should_log_nemo_gym_full_result_tables",
-]
 
 logger = logging.getLogger(__name__)
 

@@ -26,22 +26,6 @@ from gym_bridge.gym.convert import DEFAULT_THINKING_TAGS
 from gym_bridge.json_types import JsonMapping, JsonObject
 from gym_bridge.types import TokenIds, Tokenizer
 
-__all__ = [
-    "PENALTY_FLAGS",
-    "EffortLevelsConfig",
-    "EffortShaping",
-    "apply_effort_shaping",
-    "apply_reward_penalties",
-    "build_reward_component_columns",
-    "effort_metrics",
-    "extract_reward_components",
-    "get_nemo_gym_thinking_tags",
-    "penalty_metrics",
-    "resolve_reward_penalty_config",
-    "should_mask_flagged_samples",
-    "validate_reward_components_match_scalar",
-]
-
 #: Penalty count key -> (config flag that enables it, rollout metric it is reported under).
 PENALTY_FLAGS: dict[str, tuple[str, str]] = {
     "duplicated_reasoning": ("penalize_duplicated_reasoning", "reasoning_equal_to_final_answer_rate"),

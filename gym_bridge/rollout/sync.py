@@ -41,7 +41,6 @@ from gym_bridge.interfaces import GenerationInterface
 from gym_bridge.json_types import JsonObject
 from gym_bridge.rollout.env_step import (
     EnvMetadata,
-    calculate_rewards,
     calculate_rewards_async,
     environment_for,
     step_by_task,
@@ -59,8 +58,6 @@ from gym_bridge.types import (
     padding_id,
     token_tensor,
 )
-
-__all__ = ["calculate_rewards", "generate_responses", "run_multi_turn_rollout", "step_environments"]
 
 
 def generate_responses(

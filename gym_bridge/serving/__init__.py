@@ -8,12 +8,12 @@ from importlib import import_module
 from typing import Any
 
 _EXPORTS = {
-    "AUTO_TOOL_CHOICE_REFUSED": "gym_bridge.serving.app",
+    "AUTO_TOOL_CHOICE_REFUSED": "gym_bridge.serving.state",
     "ApiKeyMiddleware": "gym_bridge.serving.auth",
     "DriftCounter": "gym_bridge.serving.drift",
     "OpenAIServer": "gym_bridge.serving.server",
-    "ServerFeatures": "gym_bridge.serving.app",
-    "ServerLimits": "gym_bridge.serving.app",
+    "ServerFeatures": "gym_bridge.serving.state",
+    "ServerLimits": "gym_bridge.serving.state",
     "ServingError": "gym_bridge.serving.errors",
     "build_chat_prompt": "gym_bridge.serving.chat",
     "build_proxy": "gym_bridge.serving.upstream",

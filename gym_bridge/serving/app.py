@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse, Response
 
 from gym_bridge.failures import EngineShutDownError, GenerationUnavailable, RolloutDataFailure
 from gym_bridge.json_types import JsonMapping, JsonObject
-from gym_bridge.serving.bodies import json_depth, parse_body, parse_request
+from gym_bridge.serving.bodies import parse_request
 from gym_bridge.serving.chat import ChatPrompt, build_chat_prompt
 from gym_bridge.serving.engine import Sample, SamplingOverrides, generate_rows, max_tokens_for, resolve_greedy
 from gym_bridge.serving.errors import ServingError, error_body
@@ -42,7 +42,6 @@ from gym_bridge.serving.protocol import (
     TokenizeRequest,
 )
 from gym_bridge.serving.responses import (
-    WEIGHT_VERSION_HEADER,
     chat_choice,
     completion_choice,
     response_body,
@@ -51,22 +50,9 @@ from gym_bridge.serving.responses import (
 )
 from gym_bridge.serving.state import (
     AUTO_TOOL_CHOICE_REFUSED,
-    ServerFeatures,
-    ServerLimits,
     ServingState,
     serving_state,
 )
-
-__all__ = [
-    "AUTO_TOOL_CHOICE_REFUSED",
-    "WEIGHT_VERSION_HEADER",
-    "ServerFeatures",
-    "ServerLimits",
-    "ServingState",
-    "build_app",
-    "json_depth",
-    "parse_body",
-]
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,6 @@ from pydantic import SecretStr
 if TYPE_CHECKING:
     from starlette.types import ASGIApp, Receive, Scope, Send
 
-__all__ = ["INBOUND_API_KEY_ENV", "ApiKeyMiddleware", "inbound_api_key", "is_loopback", "open_port_warning"]
 
 #: The environment variable ``gym-bridge serve`` reads its inbound key from when ``--api-key`` is not given
 #: (vLLM's own name, so one variable protects either server).

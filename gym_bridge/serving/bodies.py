@@ -12,8 +12,6 @@ from pydantic import BaseModel, ValidationError
 from gym_bridge.serving.errors import ServingError
 from gym_bridge.serving.state import ServerLimits, ServingState
 
-__all__ = ["json_depth", "parse_body", "parse_request"]
-
 
 async def parse_request[M: BaseModel](request: Request, model: type[M], state: ServingState) -> M:
     """The body as ``model``: over the size limit 413; not JSON, nested too deep or invalid fields 400.

@@ -15,8 +15,6 @@ from fastapi.responses import PlainTextResponse
 
 from gym_bridge.serving.state import ServingState, serving_state
 
-__all__ = ["PrefixCacheReporter", "metrics", "prometheus_text"]
-
 
 class PrefixCacheTokens(Protocol):
     """Prompt tokens queried and hit, as an engine counts them."""

@@ -13,15 +13,6 @@ from gym_bridge.serving.parsers import parse_assistant_text
 from gym_bridge.serving.protocol import ChatCompletionRequest, CompletionRequest
 from gym_bridge.serving.state import ServingState
 
-__all__ = [
-    "WEIGHT_VERSION_HEADER",
-    "chat_choice",
-    "completion_choice",
-    "response_body",
-    "usage_of",
-    "with_weight_version",
-]
-
 #: Response header naming the weight version that generated the response (engines with refits only).
 WEIGHT_VERSION_HEADER = "x-gym-bridge-weight-version"
 

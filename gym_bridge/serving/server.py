@@ -22,9 +22,10 @@ from pydantic import SecretStr
 from gym_bridge.failures import GymBridgeError
 from gym_bridge.interfaces import GenerationInterface
 from gym_bridge.models.vocab import vocab_size_of
-from gym_bridge.serving.app import ServerFeatures, ServerLimits, ServingState, build_app
+from gym_bridge.serving.app import build_app
 from gym_bridge.serving.auth import ApiKeyMiddleware, open_port_warning
 from gym_bridge.serving.engine import EngineProfile
+from gym_bridge.serving.state import ServerFeatures, ServerLimits, ServingState
 from gym_bridge.types import Tokenizer
 
 if TYPE_CHECKING:

@@ -12,8 +12,6 @@ from gym_bridge.serving.drift import DriftCounter
 from gym_bridge.serving.engine import EngineProfile
 from gym_bridge.types import Tokenizer
 
-__all__ = ["AUTO_TOOL_CHOICE_REFUSED", "ServerFeatures", "ServerLimits", "ServingState", "serving_state"]
-
 
 @dataclass(frozen=True)
 class ServerLimits:

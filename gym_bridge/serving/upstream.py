@@ -19,8 +19,8 @@ from pydantic import SecretStr
 from gym_bridge.failures import GymBridgeError
 from gym_bridge.generation.openai_http import OpenAIHTTPGeneration, OpenAIHTTPGenerationConfig
 from gym_bridge.json_types import JsonMapping, JsonObject
-from gym_bridge.serving.app import ServerLimits
 from gym_bridge.serving.server import OpenAIServer
+from gym_bridge.serving.state import ServerLimits
 from gym_bridge.types import Tokenizer
 
 logger = logging.getLogger(__name__)

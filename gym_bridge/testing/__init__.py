@@ -160,7 +160,8 @@ def gym_policy(request: pytest.FixtureRequest, gym_policy_name: str) -> Iterator
     if gym_policy_name == "scripted":
         yield request.getfixturevalue("scripted_policy")
         return
-    from gym_bridge.generation.hf import HFGeneration, HFGenerationConfig
+    from gym_bridge.generation.hf import HFGeneration
+    from gym_bridge.generation.hf_config import HFGenerationConfig
     from gym_bridge.models.registry import resolve_model_path
     from gym_bridge.serving import OpenAIServer
 
@@ -193,7 +194,7 @@ def nemo_gym_config(
 ) -> NemoGymConfig:
     """The :class:`NemoGymConfig` for ``gym_configs`` on ``gym_policy``; override to add fields."""
     from gym_bridge.gym.actor_config import NemoGymConfig
-    from gym_bridge.gym.servers import wheel_config_path
+    from gym_bridge.gym.server_config import wheel_config_path
 
     paths = [p if Path(p).is_absolute() else str(wheel_config_path(p)) for p in gym_configs]
     assert gym_policy.base_url is not None, "the gym_policy fixture starts its server"

@@ -8,8 +8,6 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-__all__ = ["run_cli"]
-
 
 def run_cli(
     *args: str,

@@ -31,8 +31,6 @@ import psutil
 from gym_bridge.failures import GymBridgeError, SettingError
 from gym_bridge.gym.reaper import free_ports
 
-__all__ = ["ClusterNode", "LocalClusterError", "LocalRayCluster", "NodeSpec"]
-
 logger = logging.getLogger(__name__)
 
 _SOCKET_DIR_BUDGET = 44

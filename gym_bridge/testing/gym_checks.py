@@ -17,12 +17,6 @@ from gym_bridge.rollout.manager import RolloutManager
 from gym_bridge.testing.gym_rows import EQUIVALENCE_AGENT, TOOL_AGENT, equivalence_row, tool_call_rows
 from gym_bridge.types import ActorHandle, GenerationConfig, LLMMessageLogType, Tokenizer
 
-__all__ = [
-    "check_tool_call_group_is_exact_and_in_order",
-    "check_truncation_flag",
-    "check_two_agents_and_several_groups_in_flight",
-]
-
 GEN_CFG: GenerationConfig = {
     "temperature": 1.0,
     "top_p": 1.0,

@@ -39,7 +39,7 @@ EQUIVALENCE_AGENT = "lc_equivalence_rule_simple_agent"
 
 def tool_call_rows() -> list[JsonObject]:
     """The wheel's example rows for example_single_tool_call (weather questions), routed to its agent."""
-    from gym_bridge.gym.servers import wheel_config_path
+    from gym_bridge.gym.server_config import wheel_config_path
 
     path = wheel_config_path("resources_servers/example_single_tool_call/data/example.jsonl")
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -73,7 +73,7 @@ def stamp(rows: list[JsonObject]) -> list[JsonObject]:
 
 def gym_actor_config(base_urls: list[str], log_dir: Path | None, **kwargs: Any) -> NemoGymConfig:
     """The actor config of our Gym tests: the wheel's example servers on ``base_urls``, short timeouts."""
-    from gym_bridge.gym.servers import wheel_config_path
+    from gym_bridge.gym.server_config import wheel_config_path
 
     return NemoGymConfig(
         model_name=SERVED_MODEL_NAME,

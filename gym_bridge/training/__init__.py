@@ -9,14 +9,8 @@ from gym_bridge.training.advantages import (
 )
 from gym_bridge.training.batch import AdvantageSettings, GroupStats, TrainBatchSpec, train_batch
 from gym_bridge.training.fidelity import OnPolicyError, on_policy_error, seq_logprob_error_mask
-from gym_bridge.training.loop import (
-    GRPOLoopConfig,
-    GRPOTrainer,
-    RolloutCollector,
-    TrainablePolicy,
-    TrainerState,
-    load_trainer_state,
-)
+from gym_bridge.training.loop import GRPOTrainer
+from gym_bridge.training.loop_config import GRPOLoopConfig
 from gym_bridge.training.loss import ClippedPGLoss, ClippedPGLossConfig, sum_on_policy_errors
 from gym_bridge.training.metrics import MetricsLine, append_metrics, read_metrics
 from gym_bridge.training.plots import TrainingPlots, write_training_plots
@@ -24,6 +18,9 @@ from gym_bridge.training.prompts import PromptQueue, PromptQueueState
 from gym_bridge.training.refit import RefitTarget, check_refit, refit
 from gym_bridge.training.rewards import RewardShaper
 from gym_bridge.training.staleness import StalenessBuffer
+from gym_bridge.training.step_rollouts import RolloutCollector
+from gym_bridge.training.trainer_state import TrainerState, load_trainer_state
+from gym_bridge.training.update import TrainablePolicy
 from gym_bridge.training.validation import GymValidator, ValidationSet, Validator
 
 __all__ = [

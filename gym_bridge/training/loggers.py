@@ -21,16 +21,6 @@ from typing import Any, Protocol
 
 from gym_bridge.json_types import JsonMapping
 
-__all__ = [
-    "ExperimentLoggers",
-    "LoggerPlan",
-    "MetricsBackend",
-    "MlflowRun",
-    "WandbRun",
-    "nemo_rl_scalars",
-    "open_loggers",
-]
-
 logger = logging.getLogger(__name__)
 
 TIMING_NAMES = {

@@ -45,7 +45,6 @@ from gym_bridge.training.loop_config import (
     TrainBatch,
     max_steps_for,
     rollout_digest,
-    step_seed,
 )
 from gym_bridge.training.loss import (
     ClippedPGLoss,
@@ -56,26 +55,13 @@ from gym_bridge.training.refit import RefitTarget, check_refit, refit
 from gym_bridge.training.rewards import RewardShaper
 from gym_bridge.training.staleness import StalenessBuffer
 from gym_bridge.training.step_rollouts import RolloutCollector, RolloutPhase
-from gym_bridge.training.trainer_state import STATE_FILE, TrainerState, load_trainer_state
-from gym_bridge.training.update import SnapshotPolicy, TrainablePolicy, UpdatePhase, update_metrics
+from gym_bridge.training.trainer_state import STATE_FILE, TrainerState
+from gym_bridge.training.update import TrainablePolicy, UpdatePhase, update_metrics
 from gym_bridge.training.validation import Validator
 from gym_bridge.types import (
     DatumSpec,
     padding_id,
 )
-
-__all__ = [
-    "STATE_FILE",
-    "GRPOLoopConfig",
-    "GRPOTrainer",
-    "RolloutCollector",
-    "SnapshotPolicy",
-    "TrainablePolicy",
-    "TrainerState",
-    "batch_metrics",
-    "load_trainer_state",
-    "step_seed",
-]
 
 logger = logging.getLogger(__name__)
 

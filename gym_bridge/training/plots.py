@@ -20,8 +20,6 @@ from pathlib import Path
 from gym_bridge.failures import GymBridgeError
 from gym_bridge.stats import McNemarResult, mcnemar_exact
 
-__all__ = ["TrainingPlots", "TrainingRunError", "read_training_run", "write_training_plots"]
-
 MAX_FILE_BYTES = 256 * 1024**2
 MAX_SETS = 16
 PNG, HTML = "training.png", "training.html"

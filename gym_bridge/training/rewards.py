@@ -28,8 +28,6 @@ from gym_bridge.rollout.reward_shaping import (
 from gym_bridge.rollout.sink import CommittedGroup
 from gym_bridge.types import Completion, Tokenizer
 
-__all__ = ["RewardShaper"]
-
 
 class RewardShaper:
     """Effort shaping and reward penalties, resolved once (think-tag ids from ``tokenizer``)."""

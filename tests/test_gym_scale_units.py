@@ -179,7 +179,7 @@ def test_groups_launched_together_submit_their_streams_one_loop_iteration_apart(
     """1,024 groups submitting in one iteration would hold the driver's loop ~0.5 s (benchmarks/RESULTS.md)."""
     clock = [0]
     actor = _StreamingActor(clock)
-    client = GymClient([actor], max_row_attempts=1)
+    client = GymClient([actor], max_gym_row_attempts=1)
 
     async def iterations() -> None:
         while True:

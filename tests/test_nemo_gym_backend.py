@@ -254,7 +254,7 @@ async def test_a_dead_actor_gets_no_more_groups(ray_session):
     dead, live = ScriptedStreamActor.remote(), ScriptedStreamActor.remote()
     try:
         ray.get([dead.reset.remote([]), live.reset.remote([])])
-        client = GymClient([dead, live], max_row_attempts=2)
+        client = GymClient([dead, live], max_gym_row_attempts=2)
         assert await client.agent_names() == ["agent_a"]  # asked of the first actor while it lived
         ray.kill(dead, no_restart=True)
         await _until_dead(dead)

@@ -68,7 +68,7 @@ class GymClient:
         self,
         actors: Sequence[ActorHandle],
         *,
-        max_row_attempts: int = 3,
+        max_gym_row_attempts: int = 3,
         stats: RolloutStats | None = None,
         timer_prefix: str = "timing/rollout",
         resend_env_infra_failures: bool = True,
@@ -78,10 +78,10 @@ class GymClient:
         ``AdmissionSettings(adaptive=False)`` sends every row at once and re-sends without pause."""
         if not actors or any(actor is None for actor in actors):
             raise SettingError("GymClient needs at least one NemoGym actor")
-        if max_row_attempts < 1:
-            raise SettingError(f"max_row_attempts must be >= 1, got {max_row_attempts}")
+        if max_gym_row_attempts < 1:
+            raise SettingError(f"max_gym_row_attempts must be >= 1, got {max_gym_row_attempts}")
         self.actors = list(actors)
-        self.max_row_attempts = max_row_attempts
+        self.max_gym_row_attempts = max_gym_row_attempts
         self.stats = stats if stats is not None else RolloutStats()
         self.timer_prefix = timer_prefix
         self.resend_env_infra_failures = resend_env_infra_failures
@@ -186,7 +186,7 @@ class GymClient:
         last_error: BaseException | None = None
         failed_actors: set[int] = set()
         attempts = 0
-        for attempts in range(1, self.max_row_attempts + 1):
+        for attempts in range(1, self.max_gym_row_attempts + 1):
             pending = [row for row in rows if results[row[ROW_INDEX_KEY]] is None]
             if not pending:
                 break
@@ -202,7 +202,7 @@ class GymClient:
                     last_error or "the environment flagged an infrastructure failure_kind",
                 )
                 pending = [with_attempt(row, attempts - 1) for row in pending]
-            last_attempt = attempts == self.max_row_attempts
+            last_attempt = attempts == self.max_gym_row_attempts
             ticket = await self.admission.acquire(len(pending))
             actor = self._pick_actor(failed_actors)
             try:

@@ -135,7 +135,7 @@ class AsyncNemoGymRolloutImpl:
         self.stats = stats or RolloutStats()
         self.client = GymClient(
             actors,
-            max_row_attempts=max_gym_row_attempts,
+            max_gym_row_attempts=max_gym_row_attempts,
             stats=self.stats,
             timer_prefix=TIMER_PREFIX,
             resend_env_infra_failures=resend_env_infra_failures and mask_env_flagged_samples,

@@ -103,7 +103,7 @@ async def run_async_nemo_gym_rollout(
     loss_multiplier = loss_multiplier_column(input_batch, len(rows))
     client = GymClient(
         nemo_gym_actors(task_to_env),
-        max_row_attempts=1,
+        max_gym_row_attempts=1,
         timer_prefix=TIMER_PREFIX,
         resend_env_infra_failures=False,
     )

@@ -69,8 +69,9 @@ def describe_model(config: JsonObject) -> str:
     policy = config.get("embedded_policy", "tiny")
     if policy == "scripted":
         return f"the scripted rule-based policy (not a language model; tokenizer {config.get('tokenizer')!r}), embedded"
+    known = {"smollm2": "SmolLM2-135M-Instruct", "tiny": "random-initialised tiny model"}
     return (
-        f"{policy} ({'SmolLM2-135M-Instruct' if policy == 'smollm2' else 'random-initialised tiny model'}), "
+        f"{policy} ({known.get(str(policy), 'a local model folder')}), "
         f"embedded: gym-bridge's OpenAI-compatible server over HFGeneration, served as {config.get('model_name')!r}"
     )
 

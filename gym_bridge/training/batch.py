@@ -34,7 +34,7 @@ class TrainBatchSpec(GenerationDatumSpec):
     :func:`train_batch` sets ``input_ids``, ``input_lengths`` ``[B]``, ``token_mask``, ``generation_logprobs``,
     ``advantages``, ``sample_mask`` ``[B]`` and ``rewards`` ``[B]``; the loop adds ``prev_logprobs`` (the old
     policy) and, with a KL penalty, ``reference_policy_logprobs`` before the update. The masks are optional in
-    the policy's own batch (:class:`~gym_bridge.policy.hf.TokenBatchSpec`), so they are declared so here too.
+    the policy's own batch (:class:`~gym_bridge.policy.loss.TokenBatchSpec`), so they are declared so here too.
     """
 
     token_mask: NotRequired[torch.Tensor]

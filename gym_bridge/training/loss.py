@@ -108,7 +108,7 @@ class ClippedPGLossMetrics(TypedDict):
 
 
 class ClippedPGLoss:
-    """A :class:`~gym_bridge.policy.hf.LossFunction`; ``data`` needs ``advantages``, ``token_mask``,
+    """A :class:`~gym_bridge.policy.loss.LossFunction`; ``data`` needs ``advantages``, ``token_mask``,
     ``generation_logprobs`` and (unless ``force_on_policy_ratio``) ``prev_logprobs``, aligned to token positions, and
     ``reference_policy_logprobs`` when the KL penalty is on."""
 

@@ -428,6 +428,8 @@ async def test_bad_stream_indices_are_rejected(fault_gym, tiny_tokenizer, plan, 
     Expected: GymRowIndexError (infra) naming the index; collect drops the prompt, nothing committed."""
     relays = [TamperingRelay.remote(fault_gym, plan) for _ in range(2)]  # one per run: the plan counts calls
     try:
+        # the relays' processes start before the group's 30 s clock does (on a loaded machine a new actor takes a while)
+        ray.get([relay.routes.remote() for relay in relays], timeout=180)
         manager = make_manager(relays[0], tiny_tokenizer, max_gym_row_attempts=2)
         with pytest.raises(GymRowIndexError, match=needle):
             await manager.run_rollout(prompt(20))

@@ -47,7 +47,8 @@ from gym_bridge.gym.routing import RowRouting
 from gym_bridge.gym.row_file import read_row_file
 from gym_bridge.gym.rows import ValidGymRow
 from gym_bridge.json_types import JsonMapping
-from gym_bridge.policy.hf import HFPolicyConfig, build_lr_scheduler
+from gym_bridge.policy.hf import HFPolicyConfig
+from gym_bridge.policy.lr_scheduler import build_lr_scheduler
 from gym_bridge.training.loop_config import GRPOLoopConfig
 from gym_bridge.training.loss import ClippedPGLossConfig
 from gym_bridge.training.validation import ValidationSet

@@ -26,6 +26,7 @@ from gym_bridge.config.training import NemoGymRolloutSettings, nemo_gym_rollout_
 from gym_bridge.generation.hf_config import HFGenerationConfig
 from gym_bridge.gym.rows import ValidGymRow
 from gym_bridge.json_types import JsonMapping
+from gym_bridge.models.registry import ModelNotFoundError, check_model_reference
 from gym_bridge.policy.hf import HFPolicyConfig
 from gym_bridge.training.loop_config import GRPOLoopConfig
 from gym_bridge.training.validation import ValidationSet
@@ -85,6 +86,10 @@ def grpo_run_settings(config: JsonMapping) -> GRPORunSettings:
             raise TrainingConfigError(f"the training config has no '{key}' (NeMo-RL's GRPO recipes set it)")
     seed = run_seed(config)
     model_name = str(config_value(config, "policy.model_name"))
+    try:
+        check_model_reference(model_name)  # a built-in name or an existing folder; nothing is built or loaded
+    except ModelNotFoundError as exc:
+        raise TrainingConfigError(f"policy.model_name: {exc}") from None
     max_model_len = _positive_int(config, "policy.max_total_sequence_length")
     rollout = nemo_gym_rollout_settings(config, base_urls=[ENDPOINT_PENDING])
     if rollout.is_trajectory_collection:

@@ -32,17 +32,23 @@ def _build_smollm2() -> Path:
 BUILTIN_MODELS: dict[str, Callable[[], Path]] = {"tiny": _build_tiny, "smollm2": _build_smollm2}
 
 
+def check_model_reference(name_or_path: str | Path) -> None:
+    """Raise :class:`ModelNotFoundError` unless ``name_or_path`` names a built-in model or an existing local path;
+    builds and loads nothing, so a config can be checked before anything starts."""
+    if str(name_or_path) in BUILTIN_MODELS or Path(name_or_path).expanduser().exists():
+        return
+    names = ", ".join(repr(n) for n in BUILTIN_MODELS)
+    raise ModelNotFoundError(
+        f"model {str(name_or_path)!r} is neither a built-in model ({names}) nor an existing local path "
+        "(downloads are not supported: pass a folder saved with save_pretrained)"
+    )
+
+
 def resolve_model_path(name_or_path: str | Path) -> Path:
     """A built-in model's folder (built on demand), or ``name_or_path`` when it is an existing local path
     (else :class:`ModelNotFoundError`)."""
+    check_model_reference(name_or_path)
     builder = BUILTIN_MODELS.get(str(name_or_path))
     if builder is not None:
         return builder()
-    path = Path(name_or_path).expanduser()
-    if not path.exists():
-        names = ", ".join(repr(n) for n in BUILTIN_MODELS)
-        raise ModelNotFoundError(
-            f"model {str(name_or_path)!r} is neither a built-in model ({names}) nor an existing local path "
-            "(downloads are not supported: pass a folder saved with save_pretrained)"
-        )
-    return path
+    return Path(name_or_path).expanduser()

@@ -50,7 +50,8 @@ COMPARE_JSON = "compare.json"
 COMPARE_PNG = "compare.png"
 ALL = "all"
 GRADER_KEYS = ("config_paths", "gym_overrides", "pass_threshold")
-"""What decides a reward: a difference here makes two runs' rewards incomparable."""
+"""What decides a reward: a difference here makes two runs' rewards incomparable, and a rescore may change only
+these (everything else made the stored responses)."""
 GATED_METRICS = ("mean_reward", "pass@1")
 MD_FLIPS = 200
 """Flipped prompts listed in ``compare.md`` per direction (``compare.json`` lists every one)."""

@@ -35,6 +35,7 @@ from typing import TypedDict
 import httpx
 import yaml
 
+from gym_bridge.eval.compare import GRADER_KEYS
 from gym_bridge.eval.records import ROW_ID_KEY, row_id
 from gym_bridge.eval.report import build_report
 from gym_bridge.eval.rescore_trust import check_stored_overrides, trusted_config_files
@@ -56,8 +57,6 @@ from gym_bridge.json_types import JsonMapping, JsonObject
 logger = logging.getLogger(__name__)
 
 RESCORE_FILE = "rescore.json"
-GRADER_KEYS = ("config_paths", "gym_overrides", "pass_threshold")
-"""The only settings a rescore may change: everything else made the stored responses."""
 _NOT_REQUEST_KEYS = {"reward", "token_drift", "mask_sample", "failure_kind"}
 
 

@@ -23,7 +23,7 @@ per row of every process; the CPU cost of conversion (``conversion_cost.py``); t
 largest delay of a 10 ms ticker on this event loop and the resident memory of this
 process and of the actor while 1,024 rows are in flight; and, for context, one group
 against the tiny model (the endpoint restarted with ``--policy hf`` on the same port).
-A dated section goes to ``benchmarks/RESULTS.md``. Everything started is stopped at
+A dated section goes to ``benchmarks/history/<date>-bridge-throughput.md``. Everything started is stopped at
 the end, and every wait is bounded.
 
 Run: ``make bench-bridge`` (or ``uv run python benchmarks/bridge_throughput.py --help``).
@@ -55,7 +55,7 @@ from typing import Any
 import conversion_cost
 import psutil
 import ray
-from results_file import RESULTS, git_revision, publish, ray_get, verdict
+from results_file import HISTORY, git_revision, publish, ray_get, verdict
 from spy import RoleProfile, Spy, markdown_table
 from transformers import AutoTokenizer
 
@@ -804,7 +804,7 @@ def main() -> None:
         "--profile", action="store_true",
         help="after the measured runs, one more run per path at the peak with py-spy on every process",
     )  # fmt: skip
-    parser.add_argument("--no-write", action="store_true", help=f"print only; do not append to {RESULTS.name}")
+    parser.add_argument("--no-write", action="store_true", help=f"print only; do not append to {HISTORY.name}/")
     args = parser.parse_args()
     if any(c % GROUP for c in args.concurrency):
         parser.error(f"every --concurrency value must be a multiple of {GROUP}")
@@ -815,7 +815,7 @@ def main() -> None:
     report = asyncio.run(run_benchmark(args, workdir))
     report.load_after = os.getloadavg()
     text = markdown(report, args)
-    publish(text, write=not args.no_write)
+    publish(text, topic="bridge-throughput", write=not args.no_write)
     shutil.rmtree(workdir, ignore_errors=True)
 
 

@@ -10,7 +10,7 @@ of A's failures and breaks a tenth of its passes, so both McNemar counts are lar
     uv run python benchmarks/compare_scale.py [--sizes 20000 200000] [--continuous] [--write]
 
 Peak memory is the compare process's maximum resident set (``getrusage`` of the child), imports included.
-Prints one Markdown section; ``--write`` appends it to RESULTS.md.
+Prints one Markdown section; ``--write`` appends it to ``benchmarks/history/<date>-compare-at-scale.md``.
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[20_000, 200_000])
     parser.add_argument("--continuous", action="store_true", help="rewards in [0, 1] with many distinct values")
-    parser.add_argument("--write", action="store_true", help="append the section to RESULTS.md")
+    parser.add_argument("--write", action="store_true", help="append the section to history/<date>-compare-at-scale.md")
     args = parser.parse_args()
 
     root = Path(tempfile.mkdtemp(prefix="bench-compare-scale-"))
@@ -161,7 +161,7 @@ def main() -> None:
             "",
         ]
     )
-    publish(section, write=args.write)
+    publish(section, topic="compare-at-scale", write=args.write)
     print(f"max RSS of this process: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB")
 
 

@@ -10,7 +10,7 @@ fresh interpreter: imports included). The viewer is timed from navigation start 
 
     uv run python benchmarks/compare_speed.py [--prompts 1000] [--viewer-completions 10000] [--no-browser]
 
-Prints one Markdown section; the numbers go to RESULTS.md by hand (``--write`` appends it).
+Prints one Markdown section; ``--write`` appends it to ``benchmarks/history/<date>-compare-speed.md``.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=4, help="completions per prompt")
     parser.add_argument("--viewer-completions", type=int, default=10_000)
     parser.add_argument("--no-browser", action="store_true")
-    parser.add_argument("--write", action="store_true", help="append the section to RESULTS.md")
+    parser.add_argument("--write", action="store_true", help="append the section to history/<date>-compare-speed.md")
     args = parser.parse_args()
 
     root = Path(tempfile.mkdtemp(prefix="bench-compare-"))
@@ -110,7 +110,7 @@ def main() -> None:
             "",
         ]
     )
-    publish(section, write=args.write)
+    publish(section, topic="compare-speed", write=args.write)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ started and stopped ``--reps`` times per setting, interleaved: ``fork_servers`` 
 Ray and joined to a local Ray. Start is ``GymServers.start()`` until every server answers. CPU (user +
 system, read just before the stop) is the servers' own, and the whole set's (launcher, fork server and
 helpers included). Stop is ``GymServers.stop()`` until no process is left. A dated section goes to
-``benchmarks/RESULTS.md``.
+``benchmarks/history/<date>-gym-set-start-up.md``.
 
 Run: ``uv run python benchmarks/gym_startup.py`` (``--help`` for the options).
 """
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import psutil
 import ray
-from results_file import RESULTS, git_revision, publish
+from results_file import HISTORY, git_revision, publish
 
 from gym_bridge.gym.servers import GymServers
 from gym_bridge.gym.server_config import GymServersConfig, wheel_config_path
@@ -104,7 +104,7 @@ and the whole set's (launcher, fork server and helpers included).
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reps", type=int, default=3, help="runs per setting (default 3)")
-    parser.add_argument("--no-write", action="store_true", help=f"print only; do not append to {RESULTS.name}")
+    parser.add_argument("--no-write", action="store_true", help=f"print only; do not append to {HISTORY.name}/")
     args = parser.parse_args()
     results: Results = {}
     with tempfile.TemporaryDirectory(prefix="bench-gym-startup-") as workdir:
@@ -119,7 +119,7 @@ def main() -> None:
         finally:
             ray.shutdown()
     text = markdown(results, args)
-    publish(text, write=not args.no_write)
+    publish(text, topic="gym-set-start-up", write=not args.no_write)
 
 
 if __name__ == "__main__":

@@ -74,7 +74,7 @@ def main() -> None:
             lines.append(f"| {calls} | {items} | {d:.2f} | {a:.2f} | {(d + a) / ROWS:.3f} |")
     finally:
         ray.shutdown()
-    publish("\n".join(lines) + "\n", write=not args.no_write)
+    publish("\n".join(lines) + "\n", topic="ray-streaming-cost", write=not args.no_write)
 
 
 if __name__ == "__main__":

@@ -1,26 +1,48 @@
-"""What every benchmark shares: ``benchmarks/RESULTS.md`` (one dated section per run, newest last), the
-revision and verdict each section names, and a bounded Ray wait."""
+"""What every benchmark shares: where a run's section goes (``benchmarks/history/<date>-<topic>.md``, runs in the
+order they were made; ``benchmarks/RESULTS.md`` is the table of current answers, edited by hand), the revision and
+verdict each section names, and a bounded Ray wait."""
 
 from __future__ import annotations
 
 import asyncio
+import re
 import subprocess
+from datetime import date
 from pathlib import Path
 from typing import Any
 
-RESULTS = Path(__file__).with_name("RESULTS.md")
+HISTORY = Path(__file__).with_name("history")
+"""One file per date and topic, each holding that day's runs of one benchmark."""
+_TOPIC = re.compile(r"[a-z0-9]+(-[a-z0-9]+)*")
 
 
-def publish(text: str, *, write: bool = True) -> None:
-    """Print ``text`` (one section) and, unless ``write`` is False (``--no-write``), append it to RESULTS.md,
-    creating the file with its header the first time."""
+def history_file(topic: str, day: date, folder: Path = HISTORY) -> Path:
+    """The history file of ``topic`` (a lowercase slug such as ``bridge-throughput``) for ``day``."""
+    if not _TOPIC.fullmatch(topic):
+        raise ValueError(f"a benchmark topic is a lowercase slug like 'bridge-throughput', got {topic!r}")
+    return folder / f"{day.isoformat()}-{topic}.md"
+
+
+def publish(
+    text: str, *, topic: str, write: bool = True, day: date | None = None, folder: Path = HISTORY
+) -> Path | None:
+    """Print ``text`` (one section) and, unless ``write`` is False (``--no-write``), append it to the history file
+    of ``topic`` for ``day`` (today), creating the file with its header the first time; the file written, if any.
+    RESULTS.md is not touched: its answers change by hand when a run measures them."""
     print(text)
     if not write:
-        return
-    if not RESULTS.exists():
-        RESULTS.write_text("# Benchmark results\n\nEach section is one run, newest last.\n")
-    with RESULTS.open("a") as f:
-        f.write(text)
+        return None
+    day = day or date.today()
+    path = history_file(topic, day, folder)
+    if not path.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        path.write_text(
+            f"# {topic.replace('-', ' ').capitalize()}, {day.isoformat()}\n\nEach section is one run, in the order "
+            "the runs were made; the current answers are in [benchmarks/RESULTS.md](../RESULTS.md).\n"
+        )
+    with path.open("a") as f:
+        f.write(text if text.startswith("\n") else "\n" + text)
+    return path
 
 
 def verdict(ok: bool) -> str:

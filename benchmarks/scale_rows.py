@@ -18,7 +18,7 @@ memory of the driver and the actor at idle (after a warm-up), peak and end, samp
 run, not with what is in flight, shows as a rise across those points); the driver's
 event-loop lag (a 10 ms ticker: p50/p99/max, and the worst tick's CPU); the number of
 asyncio tasks on the driver's loop over time; garbage-collector pauses. A dated section
-goes to ``benchmarks/RESULTS.md``.
+goes to ``benchmarks/history/<date>-rows-in-flight-at-scale.md``.
 
 Deadlines: a row waits behind every other row in flight (16,384 rows at ~50 rows/s on two
 cores is ~6 minutes), so the group deadline (``rollout_s``) and the actor's ``/run`` bound
@@ -57,7 +57,7 @@ from bridge_throughput import (
     LoopLag,
     gym_config,
 )
-from results_file import RESULTS, git_revision, publish, ray_get, verdict
+from results_file import HISTORY, git_revision, publish, ray_get, verdict
 from transformers import AutoTokenizer
 
 from gym_bridge.data import datum_from_gym_row
@@ -511,7 +511,7 @@ def main() -> None:
     parser.add_argument(
         "--note", default="", help="a sentence put first in the section (e.g. how contended the machine was)"
     )
-    parser.add_argument("--no-write", action="store_true", help=f"print only; do not append to {RESULTS.name}")
+    parser.add_argument("--no-write", action="store_true", help=f"print only; do not append to {HISTORY.name}/")
     args = parser.parse_args()
     if args.groups < 1 or args.group_size < 1:
         parser.error("--groups and --group-size must be >= 1")
@@ -524,7 +524,7 @@ def main() -> None:
     report = asyncio.run(run_scale(args, workdir))
     report.load_after = os.getloadavg()
     text = markdown(report, args)
-    publish(text, write=not args.no_write)
+    publish(text, topic="rows-in-flight-at-scale", write=not args.no_write)
     shutil.rmtree(workdir, ignore_errors=True)
 
 

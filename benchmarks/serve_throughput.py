@@ -5,7 +5,7 @@ chat requests in a loop for a fixed number of rounds; we report requests/s and g
 tokens/s, next to the raw ``HFGeneration.generate`` of batches of C prompts of the same
 length, and the ratio (server / raw). The load average before and after goes with the
 table: on a shared machine both sides are slowed, not necessarily alike. Results are
-appended to ``benchmarks/RESULTS.md``.
+appended to ``benchmarks/history/<date>-server-throughput.md``.
 
 Run: ``make bench-serve`` (or ``uv run python benchmarks/serve_throughput.py --model tiny``).
 """
@@ -103,4 +103,4 @@ if __name__ == "__main__":
     args = parser.parse_args()
     for model in args.model or ["tiny", "smollm2"]:
         table = asyncio.run(main(model, args.max_tokens, args.rounds, args.concurrency or [1, 8, 32]))
-        publish(table)
+        publish(table, topic="server-throughput")

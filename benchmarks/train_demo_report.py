@@ -6,7 +6,7 @@ other-wording gains, the on-policy error, sync vs async, and TRL's 3-seed band.
         [--wall-min 13.2] [--no-write]
 
 Reads ``metrics.jsonl`` and ``val_results.jsonl`` of each run (``benchmarks/trl_grpo.py``'s JSON
-for TRL) and appends one section to RESULTS.md. The learning targets are judged on the first sync
+for TRL) and appends one section to history/<date>-train-demo.md. The learning targets are judged on the first sync
 run and the first async run. ``--repeat`` runs have SYNC's config and seed: their rollouts (a hash
 of every step's token ids) and held-out answers must equal SYNC's. ``--seeds`` are sync runs with
 other seeds: with SYNC, each must gain and sit in TRL's band; every async run must not collapse.
@@ -245,7 +245,7 @@ def main() -> None:
     named = [(f"sync {p.name}", r) for p, r in zip([args.sync_run, *args.repeat, *args.seeds], [sync, *repeats, *seeds])]
     named += [(f"async {p.name}", r) for p, r in zip(args.async_run, asyncs)]
     text += "\n".join(runs_table(named, trl)) + "\n"
-    publish(text, write=not args.no_write)
+    publish(text, topic="train-demo", write=not args.no_write)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ joined to it; our server with ``InstantGeneration`` (``gym-bridge serve --policy
 answer, no model) in its own process; one NemoGym actor pinned to each node, each with its own Gym servers
 (gym-bridge's model server + ``equivalence_rule`` lc, single-turn rows). The same groups of 16 rows, all in
 flight at once, go through a manager over the node_a actor alone and through a manager over both actors
-(interleaved, median of ``--reps`` after a warm-up of each). A dated section goes to ``benchmarks/RESULTS.md``.
+(interleaved, median of ``--reps`` after a warm-up of each). A dated section goes to
+``benchmarks/history/<date>-two-node-cluster.md``.
 
 On one machine both nodes share its cores, so two actors cannot be faster in wall time here: the row measures
 what spreading over nodes costs (cross-node Ray plumbing, a second Gym set), not a scale-out.
@@ -37,7 +38,7 @@ from bridge_throughput import (
     EndpointProcess,
     gym_config,
 )
-from results_file import RESULTS, git_revision, publish
+from results_file import HISTORY, git_revision, publish
 from transformers import AutoTokenizer
 
 from gym_bridge.testing.cluster import LocalRayCluster, NodeSpec
@@ -147,7 +148,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=256, help=f"rows per run, a multiple of {GROUP} (default 256)")
     parser.add_argument("--reps", type=int, default=3, help="measured runs per setting (default 3)")
-    parser.add_argument("--no-write", action="store_true", help=f"print only; do not append to {RESULTS.name}")
+    parser.add_argument("--no-write", action="store_true", help=f"print only; do not append to {HISTORY.name}/")
     args = parser.parse_args()
     if args.rows % GROUP:
         parser.error(f"--rows must be a multiple of {GROUP}")
@@ -157,7 +158,7 @@ def main() -> None:
     load_before = os.getloadavg()
     results = run(args, workdir)
     text = markdown(results, args, (load_before, os.getloadavg()))
-    publish(text, write=not args.no_write)
+    publish(text, topic="two-node-cluster", write=not args.no_write)
     shutil.rmtree(workdir, ignore_errors=True)
 
 

@@ -1,0 +1,60 @@
+"""``benchmarks/results_file.publish``: a benchmark's run goes to ``history/<date>-<topic>.md`` (one section per
+run, appended in order) and never to ``RESULTS.md``, the table of current answers."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+from datetime import date
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def results_file() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("results_file", BENCHMARKS / "results_file.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_publish_appends_each_run_to_the_dated_topic_file_and_leaves_results_alone(results_file, tmp_path, capsys):
+    history = tmp_path / "history"
+    results = tmp_path / "RESULTS.md"
+    results.write_text("# Benchmark results\n\n| question | current answer |\n")
+    day = date(2026, 11, 27)
+    first = results_file.publish("\n## Bridge throughput, run 1\n", topic="bridge-throughput", day=day, folder=history)
+    second = results_file.publish("\n## Bridge throughput, run 2\n", topic="bridge-throughput", day=day, folder=history)
+    assert first == second == history / "2026-11-27-bridge-throughput.md"
+    text = first.read_text()
+    assert text.startswith("# Bridge throughput, 2026-11-27\n") and "](../RESULTS.md)" in text
+    assert text.index("run 1") < text.index("run 2") and text.count("## Bridge throughput") == 2
+    assert "run 1" in capsys.readouterr().out, "the section is printed too"
+    other = results_file.publish("\n## Two nodes\n", topic="two-node-cluster", day=date(2026, 11, 28), folder=history)
+    assert other == history / "2026-11-28-two-node-cluster.md" and "run 1" not in other.read_text()
+    assert results.read_text() == "# Benchmark results\n\n| question | current answer |\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["RESULTS.md", "history"]
+
+
+def test_publish_without_write_prints_only_and_a_topic_is_a_slug(results_file, tmp_path):
+    assert results_file.publish("\n## x\n", topic="x", write=False, folder=tmp_path / "history") is None
+    assert not (tmp_path / "history").exists()
+    for bad in ("../RESULTS", "Bridge throughput", ""):
+        with pytest.raises(ValueError, match="slug"):
+            results_file.publish("\n## x\n", topic=bad, folder=tmp_path / "history")
+
+
+def test_every_benchmark_names_its_topic():
+    """Each caller passes a topic (a call without one fails only when the benchmark finishes, hours in)."""
+    callers = []
+    for path in sorted(BENCHMARKS.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "publish":
+                callers.append(path.name)
+                assert any(k.arg == "topic" for k in node.keywords), f"{path.name}:{node.lineno} names no topic"
+    assert len(callers) >= 9

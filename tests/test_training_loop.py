@@ -155,8 +155,11 @@ def test_force_on_policy_ratio_takes_the_old_policy_from_the_update_itself(tiny_
     for key in ("train/engine_mismatch_abs_diff_mean", "train/policy_step_abs_diff_mean", "train/loss"):
         assert forced[key] == pytest.approx(plain[key], rel=1e-4, abs=1e-6), key
     assert forced["train/policy_step_abs_diff_mean"] > 0
+    # The plain run's old policy comes from a pass in micro-batches of logprob_batch_size, the forced run's from the
+    # update's micro-batches of 4: with shared prefixes their passes have other widths, so the ratio is 1 up to
+    # float rounding, which Adam's first step can lift to a few 1e-6 where a gradient is near 0.
     for key, value in plain_weights.items():
-        torch.testing.assert_close(forced_weights[key], value, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(forced_weights[key], value, rtol=1e-4, atol=1e-5)
 
 
 def test_async_splits_the_gap_into_engine_mismatch_and_lag_with_the_sampling_versions_weights(tiny_model_dir,

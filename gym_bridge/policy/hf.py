@@ -28,7 +28,7 @@ import copy
 import logging
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -45,6 +45,7 @@ from gym_bridge.policy.loss import (
     token_mask,
 )
 from gym_bridge.policy.lr_scheduler import build_lr_scheduler
+from gym_bridge.policy.shared_prefix import plan_prefixes, shared_prefix_logprobs, worth_sharing
 from gym_bridge.types import (
     GenerationDatumSpec,
     LogprobOutputSpec,
@@ -87,6 +88,11 @@ class HFPolicyConfig(BaseModel):
     temperature: float = Field(1.0, gt=0.0, description="Logits are divided by it, as at generation.")
     keep_reference_model: bool = Field(True, description="Keep a frozen copy of the initial weights.")
     freeze_embeddings: bool = Field(False, description="Do not train the input embedding (tied: nor the LM head).")
+    shared_prefix: bool = Field(
+        True,
+        description="Compute the prefix that neighbouring rows share (the N samples of a prompt) once per pass "
+        "(gym_bridge.policy.shared_prefix); False: one forward over every whole row.",
+    )
     scheduler: list[JsonObject] | JsonObject | None = Field(
         None, description="NeMo-RL's policy.scheduler (see build_lr_scheduler); None: a constant learning rate."
     )
@@ -150,17 +156,25 @@ class HFPolicy(PolicyInterface):
         Positions before ``first`` are 0 too, and their logits are never computed: training
         reads only generated tokens, and the prompt's vocabulary projections are most of the
         ``[b, S, V]`` logits on a short completion. ``weights`` replace the model's parameters of those
-        names for this forward pass (``torch.func.functional_call``).
+        names for this forward pass (``torch.func.functional_call``). With ``cfg.shared_prefix``, the prefix that
+        neighbouring rows share is fed once (:mod:`gym_bridge.policy.shared_prefix`) when that saves enough tokens.
         """
+        first = max(1, min(first, input_ids.shape[1] - 1))
+
+        def forward(**inputs: object) -> Any:
+            if weights is None:
+                return model(**inputs)
+            return torch.func.functional_call(model, dict(weights), args=(), kwargs=inputs)
+
+        if self.cfg.shared_prefix and input_ids.shape[0] > 1 and int(lengths.min()) >= 2:
+            runs = plan_prefixes(input_ids, lengths)
+            if worth_sharing(runs, lengths):
+                ids, lens = input_ids.to(self.device), lengths.to(self.device)
+                return shared_prefix_logprobs(forward, ids, lens, runs, first, self.cfg.temperature)
         input_ids, lengths = input_ids.to(self.device), lengths.to(self.device)
         attention = length_mask(lengths, input_ids.shape[1]).long()
-        first = max(1, min(first, input_ids.shape[1] - 1))
         keep = {"logits_to_keep": input_ids.shape[1] - first + 1} if first > 1 else {}
-        inputs = {"input_ids": input_ids, "attention_mask": attention, "use_cache": False, **keep}
-        if weights is None:
-            logits = model(**inputs).logits
-        else:
-            logits = torch.func.functional_call(model, dict(weights), args=(), kwargs=inputs).logits
+        logits = forward(input_ids=input_ids, attention_mask=attention, use_cache=False, **keep).logits
         logp = torch.log_softmax(logits[:, :-1].float() / self.cfg.temperature, dim=-1)
         picked = logp.gather(-1, input_ids[:, first:, None]).squeeze(-1)
         out = torch.cat([picked.new_zeros((picked.shape[0], first)), picked], dim=1)

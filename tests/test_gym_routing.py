@@ -116,6 +116,21 @@ def test_each_copy_carries_gyms_rollout_identity_and_repeats_get_their_own():
     assert "_ng_attempt_index" not in a[1], "the caller's row is kept"
 
 
+def test_a_scope_keeps_the_rollout_ids_of_restarted_numbering_apart():
+    """Two validation sets (or a set beside training rows) both number their tasks from 0: with a scope each,
+    their rows keep distinct token-capture keys and the same task index, rollout index and seed."""
+    plain = build_rows(row(q=1), 2, SAMPLING, 8, run_seed=3, task_index=0)
+    first = build_rows(row(q=1), 2, SAMPLING, 8, run_seed=3, task_index=0, scope="val6-0")
+    second = build_rows(row(q=2), 2, SAMPLING, 8, run_seed=3, task_index=0, scope="val 6/1")
+    assert [r["_ng_task_index"] for r in first + second] == [0, 0, 0, 0]
+    assert [row_seed(r) for r in first] == [row_seed(r) for r in plain]
+    if "_ng_rollout_id" in installed_gym().rollout_identity_keys:
+        assert [r["_ng_rollout_id"] for r in first + second] == ["val6-0-0-0", "val6-0-0-1", "val_6_1-0-0", "val_6_1-0-1"]
+        from nemo_gym.rollout_correlation import maybe_rollout_id_from_run_body
+
+        assert [maybe_rollout_id_from_run_body(r) for r in second] == ["val_6_1-0-0", "val_6_1-0-1"]
+
+
 def test_a_rollout_index_that_is_not_a_count_is_refused_where_the_row_enters():
     with pytest.raises(InvalidGymRow, match=r"^prompt_idx=2: invalid Gym row: _ng_rollout_index must be a non-negative int, got '1'$"):
         validate_row(row(agent_ref={"name": "a"}, _ng_rollout_index="1"), prompt_idx=2)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import re
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -37,6 +38,9 @@ from gym_bridge.failures import InvalidGymRow, SettingError
 from gym_bridge.gym.routing import GymRoutes, check_agent, check_routable, row_agent
 from gym_bridge.gym.versions import ATTEMPT_INDEX_KEY, ROLLOUT_ID_KEY, ROLLOUT_INDEX_KEY, TASK_INDEX_KEY, installed_gym
 from gym_bridge.types import GenerationSamplingParams
+
+_ID_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
+"""What Gym's rollout id pattern (``[A-Za-z0-9][A-Za-z0-9._-]*``) refuses."""
 
 ROW_INDEX_KEY = "_rowidx"
 SEED_KEY = "seed"
@@ -153,6 +157,7 @@ def build_rows(
     *,
     run_seed: int | None = None,
     task_index: int | None = None,
+    scope: str | None = None,
 ) -> list[dict[str, Any]]:
     """N copies of ``template`` stamped by :func:`stamped_row`, ``_rowidx`` 0..N-1, each with Gym's rollout identity.
 
@@ -160,7 +165,8 @@ def build_rows(
     template's own ``_ng_rollout_index`` (the k-th of k identical dataset rows, :func:`mark_repeats`), else 0.
     With ``run_seed`` it carries :func:`rollout_seed` of that rollout index; without it the rows keep whatever
     seed the template carries (none, usually). ``task_index``: the task's ``_ng_task_index`` when the template
-    carries none (the backend passes the prompt index); with neither, no identity is stamped."""
+    carries none (the backend passes the prompt index); with neither, no identity is stamped. ``scope``: a name
+    for the rows' dispatch, put before their ``_ng_rollout_id`` (see :func:`rollout_identity`)."""
     identity = prompt_identity(template)
     base = repeat_of(template) * n
     task = template.get(TASK_INDEX_KEY, task_index)
@@ -169,7 +175,7 @@ def build_rows(
         seed = None if run_seed is None else _derived_seed(run_seed, identity, base + i)
         row = stamped_row(template, i, sampling, max_new_tokens, seed=seed)
         if task is not None:
-            row.update(rollout_identity(task, base + i))
+            row.update(rollout_identity(task, base + i, scope=scope))
         rows.append(row)
     return rows
 
@@ -182,14 +188,21 @@ def repeat_of(row: Mapping[str, Any]) -> int:
     return repeat
 
 
-def rollout_identity(task_index: Any, rollout_index: int) -> dict[str, Any]:
+def rollout_identity(task_index: Any, rollout_index: int, *, scope: str | None = None) -> dict[str, Any]:
     """Gym's identity keys of one rollout, as its collection stamps them, limited to those the installed Gym reads:
-    ``_ng_task_index``, ``_ng_rollout_index`` and (0.7) ``_ng_rollout_id`` = ``"<task>-<rollout>"``."""
+    ``_ng_task_index``, ``_ng_rollout_index`` and (0.7) ``_ng_rollout_id`` = ``"<task>-<rollout>"``.
+
+    ``scope`` makes the rollout id ``"<scope>-<task>-<rollout>"``: rows whose task indices restart (a validation
+    set in flight beside training rows or beside another set) keep distinct token-capture keys, as Gym asks of
+    dispatches that restart their numbering. Characters Gym's id pattern refuses become ``_``."""
     keys = installed_gym().rollout_identity_keys
+    rollout_id = f"{task_index}-{rollout_index}"
+    if scope is not None:
+        rollout_id = f"{_ID_UNSAFE.sub('_', scope)}-{rollout_id}"
     identity = {
         TASK_INDEX_KEY: task_index,
         ROLLOUT_INDEX_KEY: rollout_index,
-        ROLLOUT_ID_KEY: f"{task_index}-{rollout_index}",
+        ROLLOUT_ID_KEY: rollout_id,
     }
     return {key: value for key, value in identity.items() if key in keys}
 

@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -305,6 +306,10 @@ class GRPOTrainer(RolloutPhase, UpdatePhase):
     async def run(self, on_step: Callable[[MetricsLine], object] | None = None) -> list[MetricsLine]:
         """Steps from ``state.step`` to ``max_steps``; validation and checkpoints as configured.
 
+        A validation runs beside the next step's rollouts, which sample with the same weights, and is awaited
+        before that step trains and refits the engine (or before a checkpoint): the engine decodes both in one
+        batch, and its line still comes before the step's. Its ``time/val_s`` is then shared with the rollouts.
+
         ``on_step`` gets every metrics line (training steps and validations).
         """
         history: list[MetricsLine] = []
@@ -327,14 +332,18 @@ class GRPOTrainer(RolloutPhase, UpdatePhase):
                 if on_step is not None:
                     on_step(metrics)
 
+        validation: asyncio.Future[MetricsLine | None] | None = None
         try:
             if self.cfg.val_at_start and step == 0:
-                record(await self.validate(0))
+                validation = asyncio.ensure_future(self.validate(0))
             while step < last:
                 step_started = time.perf_counter()
                 launch(step)
                 groups, sampling = await pending.pop(step)
                 rollout_s = time.perf_counter() - step_started
+                if validation is not None:  # it used the weights this step's rollouts used; the refit comes next
+                    record(await validation)
+                    validation = None
                 launch(step + self.cfg.lookahead)
                 wait_for = [] if self.cfg.in_flight_weight_updates else list(pending.values())
                 record(
@@ -349,14 +358,20 @@ class GRPOTrainer(RolloutPhase, UpdatePhase):
                 )
                 step += 1
                 if self._validates_after(step):
-                    record(await self.validate(step))
+                    validation = asyncio.ensure_future(self.validate(step))
                 every = self.cfg.checkpoint_every_steps
                 if step == last or (every and step % every == 0):
+                    if validation is not None:  # a checkpoint comes after the validation of its weights
+                        record(await validation)
+                        validation = None
                     self.save_checkpoint()
         finally:
-            for future in pending.values():
+            unfinished: list[asyncio.Future[Any]] = [*pending.values()]
+            if validation is not None:
+                unfinished.append(validation)
+            for future in unfinished:
                 future.cancel()
-            await asyncio.gather(*pending.values(), return_exceptions=True)
+            await asyncio.gather(*unfinished, return_exceptions=True)
         return history
 
     @property

@@ -136,8 +136,10 @@ class GymValidator:
         self.reward_shaper = reward_shaper
         self.deadline_s, self.seed = deadline_s, seed
 
-    async def _problem(self, row: JsonMapping, prompt_idx: int) -> list[Completion]:
-        """``num_generations`` rollouts of one held-out row through Gym, rewards shaped when configured."""
+    async def _problem(self, row: JsonMapping, prompt_idx: int, scope: str) -> list[Completion]:
+        """``num_generations`` rollouts of one held-out row through Gym, rewards shaped when configured. ``scope``
+        keeps the rollout ids of this validation's set apart from other rows in flight (training rows, other sets:
+        their task indices restart), so Gym's token capture keys them apart."""
         rows = build_rows(
             dict(row),
             self.num_generations,
@@ -145,6 +147,7 @@ class GymValidator:
             self.max_new_tokens,
             run_seed=self.seed,
             task_index=prompt_idx,
+            scope=scope,
         )
         group = await self.client.run_group(rows, prompt_idx=prompt_idx, deadline_s=self.deadline_s)
         completions = [gym_completion(r, max_seq_len=None, mask_env_flagged_samples=False) for r in group.rows]
@@ -172,8 +175,14 @@ class GymValidator:
         to ``results_path`` as one line."""
         metrics: dict[str, float] = {}
         records: list[JsonObject] = []
-        for n, vset in enumerate(self.sets):
-            groups = await asyncio.gather(*(self._problem(row, i) for i, row in enumerate(vset.rows)))
+        # Every set's rows go out at once: the engine decodes them in one batch.
+        all_groups = await asyncio.gather(
+            *(
+                asyncio.gather(*(self._problem(row, i, f"val{step}-{n}") for i, row in enumerate(vset.rows)))
+                for n, vset in enumerate(self.sets)
+            )
+        )
+        for n, (vset, groups) in enumerate(zip(self.sets, all_groups, strict=True)):
             answers = [
                 self._answer(row, completion, problem, sample)
                 for problem, (row, completions) in enumerate(zip(vset.rows, groups, strict=True))

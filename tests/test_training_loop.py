@@ -325,3 +325,37 @@ def test_the_train_demo_ends_a_bad_config_in_one_line_and_exit_code_2(tmp_path):
         "gym-bridge train: policy.generation.vllm_kwargs.max_num_seqs must be a positive integer, got 0"
     )
 
+
+
+class WatchingValidator:
+    """A validator that notes the manager's weight version and how many groups it had collected, as it starts and
+    as it ends (after yielding to the loop a few times)."""
+
+    def __init__(self, manager: FixedGroups) -> None:
+        self.manager = manager
+        self.seen: list[tuple[int, int, tuple[int, int], tuple[int, int]]] = []
+
+    async def __call__(self, step: int, weight_version: int) -> dict[str, float]:
+        started = (self.manager.weight_version, self.manager.collects)
+        for _ in range(50):
+            await asyncio.sleep(0)
+        self.seen.append((step, weight_version, started, (self.manager.weight_version, self.manager.collects)))
+        return {"val/accuracy": 0.5}
+
+
+def test_a_validation_runs_beside_the_next_steps_rollouts_and_ends_before_its_refit(tiny_model_dir, tmp_path):
+    policy = HFPolicy(HFPolicyConfig(model=str(tiny_model_dir), learning_rate=1e-3, keep_reference_model=False))
+    manager = FixedGroups()
+    validator = WatchingValidator(manager)
+    loop = GRPOLoopConfig(num_prompts_per_step=2, max_num_steps=2, seed=5, val_period=1, val_at_start=True,
+                          val_at_end=True)
+    t = GRPOTrainer(loop, manager=manager, policy=policy, engine=NullEngine(), dataset=dataset(SPREAD),
+                    out_dir=tmp_path, validator=validator)
+    history = asyncio.run(t.run())
+    assert [(m["kind"], m["step"]) for m in history] == [("val", 0), ("train", 0), ("val", 1), ("train", 1), ("val", 2)]
+    for step, version, (version_at_start, collected_at_start), (version_at_end, collected_at_end) in validator.seen:
+        assert version == version_at_start == version_at_end == step, "no refit while a validation runs"
+        if step < 2:
+            assert collected_at_end > collected_at_start, f"step {step}'s rollouts ran beside its validation"
+        else:
+            assert collected_at_end == collected_at_start, "the last validation has no rollouts beside it"

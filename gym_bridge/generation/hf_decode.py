@@ -1,10 +1,13 @@
 """The decode loop of :class:`~gym_bridge.generation.hf.HFGeneration`: rows that join and leave one KV cache.
 
 A :class:`RunningBatch` holds the rows decoding together: one left-padded attention
-mask, one ``DynamicCache``, and for every row the logits of its next token. Between
+mask, one KV cache, and for every row the logits of its next token. Between
 two decode steps rows may join (:meth:`RunningBatch.admit`: their prompts are
 prefilled as their own left-padded batch, then both caches are left-padded to one
-width and stacked) and finished rows leave (their cache rows are dropped). Masked
+width and stacked) and finished rows leave (their cache rows are dropped). The cache's
+layers append in place (:mod:`gym_bridge.generation.kv_cache`), so a decode step
+does not copy the cache; ``DecodeContext.growing_kv_cache=False`` keeps transformers'
+``DynamicCache``, which does, and gives the same tokens and logprobs. Masked
 padding never changes what a row sees, so a row decodes the same tokens alone or in
 any company (up to float rounding in the batched matmuls). Token choice and
 logprobs follow the semantics documented in :mod:`gym_bridge.generation.hf`.
@@ -77,6 +80,7 @@ class DecodeContext:
     logits_to_keep: bool
     is_closed: Callable[[], bool]
     prefix_cache: PrefixCache | None = None
+    growing_kv_cache: bool = True  # False: transformers' DynamicCache (the reference for tests and benchmarks)
 
 
 class RunningBatch:
@@ -86,7 +90,7 @@ class RunningBatch:
         self.ctx = ctx
         self.weight_version = weight_version
         self.rows: list[Row] = []
-        self._cache: Any = None  # transformers' DynamicCache, whose layer types are a union the loop never narrows
+        self._cache: Any = None  # a transformers DynamicCache, whose layer types are a union the loop never narrows
         self._attention: torch.Tensor | None = None  # [n, W]
         self._next_pos: torch.Tensor | None = None  # [n] positions of the next token
         self._logits: torch.Tensor | None = None  # [n, V] the distribution of each row's next token
@@ -119,7 +123,7 @@ class RunningBatch:
             self._prefill(joining, [[] for _ in joining])
             return
         names = [prefix_cache.block_names(row.prompt) for row in joining]
-        first, second = prefix_cache.waves([len(row.prompt) for row in joining], names)
+        first, second = prefix_cache.waves([row.prompt for row in joining], names)
         self._prefill([joining[i] for i in first], [names[i] for i in first])
         leaders = {tuple(joining[i].prompt): joining[i] for i in first}
         copies = [i for i in second if tuple(joining[i].prompt) in leaders]
@@ -136,11 +140,12 @@ class RunningBatch:
     def _copy_rows(self, copies: list[tuple[Row, Row]]) -> None:
         """Add rows whose prompt equals a row's in the batch (the N samples of one prompt): that row's keys,
         values and next-token logits, with no forward pass."""
+        from gym_bridge.generation.kv_cache import select_rows
+
         assert self._attention is not None and self._next_pos is not None and self._logits is not None
         index = [self.rows.index(leader) for leader, _ in copies]
         keep = torch.tensor(list(range(len(self.rows))) + index, dtype=torch.long, device=self.ctx.device)
-        for layer in self._cache.layers:
-            layer.keys, layer.values = layer.keys[keep], layer.values[keep]
+        select_rows(self._cache, keep)
         self._attention, self._next_pos, self._logits = self._attention[keep], self._next_pos[keep], self._logits[keep]
         self.rows = self.rows + [row for _, row in copies]
         self.ctx.stats.max_rows_in_batch = max(self.ctx.stats.max_rows_in_batch, len(self.rows))
@@ -150,6 +155,8 @@ class RunningBatch:
 
         Row ``j``'s columns: zeros, its cached prefix (``past`` wide in all), zeros, the rest of its prompt.
         """
+        from gym_bridge.generation.kv_cache import new_cache, stack_caches
+
         ctx = self.ctx
         prefix_cache = ctx.prefix_cache
         found = [
@@ -167,9 +174,9 @@ class RunningBatch:
             attention[j, past + width - fed[j] :] = 1
         input_ids, attention = input_ids.to(ctx.device), attention.to(ctx.device)
         positions = (attention.cumsum(-1) - 1).clamp(min=0)[:, past:]
-        cache = _new_cache(ctx.model)
+        cache = new_cache(ctx.model, ctx.growing_kv_cache)
         if past:
-            past_from_blocks(cache, found, past)
+            past_from_blocks(cache, found, past, spare=width)
         logits = self._forward(input_ids, attention, positions, cache)
         if prefix_cache is not None:
             ctx.stats.prefix_cache_queries += sum(len(row.prompt) for row in joining)
@@ -189,7 +196,7 @@ class RunningBatch:
             return
         assert self._attention is not None and self._next_pos is not None and self._logits is not None
         total = max(self._attention.shape[1], attention.shape[1])
-        _stack_caches(self._cache, cache, total)
+        stack_caches(self._cache, cache, total)
         self._attention = torch.cat([_pad_left(self._attention, total), _pad_left(attention, total)], 0)
         self._next_pos = torch.cat([self._next_pos, next_pos])
         self._logits = torch.cat([self._logits, logits])
@@ -211,6 +218,8 @@ class RunningBatch:
 
     def step(self) -> None:
         """Pick every row's next token; finished rows leave; the rest run one forward pass."""
+        from gym_bridge.generation.kv_cache import select_rows
+
         ctx = self.ctx
         assert self._logits is not None and self._attention is not None and self._next_pos is not None
         tokens, logprobs = pick_tokens(self._logits, self.rows, ctx.generator)
@@ -236,7 +245,7 @@ class RunningBatch:
         attention, next_pos = self._attention, self._next_pos
         if len(keep) < len(self.rows):
             index = torch.tensor(keep, dtype=torch.long, device=ctx.device)
-            self._cache.batch_select_indices(index)
+            select_rows(self._cache, index)
             attention, next_pos, tokens = attention[index], next_pos[index], tokens[index]
             self.rows = [self.rows[j] for j in keep]
             attention = self._trim(attention)
@@ -246,12 +255,13 @@ class RunningBatch:
 
     def _trim(self, attention: torch.Tensor) -> torch.Tensor:
         """Drop leading columns that every remaining row masks out (left by rows that left)."""
+        from gym_bridge.generation.kv_cache import drop_leading
+
         used = attention.any(0).nonzero()
         first = int(used[0]) if used.numel() else 0
         if first < TRIM_COLUMNS:
             return attention
-        for layer in self._cache.layers:
-            layer.keys, layer.values = layer.keys[:, :, first:], layer.values[:, :, first:]
+        drop_leading(self._cache, first)
         return attention[:, first:]
 
     def _finish(self, row: Row, truncated: bool) -> None:
@@ -343,26 +353,9 @@ def pick_tokens(
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 
 
-def _pad_left(t: torch.Tensor, width: int, dim: int = 1) -> torch.Tensor:
-    missing = width - t.shape[dim]
+def _pad_left(t: torch.Tensor, width: int) -> torch.Tensor:
+    """An attention mask ``[n, w]`` left-padded with zeros to ``width`` columns."""
+    missing = width - t.shape[1]
     if missing == 0:
         return t
-    shape = list(t.shape)
-    shape[dim] = missing
-    return torch.cat([t.new_zeros(shape), t], dim=dim)
-
-
-def _stack_caches(running: Any, joining: Any, width: int) -> None:
-    """Stack ``joining``'s rows under ``running``'s, both left-padded to ``width`` positions (in place)."""
-    for old, new in zip(running.layers, joining.layers, strict=True):
-        old.keys = torch.cat([_pad_left(old.keys, width, 2), _pad_left(new.keys, width, 2)], 0)
-        old.values = torch.cat([_pad_left(old.values, width, 2), _pad_left(new.values, width, 2)], 0)
-
-
-def _new_cache(model: Any) -> Any:
-    from transformers import DynamicCache
-
-    try:
-        return DynamicCache(config=model.config)
-    except TypeError:  # older transformers
-        return DynamicCache()
+    return torch.cat([t.new_zeros((t.shape[0], missing)), t], dim=1)

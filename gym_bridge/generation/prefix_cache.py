@@ -30,6 +30,9 @@ from typing import Any
 import torch
 
 _ROOT = b"gym-bridge-prefix-cache"
+#: A joining row waits one prefill for another joining row's blocks only when they hold at least this many of its
+#: tokens (``benchmarks/kv_cache.py --wait`` measures where waiting starts to pay).
+WAIT_MIN_TOKENS = 64
 
 
 @dataclass(frozen=True)
@@ -43,10 +46,13 @@ class PrefixCacheCounts:
 class PrefixCache:
     """KV blocks of token prefixes, keyed by their hash chain, with a byte budget and LRU eviction."""
 
-    def __init__(self, block_size: int, max_bytes: int) -> None:
-        """An empty cache of ``block_size``-token blocks holding at most ``max_bytes`` of keys and values."""
+    def __init__(self, block_size: int, max_bytes: int, wait_min_tokens: int = WAIT_MIN_TOKENS) -> None:
+        """An empty cache of ``block_size``-token blocks holding at most ``max_bytes`` of keys and values; a joining
+        row waits for another joining row's blocks when they hold at least ``wait_min_tokens`` tokens (:meth:`waves`).
+        """
         self.block_size = block_size
         self.max_bytes = max_bytes
+        self.wait_min_tokens = wait_min_tokens
         self.queries = 0
         self.hits = 0
         self._blocks: OrderedDict[bytes, torch.Tensor] = OrderedDict()
@@ -92,23 +98,30 @@ class PrefixCache:
             count += 1
         return count
 
-    def waves(self, lengths: Sequence[int], names: Sequence[Sequence[bytes]]) -> tuple[list[int], list[int]]:
+    def waves(self, prompts: Sequence[Sequence[int]], names: Sequence[Sequence[bytes]]) -> tuple[list[int], list[int]]:
         """Split rows that join together into those prefilled first and those that wait for blocks the first compute.
 
-        A row waits when the first block it misses is one an earlier row of the first wave computes (the N
-        samples of one prompt: one computes the prompt, the others then find it cached).
+        A row waits when the first blocks it misses are ones an earlier row of the first wave computes, and either its
+        prompt is that row's (the N samples of one prompt: it copies that row's cache, with no forward pass) or they
+        hold at least ``wait_min_tokens`` tokens (waiting costs a second prefill pass, which a short shared part
+        does not repay).
         """
         coming: set[bytes] = set()
+        leaders: set[tuple[int, ...]] = set()
         first: list[int] = []
         second: list[int] = []
-        for i, (length, row_names) in enumerate(zip(lengths, names, strict=True)):
-            usable = row_names[: self.usable(length, row_names)]
+        for i, (prompt, row_names) in enumerate(zip(prompts, names, strict=True)):
+            usable = row_names[: self.usable(len(prompt), row_names)]
             have = self.cached_count(usable)
-            if have < len(usable) and usable[have] in coming:
+            gain = 0
+            while have + gain < len(usable) and usable[have + gain] in coming:
+                gain += 1
+            if gain and (tuple(prompt) in leaders or gain * self.block_size >= self.wait_min_tokens):
                 second.append(i)
             else:
                 first.append(i)
                 coming.update(row_names)
+                leaders.add(tuple(prompt))
         return first, second
 
     def lookup(self, prompt_len: int, names: Sequence[bytes]) -> list[torch.Tensor]:
@@ -142,8 +155,11 @@ def cache_supported(cache: Any) -> bool:
     """Whether blocks can be cut from ``cache`` (a filled DynamicCache): full-attention layers of one shape."""
     from transformers.cache_utils import DynamicLayer
 
+    from gym_bridge.generation.kv_cache import GrowingLayer
+
     layers = list(cache.layers)
-    if not layers or any(type(layer) is not DynamicLayer or not layer.is_initialized for layer in layers):
+    kinds = (DynamicLayer, GrowingLayer)
+    if not layers or any(type(layer) not in kinds or not layer.is_initialized for layer in layers):
         return False
     shape = layers[0].keys.shape[1:2] + layers[0].keys.shape[3:]
     return all(layer.keys.shape[1:2] + layer.keys.shape[3:] == shape for layer in layers)
@@ -162,16 +178,16 @@ def row_blocks(cache: Any, row: int, columns: torch.Tensor, block_size: int, wan
     return [next(parts).clone() if want else None for want in wanted]
 
 
-def past_from_blocks(cache: Any, rows: Sequence[Sequence[torch.Tensor]], width: int) -> None:
-    """Fill an empty ``cache`` (one DynamicLayer per layer) with each row's cached blocks, right-aligned in ``width``
-    columns (zeros before); every block is copied once, straight into its place."""
+def past_from_blocks(cache: Any, rows: Sequence[Sequence[torch.Tensor]], width: int, spare: int = 0) -> None:
+    """Fill an empty ``cache`` with each row's cached blocks, right-aligned in ``width`` columns (zeros before);
+    every block is copied once, straight into its place. A growing cache keeps room for ``spare`` more columns."""
+    from gym_bridge.generation.kv_cache import past_storage
+
     sample = next(block for blocks in rows for block in blocks)
-    layers, _, heads, size, head_dim = sample.shape
-    past = sample.new_zeros((layers, 2, len(rows), heads, width, head_dim))
+    size = sample.shape[3]
+    past = past_storage(cache, sample, len(rows), width, spare)
     for j, blocks in enumerate(rows):
         start = width - len(blocks) * size
+        past[:, :, j, :, :start].zero_()
         for b, block in enumerate(blocks):
             past[:, :, j, :, start + b * size : start + (b + 1) * size] = block
-    for layer, kv in zip(cache.layers, past, strict=True):
-        layer.lazy_initialization(kv[0], kv[1])
-        layer.keys, layer.values = kv[0], kv[1]

@@ -2,9 +2,11 @@
 
 Gym's multi-step tool environment, as a user tries it: the wheel's example rows (5 prompts), 2 samples each,
 SmolLM2-135M-Instruct served by gym-bridge's OpenAI server on ``HFGeneration`` (``max_seq_len`` 8192), through
-``run_eval`` (what ``gym-bridge eval`` runs). Prints the wall time, the rows finished and failed, the client's
-admission back-offs (``rollout/admission_*``, ``rollout/saturation_timeout_total``) and the server's prefix cache
-counters (``vllm:prefix_cache_queries`` / ``hits`` on ``/metrics``) when it has them.
+``run_eval`` (what ``gym-bridge eval`` runs). Prints the wall time, the rows finished and failed, the engine's
+generation time (seconds with at least one row decoding or queued, sampled from ``request_counts``) and work, the
+client's admission back-offs and drains (``rollout/admission_*``, ``rollout/saturation_timeout_total``), the
+server's prefix cache counters (``vllm:prefix_cache_queries`` / ``hits`` on ``/metrics``) and its request gauges
+after the run (work left behind by abandoned rows would show there).
 
     uv run python benchmarks/workplace_assistant.py                     # prefix caching on (the engine's default)
     uv run python benchmarks/workplace_assistant.py --no-prefix-cache   # the same run computing every prefix
@@ -18,6 +20,7 @@ import os
 import re
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -35,7 +38,9 @@ CONFIG_PATHS = [
 ]
 SERVED_NAME = "smollm2"
 PREFIX_METRICS = re.compile(
-    r"^(vllm:prefix_cache_(?:queries|hits))(?:_total)?(?:\{[^}\n]*\})?[ \t]+(\S+)", re.MULTILINE
+    r"^(vllm:prefix_cache_(?:queries|hits)|vllm:num_requests_(?:running|waiting))"
+    r"(?:_total)?(?:\{[^}\n]*\})?[ \t]+(\S+)",
+    re.MULTILINE,
 )
 
 
@@ -45,8 +50,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--samples", type=int, default=2, help="samples per prompt")
     parser.add_argument("--max-seq-len", type=int, default=8192)
     parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--rollout-timeout-s", type=float, default=600.0)
-    parser.add_argument("--request-timeout-s", type=float, default=300.0)
+    parser.add_argument("--rollout-timeout-s", type=float, default=1800.0)
+    parser.add_argument("--request-timeout-s", type=float, default=1800.0)
+    parser.add_argument("--admission-limit", type=int, default=None, help="rows in flight at first (default: none)")
     parser.add_argument("--concurrency", type=int, default=None, help="groups in flight (default: --prompts)")
     parser.add_argument("--no-prefix-cache", action="store_true", help="the engine without prefix caching")
     parser.add_argument("--output-dir", type=Path, default=None, help="the run folder (default: a temp folder)")
@@ -64,8 +70,39 @@ def example_rows(limit: int) -> list[dict[str, Any]]:
     return rows
 
 
+class BusyClock:
+    """Seconds the engine had a row decoding or queued, sampled every ``every_s`` from ``request_counts``."""
+
+    def __init__(self, generation: Any, every_s: float = 0.2) -> None:
+        self.generation = generation
+        self.every_s = every_s
+        self.busy_s = 0.0
+        self.peak_running = self.peak_waiting = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="busy-clock", daemon=True)
+
+    def __enter__(self) -> BusyClock:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        last = time.monotonic()
+        while not self._stop.wait(self.every_s):
+            now = time.monotonic()
+            counts = self.generation.request_counts()
+            self.peak_running = max(self.peak_running, counts.running)
+            self.peak_waiting = max(self.peak_waiting, counts.waiting)
+            if counts.running or counts.waiting:
+                self.busy_s += now - last
+            last = now
+
+
 def prefix_cache_counters(root_url: str) -> dict[str, float]:
-    """``vllm:prefix_cache_queries`` / ``hits`` from the server's ``/metrics`` (empty when it has none)."""
+    """``vllm:prefix_cache_queries`` / ``hits`` and the request gauges from ``/metrics`` (empty when it has none)."""
     with urllib.request.urlopen(f"{root_url}/metrics", timeout=10) as response:
         text = response.read().decode()
     counters: dict[str, float] = {}
@@ -80,6 +117,7 @@ def main() -> int:
     from gym_bridge.eval.runner import run_eval
     from gym_bridge.generation.hf import HFGeneration
     from gym_bridge.generation.hf_config import HFGenerationConfig
+    from gym_bridge.gym.admission import AdmissionSettings
     from gym_bridge.models.registry import resolve_model_path
     from gym_bridge.serving import OpenAIServer
 
@@ -114,18 +152,26 @@ def main() -> int:
             temperature=0.7,
             top_p=0.95,
             seed=0,
+            admission=AdmissionSettings(initial_limit=args.admission_limit),
         )
         before = prefix_cache_counters(server.root_url)
         t0 = time.monotonic()
-        outcome = run_eval(config, progress=False)
+        with BusyClock(generation) as busy:
+            outcome = run_eval(config, progress=False)
         elapsed = time.monotonic() - t0
         ended = time.time()
         after = prefix_cache_counters(server.root_url)
+        work = generation.get_logger_metrics()
     finally:
         server.stop_thread()
         generation.shutdown()
     sending_s = ended - outcome.rollouts_started if outcome.rollouts_started else None
     report(args, outcome, elapsed, sending_s, before, after)
+    print(
+        f"generation time: {busy.busy_s:.1f} s with a row decoding or queued (peak {busy.peak_running} running, "
+        f"{busy.peak_waiting} waiting); {work['hf_generation/rows_generated']} rows, "
+        f"{work['hf_generation/tokens_generated']} tokens, {work['hf_generation/forward_passes']} forward passes"
+    )
     return 0 if outcome.failed_now == 0 else 1
 
 
@@ -150,7 +196,9 @@ def report(
     done, total, failed = outcome.done_now, outcome.prompts_total, outcome.failed_now
     print(f"groups finished: {done} of {total} ({rows_done} rows); failed: {failed}")
     for key in sorted(stats):
-        if key.startswith(("rollout/admission", "rollout/saturation", "rollout/redispatch", "rollout/infra_drops")):
+        if key.startswith(
+            ("rollout/admission", "rollout/saturation", "rollout/redispatch", "rollout/infra_drops", "rollout/gym_row")
+        ):
             print(f"{key}: {stats[key]:g}")
     if after:
         queries = after.get("vllm:prefix_cache_queries", 0.0) - before.get("vllm:prefix_cache_queries", 0.0)
@@ -159,6 +207,9 @@ def report(
         print(f"prefix cache: {queries:g} queries, {hits:g} hits ({rate})")
     else:
         print("prefix cache: the server reports no vllm:prefix_cache_* counters")
+    running, waiting = after.get("vllm:num_requests_running"), after.get("vllm:num_requests_waiting")
+    if running is not None and waiting is not None:
+        print(f"endpoint after the run: {running:g} requests running, {waiting:g} waiting")
     print(f"run folder: {outcome.run_dir}")
 
 

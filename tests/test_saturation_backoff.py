@@ -7,8 +7,9 @@ Five prompts of two samples each are sent at once, so every row of the first wav
 group deadline that one group alone meets easily (as in issue 43's workplace_assistant run). With adaptive
 admission (the default) the timeouts halve the rows in flight and pause admission, and every group commits;
 with adaptation off (the old behaviour) every retry goes back at the same concurrency, into an engine still
-busy with the requests Gym keeps running for the groups that timed out, and groups are dropped. The tests run
-in file order: the adaptive run first, each on an idle engine.
+busy, and groups are dropped. The tests run in file order: the adaptive run first, each on an idle engine. The
+last one gives up on a group whose requests would each run a minute, and the engine's work for them stops at
+once: the disconnect travels through Gym's servers to our server, which cancels the generation.
 """
 
 from __future__ import annotations
@@ -20,9 +21,11 @@ import pytest
 
 from gym_bridge.batched import BatchedDataDict
 from gym_bridge.data import datum_from_gym_row
-from gym_bridge.failures import RolloutRetryPolicy, RolloutTimeouts
+from gym_bridge.failures import RolloutRetryPolicy, RolloutTimeout, RolloutTimeouts
 from gym_bridge.generation.scripted import ScriptedGeneration
 from gym_bridge.gym.admission import AdmissionControl, AdmissionSettings
+from gym_bridge.gym.client import GymClient
+from gym_bridge.gym.rows import build_rows, validate_row
 from gym_bridge.gym.server_config import wheel_config_path
 from gym_bridge.gym.spinup import start_nemo_gym_actor, stop_nemo_gym_actors
 from gym_bridge.rollout.manager import RolloutManager, RolloutOutcome
@@ -30,7 +33,13 @@ from gym_bridge.rollout.sink import InMemorySink
 from gym_bridge.serving import OpenAIServer
 from gym_bridge.testing import SERVED_MODEL_NAME, async_wait_until
 from gym_bridge.testing.gym_rows import EQUIVALENCE_GYM_CONFIGS, equivalence_row, gym_actor_config
-from gym_bridge.types import ActorHandle, GenerationDatumSpec, GenerationOutputSpec, Tokenizer
+from gym_bridge.types import (
+    ActorHandle,
+    GenerationDatumSpec,
+    GenerationOutputSpec,
+    GenerationSamplingParams,
+    Tokenizer,
+)
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.gym, pytest.mark.slow]
 
@@ -53,6 +62,7 @@ class SharedScriptedGeneration(ScriptedGeneration):
         super().__init__(tokenizer)
         self.work_s = work_s
         self.active = 0
+        self.peak = 0
         self.served = 0
 
     async def generate_async(
@@ -60,6 +70,7 @@ class SharedScriptedGeneration(ScriptedGeneration):
     ) -> AsyncIterator[tuple[int, BatchedDataDict[GenerationOutputSpec]]]:
         loop = asyncio.get_running_loop()
         self.active += 1
+        self.peak = max(self.peak, self.active)
         try:
             left, last = self.work_s, loop.time()
             while left > 0:
@@ -166,3 +177,26 @@ async def test_without_adaptation_retries_storm_the_same_queue_and_groups_are_dr
     assert RolloutOutcome.SKIPPED in outcomes, metrics
     assert metrics["rollout/infra_drops_total/RolloutTimeout"] >= 1, metrics
     assert metrics["rollout/admission_backoff_total"] == 0 and "rollout/admission_lowest_limit" not in metrics
+
+
+async def test_a_row_given_up_on_stops_generating_in_the_engine(slow_gym, slow_engine):
+    """A group's deadline cancels its stream; the actor's ``/run`` connections close, and Gym 0.7's servers cancel
+    a request whose client went away (``ClientDisconnectCancellationMiddleware``) down to the model server, whose
+    call to our server is then cancelled there too (``serving/disconnect.py``): the engine stops the rows at once
+    instead of generating them to the end for nobody."""
+    await async_wait_until(lambda: slow_engine.active == 0, 60, "the engine idle before the run")
+    slow_engine.work_s = 60.0  # each request would run a minute
+    try:
+        served, slow_engine.peak = slow_engine.served, 0
+        client = GymClient([slow_gym], admission=AdmissionSettings(adaptive=False))
+        template = validate_row(equivalence_row("Reply with exactly: 7", "7"), prompt_idx=0)
+        rows = build_rows(template, SAMPLES, GenerationSamplingParams(temperature=1.0, top_p=1.0), 16)
+        with pytest.raises(RolloutTimeout):
+            await client.run_group(rows, prompt_idx=0, deadline_s=3.0)
+        assert slow_engine.peak == SAMPLES, "both rows were generating in the engine"
+        gave_up = asyncio.get_running_loop().time()
+        await async_wait_until(lambda: slow_engine.active == 0, 15, "the engine's requests for the rows cancelled")
+        print(f"engine requests cancelled {asyncio.get_running_loop().time() - gave_up:.2f} s after the deadline")
+        assert slow_engine.served == served, "no request was generated to its end"
+    finally:
+        slow_engine.work_s = WORK_S

@@ -379,6 +379,27 @@ def engine_batch_size(config: JsonMapping) -> int | None:
     return value
 
 
+def engine_prefix_caching(config: JsonMapping) -> bool | None:
+    """``policy.generation.vllm_kwargs.enable_prefix_caching`` (vLLM's name for it), else NeMo-RL's
+    ``policy.generation.vllm_cfg.enable_prefix_caching``: our engine's prefix caching; None when neither is set
+    (the engine's default, on). Both set and different is refused: vLLM would get the keyword twice."""
+    values = {
+        key: config_section(config, f"policy.generation.{key.split('.')[0]}").get("enable_prefix_caching")
+        for key in ("vllm_kwargs.enable_prefix_caching", "vllm_cfg.enable_prefix_caching")
+    }
+    given = {key: value for key, value in values.items() if value is not None}
+    for key, value in given.items():
+        if not isinstance(value, bool):
+            raise TrainingConfigError(f"policy.generation.{key} must be true or false, got {value!r}")
+    if len(set(given.values())) > 1:
+        raise TrainingConfigError(
+            "policy.generation.vllm_kwargs.enable_prefix_caching and policy.generation.vllm_cfg.enable_prefix_caching "
+            f"disagree ({given['vllm_kwargs.enable_prefix_caching']} and {given['vllm_cfg.enable_prefix_caching']}); "
+            "set one"
+        )
+    return next(iter(given.values()), None)
+
+
 def _check_scheduler(spec: Sequence[JsonMapping] | JsonMapping | None) -> None:
     """``policy.scheduler`` builds (on a stand-in optimizer), or a :class:`TrainingConfigError` says why."""
     if spec is None:

@@ -13,6 +13,7 @@ from pydantic import ValidationError
 from gym_bridge.config.grpo import (
     ValidationOptions,
     engine_batch_size,
+    engine_prefix_caching,
     load_gym_rows,
     loop_config_from,
     policy_config,
@@ -55,7 +56,8 @@ class GRPORunSettings:
     max_model_len: int
     """``policy.max_total_sequence_length``: the engine's and the server's context."""
     engine: HFGenerationConfig
-    """The engine from ``policy.generation`` and ``policy.generation.vllm_kwargs.max_num_seqs``, seeded ``seed``."""
+    """The engine from ``policy.generation``, ``policy.generation.vllm_kwargs.max_num_seqs`` and
+    ``enable_prefix_caching`` (:func:`~gym_bridge.config.grpo.engine_prefix_caching`), seeded ``seed``."""
     rollout: NemoGymRolloutSettings
     """The Gym path (``env.nemo_gym``, ``async_rl``, ...); its endpoint is :data:`ENDPOINT_PENDING` until
     :meth:`serving_at` names the run's server."""
@@ -102,6 +104,9 @@ def grpo_run_settings(config: JsonMapping) -> GRPORunSettings:
     batch_size = engine_batch_size(config)
     if batch_size is not None:
         engine_keys["max_batch_size"] = batch_size
+    prefix_caching = engine_prefix_caching(config)
+    if prefix_caching is not None:
+        engine_keys["enable_prefix_caching"] = prefix_caching
     try:
         engine = HFGenerationConfig.from_generation_config(
             config_section(config, "policy.generation"), validation=False, **engine_keys

@@ -20,7 +20,9 @@ existing config just works:
 - ``policy.generation``: the generation config; ``policy.max_total_sequence_length``:
   ``max_seq_len``; ``grpo.num_generations_per_prompt``: N;
 - ``grpo.seed`` (:func:`run_seed`, default 0): the run seed of the ``nemo_gym`` backend (``manager_options``),
-  from which every row's sampling seed derives.
+  from which every row's sampling seed derives;
+- ``env.nemo_gym.admission`` (ours; :func:`admission_settings`): how the Gym client's rows in flight adapt to a
+  saturated endpoint (``manager_options``), never sent to Gym.
 
 A NeMo-RL GRPO YAML loads unchanged (:func:`~gym_bridge.config.loading.load_training_config` resolves its
 ``defaults:`` parents and ``${...}`` interpolations as NeMo-RL's ``load_config`` does).
@@ -36,7 +38,7 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from gym_bridge.config.async_settings import AsyncGRPOSettings, AsyncRLSettings
 from gym_bridge.config.keys import TrainingConfigError, config_value
@@ -45,6 +47,7 @@ from gym_bridge.config.loading import plain_config, resolved_config
 from gym_bridge.config.nemo_rl_gym import should_use_nemo_gym
 from gym_bridge.failures import RolloutRetryPolicy, RolloutTimeouts
 from gym_bridge.gym.actor_config import NemoGymConfig
+from gym_bridge.gym.admission import AdmissionSettings
 from gym_bridge.json_types import JsonMapping, JsonObject
 
 logger = logging.getLogger(__name__)
@@ -52,7 +55,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_SEED = 0
 """The run seed of a config without ``grpo.seed`` (the trainer's ``GRPOLoopConfig.seed`` default is the same value;
 a test holds them equal). Defined here, not read from the trainer, so reading a config never imports torch or Ray."""
-_BRIDGE_KEYS = ("rollout_timeout_s", "max_row_attempts", "num_actors", "split_base_urls")
+_BRIDGE_KEYS = ("rollout_timeout_s", "max_row_attempts", "num_actors", "split_base_urls", "admission")
 ROUTING_KEYS = ("agent_name", "agent_map", "fan_out")
 """Gym's collection keys under ``env.nemo_gym``: read into :class:`~gym_bridge.gym.routing.RowRouting` where rows
 enter (``config.grpo.row_routing``), not Gym's global config."""
@@ -249,7 +252,7 @@ def nemo_gym_rollout_settings(config: object, *, base_urls: list[str] | None = N
         retry_policy=retry_policy,
         timeouts=timeouts,
         mask_env_flagged_samples=config_value(config, "env.should_mask_flagged_samples", None) is not False,
-        manager_options={"seed": run_seed(config)},
+        manager_options={"seed": run_seed(config), "admission": admission_settings(section.get("admission"))},
     )
     return NemoGymRolloutSettings(
         launch=launch,
@@ -264,6 +267,25 @@ def nemo_gym_rollout_settings(config: object, *, base_urls: list[str] | None = N
         min_step_batch_fraction=async_rl.rollout_failure.min_step_batch_fraction if has_failure_section else 0.0,
         unused_environments=tuple(native_environments),
     )
+
+
+def admission_settings(section: object) -> AdmissionSettings:
+    """``env.nemo_gym.admission`` (ours, never sent to Gym): :class:`~gym_bridge.gym.admission.AdmissionSettings`'
+    keys, each left out at its default; a bad key or value is a :class:`TrainingConfigError` naming it."""
+    if section is None:
+        return AdmissionSettings()
+    if not isinstance(section, Mapping):
+        raise TrainingConfigError(
+            f"env.nemo_gym.admission must be a mapping of AdmissionSettings keys, got {section!r}"
+        )
+    try:
+        return TypeAdapter(AdmissionSettings).validate_python(dict(section), strict=False)
+    except ValidationError as exc:
+        problems = (
+            f"env.nemo_gym.admission{''.join(f'.{p}' for p in err['loc'])}: {err['msg'].removeprefix('Value error, ')}"
+            for err in exc.errors()
+        )
+        raise TrainingConfigError("; ".join(problems)) from None
 
 
 def run_seed(config: JsonMapping) -> int:

@@ -33,6 +33,7 @@ from pydantic import (
 )
 
 from gym_bridge.failures import GymBridgeError, RolloutRetryPolicy
+from gym_bridge.gym.admission import AdmissionSettings
 from gym_bridge.gym.routing import RowRouting
 from gym_bridge.json_types import JsonMapping, JsonObject
 
@@ -139,6 +140,17 @@ class EvalConfig(BaseModel):
     retry: RolloutRetryPolicy = Field(
         EVAL_RETRY,
         description="The retry policy (RolloutRetryPolicy's keys); a key left out keeps the eval's (EVAL_RETRY).",
+    )
+    admission: AdmissionSettings = Field(
+        default_factory=AdmissionSettings,
+        description="How Gym rows in flight adapt to a saturated endpoint (AdmissionSettings' keys: adaptive, "
+        "initial_limit, min_limit, backoff_base_s, max_backoff_s, latency_rise, drain_timeout_s); a key left out "
+        "keeps its default.",
+    )
+    enable_prefix_caching: bool = Field(
+        True,
+        description="The embedded engine's prefix caching (vLLM's enable_prefix_caching): rows reuse the keys and "
+        "values of a prompt prefix already computed. An endpoint of base_urls decides its own.",
     )
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)

@@ -53,7 +53,7 @@ def launch_spec(config: EvalConfig, base_urls: list[str], pending: list[DatasetR
         ray_num_cpus=os.cpu_count() or 2,
         timeouts=RolloutTimeouts(rollout_s=config.rollout_timeout_s),
         retry_policy=config.retry_policy(),
-        manager_options={"seed": config.seed},
+        manager_options={"seed": config.seed, "admission": config.admission},
     )
 
 

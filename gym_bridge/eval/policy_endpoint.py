@@ -34,6 +34,7 @@ def policy_endpoint(config: EvalConfig) -> Iterator[tuple[list[str], Tokenizer]]
             top_p=config.top_p,
             seed=config.seed,
             max_model_len=config.max_seq_len,
+            enable_prefix_caching=config.enable_prefix_caching,
         )
     )
     generation, tokenizer, path = built.generation, built.tokenizer, built.model_path

@@ -118,24 +118,33 @@ class RolloutRetryPolicy:
         return backoff_delay(attempt, self.backoff_base_s, self.max_backoff_s)
 
 
+def deadline_expired(description: str, seconds: float | None) -> RolloutTimeout:
+    """The failure a deadline's expiry raises: ``RolloutTimeout("<description> exceeded <seconds>s")``."""
+    return RolloutTimeout(f"{description} exceeded {seconds}s")
+
+
 @asynccontextmanager
-async def deadline(seconds: float | None, description: str) -> AsyncIterator[None]:
+async def deadline(
+    seconds: float | None, description: str, *, shown_seconds: float | None = None
+) -> AsyncIterator[asyncio.Timeout]:
     """Bound the body by ``seconds``; expiry raises :class:`RolloutTimeout`.
 
     ``None`` disables the deadline. Only this deadline's own expiry becomes
     ``RolloutTimeout("<description> exceeded <seconds>s")``, chained from the
     ``TimeoutError``; a ``TimeoutError`` raised by the body propagates unchanged,
-    and cancellation from outside stays cancellation.
+    and cancellation from outside stays cancellation. ``shown_seconds`` is the number the
+    message names instead of ``seconds`` (a deadline that resumes with the time left names its whole
+    budget). The body gets the ``asyncio.Timeout``, whose ``expired()`` says whether it was this one.
     """
     _check_seconds("seconds", seconds)
     timeout = asyncio.timeout(seconds)
     try:
         async with timeout:
-            yield
+            yield timeout
     except TimeoutError as exc:
         if not timeout.expired():
             raise
-        raise RolloutTimeout(f"{description} exceeded {seconds}s") from exc
+        raise deadline_expired(description, seconds if shown_seconds is None else shown_seconds) from exc
 
 
 async def gather_cancel_siblings[T](*aws: Awaitable[T]) -> list[T]:

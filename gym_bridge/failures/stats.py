@@ -35,6 +35,12 @@ class RolloutStats:
     """The limit on Gym rows in flight now; None while there is none."""
     admission_lowest_limit: int | None = None
     """The lowest that limit went; None while it never was set."""
+    admission_drains: int = 0
+    """Waits, after a back-off, for the endpoint to drain the work of the rows given up on."""
+    admission_drain_s: float = 0.0
+    """Seconds admission held for those waits."""
+    admission_drain_timeouts: int = 0
+    """Of those waits, the ones that ended at their bound with the endpoint still busy."""
 
     def record_redispatch(self, reason: str) -> None:
         _bump(self.redispatches_by_reason, reason)
@@ -59,6 +65,12 @@ class RolloutStats:
         if limit is not None:
             low = self.admission_lowest_limit
             self.admission_lowest_limit = limit if low is None else min(low, limit)
+
+    def record_admission_drain(self, waited_s: float, *, drained: bool) -> None:
+        """Admission held ``waited_s`` for the endpoint to drain; ``drained`` False: the wait hit its bound."""
+        self.admission_drains += 1
+        self.admission_drain_s += waited_s
+        self.admission_drain_timeouts += 0 if drained else 1
 
     def record_data_retry(self, reason: str) -> None:
         _bump(self.data_retries_by_reason, reason)
@@ -85,6 +97,9 @@ class RolloutStats:
             "rollout/saturation_timeout_total": float(sum(self.saturation_timeouts_by_reason.values())),
             "rollout/admission_backoff_total": float(self.admission_backoffs),
             "rollout/admission_backoff_s": float(self.admission_backoff_s),
+            "rollout/admission_drain_total": float(self.admission_drains),
+            "rollout/admission_drain_s": float(self.admission_drain_s),
+            "rollout/admission_drain_timeout_total": float(self.admission_drain_timeouts),
         }
         if self.admission_limit is not None:
             metrics["rollout/admission_limit"] = float(self.admission_limit)

@@ -30,6 +30,7 @@ class EngineSpec:
     top_p: float = 1.0
     seed: int | None = 0
     max_model_len: int | None = None
+    enable_prefix_caching: bool = True  # hf only
     answer_tokens: int = 16  # instant only
     think: bool = False  # scripted only
 
@@ -63,6 +64,7 @@ def build_engine(spec: EngineSpec) -> BuiltEngine:
                 top_p=spec.top_p,
                 seed=spec.seed,
                 max_model_len=spec.max_model_len,
+                enable_prefix_caching=spec.enable_prefix_caching,
             )
         )
         return BuiltEngine(generation, generation.tokenizer, path)

@@ -82,7 +82,7 @@ from gym_bridge.batched import BatchedDataDict
 from gym_bridge.failures import EngineShutDownError
 from gym_bridge.failures.errors import SettingError
 from gym_bridge.generation.batch import assemble_output
-from gym_bridge.generation.hf_config import HFGenerationConfig, HFGenerationStats
+from gym_bridge.generation.hf_config import HFGenerationConfig, HFGenerationStats, RowCounts
 from gym_bridge.generation.hf_decode import DecodeContext, Row, RowResult, RunningBatch, decode_to_end
 from gym_bridge.generation.hf_rows import first_id, rows_from_batch
 from gym_bridge.generation.hf_worker import STOP, WAKE, WorkItem, fail_queued, make_deliver, worker_loop
@@ -167,6 +167,8 @@ class HFGeneration(GenerationInterface):
         self._queue: queue.SimpleQueue[WorkItem] = queue.SimpleQueue()
         self._worker: threading.Thread | None = None
         self._closed = False
+        self._rows_running = 0  # written by the worker thread (hf_worker.publish_counts)
+        self._rows_pending = 0
         self._ctx = DecodeContext(
             model=self.model,
             tokenizer=self.tokenizer,
@@ -285,6 +287,13 @@ class HFGeneration(GenerationInterface):
         """Prompt tokens looked up in the prefix cache and found there since the engine started (zeros when off)."""
         cache = self._prefix_cache
         return cache.counts() if cache is not None else PrefixCacheCounts(0, 0)
+
+    def request_counts(self) -> RowCounts:
+        """Rows of :meth:`generate_async` decoding now and rows waiting for a place in the batch (queued, or held
+        by a refit): vLLM's ``num_requests_running`` / ``num_requests_waiting``. Cheap and safe from any thread;
+        at most one decode step old."""
+        queued = self._queue.qsize()  # rows submitted since the worker last took from the queue (and signals)
+        return RowCounts(running=self._rows_running, waiting=self._rows_pending + queued)
 
     def shutdown(self) -> bool:
         """Stop the worker thread (bounded join) and fail requests still queued; idempotent."""

@@ -79,6 +79,15 @@ class HFGenerationStats:
 
 
 @dataclass(frozen=True)
+class RowCounts:
+    """Rows of :meth:`HFGeneration.generate_async` now: decoding in the running batch, and queued for it
+    (vLLM's ``num_requests_running`` / ``num_requests_waiting``, one row per request choice)."""
+
+    running: int
+    waiting: int
+
+
+@dataclass(frozen=True)
 class RowSampling:
     """The sampling of one row: the engine's config unless the batch overrides it per row.
 

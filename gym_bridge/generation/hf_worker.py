@@ -45,6 +45,8 @@ class WorkerEngine(Protocol):
     _pause: threading.Event
     _drained: threading.Event
     _closed: bool
+    _rows_running: int
+    _rows_pending: int
 
     def _admit_and_step(self, batch: RunningBatch | None, pending: list[Row]) -> RunningBatch | None: ...
 
@@ -62,6 +64,7 @@ def worker_loop(engine_ref: weakref.ref[WorkerEngine], q: queue.SimpleQueue[Work
         if idle and engine._pause.is_set():
             engine._drained.set()
         wait_s = engine.cfg.batch_wait_s
+        publish_counts(engine, batch, pending)
         del engine
         if idle:
             item = q.get()
@@ -94,12 +97,24 @@ def worker_loop(engine_ref: weakref.ref[WorkerEngine], q: queue.SimpleQueue[Work
                 logger.exception("HFGeneration batch failed")
             batch = None
         finally:
+            publish_counts(engine, batch, pending)
             del engine
+    engine = engine_ref()
+    if engine is not None:
+        publish_counts(engine, None, [])
+        del engine
     err = EngineShutDownError("HFGeneration was shut down")
     for row in pending + (batch.rows if batch is not None else []):
         if row.deliver is not None and not row.cancelled:
             row.deliver(err)
     fail_queued(q, err)
+
+
+def publish_counts(engine: WorkerEngine, batch: RunningBatch | None, pending: list[Row]) -> None:
+    """The worker's rows decoding and rows taken off the queue but not admitted, for the engine's gauges
+    (two int stores: a reader on another thread sees each whole, at most one worker turn old)."""
+    engine._rows_running = len(batch) if batch is not None else 0
+    engine._rows_pending = sum(1 for row in pending if not row.cancelled)
 
 
 def fail_queued(q: queue.SimpleQueue[WorkItem], err: BaseException) -> None:

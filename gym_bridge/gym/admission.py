@@ -4,9 +4,11 @@ deadline clock that counts a group's time in flight.
 A timeout into a saturated engine is answered by sending less, not by sending the same again: the limit on
 rows in flight is halved once per saturation (timeouts of rows admitted before the last halving do not halve
 it again), admission pauses for :func:`~gym_bridge.failures.backoff_delay` of the back-offs since the last
-success, and every row that comes back grows the limit by one until it reaches the most rows the run ever
-had in flight, where it is lifted. Whether a timeout is a saturation is :func:`saturation_reason`'s rule:
-the endpoint's own queue (vLLM's ``vllm:num_requests_waiting`` on ``/metrics``), else a rising latency.
+success and, at most ``drain_timeout_s``, until the endpoint has drained (:func:`endpoint_drained`: the work of
+the rows given up on has left its queue and its running batch), and every row that comes back grows the limit
+by one until it reaches the most rows the run ever had in flight, where it is lifted. Whether a timeout is a
+saturation is :func:`saturation_reason`'s rule: the endpoint's own queue (vLLM's ``vllm:num_requests_waiting``
+on ``/metrics``), else a rising latency.
 Groups wait in arrival order; a group larger than the limit is admitted alone.
 """
 
@@ -21,12 +23,20 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
-from gym_bridge.failures import RolloutTimeout, SettingError, backoff_delay
+from pydantic import ConfigDict
+
+from gym_bridge.failures import SettingError, backoff_delay, deadline
+from gym_bridge.failures.retry import deadline_expired
 
 
 @dataclass(frozen=True)
 class AdmissionSettings:
-    """How :class:`AdmissionControl` adapts; ``adaptive=False`` admits every row at once and never backs off."""
+    """How :class:`AdmissionControl` adapts; ``adaptive=False`` admits every row at once and never backs off.
+
+    A config section read into it (``env.nemo_gym.admission``, the eval config's ``admission:``) refuses a key it
+    does not know."""
+
+    __pydantic_config__ = ConfigDict(extra="forbid")
 
     adaptive: bool = True
     """False: the old behaviour (every row sent at once, re-sends at the same concurrency, no pause)."""
@@ -40,13 +50,17 @@ class AdmissionSettings:
     """The cap on that pause."""
     latency_rise: float = 2.0
     """A timeout after this many times the fastest row's latency counts as a rising latency."""
+    drain_timeout_s: float = 60.0
+    """After a back-off, admission also waits (at most this long) until the endpoint has drained: nothing waiting
+    in its queue and no more requests running than this client still has rows in flight (the requests of the
+    rows it gave up on have ended). 0: only the fixed pause. An endpoint without vLLM's gauges ends it at once."""
 
     def __post_init__(self) -> None:
         if self.initial_limit is not None and (isinstance(self.initial_limit, bool) or self.initial_limit < 1):
             raise SettingError(f"initial_limit must be None or >= 1, got {self.initial_limit!r}")
         if isinstance(self.min_limit, bool) or self.min_limit < 1:
             raise SettingError(f"min_limit must be >= 1, got {self.min_limit!r}")
-        for name in ("backoff_base_s", "max_backoff_s"):
+        for name in ("backoff_base_s", "max_backoff_s", "drain_timeout_s"):
             value = getattr(self, name)
             if not (0 <= value < math.inf):
                 raise SettingError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
@@ -93,6 +107,15 @@ def saturation_reason(
     return SaturationReason.LATENCY if in_flight > 1 else None
 
 
+def endpoint_drained(load: EndpointLoad | None, rows_in_flight: int) -> bool:
+    """Whether the endpoint holds no work beyond this client's ``rows_in_flight``: nothing waiting, and at most
+    that many requests running (each row has at most one model call in flight). An endpoint that does not answer,
+    or has no request gauges, cannot say: True, so a drain never waits on it."""
+    if load is None or not load.reachable or (load.waiting is None and load.running is None):
+        return True
+    return (load.waiting or 0) <= 0 and (load.running or 0) <= rows_in_flight
+
+
 @dataclass
 class AdmissionTicket:
     """Rows one attempt holds: released one by one as they come back, the rest when the attempt ends."""
@@ -126,6 +149,13 @@ class AdmissionControl:
     epoch: int = 0
     consecutive_backoffs: int = 0
     paused_until: float = 0.0
+    held_until: float = 0.0
+    """While a drain is awaited (:meth:`hold_until_drained`, :meth:`drained`): its bound, after which admission
+    goes on even if nobody ends the hold."""
+    drains: int = 0
+    """Drains waited for."""
+    drain_s: float = 0.0
+    """Seconds admission waited for them."""
     _waiters: deque[_Waiter] = field(default_factory=deque)
     _timer: tuple[asyncio.AbstractEventLoop, asyncio.TimerHandle] | None = None
 
@@ -147,7 +177,7 @@ class AdmissionControl:
         """Whether ``rows`` more rows may go now (a group larger than the limit goes alone)."""
         if not self.adaptive:
             return True
-        if self.clock() < self.paused_until:
+        if self.clock() < max(self.paused_until, self.held_until):
             return False
         return self.limit is None or self.in_flight == 0 or self.in_flight + rows <= self.limit
 
@@ -217,6 +247,24 @@ class AdmissionControl:
         self.paused_until = max(self.paused_until, self.clock() + pause)
         return pause
 
+    @property
+    def draining(self) -> bool:
+        """Whether admission waits for the endpoint to drain."""
+        return self.clock() < self.held_until
+
+    def hold_until_drained(self) -> float:
+        """Admit nothing until :meth:`drained`, at most ``drain_timeout_s``; returns when the hold began."""
+        now = self.clock()
+        self.held_until = now + self.settings.drain_timeout_s
+        self.drains += 1
+        return now
+
+    def drained(self, held_since: float) -> None:
+        """The endpoint drained, or the wait for it ended: admission goes on once the back-off pause is over."""
+        self.held_until = 0.0
+        self.drain_s += self.clock() - held_since
+        self._wake()
+
     def _admit(self, rows: int) -> AdmissionTicket:
         self.in_flight += rows
         self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
@@ -226,11 +274,15 @@ class AdmissionControl:
         """Admit the waiting groups at the head of the line that fit; during a pause, wake again at its end."""
         while self._waiters and self._waiters[0].future.done():
             self._waiters.popleft()
-        left = self.paused_until - self.clock()
+        left = max(self.paused_until, self.held_until) - self.clock()
         if self._waiters and left > 0:
             loop = asyncio.get_running_loop()
-            if self._timer is None or self._timer[0] is not loop:
-                self._timer = (loop, loop.call_later(left, self._timer_fired))
+            due = loop.time() + left
+            if self._timer is not None and (self._timer[0] is not loop or self._timer[1].when() > due + 0.01):
+                self._timer[1].cancel()  # another loop's, or due after the pause now ends (a hold ended early)
+                self._timer = None
+            if self._timer is None:
+                self._timer = (loop, loop.call_at(due, self._timer_fired))
             return
         while self._waiters:
             waiter = self._waiters[0]
@@ -247,17 +299,16 @@ class AdmissionControl:
 
 class InFlightDeadline:
     """A group's deadline that counts only the time it runs (its rows in flight, its agent question),
-    not its waits for admission: ``seconds`` still bounds how long any of its rows is in flight."""
+    not its waits for admission: ``seconds`` still bounds how long any of its rows is in flight.
+
+    Each stretch on the clock is :func:`~gym_bridge.failures.deadline` with the time left, its expiry naming
+    the whole deadline (``<description> exceeded <seconds>s``)."""
 
     def __init__(self, seconds: float | None, description: str) -> None:
         self.seconds = seconds
         self.description = description
         self.used_s = 0.0
         self.expired = False
-
-    def _timeout(self) -> RolloutTimeout:
-        self.expired = True
-        return RolloutTimeout(f"{self.description} exceeded {self.seconds}s")
 
     @asynccontextmanager
     async def running(self) -> AsyncIterator[None]:
@@ -267,16 +318,15 @@ class InFlightDeadline:
             return
         left = self.seconds - self.used_s
         if left <= 0:
-            raise self._timeout()
+            self.expired = True
+            raise deadline_expired(self.description, self.seconds)
         loop = asyncio.get_running_loop()
         started = loop.time()
-        timeout = asyncio.timeout(left)
+        timeout: asyncio.Timeout | None = None
         try:
-            async with timeout:
+            async with deadline(left, self.description, shown_seconds=self.seconds) as timeout:
                 yield
-        except TimeoutError as exc:
-            if not timeout.expired():
-                raise
-            raise self._timeout() from exc
         finally:
             self.used_s += loop.time() - started
+            if timeout is not None and timeout.expired():
+                self.expired = True

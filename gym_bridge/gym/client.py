@@ -40,6 +40,7 @@ from gym_bridge.gym.admission import (
     AdmissionTicket,
     EndpointLoad,
     InFlightDeadline,
+    endpoint_drained,
     saturation_reason,
 )
 from gym_bridge.gym.result import GymRowBatch, GymRowResult
@@ -51,6 +52,8 @@ logger = logging.getLogger(__name__)
 
 _LOAD_PROBE_S = 5.0
 """The bound on asking an actor for its endpoints' load after a timeout."""
+_DRAIN_POLL_S = 1.0
+"""How often a drain after a back-off asks for the endpoints' load."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +93,7 @@ class GymClient:
         self._dead: set[int] = set()
         self._routes: GymRoutes | None = None
         self._locks: tuple[asyncio.AbstractEventLoop, asyncio.Lock, asyncio.Lock] | None = None
+        self._drain: asyncio.Task[None] | None = None
 
     @property
     def in_flight_rows(self) -> list[int]:
@@ -245,6 +249,9 @@ class GymClient:
         self.stats.record_saturation_timeout(reason.value, pause)
         if pause is not None:
             self.stats.record_admission_limit(control.limit)
+            if control.settings.drain_timeout_s > 0 and not control.draining:
+                held_since = control.hold_until_drained()
+                self._drain = asyncio.create_task(self._wait_for_drain(actor, held_since, prompt_idx))
             logger.warning(
                 "prompt_idx=%d: timed out with %d rows in flight into a saturated engine (%s%s); "
                 "rows in flight limited to %s, admission paused %.1fs",
@@ -255,6 +262,29 @@ class GymClient:
                 control.limit,
                 pause,
             )
+
+    async def _wait_for_drain(self, actor: int, held_since: float, prompt_idx: int) -> None:
+        """Admission is held (since ``held_since``) until the endpoint has drained the work of the rows given up on
+        (:func:`endpoint_drained`), at most ``drain_timeout_s``; the back-off pause still applies after it."""
+        control = self.admission
+        ends = held_since + control.settings.drain_timeout_s
+        drained = False
+        try:
+            while not drained and control.clock() < ends:
+                load = await self._endpoint_load(actor)
+                drained = endpoint_drained(load, control.in_flight)
+                if not drained:
+                    await asyncio.sleep(min(_DRAIN_POLL_S, max(0.0, ends - control.clock())))
+        finally:
+            control.drained(held_since)
+        waited = control.clock() - held_since
+        self.stats.record_admission_drain(waited, drained=drained)
+        logger.warning(
+            "prompt_idx=%d: admission waited %.1fs for the endpoint to drain%s",
+            prompt_idx,
+            waited,
+            "" if drained else f" (not drained within {control.settings.drain_timeout_s:g}s)",
+        )
 
     async def _endpoint_load(self, actor: int) -> EndpointLoad | None:
         """The actor's endpoints' load (``NemoGym.endpoint_load``); None when the actor cannot say in time."""

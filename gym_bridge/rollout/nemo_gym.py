@@ -23,6 +23,7 @@ from typing import Any, Self
 from pydantic import StrictBool, StrictInt
 
 from gym_bridge.failures import RolloutRetryPolicy, RolloutStats, RolloutTimeouts, SettingError
+from gym_bridge.gym.admission import AdmissionSettings
 from gym_bridge.gym.client import GymClient
 from gym_bridge.gym.convert import scalar_fields
 from gym_bridge.gym.result import GymRowResult
@@ -56,6 +57,7 @@ class NemoGymOptions(BackendOptions):
     full_results_path: Path | None = None
     resend_env_infra_failures: StrictBool = True
     seed: StrictInt | None = None
+    admission: AdmissionSettings | None = None
 
 
 class AsyncNemoGymRolloutImpl:
@@ -90,6 +92,7 @@ class AsyncNemoGymRolloutImpl:
         resend_env_infra_failures: bool = True,
         policy_generation: Any = None,
         seed: int | None = None,
+        admission: AdmissionSettings | None = None,
     ) -> None:
         """NeMo-RL's positional order. The row budget is ``retry_policy.max_gym_row_attempts`` (one attempt without
         a policy: NeMo-RL's ``single_attempt()``).
@@ -99,7 +102,10 @@ class AsyncNemoGymRolloutImpl:
         group masked. It applies only with ``mask_env_flagged_samples``; without masking such rows are kept.
 
         ``seed`` (ours): the run seed every row's sampling seed is derived from, with the prompt's identity and the
-        sample index; the endpoint takes it as its per-request ``seed``. None sends rows unseeded (as NeMo-RL)."""
+        sample index; the endpoint takes it as its per-request ``seed``. None sends rows unseeded (as NeMo-RL).
+
+        ``admission`` (ours): how the client's rows in flight adapt to a saturated endpoint (None: the default,
+        adaptive; :class:`~gym_bridge.gym.admission.AdmissionSettings`)."""
         if generation_config is None:
             raise SettingError(
                 "the nemo_gym rollout backend needs generation_config (temperature, top_p, max_new_tokens)"
@@ -139,6 +145,7 @@ class AsyncNemoGymRolloutImpl:
             stats=self.stats,
             timer_prefix=TIMER_PREFIX,
             resend_env_infra_failures=resend_env_infra_failures and mask_env_flagged_samples,
+            admission=admission,
         )
 
     Options = NemoGymOptions

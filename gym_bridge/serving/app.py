@@ -4,7 +4,8 @@
 Each route is a module-level handler that reads the :class:`~gym_bridge.serving.state.ServingState` from
 ``request.app.state``; :func:`build_app` only creates the app and registers the routes and the exception handlers.
 Bodies are read by :mod:`~gym_bridge.serving.bodies`, answers built by :mod:`~gym_bridge.serving.responses`, and
-``/metrics`` is :mod:`~gym_bridge.serving.metrics`.
+``/metrics`` is :mod:`~gym_bridge.serving.metrics`. A request whose client disconnects before its answer is
+cancelled (:mod:`~gym_bridge.serving.disconnect`), and with it the engine's rows for it.
 
 Bodies are parsed by hand (size limit, JSON, nesting depth, pydantic) so every refusal is a 4xx
 with the OpenAI error shape, never FastAPI's 422 or a 500. Request bodies are untrusted: the work
@@ -31,6 +32,7 @@ from gym_bridge.failures import EngineShutDownError, GenerationUnavailable, Roll
 from gym_bridge.json_types import JsonMapping, JsonObject
 from gym_bridge.serving.bodies import parse_request
 from gym_bridge.serving.chat import ChatPrompt, build_chat_prompt
+from gym_bridge.serving.disconnect import CancelOnDisconnect
 from gym_bridge.serving.engine import Sample, SamplingOverrides, generate_rows, max_tokens_for, resolve_greedy
 from gym_bridge.serving.errors import ServingError, error_body
 from gym_bridge.serving.metrics import metrics
@@ -61,6 +63,7 @@ def build_app(state: ServingState) -> FastAPI:
     """The FastAPI app serving ``state``: its routes and the handlers that turn errors into OpenAI-shaped bodies."""
     app = FastAPI(title="gym-bridge OpenAI-compatible server", docs_url=None, redoc_url=None)
     app.state.serving = state
+    app.add_middleware(CancelOnDisconnect)
     app.exception_handler(ServingError)(refused)
     app.exception_handler(Exception)(crashed)
     app.add_api_route("/health", health, methods=["GET"])
@@ -317,6 +320,7 @@ async def _generate(
         if state.profile.per_request_sampling
         else None
     )
+    state.rows_generating += req.n
     try:
         return await generate_rows(
             state.generation,
@@ -337,3 +341,5 @@ async def _generate(
         raise ServingError(f"upstream generation failed: {exc}", status) from exc
     except EngineShutDownError as exc:
         raise ServingError(f"the generation engine is not available: {exc}", 503) from exc
+    finally:
+        state.rows_generating -= req.n

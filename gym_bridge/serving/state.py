@@ -62,6 +62,9 @@ class ServingState:
     token_id_correction: bool = True
     features: ServerFeatures = field(default_factory=ServerFeatures)
     drift: DriftCounter = field(default_factory=DriftCounter)
+    rows_generating: int = 0
+    """Rows the routes are generating now (changed on the event loop only): the running gauge of ``/metrics``
+    for an engine that does not count its own."""
 
     @property
     def model_names(self) -> tuple[str, ...]:

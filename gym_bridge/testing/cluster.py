@@ -44,6 +44,9 @@ _RAY_ENV = {
     "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",  # under `uv run`, Ray would ship the working directory to workers
     "RAY_USAGE_STATS_ENABLED": "0",
     "RAY_AUTH_MODE": "disabled",  # a token file in ~/.ray would otherwise switch a joining node to token auth
+    # A second node needs Ray's multi-machine switch, which init_ray turns off for its loopback Ray
+    # (gym_bridge.ray_utils.LOOPBACK_FLAG); on, Ray gives every node the routable address and wildcard binds.
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1",
 }
 
 

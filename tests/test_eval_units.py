@@ -96,6 +96,28 @@ def test_every_bad_line_is_reported_at_once(tmp_path: Path) -> None:
     assert "d.jsonl:5: prompt_idx=4: invalid Gym row: agent_ref" in message
 
 
+def test_a_refused_config_or_dataset_stops_before_torch_or_ray(tmp_path: Path) -> None:
+    """``gym-bridge eval`` reads the config, the dataset and the run folder without importing torch or Ray, so a
+    refused run ends in about a second (only the run loop needs them)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from gym_bridge import cli; rc = cli.main(sys.argv[1:]); "
+        "print(sorted(m for m in ('torch', 'ray', 'transformers') if m in sys.modules), file=sys.stderr); sys.exit(rc)"
+    )
+    bad_rows = write_lines(tmp_path / "d.jsonl", [json.dumps(GOOD_ROW), "{bad"])
+    for overrides, line in (
+        (["limit=0"], "limit: Input should be greater than or equal to 1"),
+        ([f"dataset={bad_rows}"], "d.jsonl:2: not valid JSON"),
+    ):
+        args = ["eval", str(EXAMPLE), f"output_dir={tmp_path / 'run'}", *overrides, "--no-progress"]
+        done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120, cwd=REPO)
+        assert done.returncode == 2, done.stderr
+        *refusal, imported = done.stderr.strip().splitlines()
+        assert line in "\n".join(refusal) and imported == "[]", done.stderr
+
+
 def test_limit_stops_before_a_later_bad_line(tmp_path: Path) -> None:
     path = write_lines(tmp_path / "d.jsonl", [json.dumps(GOOD_ROW), "{bad"])
     assert len(load_dataset(path, limit=1)) == 1

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import itertools
 import time
+from typing import TYPE_CHECKING
 
 from gym_bridge.eval.dataset import DatasetRow
 from gym_bridge.eval.records import failure_record, group_record
 from gym_bridge.eval.store import RunStore
-from gym_bridge.types import PromptGroupRecord, Tokenizer
+
+if TYPE_CHECKING:  # torch stays out until the run loop: a refused config or dataset stops before it
+    from gym_bridge.types import PromptGroupRecord, Tokenizer
 
 
 class RunStoreSink:

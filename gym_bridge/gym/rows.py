@@ -30,14 +30,16 @@ import hashlib
 import json
 import re
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from gym_bridge.failures import InvalidGymRow, SettingError
 from gym_bridge.gym.routing import GymRoutes, check_agent, check_routable, row_agent
 from gym_bridge.gym.versions import ATTEMPT_INDEX_KEY, ROLLOUT_ID_KEY, ROLLOUT_INDEX_KEY, TASK_INDEX_KEY, installed_gym
-from gym_bridge.types import GenerationSamplingParams
+
+if TYPE_CHECKING:  # torch stays out of reading rows (an eval's config and dataset checks run before it)
+    from gym_bridge.types import GenerationSamplingParams
 
 _ID_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 """What Gym's rollout id pattern (``[A-Za-z0-9][A-Za-z0-9._-]*``) refuses."""

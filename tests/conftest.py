@@ -8,7 +8,8 @@ run ``gym-bridge eval`` in a subprocess joined to one Ray (``eval_ray_env``) ins
 Under pytest-xdist (``make test`` runs ``-n 2 --dist loadgroup``) the suite runs in two lanes, one per
 worker: every module that needs the session Ray, so Ray and each Gym set start once, in one worker;
 every other module (subprocess end-to-end runs with their own Ray, model builds, unit tests) in the
-other. A lane keeps collection order, so each module's fixtures are set up once.
+other, except the few ``BALANCING_MODULES`` that even out the two lanes' totals. A lane keeps collection
+order, so each module's fixtures are set up once.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ SHARED = (SHARED_GYM, SHARED_EVAL_RAY)
 """Session fixtures whose users run one after another and which stop right after their last user."""
 RAY_LANE, LOCAL_LANE = "ray", "local"
 GYM_LAYER_MODULES = ("test_gym_", "test_nemo_gym")  # with the gym-marked tests: what the compat lanes run
+BALANCING_MODULES = ("test_cli_errors.py",)
+"""Modules that need no Ray but run in the Ray lane: the local lane holds every end-to-end flow with a Ray of its own
+or the evals' (``eval_ray_env``), so these even out the lane totals ``make test`` prints."""
 _LAST_USERS = pytest.StashKey[dict[str, pytest.Item]]()
 
 
@@ -112,7 +116,8 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         getattr(item, "module", None) for item in items if "ray_session" in getattr(item, "fixturenames", ())
     }
     for item in items:  # two lanes of whole modules: each module's fixtures are set up once, in one worker
-        lane = RAY_LANE if getattr(item, "module", None) in ray_modules else LOCAL_LANE
+        in_ray_lane = getattr(item, "module", None) in ray_modules or item.path.name in BALANCING_MODULES
+        lane = RAY_LANE if in_ray_lane else LOCAL_LANE
         item.add_marker(pytest.mark.xdist_group(lane))
         if item.get_closest_marker("gym") or item.path.name.startswith(GYM_LAYER_MODULES):
             item.add_marker(pytest.mark.gym_layer)

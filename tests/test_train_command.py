@@ -306,8 +306,12 @@ def test_the_checkpoint_loads_and_serves(trained: dict) -> None:
         server.wait(timeout=60)
 
 
-def test_checkpoint_and_base_evaluate_through_gym_and_compare(trained: dict, tmp_path: Path) -> None:
-    """The held-out eval example for both policies in one command (Ray once, a Gym set each), then compare."""
+def test_checkpoint_and_base_evaluate_through_gym_and_compare(
+    trained: dict, tmp_path: Path, eval_ray_env: dict[str, str]
+) -> None:
+    """The held-out eval example for both policies in one command (a Gym set each), then compare. The command joins
+    the evals' shared Ray (``eval_ray_env``); the training run keeps a Ray of its own, whose every process the
+    network guard covers."""
     checkpoint = trained["run"] / "checkpoint"
     config = yaml.safe_load(HELDOUT.read_text())
     config.pop("embedded_policy")
@@ -322,7 +326,7 @@ def test_checkpoint_and_base_evaluate_through_gym_and_compare(trained: dict, tmp
     )
     path = tmp_path / "heldout.yaml"
     path.write_text(yaml.safe_dump(config))
-    done = cli("eval", str(path), "--no-progress", timeout=1500)
+    done = cli("eval", str(path), "--no-progress", env=eval_ray_env, timeout=1500)
     assert done.returncode == 0, done.stderr[-4000:]
     base, trained_run = tmp_path / "heldout" / "base", tmp_path / "heldout" / "trained"
     assert json.loads((trained_run / "run.json").read_text())["config"]["embedded_policy"] == str(checkpoint)

@@ -48,7 +48,7 @@ def launch_spec(config: EvalConfig, base_urls: list[str], pending: list[DatasetR
         max_seq_len=config.max_seq_len,
         generation_config=config.generation_config(),
         uses_tools=rows_use_tools([item.row for item in pending]),
-        preflight=False,  # run by preflight_spec, with the API key
+        preflight=False,  # run by preflight_policy, with the API key
         preflight_timeout_s=config.preflight_timeout_s,
         ray_num_cpus=os.cpu_count() or 2,
         timeouts=RolloutTimeouts(rollout_s=config.rollout_timeout_s),
@@ -57,17 +57,17 @@ def launch_spec(config: EvalConfig, base_urls: list[str], pending: list[DatasetR
     )
 
 
-def preflight_spec(spec: GymLaunchSpec, api_key: SecretStr | None) -> None:
-    """Check every endpoint with the run's API key (None: none is sent, so a refusal says so), before Ray or
-    Gym start (raises ``PreflightError``)."""
-    from gym_bridge.preflight import preflight_endpoints
+def preflight_policy(config: EvalConfig, base_urls: list[str], pending: list[DatasetRow]) -> None:
+    """Check every endpoint of the run (``base_urls``: the configured ones, or the embedded server) with the run's
+    API key (None for the embedded server, or when none is set, so a refusal says so); raises ``PreflightError``."""
+    from gym_bridge.preflight import preflight_endpoints, rows_use_tools
 
     checks = preflight_endpoints(
-        spec.gym.base_urls,
-        spec.gym.model_name,
-        tools=spec.uses_tools,
-        timeout_s=spec.preflight_timeout_s,
-        api_key=api_key,
+        base_urls,
+        config.model_name,
+        tools=rows_use_tools([item.row for item in pending]),
+        timeout_s=config.preflight_timeout_s,
+        api_key=None if config.embedded else config.api_key(),
     )
     for check in checks:
         logger.info("preflight %s", check.line)

@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from gym_bridge.eval.config import EvalConfig, EvalConfigError
 from gym_bridge.eval.dataset import DatasetRow, file_sha256, load_dataset
-from gym_bridge.eval.gym_launch import launch_spec, preflight_spec, routed
+from gym_bridge.eval.gym_launch import launch_spec, preflight_policy, routed
 from gym_bridge.eval.policy_endpoint import policy_endpoint
 from gym_bridge.eval.report import build_report, describe_model
 from gym_bridge.eval.shutdown import sigint_deferred
@@ -283,14 +283,19 @@ def _preflight_endpoints(configs: list[EvalConfig], rows: list[DatasetRow]) -> N
 def _run_pending(
     config: EvalConfig, pending: list[DatasetRow], store: RunStore, outcome: EvalOutcome, *, progress: bool
 ) -> bool:
-    """Start everything (policy endpoint, then preflight, Ray, Gym: :func:`gym_bridge.recipes.launch.start_nemo_gym`),
-    run the pending groups, stop everything; True when SIGINT stopped it."""
+    """Start everything (the endpoints' preflight, the policy endpoint, Ray, Gym:
+    :func:`gym_bridge.recipes.launch.start_nemo_gym`), run the pending groups, stop everything; True when SIGINT
+    stopped it. Configured endpoints are checked before their tokenizer loads (a bad one stops the run in seconds,
+    before torch is imported); the embedded server once it is up."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if not config.embedded:
+        preflight_policy(config, list(config.base_urls), pending)
     from gym_bridge.recipes.launch import start_nemo_gym
 
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     with policy_endpoint(config) as (base_urls, tokenizer):
+        if config.embedded:
+            preflight_policy(config, base_urls, pending)
         spec = launch_spec(config, base_urls, pending)
-        preflight_spec(spec, None if config.embedded else config.api_key())
         rollouts = start_nemo_gym(spec, tokenizer)
         try:
             pending = routed(pending, rollouts.actor)

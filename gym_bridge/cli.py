@@ -89,6 +89,9 @@ def _env_key(name: str) -> SecretStr | None:
 
 def _local_server(args: argparse.Namespace, api_key: SecretStr | None) -> OpenAIServer:
     """Our server over the local model (or the scripted or instant policy on its tokenizer)."""
+    from gym_bridge.models.registry import check_model_reference
+
+    check_model_reference(args.model)  # an unknown model is one line before torch is imported
     from gym_bridge.generation.factory import EngineSpec, build_engine
     from gym_bridge.serving import OpenAIServer
 

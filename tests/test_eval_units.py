@@ -97,8 +97,8 @@ def test_every_bad_line_is_reported_at_once(tmp_path: Path) -> None:
 
 
 def test_a_refused_config_or_dataset_stops_before_torch_or_ray(tmp_path: Path) -> None:
-    """``gym-bridge eval`` reads the config, the dataset and the run folder without importing torch or Ray, so a
-    refused run ends in about a second (only the run loop needs them)."""
+    """``gym-bridge eval`` reads the config, the dataset and the run folder, and checks the embedded model's name,
+    without importing torch or Ray, so a refused run ends in about a second (only the run loop needs them)."""
     import subprocess
     import sys
 
@@ -107,11 +107,12 @@ def test_a_refused_config_or_dataset_stops_before_torch_or_ray(tmp_path: Path) -
         "print(sorted(m for m in ('torch', 'ray', 'transformers') if m in sys.modules), file=sys.stderr); sys.exit(rc)"
     )
     bad_rows = write_lines(tmp_path / "d.jsonl", [json.dumps(GOOD_ROW), "{bad"])
-    for overrides, line in (
+    for i, (overrides, line) in enumerate((
         (["limit=0"], "limit: Input should be greater than or equal to 1"),
         ([f"dataset={bad_rows}"], "d.jsonl:2: not valid JSON"),
-    ):
-        args = ["eval", str(EXAMPLE), f"output_dir={tmp_path / 'run'}", *overrides, "--no-progress"]
+        (["tokenizer=nosuchmodel"], "model 'nosuchmodel' is neither a built-in model"),
+    )):
+        args = ["eval", str(EXAMPLE), f"output_dir={tmp_path / f'run-{i}'}", *overrides, "--no-progress"]
         done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120, cwd=REPO)
         assert done.returncode == 2, done.stderr
         *refusal, imported = done.stderr.strip().splitlines()

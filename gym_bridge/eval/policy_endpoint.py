@@ -22,6 +22,9 @@ def policy_endpoint(config: EvalConfig) -> Iterator[tuple[list[str], Tokenizer]]
     if not config.embedded:
         yield list(config.base_urls), endpoint_tokenizer(config)
         return
+    from gym_bridge.models.registry import check_model_reference
+
+    check_model_reference(config.tokenizer)  # an unknown model is one line before torch is imported
     from gym_bridge.generation.factory import EngineSpec, build_engine
     from gym_bridge.serving import OpenAIServer
 

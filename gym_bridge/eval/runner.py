@@ -290,11 +290,11 @@ def _run_pending(
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if not config.embedded:
         preflight_policy(config, list(config.base_urls), pending)
-    from gym_bridge.recipes.launch import start_nemo_gym
-
     with policy_endpoint(config) as (base_urls, tokenizer):
         if config.embedded:
             preflight_policy(config, base_urls, pending)
+        from gym_bridge.recipes.launch import start_nemo_gym
+
         spec = launch_spec(config, base_urls, pending)
         rollouts = start_nemo_gym(spec, tokenizer)
         try:

@@ -176,14 +176,15 @@ def _train(args: argparse.Namespace) -> int:
 
     from gym_bridge.config.overrides import load_with_overrides
     from gym_bridge.failures.errors import SettingError
-    from gym_bridge.recipes.train import train
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     for noisy in ("httpx", "gym_bridge.gym", "gym_bridge.serving", "gym_bridge.rollout", "ray", "mlflow", "alembic"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    config = load_with_overrides(args.config, args.overrides)
+    config = load_with_overrides(args.config, args.overrides)  # an unreadable config or bad key: before torch loads
     if args.out is None and args.resume:
         raise SettingError("--resume needs --out, the run folder to continue")
+    from gym_bridge.recipes.train import train
+
     stem = args.config.rstrip("/").split("/")[-1].rsplit(".", 1)[0]
     out = args.out or f"runs/{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
     try:

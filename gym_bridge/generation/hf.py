@@ -354,6 +354,9 @@ class HFGeneration(GenerationInterface):
             if not self._pause.is_set() and pending:
                 free = self.cfg.max_batch_size - (len(batch) if batch is not None else 0)
                 joining, pending[:] = pending[:free], pending[free:]
+                # The gauges count joining rows as running while they prefill (as vLLM counts a scheduled prefill).
+                self._rows_running = (len(batch) if batch is not None else 0) + len(joining)
+                self._rows_pending = len(pending)
                 if joining:
                     with self._model_lock, torch.inference_mode():
                         if batch is None:

@@ -23,6 +23,7 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -70,21 +71,37 @@ def rows(prompts: list[list[int]], cap: int) -> list[Row]:
     ]
 
 
-def median_time(fn: Callable[[], object], reps: int) -> float:
-    """The median wall time of ``fn`` over ``reps`` calls, after one untimed call."""
-    fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
+@dataclass
+class Timed:
+    """Wall and CPU seconds of this process (CPU time is less disturbed by other work on a shared machine)."""
+
+    wall: float = 0.0
+    cpu: float = 0.0
+
+    @classmethod
+    def of(cls, fn: Callable[[], object]) -> Timed:
+        """How long ``fn()`` took."""
+        wall, cpu = time.perf_counter(), time.process_time()
         fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        return cls(time.perf_counter() - wall, time.process_time() - cpu)
+
+
+def best_times(fns: list[Callable[[], object]], reps: int) -> list[float]:
+    """The least CPU time of each of ``fns`` over ``reps`` interleaved rounds, after one untimed round."""
+    best = [float("inf")] * len(fns)
+    for rep in range(reps + 1):
+        for i, fn in enumerate(fns):
+            took = Timed.of(fn).cpu
+            if rep:
+                best[i] = min(best[i], took)
+    return best
 
 
 def sdpa(lengths: list[int], rows_n: int, reps: int) -> None:
     """Attention over a contiguous cache and over a view with spare columns; one column appended by torch.cat."""
     sdpa_fn = torch.nn.functional.scaled_dot_product_attention
-    print("\nsdpa: one decode step's attention, 30 layers (SmolLM2: 3 KV heads x 3, head size 64, padding mask)")
+    print(f"\nsdpa: {rows_n} rows, one decode step's attention in 30 layers, least CPU time of {reps} rounds")
+    print("(SmolLM2's shapes: 3 KV heads x 3 query heads, head size 64, a padding mask)")
     print(f"{'columns':>8}{'contiguous ms':>15}{'view ms':>10}{'view/contig':>13}{'cat ms':>9}{'max diff':>10}")
     for length in lengths:
         g = torch.Generator().manual_seed(length)
@@ -96,9 +113,14 @@ def sdpa(lengths: list[int], rows_n: int, reps: int) -> None:
         mask = torch.zeros(rows_n, 1, 1, length)
         mask[0, :, :, : length // 4] = torch.finfo(torch.float32).min  # row 0 left-padded
         new = torch.randn(rows_n, 3, 1, 64, generator=g)
-        contiguous = median_time(lambda: [sdpa_fn(query, keys, values, attn_mask=mask) for _ in range(30)], reps)
-        viewed = median_time(lambda: [sdpa_fn(query, view_k, view_v, attn_mask=mask) for _ in range(30)], reps)
-        cat = median_time(lambda: [(torch.cat([keys, new], 2), torch.cat([values, new], 2)) for _ in range(30)], reps)
+        contiguous, viewed, cat = best_times(
+            [
+                lambda: [sdpa_fn(query, keys, values, attn_mask=mask) for _ in range(30)],
+                lambda: [sdpa_fn(query, view_k, view_v, attn_mask=mask) for _ in range(30)],
+                lambda: [(torch.cat([keys, new], 2), torch.cat([values, new], 2)) for _ in range(30)],
+            ],
+            reps,
+        )
         diff = (sdpa_fn(query, keys, values, attn_mask=mask) - sdpa_fn(query, view_k, view_v, attn_mask=mask)).abs()
         print(f"{length:>8}{contiguous * 1e3:>15.2f}{viewed * 1e3:>10.2f}{viewed / contiguous:>12.2f}x", end="")
         print(f"{cat * 1e3:>9.2f}{float(diff.max()):>10.1e}")
@@ -106,73 +128,80 @@ def sdpa(lengths: list[int], rows_n: int, reps: int) -> None:
 
 def decode_once(
     model: torch.nn.Module, tok: object, prompts: list[list[int]], new: int, growing: bool, cache: PrefixCache
-) -> tuple[float, list[float], list[Row]]:
-    """Admit ``prompts`` (their prefixes cached), then time the decode steps: (wall s, per-step s, rows)."""
+) -> tuple[Timed, list[Row]]:
+    """Admit ``prompts`` (their prefixes cached), then time the decode steps."""
     batch = RunningBatch(context(model, tok, growing, cache), 0)
     joining = rows(prompts, new)
+
+    def steps() -> None:
+        while len(batch):
+            batch.step()
+
     with torch.inference_mode():
         batch.admit(joining)
-        steps: list[float] = []
-        start = time.perf_counter()
-        while len(batch):
-            t = time.perf_counter()
-            batch.step()
-            steps.append(time.perf_counter() - t)
-    return time.perf_counter() - start, steps, joining
+        took = Timed.of(steps)
+    return took, joining
 
 
 def decode(model: torch.nn.Module, tok: object, cases: list[tuple[str, int, int, int]], reps: int) -> None:
-    """Each case's rows decoded with DynamicCache (old) and the growing cache (new), alternating."""
+    """Each case's rows decoded with DynamicCache (old) and the growing cache (new), alternating; medians."""
     vocab = int(model.config.vocab_size)
-    print("\ndecode: seeded sampled rows, decode steps only (prompts prefilled from the prefix cache)")
-    print(f"{'case':<24}{'old s':>8}{'new s':>8}{'old/new':>9}{'old ms/step':>13}{'new ms/step':>13}", end="")
-    print(f"{'tokens':>8}{'max |dlogprob|':>16}")
+    print(
+        f"\ndecode: seeded sampled rows, decode steps only (prompts prefilled from the prefix cache), median of {reps}"
+    )
+    print(f"{'case':<30}{'wall old/new s':>16}{'old/new':>9}{'CPU old/new s':>16}{'old/new':>9}", end="")
+    print(f"{'ms/step old/new':>17}{'tokens':>8}{'max |dlogprob|':>16}")
     for name, n_rows, length, new in cases:
         prompts = [ids(length, 1000 + r, vocab) for r in range(n_rows)]
         cache = PrefixCache(16, 8 << 30)
         decode_once(model, tok, prompts, 1, True, cache)  # fills the prefix cache
-        runs: dict[bool, list[tuple[float, list[float], list[Row]]]] = {False: [], True: []}
+        runs: dict[bool, list[tuple[Timed, list[Row]]]] = {False: [], True: []}
         for _ in range(reps):
             for growing in (False, True):
                 runs[growing].append(decode_once(model, tok, prompts, new, growing, cache))
-        old_s, new_s = (statistics.median(r[0] for r in runs[g]) for g in (False, True))
-        old_step, new_step = (statistics.median(s for r in runs[g] for s in r[1]) for g in (False, True))
-        same = all(
-            a.result is not None and b.result is not None and a.result.tokens == b.result.tokens
+        old_s, new_s = (statistics.median(r[0].wall for r in runs[g]) for g in (False, True))
+        old_cpu, new_cpu = (statistics.median(r[0].cpu for r in runs[g]) for g in (False, True))
+        pairs = [
+            (a.result, b.result)
             for ra, rb in zip(runs[False], runs[True], strict=True)
-            for a, b in zip(ra[2], rb[2], strict=True)
-        )
+            for a, b in zip(ra[1], rb[1], strict=True)
+        ]
+        same = all(a is not None and b is not None and a.tokens == b.tokens for a, b in pairs)
         worst = max(
-            float((torch.tensor(a.result.logprobs) - torch.tensor(b.result.logprobs)).abs().max())
-            for ra, rb in zip(runs[False], runs[True], strict=True)
-            for a, b in zip(ra[2], rb[2], strict=True)
-            if a.result is not None and b.result is not None
+            float((torch.tensor(a.logprobs) - torch.tensor(b.logprobs)).abs().max())
+            for a, b in pairs
+            if a is not None and b is not None
         )
-        print(f"{name:<24}{old_s:>8.2f}{new_s:>8.2f}{old_s / new_s:>8.2f}x{old_step * 1e3:>13.1f}", end="")
-        print(f"{new_step * 1e3:>13.1f}{'equal' if same else 'DIFFER':>8}{worst:>16.1e}")
+        per_step = f"{old_s / (new - 1) * 1e3:.0f}/{new_s / (new - 1) * 1e3:.0f}"
+        print(f"{name:<30}{f'{old_s:.2f}/{new_s:.2f}':>16}{old_s / new_s:>8.2f}x", end="")
+        print(f"{f'{old_cpu:.2f}/{new_cpu:.2f}':>16}{old_cpu / new_cpu:>8.2f}x{per_step:>17}", end="")
+        print(f"{'equal' if same else 'DIFFER':>8}{worst:>16.1e}")
 
 
 def wait(model: torch.nn.Module, tok: object, shared: list[int], n_rows: int, suffix: int, reps: int) -> None:
     """Prefill-only rows sharing a prefix, waiting for the first row's blocks (a second pass) or not."""
     vocab = int(model.config.vocab_size)
-    print(f"\nwait: {n_rows} rows, S shared tokens + {suffix} own tokens each, prefill only, empty prefix cache")
-    print(f"{'S':>6}{'wait s':>9}{'no wait s':>11}{'no wait/wait':>14}{'passes wait/no':>16}")
+    print(f"\nwait: {n_rows} rows of S shared + {suffix} own tokens join at once, prefill only (1 new token), empty")
+    print(f"prefix cache; waiting = one prefill for the first row, one for the rest; median of {reps}")
+    print(f"{'S':>6}{'wall wait/no s':>16}{'no/wait':>9}{'CPU wait/no s':>16}{'no/wait':>9}{'passes':>8}")
+    never = 1 << 30
     for s in shared:
         prefix = ids(s, 7, vocab)
         prompts = [prefix + ids(suffix, 100 + r, vocab) for r in range(n_rows)]
-        times: dict[int, list[float]] = {0: [], 1 << 30: []}
+        times: dict[int, list[Timed]] = {0: [], never: []}
         passes: dict[int, int] = {}
         for rep in range(reps + 1):
             for threshold in times:
                 ctx = context(model, tok, True, PrefixCache(16, 1 << 30, wait_min_tokens=threshold))
-                start = time.perf_counter()
                 with torch.inference_mode():
-                    decode_to_end(ctx, rows(prompts, 1), 0)
+                    took = Timed.of(lambda: decode_to_end(ctx, rows(prompts, 1), 0))  # noqa: B023
                 if rep:  # the first round warms up
-                    times[threshold].append(time.perf_counter() - start)
+                    times[threshold].append(took)
                 passes[threshold] = ctx.stats.forward_passes
-        on, off = (statistics.median(times[t]) for t in (0, 1 << 30))
-        print(f"{s:>6}{on:>9.3f}{off:>11.3f}{off / on:>13.2f}x{f'{passes[0]}/{passes[1 << 30]}':>16}")
+        on, off = (statistics.median(t.wall for t in times[k]) for k in (0, never))
+        on_cpu, off_cpu = (statistics.median(t.cpu for t in times[k]) for k in (0, never))
+        print(f"{s:>6}{f'{on:.3f}/{off:.3f}':>16}{off / on:>8.2f}x{f'{on_cpu:.3f}/{off_cpu:.3f}':>16}", end="")
+        print(f"{off_cpu / on_cpu:>8.2f}x{f'{passes[0]}/{passes[never]}':>8}")
 
 
 def main() -> None:
@@ -192,7 +221,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.reps} reps per setting")
     if "sdpa" in args.only:
-        sdpa([args.short[1], args.long[1]], args.short[0], max(args.reps, 5))
+        sdpa([args.short[1], args.long[1]], args.short[0], max(args.reps, 10))
     if {"decode", "wait"} & set(args.only):
         path = resolve_model_path(args.model)
         tok, model = load_causal_lm(str(path), "float32")

@@ -12,6 +12,7 @@ hashes) cannot change. ``assert_same`` also checks tokens and a ``LOGPROB_TOL`` 
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from gym_bridge.generation.hf_config import HFGenerationStats, RowSampling
@@ -197,6 +198,7 @@ def test_a_long_prompt_decodes_as_over_dynamic_cache(tiny_lm) -> None:
     assert assert_same(new, old) == len(new)
 
 
+@pytest.mark.slow
 def test_smollm2_decodes_as_over_dynamic_cache(smollm2_model_dir) -> None:
     """SmolLM2 groups 3 query heads per KV head, so a decode step's attention reads the cache views directly
     (transformers packs the query instead of repeating keys), unlike the tiny model's."""
@@ -205,14 +207,12 @@ def test_smollm2_decodes_as_over_dynamic_cache(smollm2_model_dir) -> None:
     tok, model = load_causal_lm(str(smollm2_model_dir))
     model.eval()
     vocab = int(model.config.vocab_size)
-    prefix = random_ids(300, 11, vocab)
-    waves = [
-        (0, [(random_ids(700, 12, vocab), 4, 0), (prefix, 12, 1), (prefix, 12, 2), (random_ids(40, 13, vocab), 10, 3)]),
-        (3, [(prefix + random_ids(20, 14, vocab), 8, 4), (random_ids(150, 15, vocab), 6, 5)]),
-    ]
+    prefix = random_ids(200, 11, vocab)
+    first = [(random_ids(400, 12, vocab), 4, 0), (prefix, 10, 1), (prefix, 10, 2), (random_ids(40, 13, vocab), 8, 3)]
+    waves = [(0, first), (3, [(prefix + random_ids(20, 14, vocab), 6, 4), (random_ids(100, 15, vocab), 5, 5)])]
     new, old, lengths = both(model, tok, waves, sharing=True)
     assert assert_same(new, old) == len(new)
-    assert lengths[2] > 700 and lengths[3] < 700  # the 700-token row left and its columns were trimmed
+    assert lengths[2] > 400 and lengths[3] < 400  # the 400-token row left and its columns were trimmed
 
 
 # ---------------------------------------------------------------------------------- the wait threshold of waves
@@ -221,11 +221,14 @@ def test_smollm2_decodes_as_over_dynamic_cache(smollm2_model_dir) -> None:
 def test_a_row_waits_for_a_shared_part_only_when_it_is_long_enough() -> None:
     short, long_ = random_ids(32, 1), random_ids(96, 2)
     prompts = [short + random_ids(20, 3), short + random_ids(20, 4), [*long_, 7, 8], [*long_, 9, 9], [*long_, 7, 8]]
-    for threshold, waiting in ((0, [1, 3, 4]), (64, [3, 4]), (1000, [4])):
+    prompts += [short + random_ids(5, 5), short + random_ids(5, 5)]
+    # Waiting, rows 1, 3, 5 and 6 find 32 + 96 + 32 + 32 tokens that rows 0 and 2 compute. Row 4 repeats row 2's
+    # prompt and copies its rows with no second pass, at any threshold; with no second pass, row 5 computes its own
+    # prompt and row 6, which repeats it, copies row 5's rows.
+    for threshold, waiting in ((0, [1, 3, 4, 5, 6]), (192, [1, 3, 4, 5, 6]), (193, [4, 6])):
         cache = PrefixCache(16, 1 << 20, wait_min_tokens=threshold)
         first, second = cache.waves(prompts, [cache.block_names(p) for p in prompts])
-        # Row 4 repeats row 2's prompt: it copies row 2's rows with no second pass, at any threshold.
-        assert second == waiting and first == [i for i in range(5) if i not in waiting]
+        assert second == waiting and first == [i for i in range(7) if i not in waiting]
 
 
 def test_every_threshold_gives_the_same_rows(tiny_lm) -> None:

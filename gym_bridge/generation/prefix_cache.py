@@ -30,8 +30,8 @@ from typing import Any
 import torch
 
 _ROOT = b"gym-bridge-prefix-cache"
-#: A joining row waits one prefill for another joining row's blocks only when they hold at least this many of its
-#: tokens (``benchmarks/kv_cache.py --wait`` measures where waiting starts to pay).
+#: Rows that join together wait a second prefill pass for blocks another of them computes only when they find at least
+#: this many prompt tokens there (:meth:`PrefixCache.waves`; ``benchmarks/kv_cache.py --only wait`` measures it).
 WAIT_MIN_TOKENS = 64
 
 
@@ -47,8 +47,8 @@ class PrefixCache:
     """KV blocks of token prefixes, keyed by their hash chain, with a byte budget and LRU eviction."""
 
     def __init__(self, block_size: int, max_bytes: int, wait_min_tokens: int = WAIT_MIN_TOKENS) -> None:
-        """An empty cache of ``block_size``-token blocks holding at most ``max_bytes`` of keys and values; a joining
-        row waits for another joining row's blocks when they hold at least ``wait_min_tokens`` tokens (:meth:`waves`).
+        """An empty cache of ``block_size``-token blocks holding at most ``max_bytes`` of keys and values; rows that
+        join together wait a second prefill for each other's blocks when that saves ``wait_min_tokens`` (:meth:`waves`).
         """
         self.block_size = block_size
         self.max_bytes = max_bytes
@@ -101,28 +101,39 @@ class PrefixCache:
     def waves(self, prompts: Sequence[Sequence[int]], names: Sequence[Sequence[bytes]]) -> tuple[list[int], list[int]]:
         """Split rows that join together into those prefilled first and those that wait for blocks the first compute.
 
-        A row waits when the first blocks it misses are ones an earlier row of the first wave computes, and either its
-        prompt is that row's (the N samples of one prompt: it copies that row's cache, with no forward pass) or they
-        hold at least ``wait_min_tokens`` tokens (waiting costs a second prefill pass, which a short shared part
-        does not repay).
+        A row may wait when the first blocks it misses are ones an earlier row of the first wave computes. If its
+        prompt is that row's (the N samples of one prompt), it waits and then copies that row's cache with no forward
+        pass. The others wait for a second prefill pass only when together they find at least ``wait_min_tokens``
+        tokens there that they would otherwise compute: a pass has a cost of its own, which a short shared part does
+        not repay; else they are prefilled in the first wave.
         """
         coming: set[bytes] = set()
         leaders: set[tuple[int, ...]] = set()
         first: list[int] = []
-        second: list[int] = []
+        copies: list[int] = []
+        waiting: list[int] = []
+        saved = 0
         for i, (prompt, row_names) in enumerate(zip(prompts, names, strict=True)):
             usable = row_names[: self.usable(len(prompt), row_names)]
             have = self.cached_count(usable)
             gain = 0
             while have + gain < len(usable) and usable[have + gain] in coming:
                 gain += 1
-            if gain and (tuple(prompt) in leaders or gain * self.block_size >= self.wait_min_tokens):
-                second.append(i)
+            if gain and tuple(prompt) in leaders:
+                copies.append(i)
+            elif gain:
+                waiting.append(i)
+                saved += gain * self.block_size
             else:
                 first.append(i)
                 coming.update(row_names)
                 leaders.add(tuple(prompt))
-        return first, second
+        if saved < self.wait_min_tokens:
+            for i in waiting:  # no second pass: each computes its prompt, or copies an identical one's
+                (copies if tuple(prompts[i]) in leaders else first).append(i)
+                leaders.add(tuple(prompts[i]))
+            waiting = []
+        return sorted(first), sorted(copies + waiting)
 
     def lookup(self, prompt_len: int, names: Sequence[bytes]) -> list[torch.Tensor]:
         """The cached blocks of the longest usable cached prefix; counts the query and the hit."""

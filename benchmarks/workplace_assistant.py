@@ -149,6 +149,7 @@ def main() -> int:
             max_seq_len=args.max_seq_len,
             rollout_timeout_s=args.rollout_timeout_s,
             request_timeout_s=args.request_timeout_s,
+            preflight_timeout_s=120.0,  # the preflight's chats run on the same CPUs as everything else
             temperature=0.7,
             top_p=0.95,
             seed=0,

@@ -102,7 +102,8 @@ class RunningBatch:
         """Prefill ``rows`` and add them; rows with nothing to generate finish at once (truncated).
 
         With a prefix cache, each row starts from its longest cached prefix, and a row whose next block
-        another joining row is about to compute waits one prefill for it (:meth:`PrefixCache.waves`); a row
+        another joining row is about to compute waits one prefill for it when the rows waiting save enough of their
+        prompts to repay that pass (:meth:`PrefixCache.waves`); a row
         whose whole prompt is another joining row's takes that row's keys, values and logits (:meth:`_copy_rows`).
         """
         ctx = self.ctx

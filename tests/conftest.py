@@ -33,7 +33,7 @@ SHARED = (SHARED_GYM, SHARED_EVAL_RAY)
 """Session fixtures whose users run one after another and which stop right after their last user."""
 RAY_LANE, LOCAL_LANE = "ray", "local"
 GYM_LAYER_MODULES = ("test_gym_", "test_nemo_gym")  # with the gym-marked tests: what the compat lanes run
-BALANCING_MODULES = ("test_cli_errors.py",)
+BALANCING_MODULES = ("test_cli_errors.py", "test_kv_cache.py", "test_shared_prefix.py")
 """Modules that need no Ray but run in the Ray lane: the local lane holds every end-to-end flow with a Ray of its own
 or the evals' (``eval_ray_env``), so these even out the lane totals ``make test`` prints."""
 _LAST_USERS = pytest.StashKey[dict[str, pytest.Item]]()

@@ -121,6 +121,10 @@ class GymVersion:
     token_id_capture: bool
     """0.7: Gym's model server records token ids under a rollout's capture key (``token_id_capture``), for agents
     whose responses carry none; the NemoGym actor finalises them (:mod:`gym_bridge.gym.token_capture`)."""
+    cancels_on_disconnect: bool
+    """0.7: every Gym server cancels a request whose client disconnects (``ClientDisconnectCancellationMiddleware``),
+    so a ``/run`` the actor gives up on stops down to the model endpoint; 0.4.0 and 0.5.1 have no such middleware
+    (their agents run an abandoned row to its end)."""
     head_readiness_path: str
     """The head server's readiness route: ``/readyz`` (0.7, 200 once every server and endpoint answered) or ``/``."""
     global_config: JsonObject = field(default_factory=dict)
@@ -165,6 +169,7 @@ def gym_version(version: str | Version) -> GymVersion:
             + ((ROLLOUT_ID_KEY,) if at_least("0.7") else ())
         ),
         token_id_capture=at_least("0.7"),
+        cancels_on_disconnect=at_least("0.7"),
         head_readiness_path="/readyz" if at_least("0.7") else "/",
         global_config={"model_endpoint_readiness_timeout_seconds": 0} if at_least("0.5") else {},
     )

@@ -166,12 +166,11 @@ class HFPolicy(PolicyInterface):
                 return model(**inputs)
             return torch.func.functional_call(model, dict(weights), args=(), kwargs=inputs)
 
+        input_ids, lengths = input_ids.to(self.device), lengths.to(self.device)
         if self.cfg.shared_prefix and input_ids.shape[0] > 1 and int(lengths.min()) >= 2:
             runs = plan_prefixes(input_ids, lengths)
             if worth_sharing(runs, lengths):
-                ids, lens = input_ids.to(self.device), lengths.to(self.device)
-                return shared_prefix_logprobs(forward, ids, lens, runs, first, self.cfg.temperature)
-        input_ids, lengths = input_ids.to(self.device), lengths.to(self.device)
+                return shared_prefix_logprobs(forward, input_ids, lengths, runs, first, self.cfg.temperature)
         attention = length_mask(lengths, input_ids.shape[1]).long()
         keep = {"logits_to_keep": input_ids.shape[1] - first + 1} if first > 1 else {}
         logits = forward(input_ids=input_ids, attention_mask=attention, use_cache=False, **keep).logits

@@ -99,11 +99,15 @@ async def _chat(ac: httpx.AsyncClient, url: str, messages: list[dict[str, Any]],
 
 
 async def two_turns(ac: httpx.AsyncClient, url: str, i: int) -> dict[str, Any]:
-    """Gym's pattern: turn 2 sends turn 1 back with its token ids. Drift: turn 2's prompt does not extend them."""
+    """Gym's pattern: turn 2 sends turn 1 back with its token ids. Drift: turn 2's prompt does not extend them.
+
+    Both turns are seeded (by ``i``), so how many of the trials would drift is a fixed count, not a coin toss
+    around the thresholds below.
+    """
     user = {"role": "user", "content": f"Tell me story number {i}."}
-    first = (await _chat(ac, url, [user])).json()["choices"][0]["message"]
+    first = (await _chat(ac, url, [user], seed=i)).json()["choices"][0]["message"]
     assistant = {"role": "assistant", "content": first["content"] or "", **{k: first[k] for k in TOKEN_FIELDS}}
-    r2 = await _chat(ac, url, [user, assistant, {"role": "user", "content": "Go on."}])
+    r2 = await _chat(ac, url, [user, assistant, {"role": "user", "content": "Go on."}], seed=TRIALS + i)
     second = r2.json()["choices"][0]
     carried = first["prompt_token_ids"] + first["generation_token_ids"]
     prompt2 = second["message"]["prompt_token_ids"]

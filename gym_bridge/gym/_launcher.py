@@ -5,11 +5,12 @@ own. Gym keeps its config, head server and aiohttp client process-wide, so one
 launcher per ``GymServers`` keeps two of them apart, and the launcher's process
 group holds every server, so killing the group leaves nothing behind.
 
-It changes three things in Gym: each server's output goes to its own log file
+It changes four things in Gym: each server's output goes to its own log file
 (Gym's ``tee`` wrapper would orphan the servers), a server whose start command
-would create a venv or install packages is refused, and each server is forked
+would create a venv or install packages is refused, each server is forked
 from a process that imported NeMo-Gym's dependencies once (:mod:`gym_bridge.gym._forkserver`)
-instead of starting a fresh interpreter. It reports to the
+instead of starting a fresh interpreter, and Gym polls its head and servers every 0.2 s
+instead of every 3 s (a set is ready ~2.5 s sooner). It reports to the
 parent through a JSON status file: ``phase`` (parsing, spawning, ready, failed),
 ``servers`` (name -> host, port, pid, log), ``routes`` (:mod:`gym_bridge.gym._gym_routes`) and ``error``.
 """
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
     from omegaconf import DictConfig
 
 _INSTALL_MARKERS = ("uv venv", "uv pip install")
+_GYM_POLL_S = 0.2
 
 
 class _Status:
@@ -162,6 +164,12 @@ def _make_run_command(
     return run_command
 
 
+def _short_sleep(seconds: float) -> None:
+    """Gym's ``RunHelper`` sleeps 3 s between polls of its head and its servers; polling every
+    :data:`_GYM_POLL_S` marks the head ready within that of the last server answering."""
+    time.sleep(min(seconds, _GYM_POLL_S))
+
+
 def main(argv: list[str]) -> int:
     spec = json.loads(Path(argv[1]).read_text())
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -191,6 +199,7 @@ def main(argv: list[str]) -> int:
             routes=gym_routes(global_config_dict),
         )
         gym_env.run_command = _make_run_command(status, Path(spec["log_dir"]), forks)
+        gym_env.sleep = _short_sleep
         gym_env.RunHelper().start(global_config_dict_parser_config=parser_config)
     except BaseException as exc:
         summary = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"

@@ -15,12 +15,15 @@ from dataclasses import replace
 import pytest
 import torch
 
+from gym_bridge.config.run_settings import grpo_run_settings
 from gym_bridge.data import datum_from_gym_row
 from gym_bridge.failures import RefitMismatch, RolloutStall, StepBatchShortfall
+from gym_bridge.gym.admission import AdmissionSettings
 from gym_bridge.gym.client import GymClient
 from gym_bridge.gym.versions import installed_gym
-from gym_bridge.testing.gym_rows import EQUIVALENCE_AGENT, gym_dataset_collate
 from gym_bridge.policy import HFPolicy, HFPolicyConfig
+from gym_bridge.recipes.grpo_run import build_grpo_run, validator_from
+from gym_bridge.testing.gym_rows import EQUIVALENCE_AGENT, gym_dataset_collate
 from gym_bridge.training import (
     ClippedPGLossConfig,
     GRPOLoopConfig,
@@ -31,7 +34,6 @@ from gym_bridge.training import (
 )
 from gym_bridge.training.refit import refit
 from gym_bridge.types import GenerationSamplingParams
-from gym_bridge.recipes.grpo_run import build_grpo_run
 
 pytestmark = [pytest.mark.gym, pytest.mark.slow]
 
@@ -58,15 +60,19 @@ def tiny_config(data_path, log_dir):
             },
         },
         "checkpointing": {"enabled": False},
-        "env": {"nemo_gym": {
-            "config_paths": ["responses_api_models/vllm_model/configs/vllm_model_for_training.yaml",
-                             "resources_servers/equivalence_rule/configs/lc.yaml"],
-            "lc_equivalence_rule": {"resources_servers": {"equivalence_rule": {"grading_rule": "seq_match"}}},
-            "rollout_timeout_s": 120,
-            "startup_timeout_s": 150,
-            "log_dir": str(log_dir),
-            "actor_options": {"num_cpus": 0},
-        }},
+        "env": {
+            "nemo_gym": {
+                "config_paths": [
+                    "responses_api_models/vllm_model/configs/vllm_model_for_training.yaml",
+                    "resources_servers/equivalence_rule/configs/lc.yaml",
+                ],
+                "lc_equivalence_rule": {"resources_servers": {"equivalence_rule": {"grading_rule": "seq_match"}}},
+                "rollout_timeout_s": 120,
+                "startup_timeout_s": 150,
+                "log_dir": str(log_dir),
+                "actor_options": {"num_cpus": 0},
+            }
+        },
         "data": {"path": str(data_path)},
     }
 
@@ -94,8 +100,13 @@ def built(grpo_run):
     """What the tests change of the run, as it was built: the policy's weights, optimizer and schedule state (the
     learning rates with them) and steps taken, and the manager's retry policy."""
     policy = grpo_run.policy
-    return (copy.deepcopy(policy.model.state_dict()), copy.deepcopy(policy.optimizer.state_dict()),
-            copy.deepcopy(policy.scheduler.state_dict()), policy.steps_taken, grpo_run.trainer.manager.retry_policy)
+    return (
+        copy.deepcopy(policy.model.state_dict()),
+        copy.deepcopy(policy.optimizer.state_dict()),
+        copy.deepcopy(policy.scheduler.state_dict()),
+        policy.steps_taken,
+        grpo_run.trainer.manager.retry_policy,
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -116,9 +127,16 @@ def recipe_trainer(run, tmp_path):
     from gym_bridge.training import TrainerState
 
     base = run.trainer
-    return GRPOTrainer(base.cfg, manager=base.manager, policy=base.policy, engine=base.engine,
-                       dataset=base.prompts.dataset, out_dir=tmp_path,
-                       state=TrainerState(weight_version=base.manager.weight_version), validator=base.validator)
+    return GRPOTrainer(
+        base.cfg,
+        manager=base.manager,
+        policy=base.policy,
+        engine=base.engine,
+        dataset=base.prompts.dataset,
+        out_dir=tmp_path,
+        state=TrainerState(weight_version=base.manager.weight_version),
+        validator=base.validator,
+    )
 
 
 def trainer_like(run, tmp_path, *, engine=None, validator=None, **cfg):
@@ -128,9 +146,16 @@ def trainer_like(run, tmp_path, *, engine=None, validator=None, **cfg):
     base = run.trainer
     if cfg.get("async_rollouts"):
         cfg.setdefault("loss", ClippedPGLossConfig(use_importance_sampling_correction=True))
-    return GRPOTrainer(GRPOLoopConfig(num_prompts_per_step=2, **cfg), manager=base.manager, policy=base.policy,
-                       engine=engine or base.engine, dataset=base.prompts.dataset, out_dir=tmp_path,
-                       state=TrainerState(weight_version=base.manager.weight_version), validator=validator)
+    return GRPOTrainer(
+        GRPOLoopConfig(num_prompts_per_step=2, **cfg),
+        manager=base.manager,
+        policy=base.policy,
+        engine=engine or base.engine,
+        dataset=base.prompts.dataset,
+        out_dir=tmp_path,
+        state=TrainerState(weight_version=base.manager.weight_version),
+        validator=validator,
+    )
 
 
 async def test_sync_steps_are_on_policy_and_tag_every_group_with_its_version(grpo_run, tmp_path):
@@ -169,8 +194,7 @@ async def test_refit_reaches_the_engine_and_a_skipped_refit_shows_at_once(grpo_r
 
 
 async def test_async_rollouts_run_up_to_the_age_bound_ahead_and_never_train_on_older_groups(grpo_run, tmp_path):
-    relaxed = trainer_like(grpo_run, tmp_path / "one", async_rollouts=True, max_trajectory_age_steps=1,
-                           max_num_steps=3)
+    relaxed = trainer_like(grpo_run, tmp_path / "one", async_rollouts=True, max_trajectory_age_steps=1, max_num_steps=3)
     start = relaxed.state.weight_version
     history = await relaxed.run()
     assert [m["staleness/trained_start_versions"] for m in history] == [[start], [start], [start + 1]]
@@ -180,8 +204,14 @@ async def test_async_rollouts_run_up_to_the_age_bound_ahead_and_never_train_on_o
         assert m["train/engine_mismatch_abs_diff_mean"] < ON_POLICY_ATOL, m
         assert m["train/engine_mismatch_tokens"] == m["train/policy_step_tokens"], "every sampling version kept"
     # Two steps of lookahead: steps 1 and 2 are rolled out on the weights step 0 trains.
-    two = trainer_like(grpo_run, tmp_path / "two", async_rollouts=True, max_trajectory_age_steps=2,
-                       in_flight_weight_updates=True, max_num_steps=4)
+    two = trainer_like(
+        grpo_run,
+        tmp_path / "two",
+        async_rollouts=True,
+        max_trajectory_age_steps=2,
+        in_flight_weight_updates=True,
+        max_num_steps=4,
+    )
     start = two.state.weight_version
     history = await two.run()
     assert [m["staleness/trained_start_versions"] for m in history] == [[start], [start], [start], [start + 1]]
@@ -191,16 +221,19 @@ async def test_async_rollouts_run_up_to_the_age_bound_ahead_and_never_train_on_o
 async def test_a_group_older_than_the_bound_is_dropped_counted_and_its_prompts_drawn_again(grpo_run, tmp_path):
     trainer = trainer_like(grpo_run, tmp_path, async_rollouts=True, max_trajectory_age_steps=1)
     old = await trainer.rollout(0)
-    old_prompts = sorted(json.dumps(g.record.completions[0].env_extras["responses_create_params"]["input"])
-                         for g in old)
+    old_prompts = sorted(
+        json.dumps(g.record.completions[0].env_extras["responses_create_params"]["input"]) for g in old
+    )
     await trainer.train_step(0, await trainer.rollout(1), 0.0)
     await trainer.train_step(1, await trainer.rollout(2), 0.0)
     metrics = await trainer.train_step(2, old, 0.0)  # two versions old
     assert metrics["train/groups"] == 0 and metrics["staleness/dropped"] == 2
     assert metrics["staleness/requeued_total"] == 2 and len(trainer.prompts.state.requeued) == 2
     redone = await trainer.rollout(3)
-    assert sorted(json.dumps(g.record.completions[0].env_extras["responses_create_params"]["input"])
-                  for g in redone) == old_prompts, "the dropped prompts come back first"
+    assert (
+        sorted(json.dumps(g.record.completions[0].env_extras["responses_create_params"]["input"]) for g in redone)
+        == old_prompts
+    ), "the dropped prompts come back first"
     assert not trainer.prompts.state.requeued
 
 
@@ -237,18 +270,27 @@ async def test_steps_in_which_nothing_passes_say_the_run_has_stopped_learning(gr
 
 async def test_greedy_validation_through_gym_at_start_period_and_end(grpo_run, tmp_path):
     rows = [datum["extra_env_info"] for datum in grpo_run.trainer.prompts.dataset]
-    validator = GymValidator(GymClient(grpo_run.rollouts.actors), [ValidationSet("held", rows[:3]),
-                                                                    ValidationSet("other", rows[3:])],
-                             sampling=GenerationSamplingParams(temperature=0.0), max_new_tokens=6,
-                             results_path=tmp_path / "val_results.jsonl")
-    trainer = trainer_like(grpo_run, tmp_path, max_num_steps=2, val_at_start=True, val_period=1, val_at_end=True,
-                           validator=validator)
+    validator = GymValidator(
+        GymClient(grpo_run.rollouts.actors),
+        [ValidationSet("held", rows[:3]), ValidationSet("other", rows[3:])],
+        sampling=GenerationSamplingParams(temperature=0.0),
+        max_new_tokens=6,
+        results_path=tmp_path / "val_results.jsonl",
+    )
+    trainer = trainer_like(
+        grpo_run, tmp_path, max_num_steps=2, val_at_start=True, val_period=1, val_at_end=True, validator=validator
+    )
     first = await validator(0, trainer.state.weight_version)
     again = await validator(0, trainer.state.weight_version)
     assert first == again, "greedy through Gym: the same weights give the same answers"
     history = await trainer.run()
-    assert [(m["kind"], m["step"]) for m in history] == [("val", 0), ("train", 0), ("val", 1), ("train", 1),
-                                                         ("val", 2)], "val_at_end and the period do not repeat"
+    assert [(m["kind"], m["step"]) for m in history] == [
+        ("val", 0),
+        ("train", 0),
+        ("val", 1),
+        ("train", 1),
+        ("val", 2),
+    ], "val_at_end and the period do not repeat"
     lines = [json.loads(line) for line in (tmp_path / "val_results.jsonl").read_text().splitlines()]
     assert len(lines) == 5 * len(rows)
     for m in (h for h in history if h["kind"] == "val"):
@@ -259,6 +301,30 @@ async def test_greedy_validation_through_gym_at_start_period_and_end(grpo_run, t
     assert any(line["reply"] for line in lines), "the graded text is recorded"
 
 
+async def test_a_validation_admits_its_rows_through_the_training_clients_control(grpo_run, tmp_path):
+    """A validation runs beside the next step's rollouts on the same engine, so its rows count against the training
+    client's limit on rows in flight; a validator built without that control has one of its own with the run's
+    ``env.nemo_gym.admission`` settings, not the defaults."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps(datum["extra_env_info"]) + "\n" for datum in grpo_run.trainer.prompts.dataset))
+    config = tiny_config(rows, tmp_path / "gym-logs")
+    config["data"]["validation"] = {"data_path": str(rows)}
+    config["env"]["nemo_gym"]["admission"] = {"adaptive": False}
+    settings = grpo_run_settings(config)
+
+    shared = grpo_run.rollouts.admission
+    validator = validator_from(settings, grpo_run.rollouts.actors, tmp_path, admission=shared)
+    assert validator is not None and validator.client.admission is shared
+    shared.peak_in_flight = 0
+    metrics = await validator(0, grpo_run.trainer.manager.weight_version)
+    assert metrics["val/mean_tokens"] > 0
+    assert shared.peak_in_flight >= 1 and shared.in_flight == 0, "the validation's rows went through the shared control"
+
+    own = validator_from(settings, grpo_run.rollouts.actors, tmp_path)
+    assert own is not None and own.client.admission is not shared
+    assert own.client.admission.settings == AdmissionSettings(adaptive=False)
+
+
 async def test_without_in_flight_weight_updates_the_refit_waits_for_the_next_steps_rollouts(grpo_run, tmp_path):
     waiting = trainer_like(grpo_run, tmp_path / "wait", async_rollouts=True, max_num_steps=2)
     start = waiting.state.weight_version
@@ -267,8 +333,9 @@ async def test_without_in_flight_weight_updates_the_refit_waits_for_the_next_ste
     assert "time/refit_wait_s" not in history[1], history[1]  # the last step has no next
     # Step 1 was rolled out entirely before step 0's refit: all of it on the old weights, start and end.
     assert history[1]["staleness/trained_start_versions"] == [start]
-    in_flight = trainer_like(grpo_run, tmp_path / "in-flight", async_rollouts=True, in_flight_weight_updates=True,
-                             max_num_steps=2)
+    in_flight = trainer_like(
+        grpo_run, tmp_path / "in-flight", async_rollouts=True, in_flight_weight_updates=True, max_num_steps=2
+    )
     assert not any("time/refit_wait_s" in m for m in await in_flight.run())
 
 
@@ -323,8 +390,9 @@ class SkippingEngine:
         if self.refits < self.skip_from:
             return self.engine.update_weights(state_dict, version)
         if self.lose == "weights":
-            return self.engine.update_weights({k: v.clone() for k, v in self.engine.model.state_dict().items()},
-                                              version)
+            return self.engine.update_weights(
+                {k: v.clone() for k, v in self.engine.model.state_dict().items()}, version
+            )
         return None
 
 
@@ -338,8 +406,11 @@ async def test_a_refit_that_did_not_arrive_late_in_a_run_stops_it(grpo_run, tmp_
     policy.scheduler.base_lrs = [1e-7] * len(policy.scheduler.base_lrs)
     skipping = SkippingEngine(grpo_run.engine, skip_from=3, lose=lose)
     trainer = trainer_like(grpo_run, tmp_path, engine=skipping, max_num_steps=4)
-    expected = r"step 2: after the refit the engine serves weight version" if lose == "all" else \
-        r"step 2: the engine reports weight version \d+ but \d+ parameter\(s\) differ"
+    expected = (
+        r"step 2: after the refit the engine serves weight version"
+        if lose == "all"
+        else r"step 2: the engine reports weight version \d+ but \d+ parameter\(s\) differ"
+    )
     with pytest.raises(RefitMismatch, match=expected):
         await trainer.run()
     lines = [json.loads(line) for line in trainer.metrics_path.read_text().splitlines()]

@@ -75,10 +75,11 @@ class GymClient:
         stats: RolloutStats | None = None,
         timer_prefix: str = "timing/rollout",
         resend_env_infra_failures: bool = True,
-        admission: AdmissionSettings | None = None,
+        admission: AdmissionSettings | AdmissionControl | None = None,
     ) -> None:
         """``admission``: how rows in flight adapt to a saturated engine (default: adaptive);
-        ``AdmissionSettings(adaptive=False)`` sends every row at once and re-sends without pause."""
+        ``AdmissionSettings(adaptive=False)`` sends every row at once and re-sends without pause. Another client's
+        :class:`AdmissionControl` is shared: clients on one engine (training and validation) adapt together."""
         if not actors or any(actor is None for actor in actors):
             raise SettingError("GymClient needs at least one NemoGym actor")
         if max_gym_row_attempts < 1:
@@ -88,7 +89,9 @@ class GymClient:
         self.stats = stats if stats is not None else RolloutStats()
         self.timer_prefix = timer_prefix
         self.resend_env_infra_failures = resend_env_infra_failures
-        self.admission = AdmissionControl(admission or AdmissionSettings())
+        self.admission = (
+            admission if isinstance(admission, AdmissionControl) else AdmissionControl(admission or AdmissionSettings())
+        )
         self._in_flight = [0] * len(self.actors)
         self._dead: set[int] = set()
         self._routes: GymRoutes | None = None

@@ -22,6 +22,7 @@ from gym_bridge.config.keys import TrainingConfigError
 from gym_bridge.config.run_settings import GRPORunSettings, grpo_run_settings
 from gym_bridge.data import datum_from_gym_row
 from gym_bridge.generation.hf import HFGeneration
+from gym_bridge.gym.admission import AdmissionControl
 from gym_bridge.gym.client import GymClient
 from gym_bridge.gym.routing import GymRoutes
 from gym_bridge.gym.rows import ValidGymRow
@@ -44,12 +45,15 @@ def validator_from(
     actors: list[ActorHandle],
     out_dir: Path,
     *,
+    admission: AdmissionControl | None = None,
     reward_shaper: RewardShaper | None = None,
 ) -> GymValidator | None:
     """A :class:`GymValidator` over the run's Gym actors, or None when the config has no validation data.
 
     Validation rewards are shaped as training's are (``reward_shaper``; NeMo-RL's ``validate`` does the same);
-    each held-out group has the training groups' deadline, and its rows the run seed."""
+    each held-out group has the training groups' deadline, and its rows the run seed. ``admission``: the training
+    client's, shared, since a validation runs beside the next step's rollouts on the same engine (None: a control of
+    its own with ``env.nemo_gym.admission``'s settings)."""
     if not settings.validation_sets:
         return None
     sets = [
@@ -58,7 +62,11 @@ def validator_from(
     ]
     options = settings.validation
     return GymValidator(
-        GymClient(actors, timer_prefix="timing/validation"),
+        GymClient(
+            actors,
+            timer_prefix="timing/validation",
+            admission=admission or settings.rollout.launch.manager_options.get("admission"),
+        ),
         sets,
         sampling=options.sampling,
         max_new_tokens=options.max_new_tokens,
@@ -166,7 +174,11 @@ def start_grpo_run(settings: GRPORunSettings, out_dir: str | Path, *, resume: bo
             out_dir=out_dir,
             state=state,
             validator=validator_from(
-                settings, rollouts.actors, out_dir, reward_shaper=reward_shaper_from(settings.loop, engine.tokenizer)
+                settings,
+                rollouts.actors,
+                out_dir,
+                admission=rollouts.admission,
+                reward_shaper=reward_shaper_from(settings.loop, engine.tokenizer),
             ),
         )
     except BaseException:

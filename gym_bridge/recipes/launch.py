@@ -22,6 +22,7 @@ from gym_bridge.config.training import NemoGymRolloutSettings, nemo_gym_rollout_
 from gym_bridge.json_types import JsonMapping
 
 if TYPE_CHECKING:
+    from gym_bridge.gym.admission import AdmissionControl
     from gym_bridge.rollout.manager import RolloutManager
     from gym_bridge.types import ActorHandle, GenerationConfig, Tokenizer
 
@@ -40,6 +41,16 @@ class NemoGymRollouts:
     def actor(self) -> ActorHandle:
         """The first (usually the only) actor."""
         return self.actors[0]
+
+    @property
+    def admission(self) -> AdmissionControl:
+        """The rollout client's admission control, for other clients on the same engine (validation) to share."""
+        from gym_bridge.rollout.nemo_gym import AsyncNemoGymRolloutImpl
+
+        backend = self.manager.backend
+        if not isinstance(backend, AsyncNemoGymRolloutImpl):
+            raise TypeError(f"the manager's backend is {type(backend).__name__}, not the nemo_gym backend")
+        return backend.client.admission
 
     def shutdown(self, timeout_s: float = 60.0) -> None:
         """Stop every actor's Gym servers and the actors; safe to call more than once."""

@@ -9,6 +9,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import socket
+
     from pydantic import SecretStr
 
     from gym_bridge.eval.config import EvalConfig
@@ -38,25 +40,20 @@ def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("gym_bridge.cli")
     from gym_bridge.serving.auth import inbound_api_key
+    from gym_bridge.serving.listen import listening_socket
 
     api_key = inbound_api_key(args.api_key)
-    if args.upstream:
-        from gym_bridge.serving import build_proxy
-
-        server = build_proxy(
-            args.upstream,
-            args.tokenizer,
-            args.served_model_name,
-            host=args.host,
-            port=args.port,
-            reasoning_parser=args.reasoning_parser,
-            api_key=_env_key(args.upstream_api_key_env),
-            inbound_api_key=api_key,
-        )
-        what = "a token-faithful proxy for " + ", ".join(args.upstream)
-    else:
-        server = _local_server(args, api_key)
-        what = args.model
+    sock = listening_socket(args.host, args.port)  # a busy port fails here, before a model or upstream is loaded
+    try:
+        if args.upstream:
+            server = _proxy_server(args, api_key, sock)
+            what = "a token-faithful proxy for " + ", ".join(args.upstream)
+        else:
+            server = _local_server(args, api_key, sock)
+            what = args.model
+    except BaseException:
+        sock.close()
+        raise
     generation = server.state.generation
 
     async def run() -> None:
@@ -79,6 +76,23 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _proxy_server(args: argparse.Namespace, api_key: SecretStr | None, sock: socket.socket) -> OpenAIServer:
+    """The token-faithful proxy for ``--upstream`` endpoints, on ``sock``."""
+    from gym_bridge.serving import build_proxy
+
+    return build_proxy(
+        args.upstream,
+        args.tokenizer,
+        args.served_model_name,
+        host=args.host,
+        port=args.port,
+        reasoning_parser=args.reasoning_parser,
+        api_key=_env_key(args.upstream_api_key_env),
+        inbound_api_key=api_key,
+        sock=sock,
+    )
+
+
 def _env_key(name: str) -> SecretStr | None:
     """The API key in the environment variable ``name``; None when it is unset or empty."""
     from pydantic import SecretStr
@@ -87,8 +101,8 @@ def _env_key(name: str) -> SecretStr | None:
     return SecretStr(value) if value else None
 
 
-def _local_server(args: argparse.Namespace, api_key: SecretStr | None) -> OpenAIServer:
-    """Our server over the local model (or the scripted or instant policy on its tokenizer)."""
+def _local_server(args: argparse.Namespace, api_key: SecretStr | None, sock: socket.socket) -> OpenAIServer:
+    """Our server over the local model (or the scripted or instant policy on its tokenizer), on ``sock``."""
     from gym_bridge.models.registry import check_model_reference
 
     check_model_reference(args.model)  # an unknown model is one line before torch is imported
@@ -115,6 +129,7 @@ def _local_server(args: argparse.Namespace, api_key: SecretStr | None) -> OpenAI
         reasoning_parser=args.reasoning_parser,
         model_path=str(built.model_path),
         api_key=api_key,
+        sock=sock,
     )
 
 

@@ -5,6 +5,8 @@ model, a missing file, a dead endpoint, a busy port or a bad override ends with 
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -61,6 +63,20 @@ def test_every_command_ends_a_bad_input_in_one_line_and_exit_code_2(tmp_path, de
         if proc.returncode != 2 or len(lines) != 1 or not lines[0].startswith(start):
             failures.append(f"gym-bridge {' '.join(args)}: exit {proc.returncode}, stderr:\n{proc.stderr[-2000:]}")
     assert not failures, "\n\n".join(failures)
+
+
+def test_serve_claims_its_port_before_it_loads_a_model(busy_port):
+    """``gym-bridge serve`` (the tiny model by default) on a busy port: one line, and torch was never imported."""
+    code = (
+        "import sys; from gym_bridge.cli import main; code = main(['serve', '--port', sys.argv[1]]); "
+        "print('torch imported:', 'torch' in sys.modules, file=sys.stderr); sys.exit(code)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code, str(busy_port)], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    lines = proc.stderr.splitlines()
+    assert proc.returncode == 2, proc.stderr
+    assert len(lines) == 2 and lines[0].startswith(f"gym-bridge serve: cannot listen on 127.0.0.1:{busy_port}: ")
+    assert lines[1] == "torch imported: False"
 
 
 def test_traceback_shows_the_whole_traceback():

@@ -25,6 +25,7 @@ from gym_bridge.models.vocab import vocab_size_of
 from gym_bridge.serving.app import build_app
 from gym_bridge.serving.auth import ApiKeyMiddleware, open_port_warning
 from gym_bridge.serving.engine import EngineProfile
+from gym_bridge.serving.listen import listening_socket
 from gym_bridge.serving.state import ServerFeatures, ServerLimits, ServingState
 from gym_bridge.types import Tokenizer
 
@@ -32,10 +33,6 @@ if TYPE_CHECKING:
     from starlette.types import ASGIApp
 
 logger = logging.getLogger(__name__)
-
-
-class ServerBindError(GymBridgeError, OSError):
-    """The server cannot listen on its host and port (in use, not an address of this machine, no permission)."""
 
 
 class ServerStateError(GymBridgeError, RuntimeError):
@@ -71,33 +68,6 @@ _ACCESS_FILTER = _AccessFilter()
 """One filter for every server of the process (``addFilter`` adds an instance once)."""
 
 
-def _listening_socket(host: str, port: int) -> socket.socket:
-    """A bound, listening, non-blocking TCP socket whose accepted connections get ``TCP_NODELAY``.
-
-    Why the explicit ``IPPROTO_TCP``: asyncio's transport sets ``TCP_NODELAY`` on an
-    accepted socket only when its ``proto`` is ``IPPROTO_TCP``, and an accepted socket
-    copies the listener's ``proto``; ``socket.socket(family, SOCK_STREAM)`` leaves it
-    0, so Nagle stayed on and every keep-alive response (written as headers, then
-    body) waited ~40 ms for the client's delayed ACK. ``TCP_NODELAY`` on the listener
-    as well is inherited by accepted sockets on Linux and the BSDs, whatever the loop.
-    """
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.bind((host, port))
-        sock.listen(2048)
-        sock.setblocking(False)
-    except OSError as exc:
-        sock.close()
-        raise ServerBindError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
-    except BaseException:
-        sock.close()
-        raise
-    return sock
-
-
 class OpenAIServer:
     """An OpenAI-compatible HTTP server (vLLM dialect) over ``generation`` + ``tokenizer``."""
 
@@ -117,12 +87,14 @@ class OpenAIServer:
         token_id_correction: bool = True,
         features: ServerFeatures | None = None,
         api_key: SecretStr | str | None = None,
+        sock: socket.socket | None = None,
     ) -> None:
         """``token_id_correction=False`` ignores carried token ids and re-tokenises the history,
         as stock vLLM does (drift is still measured: ``/metrics``); ``features`` turns off what a
         misconfigured vLLM lacks (tools, logprobs, token ids). ``api_key`` (None or empty: none)
         is required as a ``Bearer`` token on ``/v1/*``, as vLLM's ``--api-key`` is
-        (:class:`~gym_bridge.serving.auth.ApiKeyMiddleware`)."""
+        (:class:`~gym_bridge.serving.auth.ApiKeyMiddleware`). ``sock``: a socket from :func:`listening_socket` on
+        ``host``, bound before the engine was built (a busy port fails at once), served on instead of binding."""
         if isinstance(api_key, str):
             api_key = SecretStr(api_key)
         self.api_key = api_key if api_key is not None and api_key.get_secret_value() else None
@@ -146,6 +118,7 @@ class OpenAIServer:
         self._server: uvicorn.Server | None = None
         self._task: asyncio.Task[None] | None = None
         self._sock: socket.socket | None = None
+        self._bound = sock
         self._thread: threading.Thread | None = None
         self._thread_loop: asyncio.AbstractEventLoop | None = None
         self.base_url: str | None = None
@@ -161,7 +134,8 @@ class OpenAIServer:
         """Bind, start serving on the running loop, and return the base URL (``http://host:port/v1``)."""
         if self._task is not None:
             raise ServerStateError("the server is already started")
-        sock = _listening_socket(self.host, self.port)
+        sock = self._bound if self._bound is not None else listening_socket(self.host, self.port)
+        self._bound = None
         self._sock = sock
         port = sock.getsockname()[1]
         config = uvicorn.Config(self.app, log_config=None, timeout_keep_alive=120, lifespan="off", access_log=True)

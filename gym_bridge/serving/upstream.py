@@ -10,6 +10,7 @@ errors). The upstream never sees a chat, so it never re-tokenises history.
 from __future__ import annotations
 
 import logging
+import socket
 from dataclasses import dataclass
 from typing import cast
 
@@ -89,6 +90,7 @@ def build_proxy(
     limits: ServerLimits | None = None,
     http_options: JsonMapping | None = None,
     transport: httpx.AsyncBaseTransport | None = None,
+    sock: socket.socket | None = None,
 ) -> OpenAIServer:
     """An :class:`OpenAIServer` that generates through ``upstreams`` (base URLs; ``/v1`` is added if missing).
 
@@ -100,7 +102,8 @@ def build_proxy(
     itself requires of its clients on ``/v1/*``, as ``vllm serve --api-key`` does.
     ``http_options`` override :class:`OpenAIHTTPGenerationConfig` fields (retries,
     timeouts, connections); ``transport`` replaces the generation requests' network
-    (tests; discovery still asks the real upstream).
+    (tests; discovery still asks the real upstream). ``sock``: a socket already listening on ``host``
+    (:func:`~gym_bridge.serving.listen.listening_socket`).
     The server is returned unstarted: ``start()`` / ``start_in_thread()``.
     """
     if not upstreams:
@@ -142,6 +145,7 @@ def build_proxy(
         max_model_len=length,
         limits=limits,
         api_key=inbound_api_key,
+        sock=sock,
     )
 
 

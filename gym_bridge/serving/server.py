@@ -131,7 +131,8 @@ class OpenAIServer:
         return self.base_url.removesuffix("/v1")
 
     async def start(self) -> str:
-        """Bind, start serving on the running loop, and return the base URL (``http://host:port/v1``)."""
+        """Bind (unless built with ``sock``), start serving on the running loop, and return the base URL
+        (``http://host:port/v1``)."""
         if self._task is not None:
             raise ServerStateError("the server is already started")
         sock = self._bound if self._bound is not None else listening_socket(self.host, self.port)

@@ -85,7 +85,15 @@ from gym_bridge.generation.batch import assemble_output
 from gym_bridge.generation.hf_config import HFGenerationConfig, HFGenerationStats, RowCounts
 from gym_bridge.generation.hf_decode import DecodeContext, Row, RowResult, RunningBatch, decode_to_end
 from gym_bridge.generation.hf_rows import first_id, rows_from_batch
-from gym_bridge.generation.hf_worker import STOP, WAKE, WorkItem, fail_queued, make_deliver, worker_loop
+from gym_bridge.generation.hf_worker import (
+    STOP,
+    WAKE,
+    WorkItem,
+    fail_queued,
+    make_deliver,
+    publish_counts,
+    worker_loop,
+)
 from gym_bridge.generation.prefix_cache import PrefixCache, PrefixCacheCounts
 from gym_bridge.interfaces import GenerationInterface
 from gym_bridge.json_types import JsonMapping
@@ -354,9 +362,7 @@ class HFGeneration(GenerationInterface):
             if not self._pause.is_set() and pending:
                 free = self.cfg.max_batch_size - (len(batch) if batch is not None else 0)
                 joining, pending[:] = pending[:free], pending[free:]
-                # The gauges count joining rows as running while they prefill (as vLLM counts a scheduled prefill).
-                self._rows_running = (len(batch) if batch is not None else 0) + len(joining)
-                self._rows_pending = len(pending)
+                publish_counts(self, batch, pending, joining)
                 if joining:
                     with self._model_lock, torch.inference_mode():
                         if batch is None:

@@ -13,7 +13,7 @@ import logging
 import queue
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from enum import Enum
 from typing import Final, Protocol
 
@@ -110,10 +110,13 @@ def worker_loop(engine_ref: weakref.ref[WorkerEngine], q: queue.SimpleQueue[Work
     fail_queued(q, err)
 
 
-def publish_counts(engine: WorkerEngine, batch: RunningBatch | None, pending: list[Row]) -> None:
-    """The worker's rows decoding and rows taken off the queue but not admitted, for the engine's gauges
-    (two int stores: a reader on another thread sees each whole, at most one worker turn old)."""
-    engine._rows_running = len(batch) if batch is not None else 0
+def publish_counts(
+    engine: WorkerEngine, batch: RunningBatch | None, pending: list[Row], joining: Sequence[Row] = ()
+) -> None:
+    """The worker's rows decoding (with ``joining``, the rows being prefilled into the batch, as vLLM counts a
+    scheduled prefill) and rows taken off the queue but not admitted, for the engine's gauges (two int stores: a
+    reader on another thread sees each whole, at most one worker turn old)."""
+    engine._rows_running = (len(batch) if batch is not None else 0) + len(joining)
     engine._rows_pending = sum(1 for row in pending if not row.cancelled)
 
 

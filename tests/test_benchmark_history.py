@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import re
 from datetime import date
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+ROOT = Path(__file__).resolve().parents[1]
+BENCHMARKS = ROOT / "benchmarks"
 
 
 @pytest.fixture(scope="module")
@@ -58,3 +60,24 @@ def test_every_benchmark_names_its_topic():
                 callers.append(path.name)
                 assert any(k.arg == "topic" for k in node.keywords), f"{path.name}:{node.lineno} names no topic"
     assert len(callers) >= 9
+
+
+WORK_COUNTER = re.compile(r"\bsessions?[ _-]?\d+|\bround \d+|\bissue #?\d+|\bs\d{1,2}[-_]", re.IGNORECASE)
+"""An internal work counter ("session 17", "session-16", "round 3", "issue 43", "s17-..."): a newcomer cannot look it
+up, so history and docs cite the commit and date instead. Other projects' issues stay (``NeMo-RL#3201``)."""
+
+
+def test_history_and_docs_cite_commits_and_dates_not_work_counters():
+    names = [p.name for p in (BENCHMARKS / "history").glob("*.md")]
+    assert names and all(re.fullmatch(r"\d{4}-\d{2}-\d{2}-[a-z0-9.]+(-[a-z0-9.]+)*\.md", n) for n in names), names
+    named_by_counter = [n for n in names if WORK_COUNTER.search(n) or WORK_COUNTER.search(n.replace("-", " "))]
+    assert not named_by_counter, f"history files named by a work counter: {named_by_counter}"
+    pages = [ROOT / "README.md", *BENCHMARKS.glob("*.md"), *(BENCHMARKS / "history").glob("*.md")]
+    pages += (ROOT / "docs").rglob("*.md")
+    found = [
+        f"{page.relative_to(ROOT)}:{n}: {m.group(0)!r}"
+        for page in pages
+        for n, line in enumerate(page.read_text().splitlines(), 1)
+        for m in WORK_COUNTER.finditer(line)
+    ]
+    assert not found, "cite the commit and date instead of:\n" + "\n".join(found)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import http.client
+import json
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -13,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from gym_bridge.failures import GymServerDied, GymStartupError
+from gym_bridge.failures import GymPortInUse, GymServerDied, GymStartupError
 from gym_bridge.gym.servers import GymServers
 from gym_bridge.gym.server_config import GymServersConfig, wheel_config_path
 from gym_bridge.gym.versions import installed_gym
@@ -272,3 +274,85 @@ def test_server_that_hangs_hits_the_deadline(tmp_path, monkeypatch):
     assert 40 <= elapsed < 40 + 60  # the stop after the deadline is bounded; the margin is for a loaded machine
     assert "hanging on purpose" in str(info.value)
     _assert_nothing_left(servers, servers._launcher_proc.pid)
+
+
+def _tool_server_config(tmp_path: Path, **tool_settings) -> GymServersConfig:
+    settings = {**_TOOL_SERVER["example_single_tool_call"]["resources_servers"]["example_single_tool_call"]}
+    settings.update(tool_settings)
+    overrides = {"example_single_tool_call": {"resources_servers": {"example_single_tool_call": settings}}}
+    return GymServersConfig(overrides=overrides, log_dir=tmp_path / "logs", startup_timeout_s=90, use_ray=False)
+
+
+def _listen(port: int) -> socket.socket:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", port))
+    sock.listen(1)
+    return sock
+
+
+def test_a_port_taken_before_its_server_binds_is_noticed_and_the_set_starts_on_other_ports(tmp_path, caplog):
+    """The race for real: another process binds the port Gym chose for a server between the choice (the launcher's
+    status file lists it) and the server's own bind. The server exits, the set starts again on another window."""
+    servers = GymServers(_tool_server_config(tmp_path))
+    taken: list[socket.socket] = []
+
+    def take_the_first_chosen_port() -> None:
+        deadline = time.monotonic() + 60
+        while not taken and time.monotonic() < deadline:
+            status = servers._private_dir / "status.json" if servers._private_dir else None
+            try:
+                chosen = json.loads(status.read_text())["servers"]["example_single_tool_call"]["port"]
+                taken.append(_listen(int(chosen)))
+            except (AttributeError, OSError, ValueError, KeyError, TypeError):
+                time.sleep(0.005)
+
+    thief = threading.Thread(target=take_the_first_chosen_port)
+    thief.start()
+    t0 = time.monotonic()
+    try:
+        with caplog.at_level("WARNING", logger="gym_bridge.gym.servers"):
+            head = servers.start()
+        thief.join()
+        assert taken, "the test took the server's port before the server bound it"
+        port = taken[0].getsockname()[1]
+        retries = [r.getMessage() for r in caplog.records if "starting again on other ports" in r.getMessage()]
+        assert len(retries) == 1 and str(port) in retries[0] and "in use" in retries[0], retries
+        assert _get(head.host, head.port)[0] == 200
+        assert not servers.server_urls["example_single_tool_call"].endswith(f":{port}")
+        print(f"recovered from the taken port in {time.monotonic() - t0:.1f}s")
+    finally:
+        servers.stop()
+        for sock in taken:
+            sock.close()
+
+
+def test_a_configured_port_that_is_busy_ends_the_start_in_seconds_naming_it(tmp_path):
+    with _listen(0) as held:
+        port = held.getsockname()[1]
+        servers = GymServers(_tool_server_config(tmp_path, port=port))
+        t0 = time.monotonic()
+        with pytest.raises(GymPortInUse, match=rf"'example_single_tool_call' could not bind its port .*{port}"):
+            servers.start()
+        elapsed = time.monotonic() - t0
+    assert elapsed < 30, f"{elapsed:.1f}s: noticed when the server exited, not at the start-up deadline"
+    _assert_nothing_left(servers, None)
+
+
+def test_port_windows_are_held_across_processes():
+    """A window this process holds is refused to another process (its lock file), until released."""
+    from gym_bridge.gym import reaper
+
+    window = reaper.reserve_port_window()
+    probe = (
+        "import fcntl, os, sys, tempfile; "
+        f"fd = os.open(os.path.join(tempfile.gettempdir(), 'gym-bridge-port-windows-{os.getuid()}', '{window}.lock'), "
+        "os.O_RDWR); "
+        "sys.exit(0 if fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB) is None else 1)"
+    )
+    import subprocess
+
+    held = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=30)
+    assert held.returncode == 1 and "BlockingIOError" in held.stderr, held.stderr
+    reaper.release(object(), window)  # type: ignore[arg-type]
+    free = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=30)
+    assert free.returncode == 0, free.stderr

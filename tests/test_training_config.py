@@ -275,6 +275,8 @@ def test_nemo_rl_s_engine_checks_name_the_key_to_set(generation, message):
 
 
 def test_nemo_gym_config_follows_nemo_rl_for_defaults_global_config_and_ports():
+    from gym_bridge.failures import GymPortInUse
+    from gym_bridge.gym._launcher import claim_head_port
     from gym_bridge.gym.actor_config import NemoGymConfig
 
     config = NemoGymConfig(
@@ -293,8 +295,13 @@ def test_nemo_gym_config_follows_nemo_rl_for_defaults_global_config_and_ports():
     with held:
         ranged = NemoGymConfig(model_name="m", base_urls=URLS, port_range_low=taken, port_range_high=taken + 1)
         overrides = ranged.servers_config().overrides
-        assert overrides["head_server"] == {"port": taken + 1}  # the head server's port is in the range too
         assert (overrides["port_range_low"], overrides["port_range_high"]) == (taken, taken + 1)
+        # The launcher binds the head server's port in the range, skipping the busy one, before Gym reads the config.
+        claimed = claim_head_port(overrides)
+        with claimed:
+            assert claimed.getsockname()[1] == taken + 1 and overrides["head_server"] == {"port": taken + 1}
+        with pytest.raises(GymPortInUse, match=f"cannot bind 127.0.0.1:{taken}"):
+            claim_head_port({"head_server": {"port": taken}})
 
 
 def _port_with_a_free_neighbour() -> tuple[socket.socket, int]:

@@ -4,6 +4,8 @@ The whole exception tree (all defined in :mod:`gym_bridge.failures.errors`)::
 
     GymBridgeError                    the root of every exception gym-bridge defines
      ├── SettingError                 an invalid setting, argument or input value (also a ValueError)
+     ├── CheckpointError              a checkpoint file refused: pickled code, not a regular file, too large,
+     │                                or not the expected structure (also a ValueError)
      ├── RolloutFailure               one attempt at a prompt failed; the retry policy decides
      │    ├── RolloutInfraFailure     the prompt is fine, the fleet is not: retry, maybe elsewhere
      │    │    ├── RolloutTimeout     a deadline expired (generation turn, environment step,
@@ -33,6 +35,7 @@ The whole exception tree (all defined in :mod:`gym_bridge.failures.errors`)::
      ├── RunConfigurationError        the run's first groups all hit one configuration error
      ├── GymServersError              a Gym server set failed (gym/servers.py)
      │    ├── GymStartupError         a server died during start-up or did not answer in time
+     │    │    └── GymPortInUse       a server's port was taken before it bound it (named)
      │    └── GymServerDied           a server of a started set is no longer running
      └── EngineShutDownError          the local generation engine was shut down (generation/hf.py)
 

@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 __all__ = [
+    "CheckpointError",
     "EndpointConfigError",
     "EndpointUnavailable",
     "EngineShutDownError",
     "EnvironmentUnavailable",
     "GenerationUnavailable",
     "GymBridgeError",
+    "GymPortInUse",
     "GymResultError",
     "GymRowIndexError",
     "GymServerDied",
@@ -45,6 +47,13 @@ class SettingError(GymBridgeError, ValueError):
 
     For checks with no error type of their own closer to the input (``EvalConfigError``, ``TrainingConfigError``).
     A ``ValueError`` too, so callers that catch that keep working."""
+
+
+class CheckpointError(GymBridgeError, ValueError):
+    """A checkpoint file refused before anything in it is used: missing, not a regular file, over its size cap, a
+    pickle that names code (only tensors and plain containers load), or not the structure its reader expects.
+
+    Checkpoints come from elsewhere (training folders are passed around), so they are read as untrusted input."""
 
 
 class RolloutFailure(GymBridgeError):
@@ -193,6 +202,11 @@ class GymServersError(GymBridgeError, RuntimeError):
 
 class GymStartupError(GymServersError):
     """A server died during start-up, or was not answering when the deadline expired."""
+
+
+class GymPortInUse(GymStartupError):
+    """A server could not bind its port: another process took it between Gym choosing it and the server binding it
+    (or a configured port is busy). The message names the server, the address and the log."""
 
 
 class GymServerDied(GymServersError):

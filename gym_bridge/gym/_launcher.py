@@ -10,7 +10,9 @@ It changes four things in Gym: each server's output goes to its own log file
 would create a venv or install packages is refused, each server is forked
 from a process that imported NeMo-Gym's dependencies once (:mod:`gym_bridge.gym._forkserver`)
 instead of starting a fresh interpreter, and Gym polls its head and servers every 0.2 s
-instead of every 3 s (a set is ready ~2.5 s sooner). It reports to the
+instead of every 3 s (a set is ready ~2.5 s sooner). It also binds the head server's socket itself before Gym
+reads its config (:func:`claim_head_port`) and hands it to Gym's uvicorn, so no other process can take the head's
+port between its choice and its bind. It reports to the
 parent through a JSON status file: ``phase`` (parsing, spawning, ready, failed),
 ``servers`` (name -> host, port, pid, log), ``routes`` (:mod:`gym_bridge.gym._gym_routes`) and ``error``.
 """
@@ -19,8 +21,10 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shlex
 import signal
+import socket
 import sys
 import threading
 import time
@@ -31,7 +35,7 @@ from pathlib import Path
 from subprocess import DEVNULL, STDOUT, Popen
 from typing import TYPE_CHECKING
 
-from gym_bridge.failures.errors import GymStartupError
+from gym_bridge.failures.errors import GymPortInUse, GymStartupError
 from gym_bridge.gym._forkserver import ForkedServer, fork_context, parse_server_command, start_server
 from gym_bridge.gym._gym_routes import gym_routes
 from gym_bridge.json_types import JsonObject
@@ -164,6 +168,52 @@ def _make_run_command(
     return run_command
 
 
+def claim_head_port(global_config: JsonObject) -> socket.socket:
+    """A listening socket for Gym's head server, bound now: on ``head_server.port`` when the config sets one, else
+    on a free port of ``port_range_low..port_range_high`` (the run's port window). The config's ``head_server.port``
+    is set to the bound port, so Gym keeps its servers off it.
+
+    Raises:
+        GymPortInUse: the configured head port is busy, or no port of the range can be bound.
+    """
+    head = global_config.setdefault("head_server", {})
+    host = str(head.get("host") or global_config.get("default_host") or "127.0.0.1")
+    if head.get("port") is not None:
+        ports = [int(head["port"])]
+    else:
+        ports = list(range(int(global_config["port_range_low"]), int(global_config["port_range_high"]) + 1))
+        random.shuffle(ports)
+    error: OSError | None = None
+    for port in ports:
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        try:
+            sock.bind((host, port))
+            sock.listen(2048)
+        except OSError as exc:
+            sock.close()
+            error = exc
+            continue
+        head["port"] = port
+        return sock
+    raise GymPortInUse(f"NeMo-Gym's head server cannot bind {host}:{ports[0] if len(ports) == 1 else ports}: {error}")
+
+
+def _serve_head_on(sock: socket.socket) -> None:
+    """Gym's head server (a ``uvicorn.Server`` run in a thread of this process, every Gym version) serves on
+    ``sock``; the servers Gym starts are other processes and bind their own ports."""
+    import uvicorn
+
+    port = sock.getsockname()[1]
+    run = uvicorn.Server.run
+
+    def run_on_claimed_socket(self: uvicorn.Server, sockets: list[socket.socket] | None = None) -> None:
+        if sockets is None and self.config.port == port:
+            sockets = [sock]
+        run(self, sockets=sockets)
+
+    uvicorn.Server.run = run_on_claimed_socket  # type: ignore[method-assign]
+
+
 def _short_sleep(seconds: float) -> None:
     """Gym's ``RunHelper`` sleeps 3 s between polls of its head and its servers; polling every
     :data:`_GYM_POLL_S` marks the head ready within that of the last server answering."""
@@ -178,6 +228,7 @@ def main(argv: list[str]) -> int:
     threading.Thread(target=_watch_parent, args=(spec["parent_pid"],), daemon=True).start()
     _start_reaper()
     try:
+        _serve_head_on(claim_head_port(spec["global_config"]))
         forks = fork_context() if spec.get("fork_servers", True) else None
         import nemo_gym.cli.env as gym_env
         from nemo_gym.global_config import GlobalConfigDictParserConfig, get_global_config_dict

@@ -7,8 +7,6 @@ actor's HTTP stack; :func:`actor_configs` derives one config per actor.
 from __future__ import annotations
 
 import os
-import random
-import socket
 from pathlib import Path
 from typing import Any, Literal
 
@@ -168,15 +166,11 @@ class NemoGymConfig(BaseModel):
         return self
 
     def servers_config(self) -> GymServersConfig:
-        """The Gym server set this actor starts; with a port range, the head server's port is a free one in it,
-        picked now (call it on the node that starts the servers, as the actor does)."""
+        """The Gym server set this actor starts; with a port range, the launcher binds the head server's port in it
+        (:func:`gym_bridge.gym._launcher.claim_head_port`)."""
         overrides = {**_GYM_CONNECTOR_DEFAULTS, **self.overrides}
         if self.port_range_low is not None and self.port_range_high is not None:
             overrides.update(port_range_low=self.port_range_low, port_range_high=self.port_range_high)
-            head = dict(overrides.get("head_server") or {})
-            if "port" not in head:
-                head["port"] = _free_port_in(self.host, self.port_range_low, self.port_range_high)
-                overrides["head_server"] = head
         config_paths, server_dirs = list(self.config_paths), dict(self.server_dirs)
         if self.model_server == "gym_bridge":
             from gym_bridge import gym_model
@@ -195,20 +189,6 @@ class NemoGymConfig(BaseModel):
             shutdown_timeout_s=self.shutdown_timeout_s,
             log_dir=self.log_dir,
         )
-
-
-def _free_port_in(host: str, low: int, high: int) -> int:
-    """A port in ``[low, high]`` that ``host`` can bind now (NeMo-RL picks its Gym head port the same way)."""
-    ports = list(range(low, high + 1))
-    random.shuffle(ports)
-    for port in ports:
-        with socket.socket() as sock:
-            try:
-                sock.bind((host, port))
-            except OSError:
-                continue
-            return port
-    raise SettingError(f"no free port on {host} in port_range_low..port_range_high ({low}..{high})")
 
 
 def actor_configs(config: NemoGymConfig, num_actors: int, *, split_base_urls: bool = False) -> list[NemoGymConfig]:

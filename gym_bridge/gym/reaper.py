@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import fcntl
 import http.client
 import logging
 import os
 import random
 import signal
 import socket
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -18,6 +20,8 @@ from types import FrameType
 from typing import Protocol
 
 import psutil
+
+from gym_bridge.failures import GymServersError
 
 
 class Stoppable(Protocol):
@@ -36,7 +40,8 @@ _LOG_TAIL_BYTES = 3000
 
 _instances_lock = threading.Lock()
 _live: set[Stoppable] = set()
-_used_windows: set[int] = set()
+_used_windows: dict[int, int] = {}
+"""Window start -> the descriptor holding its lock file."""
 _instance_count = 0
 _handlers_installed = False
 
@@ -91,13 +96,42 @@ def free_ports(host: str, count: int) -> list[int]:
 
 
 def reserve_port_window() -> int:
-    """The start of a block of ports no other GymServers of this process uses (Gym picks its servers' ports there)."""
+    """The start of a block of ports no other GymServers uses, in this process or any other on the machine (Gym
+    picks its servers' ports, and the launcher its head port, there).
+
+    A window is held by an exclusive ``flock`` on its lock file for as long as the set lives; the kernel drops the
+    lock when its holder dies, so a killed run never keeps a window. Two runs started at the same moment therefore
+    never choose ports in one window.
+
+    Raises:
+        GymServersError: every window of the port space is held.
+    """
     low, high = _PORT_SPACE
     with _instances_lock:
-        free = [w for w in range(low, high - PORT_WINDOW + 1, PORT_WINDOW) if w not in _used_windows]
-        window = random.choice(free)
-        _used_windows.add(window)
-    return window
+        candidates = [w for w in range(low, high - PORT_WINDOW + 1, PORT_WINDOW) if w not in _used_windows]
+        random.shuffle(candidates)
+        for window in candidates:
+            fd = _lock_window(window)
+            if fd is not None:
+                _used_windows[window] = fd
+                return window
+    raise GymServersError(f"every NeMo-Gym port window in {low}..{high} is held by another run on this machine")
+
+
+def _lock_window(window: int) -> int | None:
+    """A descriptor holding ``window``'s lock, or None when another process holds it (or its file is not ours)."""
+    folder = Path(tempfile.gettempdir()) / f"gym-bridge-port-windows-{os.getuid()}"
+    try:
+        folder.mkdir(mode=0o700, exist_ok=True)
+        fd = os.open(folder / f"{window}.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
 
 
 def next_instance_index() -> int:
@@ -119,8 +153,9 @@ def release(servers: Stoppable, window: int | None) -> None:
     """Forget a stopped set and free its port window."""
     with _instances_lock:
         _live.discard(servers)
-        if window is not None:
-            _used_windows.discard(window)
+        fd = _used_windows.pop(window, None) if window is not None else None
+    if fd is not None:
+        os.close(fd)
 
 
 def is_alive(proc: psutil.Process) -> bool:

@@ -30,11 +30,10 @@ from types import TracebackType
 
 import psutil
 
-from gym_bridge.failures import GymServerDied, GymServersError, GymStartupError
+from gym_bridge.failures import GymPortInUse, GymServerDied, GymServersError, GymStartupError
 from gym_bridge.gym.reaper import (
     PORT_WINDOW,
     answers,
-    free_port,
     is_alive,
     next_instance_index,
     register_live,
@@ -50,6 +49,12 @@ from gym_bridge.json_types import JsonObject
 logger = logging.getLogger(__name__)
 
 _POLL_INTERVAL_S = 0.25
+_PORT_ATTEMPTS = 3
+"""How many times a set starts when a server finds its port taken (each time on another port window)."""
+_BIND_FAILURE = re.compile(
+    r"error while attempting to bind on address (?P<address>\([^)]*\)|\S+)[^\n]*(address already in use|Errno 98)",
+    re.IGNORECASE,
+)
 _KILL_WAIT_S = 5.0
 
 
@@ -86,6 +91,8 @@ class GymServers:
         self._window: int | None = None
         self._status: JsonObject = {}
         self._procs: dict[str, psutil.Process] = {}
+        self._busy_port: int | None = None
+        self._port_range = (0, -1)
         self.log_dir: Path = config.log_dir or Path.cwd() / "gym-logs" / (
             f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{self._index}"
         )
@@ -131,16 +138,36 @@ class GymServers:
         return {p.pid for p in self._processes() if is_alive(p)}
 
     def start(self) -> HeadServerAddress:
+        """Start the set and return the head server's address once every server answers.
+
+        A server whose port another process took between Gym choosing it and the server binding it exits at once;
+        the set is then started again on another port window, up to :data:`_PORT_ATTEMPTS` times, each retry
+        logged with the port. Other start-up failures end the start at once.
+
+        Raises:
+            GymStartupError: a server exited during start-up or did not answer by the deadline (named, with the
+                last lines of its log); ``GymPortInUse`` when its port stayed taken.
+        """
         if self._launcher is not None:
             raise GymServersError("GymServers.start() was already called")
         started = time.monotonic()
-        register_live(self)
-        try:
-            self._spawn_launcher()
-            self._wait_until_ready(started + self.config.startup_timeout_s)
-        except BaseException:
-            self.stop()
-            raise
+        for attempt in range(1, _PORT_ATTEMPTS + 1):
+            register_live(self)
+            try:
+                self._spawn_launcher()
+                self._wait_until_ready(started + self.config.startup_timeout_s)
+                break
+            except GymPortInUse as exc:
+                retry = attempt < _PORT_ATTEMPTS and self._chose_busy_port()
+                self.stop()
+                if not retry:
+                    raise
+                logger.warning(
+                    "NeMo-Gym start-up attempt %d: %s; starting again on other ports", attempt, str(exc).splitlines()[0]
+                )
+            except BaseException:
+                self.stop()
+                raise
         logger.info(
             "NeMo-Gym servers ready at %s after %.1fs: %s",
             self.head.url if self.head else "?",
@@ -197,7 +224,7 @@ class GymServers:
 
     # ---- start-up ---------------------------------------------------------------------------
 
-    def _global_config(self, head_port: int) -> JsonObject:
+    def _global_config(self) -> JsonObject:
         cfg = self.config
         assert self._private_dir is not None and self._window is not None
         config_paths = [str(Path(p).absolute()) if Path(p).exists() else p for p in cfg.config_paths]
@@ -205,7 +232,7 @@ class GymServers:
             "config_paths": config_paths,
             "policy_api_key": cfg.policy_api_key.get_secret_value(),
             "default_host": cfg.host,
-            "head_server": {"host": cfg.host, "port": head_port},
+            "head_server": {"host": cfg.host},  # the launcher binds its port (_launcher.claim_head_port)
             "port_range_low": self._window,
             "port_range_high": self._window + PORT_WINDOW - 1,
             "skip_venv_if_present": True,
@@ -225,10 +252,12 @@ class GymServers:
         return merged
 
     def _spawn_launcher(self) -> None:
+        self._status, self._procs, self.head, self._busy_port = {}, {}, None, None  # a new attempt's
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._private_dir = Path(tempfile.mkdtemp(prefix="gym-bridge-servers-"))
         self._window = reserve_port_window()
-        global_config = self._global_config(free_port(self.config.host))
+        global_config = self._global_config()
+        self._port_range = (int(global_config["port_range_low"]), int(global_config["port_range_high"]))
         uses_ray = "ray_head_node_address" in global_config
         spec = {
             "global_config": global_config,
@@ -307,7 +336,7 @@ class GymServers:
                 try:
                     self._procs[name] = psutil.Process(server["pid"])
                 except psutil.NoSuchProcess:
-                    raise GymStartupError(self._describe_failure(name, "exited during start-up")) from None
+                    raise self._exited(name) from None
 
     def _wait_until_ready(self, deadline: float) -> None:
         launcher_proc = self._launcher_proc
@@ -317,9 +346,9 @@ class GymServers:
             self._read_status()
             for name, proc in self._procs.items():
                 if not is_alive(proc):
-                    raise GymStartupError(self._describe_failure(name, "exited during start-up"))
+                    raise self._exited(name)
             if self._status.get("phase") == "failed" or not is_alive(launcher_proc):
-                raise GymStartupError(self._launcher_failure())
+                raise self._launcher_failure()
             servers = self._status.get("servers", {})
             if self._status.get("phase") in ("spawning", "ready") and all(s.get("pid") for s in servers.values()):
                 for name, s in servers.items():
@@ -346,13 +375,31 @@ class GymServers:
         log = self.log_files.get(name, self.launcher_log)
         return f"NeMo-Gym server {name!r} {what}; last lines of {log}:\n{tail(log)}"
 
-    def _launcher_failure(self) -> str:
+    def _exited(self, name: str) -> GymStartupError:
+        """The error for a server that exited during start-up: :class:`GymPortInUse` naming the address when its
+        log ends in a failed bind (uvicorn: ``[Errno 98] error while attempting to bind on address``)."""
+        log = self.log_files.get(name, self.launcher_log)
+        bind = _BIND_FAILURE.search(tail(log))
+        if bind is None:
+            return GymStartupError(self._describe_failure(name, "exited during start-up"))
+        port = re.search(r"(\d+)\D*$", bind.group("address"))
+        self._busy_port = int(port.group(1)) if port else None
+        return GymPortInUse(self._describe_failure(name, f"could not bind its port {bind.group('address')} (in use)"))
+
+    def _chose_busy_port(self) -> bool:
+        """Whether the port a server could not bind was Gym's choice in the set's port range (another choice may
+        work), rather than a port the config sets outside it (which stays busy)."""
+        low, high = self._port_range
+        return self._busy_port is None or low <= self._busy_port <= high
+
+    def _launcher_failure(self) -> GymStartupError:
         error = self._status.get("error") or ""
         match = re.search(r"Process `([^`]+)` finished unexpectedly", error)
         if match and match.group(1) in self.log_files:
-            return self._describe_failure(match.group(1), "exited during start-up")
+            return self._exited(match.group(1))
         summary = self._status.get("summary") or "the launcher exited"
-        return (
+        failure = GymPortInUse if str(summary).startswith(GymPortInUse.__name__) else GymStartupError
+        return failure(
             f"NeMo-Gym failed before the servers were up: {summary}; "
             f"last lines of {self.launcher_log}:\n{tail(self.launcher_log)}"
         )

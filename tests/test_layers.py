@@ -34,7 +34,7 @@ def imports(path: Path, modules: set[str]) -> set[str]:
 
 
 LAYERS: list[tuple[str, list[str]]] = [
-    ("bottom", ["types", "json_types", "batched", "interfaces", "failures", "metrics", "stats", "data", "ray_utils"]),
+    ("bottom", ["types", "json_types", "batched", "interfaces", "failures", "boundary", "metrics", "stats", "data", "ray_utils"]),
     ("components: models", ["models"]),
     ("components: generation", ["generation"]),
     ("components: serving", ["serving"]),

@@ -41,10 +41,12 @@ from typing import Any
 import torch
 from pydantic import ValidationError
 
+from gym_bridge.boundary import UntrustedInputError
+from gym_bridge.boundary.text import shown
 from gym_bridge.config.keys import TrainingConfigError, config_section, config_value
 from gym_bridge.config.training import ROUTING_KEYS, NemoGymRolloutSettings, run_seed
 from gym_bridge.gym.routing import RowRouting
-from gym_bridge.gym.row_file import read_row_file
+from gym_bridge.gym.row_file import read_row_file, read_row_text
 from gym_bridge.gym.rows import ValidGymRow
 from gym_bridge.json_types import JsonMapping
 from gym_bridge.policy.hf import HFPolicyConfig
@@ -327,9 +329,11 @@ def load_gym_rows(path: str | Path, routing: RowRouting | None = None) -> list[V
     (:func:`~gym_bridge.gym.row_file.read_row_file`); bad lines are one error naming each."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise TrainingConfigError(f"cannot read {path}: {exc}") from None
+        text = read_row_text(path)
+    except OSError as exc:
+        raise TrainingConfigError(f"cannot read {shown(path)}: {exc.strerror or exc}") from None
+    except UntrustedInputError as exc:
+        raise TrainingConfigError(str(exc)) from None
     rows, problems = read_row_file(path, text, routing=routing)
     if problems:
         raise TrainingConfigError(f"{len(problems)} bad line(s): " + "; ".join(problems[:5]))

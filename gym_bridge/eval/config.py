@@ -19,7 +19,6 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
-import yaml
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -32,6 +31,9 @@ from pydantic import (
     model_validator,
 )
 
+from gym_bridge.boundary import UntrustedInputError
+from gym_bridge.boundary.text import shown
+from gym_bridge.boundary.yaml_io import load_yaml, read_yaml_file
 from gym_bridge.failures import GymBridgeError, RolloutRetryPolicy
 from gym_bridge.gym.admission import AdmissionSettings
 from gym_bridge.gym.routing import RowRouting
@@ -316,9 +318,9 @@ def parse_override(text: str) -> tuple[list[str], object]:
     if not sep or not key.strip():
         raise EvalConfigError(f"override {text!r} is not key=value")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
-    except yaml.YAMLError as exc:
-        raise EvalConfigError(f"override {key}: the value {raw!r} is not valid YAML: {exc}") from None
+        value = load_yaml(raw, f"override {shown(key)}") if raw.strip() else None
+    except UntrustedInputError as exc:
+        raise EvalConfigError(str(exc)) from None
     return key.strip().split("."), value
 
 
@@ -376,14 +378,15 @@ def build_config(data: JsonMapping, overrides: Sequence[str] = ()) -> EvalConfig
 
 
 def load_config(path: str | Path, overrides: Sequence[str] = ()) -> EvalConfig:
-    """Read a YAML eval config, apply ``key=value`` overrides, validate."""
+    """Read a YAML eval config (a regular file; aliases bounded: :mod:`gym_bridge.boundary.yaml_io`), apply
+    ``key=value`` overrides, validate."""
     path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = read_yaml_file(path) or {}
     except OSError as exc:
-        raise EvalConfigError(f"cannot read the eval config {path}: {exc}") from None
-    except yaml.YAMLError as exc:
-        raise EvalConfigError(f"{path} is not valid YAML: {exc}") from None
+        raise EvalConfigError(f"cannot read the eval config {shown(path)}: {exc.strerror or exc}") from None
+    except UntrustedInputError as exc:
+        raise EvalConfigError(str(exc)) from None
     if not isinstance(data, dict):
         raise EvalConfigError(f"{path}: the eval config must be a mapping of keys, got {type(data).__name__}")
     return build_config(data, overrides)

@@ -6,9 +6,12 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from gym_bridge.boundary import UntrustedInputError
+from gym_bridge.boundary.files import open_regular
+from gym_bridge.boundary.text import shown
 from gym_bridge.failures import GymBridgeError
 from gym_bridge.gym.routing import TASK_SOURCE_KEY, RowRouting, row_agent
-from gym_bridge.gym.row_file import read_row_file
+from gym_bridge.gym.row_file import MAX_ROW_FILE_BYTES, read_row_file, read_row_text
 from gym_bridge.json_types import JsonObject
 
 _MAX_REPORTED = 20
@@ -36,7 +39,7 @@ class DatasetRow:
 
 def file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
-    with path.open("rb") as f:
+    with open_regular(path, MAX_ROW_FILE_BYTES) as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)
     return digest.hexdigest()
@@ -57,9 +60,11 @@ def load_dataset(path: str | Path, *, limit: int | None = None, routing: RowRout
     """
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise DatasetError(f"cannot read the dataset {path}: {exc}") from None
+        text = read_row_text(path)
+    except OSError as exc:
+        raise DatasetError(f"cannot read the dataset {shown(path)}: {exc.strerror or exc}") from None
+    except UntrustedInputError as exc:
+        raise DatasetError(f"cannot read the dataset: {exc}") from None
     lines, problems = read_row_file(path, text, limit=limit, routing=routing)
     rows = [DatasetRow(prompt_idx=item.prompt_idx, line=item.line, row=item.row) for item in lines]
     if problems:

@@ -33,8 +33,10 @@ from pathlib import Path
 from typing import TypedDict
 
 import httpx
-import yaml
 
+from gym_bridge.boundary import UntrustedInputError
+from gym_bridge.boundary.json_io import loads
+from gym_bridge.boundary.yaml_io import read_yaml_file
 from gym_bridge.eval.compare import GRADER_KEYS
 from gym_bridge.eval.records import ROW_ID_KEY, row_id
 from gym_bridge.eval.report import build_report
@@ -52,6 +54,7 @@ from gym_bridge.eval.runs import (
 )
 from gym_bridge.eval.store import RunStore, read_jsonl
 from gym_bridge.failures import GymBridgeError
+from gym_bridge.gym.row_file import MAX_ROW_DEPTH
 from gym_bridge.json_types import JsonMapping, JsonObject
 
 logger = logging.getLogger(__name__)
@@ -125,8 +128,8 @@ def _config_blocks(config_paths: list[str] | list[Path], overrides: JsonObject) 
     for name in config_paths:
         path = Path(name) if Path(name).exists() else wheel_config_path(name)
         try:
-            blocks = yaml.safe_load(path.read_text()) or {}
-        except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+            blocks = read_yaml_file(path) or {}
+        except (OSError, UntrustedInputError) as exc:
             raise RescoreError(f"config_paths: {shown(path)} cannot be read as YAML ({shown(exc)})") from None
         if not isinstance(blocks, dict):
             raise RescoreError(f"config_paths: {shown(path)} is not a YAML mapping of Gym servers")
@@ -169,8 +172,8 @@ def _dataset_rows(source: LoadedRun) -> dict[str, JsonObject]:
     for line in [*lines, tail]:
         if line.strip():
             try:
-                row = json.loads(line)
-            except (ValueError, RecursionError):
+                row = loads(line, shown_path, max_depth=MAX_ROW_DEPTH)
+            except UntrustedInputError:
                 logger.warning("the dataset %s has a bad line: the stored Gym results' fields are used", shown_path)
                 return {}
             if isinstance(row, dict):

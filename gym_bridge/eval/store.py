@@ -16,15 +16,16 @@ a folder someone sent you is checked the same way whether you compare it or cont
 from __future__ import annotations
 
 import fcntl
-import json
 import logging
 import os
 import time
 from pathlib import Path
 from typing import IO, TextIO
 
-import orjson
-
+from gym_bridge.boundary import UntrustedInputError
+from gym_bridge.boundary.files import open_nofollow, read_bytes, write_atomic
+from gym_bridge.boundary.json_io import dumps, jsonl_lines, loads_object
+from gym_bridge.boundary.text import shown
 from gym_bridge.eval.records import ResumeLine
 from gym_bridge.eval.runs import (
     FAILURES_FILE,
@@ -32,12 +33,9 @@ from gym_bridge.eval.runs import (
     RESULTS_FILE,
     RUN_FILE,
     ReadLimits,
-    jsonl_lines,
     open_lock,
-    read_file,
     read_result_lines,
     read_run_json,
-    shown,
 )
 from gym_bridge.failures import GymBridgeError
 from gym_bridge.json_types import JsonObject
@@ -50,40 +48,37 @@ class RunDirError(GymBridgeError, RuntimeError):
 
 
 def read_jsonl(path: Path, *, repair: bool = False) -> list[JsonObject]:
-    """The records of a JSONL file, without a torn last line (cut off when ``repair``); split on ``\\n`` only.
+    """The records of a JSONL file, without a torn last line (cut off when ``repair``, through a descriptor that
+    refuses a link, so a planted link never truncates a file outside the folder); split on ``\\n`` only.
 
     A bad line anywhere but last is corruption, not a crash mid-write: that raises.
 
     Raises:
         RunDirError: a line before the last is not a JSON object.
-        RunReadError: the file is not a regular file, or is over the size cap (:class:`ReadLimits`).
+        UntrustedInputError: the file is not a regular file, is over the size cap (:class:`ReadLimits`), or is a
+            link when ``repair``.
     """
-    data = read_file(path, ReadLimits.from_env().max_jsonl_bytes)
-    if data is None:
+    try:
+        data = read_bytes(path, ReadLimits.from_env().max_jsonl_bytes)
+    except FileNotFoundError:
         return []
     lines, tail = jsonl_lines(data)
     records: list[JsonObject] = []
     for number, raw in enumerate(lines, start=1):
-        record = _json_object(raw)
-        if isinstance(record, str):
-            raise RunDirError(f"{shown(path)}:{number} is not a JSON object ({record}); the file is corrupt")
-        records.append(record)
+        try:
+            records.append(loads_object(raw, f"{shown(path)}:{number}"))
+        except UntrustedInputError as exc:
+            raise RunDirError(f"{exc}; the file is corrupt") from None
     if tail:
         logger.warning("%s: ignoring a torn last line (%d bytes)", shown(path), len(tail))
         if repair:
-            with path.open("r+b") as f:
-                f.truncate(len(data) - len(tail))
-                os.fsync(f.fileno())
+            fd = open_nofollow(path, os.O_RDWR)
+            try:
+                os.ftruncate(fd, len(data) - len(tail))
+                os.fsync(fd)
+            finally:
+                os.close(fd)
     return records
-
-
-def _json_object(raw: bytes) -> JsonObject | str:
-    """The JSON object on one line, or what is wrong with it."""
-    try:
-        record = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        return str(exc)
-    return record if isinstance(record, dict) else "not an object"
 
 
 class RunStore:
@@ -195,8 +190,8 @@ class RunStore:
     def _append(self, path: Path, record: JsonObject) -> None:
         f = self._files.get(path)
         if f is None:
-            f = self._files[path] = path.open("ab")
-        f.write(json.dumps(record, default=str).encode() + b"\n")
+            f = self._files[path] = os.fdopen(open_nofollow(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "ab")
+        f.write(dumps(record) + b"\n")
         f.flush()
         os.fsync(f.fileno())
 
@@ -210,9 +205,4 @@ class RunStore:
 
 
 def _write_atomic(path: Path, data: JsonObject) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    with tmp.open("w") as f:
-        json.dump(data, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_atomic(path, dumps(data, indent=True))

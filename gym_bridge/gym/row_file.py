@@ -9,14 +9,33 @@ in its own error type.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gym_bridge.boundary import UntrustedInputError
+from gym_bridge.boundary.files import read_text
+from gym_bridge.boundary.json_io import loads
+from gym_bridge.boundary.text import shown
 from gym_bridge.failures import InvalidGymRow
 from gym_bridge.gym.routing import RowRouting
 from gym_bridge.gym.rows import ValidGymRow, mark_repeats, validate_row
+
+MAX_ROW_FILE_BYTES = 4 << 30
+"""The largest row file read (a dataset, training or validation data)."""
+MAX_ROW_DEPTH = 128
+"""How deeply a row may nest (tool schemas inside ``responses_create_params`` nest a few dozen levels at most)."""
+
+
+def read_row_text(path: Path) -> str:
+    """The text of the row file ``path``: a regular file (a FIFO or ``/dev/zero`` is refused before anything blocks
+    or is read) of at most :data:`MAX_ROW_FILE_BYTES`, in UTF-8.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        UntrustedInputError: not a regular file, too large or not UTF-8 (one line naming the file).
+    """
+    return read_text(path, MAX_ROW_FILE_BYTES)
 
 
 @dataclass(frozen=True)
@@ -52,9 +71,9 @@ def read_row_file(
             continue
         lines += 1
         try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            parsed.append((line_no, _NotJSON(str(exc))))
+            row = loads(line, "", max_depth=MAX_ROW_DEPTH)
+        except UntrustedInputError as exc:
+            parsed.append((line_no, _NotJSON(str(exc).removeprefix(": "))))
             continue
         parsed += [(line_no, routed) for routed in routing.apply(row)]
     marked = mark_repeats([row for _, row in parsed], list(range(len(parsed))))
@@ -62,10 +81,10 @@ def read_row_file(
     problems: list[str] = []
     for prompt_idx, ((line_no, _), row) in enumerate(zip(parsed, marked, strict=True)):
         if isinstance(row, _NotJSON):
-            problems.append(f"{path}:{line_no}: not valid JSON: {row.error}")
+            problems.append(f"{shown(path)}:{line_no}: {row.error}")
             continue
         try:
             rows.append(RowLine(prompt_idx, line_no, validate_row(row, prompt_idx=prompt_idx)))
         except InvalidGymRow as exc:
-            problems.append(f"{path}:{line_no}: {exc}")
+            problems.append(f"{shown(path)}:{line_no}: {shown(exc)}")
     return rows, problems

@@ -33,6 +33,7 @@ from gym_bridge.eval.dataset import DatasetRow, file_sha256, load_dataset
 from gym_bridge.eval.gym_launch import launch_spec, preflight_policy, routed
 from gym_bridge.eval.policy_endpoint import policy_endpoint
 from gym_bridge.eval.report import build_report, describe_model
+from gym_bridge.eval.runs import RUN_FILE
 from gym_bridge.eval.shutdown import sigint_deferred
 from gym_bridge.eval.sink import RunStoreSink
 from gym_bridge.eval.store import RunStore, read_jsonl
@@ -116,6 +117,9 @@ def run_eval(
     if config.policies is not None:
         raise EvalConfigError("policies: a config with several policies runs through run_policies")
     rows = load_dataset(config.dataset, limit=config.limit, routing=config.routing)
+    fresh = not (resume and (config.output_dir / RUN_FILE).exists())
+    if fresh and not config.embedded:  # a new run's endpoint is checked before its folder is made: none is left
+        preflight_policy(config, list(config.base_urls), rows)
     store = RunStore(config.output_dir)
     done = store.open(
         config.fingerprint(file_sha256(config.dataset)),
@@ -135,7 +139,7 @@ def run_eval(
         if pending:
             if before_start is not None:
                 before_start()
-            interrupted = _run_pending(config, pending, store, outcome, progress=progress)
+            interrupted = _run_pending(config, pending, store, outcome, progress=progress, checked=fresh)
             status = "interrupted" if interrupted else "finished"
             if interrupted:
                 raise EvalInterrupted(f"interrupted; {len(store.done)} of {len(rows)} prompt groups are in {store.dir}")
@@ -281,14 +285,20 @@ def _preflight_endpoints(configs: list[EvalConfig], rows: list[DatasetRow]) -> N
 
 
 def _run_pending(
-    config: EvalConfig, pending: list[DatasetRow], store: RunStore, outcome: EvalOutcome, *, progress: bool
+    config: EvalConfig,
+    pending: list[DatasetRow],
+    store: RunStore,
+    outcome: EvalOutcome,
+    *,
+    progress: bool,
+    checked: bool = False,
 ) -> bool:
-    """Start everything (the endpoints' preflight, the policy endpoint, Ray, Gym:
-    :func:`gym_bridge.recipes.launch.start_nemo_gym`), run the pending groups, stop everything; True when SIGINT
-    stopped it. Configured endpoints are checked before their tokenizer loads (a bad one stops the run in seconds,
-    before torch is imported); the embedded server once it is up."""
+    """Start everything (the policy endpoint, Ray, Gym: :func:`gym_bridge.recipes.launch.start_nemo_gym`), run the
+    pending groups, stop everything; True when SIGINT stopped it. Configured endpoints are checked before their
+    tokenizer loads (a bad one stops the run in seconds, before torch is imported), unless ``checked`` (a new run's
+    were checked before its folder was made); the embedded server once it is up."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if not config.embedded:
+    if not config.embedded and not checked:
         preflight_policy(config, list(config.base_urls), pending)
     with policy_endpoint(config) as (base_urls, tokenizer):
         if config.embedded:

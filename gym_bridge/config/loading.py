@@ -1,10 +1,17 @@
 """Reading a NeMo-RL YAML as NeMo-RL's ``load_config`` does: ``defaults:`` parents, ``_override_`` sections,
-``${...}`` interpolation with NeMo-RL's resolvers; and any config (a mapping or attribute-style) as a plain dict."""
+``${...}`` interpolation with NeMo-RL's resolvers; and any config (a mapping or attribute-style) as a plain dict.
+
+Values that ``${oc.env:NAME}`` interpolations resolve to are often secrets (API keys). Resolution notes them, and
+:func:`without_env_values` puts the interpolations back in a resolved config before it is written anywhere, so a run
+folder's ``config.yaml`` never holds them.
+"""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import os
+import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import SimpleNamespace
@@ -23,6 +30,11 @@ _RESOLVERS: dict[str, Callable[[float, float], float]] = {
     "max": lambda a, b: max(a, b),
 }
 _OVERRIDE = "_override_"
+_ENV_REFERENCE = re.compile(r"oc\.env\s*:\s*['\"]?([A-Za-z_][A-Za-z0-9_]*)")
+_ENV_VALUES: dict[str, str] = {}
+"""Each non-empty value an ``${oc.env:NAME}`` interpolation resolved to in this process -> ``NAME``."""
+MIN_EMBEDDED_SECRET = 8
+"""Environment values at least this long are put back where they appear inside a longer string too."""
 
 
 def _register_resolvers() -> None:
@@ -96,6 +108,7 @@ def resolved_config(config: object) -> JsonObject:
         if not isinstance(plain, dict):
             raise TrainingConfigError(f"a training config must be a mapping, not {type(plain).__name__}")
         node = OmegaConf.create(copy.deepcopy(plain))
+    _note_env_values(node)
     container = OmegaConf.to_container(node, resolve=True)
     if not isinstance(container, dict):
         raise TrainingConfigError(f"a training config must be a mapping, not {type(container).__name__}")
@@ -115,3 +128,58 @@ def _has_interpolation(value: object) -> bool:
 def plain_config(config: JsonMapping) -> JsonMapping:
     """``config`` with any ``${...}`` left unresolved (e.g. read with ``yaml.safe_load``) resolved."""
     return resolved_config(config) if _has_interpolation(config) else config
+
+
+def _strings(value: object) -> list[str]:
+    """Every string in a nested container of mappings and lists, keys included."""
+    found: list[str] = []
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            found.append(item)
+        elif isinstance(item, Mapping):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return found
+
+
+def _note_env_values(node: DictConfig | ListConfig) -> None:
+    """Remember what ``node``'s ``${oc.env:NAME}`` interpolations resolve to, for :func:`without_env_values`."""
+    for text in _strings(OmegaConf.to_container(node, resolve=False)):
+        for name in _ENV_REFERENCE.findall(text):
+            value = os.environ.get(name)
+            if value:
+                _ENV_VALUES[value] = name
+
+
+def _put_back(text: str, values: list[tuple[str, str]]) -> str:
+    """``text`` with each environment value in ``values`` (longest first) replaced by its interpolation: whole, or
+    inside a longer string when it is at least :data:`MIN_EMBEDDED_SECRET` characters long."""
+    for value, name in values:
+        if text == value:
+            return f"${{oc.env:{name}}}"
+        if len(value) >= MIN_EMBEDDED_SECRET and value in text:
+            text = text.replace(value, f"${{oc.env:{name}}}")
+    return text
+
+
+def without_env_values(config: JsonMapping) -> JsonObject:
+    """A copy of ``config`` with every value an ``${oc.env:NAME}`` interpolation resolved to (in this process, see
+    :func:`resolved_config`, and still ``NAME``'s value) written as that interpolation again: what a run folder may
+    hold, since those values are often secrets."""
+    current = [(value, name) for value, name in _ENV_VALUES.items() if os.environ.get(name) == value]
+    values = sorted(current, key=lambda item: -len(item[0]))
+
+    def walk(value: object) -> object:
+        if isinstance(value, str):
+            return _put_back(value, values) if values else value
+        if isinstance(value, Mapping):
+            return {key: walk(item) for key, item in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [walk(item) for item in value]
+        return value
+
+    return cast("JsonObject", walk(config))

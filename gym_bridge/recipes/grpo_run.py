@@ -4,8 +4,9 @@ The settings are one :class:`~gym_bridge.config.run_settings.GRPORunSettings`, r
 here reads a config key. The engine is :class:`~gym_bridge.generation.hf.HFGeneration` behind our
 :class:`~gym_bridge.serving.OpenAIServer` (a thread of this process), which Gym's model
 server calls; the trained copy is an :class:`~gym_bridge.policy.hf.HFPolicy`. A run folder
-with a checkpoint resumes from it: both copies load the checkpoint's weights. ``grpo.seed`` seeds
-torch before the models load, and on the CPU the run uses ``torch.use_deterministic_algorithms``
+with a checkpoint resumes from it: both copies load the checkpoint's weights (safetensors only), once
+:func:`check_checkpoint` has passed its files, before anything starts (a pickle naming code is refused, never run).
+``grpo.seed`` seeds torch before the models load, and on the CPU the run uses ``torch.use_deterministic_algorithms``
 (restored by :meth:`GRPORun.close`).
 """
 
@@ -27,17 +28,21 @@ from gym_bridge.gym.client import GymClient
 from gym_bridge.gym.routing import GymRoutes
 from gym_bridge.gym.rows import ValidGymRow
 from gym_bridge.json_types import JsonMapping
-from gym_bridge.policy.hf import HFPolicy
+from gym_bridge.models.loading import check_safetensors_weights
+from gym_bridge.policy.hf import HFPolicy, check_optimizer_file
 from gym_bridge.recipes.launch import NemoGymRollouts, start_nemo_gym_rollouts
 from gym_bridge.serving import OpenAIServer
 from gym_bridge.training.loop import GRPOTrainer
 from gym_bridge.training.loop_config import GRPOLoopConfig
 from gym_bridge.training.rewards import RewardShaper
-from gym_bridge.training.trainer_state import load_trainer_state
+from gym_bridge.training.trainer_state import TrainerState, load_trainer_state
 from gym_bridge.training.validation import GymValidator, ValidationSet
 from gym_bridge.types import ActorHandle, Tokenizer
 
 logger = logging.getLogger(__name__)
+
+CHECKPOINT_DIR = "checkpoint"
+"""The run folder's checkpoint (:attr:`GRPOTrainer.checkpoint_dir`), which a resumed run loads."""
 
 
 def validator_from(
@@ -125,6 +130,23 @@ class GRPORun:
             torch.use_deterministic_algorithms(self.deterministic_before)
 
 
+def check_checkpoint(out_dir: str | Path) -> TrainerState | None:
+    """The run folder's checkpoint, checked before anything starts: its trainer state (None: no complete checkpoint
+    to resume), weights in safetensors, and an ``optimizer.pt`` of tensors and plain containers (its pickle only).
+    Training folders are passed around, so a planted pickle is refused here in one line and never run.
+
+    Raises:
+        CheckpointError: the trainer state or the optimizer file is refused (the message names the file).
+        ModelLoadError: the checkpoint's only weights are pickle files.
+    """
+    checkpoint = Path(out_dir) / CHECKPOINT_DIR
+    state = load_trainer_state(checkpoint)
+    if state is not None:
+        check_safetensors_weights(checkpoint)
+        check_optimizer_file(checkpoint)
+    return state
+
+
 def build_grpo_run(config: JsonMapping, out_dir: str | Path, *, resume: bool = True) -> GRPORun:
     """Read every setting (:func:`~gym_bridge.config.run_settings.grpo_run_settings`: a bad key stops here, before
     any model loads), then :func:`start_grpo_run`. Ray must be initialised (:func:`gym_bridge.ray_utils.init_ray`)."""
@@ -136,8 +158,8 @@ def start_grpo_run(settings: GRPORunSettings, out_dir: str | Path, *, resume: bo
     out_dir = Path(out_dir)
     torch.manual_seed(settings.seed)
     logger.info("grpo.seed %d", settings.seed)
-    checkpoint = out_dir / "checkpoint"
-    state = load_trainer_state(checkpoint) if resume else None
+    checkpoint = out_dir / CHECKPOINT_DIR
+    state = check_checkpoint(out_dir) if resume else None
     if state is not None:
         logger.info("resuming from %s at step %d (weight version %d)", checkpoint, state.step, state.weight_version)
         settings = settings.resumed_from(str(checkpoint), state.step)

@@ -5,9 +5,10 @@ Reads the config (:func:`~gym_bridge.config.overrides.load_with_overrides`: ``de
 anything starts, opens the experiment loggers (:mod:`gym_bridge.training.loggers`), starts the run
 (:func:`~gym_bridge.recipes.grpo_run.build_grpo_run`), trains with a progress bar over the steps, and writes
 ``training.png`` / ``training.html`` (:mod:`gym_bridge.training.plots`). The run folder holds ``config.yaml`` (the
-config as trained), ``metrics.jsonl``, ``val_results.jsonl``, the loggers' files under ``logs/`` and ``checkpoint/``
-(a transformers folder: ``from_pretrained`` loads it; ``gym-bridge serve --model`` and eval's ``embedded_policy``
-take it).
+config as trained, its ``${oc.env:NAME}`` values, often secrets, written as those interpolations), ``metrics.jsonl``,
+``val_results.jsonl``, the loggers' files under ``logs/`` and ``checkpoint/`` (a transformers folder:
+``from_pretrained`` loads it; ``gym-bridge serve --model`` and eval's ``embedded_policy`` take it). With ``--resume``
+the checkpoint's files are checked before anything starts (:func:`~gym_bridge.recipes.grpo_run.check_checkpoint`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import yaml
 
+from gym_bridge.config.loading import without_env_values
 from gym_bridge.config.logger import logger_settings
 from gym_bridge.failures import GymBridgeError
 from gym_bridge.json_types import JsonObject
@@ -91,19 +93,22 @@ def train(
     """Train ``config`` into ``run_dir`` (resumed from its checkpoint with ``resume``); Ray is started if needed."""
     from gym_bridge.config.run_settings import grpo_run_settings
     from gym_bridge.ray_utils import init_ray
-    from gym_bridge.recipes.grpo_run import start_grpo_run
+    from gym_bridge.recipes.grpo_run import check_checkpoint, start_grpo_run
 
     run_dir = Path(run_dir)
     settings = grpo_run_settings(config)  # every key read and checked before anything starts
     plan = logger_settings(config).plan(run_dir)
     _check_run_dir(run_dir, resume)
+    if resume:
+        check_checkpoint(run_dir)  # a planted or broken checkpoint file is one line here, before Ray and Gym start
+    written = without_env_values(config)  # secrets from the environment stay out of the run folder and the loggers
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / CONFIG_FILE).write_text(yaml.safe_dump(config, sort_keys=False))
+    (run_dir / CONFIG_FILE).write_text(yaml.safe_dump(written, sort_keys=False))
     init_ray()
     run = start_grpo_run(settings, run_dir, resume=resume)
     lines: list[MetricsLine] = []
     try:
-        loggers = open_loggers(plan, config)
+        loggers = open_loggers(plan, written)
         run.trainer.metric_sinks.append(loggers)
         try:
             lines = _run_with_progress(run.trainer, progress, on_line)

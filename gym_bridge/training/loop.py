@@ -382,13 +382,23 @@ class GRPOTrainer(RolloutPhase, UpdatePhase):
     def save_checkpoint(self) -> Path:
         """The policy (weights, tokenizer, optimizer) and the trainer state, replacing the previous checkpoint.
 
-        Prompts whose rollouts are still in flight are saved as queued again: a resumed run redoes them.
+        Prompts whose rollouts are still in flight are saved as queued again: a resumed run redoes them. A link
+        planted as ``checkpoint.partial`` or ``checkpoint`` is removed, never written through.
         """
         staging = self.out_dir / "checkpoint.partial"
-        shutil.rmtree(staging, ignore_errors=True)
+        _remove(staging)
         self.policy.save_checkpoint(staging)
         state = TrainerState(**{**asdict(self.state), "prompts": self.prompts.checkpoint_state()})
         (staging / STATE_FILE).write_text(json.dumps(asdict(state)))
-        shutil.rmtree(self.checkpoint_dir, ignore_errors=True)
+        _remove(self.checkpoint_dir)
         staging.rename(self.checkpoint_dir)
         return self.checkpoint_dir
+
+
+def _remove(path: Path) -> None:
+    """Remove what ``path`` names, whatever it is: a link (planted in a run folder, so a checkpoint is never written
+    through it into the folder it points at) or a file is unlinked, a folder removed with what it holds."""
+    if path.is_symlink() or (path.exists() and not path.is_dir()):
+        path.unlink()
+    else:
+        shutil.rmtree(path, ignore_errors=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import io
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -20,6 +21,10 @@ from typing import cast
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from pydantic import BaseModel
 
+from gym_bridge.boundary import UntrustedInputError
+from gym_bridge.boundary.files import read_text
+from gym_bridge.boundary.text import shown
+from gym_bridge.boundary.yaml_io import MAX_CONFIG_BYTES, check_yaml
 from gym_bridge.config.keys import TrainingConfigError
 from gym_bridge.json_types import JsonMapping, JsonObject
 
@@ -44,9 +49,21 @@ def _register_resolvers() -> None:
             OmegaConf.register_new_resolver(name, fn)
 
 
-def _load_with_defaults(path: Path) -> DictConfig:
-    """The YAML at ``path`` with its ``defaults:`` parents merged under it, ``${...}`` still unresolved."""
-    node = OmegaConf.load(path)
+def _load_with_defaults(path: Path, children: tuple[Path, ...] = ()) -> DictConfig:
+    """The YAML at ``path`` with its ``defaults:`` parents merged under it, ``${...}`` still unresolved. The file is
+    read through the boundary (a regular file under a cap, aliases bounded before OmegaConf builds anything)."""
+    if path in children:
+        raise TrainingConfigError(
+            f"{shown(path)}: its defaults: chain comes back to it ({' -> '.join(map(shown, children))})"
+        )
+    try:
+        text = read_text(path, MAX_CONFIG_BYTES)
+        check_yaml(text, shown(path))
+    except OSError as exc:
+        raise TrainingConfigError(f"cannot read the training config {shown(path)}: {exc.strerror or exc}") from None
+    except UntrustedInputError as exc:
+        raise TrainingConfigError(str(exc)) from None
+    node = OmegaConf.load(io.StringIO(text))
     if not isinstance(node, DictConfig):
         raise TrainingConfigError(f"{path}: a training config must be a mapping, not a list")
     parents = node.pop("defaults", None)
@@ -54,7 +71,8 @@ def _load_with_defaults(path: Path) -> DictConfig:
         return node
     merged = OmegaConf.create()
     for parent in [parents] if isinstance(parents, str) else list(parents):
-        merged = _merge_with_override(merged, _load_with_defaults((path.parent / str(parent)).resolve()))
+        parent_path = (path.parent / str(parent)).resolve()
+        merged = _merge_with_override(merged, _load_with_defaults(parent_path, (*children, path)))
     return _merge_with_override(merged, node)
 
 
@@ -77,7 +95,7 @@ def _merge_with_override(base: DictConfig, child: DictConfig) -> DictConfig:
 def load_training_config(path: str | Path) -> JsonObject:
     """A NeMo-RL YAML as a plain dict: ``defaults:`` parents merged under it, ``${...}`` resolved."""
     _register_resolvers()
-    return resolved_config(_load_with_defaults(Path(path)))
+    return resolved_config(_load_with_defaults(Path(path).resolve()))
 
 
 def _asplain_config(config: object) -> object:

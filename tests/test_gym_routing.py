@@ -61,10 +61,19 @@ def test_routing_keys_that_contradict_each_other_are_refused():
         RowRouting(agent_name="a", agent_map={"_default": "b"})
     with pytest.raises(ValidationError, match=r"fan_out lists no agent for \['src'\]"):
         RowRouting(fan_out={"src": []})
+    with pytest.raises(ValidationError, match=r"fan_out lists an agent more than once: \{'src': \['a'\]\}"):
+        RowRouting(fan_out={"src": ["a", "b", "a"]})
+    same = RowRouting(agent_name="a", agent_map={"_default": "a"})  # Gym folds agent_name into _default: no conflict
+    assert same.apply(row(task_source="src"))[0]["agent_ref"] == {"name": "a"}
     with pytest.raises(Exception, match="both route every row"):
         EvalConfig.model_validate(
-            {"dataset": "d.jsonl", "config_paths": ["c.yaml"], "output_dir": "o", "agent_name": "a",
-             "agent_map": {"_default": "b"}}  # fmt: skip
+            {
+                "dataset": "d.jsonl",
+                "config_paths": ["c.yaml"],
+                "output_dir": "o",
+                "agent_name": "a",
+                "agent_map": {"_default": "b"},
+            }  # fmt: skip
         )
 
 
@@ -73,7 +82,9 @@ def test_routes_resolve_a_task_source_and_name_what_routes_nowhere():
     assert ROUTES.routed(row(task_source="src_a"), where="w")["agent_ref"] == {"name": "a"}
     named = row(agent_ref={"name": "b"}, task_source="src_a")
     assert ROUTES.routed(named, where="w") is named, "agent_ref > task_source"
-    with pytest.raises(InvalidGymRow, match=r"^prompt_idx=4: task_source 'nope' routes nowhere: .*known agents: a, b, c$"):
+    with pytest.raises(
+        InvalidGymRow, match=r"^prompt_idx=4: task_source 'nope' routes nowhere: .*known agents: a, b, c$"
+    ):
         ROUTES.agent_of(row(task_source="nope"), where="prompt_idx=4")
     with pytest.raises(InvalidGymRow, match=r"task_source 'ambiguous' routes nowhere: its datasets pin conflicting"):
         ROUTES.agent_of(row(task_source="ambiguous"), where="w")
@@ -107,7 +118,7 @@ def test_each_copy_carries_gyms_rollout_identity_and_repeats_get_their_own():
         assert [r["_ng_rollout_id"] for r in b] == ["5-3", "5-4", "5-5"]
     seeds = [row_seed(r) for r in a + b]
     assert len(set(seeds)) == 6
-    assert seeds[:3] == [rollout_seed(11, first, i) for i in range(3)], "a first repeat keeps the seeds of before"
+    assert seeds == [rollout_seed(11, {"_ng_task_index": 5}, i) for i in range(6)], "run seed, task, rollout: only"
     plain = build_rows(row(q=3), 2, SAMPLING, 8, task_index=7)
     assert [(r["_ng_task_index"], r["_ng_rollout_index"]) for r in plain] == [(7, 0), (7, 1)]
     resent = with_attempt(a[1], 2)
@@ -125,18 +136,41 @@ def test_a_scope_keeps_the_rollout_ids_of_restarted_numbering_apart():
     assert [r["_ng_task_index"] for r in first + second] == [0, 0, 0, 0]
     assert [row_seed(r) for r in first] == [row_seed(r) for r in plain]
     if "_ng_rollout_id" in installed_gym().rollout_identity_keys:
-        assert [r["_ng_rollout_id"] for r in first + second] == ["val6-0-0-0", "val6-0-0-1", "val_6_1-0-0", "val_6_1-0-1"]
+        assert [r["_ng_rollout_id"] for r in first + second] == [
+            "val6-0-0-0",
+            "val6-0-0-1",
+            "val_6_1-0-0",
+            "val_6_1-0-1",
+        ]
         from nemo_gym.rollout_correlation import maybe_rollout_id_from_run_body
 
         assert [maybe_rollout_id_from_run_body(r) for r in second] == ["val_6_1-0-0", "val_6_1-0-1"]
 
 
 def test_a_rollout_index_that_is_not_a_count_is_refused_where_the_row_enters():
-    with pytest.raises(InvalidGymRow, match=r"^prompt_idx=2: invalid Gym row: _ng_rollout_index must be a non-negative int, got '1'$"):
+    with pytest.raises(
+        InvalidGymRow, match=r"^prompt_idx=2: invalid Gym row: _ng_rollout_index must be a non-negative int, got '1'$"
+    ):
         validate_row(row(agent_ref={"name": "a"}, _ng_rollout_index="1"), prompt_idx=2)
+    with pytest.raises(
+        InvalidGymRow, match=r"^prompt_idx=2: invalid Gym row: _ng_task_index must be a non-negative int, got -1$"
+    ):
+        validate_row(row(agent_ref={"name": "a"}, _ng_task_index=-1), prompt_idx=2)
 
 
-def test_a_row_file_splits_on_newlines_only_routes_and_marks_repeats(tmp_path: Path):
+def test_a_rows_own_task_index_is_kept_and_its_rollouts_continue_gyms_count(tmp_path: Path):
+    """As Gym honours a task index the data carries (a slicer's global index), and counts that task's rollouts on
+    from the rows numbered before it; a ``_ng_rollout_index`` in the data is replaced by the count."""
+    lines = [json.dumps(row(agent_ref={"name": "a"}, q=1)), json.dumps(row(agent_ref={"name": "a"}, _ng_task_index=0,
+             _ng_rollout_index=7)), json.dumps(row(agent_ref={"name": "a"}, q=2))]  # fmt: skip
+    rows, problems = read_row_file(tmp_path / "d.jsonl", "\n".join(lines))
+    assert problems == []
+    assert [(r.row["_ng_task_index"], r.row["_ng_rollout_index"]) for r in rows] == [(0, 0), (0, 1), (1, 0)]
+
+
+def test_a_row_file_splits_on_newlines_only_routes_and_numbers_rows_as_gym(tmp_path: Path):
+    """Every row gets Gym's task index (dense over distinct rows: the bad line takes none) and its unit's ordinal:
+    the fan_out row is task 0 for both agents (ordinals 0, 1), the repeated row task 1 (ordinals 0, 1)."""
     separators = "a\u2028b\u2029c\u0085d"
     lines = [
         json.dumps(row(task_source="src", text=separators), ensure_ascii=False),
@@ -147,11 +181,12 @@ def test_a_row_file_splits_on_newlines_only_routes_and_marks_repeats(tmp_path: P
     path = tmp_path / "rows.jsonl"
     text = "\n".join(lines) + "\n"
     rows, problems = read_row_file(path, text, routing=RowRouting(fan_out={"src": ["a", "b"]}))
-    assert problems == [f"{path}:2: not valid JSON: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"]
+    assert len(problems) == 1 and problems[0].startswith(f"{path}:2: not valid JSON"), problems
     assert [(r.prompt_idx, r.line) for r in rows] == [(0, 1), (1, 1), (3, 3), (4, 4)]
     assert rows[0].row["text"] == separators and rows[0].row["agent_ref"] == {"name": "a"}
     assert rows[1].row["agent_ref"] == {"name": "b"}
-    assert [r.row["_ng_rollout_index"] for r in rows[2:]] == [0, 1] and rows[2].row["_ng_task_index"] == 3
+    assert [(r.row["_ng_task_index"], r.row["_ng_rollout_index"]) for r in rows] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert all("_ng_task_index" not in json.loads(line) for line in lines if line != "{bad"), "the data is kept"
 
 
 def test_a_training_config_reads_gyms_routing_keys_and_keeps_them_from_gyms_global_config(tmp_path: Path):
@@ -164,6 +199,7 @@ def test_a_training_config_reads_gyms_routing_keys_and_keeps_them_from_gyms_glob
     data.write_text(json.dumps(row(task_source="s")) + "\n" + json.dumps(row(task_source="t")) + "\n")
     rows = load_gym_rows(data, routing)
     assert [r["agent_ref"]["name"] for r in rows] == ["a", "b", "a"]
-    with pytest.raises(TrainingConfigError, match=r"^env.nemo_gym: agent_name \('a'\) and agent_map._default \('b'\) both"):
+    with pytest.raises(
+        TrainingConfigError, match=r"^env.nemo_gym: agent_name \('a'\) and agent_map._default \('b'\) both"
+    ):
         row_routing({"env": {"nemo_gym": {"agent_name": "a", "agent_map": {"_default": "b"}}}})
-

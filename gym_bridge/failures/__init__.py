@@ -22,6 +22,8 @@ The whole exception tree (all defined in :mod:`gym_bridge.failures.errors`)::
      │         ├── EndpointConfigError  the model endpoint answered 4xx: wrong model, tools refused, bad
      │         │                      request (status, endpoint message, Gym server path)
      │         ├── InvalidGymRow      a row that cannot be dispatched (names prompt, field, reason)
+     │         ├── GymRunError        Gym's agent_run_error: the row's /run failed in Gym's own server code
+     │         │                      (agent, environment or resources server raised): not re-sent
      │         └── GymResultError     a Gym /run result cannot become a message log
      │              ├── MissingGenerationData  no model call carried token ids
      │              ├── NaNLogprobs   a generation logprob is NaN
@@ -33,6 +35,7 @@ The whole exception tree (all defined in :mod:`gym_bridge.failures.errors`)::
      ├── RefitMismatch                the engine does not hold the weights just trained (version or fingerprint)
      ├── StepBatchShortfall           a step kept fewer groups than min_step_batch_fraction
      ├── RunConfigurationError        the run's first groups all hit one configuration error
+     │    └── TokenCaptureMasked      more finalised token captures masked than token_id_capture.max_mask_fraction
      ├── GymServersError              a Gym server set failed (gym/servers.py)
      │    ├── GymStartupError         a server died during start-up or did not answer in time
      │    │    └── GymPortInUse       a server's port was taken before it bound it (named)

@@ -8,6 +8,7 @@ retried. The other functions turn a raw error into the typed, picklable failure.
 
 from __future__ import annotations
 
+import re
 import sys
 from enum import StrEnum
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 from gym_bridge.failures.errors import (
     EnvironmentUnavailable,
     GenerationUnavailable,
+    GymRunError,
     GymTransportError,
     RolloutDataFailure,
     RolloutFailure,
@@ -49,6 +51,106 @@ _INFRA_FAILURE_KINDS = frozenset(
         "shutdown",
     }
 )
+
+
+AGENT_RUN_ERROR = "agent_run_error"
+"""Gym's ``_ng_failure_class`` for a ``/run`` a Gym server answered: the rollout ran and broke (data)."""
+AGENT_REQUEST_FAILED = "agent_request_failed"
+"""Gym's ``_ng_failure_class`` for a ``/run`` with no answer, or a gateway's (infrastructure)."""
+GATEWAY_STATUSES = frozenset({429, 502, 503, 504})
+"""What something in front of a Gym server answers with; a Gym server answers 500 itself
+(``rollout_collection._SERVER_DID_NOT_RUN_STATUSES``)."""
+_EXCEPTION_TYPE = re.compile(r"(?P<type>[A-Za-z_][\w.]*)(?:\(|:\s)")
+_TRANSPORT_EXCEPTIONS = frozenset(
+    {
+        "TimeoutError",
+        "CancelledError",
+        "ConnectionError",
+        "ConnectionRefusedError",
+        "ConnectionResetError",
+        "ConnectionAbortedError",
+        "BrokenPipeError",
+        "MemoryError",
+        "ClientConnectorDNSError",
+        "ClientConnectorCertificateError",
+        "ClientSSLError",
+        "ClientResponseError",
+        "ConnectTimeout",
+        "ReadTimeout",
+        "WriteTimeout",
+        "PoolTimeout",
+        "ConnectError",
+        "ReadError",
+        "WriteError",
+        "APIConnectionError",
+        "APITimeoutError",
+    }
+)
+"""Exception names that say a connection, a timeout, a cancellation or the machine failed, not the server's code
+(with :data:`_INFRA_CLASS_NAMES`, and aiohttp's, httpx's and Ray's infrastructure errors by name)."""
+
+
+def gym_run_failure_class(status: int | None) -> str:
+    """Gym's ``_ng_failure_class`` for a ``/run`` that came back without a result (``_agent_request_failure_row``):
+    ``agent_run_error`` when a Gym server answered (any status but a gateway's), else ``agent_request_failed``."""
+    return AGENT_RUN_ERROR if status is not None and status not in GATEWAY_STATUSES else AGENT_REQUEST_FAILED
+
+
+def server_code_exception(message: str) -> str | None:
+    """The exception type a Gym server's own code raised, read from the innermost message of its 500 (Gym's
+    middleware answers ``repr(exc)``; :func:`~gym_bridge.failures.gym_chain.unwrap_gym_error` gives
+    ``"<Type>: <arg>"`` or the repr), or None: no exception named, or one that says a connection, a timeout, a
+    cancellation or the machine failed rather than the code."""
+    match = _EXCEPTION_TYPE.match(message.strip())
+    if match is None:
+        return None
+    name = match["type"].rsplit(".", 1)[-1]
+    if not name.endswith(("Error", "Exception")):
+        return None
+    infra_names = _TRANSPORT_EXCEPTIONS | _INFRA_CLASS_NAMES
+    if name in infra_names or name in (*_RAY_INFRA_NAMES, *_AIOHTTP_INFRA_NAMES, *_HTTPX_INFRA_NAMES):
+        return None
+    return match["type"]
+
+
+_LAYER_SERVER = re.compile(r"Hit an exception in (?P<server>\S+?) calling an inner server")
+
+
+def agent_run_error(status: int, body: bytes | str, where: str) -> GymRunError | None:
+    """The data failure for a ``/run`` that broke in Gym's own server code, as Gym's collection classes it
+    (``agent_run_error``: a Gym server answered), or None when it is not one and stays infrastructure.
+
+    A Gym server's 500 (not a gateway's 429/502/503/504) whose innermost message is an exception raised by server
+    code (:func:`server_code_exception`: not a connection, timeout or cancellation) is data, with one exception:
+    one raised inside the agent's model call (under two consecutive layers of one agent: its ``/run`` calling its
+    own ``/v1/responses``, which called the model server) is the model server's check of the endpoint's answer
+    (e.g. missing logprobs), which another endpoint may answer well: infrastructure, as before."""
+    from gym_bridge.failures.gym_chain import unwrap_gym_error
+
+    if gym_run_failure_class(status) != AGENT_RUN_ERROR or status < 500:
+        return None
+    chain = unwrap_gym_error(body)
+    raised = server_code_exception(chain.message) if chain.kind in ("exception", "text") else None
+    if raised is None:
+        return None
+    text = body.decode(errors="replace") if isinstance(body, bytes) else body
+    layers = [match["server"] for match in _LAYER_SERVER.finditer(text)]
+    if len(layers) >= 2 and layers[-1] == layers[-2]:
+        return None
+    return GymRunError(
+        f"Gym's _ng_failure_class {AGENT_RUN_ERROR}: /run answered HTTP {status} with {raised} raised in Gym's "
+        f"server code (deterministic for this row; not re-sent): {where}: {chain.describe()}"
+    )
+
+
+def gym_failure_class_failure(failure_class: str, detail: str) -> RolloutFailure:
+    """The typed failure for a ``/run`` result that carries Gym's ``_ng_failure_class`` (a failure row, not a
+    rollout): infrastructure for the classes :func:`gym_failure_kind_class` calls so (``agent_request_failed``,
+    ``cancelled``, ``kill_shaped``, ...), else :class:`GymRunError`."""
+    message = f"Gym's _ng_failure_class {failure_class}: {detail}"
+    if gym_failure_kind_class(failure_class) is FailureClass.INFRA:
+        return GymTransportError(message)
+    return GymRunError(message)
 
 
 def gym_failure_kind_class(kind: str | None) -> FailureClass | None:

@@ -14,6 +14,7 @@ __all__ = [
     "GymPortInUse",
     "GymResultError",
     "GymRowIndexError",
+    "GymRunError",
     "GymServerDied",
     "GymServersError",
     "GymStartupError",
@@ -34,6 +35,7 @@ __all__ = [
     "RunConfigurationError",
     "SettingError",
     "StepBatchShortfall",
+    "TokenCaptureMasked",
     "TokenDrift",
 ]
 
@@ -154,6 +156,12 @@ class InvalidGymRow(RolloutDataFailure):
     """A Gym row that cannot be dispatched; the message names the prompt, the field and the reason."""
 
 
+class GymRunError(RolloutDataFailure):
+    """Gym's ``agent_run_error`` (or another data ``_ng_failure_class``): the row's ``/run`` failed in Gym's own server
+    code (the agent, its environment server or a resources server raised), deterministic for this row: never
+    re-sent as infrastructure. The message names the class, the exception and the servers it came through."""
+
+
 class GymResultError(RolloutDataFailure):
     """A NeMo-Gym result cannot be turned into a message log."""
 
@@ -191,6 +199,11 @@ class RefitMismatch(GymBridgeError, RuntimeError):
 
 class RunConfigurationError(GymBridgeError, RuntimeError):
     """Terminal: the first groups of the run all failed with the same configuration error (the message says which)."""
+
+
+class TokenCaptureMasked(RunConfigurationError):
+    """Terminal: more of the run's finalised token captures came back masked than ``token_id_capture.max_mask_fraction``
+    allows (after ``mask_fraction_min_samples``): Gym 0.7's abort, with Gym's message."""
 
 
 # ---- outside a rollout attempt: Gym's server set and the local generation engine ----------------

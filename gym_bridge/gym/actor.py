@@ -19,10 +19,16 @@ died with the old process. ``cfg.on_restart="fail"`` makes every call raise
 Errors raised inside the actor are typed and picklable (see
 :mod:`gym_bridge.failures`): an HTTP error from ``/run`` is unwrapped
 (:func:`~gym_bridge.failures.gym_run_failure`) and becomes ``EndpointConfigError``
-(the model endpoint answered 4xx), ``GymTransportError`` (infra status) or
-``RolloutDataFailure``; a connection
+(the model endpoint answered 4xx), ``GymRunError`` (Gym's ``agent_run_error``: an exception raised in Gym's
+server code, deterministic for the row: :func:`~gym_bridge.failures.classify.agent_run_error`),
+``GymTransportError`` (infra status) or ``RolloutDataFailure``; a result that carries Gym's
+``_ng_failure_class`` is that class's failure; a connection
 error ``GymTransportError``; an expired ``request_timeout_s`` ``RolloutTimeout``;
 bad rows and bad results ``RolloutDataFailure`` subclasses.
+
+Every result is stamped with the ``_ng_*`` rollout identity of its row before it is converted
+(:func:`~gym_bridge.gym.token_capture.stamp_identity`), as Gym's collection stamps every result it records,
+whatever the agent echoes.
 
 Rows are posted where Gym's ``RolloutCollectionHelper.run_examples`` posts them (JSON body,
 ``Content-Type: application/json``, no cookie jar): ``POST {server}/run`` of the environment server
@@ -61,7 +67,9 @@ from gym_bridge.failures import (
     RolloutTimeout,
     deadline,
     gym_run_failure,
+    shorten,
 )
+from gym_bridge.failures.classify import agent_run_error, gym_failure_class_failure
 from gym_bridge.gym.actor_config import NemoGymConfig
 from gym_bridge.gym.admission import EndpointLoad
 from gym_bridge.gym.convert import convert_gym_result
@@ -72,7 +80,7 @@ from gym_bridge.gym.routing import GymRoutes
 from gym_bridge.gym.rows import ROW_INDEX_KEY, dispatch_target
 from gym_bridge.gym.servers import GymServers
 from gym_bridge.gym.stream_window import BATCH_WINDOW_S, failed, gather_window
-from gym_bridge.gym.token_capture import TokenCapture, with_capture_dir
+from gym_bridge.gym.token_capture import CAPTURE_KEY, CaptureBuild, TokenCapture, stamp_identity, with_capture_dir
 from gym_bridge.types import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -83,6 +91,8 @@ _PROGRESS_EVERY = 10
 _LOAD_TIMEOUT_S = 3.0
 """The bound on reading the model endpoints' ``/metrics`` for their load."""
 _JSON_HEADERS = {"Content-Type": "application/json"}
+_FAILURE_CLASS_KEY = "_ng_failure_class"
+"""Gym's failure-routing sentinel on a result that is no rollout (``rollout_collection.NG_FAILURE_CLASS_KEY``)."""
 
 
 class NemoGym:
@@ -122,7 +132,7 @@ class NemoGym:
         overrides, capture_dir = with_capture_dir(config.overrides, default_dir)
         if capture_dir is not None:
             config = config.model_copy(update={"overrides": overrides})
-            self._capture = await asyncio.to_thread(TokenCapture, capture_dir)
+            self._capture = await asyncio.to_thread(TokenCapture, capture_dir, overrides[CAPTURE_KEY])
         servers = GymServers(config)
         self._servers = servers
         try:
@@ -136,6 +146,8 @@ class NemoGym:
         agents = sorted(name for name in urls if types.get(name) == _AGENT_SERVER_TYPE)
         self._routes = GymRoutes.from_json(servers.routes, agents)
         self._agent_urls = {agent: urls[self._routes.dispatch.get(agent, agent)] for agent in agents}
+        if self._capture is not None and servers.head is not None:  # the agents whose results Gym finalises
+            await asyncio.to_thread(self._capture.read_participants, servers.head.url, agents)
         if not self._agent_urls:
             logger.warning("NeMo-Gym started without any agent server: %s", sorted(urls))
 
@@ -280,7 +292,7 @@ class NemoGym:
                 await_s += t1 - t0
                 postprocess_s += t2 - t1
                 remaining -= len(batch)
-                for row, _ in posted:
+                for row, _, _ in posted:
                     pending[row["agent_ref"]["name"]] -= 1
                 timing = None
                 if not remaining:
@@ -357,11 +369,17 @@ class NemoGym:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nemo-gym-convert")
         return self._executor
 
-    async def _post(self, client: aiohttp.ClientSession, url: str, row: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
-        where = f"NeMo-Gym /run at {url} for {ROW_INDEX_KEY}={row[ROW_INDEX_KEY]} (agent {row['agent_ref']['name']!r})"
+    async def _post(
+        self, client: aiohttp.ClientSession, url: str, row: dict[str, Any]
+    ) -> tuple[dict[str, Any], bytes, CaptureBuild | None]:
+        """POST one row; ``(row, result body, capture build)``, the body finalised with its captured token ids when
+        Gym's collection would finalise it (``token_id_capture`` on, the row's agent taking part)."""
+        agent = row["agent_ref"]["name"]
+        where = f"NeMo-Gym /run at {url} for {ROW_INDEX_KEY}={row[ROW_INDEX_KEY]} (agent {agent!r})"
         request = orjson.dumps(row)  # bytes, as aiohttp sends them: no str in between
-        if self._capture is not None:
-            self._capture.clear(row)
+        capture = self._capture if self._capture is not None and self._capture.participates(agent) else None
+        if capture is not None:
+            capture.clear(row)
         try:
             async with (
                 deadline(self.cfg.request_timeout_s, where),
@@ -374,24 +392,31 @@ class NemoGym:
             self._raise_if_a_server_died(where)
             raise GymTransportError(f"{where} failed in transport: {type(exc).__name__}: {exc}") from None
         if status >= 400:
-            failure = gym_run_failure(status, body[:_ERROR_BODY_LIMIT], where)
+            error_body = body[:_ERROR_BODY_LIMIT]
+            failure = gym_run_failure(status, error_body, where)
+            if isinstance(failure, GymTransportError):
+                failure = agent_run_error(status, error_body, where) or failure
             if isinstance(failure, GymTransportError):
                 self._raise_if_a_server_died(where)
             raise failure
-        if self._capture is not None:
-            body = await self._finalized(row, body, where)
-        return row, body
+        if capture is None:
+            return row, body, None
+        return (row, *await self._finalized(capture, row, body, where))
 
-    async def _finalized(self, row: dict[str, Any], body: bytes, where: str) -> bytes:
-        """The result with its captured token ids (:mod:`gym_bridge.gym.token_capture`), as JSON bytes again."""
-        assert self._capture is not None
+    @staticmethod
+    async def _finalized(
+        capture: TokenCapture, row: dict[str, Any], body: bytes, where: str
+    ) -> tuple[bytes, CaptureBuild | None]:
+        """The result with its captured token ids (:mod:`gym_bridge.gym.token_capture`), as JSON bytes again, and
+        the build. A failure row (``_ng_failure_class``) is no rollout: Gym finalises none, nor do we."""
         try:
             result = _loads(body)
         except ValueError as exc:
             raise GymResultError(f"{where}: /run returned invalid JSON: {exc}") from None
-        if not isinstance(result, dict):
-            return body  # the converter names what is wrong with it
-        return orjson.dumps(await self._capture.finalize(row, result))
+        if not isinstance(result, dict) or result.get(_FAILURE_CLASS_KEY):
+            return body, None  # the converter names what is wrong with it
+        build = await capture.finalize(row, result)
+        return orjson.dumps(result), build
 
     def _raise_if_a_server_died(self, where: str) -> None:
         """After a failed /run, name a dead Gym server (the likely cause) instead of a nested 500."""
@@ -399,18 +424,27 @@ class NemoGym:
             raise NemoGymUnavailable(f"{where}: the NemoGym actor was shut down")
         self._check_servers(self._servers, f"{where} failed because a Gym server died")
 
-    def _convert_batch(self, posted: list[tuple[dict[str, Any], bytes]]) -> list[GymRowResult]:
-        return [self._convert(row, body) for row, body in posted]
+    def _convert_batch(self, posted: list[tuple[dict[str, Any], bytes, CaptureBuild | None]]) -> list[GymRowResult]:
+        return [self._convert(row, body, capture) for row, body, capture in posted]
 
-    def _convert(self, row: dict[str, Any], body: bytes) -> GymRowResult:
+    def _convert(self, row: dict[str, Any], body: bytes, capture: CaptureBuild | None = None) -> GymRowResult:
+        """One result as its :class:`GymRowResult`: Gym's failure row raised as its class, the row's ``_ng_*``
+        identity stamped, the message log built, the capture build kept."""
         rowidx = row[ROW_INDEX_KEY]
         try:
             result = _loads(body)
         except ValueError as exc:
             raise GymResultError(f"{ROW_INDEX_KEY}={rowidx}: /run returned invalid JSON: {exc}") from None
+        if isinstance(result, dict):
+            failure_class = result.get(_FAILURE_CLASS_KEY)
+            if isinstance(failure_class, str) and failure_class:
+                detail = result.get("_ng_failure_message") or result.get("error") or "(no message)"
+                where = f"{ROW_INDEX_KEY}={rowidx} (agent {row['agent_ref']['name']!r})"
+                raise gym_failure_class_failure(failure_class, f"{where}: {shorten(str(detail))}")
+            stamp_identity(row, result)
         assert self._tokenizer is not None  # run_rollouts refuses to start without one
         try:
-            return convert_gym_result(
+            converted = convert_gym_result(
                 result,
                 self._tokenizer,
                 row_index=rowidx,
@@ -420,6 +454,8 @@ class NemoGym:
             )
         except GymResultError as exc:
             raise type(exc)(f"{ROW_INDEX_KEY}={rowidx} (agent {row['agent_ref']['name']!r}): {exc}") from None
+        converted.capture = capture
+        return converted
 
 
 def _loads(body: bytes) -> Any:

@@ -10,6 +10,11 @@ group's time running, not its waits for admission. Every attempt is admitted by 
 :class:`~gym_bridge.gym.admission.AdmissionControl`: a timeout into a saturated engine halves the rows in
 flight and pauses admission, so re-sends back off instead of storming. The result is typed:
 :class:`GymGroupResult`.
+
+A deterministic failure (data: Gym's ``agent_run_error``, a bad result) fails the group at once: only
+infrastructure failures re-send rows. With ``token_id_capture`` on, every finalised capture is counted against
+``max_mask_fraction`` as Gym's collection counts it (:class:`~gym_bridge.gym.token_capture.MaskFractionWatch`); when
+Gym would abort, :class:`~gym_bridge.failures.TokenCaptureMasked` is raised, and again by every later group.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ from gym_bridge.gym.admission import (
 from gym_bridge.gym.result import GymRowBatch, GymRowResult
 from gym_bridge.gym.routing import GymRoutes
 from gym_bridge.gym.rows import ROW_INDEX_KEY, with_attempt
+from gym_bridge.gym.token_capture import MaskFractionWatch
 from gym_bridge.types import ActorHandle
 
 logger = logging.getLogger(__name__)
@@ -92,6 +98,8 @@ class GymClient:
         self.admission = (
             admission if isinstance(admission, AdmissionControl) else AdmissionControl(admission or AdmissionSettings())
         )
+        self.mask_watch = MaskFractionWatch()
+        """Finalised token captures and masked ones, against ``token_id_capture.max_mask_fraction``."""
         self._in_flight = [0] * len(self.actors)
         self._dead: set[int] = set()
         self._routes: GymRoutes | None = None
@@ -102,6 +110,12 @@ class GymClient:
     def in_flight_rows(self) -> list[int]:
         """Rows in flight per actor (for metrics and tests)."""
         return list(self._in_flight)
+
+    @property
+    def run_stop(self) -> BaseException | None:
+        """The terminal error that ended this client's run (:class:`~gym_bridge.failures.TokenCaptureMasked`: Gym's
+        ``max_mask_fraction`` abort), or None. Every later group raises it before sending anything."""
+        return self.mask_watch.stopped
 
     async def routes(self) -> GymRoutes | None:
         """Where the Gym servers send rows (asked once, of the first live actor); None for an actor that cannot say.
@@ -143,8 +157,11 @@ class GymClient:
         :class:`InvalidGymRow`.
 
         Raises the typed failure of the last attempt (``RolloutTimeout`` at the deadline,
-        :class:`GymRowIndexError` for a bad streamed index, data failures at once).
+        :class:`GymRowIndexError` for a bad streamed index, data failures at once), or
+        :class:`~gym_bridge.failures.TokenCaptureMasked` (terminal) once the run's masked captures exceed Gym's limit.
         """
+        if self.run_stop is not None:
+            raise self.run_stop
         clock = InFlightDeadline(deadline_s, "NeMo-Gym prompt group")
         async with clock.running():
             routes = await self.routes()
@@ -352,7 +369,7 @@ class GymClient:
         ticket: AdmissionTicket,
         keep_env_failures: bool,
     ) -> None:
-        """Check one streamed row index and keep the row.
+        """Check one streamed row index, count its token capture (:class:`MaskFractionWatch`) and keep the row.
 
         With ``resend_env_infra_failures``, a row the environment masked for an infrastructure
         ``failure_kind`` (a lost session, an unreachable provider) is left out, so the next attempt
@@ -369,6 +386,7 @@ class GymClient:
         self.admission.row_done(ticket, success=not resend)
         if self.admission.limit != limit:
             self.stats.record_admission_limit(self.admission.limit)
+        self.mask_watch.record(row.capture)  # every finalised rollout counts, as in Gym's collection
         if resend:
             self.stats.record_env_failure_redispatch(str(row.failure_kind))
             logger.warning(

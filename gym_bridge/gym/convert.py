@@ -28,6 +28,7 @@ from gym_bridge.failures import (
 )
 from gym_bridge.gym.decode import decode_turns
 from gym_bridge.gym.result import GymRowResult
+from gym_bridge.gym.versions import ROLLOUT_IDENTITY_KEYS
 from gym_bridge.json_types import JsonObject
 from gym_bridge.serving.chat import render_ids
 from gym_bridge.types import LOGPROB_DTYPE, TOKEN_DTYPE, LLMMessageLogType, Tokenizer
@@ -40,6 +41,7 @@ DEFAULT_INVALID_TOOL_CALL_PATTERNS: tuple[str, ...] = (
 )
 DEFAULT_THINKING_TAGS: tuple[str, ...] = ("<think>", "</think>")
 
+_IDENTITY_KEYS = frozenset(ROLLOUT_IDENTITY_KEYS)
 _TOKEN_KEYS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs", "routed_experts")
 _DRIFT_WINDOW = 4
 _INT_TYPE = {int}
@@ -238,8 +240,13 @@ def incomplete_reason(full_result: Mapping[str, Any] | None) -> str | None:
 
 def scalar_fields(full_result: Mapping[str, Any]) -> dict[str, float]:
     """The numeric and boolean top-level fields of a Gym result (``reward``, verifier scores), as floats: what
-    NeMo-RL summarises per agent."""
-    return {key: float(value) for key, value in full_result.items() if isinstance(value, (int, float, bool))}
+    NeMo-RL summarises per agent. Gym's rollout identity (``_ng_task_index``, ..., stamped on every result) is no
+    verifier field and is left out, as Gym's collection leaves it out of its per-agent metrics."""
+    return {
+        key: float(value)
+        for key, value in full_result.items()
+        if isinstance(value, (int, float, bool)) and key not in _IDENTITY_KEYS
+    }
 
 
 def _output_items(result: Any) -> list[Any]:

@@ -15,6 +15,7 @@ from typing import Any, TypedDict, cast
 import numpy as np
 import torch
 
+from gym_bridge.gym.token_capture import CaptureBuild
 from gym_bridge.types import LLMMessageLogType
 
 
@@ -53,6 +54,9 @@ class GymRowResult:
     """Gym 0.7's ``failure_kind`` (``session_lost``, ``judge_failed``, ...), independent of ``mask_sample``."""
     failure_reason: str | None = None
     """Gym's human-readable ``failure_reason``: a diagnosis, never a metric label."""
+    capture: CaptureBuild | None = None
+    """With ``token_id_capture`` on: what Gym's finaliser made of this result (None: it made no build), counted
+    against ``max_mask_fraction`` by the client (:class:`~gym_bridge.gym.token_capture.MaskFractionWatch`)."""
 
     @property
     def input_message_log(self) -> LLMMessageLogType:

@@ -60,18 +60,27 @@ class RowRouting(BaseModel):
     """``{row value: agent}``, the row value being its ``agent_ref.name`` or ``task_source``; ``_default``
     applies to every row without an entry."""
     fan_out: dict[str, list[str]] = Field(default_factory=dict)
-    """``{row value: [agents]}``: each such row runs once per agent, each copy its own task."""
+    """``{row value: [agents]}``: each such row runs once per agent (one prompt group each), all one Gym task whose
+    rollout index continues across the agents, as Gym numbers them (:func:`gym_bridge.gym.rows.number_tasks`)."""
 
     @model_validator(mode="after")
     def _consistent(self) -> RowRouting:
-        if self.agent_name is not None and DEFAULT_KEY in self.agent_map:
+        default = self.agent_map.get(DEFAULT_KEY)
+        if self.agent_name is not None and default is not None and default != self.agent_name:
             raise SettingError(
-                f"agent_name ({self.agent_name!r}) and agent_map._default ({self.agent_map[DEFAULT_KEY]!r}) both "
+                f"agent_name ({self.agent_name!r}) and agent_map._default ({default!r}) both "
                 "route every row: set one of them"
             )
         empty = sorted(key for key, agents in self.fan_out.items() if not agents)
         if empty:
             raise SettingError(f"fan_out lists no agent for {empty}")
+        repeated = {key: sorted({a for a in agents if agents.count(a) > 1}) for key, agents in self.fan_out.items()}
+        repeated = {key: agents for key, agents in repeated.items() if agents}
+        if repeated:
+            raise SettingError(
+                f"fan_out lists an agent more than once: {repeated} (Gym refuses it; each listed agent already runs "
+                "every matching row once per sample)"
+            )
         return self
 
     @property
@@ -89,7 +98,8 @@ class RowRouting(BaseModel):
         """The rows ``row`` becomes: itself re-routed, one copy per ``fan_out`` agent, or itself unchanged.
 
         A re-routed row is a shallow copy with ``agent_ref = {"name": agent}`` (the caller's row is kept);
-        anything that is not a dict is returned as it is, for the row validator to name."""
+        anything that is not a dict is returned as it is, for the row validator to name. ``fan_out`` is keyed by
+        the row's value as written in the data and wins over ``agent_map``, as in Gym's ``preprocess_examples``."""
         if self.is_empty or not isinstance(row, dict):
             return [row]
         basis = routing_basis(row)

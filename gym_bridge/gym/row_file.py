@@ -1,10 +1,11 @@
 """A JSONL file of Gym rows read the one way every entrance reads it (eval datasets, training and validation data).
 
 Lines are split on ``\\n`` only (a JSON string may hold U+2028 and other line separators); each line's row is
-routed by the run's :class:`~gym_bridge.gym.routing.RowRouting` (a ``fan_out`` row becomes several tasks),
-identical rows become repeats of one task (:func:`~gym_bridge.gym.rows.mark_repeats`), and every row is checked
-by :func:`~gym_bridge.gym.rows.validate_row`. Problems are collected, not raised, so the caller names them all
-in its own error type.
+routed by the run's :class:`~gym_bridge.gym.routing.RowRouting` (a ``fan_out`` row becomes one prompt group per
+agent), numbered as Gym 0.7's ``preprocess_examples`` numbers it (:func:`~gym_bridge.gym.rows.number_tasks`: every
+row gets its ``_ng_task_index``, dense over distinct rows, and its ``_ng_rollout_index`` among its task's repeats
+and fan-out agents), and every row is checked by :func:`~gym_bridge.gym.rows.validate_row`. Problems are collected,
+not raised, so the caller names them all in its own error type.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from gym_bridge.boundary.json_io import loads
 from gym_bridge.boundary.text import shown
 from gym_bridge.failures import InvalidGymRow
 from gym_bridge.gym.routing import RowRouting
-from gym_bridge.gym.rows import ValidGymRow, mark_repeats, validate_row
+from gym_bridge.gym.rows import ValidGymRow, number_tasks, validate_row
 
 MAX_ROW_FILE_BYTES = 4 << 30
 """The largest row file read (a dataset, training or validation data)."""
@@ -40,10 +41,11 @@ def read_row_text(path: Path) -> str:
 
 @dataclass(frozen=True)
 class RowLine:
-    """One task of a row file."""
+    """One prompt group of a row file: a line's row, or one ``fan_out`` agent's copy of it."""
 
     prompt_idx: int
-    """The task's position (0-based): the non-blank line's, unless ``fan_out`` made one line several tasks."""
+    """The prompt group's position (0-based): the non-blank line's, unless ``fan_out`` made one line several groups.
+    Not Gym's task index: that is the row's ``_ng_task_index``."""
     line: int
     """1-based line number in the file."""
     row: ValidGymRow
@@ -59,10 +61,10 @@ class _NotJSON:
 def read_row_file(
     path: Path, text: str, *, limit: int | None = None, routing: RowRouting | None = None
 ) -> tuple[list[RowLine], list[str]]:
-    """The tasks of ``text`` (the content of ``path``; the first ``limit`` non-blank lines) and every problem found,
-    each problem ``"<path>:<line>: <what>"``."""
+    """The prompt groups of ``text`` (the content of ``path``; the first ``limit`` non-blank lines), each row numbered
+    by Gym's rules, and every problem found, each problem ``"<path>:<line>: <what>"``."""
     routing = routing or RowRouting()
-    parsed: list[tuple[int, Any]] = []
+    parsed: list[tuple[int, Any, Any]] = []
     lines = 0
     for line_no, line in enumerate(text.split("\n"), start=1):
         if limit is not None and lines >= limit:
@@ -73,13 +75,14 @@ def read_row_file(
         try:
             row = loads(line, "", max_depth=MAX_ROW_DEPTH)
         except UntrustedInputError as exc:
-            parsed.append((line_no, _NotJSON(str(exc).removeprefix(": "))))
+            error = _NotJSON(str(exc).removeprefix(": "))
+            parsed.append((line_no, error, error))
             continue
-        parsed += [(line_no, routed) for routed in routing.apply(row)]
-    marked = mark_repeats([row for _, row in parsed], list(range(len(parsed))))
+        parsed += [(line_no, row, routed) for routed in routing.apply(row)]
+    numbered = number_tasks([(source, routed) for _, source, routed in parsed])
     rows: list[RowLine] = []
     problems: list[str] = []
-    for prompt_idx, ((line_no, _), row) in enumerate(zip(parsed, marked, strict=True)):
+    for prompt_idx, ((line_no, _, _), row) in enumerate(zip(parsed, numbered, strict=True)):
         if isinstance(row, _NotJSON):
             problems.append(f"{shown(path)}:{line_no}: {row.error}")
             continue

@@ -10,17 +10,20 @@ A row is validated once, where it enters (the eval dataset, a batch function, th
 backend): :func:`validate_row` returns a :class:`ValidGymRow`, which every later step takes
 as it is. The NemoGym actor's :func:`dispatch_target` is the cheap check at its public boundary.
 
+Numbering: :func:`number_tasks` numbers a dataset's rows as Gym 0.7's ``preprocess_examples`` does (dense task
+indices over distinct rows, one task per source row whatever ``agent_map`` / ``fan_out`` make of it, the rollout
+index continuing over a task's repeats and fan-out agents); each of the N rows :func:`build_rows` makes then carries
+Gym's rollout identity (``_ng_task_index``, ``_ng_rollout_index``, ``_ng_rollout_id``; ``_ng_attempt_index`` on a
+re-send), the keys Gym's own collection stamps and its servers read, as far as the installed Gym reads them.
+
 Seeds: with a run seed, every stamped row carries its own sampling seed in
 ``responses_create_params.metadata.extra_body`` (a JSON string, as Gym's
 ``num_repeats_add_seed`` writes it), which Gym's ``vllm_model`` merges into the
 chat-completions body and gym-bridge's model server into its completions body: the
 endpoint's per-request ``seed``. :func:`rollout_seed` derives it from the run seed, the
-prompt's stable identity (:func:`prompt_identity`) and the rollout index, so a row keeps
-its seed when it is re-sent and the same prompt gets the same seeds in another run.
-
-Identity: each of the N rows carries Gym's rollout identity (``_ng_task_index``,
-``_ng_rollout_index``, ``_ng_rollout_id``; ``_ng_attempt_index`` on a re-send), the keys
-Gym's own collection stamps and its servers read, as far as the installed Gym reads them.
+rollout index and the task's identity (:func:`prompt_identity`: the ``_ng_task_index`` the row carries, which every
+row read from a file does; else the row's canonical JSON), nothing else: a row keeps its seed when it is re-sent,
+whatever agent it is routed to, and the same dataset gets the same seeds in another run.
 """
 
 from __future__ import annotations
@@ -28,8 +31,10 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import numbers
 import re
-from collections.abc import Mapping
+from collections import Counter
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
@@ -128,6 +133,7 @@ def validate_row(row: Any, *, prompt_idx: int, known_agents: list[str] | None = 
     check_routable(row, where=where)
     try:
         repeat_of(row)
+        _check_task_index(row)
     except InvalidGymRow as exc:
         raise InvalidGymRow(f"{where}: invalid Gym row: {exc}") from None
     if known_agents is not None and parsed.agent_ref is not None:
@@ -164,11 +170,14 @@ def build_rows(
     """N copies of ``template`` stamped by :func:`stamped_row`, ``_rowidx`` 0..N-1, each with Gym's rollout identity.
 
     Copy ``i`` is rollout ``repeat * n + i`` of its task (:func:`rollout_identity`), where ``repeat`` is the
-    template's own ``_ng_rollout_index`` (the k-th of k identical dataset rows, :func:`mark_repeats`), else 0.
+    template's own ``_ng_rollout_index``: the k-th unit of its task (:func:`number_tasks`: a repeat of an identical
+    dataset row, or the k-th ``fan_out`` agent), else 0. So a task's units take rollouts 0..N-1, N..2N-1, ... in
+    dataset order, as Gym's ``preprocess_examples`` numbers them with ``num_repeats=N``.
     With ``run_seed`` it carries :func:`rollout_seed` of that rollout index; without it the rows keep whatever
     seed the template carries (none, usually). ``task_index``: the task's ``_ng_task_index`` when the template
-    carries none (the backend passes the prompt index); with neither, no identity is stamped. ``scope``: a name
-    for the rows' dispatch, put before their ``_ng_rollout_id`` (see :func:`rollout_identity`)."""
+    carries none (the backend passes the prompt index); with neither, no identity is stamped. The seed derives
+    from the template's own identity (:func:`prompt_identity`), not from ``task_index``. ``scope``: a name for the
+    rows' dispatch, put before their ``_ng_rollout_id`` (see :func:`rollout_identity`)."""
     identity = prompt_identity(template)
     base = repeat_of(template) * n
     task = template.get(TASK_INDEX_KEY, task_index)
@@ -217,12 +226,59 @@ def with_attempt(row: dict[str, Any], attempt: int) -> dict[str, Any]:
     return {**row, ATTEMPT_INDEX_KEY: attempt}
 
 
+def number_tasks(units: Sequence[tuple[Any, Any]]) -> list[Any]:
+    """A dataset's rows numbered as Gym 0.7's ``RolloutCollectionHelper.preprocess_examples`` numbers them.
+
+    ``units``: ``(source, row)`` in dataset order, ``source`` the row as read and ``row`` what routing made of it
+    (one unit per ``fan_out`` agent, all with the same source). Each row comes back as a copy with
+    ``_ng_task_index``: the source's own when it carries one, else dense over distinct sources in order of first
+    appearance (``row_to_task_idx.setdefault(<source JSON, sorted keys>, len(row_to_task_idx))``: identical rows are
+    one task, and ``[r0, r0, r1]`` gives r1 task 1); and ``_ng_rollout_index`` = k, the k-th unit of that task
+    (a ``_ng_rollout_index`` in the data is replaced, as Gym replaces it). :func:`build_rows` makes unit k's N rows
+    rollouts ``k*N .. k*N+N-1``: Gym's rollout index continuing over a task's repeats and ``fan_out`` agents.
+    A unit that is not a dict pair is returned as it is (the row validator names it)."""
+    task_of: dict[str, Any] = {}
+    units_of: Counter[Any] = Counter()
+    numbered: list[Any] = []
+    for source, row in units:
+        if not isinstance(source, dict) or not isinstance(row, dict):
+            numbered.append(row)
+            continue
+        if TASK_INDEX_KEY in source:
+            task = source[TASK_INDEX_KEY]
+            if not _hashable(task):
+                numbered.append(row)  # validate_row names the bad index
+                continue
+        else:
+            task = task_of.setdefault(_canonical_all(source), len(task_of))
+        repeat = units_of[task]
+        units_of[task] += 1
+        numbered.append({**row, TASK_INDEX_KEY: task, ROLLOUT_INDEX_KEY: repeat})
+    return numbered
+
+
+def _hashable(value: Any) -> bool:
+    try:
+        hash(value)
+    except TypeError:
+        return False
+    return True
+
+
+def _check_task_index(row: Mapping[str, Any]) -> None:
+    if TASK_INDEX_KEY not in row:
+        return
+    task = row[TASK_INDEX_KEY]
+    if isinstance(task, bool) or not isinstance(task, numbers.Integral) or task < 0:
+        raise InvalidGymRow(f"{TASK_INDEX_KEY} must be a non-negative int, got {task!r}")
+
+
 def mark_repeats(rows: list[dict[str, Any]], first_index: list[int]) -> list[dict[str, Any]]:
-    """Identical rows of a dataset as one task rolled out more than once, as Gym's collection treats them.
+    """Identical rows as one task rolled out more than once, its task index chosen by the caller.
 
     Rows whose canonical JSON occurs more than once get ``_ng_task_index`` = ``first_index`` of the first of them
-    and ``_ng_rollout_index`` = 0, 1, ... in order (copies; unique rows are returned as they are). So each repeat
-    gets its own rollout indices and seeds, and its own ``row_id`` in a run folder."""
+    and ``_ng_rollout_index`` = 0, 1, ... in order (copies; unique rows are returned as they are). Row files are
+    numbered by :func:`number_tasks` (Gym's dense task indices); this keeps the caller's indices."""
     counts: dict[str, int] = {}
     keys = [_canonical(row) if isinstance(row, dict) else None for row in rows]
     for key in keys:
@@ -275,9 +331,9 @@ def stamped_row(
 
 
 def prompt_identity(row: Mapping[str, Any]) -> str:
-    """A dataset row's stable identity: Gym's ``_ng_task_index`` when the row has one, else its canonical JSON
-    (sorted keys, no spaces, as the eval's ``row_id``) without the per-rollout stamps. Identical rows share an
-    identity; their repeats differ by rollout index."""
+    """A task's identity, what its seeds derive from: Gym's ``_ng_task_index`` when the row has one (every row read
+    from a file, :func:`number_tasks`), else its canonical JSON (sorted keys, no spaces, as the eval's ``row_id``)
+    without the per-rollout stamps. Identical rows share an identity; their repeats differ by rollout index."""
     task_index = row.get(TASK_INDEX_KEY)
     if task_index is not None:
         return f"{TASK_INDEX_KEY}={task_index}"
@@ -286,7 +342,12 @@ def prompt_identity(row: Mapping[str, Any]) -> str:
 
 def _canonical(row: Mapping[str, Any]) -> str:
     fields = {key: value for key, value in row.items() if key not in _PER_ROLLOUT_KEYS}
-    return json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
+    return _canonical_all(fields)
+
+
+def _canonical_all(row: Mapping[str, Any]) -> str:
+    """The whole row's JSON, sorted keys: equal exactly when Gym's ``orjson.dumps(row, OPT_SORT_KEYS)`` is equal."""
+    return json.dumps(row, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
 
 
 _PER_ROLLOUT_KEYS = frozenset({ROW_INDEX_KEY, ROLLOUT_INDEX_KEY, ATTEMPT_INDEX_KEY, ROLLOUT_ID_KEY})
@@ -295,9 +356,10 @@ _PER_ROLLOUT_KEYS = frozenset({ROW_INDEX_KEY, ROLLOUT_INDEX_KEY, ATTEMPT_INDEX_K
 def rollout_seed(run_seed: int, row: Mapping[str, Any], rollout_index: int) -> int:
     """The sampling seed of rollout ``rollout_index`` of the task ``row`` in a run seeded ``run_seed``.
 
-    The first 63 bits of ``sha256("<run_seed>:<rollout index>:<prompt identity>")``; sample ``i`` of a group of
-    ``n`` is rollout ``repeat * n + i`` (:func:`build_rows`), so ``i`` itself for a task's first repeat.
-    Independent of the order, timing and machine a row is sent in; different for each sample and repeat."""
+    The first 63 bits of ``sha256("<run_seed>:<rollout index>:<prompt identity>")``, the identity being
+    ``"_ng_task_index=<task>"`` for a row that carries its task index (:func:`prompt_identity`). Sample ``i`` of a
+    group of ``n`` is rollout ``repeat * n + i`` (:func:`build_rows`). Independent of the order, timing, actor and
+    machine a row is sent in, of the agent it is routed to and of re-sends; different for each rollout of a task."""
     return _derived_seed(run_seed, prompt_identity(row), rollout_index)
 
 

@@ -9,28 +9,94 @@ NemoGym actor does the same with Gym's own functions, before converting the resu
 token ids and logprobs the endpoint produced. A result that already carries token ids is left as it is; one
 whose capture is missing or ambiguous comes back masked (``mask_sample``), never as fake tokens.
 
+Every key of Gym 0.7's block (``token_id_capture/config.py``: ``TokenIdCaptureSettings``) is applied or refused in
+one line (:func:`capture_block`):
+
+- applied: ``enabled``; ``all_agents`` (Gym's agents read it to route their model calls through capture, and the
+  actor finalises exactly the results of the agents Gym's ``token_id_capture_enabled_for_agent`` names, on the
+  launched config); ``dir`` (the file store, default ``<log_dir>/token-captures``); ``delta_records`` (Gym's model
+  server writes them, Gym's finaliser reads them); ``rebuild_response: true`` (the actor rebuilds);
+  ``max_mask_fraction`` with ``mask_fraction_min_samples`` (:class:`MaskFractionWatch`, Gym's abort, on the driver);
+- refused when set to anything but Gym's default: ``sink``, ``sink_kwargs``, ``lineage_store``,
+  ``lineage_store_kwargs``, ``allow_unresolved_continuations`` (they replace or only concern a custom sink; the actor
+  reads Gym's file store), ``rebuild_response: false`` (the actor is the reader that rebuilds), ``external_staging``,
+  ``external_staging_backend``, ``control_auth_token_env`` (framework-owned staging in the inference workers);
+  and any key Gym's block does not have.
+
 Gym is imported here only when capture is on, inside the actor.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import tempfile
-from collections.abc import Mapping
+import urllib.request
+from collections import Counter
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gym_bridge.failures import SettingError
+from gym_bridge.failures import SettingError, TokenCaptureMasked
 from gym_bridge.gym.versions import ROLLOUT_IDENTITY_KEYS, installed_gym
 from gym_bridge.json_types import JsonObject
 
 CAPTURE_KEY = "token_id_capture"
 """Gym's run-level block in its global config."""
 
+_APPLIED_KEYS = frozenset(
+    {
+        "enabled",
+        "all_agents",
+        "dir",
+        "delta_records",
+        "rebuild_response",
+        "max_mask_fraction",
+        "mask_fraction_min_samples",
+    }
+)
+_REFUSED_UNLESS_DEFAULT: dict[str, tuple[Any, str]] = {
+    "sink": (None, "the NemoGym actor finalises captures from Gym's file store (token_id_capture.dir)"),
+    "sink_kwargs": ({}, "it configures a custom sink, which is refused"),
+    "lineage_store": (None, "the NemoGym actor reads Gym's file store, whose own lineage it keeps"),
+    "lineage_store_kwargs": ({}, "it configures a custom lineage_store, which is refused"),
+    "allow_unresolved_continuations": (False, "it only concerns a custom sink, which is refused"),
+    "rebuild_response": (True, "the NemoGym actor is the reader that rebuilds each result's tokens"),
+    "external_staging": (False, "framework-owned staging in the inference workers is not supported"),
+    "external_staging_backend": ("vllm_worker", "it configures external_staging, which is refused"),
+    "control_auth_token_env": (
+        "NEMO_GYM_TOKEN_CAPTURE_CONTROL_TOKEN",
+        "it configures external_staging, which is refused",
+    ),
+}
+"""Gym 0.7's keys gym-bridge does not apply: each with Gym's default (accepted) and why any other value is refused."""
+GYM_CAPTURE_KEYS = _APPLIED_KEYS | frozenset(_REFUSED_UNLESS_DEFAULT)
+"""Every key of Gym 0.7's ``token_id_capture`` block (``TokenIdCaptureSettings``)."""
+DEFAULT_MIN_SAMPLES = 50
+"""Gym's ``mask_fraction_min_samples`` default."""
+
+
+@dataclass(frozen=True, slots=True)
+class CaptureBuild:
+    """What Gym's finaliser made of one result, as Gym's collection counts it against ``max_mask_fraction``."""
+
+    masked: bool
+    """The build could not give the result its token ids (Gym's ``mask_sample``)."""
+    reasons: tuple[str, ...] = ()
+    """Why, in Gym's words: ``capture_incomplete``, ``unresolved_parent_calls``, the build's error."""
+    max_mask_fraction: float | None = None
+    """The run's limit (``token_id_capture.max_mask_fraction``); None: no limit."""
+    min_samples: int = DEFAULT_MIN_SAMPLES
+    """``token_id_capture.mask_fraction_min_samples``: builds counted before the limit applies."""
+
 
 def capture_block(overrides: Mapping[str, Any]) -> JsonObject | None:
     """The ``token_id_capture`` block of Gym's global config when it is switched on, else None.
 
-    :class:`SettingError` for a block that is not a mapping, or on a Gym without capture (before 0.7)."""
+    :class:`SettingError` (one line) for a block that is not a mapping, on a Gym without capture (before 0.7), for a
+    key Gym's block does not have, for a key gym-bridge does not apply set to anything but Gym's default, and for
+    a ``max_mask_fraction`` / ``mask_fraction_min_samples`` Gym would not take."""
     block = overrides.get(CAPTURE_KEY)
     if block is None or block is False:
         return None
@@ -43,12 +109,31 @@ def capture_block(overrides: Mapping[str, Any]) -> JsonObject | None:
     gym = installed_gym()
     if not gym.token_id_capture:
         raise SettingError(f"{CAPTURE_KEY} needs nemo-gym >= 0.7 ({gym.label} is installed and has no token capture)")
-    if block.get("sink") is not None:
+    unknown = sorted(set(block) - GYM_CAPTURE_KEYS)
+    if unknown:
         raise SettingError(
-            f"{CAPTURE_KEY}.sink is not supported: the NemoGym actor finalises captures from Gym's file store "
-            "(token_id_capture.dir)"
+            f"{CAPTURE_KEY}: unknown key(s) {unknown}; Gym's block has {', '.join(sorted(GYM_CAPTURE_KEYS))}"
         )
+    for key, (default, why) in _REFUSED_UNLESS_DEFAULT.items():
+        if key in block and block[key] != default:
+            raise SettingError(
+                f"{CAPTURE_KEY}.{key} is not supported (set to {block[key]!r}, Gym's default {default!r}): {why}"
+            )
+    mask_limit(block)
     return dict(block)
+
+
+def mask_limit(block: Mapping[str, Any]) -> tuple[float | None, int]:
+    """``(max_mask_fraction, mask_fraction_min_samples)`` of a capture block, checked as Gym's settings check them."""
+    fraction = block.get("max_mask_fraction")
+    min_samples = block.get("mask_fraction_min_samples", DEFAULT_MIN_SAMPLES)
+    if fraction is not None and (
+        isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not math.isfinite(fraction)
+    ):
+        raise SettingError(f"{CAPTURE_KEY}.max_mask_fraction must be a number or null, got {fraction!r}")
+    if isinstance(min_samples, bool) or not isinstance(min_samples, int):
+        raise SettingError(f"{CAPTURE_KEY}.mask_fraction_min_samples must be an int, got {min_samples!r}")
+    return (None if fraction is None else float(fraction)), min_samples
 
 
 def with_capture_dir(overrides: JsonObject, default_dir: Path | None) -> tuple[JsonObject, Path | None]:
@@ -64,12 +149,29 @@ def with_capture_dir(overrides: JsonObject, default_dir: Path | None) -> tuple[J
 class TokenCapture:
     """Gym's file store of one server set's captures, finalised the way Gym's collection finalises them."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, block: Mapping[str, Any] | None = None) -> None:
         from nemo_gym.token_id_capture.store import TokenCaptureStore
 
         folder.mkdir(parents=True, exist_ok=True)
         self.folder = folder
         self._store = TokenCaptureStore(folder)
+        self.max_mask_fraction, self.min_samples = mask_limit(block or {})
+        self._participants: Collection[str] | None = None
+        """The agents whose results are finalised; None: every agent (until :meth:`read_participants`)."""
+
+    def read_participants(self, head_url: str, agents: Collection[str], timeout_s: float = 30.0) -> None:
+        """Ask the head server for the launched config and keep the agents Gym's collection finalises
+        (``token_id_capture_enabled_for_agent``: ``all_agents``, or the agent's own ``token_id_capture`` flag)."""
+        from nemo_gym.token_id_capture.config import token_id_capture_enabled_for_agent
+        from omegaconf import OmegaConf
+
+        with urllib.request.urlopen(f"{head_url}/global_config_dict_yaml", timeout=timeout_s) as response:
+            config = OmegaConf.create(json.loads(response.read()))
+        self._participants = frozenset(a for a in agents if token_id_capture_enabled_for_agent(config, a))
+
+    def participates(self, agent: str) -> bool:
+        """Whether Gym's collection would finalise a result of ``agent``."""
+        return self._participants is None or agent in self._participants
 
     def clear(self, row: Mapping[str, Any]) -> None:
         """Forget earlier records of the rollout ``row`` is about to start (capture keys are deterministic, and
@@ -80,13 +182,70 @@ class TokenCapture:
         if rollout_id:
             self._store.delete(rollout_id)
 
-    async def finalize(self, row: Mapping[str, Any], result: JsonObject) -> JsonObject:
-        """``result`` with ``response.output`` rebuilt from its captured model calls (in place), keyed by the row's
-        identity, which Gym's collection also copies onto the result first."""
+    async def finalize(self, row: Mapping[str, Any], result: JsonObject) -> CaptureBuild | None:
+        """Rebuild ``result``'s ``response.output`` from its captured model calls (in place), keyed by the row's
+        identity, which is stamped on the result first (:func:`stamp_identity`), as Gym's collection does.
+
+        The build as Gym's collection counts it for ``max_mask_fraction``: None when Gym made none, else whether it
+        is masked, why (Gym's reasons: ``capture_incomplete``, ``unresolved_parent_calls``, the build's error) and
+        the run's limit."""
         from nemo_gym.token_id_capture.delivery import finalize_rollout_token_capture
 
-        for key in ROLLOUT_IDENTITY_KEYS:
-            if key in row and key not in result:
-                result[key] = row[key]
-        await finalize_rollout_token_capture(result, self._store)
-        return result
+        stamp_identity(row, result)
+        build = await finalize_rollout_token_capture(result, self._store)
+        if build is None:
+            return None
+        masked = bool(build.get("mask_sample"))
+        reasons: list[str] = []
+        if masked:
+            metrics = build.get("metrics") or {}
+            reasons += [key for key in ("capture_incomplete", "unresolved_parent_calls") if metrics.get(key)]
+            error = build.get("error") or metrics.get("error")
+            if error:
+                reasons.append(str(error))
+        return CaptureBuild(masked, tuple(reasons), self.max_mask_fraction, self.min_samples)
+
+
+def stamp_identity(row: Mapping[str, Any], result: JsonObject) -> JsonObject:
+    """``result`` (in place) with the ``_ng_*`` rollout identity of the row it answers, replacing what the agent
+    echoed, as Gym's collection stamps every result it records: whatever the agent returns, a result carries its
+    task index, rollout index, attempt and rollout id (those the row carries: the installed Gym's keys)."""
+    for key in ROLLOUT_IDENTITY_KEYS:
+        if key in row:
+            result[key] = row[key]
+    return result
+
+
+@dataclass
+class MaskFractionWatch:
+    """Gym's abort on masked token captures (``rollout_collection.py``, ``max_mask_fraction``), over one client's run.
+
+    Every finalised build counts; after ``mask_fraction_min_samples`` of them, a masked share above
+    ``max_mask_fraction`` raises :class:`TokenCaptureMasked` with Gym's message. The first such error is kept
+    (:attr:`stopped`): the run is over, and every later call raises it again."""
+
+    finalized: int = 0
+    masked: int = 0
+    reasons: Counter[str] | None = None
+    stopped: TokenCaptureMasked | None = None
+
+    def record(self, build: CaptureBuild | None) -> None:
+        """Count one result's build (None: none was made); raise :class:`TokenCaptureMasked` when Gym would abort."""
+        if self.stopped is not None:
+            raise self.stopped
+        if build is None:
+            return
+        self.finalized += 1
+        if build.masked:
+            self.masked += 1
+            reasons = self.reasons if self.reasons is not None else Counter()
+            reasons.update(build.reasons)
+            self.reasons = reasons
+        limit = build.max_mask_fraction
+        if limit is not None and self.finalized >= build.min_samples and self.masked / self.finalized > limit:
+            self.stopped = TokenCaptureMasked(
+                f"{self.masked}/{self.finalized} finalized rollouts ({self.masked / self.finalized:.1%}) are masked, "
+                f"exceeding token_id_capture.max_mask_fraction={limit}. Mask reasons: {dict(self.reasons or {})}. "
+                "Aborting instead of collecting mostly token-less data."
+            )
+            raise self.stopped

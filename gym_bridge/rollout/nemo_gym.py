@@ -5,9 +5,11 @@ generation config, asks the :class:`~gym_bridge.gym.client.GymClient` for them (
 picks the actor, streams, checks row indices, re-dispatches lost rows and holds one
 deadline, ``timeouts.rollout_s``, over all of it), and turns the typed rows into the N
 completions, in generation order, and the group's metrics. Multi-turn episodes happen
-inside Gym, so ``max_rollout_turns`` must be 1. With a run ``seed`` every row carries its
-own sampling seed (:func:`~gym_bridge.gym.rows.rollout_seed`), stamped once per group, so
-a re-dispatched row is sent with the seed it had.
+inside Gym, so ``max_rollout_turns`` must be 1. Each row carries Gym's rollout identity (the task's
+``_ng_task_index``, else the prompt index; rollout ``repeat * N + i``), which the actor stamps on its result. With
+a run ``seed`` every row carries its own sampling seed (:func:`~gym_bridge.gym.rows.rollout_seed`, of the run seed,
+the rollout index and the task's identity), stamped once per group, so a re-dispatched row is sent with the seed
+it had.
 """
 
 from __future__ import annotations
@@ -29,7 +31,6 @@ from gym_bridge.gym.convert import scalar_fields
 from gym_bridge.gym.result import GymRowResult
 from gym_bridge.gym.routing import row_agent
 from gym_bridge.gym.rows import build_rows, row_seed, validate_row
-from gym_bridge.gym.versions import ROLLOUT_IDENTITY_KEYS
 from gym_bridge.metrics import calculate_single_metric, pct, summarize, token_counts
 from gym_bridge.rollout.backend import BackendOptions, RolloutContext
 from gym_bridge.rollout.truncation import gym_completion_truncated
@@ -198,9 +199,8 @@ class AsyncNemoGymRolloutImpl:
             for row in group.rows
         ]
         agent = row_agent(await self.client.routed(template, prompt_idx=prompt_idx)) or "(unknown)"
-        # Gym's rollout identity (stamped on every row, echoed in each result) is no verifier field to summarise.
-        fields = [{k: v for k, v in row.metrics.items() if k not in ROLLOUT_IDENTITY_KEYS} for row in group.rows]
-        metrics = group_metrics(completions, [agent] * len(completions), fields=fields)
+        # Gym's rollout identity (stamped on every result) is no verifier field: row.metrics leaves it out.
+        metrics = group_metrics(completions, [agent] * len(completions), fields=[row.metrics for row in group.rows])
         metrics[f"{agent}/full_result"] = full_result_table([c.env_extras for c in completions])
         metrics.update(group.timing)
         metrics[f"{TIMER_PREFIX}/run_rollouts"] = run_s
@@ -221,6 +221,13 @@ class AsyncNemoGymRolloutImpl:
     def in_flight_rows(self) -> list[int]:
         """Rows in flight per actor (for metrics and tests)."""
         return self.client.in_flight_rows
+
+    @property
+    def run_stop(self) -> BaseException | None:
+        """The terminal error that ended the run (:class:`~gym_bridge.failures.TokenCaptureMasked`: Gym's
+        ``token_id_capture.max_mask_fraction`` abort), or None; every later group raises it. A run loop checks it
+        after each group, since the retry policy would count it as one prompt's data failure."""
+        return self.client.run_stop
 
     def _append_full_results(self, path: Path, prompt_idx: int, agent: str, completions: list[Completion]) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -352,9 +352,8 @@ async def _dispatch_all(
 
     Each group goes through ``manager.collect`` (the config's retry policy) into a
     :class:`RunStoreSink`: a committed group is a result line, a skipped one a failure
-    line. A run-stopping error (too many groups dropped in a row; the backend's ``run_stop``, e.g. Gym's
-    ``token_id_capture.max_mask_fraction`` abort, which the retry policy sees as one group's failure) is recorded,
-    then raised.
+    line. A run-stopping error (too many groups dropped in a row, a ``RunConfigurationError`` such as Gym's
+    ``token_id_capture.max_mask_fraction`` abort) is recorded, then raised.
     """
     from gym_bridge.data import datum_from_gym_row
     from gym_bridge.rollout.manager import RolloutOutcome
@@ -378,9 +377,6 @@ async def _dispatch_all(
         else:
             outcome.done_now += 1
             state.result(sink.rewards.pop(item.prompt_idx))
-        stop = getattr(manager.backend, "run_stop", None)
-        if isinstance(stop, BaseException):
-            raise stop
 
     async def worker() -> None:
         for item in queue:

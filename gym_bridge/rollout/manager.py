@@ -19,6 +19,7 @@ from gym_bridge.failures import (
     RolloutRetryPolicy,
     RolloutStats,
     RolloutTimeouts,
+    RunConfigurationError,
     SettingError,
     classify_rollout_failure,
 )
@@ -192,6 +193,9 @@ class RolloutManager:
             slot = slots.open(start_version)
             try:
                 await self._attempt(datum, slots, slot, start_version, inflight_registry)
+            except RunConfigurationError as exc:  # terminal for the run (e.g. Gym's max_mask_fraction abort)
+                await _drop_quietly(slots, slot, exc)
+                raise
             except Exception as exc:
                 await _drop_quietly(slots, slot, exc)
                 action, attempts = next_action(exc, attempts, policy, self._skipped_prompts)

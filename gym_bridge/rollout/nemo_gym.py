@@ -222,13 +222,6 @@ class AsyncNemoGymRolloutImpl:
         """Rows in flight per actor (for metrics and tests)."""
         return self.client.in_flight_rows
 
-    @property
-    def run_stop(self) -> BaseException | None:
-        """The terminal error that ended the run (:class:`~gym_bridge.failures.TokenCaptureMasked`: Gym's
-        ``token_id_capture.max_mask_fraction`` abort), or None; every later group raises it. A run loop checks it
-        after each group, since the retry policy would count it as one prompt's data failure."""
-        return self.client.run_stop
-
     def _append_full_results(self, path: Path, prompt_idx: int, agent: str, completions: list[Completion]) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         with path.open("a") as f:

@@ -12,7 +12,10 @@ For each ``base_url`` (``http://host:port/v1``), in order, stopping at the first
    unless started with :data:`VLLM_TOOL_FLAGS`).
 
 Each endpoint gives an :class:`EndpointCheck`; :func:`preflight_endpoints` raises :class:`PreflightError`
-holding one line per failed endpoint. ``api_key`` is sent as ``Authorization: Bearer`` on every request
+holding one line per failed endpoint. An endpoint's answers are untrusted: every field read is type-checked (token
+ids are ints in ``[0, 2**31)``, never bools; logprobs finite numbers; names strings), and a wrong one is a failed
+check naming the field (:attr:`EndpointProblem.BAD_ANSWER`); anything else that goes wrong while reading an answer
+is a failed check too, never a traceback. ``api_key`` is sent as ``Authorization: Bearer`` on every request
 (an endpoint that needs none ignores it, as vLLM without ``--api-key`` does) and appears in no line.
 """
 
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 from collections.abc import Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -50,6 +54,9 @@ _MAX_BODY_BYTES = 4 << 20
 """The most of one answer a check reads: an endpoint that streams without end must not fill memory."""
 _MAX_NAMES = 10
 """Served model names listed in a message (a server may serve thousands)."""
+_TOKEN_ID_LIMIT = 2**31
+"""Token ids lie in ``[0, 2**31)``: vLLM's are 32-bit, and no vocabulary comes near."""
+_TOKEN_ID_PREFIX = "token_id:"
 
 
 class EndpointProblem(StrEnum):
@@ -64,6 +71,7 @@ class EndpointProblem(StrEnum):
     NO_TOKEN_IDS = "no_token_ids"
     NO_TOKENIZE = "no_tokenize"
     TOOLS_REFUSED = "tools_refused"
+    BAD_ANSWER = "bad_answer"
 
 
 @dataclass(frozen=True)
@@ -134,16 +142,53 @@ def _error_message(response: httpx.Response) -> str:
     """The server's own message from an error body (OpenAI/vLLM ``error.message``, FastAPI ``detail``)."""
     try:
         body = response.json()
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+    except (ValueError, RecursionError):  # not JSON, not UTF-8, or an integer too long to convert
         return _short(response.text) or response.reason_phrase
     if isinstance(body, dict):
         error = body.get("error")
-        if isinstance(error, dict) and error.get("message"):
-            return _short(str(error["message"]))
+        if isinstance(error, dict) and isinstance(error.get("message"), str) and error["message"]:
+            return _short(error["message"])
         for key in ("message", "detail", "error"):
-            if body.get(key):
-                return _short(str(body[key]))
+            if isinstance(body.get(key), str) and body[key]:
+                return _short(body[key])
     return _short(response.text)
+
+
+def _shown(value: object) -> str:
+    """A short, printable picture of a JSON value from an answer (a 5,000-digit integer has no ``str``)."""
+    if value is None or isinstance(value, bool):
+        return json.dumps(value)
+    if isinstance(value, int):
+        return str(value) if value.bit_length() <= 64 else f"an integer of {value.bit_length()} bits"
+    if isinstance(value, float):
+        return repr(value)
+    if isinstance(value, str):
+        return _short(repr(value[:40] + ("..." if len(value) > 40 else "")))
+    return "an object" if isinstance(value, dict) else "an array" if isinstance(value, list) else type(value).__name__
+
+
+def _bad(what: str, field: str, value: object, wanted: str) -> _Failed:
+    """The failure of an answer whose ``field`` holds ``value`` where ``wanted`` belongs."""
+    return _Failed(EndpointProblem.BAD_ANSWER, f"{what} answered {field} = {_shown(value)}, not {wanted}")
+
+
+def _is_token_id(value: object) -> bool:
+    """An int in ``[0, 2**31)`` that is not a bool."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < _TOKEN_ID_LIMIT
+
+
+def _is_logprob(value: object) -> bool:
+    """A finite number that is not a bool."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _describe(exc: BaseException) -> str:
+    """``<type>: <message>`` as one short line, whatever the exception's ``str`` does."""
+    try:
+        text = str(exc)
+    except Exception:  # an exception whose message cannot be rendered still names its type
+        text = ""
+    return _short(f"{type(exc).__name__}: {text}" if text else type(exc).__name__)
 
 
 def _refused(exc: BaseException) -> bool:
@@ -203,47 +248,82 @@ def _json(response: httpx.Response, what: str) -> object:
         )
     try:
         return response.json()
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise _Failed(EndpointProblem.HTTP_ERROR, f"{what} answered HTTP 200 with a body that is not JSON") from exc
     except RecursionError:
         raise _Failed(EndpointProblem.HTTP_ERROR, f"{what} answered HTTP 200 with JSON nested too deeply") from None
+    except ValueError as exc:  # not JSON, not UTF-8, or an integer too long to convert
+        raise _Failed(
+            EndpointProblem.HTTP_ERROR, f"{what} answered HTTP 200 with a body that is not JSON ({_describe(exc)})"
+        ) from exc
 
 
 def _served_models(body: object) -> tuple[str, ...]:
+    """The ``id`` of every model card, each checked to be a string."""
+    what = "GET /v1/models"
     data = body.get("data") if isinstance(body, dict) else None
     if not isinstance(data, list):
-        raise _Failed(EndpointProblem.HTTP_ERROR, "GET /v1/models answered without a 'data' list of models")
-    return tuple(str(card["id"]) for card in data if isinstance(card, dict) and card.get("id") is not None)
+        raise _Failed(EndpointProblem.HTTP_ERROR, f"{what} answered without a 'data' list of models")
+    names = []
+    for i, card in enumerate(data):
+        if not isinstance(card, dict):
+            raise _bad(what, f"data[{i}]", card, "a model card (an object)")
+        if not isinstance(card.get("id"), str):
+            raise _bad(what, f"data[{i}].id", card.get("id"), "a model name (a string)")
+        names.append(card["id"])
+    return tuple(names)
 
 
 def _check_token_data(body: object) -> None:
-    """A one-token chat answer must carry logprobs (``token_id:<int>`` labels) and ``token_ids``."""
+    """A one-token chat answer must carry logprobs (``token_id:<int>`` labels) and ``token_ids``, each checked."""
+    what = "the one-token chat completion"
     choices = body.get("choices") if isinstance(body, dict) else None
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
         raise _Failed(EndpointProblem.HTTP_ERROR, "the chat completion answer has no choices")
     choice = choices[0]
-    content = (choice.get("logprobs") or {}).get("content") if isinstance(choice.get("logprobs"), dict) else None
-    if not content or not all(
-        isinstance(item, dict) and isinstance(item.get("logprob"), int | float) for item in content
-    ):
+    logprobs = choice.get("logprobs")
+    content = logprobs.get("content") if isinstance(logprobs, dict) else None
+    if content is None or content == []:
         raise _Failed(
             EndpointProblem.NO_LOGPROBS,
             "the server returns no logprobs (choices[0].logprobs.content is empty for logprobs=true); "
             "Gym needs per-token logprobs: serve the model with vLLM or `gym-bridge serve`",
         )
+    if not isinstance(content, list):
+        raise _bad(what, "choices[0].logprobs.content", content, "a list of token entries")
+    for i, item in enumerate(content):
+        where = f"choices[0].logprobs.content[{i}]"
+        if not isinstance(item, dict):
+            raise _bad(what, where, item, "a token entry (an object)")
+        if not _is_logprob(item.get("logprob")):
+            raise _bad(what, f"{where}.logprob", item.get("logprob"), "a finite number")
+        if not isinstance(item.get("token"), str):
+            raise _bad(what, f"{where}.token", item.get("token"), "a string")
     token_ids = choice.get("token_ids")
-    if not isinstance(token_ids, list) or not token_ids or not all(isinstance(t, int) for t in token_ids):
+    if token_ids is None or token_ids == []:
         raise _Failed(
             EndpointProblem.NO_TOKEN_IDS,
             "the server returns no token ids "
             "(no choices[0].token_ids for return_token_ids=true; vLLM >= 0.10.2 has it)",
         )
-    if not all(str(item.get("token", "")).startswith("token_id:") for item in content):
+    _check_ids(what, "choices[0].token_ids", token_ids)
+    if not all(item["token"].startswith(_TOKEN_ID_PREFIX) for item in content):
         raise _Failed(
             EndpointProblem.NO_TOKEN_IDS,
             "the server ignores return_tokens_as_token_ids (logprob tokens are not 'token_id:<int>'); "
             "Gym reads generated token ids from them",
         )
+    for i, item in enumerate(content):
+        label = item["token"].removeprefix(_TOKEN_ID_PREFIX)
+        if not (label.isascii() and label.isdigit() and len(label) <= 10 and int(label) < _TOKEN_ID_LIMIT):
+            raise _bad(what, f"choices[0].logprobs.content[{i}].token", item["token"], "'token_id:<a token id>'")
+
+
+def _check_ids(what: str, field: str, ids: object) -> None:
+    """``ids`` must be a list of token ids (ints in ``[0, 2**31)``, no bools); the first wrong one is named."""
+    if not isinstance(ids, list):
+        raise _bad(what, field, ids, "a list of token ids")
+    for i, value in enumerate(ids):
+        if not _is_token_id(value):
+            raise _bad(what, f"{field}[{i}]", value, f"a token id (an int in [0, {_TOKEN_ID_LIMIT}))")
 
 
 async def _check(client: httpx.AsyncClient, base_url: str, model_name: str, tools: bool) -> tuple[str, ...]:
@@ -288,6 +368,7 @@ async def _check(client: httpx.AsyncClient, base_url: str, model_name: str, tool
     tokens = body.get("tokens") if isinstance(body, dict) else None
     if not isinstance(tokens, list) or not tokens:
         raise _Failed(EndpointProblem.NO_TOKENIZE, "POST /tokenize answered without a 'tokens' list")
+    _check_ids(what, "tokens", tokens)
     if tools:
         what = "a chat completion with tools"
         response = await _send(client, "POST", f"{base}/chat/completions", what, body={**chat, "tools": [_PROBE_TOOL]})
@@ -312,7 +393,8 @@ async def check_endpoint_async(
 ) -> EndpointCheck:
     """Check one endpoint within ``timeout_s`` (every request and the whole check), sending ``api_key``.
 
-    Never raises for the server's faults: they are the returned check's ``problem``.
+    Never raises for the server's faults: they are the returned check's ``problem``, whatever its answers hold
+    (an exception while reading them is a :attr:`EndpointProblem.BAD_ANSWER`).
     """
     started = time.perf_counter()
     served: tuple[str, ...] = ()
@@ -328,6 +410,8 @@ async def check_endpoint_async(
             problem, detail, served = failed.problem, failed.detail, failed.served
         except TimeoutError:
             problem, detail = EndpointProblem.TIMEOUT, f"the checks did not finish within {timeout_s:g} s"
+        except Exception as exc:  # a fault of the endpoint's answer that no check above names: still one line
+            problem, detail = EndpointProblem.BAD_ANSWER, f"the check failed on its answer: {_describe(exc)}"
     return EndpointCheck(
         base_url=base_url,
         model_name=model_name,

@@ -12,6 +12,11 @@ padding never changes what a row sees, so a row decodes the same tokens alone or
 any company (up to float rounding in the batched matmuls). Token choice and
 logprobs follow the semantics documented in :mod:`gym_bridge.generation.hf`.
 
+A row fails alone: when choosing one row's token raises (or gives a NaN logprob), when its stop check raises, or
+when the prefill of a group of joining rows raises (each is then prefilled by itself), only that row gets a
+:class:`RowFailure` (through ``deliver``; :func:`decode_to_end` raises it) and leaves; the rows beside it go on.
+Only a failure no row explains (the forward pass of the whole batch) fails the batch.
+
 A seeded row (``RowSampling.seed``) draws from its own ``torch.Generator``, as vLLM does: its
 noise depends only on its seed and how many tokens it has drawn, never on the rows beside it.
 Unseeded rows share the engine's generator, so their draws depend on batch composition.
@@ -20,13 +25,14 @@ Unseeded rows share the engine's generator, so their draws depend on batch compo
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from gym_bridge.failures import EngineShutDownError
+from gym_bridge.failures import EngineShutDownError, GymBridgeError
 from gym_bridge.generation.hf_config import HFGenerationStats, RowSampling
 from gym_bridge.generation.prefix_cache import PrefixCache, cache_supported, past_from_blocks, row_blocks
 from gym_bridge.types import Tokenizer
@@ -35,6 +41,11 @@ logger = logging.getLogger("gym_bridge.generation.hf")
 
 #: Left padding columns that every row masks out are trimmed once there are this many.
 TRIM_COLUMNS = 32
+
+
+class RowFailure(GymBridgeError, RuntimeError):
+    """One row of a decode batch failed on its own (its token choice or stop check raised, its logprob is NaN, or its
+    prefill raised); it left the batch and the rows beside it go on."""
 
 
 @dataclass
@@ -59,10 +70,21 @@ class Row:
     generator: torch.Generator | None = None  # a seeded row's own generator (see pick_tokens)
     cancelled: bool = False
     result: RowResult | None = None
+    failure: RowFailure | None = None  # why the row left the batch unfinished (see RowFailure)
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     cap: int = 0
     window: int = 0
+
+
+@dataclass
+class _Prefilled:
+    """A group of joining rows after their prefill forward: their own cache, mask, next positions and logits."""
+
+    cache: Any
+    attention: torch.Tensor
+    next_pos: torch.Tensor
+    logits: torch.Tensor
 
 
 @dataclass
@@ -125,8 +147,8 @@ class RunningBatch:
             return
         names = [prefix_cache.block_names(row.prompt) for row in joining]
         first, second = prefix_cache.waves([row.prompt for row in joining], names)
-        self._prefill([joining[i] for i in first], [names[i] for i in first])
-        leaders = {tuple(joining[i].prompt): joining[i] for i in first}
+        joined = self._prefill([joining[i] for i in first], [names[i] for i in first])
+        leaders = {tuple(row.prompt): row for row in joined}  # a row whose prefill failed leads no copy
         copies = [i for i in second if tuple(joining[i].prompt) in leaders]
         rest = [i for i in second if tuple(joining[i].prompt) not in leaders]
         if rest:
@@ -151,12 +173,31 @@ class RunningBatch:
         self.rows = self.rows + [row for _, row in copies]
         self.ctx.stats.max_rows_in_batch = max(self.ctx.stats.max_rows_in_batch, len(self.rows))
 
-    def _prefill(self, joining: list[Row], names: list[list[bytes]]) -> None:
-        """One forward over the uncached part of every joining row's prompt, then stack them onto the batch.
+    def _prefill(self, joining: list[Row], names: list[list[bytes]]) -> list[Row]:
+        """Prefill ``joining`` and stack them onto the batch; return the rows that joined.
+
+        When the group's forward raises, each row is prefilled by itself, so a row that fails alone fails only
+        itself (:class:`RowFailure`); the batch is not touched until a group's forward has succeeded.
+        """
+        try:
+            part = self._prefill_forward(joining, names)
+        except Exception as exc:
+            if len(joining) > 1:
+                joined: list[Row] = []
+                for row, row_names in zip(joining, names, strict=True):
+                    joined += self._prefill([row], [row_names])
+                return joined
+            self._fail(joining[0], f"its prefill failed: {type(exc).__name__}: {exc}", exc)
+            return []
+        self._join(joining, part)
+        return joining
+
+    def _prefill_forward(self, joining: list[Row], names: list[list[bytes]]) -> _Prefilled:
+        """One forward over the uncached part of every joining row's prompt, into a cache of their own.
 
         Row ``j``'s columns: zeros, its cached prefix (``past`` wide in all), zeros, the rest of its prompt.
         """
-        from gym_bridge.generation.kv_cache import new_cache, stack_caches
+        from gym_bridge.generation.kv_cache import new_cache
 
         ctx = self.ctx
         prefix_cache = ctx.prefix_cache
@@ -184,23 +225,29 @@ class RunningBatch:
             ctx.stats.prefix_cache_hits += sum(cached)
             for j, row in enumerate(joining):
                 self._remember(cache, attention, j, row.prompt)
-        next_pos = attention.sum(-1)
+        return _Prefilled(cache, attention, attention.sum(-1), logits)
+
+    def _join(self, joining: list[Row], part: _Prefilled) -> None:
+        """Stack prefilled rows onto the batch: both caches left-padded to one width."""
+        from gym_bridge.generation.kv_cache import stack_caches
+
+        ctx = self.ctx
         ctx.stats.max_rows_in_batch = max(ctx.stats.max_rows_in_batch, len(self.rows) + len(joining))
         if not self.rows:
             self.rows, self._cache, self._attention, self._next_pos, self._logits = (
                 joining,
-                cache,
-                attention,
-                next_pos,
-                logits,
+                part.cache,
+                part.attention,
+                part.next_pos,
+                part.logits,
             )
             return
         assert self._attention is not None and self._next_pos is not None and self._logits is not None
-        total = max(self._attention.shape[1], attention.shape[1])
-        stack_caches(self._cache, cache, total)
-        self._attention = torch.cat([_pad_left(self._attention, total), _pad_left(attention, total)], 0)
-        self._next_pos = torch.cat([self._next_pos, next_pos])
-        self._logits = torch.cat([self._logits, logits])
+        total = max(self._attention.shape[1], part.attention.shape[1])
+        stack_caches(self._cache, part.cache, total)
+        self._attention = torch.cat([_pad_left(self._attention, total), _pad_left(part.attention, total)], 0)
+        self._next_pos = torch.cat([self._next_pos, part.next_pos])
+        self._logits = torch.cat([self._logits, part.logits])
         self.rows = self.rows + joining
 
     def _remember(self, cache: Any, attention: torch.Tensor, j: int, tokens: list[int]) -> None:
@@ -218,12 +265,12 @@ class RunningBatch:
         prefix_cache.insert(names, row_blocks(cache, j, columns, prefix_cache.block_size, wanted))
 
     def step(self) -> None:
-        """Pick every row's next token; finished rows leave; the rest run one forward pass."""
+        """Pick every row's next token; finished and failed rows leave; the rest run one forward pass."""
         from gym_bridge.generation.kv_cache import select_rows
 
         ctx = self.ctx
         assert self._logits is not None and self._attention is not None and self._next_pos is not None
-        tokens, logprobs = pick_tokens(self._logits, self.rows, ctx.generator)
+        tokens, logprobs, failed = self._choose()
         token_list, lp_list = tokens.tolist(), logprobs.tolist()
         keep: list[int] = []
         for j, row in enumerate(self.rows):
@@ -231,9 +278,19 @@ class RunningBatch:
                 raise EngineShutDownError("HFGeneration was shut down during generation")
             if row.cancelled:
                 continue
+            if j in failed:
+                self._fail(row, *failed[j])
+                continue
+            if math.isnan(lp_list[j]):
+                self._fail(row, "its next-token distribution is not finite (a NaN logprob)", None)
+                continue
             row.tokens.append(token_list[j])
             row.logprobs.append(lp_list[j])
-            stopped = token_list[j] in ctx.stop_token_ids or self._hit_stop_string(row)
+            try:
+                stopped = token_list[j] in ctx.stop_token_ids or self._hit_stop_string(row)
+            except Exception as exc:
+                self._fail(row, f"its stop check failed: {type(exc).__name__}: {exc}", exc)
+                continue
             if not stopped and len(row.tokens) < row.cap:
                 keep.append(j)
                 continue
@@ -254,6 +311,27 @@ class RunningBatch:
         self._logits = self._forward(tokens[:, None], attention, next_pos[:, None], self._cache)
         self._attention, self._next_pos = attention, next_pos + 1
 
+    def _choose(self) -> tuple[torch.Tensor, torch.Tensor, dict[int, tuple[str, BaseException | None]]]:
+        """Every row's next token and logprob, and the rows whose choice failed (index -> why).
+
+        The rows are chosen together; when that raises, each row is chosen by itself, so the failure stays with
+        the rows that cause it (a NaN logprob, which raises nothing, is caught by :meth:`step`)."""
+        assert self._logits is not None
+        failed: dict[int, tuple[str, BaseException | None]] = {}
+        try:
+            tokens, logprobs = pick_tokens(self._logits, self.rows, self.ctx.generator)
+        except Exception:
+            tokens = torch.zeros(len(self.rows), dtype=torch.long, device=self._logits.device)
+            logprobs = torch.zeros(len(self.rows), dtype=self._logits.dtype, device=self._logits.device)
+            for j, row in enumerate(self.rows):
+                try:
+                    one, lp = pick_tokens(self._logits[j : j + 1], [row], self.ctx.generator)
+                except Exception as exc:
+                    failed[j] = (f"choosing its next token failed: {type(exc).__name__}: {exc}", exc)
+                    continue
+                tokens[j], logprobs[j] = one[0], lp[0]
+        return tokens, logprobs, failed
+
     def _trim(self, attention: torch.Tensor) -> torch.Tensor:
         """Drop leading columns that every remaining row masks out (left by rows that left)."""
         from gym_bridge.generation.kv_cache import drop_leading
@@ -264,6 +342,15 @@ class RunningBatch:
             return attention
         drop_leading(self._cache, first)
         return attention[:, first:]
+
+    def _fail(self, row: Row, why: str, cause: BaseException | None) -> None:
+        """Row ``row`` leaves the batch unfinished: its waiter gets a :class:`RowFailure` saying ``why``."""
+        failure = RowFailure(f"a generation row failed alone: {why}")
+        failure.__cause__ = cause
+        row.failure = failure
+        logger.debug("%s", failure, exc_info=cause)
+        if row.deliver is not None and not row.cancelled:
+            row.deliver(failure)
 
     def _finish(self, row: Row, truncated: bool) -> None:
         row.result = RowResult(row.tokens, row.logprobs, truncated, self.weight_version)
@@ -301,11 +388,17 @@ class RunningBatch:
 
 
 def decode_to_end(ctx: DecodeContext, rows: list[Row], weight_version: int) -> list[RowResult | None]:
-    """Decode ``rows`` as one batch until every row finished; results in row order (None: cancelled)."""
+    """Decode ``rows`` as one batch until every row finished; results in row order (None: cancelled).
+
+    A row that failed alone lets the others finish, then its :class:`RowFailure` is raised (a blocking batch call
+    gives every row or raises)."""
     batch = RunningBatch(ctx, weight_version)
     batch.admit(rows)
     while len(batch):
         batch.step()
+    failure = next((row.failure for row in rows if row.failure is not None), None)
+    if failure is not None:
+        raise failure
     return [row.result for row in rows]
 
 
@@ -337,7 +430,8 @@ def pick_tokens(
             sorted_logits, order = torch.sort(allowed, dim=-1, descending=True)
             probs = torch.softmax(sorted_logits, dim=-1)
             before = probs.cumsum(-1) - probs  # mass of the more likely tokens
-            drop_sorted = before >= top_p[:, None]  # never drops the most likely token
+            drop_sorted = before >= top_p[:, None]
+            drop_sorted[:, 0] = False  # never the most likely token (a top_p below float32's range rounds to 0)
             drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
             allowed = allowed.masked_fill(drop, float("-inf"))
         probs = torch.softmax(allowed, dim=-1)

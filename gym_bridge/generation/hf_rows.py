@@ -1,12 +1,20 @@
 """A generation batch as :class:`~gym_bridge.generation.hf_decode.Row`s for
-:class:`~gym_bridge.generation.hf.HFGeneration`: checked ids, merged stop strings, per-row sampling and seeds."""
+:class:`~gym_bridge.generation.hf.HFGeneration`: checked ids, merged stop strings, per-row sampling and seeds.
+
+Every row's sampling is checked and bounded here, as vLLM's ``SamplingParams`` bounds a request's, so nothing a
+caller sends can make the batched token choice of :mod:`~gym_bridge.generation.hf_decode` fail for the rows
+beside it: a temperature is a finite number >= 0 (one in ``(0, MIN_TEMPERATURE)`` is raised to
+:data:`MIN_TEMPERATURE`, vLLM's ``_MAX_TEMP``), ``top_p`` lies in ``(0, 1]``, ``top_k`` is -1, 0 (all tokens) or
+positive (at least the vocabulary: all tokens, as vLLM's input batch clamps it), and no bool passes for a number.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import math
 import operator
 from collections.abc import Mapping
-from typing import Any, SupportsIndex
+from typing import Any, SupportsFloat, SupportsIndex
 
 import torch
 
@@ -51,7 +59,9 @@ def rows_from_batch(
         for s in extra or []:
             if s and s not in stops:
                 stops.append(s)
-        sampling = row_sampling(cfg, {key: values[i] for key, values in overrides.items()}, row=i)
+        sampling = row_sampling(
+            cfg, {key: values[i] for key, values in overrides.items()}, row=i, vocab_size=vocab_size
+        )
         rows.append(
             Row(
                 prompt=input_ids[i, : int(lengths[i])].tolist(),
@@ -64,24 +74,65 @@ def rows_from_batch(
     return input_ids, lengths, rows
 
 
-def row_sampling(cfg: HFGenerationConfig, override: Mapping[str, Any], *, row: int) -> RowSampling:
-    """The config's sampling with this row's overrides (None means "use the config")."""
+#: The lowest sampling temperature: a row asking for less (but more than 0) samples at this one, as vLLM raises a
+#: request's temperature to its ``_MAX_TEMP`` (``logits / 1e-300`` overflows to inf and NaN probabilities).
+MIN_TEMPERATURE = 1e-2
+
+
+def row_sampling(
+    cfg: HFGenerationConfig, override: Mapping[str, Any], *, row: int, vocab_size: int | None = None
+) -> RowSampling:
+    """The config's sampling with this row's overrides (None means "use the config"), checked and bounded as
+    vLLM bounds a request's (see the module docstring); a value out of bounds is a SettingError naming the row."""
     given = {key: value for key, value in override.items() if value is not None}
-    temperature = float(given.get("temperature", cfg.temperature))
-    top_p = float(given.get("top_p", cfg.top_p))
+    temperature = _real(given.get("temperature", cfg.temperature), "temperature", row=row)
+    top_p = _real(given.get("top_p", cfg.top_p), "top_p", row=row)
     top_k = given.get("top_k", cfg.top_k)
-    max_new_tokens = int(given.get("max_new_tokens", cfg.max_new_tokens))
+    max_new_tokens = _integer(given.get("max_new_tokens", cfg.max_new_tokens), "max_new_tokens", row=row)
     if temperature < 0 or not 0 < top_p <= 1 or max_new_tokens < 0:
         raise SettingError(
             f"row {row}: invalid sampling temperature={temperature} top_p={top_p} max_new_tokens={max_new_tokens}"
         )
     return RowSampling(
-        temperature=temperature,
+        temperature=MIN_TEMPERATURE if 0 < temperature < MIN_TEMPERATURE else temperature,
         top_p=top_p,
-        top_k=None if top_k in (None, 0, -1) else int(top_k),
+        top_k=row_top_k(top_k, vocab_size, row=row),
         max_new_tokens=max_new_tokens,
         seed=_row_seed(override.get("seed"), row=row),
     )
+
+
+def row_top_k(value: object, vocab_size: int | None, *, row: int) -> int | None:
+    """A row's ``top_k``: None (every token) for None, 0, -1 or at least ``vocab_size``; below -1 is refused."""
+    if value is None:
+        return None
+    top_k = _integer(value, "top_k", row=row)
+    if top_k < -1:
+        raise SettingError(f"row {row}: top_k must be -1, 0 (all tokens) or positive, got {top_k}")
+    if top_k in (0, -1) or (vocab_size is not None and top_k >= vocab_size):
+        return None
+    return top_k
+
+
+def _real(value: object, name: str, *, row: int) -> float:
+    """``value`` as a finite float; a bool, a non-number or NaN/inf is a SettingError naming the row and field."""
+    if isinstance(value, (bool, str, bytes)) or not isinstance(value, SupportsFloat):
+        raise SettingError(f"row {row}: {name} must be a number, got {type(value).__name__}")
+    number = float(value)
+    if not math.isfinite(number):
+        raise SettingError(f"row {row}: {name} must be finite, got {number}")
+    return number
+
+
+def _integer(value: object, name: str, *, row: int) -> int:
+    """``value`` as an int (numpy ints and integral floats too); a bool or anything else is a SettingError naming the
+    row and field."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if not isinstance(value, bool) and isinstance(value, SupportsIndex):
+        with contextlib.suppress(TypeError):
+            return operator.index(value)
+    raise SettingError(f"row {row}: {name} must be an int, got {type(value).__name__}")
 
 
 def _seeded_generator(device: torch.device, seed: int, *, row: int) -> torch.Generator:

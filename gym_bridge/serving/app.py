@@ -7,8 +7,9 @@ Bodies are read by :mod:`~gym_bridge.serving.bodies`, answers built by :mod:`~gy
 ``/metrics`` is :mod:`~gym_bridge.serving.metrics`. A request whose client disconnects before its answer is
 cancelled (:mod:`~gym_bridge.serving.disconnect`), and with it the engine's rows for it.
 
-Bodies are parsed by hand (size limit, JSON, nesting depth, pydantic) so every refusal is a 4xx
-with the OpenAI error shape, never FastAPI's 422 or a 500. Request bodies are untrusted: the work
+Bodies are parsed by hand (time and size limits, JSON, nesting depth, clean strings and numbers, pydantic) so
+every refusal is a 4xx with the OpenAI error shape, never FastAPI's 422 or a 500; an exception no route meant is
+a 500 with the same shape and one log line (:mod:`~gym_bridge.serving.crashes`). Request bodies are untrusted: the work
 that grows with a body (parsing, tokenizing, chat rendering, building the answer) runs in worker
 threads (``asyncio.to_thread``), never on the event loop, so one large request does not hold
 ``/health`` or any other request; stop strings are capped as vLLM caps them. A failure of an HTTP
@@ -21,19 +22,26 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import time
 from collections.abc import Sequence
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
-from gym_bridge.failures import EngineShutDownError, GenerationUnavailable, RolloutDataFailure
+from gym_bridge.failures import EngineShutDownError, GenerationUnavailable, RolloutDataFailure, SettingError
 from gym_bridge.json_types import JsonMapping, JsonObject
 from gym_bridge.serving.bodies import parse_request
 from gym_bridge.serving.chat import ChatPrompt, build_chat_prompt
+from gym_bridge.serving.crashes import AnswerCrashes, json_response
 from gym_bridge.serving.disconnect import CancelOnDisconnect
-from gym_bridge.serving.engine import Sample, SamplingOverrides, generate_rows, max_tokens_for, resolve_greedy
+from gym_bridge.serving.engine import (
+    Sample,
+    SamplingOverrides,
+    effective_top_k,
+    generate_rows,
+    max_tokens_for,
+    resolve_greedy,
+)
 from gym_bridge.serving.errors import ServingError, error_body
 from gym_bridge.serving.metrics import metrics
 from gym_bridge.serving.protocol import (
@@ -56,16 +64,15 @@ from gym_bridge.serving.state import (
     serving_state,
 )
 
-logger = logging.getLogger(__name__)
-
 
 def build_app(state: ServingState) -> FastAPI:
-    """The FastAPI app serving ``state``: its routes and the handlers that turn errors into OpenAI-shaped bodies."""
+    """The FastAPI app serving ``state``: its routes, and the handler and middleware that turn errors into
+    OpenAI-shaped bodies (a crash inside the disconnect watch, so its 500 counts as the answer)."""
     app = FastAPI(title="gym-bridge OpenAI-compatible server", docs_url=None, redoc_url=None)
     app.state.serving = state
+    app.add_middleware(AnswerCrashes)
     app.add_middleware(CancelOnDisconnect)
     app.exception_handler(ServingError)(refused)
-    app.exception_handler(Exception)(crashed)
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/metrics", metrics, methods=["GET"])
     app.add_api_route("/v1/models", models, methods=["GET"])
@@ -79,15 +86,15 @@ def build_app(state: ServingState) -> FastAPI:
 # ---------------------------------------------------------------------- exception handlers
 
 
-async def refused(request: Request, exc: ServingError) -> JSONResponse:
+#: Refusals sent before the body was read to its end: the connection closes, so its unread rest is never taken as
+#: the next request.
+CLOSE_AFTER = frozenset({408, 413})
+
+
+async def refused(request: Request, exc: ServingError) -> Response:
     """A refusal the server raised on purpose: its status and the OpenAI error body."""
-    return JSONResponse(error_body(exc.message, exc.status, param=exc.param), status_code=exc.status)
-
-
-async def crashed(request: Request, exc: Exception) -> JSONResponse:
-    """Anything else escaping a route is a bug: logged, and a 500 with the same body shape."""
-    logger.exception("request to %s failed", request.url.path)
-    return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}", 500), status_code=500)
+    headers = {"connection": "close"} if exc.status in CLOSE_AFTER else None
+    return json_response(error_body(exc.message, exc.status, param=exc.param), exc.status, headers)
 
 
 # ---------------------------------------------------------------------- routes
@@ -312,11 +319,13 @@ def _prompt_items(prompt: str | list[int] | list[str] | list[list[int]]) -> list
 async def _generate(
     state: ServingState, req: SamplingFields, prompt_ids: list[int], requested: int | None, *, clamp: bool = False
 ) -> list[Sample]:
-    """``req.n`` samples of one prompt; an engine failure becomes a refusal with the status it carries."""
-    greedy = resolve_greedy(req, state.profile)
+    """``req.n`` samples of one prompt; an engine failure becomes a refusal with the status it carries (sampling the
+    engine refuses for a row is the request's: a 400)."""
+    greedy = resolve_greedy(req, state.profile, vocab_size=state.vocab_size)
     max_tokens = max_tokens_for(requested, len(prompt_ids), state.profile, clamp=clamp)
+    top_k = effective_top_k(req.top_k, state.vocab_size)
     sampling: SamplingOverrides | None = (
-        {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "seed": req.seed}
+        {"temperature": req.temperature, "top_p": req.top_p, "top_k": top_k, "seed": req.seed}
         if state.profile.per_request_sampling
         else None
     )
@@ -341,5 +350,7 @@ async def _generate(
         raise ServingError(f"upstream generation failed: {exc}", status) from exc
     except EngineShutDownError as exc:
         raise ServingError(f"the generation engine is not available: {exc}", 503) from exc
+    except SettingError as exc:
+        raise ServingError(f"the engine refuses this request's sampling: {exc}") from exc
     finally:
         state.rows_generating -= req.n

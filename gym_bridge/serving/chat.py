@@ -166,7 +166,10 @@ def normalize_messages(messages: Sequence[JsonMapping]) -> list[JsonObject]:
         content = clean.get("content")
         if content is not None and not isinstance(content, (str, list)):
             raise ServingError(f"messages[{i}].content must be a string, a list of parts or null", param="messages")
-        for call in clean.get("tool_calls") or []:
+        calls = clean.get("tool_calls") or []
+        if not isinstance(calls, list):
+            raise ServingError(f"messages[{i}].tool_calls must be a list", param=f"messages[{i}].tool_calls")
+        for call in calls:
             fn = call.get("function") if isinstance(call, dict) else None
             if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
                 raise ServingError(f"messages[{i}].tool_calls entries need function.name", param="messages")

@@ -100,7 +100,14 @@ class Sample:
     weight_version: int | None = None
 
 
-def resolve_greedy(req: SamplingFields, profile: EngineProfile) -> bool:
+def effective_top_k(top_k: int | None, vocab_size: int | None) -> int | None:
+    """A request's ``top_k`` with vLLM's clamp: at least the vocabulary means every token (-1)."""
+    if top_k is not None and vocab_size is not None and top_k >= vocab_size:
+        return -1
+    return top_k
+
+
+def resolve_greedy(req: SamplingFields, profile: EngineProfile, *, vocab_size: int | None = None) -> bool:
     """Check the request's sampling against the engine profile; return whether to decode greedily."""
     if req.temperature == 0.0:
         return True
@@ -121,7 +128,8 @@ def resolve_greedy(req: SamplingFields, profile: EngineProfile) -> bool:
         )
     if req.top_p is not None and not math.isclose(req.top_p, profile.top_p, abs_tol=1e-6):
         raise ServingError(f"top_p {req.top_p} differs from the engine's top_p {profile.top_p}", param="top_p")
-    top_k = None if req.top_k in (None, 0, -1) else req.top_k
+    top_k = effective_top_k(req.top_k, vocab_size)
+    top_k = None if top_k in (None, 0, -1) else top_k
     if req.top_k is not None and top_k != profile.top_k:
         raise ServingError(f"top_k {req.top_k} differs from the engine's top_k {profile.top_k}", param="top_k")
     return False

@@ -5,6 +5,10 @@ The listening socket is bound before uvicorn starts, so the URL (and port, with
 caller's event loop (``await start()`` / ``await stop()``, or ``async with``) or on
 a private thread with its own loop (``start_in_thread()`` / ``stop_thread()``),
 which suits tests, scripts and Ray actors.
+
+Stalled and flooding clients are bounded (:class:`~gym_bridge.serving.state.ServerLimits`): request headers must
+arrive within ``header_timeout_s`` and a body within ``body_timeout_s``, and connections beyond
+``max_connections`` are closed on arrival (:mod:`~gym_bridge.serving.connections`).
 """
 
 from __future__ import annotations
@@ -18,12 +22,19 @@ from typing import TYPE_CHECKING
 
 import uvicorn
 from pydantic import SecretStr
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from gym_bridge.failures import GymBridgeError
 from gym_bridge.interfaces import GenerationInterface
 from gym_bridge.models.vocab import vocab_size_of
 from gym_bridge.serving.app import build_app
 from gym_bridge.serving.auth import ApiKeyMiddleware, open_port_warning
+from gym_bridge.serving.connections import (
+    ACCEPT_ERROR_FILTER,
+    default_max_connections,
+    guarded_protocol,
+    raise_open_file_limit,
+)
 from gym_bridge.serving.engine import EngineProfile
 from gym_bridge.serving.listen import listening_socket
 from gym_bridge.serving.state import ServerFeatures, ServerLimits, ServingState
@@ -139,8 +150,16 @@ class OpenAIServer:
         self._bound = None
         self._sock = sock
         port = sock.getsockname()[1]
-        config = uvicorn.Config(self.app, log_config=None, timeout_keep_alive=120, lifespan="off", access_log=True)
+        raise_open_file_limit()
+        limits = self.state.limits
+        protocol = guarded_protocol(
+            AutoHTTPProtocol, limits.header_timeout_s, limits.max_connections or default_max_connections()
+        )
+        config = uvicorn.Config(
+            self.app, http=protocol, log_config=None, timeout_keep_alive=120, lifespan="off", access_log=True
+        )
         logging.getLogger("uvicorn.access").addFilter(_ACCESS_FILTER)
+        logging.getLogger("asyncio").addFilter(ACCEPT_ERROR_FILTER)
         self._server = uvicorn.Server(config)
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="openai-server")
         while not self._server.started:

@@ -25,6 +25,15 @@ class ServerLimits:
     max_json_depth: int = 64
     """Deepest nesting of objects and arrays a body may have; deeper is a 400 (JSON nested 100,000 deep
     would otherwise exhaust the parser's recursion)."""
+    body_timeout_s: float = 60.0
+    """How long a request's body may take to arrive; a body still incomplete then is a 408 and its connection is
+    closed (a client that sends half a body and stops would otherwise hold its connection for ever)."""
+    header_timeout_s: float = 30.0
+    """How long a connection may take to send a request's headers, from when it opens or starts the request; a
+    connection still short of them then is closed (:mod:`~gym_bridge.serving.connections`)."""
+    max_connections: int | None = None
+    """Open connections beyond this are closed as soon as they are accepted, so a flood of clients cannot use up
+    the process's file descriptors. None: three quarters of the open-file limit."""
 
 
 #: vLLM's exact 400 message for a chat with tools when started without a tool-call parser.

@@ -26,11 +26,11 @@ from gym_bridge.failures import (
     gym_run_failure,
 )
 from gym_bridge.failures.classify import (
-    agent_run_error,
     gym_failure_class_failure,
     gym_run_failure_class,
     server_code_exception,
 )
+from gym_bridge.failures.gym_chain import agent_run_error
 
 CAPTURED = {k: v for k, v in json.loads((Path(__file__).parent / "data" / "gym_errors.json").read_text()).items()
             if not k.startswith("_")}  # fmt: skip

@@ -113,36 +113,6 @@ def server_code_exception(message: str) -> str | None:
     return match["type"]
 
 
-_LAYER_SERVER = re.compile(r"Hit an exception in (?P<server>\S+?) calling an inner server")
-
-
-def agent_run_error(status: int, body: bytes | str, where: str) -> GymRunError | None:
-    """The data failure for a ``/run`` that broke in Gym's own server code, as Gym's collection classes it
-    (``agent_run_error``: a Gym server answered), or None when it is not one and stays infrastructure.
-
-    A Gym server's 500 (not a gateway's 429/502/503/504) whose innermost message is an exception raised by server
-    code (:func:`server_code_exception`: not a connection, timeout or cancellation) is data, with one exception:
-    one raised inside the agent's model call (under two consecutive layers of one agent: its ``/run`` calling its
-    own ``/v1/responses``, which called the model server) is the model server's check of the endpoint's answer
-    (e.g. missing logprobs), which another endpoint may answer well: infrastructure, as before."""
-    from gym_bridge.failures.gym_chain import unwrap_gym_error
-
-    if gym_run_failure_class(status) != AGENT_RUN_ERROR or status < 500:
-        return None
-    chain = unwrap_gym_error(body)
-    raised = server_code_exception(chain.message) if chain.kind in ("exception", "text") else None
-    if raised is None:
-        return None
-    text = body.decode(errors="replace") if isinstance(body, bytes) else body
-    layers = [match["server"] for match in _LAYER_SERVER.finditer(text)]
-    if len(layers) >= 2 and layers[-1] == layers[-2]:
-        return None
-    return GymRunError(
-        f"Gym's _ng_failure_class {AGENT_RUN_ERROR}: /run answered HTTP {status} with {raised} raised in Gym's "
-        f"server code (deterministic for this row; not re-sent): {where}: {chain.describe()}"
-    )
-
-
 def gym_failure_class_failure(failure_class: str, detail: str) -> RolloutFailure:
     """The typed failure for a ``/run`` result that carries Gym's ``_ng_failure_class`` (a failure row, not a
     rollout): infrastructure for the classes :func:`gym_failure_kind_class` calls so (``agent_request_failed``,

@@ -17,12 +17,16 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from gym_bridge.failures.classify import (
+    AGENT_RUN_ERROR,
+    gym_run_failure_class,
     gym_status_failure,
     http_status_is_infra,
+    server_code_exception,
     shorten,
 )
 from gym_bridge.failures.errors import (
     EndpointConfigError,
+    GymRunError,
     RolloutDataFailure,
     RolloutFailure,
 )
@@ -165,3 +169,31 @@ def gym_run_failure(status: int, body: bytes | str, where: str) -> RolloutFailur
     if chain.kind == "validation" and status >= 500:
         return RolloutDataFailure(f"NeMo-Gym /run failed with HTTP {status}: {detail}")
     return gym_status_failure(status, detail)
+
+
+_LAYER_SERVER = re.compile(r"Hit an exception in (?P<server>\S+?) calling an inner server")
+
+
+def agent_run_error(status: int, body: bytes | str, where: str) -> GymRunError | None:
+    """The data failure for a ``/run`` that broke in Gym's own server code, as Gym's collection classes it
+    (``agent_run_error``: a Gym server answered), or None when it is not one and stays infrastructure.
+
+    A Gym server's 500 (not a gateway's 429/502/503/504) whose innermost message is an exception raised by server
+    code (:func:`server_code_exception`: not a connection, timeout or cancellation) is data, with one exception:
+    one raised inside the agent's model call (under two consecutive layers of one agent: its ``/run`` calling its
+    own ``/v1/responses``, which called the model server) is the model server's check of the endpoint's answer
+    (e.g. missing logprobs), which another endpoint may answer well: infrastructure, as before."""
+    if gym_run_failure_class(status) != AGENT_RUN_ERROR or status < 500:
+        return None
+    chain = unwrap_gym_error(body)
+    raised = server_code_exception(chain.message) if chain.kind in ("exception", "text") else None
+    if raised is None:
+        return None
+    text = body.decode(errors="replace") if isinstance(body, bytes) else body
+    layers = [match["server"] for match in _LAYER_SERVER.finditer(text)]
+    if len(layers) >= 2 and layers[-1] == layers[-2]:
+        return None
+    return GymRunError(
+        f"Gym's _ng_failure_class {AGENT_RUN_ERROR}: /run answered HTTP {status} with {raised} raised in Gym's "
+        f"server code (deterministic for this row; not re-sent): {where}: {chain.describe()}"
+    )

@@ -20,7 +20,7 @@ Errors raised inside the actor are typed and picklable (see
 :mod:`gym_bridge.failures`): an HTTP error from ``/run`` is unwrapped
 (:func:`~gym_bridge.failures.gym_run_failure`) and becomes ``EndpointConfigError``
 (the model endpoint answered 4xx), ``GymRunError`` (Gym's ``agent_run_error``: an exception raised in Gym's
-server code, deterministic for the row: :func:`~gym_bridge.failures.classify.agent_run_error`),
+server code, deterministic for the row: :func:`~gym_bridge.failures.gym_chain.agent_run_error`),
 ``GymTransportError`` (infra status) or ``RolloutDataFailure``; a result that carries Gym's
 ``_ng_failure_class`` is that class's failure; a connection
 error ``GymTransportError``; an expired ``request_timeout_s`` ``RolloutTimeout``;
@@ -35,9 +35,15 @@ Rows are posted where Gym's ``RolloutCollectionHelper.run_examples`` posts them 
 in front of the row's agent, or of the agent itself when that server is the pass-through
 ``legacy_agent`` relay (one hop fewer) or there is none (Gym < 0.6); plus a bounded wait and no retry
 loop. ``task_source`` rows are resolved by the routes Gym's own resolver computed at start
-(:mod:`gym_bridge.gym.routing`). aiohttp, not httpx, because httpx's connection pool cost 4-8 ms of
-CPU per request at 256-1,024 requests in flight against aiohttp's 0.6 ms
-(benchmarks/RESULTS.md), and this actor sends every row of every group in flight.
+(:mod:`gym_bridge.gym.routing`). A materialized row (Gym 0.7's episode protocol: ``task_id`` = ``{taskset, task_id}``
+plus ``task_input``) is posted as Gym's episode request (:func:`~gym_bridge.gym.rows.episode_request_body`) to
+``/run`` of the environment server its taskset names in the config's ``environment_server_routes``, and the reply is
+made Gym's record (:func:`~gym_bridge.gym.convert.episode_record`): a ``result`` converted like any ``/run`` result, a
+handled ``failure`` raised typed (:func:`~gym_bridge.gym.convert.episode_failure`). With ``cfg.gym_head`` the server
+set is a Gym that is already running: used, never started or stopped here (:class:`GymServers`).
+
+aiohttp, not httpx, because httpx's connection pool cost 4-8 ms of CPU per request at 256-1,024 requests in flight
+against aiohttp's 0.6 ms (benchmarks/RESULTS.md), and this actor sends every row of every group in flight.
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -69,18 +76,43 @@ from gym_bridge.failures import (
     gym_run_failure,
     shorten,
 )
-from gym_bridge.failures.classify import agent_run_error, gym_failure_class_failure
+from gym_bridge.failures.classify import gym_failure_class_failure
+from gym_bridge.failures.gym_chain import agent_run_error
 from gym_bridge.gym.actor_config import NemoGymConfig
 from gym_bridge.gym.admission import EndpointLoad
-from gym_bridge.gym.convert import convert_gym_result
+from gym_bridge.gym.convert import (
+    ENVIRONMENT_SERVER_FAILED,
+    FAILURE_CLASS_KEY,
+    convert_gym_result,
+    episode_failure,
+    episode_record,
+    is_episode_response,
+)
 from gym_bridge.gym.endpoint_load import read_endpoint_load
 from gym_bridge.gym.health import EndpointWatch, SharedWatch
 from gym_bridge.gym.result import GymRowBatch, GymRowResult, NemoRLRowResult
 from gym_bridge.gym.routing import GymRoutes
-from gym_bridge.gym.rows import ROW_INDEX_KEY, dispatch_target
+from gym_bridge.gym.rows import (
+    ENVIRONMENT_SERVER_KEY,
+    ROW_INDEX_KEY,
+    EpisodeRoutes,
+    dispatch_target,
+    episode_request_body,
+    episode_target,
+    is_materialized,
+    row_label,
+)
 from gym_bridge.gym.servers import GymServers
 from gym_bridge.gym.stream_window import BATCH_WINDOW_S, failed, gather_window
-from gym_bridge.gym.token_capture import CAPTURE_KEY, CaptureBuild, TokenCapture, stamp_identity, with_capture_dir
+from gym_bridge.gym.token_capture import (
+    CAPTURE_KEY,
+    CaptureBuild,
+    TokenCapture,
+    capture_block,
+    stamp_identity,
+    with_capture_dir,
+)
+from gym_bridge.gym.versions import installed_gym
 from gym_bridge.types import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -91,8 +123,10 @@ _PROGRESS_EVERY = 10
 _LOAD_TIMEOUT_S = 3.0
 """The bound on reading the model endpoints' ``/metrics`` for their load."""
 _JSON_HEADERS = {"Content-Type": "application/json"}
-_FAILURE_CLASS_KEY = "_ng_failure_class"
-"""Gym's failure-routing sentinel on a result that is no rollout (``rollout_collection.NG_FAILURE_CLASS_KEY``)."""
+_FAILURE_CLASS_KEY = FAILURE_CLASS_KEY
+_RESULT_TYPE_KEY = "_ng_result_type"
+"""Gym's stamp of the implementation of the environment server that produced a record."""
+_ENVIRONMENT_TYPE = "environment_servers"
 
 
 class NemoGym:
@@ -102,6 +136,9 @@ class NemoGym:
         self.cfg = cfg if isinstance(cfg, NemoGymConfig) else NemoGymConfig.model_validate(cfg)
         self._servers: GymServers | None = None
         self._agent_urls: dict[str, str] = {}
+        self._episode_urls: dict[str, str] = {}
+        """environment server -> URL, for the materialized rows its tasksets route to it."""
+        self._result_types: dict[str, str | None] = {}
         self._routes = GymRoutes(agents=())
         self._capture: TokenCapture | None = None
         self._tokenizer: Tokenizer | None = tokenizer
@@ -128,15 +165,18 @@ class NemoGym:
 
     async def _start_servers(self) -> None:
         config = self.cfg.servers_config()
-        default_dir = config.log_dir / "token-captures" if config.log_dir else None
-        overrides, capture_dir = with_capture_dir(config.overrides, default_dir)
-        if capture_dir is not None:
-            config = config.model_copy(update={"overrides": overrides})
-            self._capture = await asyncio.to_thread(TokenCapture, capture_dir, overrides[CAPTURE_KEY])
+        if config.head_url is None:
+            default_dir = config.log_dir / "token-captures" if config.log_dir else None
+            overrides, capture_dir = with_capture_dir(config.overrides, default_dir)
+            if capture_dir is not None:
+                config = config.model_copy(update={"overrides": overrides})
+                self._capture = await asyncio.to_thread(TokenCapture, capture_dir, overrides[CAPTURE_KEY])
         servers = GymServers(config)
         self._servers = servers
         try:
             await asyncio.to_thread(servers.start)
+            if servers.attached:
+                await self._use_running_gym(servers)
         except BaseException:
             self._servers = None
             await asyncio.to_thread(servers.stop)
@@ -144,12 +184,75 @@ class NemoGym:
         self._restarted = False
         types, urls = servers.server_types, servers.server_urls
         agents = sorted(name for name in urls if types.get(name) == _AGENT_SERVER_TYPE)
-        self._routes = GymRoutes.from_json(servers.routes, agents)
+        self._routes = self._routes_of(servers, agents)
         self._agent_urls = {agent: urls[self._routes.dispatch.get(agent, agent)] for agent in agents}
+        self._result_types = servers.server_impls
         if self._capture is not None and servers.head is not None:  # the agents whose results Gym finalises
             await asyncio.to_thread(self._capture.read_participants, servers.head.url, agents)
-        if not self._agent_urls:
+        if not self._agent_urls and not self._episode_urls:
             logger.warning("NeMo-Gym started without any agent server: %s", sorted(urls))
+
+    async def _use_running_gym(self, servers: GymServers) -> None:
+        """A running Gym's own token capture (its config's ``token_id_capture``, read from its file store ``dir``),
+        and a warning when its model server calls other endpoints than ``base_urls`` or another model name."""
+        config = servers.global_config
+        block = capture_block(config)
+        if block is not None:
+            if not block.get("dir"):
+                raise NemoGymUnavailable(
+                    f"the running NeMo-Gym at {self.cfg.gym_head} captures token ids (token_id_capture) without a "
+                    "dir: gym-bridge reads the captures from Gym's file store, so set token_id_capture.dir in the "
+                    "config that Gym is started with"
+                )
+            self._capture = await asyncio.to_thread(TokenCapture, Path(str(block["dir"])), block)
+        theirs = config.get("policy_base_url")
+        theirs_list = [theirs] if isinstance(theirs, str) else list(theirs) if isinstance(theirs, list) else []
+        if sorted(u.rstrip("/") for u in map(str, theirs_list)) != sorted(u.rstrip("/") for u in self.cfg.base_urls):
+            logger.warning(
+                "the running NeMo-Gym at %s calls the endpoints %s (its policy_base_url), not base_urls %s: those "
+                "were preflighted and are watched, Gym's model server calls its own",
+                self.cfg.gym_head,
+                theirs_list,
+                self.cfg.base_urls,
+            )
+        model = config.get("policy_model_name")
+        if isinstance(model, str) and model != self.cfg.model_name:
+            logger.warning(
+                "the running NeMo-Gym at %s asks its endpoints for model %r, not model_name %r",
+                self.cfg.gym_head,
+                model,
+                self.cfg.model_name,
+            )
+
+    def _routes_of(self, servers: GymServers, agents: list[str]) -> GymRoutes:
+        """The routes of the server set: Gym's resolver's table, plus (Gym 0.7) the taskset routes of its episode
+        protocol, each checked to name a running environment server as Gym's collection checks it."""
+        routes = GymRoutes.from_json(servers.routes, agents)
+        self._episode_urls = {}
+        if not installed_gym().episode_protocol:
+            return routes
+        types, urls = servers.server_types, servers.server_urls
+        tasksets: dict[str, str] = {}
+        errors: dict[str, str] = {}
+        for taskset, server in servers.environment_server_routes.items():
+            if types.get(server) == _ENVIRONMENT_TYPE and server in urls:
+                tasksets[taskset] = server
+                self._episode_urls[server] = urls[server]
+            else:
+                running = sorted(name for name, kind in types.items() if kind == _ENVIRONMENT_TYPE)
+                errors[taskset] = (
+                    f"environment_server_routes names {server!r}, which is not a running environment server of the "
+                    f"launched Gym config (environment servers: {', '.join(running) or '(none)'})"
+                )
+        return EpisodeRoutes(
+            agents=routes.agents,
+            dispatch=routes.dispatch,
+            dispatch_errors=routes.dispatch_errors,
+            task_sources=routes.task_sources,
+            task_source_errors=routes.task_source_errors,
+            tasksets=tasksets,
+            taskset_errors=errors,
+        )
 
     async def _ready(self) -> GymServers:
         """The running servers; after a Ray restart, re-spin or raise as ``cfg.on_restart`` says."""
@@ -193,7 +296,15 @@ class NemoGym:
         """Gym's server URLs, process ids and log folder, for diagnostics and tests."""
         servers = self._servers
         if servers is None:
-            return {"urls": {}, "pids": [], "server_pids": {}, "server_types": {}, "log_dir": None, "head": None}
+            return {
+                "urls": {},
+                "pids": [],
+                "server_pids": {},
+                "server_types": {},
+                "log_dir": None,
+                "head": None,
+                "attached": False,
+            }
         return {
             "urls": servers.server_urls,
             "pids": sorted(servers.pids()),
@@ -201,6 +312,7 @@ class NemoGym:
             "server_types": servers.server_types,
             "log_dir": str(servers.log_dir),
             "head": servers.head.url if servers.head else None,
+            "attached": servers.attached,
         }
 
     async def shutdown(self) -> None:
@@ -209,6 +321,7 @@ class NemoGym:
         client, self._client = self._client, None
         executor, self._executor = self._executor, None
         self._agent_urls = {}
+        self._episode_urls = {}
         self._routes = GymRoutes(agents=())
         self._capture = None
         try:
@@ -265,7 +378,7 @@ class NemoGym:
         loop = asyncio.get_running_loop()
         started = time.perf_counter()
         consumer_s = await_s = postprocess_s = 0.0
-        pending = Counter(row["agent_ref"]["name"] for row in rows)
+        pending = Counter(_label(row) for row in rows)
         self._check_servers(servers, "before dispatch")
         finished: asyncio.Queue[asyncio.Task[Any]] = asyncio.Queue()
         tasks: list[asyncio.Task[Any]] = [
@@ -293,7 +406,7 @@ class NemoGym:
                 postprocess_s += t2 - t1
                 remaining -= len(batch)
                 for row, _, _ in posted:
-                    pending[row["agent_ref"]["name"]] -= 1
+                    pending[_label(row)] -= 1
                 timing = None
                 if not remaining:
                     total = t2 - started - consumer_s
@@ -337,7 +450,17 @@ class NemoGym:
 
         A row that names only its ``task_source`` gains ``agent_ref`` (this actor's copy), as Gym's collection
         stamps it. The URL is the agent's entry server: the environment server in front of it when that server
-        does work of its own, else the agent itself (a ``legacy_agent`` relay forwards ``/run`` unchanged)."""
+        does work of its own, else the agent itself (a ``legacy_agent`` relay forwards ``/run`` unchanged).
+        A materialized row goes to the environment server its taskset routes to, stamped with it
+        (``_ng_environment_server``, as Gym stamps it), its episode request checked here."""
+        if isinstance(row, dict) and is_materialized(row):
+            _, server = episode_target(row, i, self._routes)
+            try:
+                episode_request_body(row)
+            except InvalidGymRow as exc:
+                raise InvalidGymRow(f"row {i} ({ROW_INDEX_KEY}={row[ROW_INDEX_KEY]}): {exc}") from None
+            row[ENVIRONMENT_SERVER_KEY] = server
+            return self._episode_urls[server]
         _, name = dispatch_target(row, i, self._routes)
         if row.get("agent_ref") is None:
             row["agent_ref"] = {"name": name}
@@ -374,10 +497,14 @@ class NemoGym:
     ) -> tuple[dict[str, Any], bytes, CaptureBuild | None]:
         """POST one row; ``(row, result body, capture build)``, the body finalised with its captured token ids when
         Gym's collection would finalise it (``token_id_capture`` on, the row's agent taking part)."""
-        agent = row["agent_ref"]["name"]
-        where = f"NeMo-Gym /run at {url} for {ROW_INDEX_KEY}={row[ROW_INDEX_KEY]} (agent {agent!r})"
-        request = orjson.dumps(row)  # bytes, as aiohttp sends them: no str in between
-        capture = self._capture if self._capture is not None and self._capture.participates(agent) else None
+        episode = is_materialized(row)
+        agent = _label(row)
+        where = f"NeMo-Gym /run at {url} for {ROW_INDEX_KEY}={row[ROW_INDEX_KEY]} ({_describe(row)})"
+        # bytes, as aiohttp sends them: no str in between; a materialized row as Gym's episode request
+        request = orjson.dumps(episode_request_body(row) if episode else row)
+        capture = (
+            self._capture if self._capture is not None and not episode and self._capture.participates(agent) else None
+        )
         if capture is not None:
             capture.clear(row)
         try:
@@ -435,13 +562,25 @@ class NemoGym:
             result = _loads(body)
         except ValueError as exc:
             raise GymResultError(f"{ROW_INDEX_KEY}={rowidx}: /run returned invalid JSON: {exc}") from None
+        where = f"{ROW_INDEX_KEY}={rowidx} ({_describe(row)})"
+        episode = is_materialized(row)
+        if episode and is_episode_response(result):  # the reply to Gym's episode request: Gym's record of it
+            try:
+                result = episode_record(result)
+            except GymResultError as exc:
+                raise GymResultError(f"{where}: {exc}") from None
         if isinstance(result, dict):
             failure_class = result.get(_FAILURE_CLASS_KEY)
+            if failure_class == ENVIRONMENT_SERVER_FAILED:
+                raise episode_failure(result, where)
             if isinstance(failure_class, str) and failure_class:
                 detail = result.get("_ng_failure_message") or result.get("error") or "(no message)"
-                where = f"{ROW_INDEX_KEY}={rowidx} (agent {row['agent_ref']['name']!r})"
                 raise gym_failure_class_failure(failure_class, f"{where}: {shorten(str(detail))}")
             stamp_identity(row, result)
+            if episode:  # every record names the environment server that ran it and its type, as Gym's does
+                server = row.get(ENVIRONMENT_SERVER_KEY)
+                result[ENVIRONMENT_SERVER_KEY] = server
+                result[_RESULT_TYPE_KEY] = self._result_types.get(server) if isinstance(server, str) else None
         assert self._tokenizer is not None  # run_rollouts refuses to start without one
         try:
             converted = convert_gym_result(
@@ -453,9 +592,22 @@ class NemoGym:
                 thinking_tags=self.cfg.thinking_tags,
             )
         except GymResultError as exc:
-            raise type(exc)(f"{ROW_INDEX_KEY}={rowidx} (agent {row['agent_ref']['name']!r}): {exc}") from None
+            raise type(exc)(f"{where}: {exc}") from None
         converted.capture = capture
         return converted
+
+
+def _label(row: dict[str, Any]) -> str:
+    """What a row's progress and messages are counted under: its agent, or a materialized row's environment server."""
+    return row_label(row) or "(unrouted)"
+
+
+def _describe(row: dict[str, Any]) -> str:
+    """The row's destination for messages: ``agent 'x'``, or a materialized row's ``environment server 'y' (taskset
+    't')``."""
+    if is_materialized(row):
+        return f"environment server {row.get(ENVIRONMENT_SERVER_KEY)!r}, taskset {row['task_id'].get('taskset')!r}"
+    return f"agent {_label(row)!r}"
 
 
 def _loads(body: bytes) -> Any:

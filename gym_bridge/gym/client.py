@@ -114,8 +114,8 @@ class GymClient:
     @property
     def run_stop(self) -> BaseException | None:
         """The terminal error that ended this client's run (:class:`~gym_bridge.failures.TokenCaptureMasked`: Gym's
-        ``max_mask_fraction`` abort), or None. Every later group raises it before sending anything; the manager ends the run
-        on it (a ``RunConfigurationError``), whatever its retry policy."""
+        ``max_mask_fraction`` abort), or None. Every later group raises it before sending anything; the manager
+        ends the run on it (a ``RunConfigurationError``), whatever its retry policy."""
         return self.mask_watch.stopped
 
     async def routes(self) -> GymRoutes | None:

@@ -12,7 +12,7 @@ export PYTHONDONTWRITEBYTECODE :=
 UV := $(shell uv --version >/dev/null 2>&1 && echo uv || echo "$(PYTHON) -m uv")
 export UV
 
-.PHONY: setup demo test test-gym-compat test-fast test-plugin test-browser check-nemo-rl lint clean bench-serve bench-bridge bench-scale bench-gym-start bench-trl example-gym train-demo
+.PHONY: setup demo test test-docs test-gym-compat test-fast test-plugin test-browser check-nemo-rl smoke-recipes lint clean bench-serve bench-bridge bench-scale bench-gym-start bench-trl bench-compare example-gym train-demo
 
 # The environment runs on Python >= 3.13.14 with nemo-gym 0.7.0. scripts/python313.sh finds that Python (UV_PYTHON,
 # ./.venv's, one uv finds) or, the first time on a machine that has none, builds it from Debian's source package.
@@ -29,6 +29,12 @@ test: setup
 	$(UV) run pytest -n 2 --dist loadgroup -m "not browser" --durations=15
 	$(MAKE) --no-print-directory test-plugin
 
+# Docs that run: every command block of README.md and docs/*.md, each in a scratch folder of its own (or skipped, with
+# the reason its <!-- docs-test: skip (...) --> marker gives), and every python snippet's gym_bridge imports
+# (tests/test_docs_commands.py; it prints how many blocks ran and were skipped, and why).
+test-docs: setup
+	$(UV) run pytest -p no:xdist -q -rs --durations=10 tests/test_docs_commands.py
+
 # The trace viewer in a real headless browser: Debian's chromium and chromium-driver (`apt-get install chromium
 # chromium-driver`; browser downloads are not reachable here). Without them this target fails, saying so.
 test-browser: setup
@@ -41,6 +47,12 @@ test-browser: setup
 check-nemo-rl: setup
 	@test -n "$(NEMO_RL_SRC)" || { echo "make check-nemo-rl: set NEMO_RL_SRC to a NeMo-RL checkout (github NVIDIA-NeMo/RL)" >&2; exit 2; }
 	$(UV) run python scripts/check_nemo_rl.py --nemo-rl-src "$(NEMO_RL_SRC)"
+
+# `gym-bridge train RECIPE --smoke` over every examples/nemo_gym/*.yaml of a NeMo-RL checkout (NEMO_RL_SRC=...): "ran a
+# step" or the one-line reason for each (~5 min a recipe that runs, on 2 cores). docs/training.md has the last table.
+smoke-recipes: setup
+	@test -n "$(NEMO_RL_SRC)" || { echo "make smoke-recipes: set NEMO_RL_SRC to a NeMo-RL checkout (github NVIDIA-NeMo/RL)" >&2; exit 2; }
+	$(UV) run python scripts/smoke_recipes.py --nemo-rl-src "$(NEMO_RL_SRC)"
 
 # The compatibility lane: the Gym tests on NeMo-RL HEAD's nemo-gym 0.5.1 (Python 3.13) and on 0.4.0 (Python 3.12),
 # each in its own environment (.venv-gym-VERSION); scripts/gym_compat.sh says how each is made.
@@ -75,6 +87,11 @@ bench-bridge: setup
 # 16,384 rows in flight (1,024 groups of 16) through one NemoGym actor and one manager (~10 min on 2 cores).
 bench-scale: setup
 	$(UV) run python benchmarks/scale_rows.py
+
+# `gym-bridge report` and `compare` on large and hostile run folders: 10^6 completions, a 1.9 GB sparse file, two runs
+# of 20,000 prompts of 29 KB lines (~3 min on 2 cores; 1.2 GB of temporary files, removed after).
+bench-compare: setup
+	$(UV) run python benchmarks/report_scale.py
 
 # One five-server Gym set started and stopped, forked vs shell, without and with Ray (~3 min on 2 cores).
 bench-gym-start: setup

@@ -104,3 +104,23 @@ def test_caps_and_stop_strings_async(tiny_tokenizer):
     text = tiny_tokenizer.decode(ids)
     assert "scripted" in text and "assistant" not in text
     assert not bool(got[1]["truncated"][0])
+
+
+def test_the_context_is_max_model_len_else_the_tokenizers_model_max_length(tiny_tokenizer):
+    """Why Gym's long ``lc`` rows fail on the tiny tokenizer (docs/nemo_gym.md, the ``gym dataset collate``
+    walk-through): without ``max_model_len`` the context is the tokenizer's ``model_max_length``, 2,048 for tiny, and
+    our server reads the engine's as its own. A prompt that fills it gets no tokens, cut (``truncated``)."""
+    from gym_bridge.serving.engine import EngineProfile
+
+    default = ScriptedGeneration(tiny_tokenizer)
+    assert default.max_model_len == tiny_tokenizer.model_max_length == 2048
+    assert EngineProfile.of(default, tiny_tokenizer).max_model_len == 2048
+    assert ScriptedGeneration(tiny_tokenizer, max_model_len=8192).max_model_len == 8192
+    long = [{"role": "user", "content": "Reply with exactly: 42 " + "word " * 2100}]
+    data, rows = _batch(tiny_tokenizer, [long])
+    assert len(rows[0]) > 2048
+    out = default.generate(data)
+    assert int(out["generation_lengths"][0]) == 0 and bool(out["truncated"][0])
+    out = ScriptedGeneration(tiny_tokenizer, max_model_len=len(rows[0]) + 64).generate(data)
+    ids, _ = _generated(tiny_tokenizer, out, rows, 0)
+    assert tiny_tokenizer.decode(ids, skip_special_tokens=True).startswith("42 word")

@@ -2,8 +2,9 @@
 
 Keys read (NeMo-RL's names where NeMo-RL has them):
 
-- ``policy.model_name`` (a local folder or a built-in model name), ``policy.max_total_sequence_length``,
-  ``policy.generation`` (sampling and ``max_new_tokens``), ``policy.optimizer.kwargs`` (``lr``,
+- ``policy.model_name`` (a local folder or a built-in model name), ``policy.generation`` (sampling and
+  ``max_new_tokens``; the context length, ``policy.max_total_sequence_length``, has one reader:
+  :func:`~gym_bridge.config.training.context_length`), ``policy.optimizer.kwargs`` (``lr``,
   ``weight_decay``, ``betas``), ``policy.scheduler`` (NeMo-RL's list of ``torch.optim.lr_scheduler`` classes
   and milestones), ``policy.max_grad_norm``, ``policy.train_micro_batch_size``,
   ``policy.freeze_embeddings`` (ours);

@@ -20,6 +20,9 @@ class GymLaunchSpec:
     gym: NemoGymConfig
     num_generations_per_prompt: int
     max_seq_len: int
+    """The context length: the manager's ``max_seq_len`` (NeMo-RL's name; a completion of exactly this many tokens
+    is ``truncated``). From a training config it is :func:`~gym_bridge.config.training.context_length`, the value a
+    GRPO run's engine and server take as their ``max_model_len`` too."""
     generation_config: JsonMapping
     """NeMo-RL's ``policy.generation`` keys (``GenerationConfig``)."""
     num_actors: int = 1

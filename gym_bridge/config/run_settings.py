@@ -34,12 +34,13 @@ from gym_bridge.training.validation import ValidationSet
 
 REQUIRED_KEYS = (
     "policy.model_name",
-    "policy.max_total_sequence_length",
     "grpo.num_prompts_per_step",
     "grpo.num_generations_per_prompt",
     "env.nemo_gym.config_paths",
 )
-"""Keys a GRPO run cannot start without (NeMo-RL's recipes set them all; its config schema requires them)."""
+"""Keys a GRPO run cannot start without (NeMo-RL's recipes set them all; its config schema requires them). The
+context length, ``policy.max_total_sequence_length`` (or an engine key of the same value), is required by its one
+reader, :func:`~gym_bridge.config.training.context_length`."""
 
 ENDPOINT_PENDING = "http://127.0.0.1:0/v1"
 """The endpoint the rollout settings name until the run's own server is up (:meth:`GRPORunSettings.serving_at`)."""
@@ -53,8 +54,6 @@ class GRPORunSettings:
     """``grpo.seed``: torch, the engine, the loop and every row's sampling seed (one value, one default)."""
     served_model_name: str
     """``policy.model_name``: the weights at the start and the name the endpoint serves them under."""
-    max_model_len: int
-    """``policy.max_total_sequence_length``: the engine's and the server's context."""
     engine: HFGenerationConfig
     """The engine from ``policy.generation``, ``policy.generation.vllm_kwargs.max_num_seqs`` and
     ``enable_prefix_caching`` (:func:`~gym_bridge.config.grpo.engine_prefix_caching`), seeded ``seed``."""
@@ -67,6 +66,19 @@ class GRPORunSettings:
     """``data.train.data_path``, read and validated (routed against the launched Gym once it runs)."""
     validation: ValidationOptions
     validation_sets: list[ValidationSet]
+
+    def __post_init__(self) -> None:
+        if self.engine.max_model_len != self.max_model_len:
+            raise TrainingConfigError(
+                f"the engine's max_model_len ({self.engine.max_model_len}) is not the rollouts' max_seq_len "
+                f"({self.max_model_len}): a run has one context length"
+            )
+
+    @property
+    def max_model_len(self) -> int:
+        """The run's one context length (:func:`~gym_bridge.config.training.context_length`), stored once, as the
+        rollouts' ``max_seq_len``: the engine's and the server's ``max_model_len`` are this value."""
+        return self.rollout.launch.max_seq_len
 
     def serving_at(self, base_urls: list[str]) -> GRPORunSettings:
         """These settings with the rollout endpoint set to the run's own server."""
@@ -92,7 +104,6 @@ def grpo_run_settings(config: JsonMapping) -> GRPORunSettings:
         check_model_reference(model_name)  # a built-in name or an existing folder; nothing is built or loaded
     except ModelNotFoundError as exc:
         raise TrainingConfigError(f"policy.model_name: {exc}") from None
-    max_model_len = _positive_int(config, "policy.max_total_sequence_length")
     rollout = nemo_gym_rollout_settings(config, base_urls=[ENDPOINT_PENDING])
     if rollout.is_trajectory_collection:
         raise TrainingConfigError(
@@ -100,7 +111,7 @@ def grpo_run_settings(config: JsonMapping) -> GRPORunSettings:
             "Use `gym-bridge eval` to roll out a dataset and keep every result"
         )
     loop = loop_config_from(config, rollout)
-    engine_keys: dict[str, object] = {"model": model_name, "max_model_len": max_model_len, "seed": seed}
+    engine_keys: dict[str, object] = {"model": model_name, "max_model_len": rollout.launch.max_seq_len, "seed": seed}
     batch_size = engine_batch_size(config)
     if batch_size is not None:
         engine_keys["max_batch_size"] = batch_size
@@ -119,7 +130,6 @@ def grpo_run_settings(config: JsonMapping) -> GRPORunSettings:
     return GRPORunSettings(
         seed=seed,
         served_model_name=model_name,
-        max_model_len=max_model_len,
         engine=engine,
         rollout=rollout,
         loop=loop,
@@ -128,10 +138,3 @@ def grpo_run_settings(config: JsonMapping) -> GRPORunSettings:
         validation=validation_options(config),
         validation_sets=validation_sets(config),
     )
-
-
-def _positive_int(config: JsonMapping, dotted: str) -> int:
-    value = config_value(config, dotted)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise TrainingConfigError(f"{dotted} must be a positive integer, got {value!r}")
-    return value

@@ -17,8 +17,11 @@ existing config just works:
 - ``async_rl`` and ``grpo.async_grpo`` (:mod:`gym_bridge.config.async_settings`): honoured, or refused in one line;
 - ``env.nemo_gym.num_actors`` (default 1) and ``env.nemo_gym.split_base_urls``: several
   NemoGym actors, each with its own Gym servers, sharing the endpoints or splitting them;
-- ``policy.generation``: the generation config; ``policy.max_total_sequence_length``:
-  ``max_seq_len``; ``grpo.num_generations_per_prompt``: N;
+- ``policy.generation``: the generation config; ``grpo.num_generations_per_prompt``: N;
+- ``policy.max_total_sequence_length`` and NeMo-RL's engine copies of it (``policy.generation.vllm_cfg.max_model_len``,
+  ``trtllm_cfg.max_model_len``, ``mcore_generation_config.max_model_len``): the run's one context length
+  (:func:`context_length`), the manager's ``max_seq_len`` here and the engine's and server's ``max_model_len`` in a
+  GRPO run; keys that disagree are refused;
 - ``grpo.seed`` (:func:`run_seed`, default 0): the run seed of the ``nemo_gym`` backend (``manager_options``),
   from which every row's sampling seed derives;
 - ``env.nemo_gym.admission`` (ours; :func:`admission_settings`): how the Gym client's rows in flight adapt to a
@@ -86,12 +89,23 @@ _READ_KEYS = (
     "policy.generation.stop_token_ids",
     "policy.generation.backend",
     "policy.generation.vllm_cfg.max_model_len",
+    "policy.generation.trtllm_cfg.max_model_len",
+    "policy.generation.mcore_generation_config.max_model_len",
     "grpo.num_generations_per_prompt",
     "grpo.seed",
     "distillation.num_generations_per_prompt",
 )
 """The keys of a training config that the rollout layer reads (a prefix covers its subtree)."""
 _STOP_KEYS = ("stop_strings", "stop_token_ids")
+CONTEXT_LENGTH_KEY = "policy.max_total_sequence_length"
+"""The run's context length, NeMo-RL's name for it (its recipes give every engine key below this value)."""
+ENGINE_CONTEXT_KEYS = (
+    "policy.generation.vllm_cfg.max_model_len",
+    "policy.generation.trtllm_cfg.max_model_len",
+    "policy.generation.mcore_generation_config.max_model_len",
+)
+"""NeMo-RL's engine contexts, in the order NeMo-RL reads them (``vllm_cfg`` -> ``trtllm_cfg`` -> ``mcore``, then
+:data:`CONTEXT_LENGTH_KEY`); each recipe sets them to ``${policy.max_total_sequence_length}``."""
 
 
 def _leaf_paths(node: object, prefix: str = "") -> list[str]:
@@ -246,7 +260,7 @@ def nemo_gym_rollout_settings(config: object, *, base_urls: list[str] | None = N
             or config_value(config, "distillation.num_generations_per_prompt", None)
             or config_value(config, "grpo.num_generations_per_prompt")  # raises, naming GRPO's key
         ),
-        max_seq_len=_manager_max_seq_len(config),
+        max_seq_len=context_length(config),
         num_actors=int(section.get("num_actors", 1)),
         split_base_urls=bool(section.get("split_base_urls", False)),
         retry_policy=retry_policy,
@@ -299,14 +313,38 @@ def run_seed(config: JsonMapping) -> int:
     return seed
 
 
-def _manager_max_seq_len(config: JsonMapping) -> int:
-    """The engine's context, as NeMo-RL's single controller sizes its manager: ``vllm_cfg.max_model_len`` for a
-    vLLM backend that sets it, else ``policy.max_total_sequence_length``."""
-    if config_value(config, "policy.generation.backend", None) == "vllm":
-        max_model_len = config_value(config, "policy.generation.vllm_cfg.max_model_len", None)
-        if max_model_len is not None:
-            return int(max_model_len)
-    return int(config_value(config, "policy.max_total_sequence_length"))
+def context_length(config: JsonMapping) -> int:
+    """The run's one context length: the engine's and the server's ``max_model_len`` and the manager's truncation
+    length (``max_seq_len``: a completion of exactly this many tokens is ``truncated``). The one reader of
+    :data:`CONTEXT_LENGTH_KEY` and :data:`ENGINE_CONTEXT_KEYS`.
+
+    NeMo-RL starts its engine at the first engine key set and falls back to ``policy.max_total_sequence_length``;
+    its recipes write both as one value. Here every key that is set must hold that value: two that disagree would
+    start an engine whose context is not the length its completions are flagged truncated at, so they are refused
+    in one line naming both keys and both values (:class:`TrainingConfigError`). One key set alone is the value.
+    """
+    given: dict[str, int] = {}
+    for key in (CONTEXT_LENGTH_KEY, *ENGINE_CONTEXT_KEYS):
+        value = config_value(config, key, None)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise TrainingConfigError(f"{key} must be a positive integer, got {value!r}")
+        given[key] = value
+    if not given:
+        raise TrainingConfigError(
+            f"the training config has no '{CONTEXT_LENGTH_KEY}' (NeMo-RL's GRPO recipes set it): the context length "
+            "of the engine, the server and the rollouts"
+        )
+    (first_key, first), *others = given.items()
+    for key, value in others:
+        if value != first:
+            raise TrainingConfigError(
+                f"{first_key} ({first}) and {key} ({value}) disagree: the engine's context and the rollouts' "
+                f"truncation length are one value; set both to it (NeMo-RL's recipes write {key}: "
+                f"${{{CONTEXT_LENGTH_KEY}}})"
+            )
+    return first
 
 
 def _section_model[M: BaseModel](model: type[M], config: JsonMapping, dotted: str) -> M:

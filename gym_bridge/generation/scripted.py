@@ -16,6 +16,11 @@ generated token gets the logprob ``log(0.5)`` (a fixed, documented stand-in).
 Stop strings and ``max_new_tokens`` / ``max_model_len`` cut the reply at token
 granularity like :class:`~gym_bridge.generation.hf.HFGeneration` (the token that
 completes a stop string is kept; a cut by the cap sets ``truncated``).
+
+The context is ``max_model_len``, else the tokenizer's ``model_max_length`` (2,048 for the
+tiny tokenizer, 8,192 for SmolLM2's), which our server also reads as its own: a prompt
+longer than that is refused as vLLM refuses it (HTTP 400), and a Gym row gets an empty,
+cut turn (docs/nemo_gym.md, the ``gym dataset collate`` walk-through).
 """
 
 from __future__ import annotations

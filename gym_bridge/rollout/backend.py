@@ -29,6 +29,9 @@ class RolloutContext:
     task_to_env: Mapping[str, ActorHandle]
     num_generations_per_prompt: int
     max_seq_len: int
+    """The context length (NeMo-RL's name for the manager's): a completion of exactly this many tokens is
+    ``truncated``. A training config's one reader of it is :func:`~gym_bridge.config.training.context_length`, whose
+    value the engine and the server take as their ``max_model_len``."""
     max_rollout_turns: int | None
     policy_generation: GenerationInterface | None
     generation_config: GenerationConfig | None

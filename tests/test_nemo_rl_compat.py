@@ -274,8 +274,10 @@ def test_should_use_nemo_gym_refuses_what_nemo_rls_asserts_refuse():
     assert should_use_nemo_gym(config(megatron))
 
 
-def test_the_managers_max_seq_len_is_the_engines_context_as_in_nemo_rl():
-    """NeMo-RL's single controller sizes the manager with vllm_cfg.max_model_len, not the trainer's length."""
+def test_the_managers_max_seq_len_is_the_one_context_length():
+    """NeMo-RL's single controller sizes the manager with vllm_cfg.max_model_len, which its recipes set to
+    ``${policy.max_total_sequence_length}``: one value. Either key alone is it; two that disagree are refused."""
+    from gym_bridge.config.keys import TrainingConfigError
     from gym_bridge.config.training import nemo_gym_rollout_settings
 
     config = {
@@ -291,6 +293,9 @@ def test_the_managers_max_seq_len_is_the_engines_context_as_in_nemo_rl():
         },
         "grpo": {"num_generations_per_prompt": 2},
     }
-    assert nemo_gym_rollout_settings(config, base_urls=["http://127.0.0.1:9/v1"]).launch.max_seq_len == 384
+    with pytest.raises(TrainingConfigError, match=r"max_total_sequence_length \(512\) and .*max_model_len \(384\)"):
+        nemo_gym_rollout_settings(config, base_urls=["http://127.0.0.1:9/v1"])
+    config["policy"]["generation"]["vllm_cfg"]["max_model_len"] = 512
+    assert nemo_gym_rollout_settings(config, base_urls=["http://127.0.0.1:9/v1"]).launch.max_seq_len == 512
     del config["policy"]["generation"]["vllm_cfg"]["max_model_len"]
     assert nemo_gym_rollout_settings(config, base_urls=["http://127.0.0.1:9/v1"]).launch.max_seq_len == 512

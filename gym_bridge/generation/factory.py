@@ -77,10 +77,18 @@ def build_engine(spec: EngineSpec) -> BuiltEngine:
         from gym_bridge.generation.scripted import ScriptedGeneration
 
         return BuiltEngine(
-            ScriptedGeneration(speaks, max_new_tokens=spec.max_new_tokens, think=spec.think), tokenizer, path
+            ScriptedGeneration(
+                speaks, max_new_tokens=spec.max_new_tokens, max_model_len=spec.max_model_len, think=spec.think
+            ),
+            tokenizer,
+            path,
         )
     from gym_bridge.generation.instant import InstantGeneration
 
     return BuiltEngine(
-        InstantGeneration(speaks, spec.answer_tokens, max_new_tokens=spec.max_new_tokens), tokenizer, path
+        InstantGeneration(
+            speaks, spec.answer_tokens, max_new_tokens=spec.max_new_tokens, max_model_len=spec.max_model_len
+        ),
+        tokenizer,
+        path,
     )

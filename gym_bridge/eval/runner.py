@@ -19,6 +19,7 @@ import gc
 import logging
 import math
 import os
+import shutil
 import signal
 import time
 from collections.abc import Callable
@@ -39,6 +40,7 @@ from gym_bridge.eval.sink import RunStoreSink
 from gym_bridge.eval.store import RunStore, read_jsonl
 from gym_bridge.failures import RunConfigurationError
 from gym_bridge.json_types import JsonObject
+from gym_bridge.preflight import PreflightError
 
 if TYPE_CHECKING:
     from gym_bridge.rollout.manager import RolloutManager
@@ -121,6 +123,7 @@ def run_eval(
     if fresh and not config.embedded:  # a new run's endpoint is checked before its folder is made: none is left
         preflight_policy(config, list(config.base_urls), rows)
     store = RunStore(config.output_dir)
+    made_here = not config.output_dir.exists()
     done = store.open(
         config.fingerprint(file_sha256(config.dataset)),
         resume=resume,
@@ -151,9 +154,16 @@ def run_eval(
     except RunConfigurationError:
         status = "stopped: configuration error"
         raise
+    except PreflightError:  # the embedded server's own check: a folder this run made holds nothing yet
+        store.close()
+        if made_here and not store.done:
+            shutil.rmtree(config.output_dir, ignore_errors=True)
+            status = "removed"
+        raise
     finally:
         store.close()
-        store.record_session(started, outcome=status, rollouts_started=outcome.rollouts_started)
+        if status != "removed":
+            store.record_session(started, outcome=status, rollouts_started=outcome.rollouts_started)
     outcome.metrics = build_report(config.output_dir)
     return outcome
 
@@ -265,7 +275,7 @@ def _finished(config: EvalConfig, rows: list[DatasetRow]) -> bool:
 def _preflight_endpoints(configs: list[EvalConfig], rows: list[DatasetRow]) -> None:
     """Check every endpoint policy that has work to do, before anything starts (embedded ones are checked
     when their server is up)."""
-    from gym_bridge.preflight import PreflightError, preflight_endpoints, rows_use_tools
+    from gym_bridge.preflight import preflight_endpoints, rows_use_tools
 
     tools = rows_use_tools([item.row for item in rows])
     for cfg in configs:

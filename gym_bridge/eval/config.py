@@ -113,7 +113,11 @@ class EvalConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     dataset: Path = Field(description="JSONL file of Gym rows (responses_create_params, agent_ref, verifier fields).")
-    config_paths: list[str] = Field(min_length=1, description="Gym server configs (absolute, cwd- or wheel-relative).")
+    config_paths: list[str] = Field(
+        default_factory=list,
+        description="Gym server configs (absolute, cwd- or wheel-relative); required unless gym_head names a running "
+        "Gym, whose config is its own.",
+    )
     output_dir: Path = Field(description="Where results.jsonl, failures.jsonl, run.json and the report go.")
     num_generations_per_prompt: int = Field(4, ge=1)
     base_urls: list[str] = Field(default_factory=list, description="OpenAI-compatible endpoints; empty: embedded.")
@@ -166,6 +170,13 @@ class EvalConfig(BaseModel):
     )
     pass_threshold: float = Field(1.0, description="A completion passes when its reward >= this.")
     gym_overrides: JsonObject = Field(default_factory=dict, description="Merged into Gym's global config.")
+    gym_head: str | None = Field(
+        None,
+        description="The head server of a NeMo-Gym that is already running (http://host:port, e.g. from `gym env "
+        "start`), as `gym eval run --no-serve` takes it: its servers and config are used, none is started or "
+        "stopped. base_urls are the endpoints its model server calls (its policy_base_url); config_paths, "
+        "gym_overrides and an embedded policy are refused with it.",
+    )
     agent_name: str | None = Field(None, description="Route every row to this agent (Gym's +agent_name).")
     agent_map: dict[str, str] = Field(
         default_factory=dict,
@@ -195,6 +206,44 @@ class EvalConfig(BaseModel):
         for i, url in enumerate(self.base_urls):
             if not url.startswith(("http://", "https://")):
                 raise EvalConfigError(f"base_urls.{i}: {url!r} is not an http(s) URL (http://host:port/v1)")
+        return self
+
+    @model_validator(mode="after")
+    def _gym_to_use(self) -> EvalConfig:
+        """``config_paths`` to start Gym with, or ``gym_head``: a running Gym, whose config is its own and whose model
+        server calls the endpoints it was started with (an embedded server of this run would be one it never calls)."""
+        if self.policies is not None:
+            if self.gym_head is not None:
+                raise EvalConfigError(
+                    "gym_head: a running Gym's model server calls the one endpoint it was started with; several "
+                    "policies need a Gym each (leave gym_head out, or run one policy against it)"
+                )
+            return self
+        if self.gym_head is None:
+            if not self.config_paths:
+                raise EvalConfigError(
+                    "config_paths: no Gym server config; give config_paths (Gym is started for the run), or gym_head "
+                    "(http://host:port of a running Gym's head server)"
+                )
+            return self
+        from gym_bridge.failures import SettingError
+        from gym_bridge.gym.server_config import head_address
+
+        try:
+            head_address(self.gym_head)
+        except SettingError as exc:
+            raise EvalConfigError(f"gym_head: {exc}") from None
+        changes = [key for key in ("config_paths", "gym_overrides") if getattr(self, key)]
+        if changes:
+            raise EvalConfigError(
+                f"gym_head: a running Gym keeps the config it was started with; {' and '.join(changes)} would change "
+                "it (give them to the command that starts that Gym, or leave gym_head out)"
+            )
+        if self.embedded:
+            raise EvalConfigError(
+                "gym_head: a running Gym's model server calls the endpoint it was started with (its policy_base_url), "
+                "never this run's embedded policy; give that endpoint as base_urls"
+            )
         return self
 
     @model_validator(mode="after")
@@ -308,6 +357,7 @@ class EvalConfig(BaseModel):
             "seed": self.seed,
             "config_paths": list(self.config_paths),
             "gym_overrides": self.gym_overrides,
+            **({"gym_head": self.gym_head} if self.gym_head is not None else {}),
             **({"routing": self.routing.model_dump(mode="json")} if not self.routing.is_empty else {}),
         }
 

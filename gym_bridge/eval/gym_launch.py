@@ -23,7 +23,8 @@ logger = logging.getLogger(__name__)
 
 
 def launch_spec(config: EvalConfig, base_urls: list[str], pending: list[DatasetRow]) -> GymLaunchSpec:
-    """What :func:`gym_bridge.recipes.launch.start_nemo_gym` starts for this run: one actor on ``base_urls``."""
+    """What :func:`gym_bridge.recipes.launch.start_nemo_gym` starts for this run: one actor on ``base_urls``, with its
+    own Gym server set, or (``gym_head``) using the running Gym there, which it neither starts nor stops."""
     from gym_bridge.config.launch_spec import GymLaunchSpec
     from gym_bridge.failures import RolloutTimeouts
     from gym_bridge.gym.actor_config import NemoGymConfig
@@ -37,6 +38,7 @@ def launch_spec(config: EvalConfig, base_urls: list[str], pending: list[DatasetR
         base_urls=base_urls,
         config_paths=config_paths,
         overrides=dict(config.gym_overrides),
+        gym_head=config.gym_head,
         startup_timeout_s=config.startup_timeout_s,
         request_timeout_s=config.request_timeout_s,
         log_dir=(config.output_dir / "gym-logs").resolve(),
@@ -75,7 +77,8 @@ def preflight_policy(config: EvalConfig, base_urls: list[str], pending: list[Dat
 
 def routed(pending: list[DatasetRow], actor: ActorHandle) -> list[DatasetRow]:
     """Each row with the agent the launched Gym config routes it to (``task_source`` rows resolved by Gym's own
-    resolver); :class:`DatasetError` naming every row that routes nowhere, before any row is sent."""
+    resolver; a materialized row stamped with the environment server its taskset routes to); :class:`DatasetError`
+    naming every row that routes nowhere, before any row is sent."""
     import ray
 
     routes: GymRoutes = ray.get(actor.routes.remote(), timeout=60)
@@ -84,7 +87,7 @@ def routed(pending: list[DatasetRow], actor: ActorHandle) -> list[DatasetRow]:
     )
     if problems:
         raise DatasetError(
-            f"{len(problems)} row(s) route to no agent of the launched Gym config:\n" + "\n".join(problems[:20])
+            f"{len(problems)} row(s) route nowhere in the launched Gym config:\n" + "\n".join(problems[:20])
         )
     return [
         item if row is item.row else replace(item, row=ValidGymRow(row))

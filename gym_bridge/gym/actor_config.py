@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationInfo, fi
 
 from gym_bridge.failures import SettingError
 from gym_bridge.gym.convert import DEFAULT_INVALID_TOOL_CALL_PATTERNS, DEFAULT_THINKING_TAGS
-from gym_bridge.gym.server_config import GymServersConfig
+from gym_bridge.gym.server_config import GymServersConfig, head_address
 from gym_bridge.gym.token_capture import capture_block
 from gym_bridge.json_types import JsonObject
 
@@ -87,6 +87,13 @@ class NemoGymConfig(BaseModel):
     model_server: Literal["vllm_model", "gym_bridge"] = "vllm_model"
     """Gym's model server: its own ``vllm_model`` as ``config_paths`` name it, or gym-bridge's
     (:mod:`gym_bridge.gym_model`: token-faithful, one hop, leaner), which replaces the ``vllm_model`` config."""
+    gym_head: str | None = None
+    """The head server of a NeMo-Gym that is already running (``http://host:port``; ``gym env start`` and ``ng_run``
+    print it), as ``gym eval run --no-serve`` takes it: the actor uses that Gym's servers and config (read from its
+    head server) and starts and stops none of them. That Gym's model server calls the endpoints its own config names
+    (``policy_base_url``), so ``base_urls`` should be those (they are preflighted and watched; a difference is logged).
+    ``config_paths``, ``overrides``, ``server_dirs``, ``model_server="gym_bridge"`` and a port range would change
+    that Gym's config and are refused with it."""
 
     # ---- NeMo-RL's NemoGymConfig keys -------------------------------------------------------------
     initial_global_config_dict: JsonObject | None = None
@@ -163,11 +170,32 @@ class NemoGymConfig(BaseModel):
             self.overrides = {**initial, **self.overrides}
             self.initial_global_config_dict = None
         capture_block(self.overrides)  # refuses what the installed Gym cannot capture, in one line
+        if self.gym_head is not None:
+            head_address(self.gym_head)
+            changes = [name for name in ("config_paths", "overrides", "server_dirs") if getattr(self, name)]
+            changes += ["model_server"] if self.model_server != "vllm_model" else []
+            changes += ["port_range_low", "port_range_high"] if self.port_range_low is not None else []
+            if changes:
+                raise SettingError(
+                    f"gym_head: a running Gym keeps the config it was started with; {', '.join(changes)} would change "
+                    "it (give them to the command that starts that Gym, or leave gym_head out to start one here)"
+                )
         return self
 
     def servers_config(self) -> GymServersConfig:
-        """The Gym server set this actor starts; with a port range, the launcher binds the head server's port in it
-        (:func:`gym_bridge.gym._launcher.claim_head_port`)."""
+        """The Gym server set this actor starts (or, with ``gym_head``, attaches to); with a port range, the launcher
+        binds the head server's port in it (:func:`gym_bridge.gym._launcher.claim_head_port`)."""
+        if self.gym_head is not None:
+            return GymServersConfig(
+                head_url=self.gym_head,
+                policy_base_urls=list(self.base_urls),
+                policy_model_name=self.model_name,
+                policy_api_key=self.api_key,
+                host=self.host,
+                startup_timeout_s=self.startup_timeout_s,
+                shutdown_timeout_s=self.shutdown_timeout_s,
+                log_dir=self.log_dir,
+            )
         overrides = {**_GYM_CONNECTOR_DEFAULTS, **self.overrides}
         if self.port_range_low is not None and self.port_range_high is not None:
             overrides.update(port_range_low=self.port_range_low, port_range_high=self.port_range_high)

@@ -8,6 +8,10 @@ Only the last output item of each model call carries ``prompt_token_ids``,
 ``return_token_id_information: true``). Each such call becomes a user message
 (the new prompt tokens since the history: tool outputs, later user turns,
 template glue) followed by an assistant message (the generated tokens).
+
+A materialized row's reply (Gym 0.7's episode protocol) is first made the record Gym's collection stores
+(:func:`episode_record`, Gym's ``_episode_record``): a ``result`` as the environment server returned it, or a handled
+``failure`` as Gym's failure row, which :func:`episode_failure` types.
 """
 
 from __future__ import annotations
@@ -21,10 +25,14 @@ import torch
 
 from gym_bridge.failures import (
     GymResultError,
+    GymRunError,
+    GymTransportError,
     MissingGenerationData,
     NaNLogprobs,
+    RolloutFailure,
     SettingError,
     TokenDrift,
+    shorten,
 )
 from gym_bridge.gym.decode import decode_turns
 from gym_bridge.gym.result import GymRowResult
@@ -42,10 +50,84 @@ DEFAULT_INVALID_TOOL_CALL_PATTERNS: tuple[str, ...] = (
 DEFAULT_THINKING_TAGS: tuple[str, ...] = ("<think>", "</think>")
 
 _IDENTITY_KEYS = frozenset(ROLLOUT_IDENTITY_KEYS)
+FAILURE_CLASS_KEY = "_ng_failure_class"
+"""Gym's failure-routing sentinel on a record that is no rollout (``rollout_collection.NG_FAILURE_CLASS_KEY``)."""
+ENVIRONMENT_SERVER_FAILED = "environment_server_failed"
+"""Gym's ``_ng_failure_class`` of an episode the environment server answered with a handled ``failure``."""
+TERMINAL_KEY = "_ng_failure_terminal"
+TASK_ID_KEY = "_ng_task_id"
+_RESERVED_RESULT_KEYS = ("ng_trajectory", "ng_model_call_capture", "ng_perf")
 _TOKEN_KEYS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs", "routed_experts")
 _DRIFT_WINDOW = 4
 _INT_TYPE = {int}
 _ARRAY_TYPECODES = {torch.int64: "q", torch.float32: "f"}
+
+
+def is_episode_response(result: Any) -> bool:
+    """Gym's ``_is_episode_response``: a ``BaseEpisodeResponse``-shaped reply (``episode_id`` and ``task_id``
+    objects, plus ``result`` or ``failure``). Applied only to the reply to a materialized row, as Gym applies it."""
+    return (
+        isinstance(result, Mapping)
+        and isinstance(result.get("episode_id"), Mapping)
+        and isinstance(result.get("task_id"), Mapping)
+        and ("result" in result or "failure" in result)
+    )
+
+
+def episode_record(response: Mapping[str, Any]) -> JsonObject:
+    """The record Gym's collection stores for an episode reply (``rollout_collection._episode_record``).
+
+    A handled ``failure`` becomes Gym's failure row (``_ng_failure_class`` = ``environment_server_failed``,
+    ``_ng_failure_terminal``, ``_ng_failure_message``, ``_ng_failure_stage``, ``_ng_failure_partial_response``); a
+    ``result`` is kept as the environment server returned it, plus ``_ng_task_id``: scored by its top-level
+    ``reward`` like any ``/run`` result. :class:`GymResultError` where Gym raises ``ValueError``: a failure or result
+    that is no object, a result using keys reserved for the collection (``_ng_*``, ``ng_trajectory``, ...)."""
+    task_id = response.get("task_id")
+    failure = response.get("failure")
+    if failure is not None:
+        if not isinstance(failure, Mapping):
+            raise GymResultError(
+                f"environment server reply for task {task_id!r} carries a non-object failure: {shorten(repr(failure))}"
+            )
+        record: JsonObject = {
+            TASK_ID_KEY: task_id,
+            FAILURE_CLASS_KEY: ENVIRONMENT_SERVER_FAILED,
+            TERMINAL_KEY: bool(failure.get("terminal", False)),
+            "_ng_failure_message": failure.get("failure_reason"),
+        }
+        if failure.get("stage") is not None:
+            record["_ng_failure_stage"] = failure["stage"]
+        if failure.get("partial_response") is not None:
+            record["_ng_failure_partial_response"] = failure["partial_response"]
+        return record
+    result = response.get("result")
+    if not isinstance(result, Mapping):
+        raise GymResultError(
+            f"environment server reply for task {task_id!r} carries a non-object result: {shorten(repr(result))}"
+        )
+    reserved = sorted(key for key in result if key.startswith("_ng_") or key in _RESERVED_RESULT_KEYS)
+    if reserved:
+        raise GymResultError(
+            f"environment server result for task {task_id!r} uses keys reserved for rollout collection: {reserved}"
+        )
+    return {**result, TASK_ID_KEY: task_id}
+
+
+def episode_failure(record: Mapping[str, Any], where: str) -> RolloutFailure:
+    """The typed failure of Gym's ``environment_server_failed`` row (:func:`episode_record`).
+
+    Gym re-dispatches a non-terminal one (with the next ``_ng_attempt_index``) and never a terminal one
+    (``is_terminal_failure``): a non-terminal failure is :class:`GymTransportError`, infrastructure, re-sent like a
+    lost row while ``max_gym_row_attempts`` lasts; a terminal one :class:`GymRunError`, data, never re-sent."""
+    terminal = bool(record.get(TERMINAL_KEY))
+    stage = record.get("_ng_failure_stage")
+    detail = shorten(str(record.get("_ng_failure_message") or "(no failure_reason)"))
+    message = (
+        f"{where}: Gym's _ng_failure_class {ENVIRONMENT_SERVER_FAILED} ("
+        f"{'terminal' if terminal else 'not terminal: Gym retries it'}"
+        f"{f', stage {stage}' if stage is not None else ''}): {detail}"
+    )
+    return GymRunError(message) if terminal else GymTransportError(message)
 
 
 def detect_tool_call_and_thinking_flags(

@@ -6,6 +6,12 @@ agent server or ``task_source`` naming the instance that declared its dataset (G
 prepared files; :mod:`gym_bridge.gym.routing` resolves it), and any verifier fields,
 which are passed through untouched.
 
+A materialized row (Gym 0.7's episode protocol: ``task_id`` an object ``{taskset, task_id}`` beside ``task_input``)
+is no ``/run`` row: it goes to the environment server its taskset names in Gym's ``environment_server_routes``
+(:class:`EpisodeRoutes`), as the episode request :func:`episode_request_body` builds, exactly where Gym's own
+collection sends it (``rollout_collection._environment_server_for_config_row`` / ``_episode_request_body``). A row
+whose ``task_id`` is a string is an ordinary row to Gym (and to us), whatever else it carries.
+
 A row is validated once, where it enters (the eval dataset, a batch function, the rollout
 backend): :func:`validate_row` returns a :class:`ValidGymRow`, which every later step takes
 as it is. The NemoGym actor's :func:`dispatch_target` is the cheap check at its public boundary.
@@ -35,9 +41,10 @@ import numbers
 import re
 from collections import Counter
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from gym_bridge.failures import InvalidGymRow, SettingError
 from gym_bridge.gym.routing import GymRoutes, check_agent, check_routable, row_agent
@@ -48,6 +55,9 @@ if TYPE_CHECKING:  # torch stays out of reading rows (an eval's config and datas
 
 _ID_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 """What Gym's rollout id pattern (``[A-Za-z0-9][A-Za-z0-9._-]*``) refuses."""
+_ROLLOUT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+ENVIRONMENT_SERVER_KEY = "_ng_environment_server"
+"""Gym's stamp of the environment server a row is dispatched to (``rollout_collection.NG_ENVIRONMENT_SERVER_KEY``)."""
 
 ROW_INDEX_KEY = "_rowidx"
 SEED_KEY = "seed"
@@ -96,6 +106,32 @@ class GymRow(BaseModel):
     task_source: str | None = None
 
 
+class TaskId(BaseModel):
+    """A materialized row's ``task_id``, as Gym's ``episode_types.TaskId`` takes it (no other key)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    taskset: str = Field(min_length=1)
+    task_id: str = Field(min_length=1)
+
+
+def is_materialized(row: Mapping[str, Any]) -> bool:
+    """Gym 0.7's test (``episode_types.is_materialized_task_row``): ``task_id`` is an object and ``task_input`` is
+    there. Such a row routes by its taskset, whatever else it carries (``agent_ref``, ``task_source``); a malformed
+    ``task_input`` is still a materialized row, which the environment server refuses."""
+    return isinstance(row.get("task_id"), Mapping) and "task_input" in row
+
+
+def row_label(row: Mapping[str, Any]) -> str | None:
+    """What a row's results are grouped under: its agent, else (a materialized row, which names none by design)
+    the environment server it was routed to (Gym's ``_ng_environment_server`` stamp), else its ``task_source``."""
+    if is_materialized(row):
+        server = row.get(ENVIRONMENT_SERVER_KEY)
+        return server if isinstance(server, str) else None
+    source = row.get("task_source")
+    return row_agent(row) or (source if isinstance(source, str) else None)
+
+
 class ValidGymRow(dict[str, Any]):
     """A Gym row :func:`validate_row` accepted: still a plain dict (NeMo-RL's ``extra_env_info``), so it goes
     wherever a row goes, and the type says it need not be validated again. Edit a copy, not the row."""
@@ -114,16 +150,19 @@ def validate_row(row: Any, *, prompt_idx: int, known_agents: list[str] | None = 
     A :class:`ValidGymRow` is returned as it is (its agent still checked against ``known_agents``)."""
     where = f"prompt_idx={prompt_idx}"
     if isinstance(row, ValidGymRow):
-        if known_agents is not None:
+        if known_agents is not None and not is_materialized(row):
             check_agent(row.agent_name, known_agents, where=where)
         return row
     if not isinstance(row, dict):
         raise InvalidGymRow(f"{where}: the Gym row (extra_env_info) must be a dict, got {type(row).__name__}")
-    if "agent_ref" not in row and ("task_id" in row or "task_input" in row):
+    if is_materialized(row):
+        _check_materialized(row, where)
+        return ValidGymRow(row)
+    if "task_input" in row and "responses_create_params" not in row:
         raise InvalidGymRow(
-            f"{where}: a materialized Gym row (task_id={row.get('task_id')!r}, task_input, no agent_ref) is not "
-            "supported: gym-bridge does not run Gym's episode protocol (taskset routes); give the row "
-            "responses_create_params and agent_ref or task_source"
+            f"{where}: a materialized Gym row (task_id={row.get('task_id')!r}, task_input) needs task_id as an object "
+            "{taskset, task_id} (Gym routes it by task_id.taskset); as written Gym treats it as an ordinary row, "
+            "which needs responses_create_params and agent_ref or task_source"
         )
     try:
         parsed = GymRow.model_validate(row)
@@ -139,6 +178,119 @@ def validate_row(row: Any, *, prompt_idx: int, known_agents: list[str] | None = 
     if known_agents is not None and parsed.agent_ref is not None:
         check_agent(parsed.agent_ref.name, known_agents, where=where)
     return ValidGymRow(row)
+
+
+def _check_materialized(row: Mapping[str, Any], where: str) -> None:
+    """A materialized row: where the installed Gym speaks the episode protocol, with a ``task_id`` Gym's ``TaskId``
+    takes and sound rollout indices. ``task_input`` is the environment server's to check (its own request model)."""
+    gym = installed_gym()
+    task_id = row["task_id"]
+    if not gym.episode_protocol:
+        raise InvalidGymRow(
+            f"{where}: a materialized Gym row (task_id.taskset={task_id.get('taskset')!r}, task_input) needs Gym's "
+            f"episode protocol, nemo-gym >= 0.7 ({gym.label} is installed): give the row responses_create_params and "
+            "agent_ref or task_source"
+        )
+    try:
+        TaskId.model_validate(task_id)
+    except ValidationError as exc:
+        problems = "; ".join(f"task_id.{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors())
+        raise InvalidGymRow(f"{where}: invalid materialized Gym row: {problems}") from None
+    try:
+        repeat_of(row)
+        _check_task_index(row)
+    except InvalidGymRow as exc:
+        raise InvalidGymRow(f"{where}: invalid materialized Gym row: {exc}") from None
+
+
+@dataclass(frozen=True)
+class EpisodeRoutes(GymRoutes):
+    """:class:`GymRoutes` plus the taskset routes of Gym's episode protocol: a materialized row goes to the environment
+    server ``environment_server_routes`` names for its ``task_id.taskset`` (Gym's
+    ``_environment_server_for_config_row``); every other row routes as before. Read from the launched config."""
+
+    tasksets: Mapping[str, str] = field(default_factory=dict)
+    """taskset -> the running environment server its rows go to."""
+    taskset_errors: Mapping[str, str] = field(default_factory=dict)
+    """taskset -> why its route names no running environment server."""
+
+    def environment_server_of(self, row: Mapping[str, Any], *, where: str) -> str:
+        """The environment server a materialized row goes to; :class:`InvalidGymRow` naming the taskset and the routes
+        there are (Gym's ``No environment server route is configured for taskset ...``)."""
+        taskset = row["task_id"].get("taskset")
+        if taskset in self.tasksets:
+            return self.tasksets[taskset]
+        if taskset in self.taskset_errors:
+            raise InvalidGymRow(f"{where}: taskset {taskset!r} routes nowhere: {self.taskset_errors[taskset]}")
+        known = ", ".join(f"{name} -> {server}" for name, server in sorted(self.tasksets.items())) or "(none)"
+        raise InvalidGymRow(
+            f"{where}: no environment server route is configured for taskset {taskset!r} (Gym's "
+            f"environment_server_routes of the launched config: {known})"
+        )
+
+    def agent_of(self, row: Mapping[str, Any], *, where: str) -> str:
+        if is_materialized(row):
+            raise InvalidGymRow(
+                f"{where}: a materialized row goes to an environment server (taskset "
+                f"{row['task_id'].get('taskset')!r}), not to an agent"
+            )
+        return super().agent_of(row, where=where)
+
+    def routed(self, row: dict[str, Any], *, where: str) -> dict[str, Any]:
+        """A materialized row with Gym's ``_ng_environment_server`` stamp (a copy when it changes; no ``agent_ref``:
+        Gym's materialized tasks carry none by design); any other row as :meth:`GymRoutes.routed` routes it."""
+        if not is_materialized(row):
+            return super().routed(row, where=where)
+        server = self.environment_server_of(row, where=where)
+        return row if row.get(ENVIRONMENT_SERVER_KEY) == server else {**row, ENVIRONMENT_SERVER_KEY: server}
+
+
+def episode_target(row: Any, position: int, routes: GymRoutes) -> tuple[int, str]:
+    """``(row index, environment server)`` of a stamped materialized row about to be sent (:func:`dispatch_target`'s
+    counterpart); :class:`InvalidGymRow` where the routes have no taskset routes or none for its taskset."""
+    if not isinstance(row, dict):
+        raise InvalidGymRow(f"row {position} must be a dict, got {type(row).__name__}")
+    rowidx = row.get(ROW_INDEX_KEY)
+    if not isinstance(rowidx, int) or isinstance(rowidx, bool):
+        raise InvalidGymRow(f"row {position} has no int {ROW_INDEX_KEY} (got {rowidx!r})")
+    where = f"row {position} ({ROW_INDEX_KEY}={rowidx}, task_id={row.get('task_id')!r})"
+    if not installed_gym().episode_protocol:
+        _check_materialized(row, where)  # names the version
+    if not isinstance(routes, EpisodeRoutes):
+        raise InvalidGymRow(f"{where}: a materialized row, but this Gym server set has no taskset routes")
+    return rowidx, routes.environment_server_of(row, where=where)
+
+
+def episode_request_body(row: Mapping[str, Any]) -> dict[str, Any]:
+    """The episode request a materialized row is sent as, Gym 0.7's ``_episode_request_body``:
+    ``{"episode_id": {"rollout_id", "attempt"}, "task": {"task_id", "task_input"}}``.
+
+    ``rollout_id``: the row's ``_ng_rollout_id`` (Gym's ``maybe_rollout_id_from_run_body`` of the row at attempt 0),
+    else ``"<task index>-<rollout index>"``; ``attempt``: its ``_ng_attempt_index`` (0 on a first send). Nothing
+    else of the row is sent: sampling, seeds and verifier fields live in ``task_input``, which Gym sends unchanged.
+    :class:`InvalidGymRow` where Gym raises ``ValueError`` (a bad attempt or rollout id) or ``KeyError`` (no indices).
+    """
+    attempt = row.get(ATTEMPT_INDEX_KEY, 0)
+    if not isinstance(attempt, int) or isinstance(attempt, bool) or attempt < 0:
+        raise InvalidGymRow(f"invalid episode attempt: {attempt!r}")
+    rollout_id = row.get(ROLLOUT_ID_KEY)
+    if rollout_id is not None:
+        if not isinstance(rollout_id, str) or not _ROLLOUT_ID.fullmatch(rollout_id):
+            raise InvalidGymRow(
+                f"{ROLLOUT_ID_KEY} must be a string of letters, digits, dots, dashes or underscores starting with a "
+                f"letter or digit; got {rollout_id!r}"
+            )
+    elif TASK_INDEX_KEY in row and ROLLOUT_INDEX_KEY in row:
+        rollout_id = f"{row[TASK_INDEX_KEY]}-{row[ROLLOUT_INDEX_KEY]}"
+    else:
+        raise InvalidGymRow(
+            f"a materialized row needs its rollout identity ({TASK_INDEX_KEY} and {ROLLOUT_INDEX_KEY}, or "
+            f"{ROLLOUT_ID_KEY}) to name its episode"
+        )
+    return {
+        "episode_id": {"rollout_id": rollout_id, "attempt": attempt},
+        "task": {"task_id": row["task_id"], "task_input": row["task_input"]},
+    }
 
 
 def dispatch_target(row: Any, position: int, routes: GymRoutes) -> tuple[int, str]:
@@ -313,6 +465,11 @@ def stamped_row(
     written into ``metadata.extra_body`` (replacing one the row carries).
     """
     copied: dict[str, Any] = {key: _copy_json(value) for key, value in row.items()}
+    if is_materialized(row):
+        # Gym's planner leaves a materialized row's task_input alone (it refuses responses_create_params overrides
+        # and num_repeats_add_seed for such rows): the environment server owns its sampling.
+        copied[ROW_INDEX_KEY] = rowidx
+        return copied
     params = copied["responses_create_params"]
     params["temperature"] = sampling.temperature
     params["top_p"] = sampling.top_p

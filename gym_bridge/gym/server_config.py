@@ -1,4 +1,5 @@
-"""What a GymServers set starts (:class:`GymServersConfig`), where the head server listens, and wheel paths."""
+"""What a GymServers set starts (:class:`GymServersConfig`), or the running Gym it attaches to, where the head server
+listens, and wheel paths."""
 
 from __future__ import annotations
 
@@ -6,10 +7,11 @@ import importlib.util
 import logging
 from pathlib import Path
 from typing import NamedTuple
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
-from gym_bridge.failures import GymBridgeError
+from gym_bridge.failures import GymBridgeError, SettingError
 from gym_bridge.json_types import JsonObject
 
 logger = logging.getLogger(__name__)
@@ -26,6 +28,30 @@ class HeadServerAddress(NamedTuple):
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+
+def head_address(url: str) -> HeadServerAddress:
+    """The address of a running Gym's head server given as ``http://host:port`` (what ``gym eval run --no-serve``
+    reaches: Gym's ``head_server.host`` / ``head_server.port``); :class:`SettingError` in one line otherwise."""
+    try:
+        parts = urlsplit(url.strip())
+        port = parts.port
+    except ValueError:
+        parts, port = None, None
+    if (
+        parts is None
+        or parts.scheme != "http"
+        or not parts.hostname
+        or port is None
+        or parts.path not in ("", "/")
+        or parts.query
+        or parts.fragment
+        or parts.username
+    ):
+        raise SettingError(
+            f"a running Gym's head server is given as http://host:port (Gym's head_server.host and .port), got {url!r}"
+        )
+    return HeadServerAddress(parts.hostname, port)
 
 
 def wheel_config_path(relative: str | Path) -> Path:
@@ -74,6 +100,24 @@ class GymServersConfig(BaseModel):
     server_dirs: dict[str, Path] = Field(default_factory=dict)
     """Extra server folders, ``"<server_type>/<impl>" -> folder``, for Gym's cwd-first lookup: Gym then
     runs in a private folder linking these and the caller's own ``<server_type>/<impl>`` folders."""
+    head_url: str | None = None
+    """The head server of a NeMo-Gym that is already running (``http://host:port``, as ``gym env start`` serves it):
+    attach to it instead of starting a set. Its servers and its config (read from the head server) are used as they
+    are; none is started and none is stopped. ``config_paths``, ``overrides`` and ``server_dirs`` are refused with it
+    (the running Gym's config is its own); the policy fields are those that Gym was started with, not these."""
+
+    @model_validator(mode="after")
+    def _attach_takes_no_config(self) -> GymServersConfig:
+        if self.head_url is None:
+            return self
+        head_address(self.head_url)
+        given = [name for name in ("config_paths", "overrides", "server_dirs") if getattr(self, name)]
+        if given:
+            raise SettingError(
+                f"head_url: a running Gym keeps the config it was started with; {', '.join(given)} would change it "
+                "(give them to the command that starts that Gym instead)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _policy_fields_win(self) -> GymServersConfig:

@@ -10,6 +10,12 @@ signals, SIGTERM then SIGKILL. The servers run on this interpreter's
 environment: Gym's per-server venvs are prepared as links to ``sys.prefix`` and
 nothing is installed. The config lives in :mod:`gym_bridge.gym.server_config`, the
 cleanup registry and process checks in :mod:`gym_bridge.gym.reaper`.
+
+With ``GymServersConfig.head_url`` the set is a Gym that is already running (``gym env start``, ``ng_run``, another
+tool's): :meth:`GymServers.start` attaches to it, as ``gym eval run --no-serve`` does, reading its servers
+(``GET /server_instances``) and config (``GET /global_config_dict_yaml``) from its head server and the routes from that
+config with Gym's own resolver (:mod:`gym_bridge.gym._gym_routes`, in a process of its own); :meth:`GymServers.poll`
+checks that its servers still accept connections, and :meth:`GymServers.stop` stops nothing.
 """
 
 from __future__ import annotations
@@ -21,15 +27,21 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 import psutil
 
+from gym_bridge.boundary import UntrustedInputError
+from gym_bridge.boundary.yaml_io import load_yaml
 from gym_bridge.failures import GymPortInUse, GymServerDied, GymServersError, GymStartupError
 from gym_bridge.gym.reaper import (
     PORT_WINDOW,
@@ -42,7 +54,7 @@ from gym_bridge.gym.reaper import (
     tail,
     wait_gone,
 )
-from gym_bridge.gym.server_config import GymServersConfig, HeadServerAddress, deep_merge
+from gym_bridge.gym.server_config import GymServersConfig, HeadServerAddress, deep_merge, head_address
 from gym_bridge.gym.versions import installed_gym
 from gym_bridge.json_types import JsonObject
 
@@ -56,6 +68,24 @@ _BIND_FAILURE = re.compile(
     re.IGNORECASE,
 )
 _KILL_WAIT_S = 5.0
+_HEAD_READ_TIMEOUT_S = 30.0
+"""The bound on one read of the head server's config or server list."""
+_PROBE_TIMEOUT_S = 0.5
+"""The bound on one TCP connect to a server of a running Gym (:meth:`GymServers.poll`)."""
+_PROBE_EVERY_S = 2.0
+"""How often :meth:`GymServers.poll` probes a running Gym's servers at most (a good probe is trusted this long)."""
+_ROUTES_MIN_S = 60.0
+"""The least time the routes of a running Gym's config get (Gym's resolver imports NeMo-Gym: seconds)."""
+
+_ROUTES_SCRIPT = """
+import json, sys
+from omegaconf import OmegaConf
+from gym_bridge.gym._gym_routes import gym_routes
+routes = gym_routes(OmegaConf.create(sys.stdin.read()))
+with open(sys.argv[1], "w") as out:
+    json.dump(routes, out)
+"""
+"""Gym's own resolver over a running Gym's config, in a process of its own: the caller never imports NeMo-Gym."""
 
 
 def _running_ray_address() -> str | None:
@@ -97,6 +127,10 @@ class GymServers:
             f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{self._index}"
         )
         self.head: HeadServerAddress | None = None
+        self._attached = False
+        self._served_config: dict[str, Any] = {}
+        self._config_yaml = ""
+        self._probed_at = -_PROBE_EVERY_S
 
     # ---- public surface -------------------------------------------------------------------
 
@@ -121,6 +155,33 @@ class GymServers:
     @property
     def server_urls(self) -> dict[str, str]:
         return {name: f"http://{s['host']}:{s['port']}" for name, s in self._status.get("servers", {}).items()}
+
+    @property
+    def attached(self) -> bool:
+        """Whether this set is a Gym that was already running (``head_url``), which this object neither started nor
+        stops."""
+        return self._attached
+
+    @property
+    def global_config(self) -> dict[str, Any]:
+        """The set's Gym global config as its head server serves it (``/global_config_dict_yaml``), read at start;
+        interpolations (``${policy_base_url}``) are left as Gym wrote them."""
+        return self._served_config
+
+    @property
+    def environment_server_routes(self) -> dict[str, str]:
+        """Gym's ``environment_server_routes`` of the set's config: taskset -> the environment server that runs its
+        materialized rows (Gym 0.7's episode protocol; empty when the config sets none)."""
+        routes = self._served_config.get("environment_server_routes")
+        if not isinstance(routes, dict):
+            return {}
+        return {str(taskset): server for taskset, server in routes.items() if isinstance(server, str)}
+
+    @property
+    def server_impls(self) -> dict[str, str | None]:
+        """Each server's implementation folder (``<type>/<impl>``'s ``impl``: ``simple_agent``, ``legacy_agent``, ...),
+        what Gym stamps as ``_ng_result_type`` on a record an environment server produced."""
+        return {name: s.get("impl") for name, s in self._status.get("servers", {}).items()}
 
     @property
     def server_types(self) -> dict[str, str | None]:
@@ -148,8 +209,10 @@ class GymServers:
             GymStartupError: a server exited during start-up or did not answer by the deadline (named, with the
                 last lines of its log); ``GymPortInUse`` when its port stayed taken.
         """
-        if self._launcher is not None:
+        if self._launcher is not None or self._attached:
             raise GymServersError("GymServers.start() was already called")
+        if self.config.head_url is not None:
+            return self._attach(self.config.head_url)
         started = time.monotonic()
         for attempt in range(1, _PORT_ATTEMPTS + 1):
             register_live(self)
@@ -168,17 +231,27 @@ class GymServers:
             except BaseException:
                 self.stop()
                 raise
+        assert self.head is not None
+        try:
+            self._served_config = self._read_global_config(self.head)
+        except GymStartupError as exc:  # only the episode protocol's taskset routes need it (Gym 0.7)
+            logger.warning("NeMo-Gym's global config could not be read back: %s", exc)
         logger.info(
             "NeMo-Gym servers ready at %s after %.1fs: %s",
-            self.head.url if self.head else "?",
+            self.head.url,
             time.monotonic() - started,
             ", ".join(f"{n}={u}" for n, u in self.server_urls.items()),
         )
-        assert self.head is not None
         return self.head
 
     def poll(self) -> None:
-        """Raise :class:`GymServerDied` naming a server (or the head server) that is no longer running."""
+        """Raise :class:`GymServerDied` naming a server (or the head server) that is no longer running.
+
+        For a running Gym this set attached to: a server (or its head server) that no longer accepts connections,
+        probed at most every :data:`_PROBE_EVERY_S` while all answer."""
+        if self._attached:
+            self._probe_attached()
+            return
         if self._launcher is None:
             raise GymServersError("GymServers is not started")
         for name, proc in self._procs.items():
@@ -188,7 +261,12 @@ class GymServers:
             raise GymServerDied(self._describe_failure("head_server", "is no longer running (launcher exited)"))
 
     def stop(self) -> None:
-        """Stop every process of this set: SIGTERM to the group, SIGKILL after ``shutdown_timeout_s``."""
+        """Stop every process of this set: SIGTERM to the group, SIGKILL after ``shutdown_timeout_s``. A running Gym
+        this set attached to is left running: nothing of it was started here."""
+        if self._attached:
+            self._attached = False
+            logger.info("left the running NeMo-Gym at %s running", self.head.url if self.head else self.config.head_url)
+            return
         if self._launcher is None and self._private_dir is None:
             return
         started = time.monotonic()
@@ -221,6 +299,156 @@ class GymServers:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.stop()
+
+    # ---- a running Gym ------------------------------------------------------------------------
+
+    def _attach(self, url: str) -> HeadServerAddress:
+        """Use the Gym whose head server is at ``url``, as ``gym eval run --no-serve`` does: wait (bounded) until the
+        head server says it is ready, read its config and servers, resolve the routes, and check every server answers.
+
+        Raises:
+            GymStartupError: the head server or a server did not answer by ``startup_timeout_s``, or its config
+                could not be read or resolved (named).
+        """
+        head = head_address(url)
+        started = time.monotonic()
+        deadline = started + self.config.startup_timeout_s
+        readiness = installed_gym().head_readiness_path
+        self._wait_for(
+            lambda: answers(head.host, head.port, readiness),
+            deadline,
+            f"the running NeMo-Gym's head server at {head.url} did not answer GET {readiness} with 200",
+        )
+        self._served_config = self._read_global_config(head)
+        instances = self._read_head(head, "/server_instances")
+        if not isinstance(instances, list):
+            raise GymStartupError(f"the head server at {head.url} answered /server_instances with no list of servers")
+        servers: dict[str, JsonObject] = {}
+        for instance in instances:
+            if not isinstance(instance, dict) or not isinstance(instance.get("process_name"), str):
+                continue
+            name = instance["process_name"]
+            host, port = self._instance_address(name, instance, head)
+            servers[name] = {
+                "server_type": instance.get("server_type"),
+                "impl": instance.get("name"),
+                "host": host,
+                "port": port,
+                "pid": instance.get("pid"),
+            }
+        self._status = {"phase": "ready", "servers": servers}
+        self._status["routes"] = self._resolve_routes(head, deadline)
+        for name, server in servers.items():
+            self._wait_for(
+                lambda server=server: answers(server["host"], server["port"]),
+                deadline,
+                f"NeMo-Gym server {name!r} of the running Gym at {head.url} did not answer at "
+                f"{server['host']}:{server['port']}",
+            )
+        self.head, self._attached = head, True
+        self._probed_at = time.monotonic()
+        logger.info(
+            "attached to the running NeMo-Gym at %s after %.1fs (started and stopped by its owner): %s",
+            head.url,
+            time.monotonic() - started,
+            ", ".join(f"{n}={u}" for n, u in self.server_urls.items()),
+        )
+        return head
+
+    def _wait_for(self, check: Any, deadline: float, what: str) -> None:
+        while not check():
+            if time.monotonic() >= deadline:
+                raise GymStartupError(f"{what} within the {self.config.startup_timeout_s}s start-up deadline")
+            time.sleep(_POLL_INTERVAL_S)
+
+    def _instance_address(self, name: str, instance: dict[str, Any], head: HeadServerAddress) -> tuple[str, int]:
+        """Where a running Gym's server listens: ``/server_instances``' host and port, else its block of the config;
+        a wildcard host (``0.0.0.0``) is reached at the head server's host."""
+        host, port = instance.get("host"), instance.get("port")
+        if not host or not port:
+            block = self._served_config.get(name)
+            inner: Any = block
+            for _ in range(2):
+                inner = next(iter(inner.values()), None) if isinstance(inner, dict) and inner else None
+            if isinstance(inner, dict):
+                host, port = host or inner.get("host"), port or inner.get("port")
+        if not port:
+            raise GymStartupError(f"the running NeMo-Gym at {head.url} names no port for its server {name!r}")
+        if not host or host in ("0.0.0.0", "::"):
+            host = head.host
+        return str(host), int(port)
+
+    def _read_head(self, head: HeadServerAddress, path: str) -> Any:
+        """``GET path`` of the head server as JSON, bounded; :class:`GymStartupError` naming it otherwise."""
+        try:
+            with urllib.request.urlopen(f"{head.url}{path}", timeout=_HEAD_READ_TIMEOUT_S) as response:
+                return json.loads(response.read())
+        except (OSError, ValueError) as exc:
+            raise GymStartupError(f"could not read {path} from the NeMo-Gym head server at {head.url}: {exc}") from None
+
+    def _read_global_config(self, head: HeadServerAddress) -> dict[str, Any]:
+        """The head server's global config (Gym serves its YAML as a JSON string), as plain data."""
+        text = self._read_head(head, "/global_config_dict_yaml")
+        try:
+            config = (
+                load_yaml(text, f"the global config of the head server at {head.url}")
+                if isinstance(text, str)
+                else None
+            )
+        except UntrustedInputError as exc:
+            raise GymStartupError(str(exc)) from None
+        if not isinstance(config, dict):
+            raise GymStartupError(f"the head server at {head.url} served no global config mapping")
+        self._config_yaml = text
+        return config
+
+    def _resolve_routes(self, head: HeadServerAddress, deadline: float) -> JsonObject:
+        """The routes of the running Gym's config, computed by Gym's own resolver in a process of its own."""
+        env = dict(os.environ)
+        for key in ("NEMO_GYM_CONFIG_DICT", "NEMO_GYM_CONFIG_PATH"):
+            env.pop(key, None)
+        timeout = max(deadline - time.monotonic(), _ROUTES_MIN_S)
+        with tempfile.TemporaryDirectory(prefix="gym-bridge-routes-") as folder:
+            out = Path(folder) / "routes.json"
+            try:
+                done = subprocess.run(
+                    [sys.executable, "-P", "-c", _ROUTES_SCRIPT, str(out)],
+                    input=self._config_yaml,
+                    capture_output=True,
+                    text=True,
+                    timeout=timeout,
+                    env=env,
+                    check=False,
+                )
+            except subprocess.TimeoutExpired:
+                raise GymStartupError(
+                    f"resolving the routes of the running NeMo-Gym at {head.url} took over {timeout:.0f}s"
+                ) from None
+            if done.returncode != 0 or not out.exists():
+                raise GymStartupError(
+                    f"could not resolve the routes of the running NeMo-Gym at {head.url}:\n{done.stderr[-3000:]}"
+                )
+            routes = json.loads(out.read_text())
+        return routes if isinstance(routes, dict) else {}
+
+    def _probe_attached(self) -> None:
+        now = time.monotonic()
+        if now - self._probed_at < _PROBE_EVERY_S:
+            return
+        assert self.head is not None
+        addresses = {"head_server": (self.head.host, self.head.port)}
+        addresses.update(
+            {name: (str(s["host"]), int(s["port"])) for name, s in self._status.get("servers", {}).items()}
+        )
+        for name, (host, port) in addresses.items():
+            try:
+                socket.create_connection((host, port), timeout=_PROBE_TIMEOUT_S).close()
+            except OSError as exc:
+                raise GymServerDied(
+                    f"NeMo-Gym server {name!r} of the running Gym at {self.head.url} no longer accepts connections at "
+                    f"{host}:{port} ({exc})"
+                ) from None
+        self._probed_at = now
 
     # ---- start-up ---------------------------------------------------------------------------
 

@@ -47,7 +47,8 @@ def spinup_nemo_gym_actors(
     split_base_urls: bool = False,
     margin_s: float = 60.0,
 ) -> list[ActorHandle]:
-    """``num_actors`` NemoGym actors, each with its own Gym servers, started concurrently.
+    """``num_actors`` NemoGym actors, each with its own Gym servers, started concurrently (with
+    ``config.gym_head``: each using the Gym already running there, which stopping them leaves running).
 
     ``config.actor_options`` go to every actor (``scheduling_strategy`` or resources
     place them on other nodes). On any

@@ -125,6 +125,11 @@ class GymVersion:
     """0.7: every Gym server cancels a request whose client disconnects (``ClientDisconnectCancellationMiddleware``),
     so a ``/run`` the actor gives up on stops down to the model endpoint; 0.4.0 and 0.5.1 have no such middleware
     (their agents run an abandoned row to its end)."""
+    episode_protocol: bool
+    """0.7: Gym's episode protocol for materialized rows (``task_id`` = ``{taskset, task_id}`` plus ``task_input``):
+    each is sent as an episode request (``{episode_id, task}``) to the environment server its taskset names in
+    ``environment_server_routes``, and the ``{result | failure}`` reply becomes the rollout record
+    (``rollout_collection._episode_request_body`` / ``_episode_record``). Before, such rows are refused."""
     head_readiness_path: str
     """The head server's readiness route: ``/readyz`` (0.7, 200 once every server and endpoint answered) or ``/``."""
     global_config: JsonObject = field(default_factory=dict)
@@ -170,6 +175,7 @@ def gym_version(version: str | Version) -> GymVersion:
         ),
         token_id_capture=at_least("0.7"),
         cancels_on_disconnect=at_least("0.7"),
+        episode_protocol=at_least("0.7"),
         head_readiness_path="/readyz" if at_least("0.7") else "/",
         global_config={"model_endpoint_readiness_timeout_seconds": 0} if at_least("0.5") else {},
     )

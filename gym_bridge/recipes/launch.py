@@ -4,7 +4,8 @@
 through :func:`start_nemo_gym` (or the context manager :func:`launch_nemo_gym`), so
 the order is the same everywhere: every endpoint is checked first (a bad one fails
 in seconds, before Ray or Gym start), then Ray is started if nothing started it,
-then the actors (each with its own Gym servers), then the ``RolloutManager``.
+then the actors (each with its own Gym servers, or, with ``NemoGymConfig.gym_head``, each using the Gym already
+running there, which nothing here starts or stops), then the ``RolloutManager``.
 A failure at any step undoes the steps before it.
 """
 
@@ -53,7 +54,8 @@ class NemoGymRollouts:
         return backend.client.admission
 
     def shutdown(self, timeout_s: float = 60.0) -> None:
-        """Stop every actor's Gym servers and the actors; safe to call more than once."""
+        """Stop every actor's Gym servers and the actors; safe to call more than once. A running Gym the actors used
+        (``gym_head``) is left running."""
         from gym_bridge.gym.spinup import stop_nemo_gym_actors
 
         stop_nemo_gym_actors(self.actors, timeout_s)
@@ -97,6 +99,9 @@ def start_nemo_gym(spec: GymLaunchSpec, tokenizer: Tokenizer) -> NemoGymRollouts
 
     started_ray = not ray.is_initialized()
     init_ray(num_cpus=spec.ray_num_cpus)
+    if spec.gym.gym_head is not None:
+        logger.info("using the NeMo-Gym already running at %s: its servers are neither started nor stopped here",
+                    spec.gym.gym_head)  # fmt: skip
     try:
         actors = spinup_nemo_gym_actors(spec.gym, tokenizer, spec.num_actors, split_base_urls=spec.split_base_urls)
         try:

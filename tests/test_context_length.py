@@ -107,3 +107,16 @@ def test_one_key_set_alone_is_used_everywhere():
 def test_a_missing_or_bad_context_length_is_named(keys, message):
     with pytest.raises(TrainingConfigError, match=message):
         grpo_run_settings(demo(**keys))
+
+
+def test_a_training_config_naming_a_running_gym_is_refused_in_one_line():
+    """Attaching to a running Gym is eval's (``gym_head``); a training run's Gym must call the run's own server."""
+    from gym_bridge.config.training import nemo_gym_rollout_settings
+
+    config = {
+        "env": {"should_use_nemo_gym": True, "nemo_gym": {"gym_head": "http://127.0.0.1:11000"}},
+        "policy": {"model_name": "m", "max_total_sequence_length": 256, "generation": {"max_new_tokens": 8}},
+        "grpo": {"num_generations_per_prompt": 2},
+    }
+    with pytest.raises(TrainingConfigError, match=r"^env\.nemo_gym\.gym_head: a training run starts its own Gym"):
+        nemo_gym_rollout_settings(config, base_urls=["http://127.0.0.1:9/v1"])

@@ -181,6 +181,11 @@ def nemo_gym_config_from(config: JsonMapping, *, base_urls: list[str] | None = N
     )
     if not model_name:
         raise TrainingConfigError("no model name: set 'env.nemo_gym.model_name' or 'policy.model_name'")
+    if section.get("gym_head"):
+        raise TrainingConfigError(
+            "env.nemo_gym.gym_head: a training run starts its own Gym set, whose model server must call the run's "
+            "own server (its port is chosen as the run starts); attach to a running Gym with gym-bridge eval's gym_head"
+        )
     if "config_paths" not in section:
         raise TrainingConfigError("the training config has no 'env.nemo_gym.config_paths'")
     known = set(NemoGymConfig.model_fields) - {"model_name", "base_urls", "overrides"}

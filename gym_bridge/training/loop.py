@@ -39,6 +39,7 @@ import torch
 
 from gym_bridge.failures.errors import SettingError
 from gym_bridge.rollout.sink import CommittedGroup
+from gym_bridge.training.agent_metrics import step_agent_metrics
 from gym_bridge.training.batch import GroupStats, train_batch
 from gym_bridge.training.loop_config import (
     GRPOLoopConfig,
@@ -102,8 +103,11 @@ class GRPOTrainer(RolloutPhase, UpdatePhase):
         state: TrainerState | None = None,
         validator: Validator | None = None,
         metric_sinks: Sequence[Callable[[MetricsLine], object]] = (),
+        save_checkpoints: bool = True,
     ) -> None:
         self.cfg = cfg
+        self.save_checkpoints = save_checkpoints
+        """False (NeMo-RL's ``checkpointing.enabled: false``): :meth:`run` writes no checkpoint, at the end either."""
         self.manager, self.policy, self.engine = manager, policy, engine
         self.validator = validator
         self.metric_sinks = list(metric_sinks)
@@ -183,7 +187,8 @@ class GRPOTrainer(RolloutPhase, UpdatePhase):
         rollout_s: float,
         sampling_metrics: Mapping[str, int] | None,
     ) -> MetricsLine:
-        """The line's head: the step, the version it trains from, what staleness dropped, the rollout time."""
+        """The line's head: the step, the version it trains from, what staleness dropped, the rollout time, and each
+        environment's metrics over the groups it trains on (``train/<agent>/<field>/mean``, ...)."""
         return {
             "kind": "train",
             "step": step,
@@ -196,6 +201,7 @@ class GRPOTrainer(RolloutPhase, UpdatePhase):
             "time/rollout_s": rollout_s,
             "train/groups": len(usable),
             **(sampling_metrics or {}),
+            **step_agent_metrics(usable),
         }
 
     async def _train_groups(
@@ -360,10 +366,11 @@ class GRPOTrainer(RolloutPhase, UpdatePhase):
                 if self._validates_after(step):
                     validation = asyncio.ensure_future(self.validate(step))
                 every = self.cfg.checkpoint_every_steps
-                if step == last or (every and step % every == 0):
-                    if validation is not None:  # a checkpoint comes after the validation of its weights
-                        record(await validation)
-                        validation = None
+                checkpoint = self.save_checkpoints and (step == last or bool(every and step % every == 0))
+                if validation is not None and (checkpoint or step == last):
+                    record(await validation)  # a checkpoint comes after the validation of its weights
+                    validation = None
+                if checkpoint:
                     self.save_checkpoint()
         finally:
             unfinished: list[asyncio.Future[Any]] = [*pending.values()]

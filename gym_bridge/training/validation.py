@@ -4,7 +4,8 @@ profile (greedy when ``val_temperature`` is 0), scored by the environment's rewa
 Each validation set gives ``val/accuracy`` (the first set) or ``val/<set>/accuracy``, plus
 ``format_rate`` (the environment extracted an answer: Gym's ``extracted_answer`` is set),
 ``lenient_accuracy`` (the last integer of the reply equals ``expected_answer``: correctness
-without the format) and ``mean_tokens``. Every answer is written to ``val_results.jsonl``
+without the format) and ``mean_tokens``, and each agent's metrics (``val/<agent>/reward/mean``, ...:
+:mod:`~gym_bridge.training.agent_metrics`) when the set spans environments. Every answer is written to ``val_results.jsonl``
 so that two validations can be compared problem by problem (McNemar's test). With a
 :class:`~gym_bridge.training.rewards.RewardShaper`, rewards are shaped (effort levels, reward penalties)
 before they are scored, as NeMo-RL's ``validate`` shapes them.
@@ -13,18 +14,21 @@ before they are scored, as NeMo-RL's ``validate`` shapes them.
 from __future__ import annotations
 
 import asyncio
-import json
+import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from gym_bridge.boundary.files import open_nofollow
+from gym_bridge.boundary.json_io import dumps
 from gym_bridge.failures.errors import SettingError
 from gym_bridge.gym.client import GymClient
 from gym_bridge.gym.rows import build_rows
 from gym_bridge.json_types import JsonMapping, JsonObject
 from gym_bridge.rollout.nemo_gym import gym_completion
+from gym_bridge.training.agent_metrics import agent_metrics
 from gym_bridge.training.rewards import RewardShaper
 from gym_bridge.types import Completion, GenerationSamplingParams
 
@@ -188,12 +192,15 @@ class GymValidator:
                 for problem, (row, completions) in enumerate(zip(vset.rows, groups, strict=True))
                 for sample, completion in enumerate(completions)
             ]
-            metrics.update(set_metrics("val/" if n == 0 else f"val/{vset.name}/", answers))
+            prefix = "val/" if n == 0 else f"val/{vset.name}/"
+            metrics.update(set_metrics(prefix, answers))
+            metrics.update(agent_metrics([c for completions in groups for c in completions], prefix))
             records.extend(
                 {"step": step, "weight_version": weight_version, "set": vset.name, **answer.record()}
                 for answer in answers
             )
-        if self.results_path is not None:
-            with self.results_path.open("a") as out:
-                out.writelines(json.dumps(r) + "\n" for r in records)
+        if self.results_path is not None:  # a training folder: a link planted as the file is refused, not followed
+            fd = open_nofollow(self.results_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+            with os.fdopen(fd, "ab") as out:
+                out.writelines(dumps(r) + b"\n" for r in records)
         return metrics

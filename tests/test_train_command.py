@@ -198,6 +198,9 @@ def test_scalars_read_back_from_tensorboard_mlflow_and_wandb(trained: dict) -> N
         ("timing/train/total_step_time", 1): line["time/step_s"],
         ("validation/accuracy", 1): val_end["val/accuracy"],
     }
+    per_agent = [key for key in line if key.startswith("train/") and key.endswith("/reward/mean") and key.count("/") == 3]
+    assert per_agent, "the step's per-environment metrics (train/<agent>/reward/mean) are in metrics.jsonl"
+    expected.update({(key, 1): line[key] for key in per_agent})
     logs = trained["run"] / "logs"
 
     events = EventAccumulator(str(logs / "tensorboard"))

@@ -195,20 +195,29 @@ def _train(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     for noisy in ("httpx", "gym_bridge.gym", "gym_bridge.serving", "gym_bridge.rollout", "ray", "mlflow", "alembic"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    if args.model is not None and not args.smoke:
+        raise SettingError(f"--model goes with --smoke; without it set policy.model_name={args.model}")
     config = load_with_overrides(args.config, args.overrides)  # an unreadable config or bad key: before torch loads
     if args.out is None and args.resume:
         raise SettingError("--resume needs --out, the run folder to continue")
-    from gym_bridge.recipes.train import train
+    from gym_bridge.recipes.train import smoke_recipe, train
 
-    stem = args.config.rstrip("/").split("/")[-1].rsplit(".", 1)[0]
+    if args.smoke:
+        from gym_bridge.config.overrides import override_keys
+        from gym_bridge.config.smoke import SMOKE_MODEL
+
+        plan = smoke_recipe(config, model=args.model or SMOKE_MODEL, pinned=override_keys(args.overrides))
+        print(plan.table(), flush=True)
+        config = plan.config
+    stem = args.config.rstrip("/").split("/")[-1].rsplit(".", 1)[0] + ("-smoke" if args.smoke else "")
     out = args.out or f"runs/{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
     try:
-        outcome = train(config, out, resume=args.resume, progress=not args.no_progress)
+        outcome = train(config, out, resume=args.resume, progress=not args.no_progress, list_gpu_keys=not args.smoke)
     except KeyboardInterrupt:
         print(f"gym-bridge train: interrupted; continue with --resume --out {out}", file=sys.stderr)
         return 130
     print(f"run: {outcome.run_dir}")
-    print(f"checkpoint: {outcome.checkpoint}")
+    print(f"checkpoint: {outcome.checkpoint or 'none (checkpointing.enabled: false)'}")
     if outcome.plots is not None:
         print(f"plots: {outcome.plots.png} {outcome.plots.html}")
         for name, (first, last, test) in outcome.plots.mcnemar.items():
@@ -232,30 +241,32 @@ def _check_endpoint(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    """Rebuild a run folder's report; a folder that cannot be read or written is one error line (main())."""
+    """Rebuild a run folder's report (an eval run's report, or a training run's plots: which one,
+    :func:`~gym_bridge.eval.runs.run_folder_kind` decides); a folder that cannot be read or written is one error
+    line (main())."""
     from pathlib import Path
 
-    from gym_bridge.eval import RunDirError, build_report
-    from gym_bridge.eval.runs import RunReadError, shown
+    from gym_bridge.boundary import UntrustedInputError
+    from gym_bridge.eval import RunDirError
+    from gym_bridge.eval.runs import RunReadError, run_folder_kind, shown
 
     where = f"cannot build the report of {shown(args.run_dir)}"
     folder = Path(args.run_dir)
-    if (folder / "metrics.jsonl").is_file() and not (folder / "run.json").exists():  # a training run
-        from gym_bridge.training.plots import write_training_plots
-
-        try:
-            plots = write_training_plots(folder)
-        except OSError as exc:
-            raise RunDirError(f"{where}: {shown(exc)}") from exc
-        print(f"plots: {plots.png} {plots.html}")
-        return 0
     try:
-        build_report(args.run_dir)
-    except RunReadError as exc:
+        if run_folder_kind(folder) == "training":
+            from gym_bridge.training.plots import write_training_plots
+
+            plots = write_training_plots(folder)
+            print(f"plots: {shown(plots.png)} {shown(plots.html)}")
+            return 0
+        from gym_bridge.eval.report import build_report
+
+        build_report(folder)
+    except UntrustedInputError as exc:  # a RunReadError too
         raise RunReadError(f"{where}: {exc}") from exc
     except OSError as exc:
         raise RunDirError(f"{where}: {shown(exc)}") from exc
-    print(f"report: {args.run_dir}/report.md")
+    print(f"report: {shown(folder / 'report.md')}")
     return 0
 
 
@@ -371,6 +382,15 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--out", default=None, help="the run folder (default: runs/<config>-<time>)")
     train.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
     train.add_argument("--no-progress", action="store_true", help="log lines instead of a progress bar")
+    train.add_argument(
+        "--smoke",
+        action="store_true",
+        help="a short CPU run of the recipe's real Gym environments: a small model, batch, lengths and one step "
+        "scaled to fit, GPU features off; prints a table of every key changed (docs/training.md)",
+    )
+    train.add_argument(
+        "--model", default=None, metavar="NAME", help="with --smoke: the model (a built-in name or a folder; smollm2)"
+    )
     train.set_defaults(func=_train)
     report = commands.add_parser(
         "report", help="rebuild an eval run's metrics.json, report.md and report.png, or a training run's plots"

@@ -347,7 +347,9 @@ def test_eval_resume_refuses_a_repeated_prompt_through_the_real_command(tmp_path
 
 
 def test_eval_resume_reads_the_folder_through_the_same_reader(tmp_path: Path) -> None:
-    """The store's resume (what ``eval --resume`` calls before anything starts) on planted files."""
+    """The store's resume (what ``eval --resume`` calls before anything starts) on planted files: the boundary's
+    refusal (the store reads through it; a :class:`RunReadError` is one too)."""
+    from gym_bridge.boundary import UntrustedInputError
     from gym_bridge.eval.runs import RunReadError
     from gym_bridge.eval.store import RunDirError, RunStore
 
@@ -363,7 +365,7 @@ def test_eval_resume_reads_the_folder_through_the_same_reader(tmp_path: Path) ->
         else:
             replace_with_link(folder / planted, "/dev/zero")
         store = RunStore(folder)
-        with pytest.raises(RunReadError, match=re.escape(f"{folder}/{expected}")):
+        with pytest.raises(UntrustedInputError, match=re.escape(f"{folder}/{expected}")):
             store.open(fingerprint, resume=True)
         assert store._lock is None, "a refused resume lets go of the folder's lock"
 

@@ -17,21 +17,36 @@ run folder holds (folder, model and agent names, prompts) reaches ``compare.md``
 Runs with other rows (another dataset) or another grader config (``config_paths``, ``gym_overrides``,
 ``pass_threshold``) are refused, except a run that ``gym-bridge rescore`` made from the other: there the
 grader change is the point, and the report states it. Everything is checked before anything is written.
+
+Each run is streamed through the run-folder reader (:func:`~gym_bridge.eval.runs.load_run`), which keeps per
+prompt only its numbers, its dataset line and a short prompt preview, never the line: two runs of 20,000 prompts
+of 29 KB lines are read in bounded memory, and, past :data:`PARALLEL_BYTES` of results, the runs after the first
+in processes of their own (one per other CPU) while this one reads the first: decoding the lines is most of the
+time. The files are written through
+:func:`~gym_bridge.boundary.files.write_atomic` (a planted link is replaced, never followed), ``compare.json`` as
+strict JSON (a number that is not finite, e.g. a mean of rewards near the float limit, is ``null``; ``compare.md``
+shows it as ``n/a``), and every text from a run folder reaches ``compare.md``, an error line or the terminal
+with its control characters escaped (:func:`~gym_bridge.boundary.text.shown`).
 """
 
 from __future__ import annotations
 
-import json
+import io
 import logging
 import math
+import multiprocessing
+import os
+import stat
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from gym_bridge.boundary.text import shown
 from gym_bridge.eval.passk import default_ks, pass_at_k
-from gym_bridge.eval.report import markdown_text, plot_label
-from gym_bridge.eval.runs import LoadedRun, RunGroup, load_run
+from gym_bridge.eval.report import json_out, markdown_text, plot_label, safe_mean
+from gym_bridge.eval.runs import RESULTS_FILE, LoadedRun, RunGroup, load_run, write_files
 from gym_bridge.failures import GymBridgeError
 from gym_bridge.json_types import JsonObject
 from gym_bridge.stats import (
@@ -55,6 +70,10 @@ these (everything else made the stored responses)."""
 GATED_METRICS = ("mean_reward", "pass@1")
 MD_FLIPS = 200
 """Flipped prompts listed in ``compare.md`` per direction (``compare.json`` lists every one)."""
+PARALLEL_BYTES = 256 << 20
+"""Runs whose ``results.jsonl`` files add up to more than this are read in parallel (the first here, the others in
+a process each, one per other CPU at most); smaller ones here, where a process start would cost more than it
+saves."""
 
 
 class CompareError(GymBridgeError, ValueError):
@@ -95,13 +114,13 @@ def compare_runs(
         raise CompareError(f"--resamples must be >= 100, got {resamples}")
     if fail_if_worse is not None and not (math.isfinite(fail_if_worse) and fail_if_worse >= 0):
         raise CompareError(f"--fail-if-worse must be a finite number >= 0, got {fail_if_worse}")
-    runs = [_slim(load_run(d)) for d in run_dirs]
+    runs = load_runs(run_dirs)
     labels = _labels(runs)
     base = runs[0]
     grader_changes = [_check_comparable(base, other) for other in runs[1:]]
     shared = [g.key for g in base.groups if all(g.key in r.by_key for r in runs[1:])]
     if not shared:
-        raise CompareError(f"{runs[1].dir} and {base.dir} share no finished prompt")
+        raise CompareError(f"{shown(runs[1].dir)} and {shown(base.dir)} share no finished prompt")
     report: JsonObject = {
         "runs": [
             {
@@ -131,25 +150,50 @@ def compare_runs(
         comparison.update(a=labels[0], b=label, grader_change=change)
         if fail_if_worse is not None:
             comparison["gate"] = _gate(comparison, fail_if_worse, level)
-            worse += [f"{label} vs {labels[0]}: {line}" for line in comparison["gate"]["worse"]]
+            pair = f"{shown(label)} vs {shown(labels[0])}"
+            worse += [f"{pair}: {line}" for line in comparison["gate"]["worse"]]
             if not comparison["gate"]["decided"]:
-                undecided.append(f"{label} vs {labels[0]}: {comparison['gate']['reason']}")
-                logger.warning("no gate decision for %s vs %s: %s", label, labels[0], comparison["gate"]["reason"])
+                undecided.append(f"{pair}: {comparison['gate']['reason']}")
+                logger.warning("no gate decision for %s: %s", pair, comparison["gate"]["reason"])
         report["comparisons"].append(comparison)
+    markdown, png = render_markdown(report), render_plot(report)
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / COMPARE_JSON).write_text(json.dumps(report, indent=1) + "\n")
-    (out / COMPARE_MD).write_text(render_markdown(report))
-    render_plot(report, out / COMPARE_PNG)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CompareError(f"--out {shown(out)}: cannot be made a folder ({shown(exc.strerror or exc)})") from None
+    write_files({out / COMPARE_JSON: json_out(report), out / COMPARE_MD: markdown, out / COMPARE_PNG: png})
     return CompareOutcome(report=report, out_dir=out, worse=worse, undecided=undecided)
 
 
-def _slim(run: LoadedRun) -> LoadedRun:
-    """``run`` keeping of each line only what compare reads (its dataset line and prompt preview), before the
-    next run is read: two runs of 200,000 prompts held every Gym result at once (2.2 GB)."""
-    for group in run.groups:
-        group.record = {"line": group.record.get("line"), "prompt": _prompt_preview(group.record)}
-    return run
+def load_runs(run_dirs: list[str | Path]) -> list[LoadedRun]:
+    """Each run folder read by :func:`~gym_bridge.eval.runs.load_run`, in order. When their results are larger
+    than :data:`PARALLEL_BYTES` together, the first is read here while the others are read in fresh processes
+    (one per other CPU at most). The first run's error in order is the one raised, as when they are read one
+    after the other.
+
+    Raises:
+        RunReadError: a run folder cannot be read (named).
+    """
+    workers = min(len(run_dirs) - 1, (os.cpu_count() or 1) - 1)
+    if workers < 1 or sum(_results_bytes(d) for d in run_dirs) <= PARALLEL_BYTES:
+        return [load_run(d) for d in run_dirs]
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+    try:
+        others = [pool.submit(load_run, d) for d in run_dirs[1:]]
+        first = load_run(run_dirs[0])
+        return [first, *(future.result() for future in others)]
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _results_bytes(run_dir: str | Path) -> int:
+    """The size of a run folder's ``results.jsonl`` (0 when it is not a regular file: the reader names it)."""
+    try:
+        info = os.stat(Path(run_dir) / RESULTS_FILE)
+    except (OSError, ValueError):
+        return 0
+    return info.st_size if stat.S_ISREG(info.st_mode) else 0
 
 
 def _labels(runs: list[LoadedRun]) -> list[str]:
@@ -186,8 +230,10 @@ def _check_comparable(base: LoadedRun, other: LoadedRun) -> JsonObject | None:
     if changed and not (_is_rescore_of(other, base) or _is_rescore_of(base, other)):
         key = next(iter(changed))
         raise CompareError(
-            f"{other.dir}: another grader config than {base.dir}: {key} "
-            f"({changed[key]['b']!r} vs {changed[key]['a']!r})"
+            shown(
+                f"{other.dir}: another grader config than {base.dir}: {key} "
+                f"({changed[key]['b']!r} vs {changed[key]['a']!r})"
+            )
         )
     same_dataset = base.fingerprint.get("dataset_sha256") == other.fingerprint.get("dataset_sha256")
     for this, that in ((other, base), (base, other)):
@@ -195,9 +241,11 @@ def _check_comparable(base: LoadedRun, other: LoadedRun) -> JsonObject | None:
         if extra and not same_dataset:
             first = extra[0]
             raise CompareError(
-                f"{this.dir}: other rows than {that.dir}: {len(extra)} of its {len(this.groups)} rows are not "
-                f"there (first: results.jsonl:{first.line}, row_id {first.key}) and the datasets differ "
-                f"(dataset_sha256)"
+                shown(
+                    f"{this.dir}: other rows than {that.dir}: {len(extra)} of its {len(this.groups)} rows are not "
+                    f"there (first: results.jsonl:{first.line}, row_id {first.key}) and the datasets differ "
+                    f"(dataset_sha256)"
+                )
             )
     return changed or None
 
@@ -206,7 +254,7 @@ def _prompt_metrics(group: RunGroup, threshold: float, ks: list[int]) -> list[fl
     """Mean reward, then pass@k for each k, of one prompt group."""
     n = len(group.rewards)
     c = sum(r >= threshold for r in group.rewards)
-    return [sum(group.rewards) / n, *(pass_at_k(n, c, k) for k in ks)]
+    return [safe_mean(group.rewards), *(pass_at_k(n, c, k) for k in ks)]
 
 
 def _compare_pair(
@@ -241,21 +289,33 @@ def _compare_pair(
 def _agent_row(
     a: np.ndarray, b: np.ndarray, names: list[str], *, level: float, resamples: int, seed: int
 ) -> JsonObject:
-    """One table row: each metric of A and B (metrics x prompts) with the paired interval, and McNemar."""
-    intervals = paired_bootstrap(b - a, level=level, resamples=resamples, seed=seed)
+    """One table row: each metric of A and B (metrics x prompts) with the paired interval, and McNemar.
+
+    Rewards near the float limit (their differences or sums would overflow) are resampled scaled down by
+    :data:`_SCALE`, a power of two (exact), and the results scaled back: a result past the limit is infinite,
+    written as null."""
     test = mcnemar_exact(a[1] >= 0.5, b[1] >= 0.5)
-    return {
-        "prompts": a.shape[1],
-        "claims": a.shape[1] >= MIN_PAIRED_PROMPTS,
-        "metrics": {
+    scales = np.ones(len(names))
+    if max(np.abs(a).max(), np.abs(b).max()) > _LARGE:
+        scales = np.where(np.maximum(np.abs(a).max(axis=1), np.abs(b).max(axis=1)) > _LARGE, _SCALE, 1.0)
+        a, b = a / scales[:, None], b / scales[:, None]
+    intervals = paired_bootstrap(b - a, level=level, resamples=resamples, seed=seed)
+    with np.errstate(over="ignore"):
+        metrics = {
             name: {
-                "a": float(a[i].mean()),
-                "b": float(b[i].mean()),
-                **intervals[i].as_dict(),
+                "a": float(a[i].mean() * scales[i]),
+                "b": float(b[i].mean() * scales[i]),
+                "diff": float(intervals[i].estimate * scales[i]),
+                "low": float(intervals[i].low * scales[i]),
+                "high": float(intervals[i].high * scales[i]),
                 "method": intervals[i].method,
             }
             for i, name in enumerate(names)
-        },
+        }
+    return {
+        "prompts": a.shape[1],
+        "claims": a.shape[1] >= MIN_PAIRED_PROMPTS,
+        "metrics": metrics,
         "mcnemar": {
             "prompts": test.n,
             "fixed": test.wrong_to_right,
@@ -265,32 +325,22 @@ def _agent_row(
     }
 
 
+_LARGE = 2.0**1000
+"""Past this, a mean or a difference of per-prompt values may overflow: they are scaled by :data:`_SCALE`."""
+_SCALE = 2.0**64
+
+
 def _flip(a: RunGroup, b: RunGroup, direction: str) -> JsonObject:
     return {
         "direction": direction,
         "row_id": a.key,
         "agent": a.agent,
         "prompt_idx": a.prompt_idx,
-        "dataset_line": a.record.get("line"),
-        "prompt": a.record.get("prompt", ""),
+        "dataset_line": a.dataset_line,
+        "prompt": a.prompt,
         "rewards_a": a.rewards,
         "rewards_b": b.rewards,
     }
-
-
-def _prompt_preview(record: JsonObject, limit: int = 160) -> str:
-    """The last user message of the row's prompt, on one line (from the first completion's Gym result)."""
-    try:
-        items = record["completions"][0]["gym_result"]["responses_create_params"]["input"]
-    except (KeyError, IndexError, TypeError):
-        return ""
-    if isinstance(items, str):
-        text = items
-    else:
-        users = [i.get("content") for i in items if isinstance(i, dict) and i.get("role") == "user"]
-        text = users[-1] if users and isinstance(users[-1], str) else json.dumps(users[-1] if users else "")
-    text = " ".join(text.split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _gate(comparison: JsonObject, delta: float, level: float) -> JsonObject:
@@ -309,14 +359,20 @@ def _gate(comparison: JsonObject, delta: float, level: float) -> JsonObject:
 
 
 def _fmt_interval(m: dict[str, float], claims: bool = True) -> str:
-    """``diff [low, high]``, with ▲ / ▼ when the interval lies above / below 0 and the row may claim it."""
+    """``diff [low, high]``, with ▲ / ▼ when the interval lies above / below 0 and the row may claim it (``n/a``
+    for a number that is not finite)."""
     mark = " ▲" if claims and m["low"] > 0 else (" ▼" if claims and m["high"] < 0 else "")
-    return f"{m['diff']:+.3f} [{m['low']:+.3f}, {m['high']:+.3f}]{mark}"
+    return f"{_num(m['diff'], '+.3f')} [{_num(m['low'], '+.3f')}, {_num(m['high'], '+.3f')}]{mark}"
+
+
+def _num(value: float, spec: str = ".3f") -> str:
+    """A number for a table cell; ``n/a`` when it is not finite (``compare.json`` holds null there)."""
+    return format(value, spec) if math.isfinite(value) else "n/a"
 
 
 def _rewards(values: list[float]) -> str:
     """A prompt's rewards for a table cell: checked numbers only."""
-    return ", ".join(f"{float(r):.2f}" for r in values)
+    return ", ".join(_num(float(r), ".2f") for r in values)
 
 
 def render_markdown(report: JsonObject) -> str:
@@ -372,7 +428,7 @@ def render_markdown(report: JsonObject) -> str:
             cells = ["**all**" if agent == ALL else markdown_text(agent), str(row["prompts"])]
             for name in names:
                 m = row["metrics"][name]
-                cells += [f"{m['a']:.3f}", f"{m['b']:.3f}", _fmt_interval(m, row.get("claims", True))]
+                cells += [_num(m["a"]), _num(m["b"]), _fmt_interval(m, row.get("claims", True))]
             test = row["mcnemar"]
             cells.append(f"{test['fixed']} / {test['broken']} (p = {test['p_value']:.3g})")
             lines.append("| " + " | ".join(cells) + " |")
@@ -386,6 +442,9 @@ def render_markdown(report: JsonObject) -> str:
                 else f"not worse by more than {gate['delta']}"
             )
             lines += ["", f"Gate (--fail-if-worse {gate['delta']} on {', '.join(gate['metrics'])}): {verdict}."]
+        if _non_finite(comparison["agents"]):
+            note = f"n/a: a number that is not finite (rewards near the float limit); {COMPARE_JSON} holds null."
+            lines += ["", note]
         flips = comparison["flips"]
         lines += ["", f"### Prompts that flipped ({len(flips)})", ""]
         if flips:
@@ -408,8 +467,17 @@ def render_markdown(report: JsonObject) -> str:
     return "\n".join(lines) + "\n"
 
 
-def render_plot(report: JsonObject, path: Path) -> None:
-    """Per-agent differences (B - A) in mean reward and pass@1 with their intervals, one colour per comparison."""
+def _non_finite(value: object) -> bool:
+    if isinstance(value, float):
+        return not math.isfinite(value)
+    if isinstance(value, dict):
+        return any(_non_finite(v) for v in value.values())
+    return False
+
+
+def render_plot(report: JsonObject) -> bytes:
+    """Per-agent differences (B - A) in mean reward and pass@1 with their intervals, one colour per comparison, as
+    PNG bytes (a number that is not finite is left out)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -421,7 +489,7 @@ def render_plot(report: JsonObject, path: Path) -> None:
     for ax, name in zip(axes[0], GATED_METRICS, strict=True):
         for j, comparison in enumerate(comparisons):
             ys = [i + 0.8 * (j - (len(comparisons) - 1) / 2) / max(1, len(comparisons)) for i in range(len(agents))]
-            ms = [comparison["agents"][agent]["metrics"][name] for agent in agents]
+            ms = [_finite_interval(comparison["agents"][agent]["metrics"][name]) for agent in agents]
             diffs = [m["diff"] for m in ms]
             errors = [[m["diff"] - m["low"] for m in ms], [m["high"] - m["diff"] for m in ms]]
             label = plot_label(f"{comparison['b']} - {comparison['a']}")
@@ -432,5 +500,17 @@ def render_plot(report: JsonObject, path: Path) -> None:
         ax.set_title(f"{name}: difference with {report['level']:.0%} interval")
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    out = io.BytesIO()
+    try:
+        fig.savefig(out, format="png", dpi=100)
+    finally:
+        plt.close(fig)
+    return out.getvalue()
+
+
+def _finite_interval(m: dict[str, float]) -> dict[str, float]:
+    """``m`` for the plot: an interval with a number past the limit drawn as nan (left out), never an error."""
+    values = (m["diff"], m["low"], m["high"])
+    if all(math.isfinite(v) and abs(v) < 1e300 for v in values):
+        return m
+    return {"diff": math.nan, "low": math.nan, "high": math.nan}

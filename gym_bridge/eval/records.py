@@ -264,6 +264,8 @@ class FailureLine(_OnDisk):
     """One line of ``failures.jsonl``: a prompt group that failed (a later resume may have finished it)."""
 
     prompt_idx: NonNegativeInt
+    line: NonNegativeInt | None = None
+    """The row's line in the dataset."""
     agent: str | None = None
     error: str
     message: str = ""

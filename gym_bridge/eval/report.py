@@ -1,25 +1,37 @@
 """``metrics.json``, ``report.md``, ``report.png`` and the trace viewer ``report.html`` of a run folder, from its
 files alone, read through :func:`~gym_bridge.eval.runs.load_run` (a malformed or hostile folder is one error
 line naming the file, line and field; the report of a run still being written, or killed mid-line, is built
-from the lines finished so far)."""
+from the lines finished so far).
+
+The results are read once, streamed: each line's numbers go into per-agent tallies (:class:`_Tally`: arrays of
+numbers, never the lines) and its page form into the trace viewer's bounded data
+(:class:`~gym_bridge.eval.viewer.ViewerPage`) as it passes. Everything is rendered before anything is written,
+and every file is written through :func:`~gym_bridge.boundary.files.write_atomic` (a link planted at a name is
+replaced, never followed); ``metrics.json`` is strict JSON (:func:`~gym_bridge.boundary.json_io.dumps`: a number
+that is not finite is ``null``). A mean is summed exactly and, when the sum would overflow (rewards near the float
+limit), over the values divided by their count, so it is finite; a statistic that still is not (a median of two
+values at the limit) is ``null`` in ``metrics.json`` and ``n/a`` in ``report.md``, which says so.
+"""
 
 from __future__ import annotations
 
 import html
-import json
+import io
 import math
 import re
-import statistics
+from array import array
 from collections import Counter, defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from gym_bridge.boundary.json_io import dumps
+from gym_bridge.boundary.text import shown
 from gym_bridge.eval.passk import default_ks, pass_at_k
-from gym_bridge.eval.records import FailureLine
-from gym_bridge.eval.runs import LoadedRun, RunGroup, load_run
-from gym_bridge.eval.viewer import VIEWER_FILE, build_viewer
+from gym_bridge.eval.records import ResultLine
+from gym_bridge.eval.runs import LoadedRun, RunGroup, load_run, write_files
+from gym_bridge.eval.viewer import VIEWER_FILE, ViewerPage, page_bytes
 from gym_bridge.json_types import JsonObject
-from gym_bridge.metrics import pct
 
 METRICS_FILE = "metrics.json"
 REPORT_FILE = "report.md"
@@ -27,38 +39,121 @@ PLOT_FILE = "report.png"
 ALL = "all"
 
 
+_NON_ASCII = re.compile(r"[^\x00-\x7f]")
+
+
+def json_out(value: object) -> bytes:
+    """``value`` as the strict, indented JSON of a file gym-bridge writes (:func:`~gym_bridge.boundary.json_io.dumps`:
+    a number that is not finite is null), with every character that is not printable (a bidi override, U+2028)
+    written as its ``\\u`` escape, so ``cat metrics.json`` shows what a run folder holds without obeying it (JSON
+    escapes ESC and NUL itself)."""
+    data = dumps(value, indent=True) + b"\n"
+    if data.isascii():
+        return data
+    return _NON_ASCII.sub(_escaped, data.decode("utf-8")).encode("utf-8")
+
+
+def _escaped(match: re.Match[str]) -> str:
+    char = match.group()
+    if char.isprintable():
+        return char
+    code = ord(char)
+    if code > 0xFFFF:  # a surrogate pair, as JSON writes one
+        code -= 0x10000
+        return f"\\u{0xD800 + (code >> 10):04x}\\u{0xDC00 + (code & 0x3FF):04x}"
+    return f"\\u{code:04x}"
+
+
+def safe_mean(values: Sequence[float]) -> float:
+    """The mean of ``values`` (not empty), summed exactly (``math.fsum``); when that sum overflows (values near
+    the float limit), the exact sum of each value divided by the count, which cannot."""
+    try:
+        return math.fsum(values) / len(values)
+    except OverflowError:
+        n = len(values)
+        return math.fsum(v / n for v in values)
+
+
 def _stats(values: Sequence[float]) -> dict[str, float]:
+    """Mean, median, p95 (the sorted value at ``min(int(n * 0.95), n - 1)``), min and max."""
     if not values:
         return {}
+    ordered = sorted(values)
+    n = len(ordered)
+    middle = ordered[n // 2] if n % 2 else ordered[n // 2 - 1] / 2 + ordered[n // 2] / 2
     return {
-        "mean": math.fsum(values) / len(values),
-        "median": float(statistics.median(values)),
-        "p95": pct(values, 95),
-        "min": min(values),
-        "max": max(values),
+        "mean": safe_mean(ordered),
+        "median": float(middle),
+        "p95": float(ordered[min(int(n * 95 / 100), n - 1)]),
+        "min": float(ordered[0]),
+        "max": float(ordered[-1]),
     }
 
 
-def _group_metrics(groups: list[RunGroup], threshold: float) -> JsonObject:
-    completions = [c for g in groups for c in g.result.completions]
-    rewards = [c.reward for c in completions]
+@dataclass
+class _Tally:
+    """One agent's numbers as the lines stream by: per completion (tokens, turns, flags) and per group (seconds),
+    in arrays of doubles; the rewards stay with the groups."""
+
+    generated: array[float] = field(default_factory=lambda: array("d"))
+    total: array[float] = field(default_factory=lambda: array("d"))
+    turns: array[float] = field(default_factory=lambda: array("d"))
+    seconds: array[float] = field(default_factory=lambda: array("d"))
+    truncated: int = 0
+    termination: Counter[str] = field(default_factory=Counter)
+
+    def add(self, result: ResultLine) -> None:
+        self.seconds.append(result.elapsed_s or 0.0)
+        for c in result.completions:
+            if c.generated_tokens is not None:
+                self.generated.append(c.generated_tokens)
+            if c.total_tokens is not None:
+                self.total.append(c.total_tokens)
+            if c.turns is not None:
+                self.turns.append(c.turns)
+            self.truncated += c.truncated
+            self.termination[c.termination or "unknown"] += 1
+
+    def merge(self, other: _Tally) -> None:
+        for name in ("generated", "total", "turns", "seconds"):
+            getattr(self, name).extend(getattr(other, name))
+        self.truncated += other.truncated
+        self.termination.update(other.termination)
+
+
+@dataclass
+class _Tallies:
+    """Every agent's :class:`_Tally`, and the first and last ``finished_at``, filled by :meth:`visit`."""
+
+    agents: defaultdict[str, _Tally] = field(default_factory=lambda: defaultdict(_Tally))
+    first_finished: float | None = None
+    last_finished: float | None = None
+
+    def visit(self, group: RunGroup, record: JsonObject, result: ResultLine) -> None:
+        self.agents[group.agent].add(result)
+        if result.finished_at is not None:
+            at = result.finished_at
+            self.first_finished = at if self.first_finished is None else min(self.first_finished, at)
+            self.last_finished = at if self.last_finished is None else max(self.last_finished, at)
+
+
+def _group_metrics(groups: Sequence[RunGroup], tally: _Tally, threshold: float) -> JsonObject:
+    rewards = [r for g in groups for r in g.rewards]
     n = min(len(g.rewards) for g in groups)
-    pass_k = {}
-    for k in default_ks(n):
-        values = [pass_at_k(len(g.rewards), sum(r >= threshold for r in g.rewards), k) for g in groups]
-        pass_k[f"pass@{k}"] = math.fsum(values) / len(values)
+    counts = [(len(g.rewards), sum(r >= threshold for r in g.rewards)) for g in groups]
+    pass_k = {f"pass@{k}": safe_mean([pass_at_k(size, c, k) for size, c in counts]) for k in default_ks(n)}
     return {
         "prompts": len(groups),
-        "completions": len(completions),
-        "mean_reward": math.fsum(rewards) / len(rewards),
+        "completions": len(rewards),
+        "mean_reward": safe_mean(rewards),
         "reward": _stats(rewards),
         "pass_at_k": pass_k,
-        "generated_tokens": _stats([c.generated_tokens for c in completions if c.generated_tokens is not None]),
-        "total_tokens": _stats([c.total_tokens for c in completions if c.total_tokens is not None]),
-        "turns": _stats([c.turns for c in completions if c.turns is not None]),
-        "truncation_rate": sum(c.truncated for c in completions) / len(completions),
-        "termination": dict(Counter(c.termination or "unknown" for c in completions)),
-        "group_seconds": _stats([g.result.elapsed_s or 0.0 for g in groups]),
+        "generated_tokens": _stats(tally.generated),
+        "total_tokens": _stats(tally.total),
+        "turns": _stats(tally.turns),
+        "truncation_rate": tally.truncated / len(rewards),
+        "termination": dict(tally.termination),
+        "group_seconds": _stats(tally.seconds),
     }
 
 
@@ -76,14 +171,25 @@ def describe_model(config: JsonObject) -> str:
     )
 
 
-def read_for_report(run_dir: str | Path) -> LoadedRun:
+def read_for_report(run_dir: str | Path, tallies: _Tallies | None = None, page: ViewerPage | None = None) -> LoadedRun:
     """The run folder as the report reads it: results and failures, old lines without ``row_id`` accepted, a
-    torn last line skipped.
+    torn last line skipped; each line's numbers into ``tallies`` and its page form into ``page`` as it passes.
 
     Raises:
         RunReadError: the folder or a file in it is missing, not regular, too large or malformed (named).
     """
-    return load_run(run_dir, need_row_ids=False, finished=False, failures=True)
+
+    def visit(group: RunGroup, record: JsonObject, result: ResultLine) -> None:
+        if tallies is not None:
+            tallies.visit(group, record, result)
+        if page is not None:
+            page.add_group(record, group.line)
+
+    run = load_run(run_dir, need_row_ids=False, finished=False, failures=True, visit=visit)
+    if page is not None:
+        for failure in run.failures:
+            page.add_failure(failure.model_dump(by_alias=True))
+    return run
 
 
 def compute_metrics(run_dir: str | Path) -> JsonObject:
@@ -92,26 +198,32 @@ def compute_metrics(run_dir: str | Path) -> JsonObject:
     Raises:
         RunReadError: see :func:`read_for_report`.
     """
-    return run_metrics(read_for_report(run_dir))
+    tallies = _Tallies()
+    return run_metrics(read_for_report(run_dir, tallies), tallies)
 
 
-def run_metrics(run: LoadedRun) -> JsonObject:
-    """Metrics of a run folder already read."""
+def run_metrics(run: LoadedRun, tallies: _Tallies) -> JsonObject:
+    """Metrics of a run folder read with ``tallies`` filled (:func:`read_for_report`)."""
     threshold = run.pass_threshold
     results = run.groups
     done = {g.prompt_idx for g in results}
-    latest_failure: dict[int, FailureLine] = {f.prompt_idx: f for f in run.failures if f.prompt_idx not in done}
+    latest_failure = {f.prompt_idx: f for f in run.failures if f.prompt_idx not in done}
     by_agent: dict[str, list[RunGroup]] = defaultdict(list)
     for g in results:
         by_agent[g.agent].append(g)
-    agents = {agent: _group_metrics(groups, threshold) for agent, groups in sorted(by_agent.items())}
+    agents = {
+        agent: _group_metrics(groups, tallies.agents[agent], threshold) for agent, groups in sorted(by_agent.items())
+    }
     if results:
-        agents[ALL] = _group_metrics(results, threshold)
+        everything = _Tally()
+        for agent in sorted(by_agent):
+            everything.merge(tallies.agents[agent])
+        agents[ALL] = _group_metrics(results, everything, threshold)
     sessions = run.meta.sessions
-    finished = [g.result.finished_at for g in results if g.result.finished_at is not None]
-    busy_s = math.fsum(s.ended - s.started for s in sessions)
-    rollout_s = math.fsum(s.ended - s.rollouts_started for s in sessions if s.rollouts_started)
+    busy_s = _finite_sum(s.ended - s.started for s in sessions)
+    rollout_s = _finite_sum(s.ended - s.rollouts_started for s in sessions if s.rollouts_started)
     completions = sum(len(g.rewards) for g in results)
+    first, last = tallies.first_finished, tallies.last_finished
     return {
         "run_dir": str(run.dir),
         "model": run.meta.model or describe_model(run.config),
@@ -131,11 +243,20 @@ def run_metrics(run: LoadedRun) -> JsonObject:
             "run_seconds": busy_s,
             "startup_seconds": busy_s - rollout_s,
             "rollout_seconds": rollout_s,
-            "first_to_last_result_s": (max(finished) - min(finished)) if finished else 0.0,
+            "first_to_last_result_s": (last - first) if first is not None and last is not None else 0.0,
             "prompts_per_s": len(results) / rollout_s if rollout_s > 0 else None,
             "rows_per_s": completions / rollout_s if rollout_s > 0 else None,
         },
     }
+
+
+def _finite_sum(values: Iterable[float]) -> float:
+    """The exact sum of ``values``; infinity (written as null) when it overflows."""
+    items = list(values)
+    try:
+        return math.fsum(items)
+    except OverflowError:
+        return math.inf
 
 
 _MARKDOWN_ACTIVE = re.compile(r"([\\`*_\[\]()#!|~$])")
@@ -147,32 +268,48 @@ def markdown_text(value: object, limit: int = 400) -> str:
     """``value`` as inert Markdown text on one line: HTML escaped, markup characters escaped, cut to ``limit``.
 
     Why: agent names, model names and error messages come from run folders (model output, other people's
-    files); a ``|`` or newline must not break a table and ``<img onerror>`` or ``[x](javascript:)`` must not
-    become markup in a Markdown viewer.
+    files); a ``|`` or newline must not break a table, ``<img onerror>`` or ``[x](javascript:)`` must not
+    become markup in a Markdown viewer, and ESC, NUL or a bidi override must not reach a terminal that shows the
+    file (escaped as ``\\x1b``, ``\\x00``, ``\\u202e``: :func:`~gym_bridge.boundary.text.shown`).
     """
-    text = " ".join(str(value).split())
+    text = shown(" ".join(str(value).split()))
     if len(text) > limit:
         text = text[: limit - 3] + "..."
     return html.escape(_MARKDOWN_ACTIVE.sub(r"\\\1", text), quote=True)
 
 
 def plot_label(value: object, limit: int = 60) -> str:
-    """``value`` as a matplotlib label: one line, short, ``$`` escaped (mathtext would parse it, and may fail)."""
-    text = " ".join(str(value).split())
+    """``value`` as a matplotlib label: one line, short, control characters escaped, ``$`` escaped (mathtext would
+    parse it, and may fail)."""
+    text = shown(" ".join(str(value).split()))
     text = text if len(text) <= limit else text[: limit - 3] + "..."
-    return text.replace("$", "\\$").lstrip("_")
+    return text.replace("$", "\\$").lstrip("_") or "(no name)"
 
 
 def _fmt(value: object) -> str:
-    """A table cell: a finite float to three places, a non-finite one as ``nan`` / ``inf``, anything else as text."""
+    """A table cell: a finite float to three places, a non-finite one (or null) as ``n/a``, anything else as
+    text."""
+    if value is None:
+        return "n/a"
     if isinstance(value, float):
-        return f"{value:.3f}" if math.isfinite(value) else str(value)
+        return f"{value:.3f}" if math.isfinite(value) else "n/a"
     if isinstance(value, int):
         return str(value)
     return markdown_text(value)
 
 
-def render_markdown(metrics: JsonObject) -> str:
+def _non_finite(value: object) -> bool:
+    """Whether ``value`` holds a number that is not finite (or a null where a number was), anywhere inside."""
+    if isinstance(value, float):
+        return not math.isfinite(value)
+    if isinstance(value, dict):
+        return any(_non_finite(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return any(_non_finite(v) for v in value)
+    return False
+
+
+def render_markdown(metrics: JsonObject, viewer_note: str = "") -> str:
     agents = metrics["agents"]
     ks = sorted({k for m in agents.values() for k in m["pass_at_k"]}, key=lambda s: int(s.split("@")[1]))
     lines = [
@@ -183,11 +320,12 @@ def render_markdown(metrics: JsonObject) -> str:
         f"Prompts: {metrics['prompts_done']} done, {metrics['prompts_failed']} failed"
         + (f", {metrics['prompts_total']} in the dataset" if metrics.get("prompts_total") else "")
         + f"; {metrics['num_generations_per_prompt']} completions per prompt; "
-        f"a completion passes when reward >= {metrics['pass_threshold']}.",
+        f"a completion passes when reward >= {_fmt(metrics['pass_threshold'])}.",
         "",
         f"![rewards and pass@k]({PLOT_FILE})",
         "",
-        f"Every prompt group and completion, turn by turn: [{VIEWER_FILE}]({VIEWER_FILE}) (open it in a browser).",
+        f"Every prompt group and completion, turn by turn: [{VIEWER_FILE}]({VIEWER_FILE}) (open it in a browser)."
+        + (f" {markdown_text(viewer_note, 1000)}." if viewer_note else ""),
         "",
         "| agent | prompts | mean reward | " + " | ".join(ks) + " | gen tokens (mean) | turns (mean) | truncated |",
         "|---|---|---|" + "---|" * len(ks) + "---|---|---|",
@@ -197,6 +335,12 @@ def render_markdown(metrics: JsonObject) -> str:
         cells += [m["pass_at_k"].get(k, "") for k in ks]
         cells += [m["generated_tokens"].get("mean", ""), m["turns"].get("mean", ""), m["truncation_rate"]]
         lines.append("| " + " | ".join(c if isinstance(c, str) else _fmt(c) for c in cells) + " |")
+    if _non_finite(agents):
+        lines += [
+            "",
+            "n/a: a statistic that is not a finite number (rewards or counts near the float limit); "
+            f"{METRICS_FILE} holds null there.",
+        ]
     failures = metrics["failures"]
     if failures["by_error"]:
         examples = failures.get("example_message", {})
@@ -216,63 +360,83 @@ def render_markdown(metrics: JsonObject) -> str:
         "",
         "## Timing",
         "",
-        f"- run time: {timing['run_seconds']:.1f} s over {timing['sessions']} recorded session(s): "
-        f"{timing['startup_seconds']:.1f} s starting the policy and Gym, {timing['rollout_seconds']:.1f} s rolling out",
+        f"- run time: {_seconds(timing['run_seconds'])} over {timing['sessions']} recorded session(s): "
+        f"{_seconds(timing['startup_seconds'])} starting the policy and Gym, {_seconds(timing['rollout_seconds'])} "
+        "rolling out",
         f"- prompt groups per second: {_fmt(timing['prompts_per_s'])}; rows (completions) per second: "
         f"{_fmt(timing['rows_per_s'])}",
     ]
     if ALL in agents:
-        lines.append(f"- seconds per prompt group (mean): {agents[ALL]['group_seconds'].get('mean', 0.0):.2f}")
+        lines.append(f"- seconds per prompt group (mean): {_seconds(agents[ALL]['group_seconds'].get('mean', 0.0))}")
     return "\n".join(lines) + "\n"
 
 
-def render_plot(metrics: JsonObject, rewards: dict[str, list[float]], path: Path) -> None:
+def _seconds(value: float) -> str:
+    return f"{value:.1f} s" if math.isfinite(value) else "n/a"
+
+
+def render_plot(metrics: JsonObject, rewards: dict[str, list[float]]) -> bytes:
+    """``report.png``: the reward histogram per agent and pass@k per agent, as PNG bytes."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    agents = [a for a in metrics["agents"] if a != ALL]
-    if rewards:
-        left.hist([rewards[a] for a in agents], bins=10, label=[plot_label(a) for a in agents], stacked=True)
-        left.legend(fontsize=7)
-    left.set_title("Reward distribution (all completions)")
-    left.set_xlabel("reward")
-    left.set_ylabel("completions")
-    for agent in agents + ([ALL] if ALL in metrics["agents"] else []):
-        passk = metrics["agents"][agent]["pass_at_k"]
-        ks = [int(k.split("@")[1]) for k in passk]
-        right.plot(
-            ks, list(passk.values()), marker="o", label=plot_label(agent), linestyle="--" if agent == ALL else "-"
-        )
-        right.set_xticks(ks)
-    right.set_title("pass@k per agent")
-    right.set_xlabel("k")
-    right.set_ylabel("pass@k")
-    right.set_ylim(-0.02, 1.02)
-    if metrics["agents"]:
-        right.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    try:
+        agents = [a for a in metrics["agents"] if a != ALL]
+        finite = {a: [r for r in rewards.get(a, []) if abs(r) < 1e300] for a in agents}
+        if any(finite.values()):
+            left.hist([finite[a] for a in agents], bins=10, label=[plot_label(a) for a in agents], stacked=True)
+            left.legend(fontsize=7)
+        left.set_title("Reward distribution (all completions)")
+        left.set_xlabel("reward")
+        left.set_ylabel("completions")
+        for agent in agents + ([ALL] if ALL in metrics["agents"] else []):
+            passk = metrics["agents"][agent]["pass_at_k"]
+            ks = [int(k.split("@")[1]) for k in passk]
+            right.plot(
+                ks, list(passk.values()), marker="o", label=plot_label(agent), linestyle="--" if agent == ALL else "-"
+            )
+            right.set_xticks(ks)
+        right.set_title("pass@k per agent")
+        right.set_xlabel("k")
+        right.set_ylabel("pass@k")
+        right.set_ylim(-0.02, 1.02)
+        if metrics["agents"]:
+            right.legend(fontsize=7)
+        fig.tight_layout()
+        out = io.BytesIO()
+        fig.savefig(out, format="png", dpi=100)
+    finally:
+        plt.close(fig)
+    return out.getvalue()
 
 
 def build_report(run_dir: str | Path) -> JsonObject:
     """Write ``metrics.json``, ``report.md``, ``report.png`` and ``report.html`` into ``run_dir``; return the
-    metrics.
+    metrics. Everything is read and rendered first; then each file is written atomically (a link planted at
+    the name is replaced, never followed).
 
     Raises:
         RunReadError: see :func:`read_for_report`; nothing is written then.
     """
     run_dir = Path(run_dir)
-    run = read_for_report(run_dir)
-    metrics = run_metrics(run)
+    tallies, page = _Tallies(), ViewerPage()
+    run = read_for_report(run_dir, tallies, page)
+    metrics = run_metrics(run, tallies)
     rewards: dict[str, list[float]] = defaultdict(list)
     for g in run.groups:
         rewards[g.agent] += g.rewards
-    (run_dir / METRICS_FILE).write_text(json.dumps(metrics, indent=1) + "\n")
-    (run_dir / REPORT_FILE).write_text(render_markdown(metrics))
-    render_plot(metrics, rewards, run_dir / PLOT_FILE)
-    build_viewer(run_dir)
+    markdown = render_markdown(metrics, page.summary)
+    png = render_plot(metrics, rewards)
+    del rewards
+    html_page = page_bytes(page.payload(run.run, run_dir))
+    outputs: dict[Path, bytes | str] = {
+        run_dir / METRICS_FILE: json_out(metrics),
+        run_dir / REPORT_FILE: markdown,
+        run_dir / PLOT_FILE: png,
+        run_dir / VIEWER_FILE: html_page,
+    }
+    write_files(outputs)
     return metrics

@@ -1,60 +1,104 @@
 """The one reader of run folders, for every command that opens one (``report``, ``compare``, ``rescore``,
-``eval --resume``, the trace viewer through :func:`~gym_bridge.eval.store.read_jsonl`).
+``eval --resume``, the trace viewer), and the one place that tells an eval run folder from a training one
+(:func:`run_folder_kind`, for ``gym-bridge report``). A training folder's JSONL files are read by
+:func:`gym_bridge.training.metrics.iter_jsonl`, the same loop under the same caps with the same error lines (the
+layer table keeps ``training/`` from importing this tool; ``tests/test_hostile_reports.py`` holds the two equal).
 
-A run folder is data that people send each other, and model text in it is attacker-controlled, so reading
-one is bounded and typed:
+A run folder is data that people send each other, and model text in it is attacker-controlled, so reading one
+goes through the trust boundary (:mod:`gym_bridge.boundary`) and is bounded and typed:
 
 - only regular files are read (a FIFO, a device or a link to one is refused before anything blocks), each
-  under a size cap (:class:`ReadLimits`) with a message that says how to raise it;
-- JSONL is split on ``\\n`` only (never ``str.splitlines()``, which also splits on U+2028, U+2029 and U+0085
-  inside a valid row), and every line is checked against the models of :mod:`gym_bridge.eval.records`;
-- ``run.json`` is typed too (a ``pass_threshold`` that is a string, a ``config`` that is not a mapping);
+  under a size cap (:class:`ReadLimits`) with a message that says how to raise it
+  (:func:`~gym_bridge.boundary.files.open_regular`);
+- JSONL is streamed line by line (:func:`iter_lines`): never the whole file in memory, one line under
+  :attr:`ReadLimits.max_line_bytes`, split on ``\\n`` only (never ``str.splitlines()``, which also splits on
+  U+2028, U+2029 and U+0085 inside a valid row); a NUL byte (a sparse file, a file of zeros) is an error at the
+  line that holds it, never an empty run;
+- every line is decoded as :func:`~gym_bridge.boundary.json_io.loads_object` decodes (orjson: finite numbers
+  only; nesting bounded at the boundary's :data:`~gym_bridge.boundary.json_io.MAX_DEPTH`; every refusal is the
+  boundary's own line) by :func:`decode_line`, which measures the nesting on the bytes (:func:`raw_depth`)
+  instead of walking every decoded value (the boundary's walk costs ~0.9 ms a 29 KB line, 35 s of a compare of
+  two runs of 20,000 prompts); each line is checked against the models of :mod:`gym_bridge.eval.records`;
+  ``run.json`` is typed too (a ``pass_threshold`` that is a string, a ``config`` that is not a mapping);
 - a ``prompt_idx`` given twice is refused, naming both lines.
+
+What a reader keeps is bounded by what it uses, not by the file: :func:`load_run` keeps per prompt its numbers
+(key, lines, agent, rewards, a short prompt preview) and where its line is (:class:`LineRef`); the full line is
+read again when it is asked for (:attr:`RunGroup.record`, checked to be the line read first). A caller that needs
+more of each line (the report's token counts, the trace viewer) sees each line once as it streams by (``visit``).
 
 Any problem is one :class:`RunReadError` line naming the folder, the file, the line and the field. A torn last
 line is an error for a finished run (it is a run killed mid-write; ``gym-bridge eval --resume`` repairs it), and
-a run still being written (its ``run.lock`` held) is refused.
+a run still being written (its ``run.lock`` held) is refused. :func:`run_folder_kind` tells an eval run folder
+from a training one, or says that a folder is neither.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
+import gc
 import os
+import re
 import reprlib
 import stat
+import zlib
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Literal
 
 import orjson
 from pydantic import BaseModel, ConfigDict, PositiveInt, ValidationError
 
+from gym_bridge.boundary.errors import UntrustedInputError
+from gym_bridge.boundary.files import file_kind, open_regular, read_bytes, write_atomic
+from gym_bridge.boundary.json_io import (
+    MAX_DEPTH,
+    dumps,
+    jsonl_lines as jsonl_lines,  # the store's and the rescore's splitter
+    loads_object,
+)
+from gym_bridge.boundary.text import shown as shown  # what callers escape run-folder text with
 from gym_bridge.eval.records import ROW_ID_KEY, FailureLine, PromptLine, ResultLine, RunFile
-from gym_bridge.failures import GymBridgeError
 from gym_bridge.json_types import JsonObject
 
 RUN_FILE = "run.json"
 RESULTS_FILE = "results.jsonl"
 FAILURES_FILE = "failures.jsonl"
 LOCK_FILE = "run.lock"
+TRAINING_METRICS_FILE = "metrics.jsonl"
+"""A training run folder's one required file (``gym-bridge train``: one line per step and per validation)."""
 MAX_BYTES_ENV = "GYM_BRIDGE_RUN_MAX_BYTES"
 """The environment variable that raises (or lowers) :attr:`ReadLimits.max_jsonl_bytes`."""
-MAX_RUN_JSON_DEPTH = 64
-"""How deeply ``run.json`` may nest: the writers nest a few levels, and their copies (``json.dump`` with an indent,
-``copy.deepcopy``) recurse once per level."""
-
+MAX_RUN_JSON_DEPTH = MAX_DEPTH
+"""How deeply ``run.json`` and each JSONL line may nest (the boundary's default): the writers nest a few levels,
+and their copies (``json.dump`` with an indent, ``copy.deepcopy``) recurse once per level."""
+_PIECE = 1 << 20
+"""How much of a line is read at once: a longer line is read piece by piece up to its cap."""
 
 _PREVIEW = reprlib.Repr(maxlevel=2, maxdict=3, maxlist=3, maxstring=40, maxother=40)
 """How much of a refused value an error line shows."""
 
 
-class RunReadError(GymBridgeError, ValueError):
+class RunReadError(UntrustedInputError):
     """A run folder cannot be read: missing, still being written, not a regular file, too large, or a malformed
-    line or field (named)."""
+    line or field (named). An :class:`~gym_bridge.boundary.UntrustedInputError` (so a ``GymBridgeError`` and a
+    ``ValueError``): every refusal of the boundary met while reading a run folder is raised as this class."""
+
+
+@contextlib.contextmanager
+def refusals_as_run_errors() -> Iterator[None]:
+    """Raise the boundary's refusals inside the block as :class:`RunReadError` (the same one line)."""
+    try:
+        yield
+    except RunReadError:
+        raise
+    except UntrustedInputError as exc:
+        raise RunReadError(str(exc)) from None
 
 
 class ReadLimits(BaseModel):
@@ -64,7 +108,10 @@ class ReadLimits(BaseModel):
 
     max_run_json_bytes: PositiveInt = 16 << 20
     max_jsonl_bytes: PositiveInt = 2 << 30
-    """``results.jsonl``, ``failures.jsonl`` and a rescore's dataset file each."""
+    """``results.jsonl``, ``failures.jsonl``, ``metrics.jsonl``, ``val_results.jsonl`` and a rescore's dataset
+    file each."""
+    max_line_bytes: PositiveInt = 128 << 20
+    """One line of a JSONL file: a line is held whole while it is decoded (an eval's line is tens of KB)."""
 
     @classmethod
     def from_env(cls) -> ReadLimits:
@@ -79,15 +126,6 @@ class ReadLimits(BaseModel):
         if not raw.isdigit() or int(raw) == 0:
             raise RunReadError(f"{MAX_BYTES_ENV}={shown(raw)} is not a positive number of bytes")
         return cls(max_jsonl_bytes=int(raw))
-
-
-def shown(value: object) -> str:
-    """``value`` as text on one line: what is not printable (newlines, U+2028, ANSI escapes) escaped, so a folder
-    name or a stored string cannot split an error line or write to the terminal."""
-    text = str(value)
-    if text.isprintable():
-        return text
-    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
 
 
 def open_lock(path: Path, *, create: bool) -> int:
@@ -121,75 +159,197 @@ def writer_active(run_dir: str | Path) -> bool:
     return False
 
 
+def run_folder_kind(run_dir: str | Path) -> Literal["eval", "training"]:
+    """Whether ``run_dir`` is an eval run folder (it has ``run.json``) or a training run folder (no ``run.json``,
+    a ``metrics.jsonl``). Anything at the name counts (a FIFO, a link): the reader then refuses it by name.
+
+    Raises:
+        RunReadError: ``run_dir`` is not a folder, or is neither kind (both files named).
+    """
+    folder = Path(run_dir)
+    if not folder.is_dir():
+        raise RunReadError(f"{shown(folder)}: no such run folder")
+    if os.path.lexists(folder / RUN_FILE):
+        return "eval"
+    if os.path.lexists(folder / TRAINING_METRICS_FILE):
+        return "training"
+    raise RunReadError(
+        f"{shown(folder)}: neither an eval run folder (no {RUN_FILE}) nor a training run folder "
+        f"(no {TRAINING_METRICS_FILE})"
+    )
+
+
+def write_files(files: dict[Path, bytes | str]) -> None:
+    """Write each of ``files`` (path -> content) through :func:`~gym_bridge.boundary.files.write_atomic` (a link
+    or a FIFO planted at a name is replaced, never followed or opened), once no name is a folder: a folder
+    planted at one is refused before anything is written.
+
+    Raises:
+        RunReadError: a name is a folder (named).
+        OSError: the folder cannot be written.
+    """
+    for path in files:
+        try:
+            info = os.lstat(path)
+        except FileNotFoundError:
+            continue
+        if stat.S_ISDIR(info.st_mode):
+            raise RunReadError(f"{shown(path)}: {file_kind(info.st_mode)} where gym-bridge writes a file; remove it")
+    for path, data in files.items():
+        write_atomic(path, data)
+
+
 # ---- bytes ------------------------------------------------------------------------------------
 
 
-def read_file(path: Path, max_bytes: int) -> bytes | None:
-    """The bytes of ``path`` (None when it does not exist): a regular file of at most ``max_bytes``, links followed.
+def _hint(path: Path) -> str:
+    return f"; set {MAX_BYTES_ENV} to read a larger one" if path.name != RUN_FILE else ""
 
-    Checked before opening and again on the open file, so a FIFO never blocks and a device is never read.
+
+def read_file(path: Path, max_bytes: int) -> bytes | None:
+    """The bytes of ``path`` (None when it does not exist): a regular file of at most ``max_bytes``, links
+    followed (:func:`~gym_bridge.boundary.files.read_bytes`). For small files and callers that need the whole
+    file at once (a dataset's hash); a JSONL file is streamed with :func:`iter_lines`.
 
     Raises:
         RunReadError: not a regular file, over ``max_bytes``, or unreadable.
     """
-    try:
-        _check_regular(path, os.stat(path), max_bytes)
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        raise RunReadError(f"{shown(path)}: cannot be read ({exc.strerror or exc})") from None
-    with os.fdopen(fd, "rb") as f:
+    with refusals_as_run_errors():
         try:
-            _check_regular(path, os.fstat(fd), max_bytes)
-            data = f.read(max_bytes + 1)
-        except OSError as exc:
-            raise RunReadError(f"{shown(path)}: cannot be read ({exc.strerror or exc})") from None
-    if len(data) > max_bytes:
-        raise _too_large(path, len(data), max_bytes)
-    return data
+            return read_bytes(path, max_bytes, hint=_hint(Path(path)))
+        except FileNotFoundError:
+            return None
 
 
-def _check_regular(path: Path, info: os.stat_result, max_bytes: int) -> None:
-    """Refuse anything but a regular file, and a file over ``max_bytes``."""
-    if not stat.S_ISREG(info.st_mode):
-        raise RunReadError(
-            f"{shown(path)}: not a regular file ({_file_kind(info.st_mode)}); a run folder's files are read only "
-            "when they are regular files"
-        )
-    if info.st_size > max_bytes:
-        raise _too_large(path, info.st_size, max_bytes)
+def iter_lines(path: Path, limits: ReadLimits) -> Iterator[tuple[int, int, bytes, bool]]:
+    """Each line of the JSONL file ``path`` as it is read: (line number, byte offset, bytes without the newline,
+    whether a newline ended it). Only the last can lack its newline (a torn write, or a file not ending in one).
+    Nothing when ``path`` does not exist. Memory: a read of :data:`_PIECE` bytes and the line it ends, under
+    :attr:`ReadLimits.max_line_bytes`.
+
+    Raises:
+        RunReadError: not a regular file, over :attr:`ReadLimits.max_jsonl_bytes` (also when it grows while
+            read), a line over :attr:`ReadLimits.max_line_bytes`, or a NUL byte in a line (``file:line``; JSON
+            has no NUL byte: a sparse file or a file of zeros is refused at its first line, after one read).
+    """
+    where = shown(path)
+    hint = _hint(path)
+    max_line = limits.max_line_bytes
+    with refusals_as_run_errors(), contextlib.ExitStack() as stack:
+        try:
+            f = stack.enter_context(open_regular(path, limits.max_jsonl_bytes, hint=hint))
+        except FileNotFoundError:
+            return
+        buf, start, base, number, total = b"", 0, 0, 0, 0  # base: the file offset of buf[0]
+        while True:
+            end = buf.find(b"\n", start)
+            if end < 0:
+                if len(buf) - start > max_line:
+                    raise _line_too_long(where, number + 1, max_line)
+                try:
+                    piece = f.read(_PIECE)
+                except OSError as exc:
+                    raise RunReadError(f"{where}: cannot be read ({exc.strerror or exc})") from None
+                if not piece:
+                    if start < len(buf):
+                        yield number + 1, base + start, buf[start:], False
+                    return
+                total += len(piece)
+                if total > limits.max_jsonl_bytes:
+                    raise RunReadError(
+                        f"{where}: {total:,} bytes or more, over the limit of {limits.max_jsonl_bytes:,} bytes{hint}"
+                    )
+                base, buf, start = base + start, buf[start:] + piece, 0
+                nul = buf.find(b"\x00", len(buf) - len(piece))
+                if nul >= 0:
+                    line_start = buf.rfind(b"\n", 0, nul) + 1
+                    line = number + 1 + buf.count(b"\n", 0, line_start)
+                    byte = nul - line_start
+                    raise RunReadError(f"{where}:{line}: not valid JSON (a NUL byte at byte {byte:,} of the line)")
+                continue
+            number += 1
+            if end - start >= max_line:
+                raise _line_too_long(where, number, max_line)
+            yield number, base + start, buf[start:end], True
+            start = end + 1
 
 
-def _file_kind(mode: int) -> str:
-    """What a non-regular file is, in words."""
-    kinds = {stat.S_ISFIFO: "a FIFO", stat.S_ISCHR: "a character device", stat.S_ISBLK: "a block device",
-             stat.S_ISSOCK: "a socket", stat.S_ISDIR: "a folder"}  # fmt: skip
-    return next((name for test, name in kinds.items() if test(mode)), "not a file")
+def _line_too_long(where: str, number: int, max_line: int) -> RunReadError:
+    return RunReadError(f"{where}:{number}: a line of more than {max_line:,} bytes, over the limit of a line")
 
 
-def _too_large(path: Path, size: int, max_bytes: int) -> RunReadError:
-    hint = f"; set {MAX_BYTES_ENV} to read a larger one" if path.name != RUN_FILE else ""
-    return RunReadError(f"{shown(path)}: {size:,} bytes or more, over the limit of {max_bytes:,} bytes{hint}")
+_ESCAPE = re.compile(rb"\\.", re.S)
+"""A backslash escape inside a JSON string (the only place valid JSON has a backslash)."""
+_NOT_STRUCTURE = bytes(range(256)).translate(None, b'"[]{}')
+"""Every byte but quotes and brackets (no byte of a multi-byte UTF-8 character is one of these)."""
 
 
-def jsonl_lines(data: bytes) -> tuple[list[bytes], bytes]:
-    """A JSONL file's complete lines, split on ``\\n`` only, and what follows the last newline (b"" or a torn
-    write). U+2028, U+2029 and U+0085 inside a row are text, not line ends."""
-    lines = data.split(b"\n")
-    tail = lines.pop()
-    return lines, tail
+def raw_depth(raw: bytes) -> int:
+    """How deeply the valid JSON text ``raw`` nests lists and objects: as
+    :func:`~gym_bridge.boundary.json_io.depth` of its value, measured on the bytes (escapes dropped, then
+    everything but quotes and brackets, then what lies inside strings; the brackets left are counted)."""
+    structure = _ESCAPE.sub(b"", raw) if b"\\" in raw else raw
+    brackets = b"".join(structure.translate(None, _NOT_STRUCTURE).split(b'"')[::2])
+    level = deepest = 0
+    for byte in brackets:
+        if byte == 0x5B or byte == 0x7B:  # [ {
+            level += 1
+            if level > deepest:
+                deepest = level
+        else:
+            level -= 1
+    return deepest
 
 
-def _json_object(where: str, raw: bytes) -> JsonObject:
-    """The JSON object in ``raw`` (orjson: no NaN, nesting bounded)."""
+def _deeper_than(raw: bytes, limit: int) -> bool:
+    """Whether the valid JSON text ``raw`` nests deeper than ``limit`` (a short line with no more opening brackets
+    than ``limit`` cannot: then nothing is measured)."""
+    if len(raw) <= 4096 and raw.count(b"[") + raw.count(b"{") <= limit:
+        return False
+    return raw_depth(raw) > limit
+
+
+def decode_line(raw: bytes, where: str, *, max_depth: int = MAX_RUN_JSON_DEPTH) -> JsonObject:
+    """One JSONL line (or ``run.json``) as a JSON object, decoded as
+    :func:`~gym_bridge.boundary.json_io.loads_object` decodes it (the same decoder, the same refusals in the
+    boundary's own words), its nesting measured on the bytes (:func:`raw_depth`).
+
+    Raises:
+        RunReadError: not valid JSON, not an object, or nested deeper than ``max_depth`` (``where``).
+    """
     try:
         value = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise RunReadError(f"{where}: not valid JSON ({exc})") from None
-    if not isinstance(value, dict):
-        raise RunReadError(f"{where}: not a JSON object")
-    return value
+    except orjson.JSONDecodeError:
+        value = None
+    if isinstance(value, dict) and not _deeper_than(raw, max_depth):
+        return value
+    with refusals_as_run_errors():
+        loads_object(raw, where, max_depth=max_depth)  # refuses it, in the boundary's words
+    raise RunReadError(f"{where}: nested deeper than {max_depth} levels")  # pragma: no cover (the boundary refused)
+
+
+def iter_objects(
+    path: Path, limits: ReadLimits, *, finished: bool, skip_blank: bool = False
+) -> Iterator[tuple[int, int, bytes, JsonObject]]:
+    """Each line of the JSONL file ``path`` decoded: (line number, byte offset, the line's bytes, the object).
+    A torn last line is an error when ``finished``, else skipped (a run killed mid-write, or still writing).
+
+    Raises:
+        RunReadError: as :func:`iter_lines`, or a line that is not a JSON object (``file:line``), or a torn last
+            line when ``finished``; a blank line too unless ``skip_blank``.
+    """
+    where = shown(path)
+    for number, offset, raw, complete in iter_lines(path, limits):
+        if not complete:
+            if finished:
+                raise RunReadError(
+                    f"{where}:{number}: torn last line (the run was killed mid-write); "
+                    "`gym-bridge eval --resume` repairs it"
+                )
+            return
+        if skip_blank and not raw.strip():
+            continue
+        yield number, offset, raw, decode_line(raw, f"{where}:{number}")
 
 
 def field_problem(exc: ValidationError, prefix: str = "") -> str:
@@ -218,62 +378,39 @@ def read_run_json(folder: Path, limits: ReadLimits) -> tuple[JsonObject, RunFile
     if data is None:
         raise RunReadError(f"{shown(path)}: missing; {shown(folder)} is not a gym-bridge eval run folder")
     where = shown(path)
-    run = _json_object(where, data)
-    if _depth(run) > MAX_RUN_JSON_DEPTH:
-        raise RunReadError(f"{where}: nested deeper than {MAX_RUN_JSON_DEPTH} levels")
+    run = decode_line(data, where)
     try:
         return run, RunFile.model_validate(run)
     except ValidationError as exc:
         raise RunReadError(f"{where}: {field_problem(exc)}") from None
 
 
-def _depth(value: object) -> int:
-    """How deeply ``value`` nests lists and objects (iterative: no recursion limit)."""
-    deepest, stack = 0, [(value, 1)]
-    while stack:
-        item, level = stack.pop()
-        if isinstance(item, dict):
-            children: list[Any] = list(item.values())
-        elif isinstance(item, list):
-            children = item
-        else:
-            continue
-        deepest = max(deepest, level)
-        stack.extend((child, level + 1) for child in children)
-    return deepest
-
-
 def read_result_lines[L: PromptLine](
     folder: Path, limits: ReadLimits, model: type[L], *, need_row_ids: bool, finished: bool
 ) -> Iterator[tuple[int, JsonObject, L]]:
-    """Each line of ``results.jsonl`` in file order: (line number, the record as read, typed as ``model``). A
-    repeated ``prompt_idx`` is refused; a torn last line too when ``finished``, else skipped (a run killed
-    mid-write).
+    """Each line of ``results.jsonl`` in file order, streamed: (line number, the record as read, typed as
+    ``model``). A repeated ``prompt_idx`` is refused; a torn last line too when ``finished``, else skipped (a run
+    killed mid-write).
 
     Raises:
-        RunReadError: the file is not regular or too large, or a line is not valid JSON, not an object, lacks a
-            field or has one of the wrong type, or repeats a ``prompt_idx`` (both lines named).
+        RunReadError: the file is missing (when ``finished``), not regular or too large, or a line is not valid
+            JSON, not an object, lacks a field or has one of the wrong type, or repeats a ``prompt_idx`` (both
+            lines named).
     """
+    for ref, record, result in _result_lines(folder, limits, model, need_row_ids=need_row_ids, finished=finished):
+        yield ref.number, record, result
+
+
+def _result_lines[L: PromptLine](
+    folder: Path, limits: ReadLimits, model: type[L], *, need_row_ids: bool, finished: bool
+) -> Iterator[tuple[LineRef, JsonObject, L]]:
     path = folder / RESULTS_FILE
-    data = read_file(path, limits.max_jsonl_bytes)
-    if data is None:
-        if finished:
-            raise RunReadError(f"{shown(path)}: missing; the run has no finished prompt group")
-        return
-    lines, tail = jsonl_lines(data)
-    if tail and finished:
-        raise RunReadError(
-            f"{shown(path)}:{len(lines) + 1}: torn last line (the run was killed mid-write); "
-            "`gym-bridge eval --resume` repairs it"
-        )
+    if finished and not os.path.lexists(path):
+        raise RunReadError(f"{shown(path)}: missing; the run has no finished prompt group")
     first_line: dict[int, int] = {}
-    for number, raw in enumerate(lines, start=1):
+    for number, offset, raw, record in iter_objects(path, limits, finished=finished):
         where = f"{shown(path)}:{number}"
-        record = _json_object(where, raw)
-        try:
-            result = model.model_validate(record)
-        except ValidationError as exc:
-            raise RunReadError(f"{where}: {field_problem(exc)}") from None
+        result = _typed(model, record, where)
         if need_row_ids and record.get(ROW_ID_KEY) is None:
             raise RunReadError(
                 f"{where}: field {ROW_ID_KEY!r} is missing (written before rows had identities); run the eval again"
@@ -284,33 +421,75 @@ def read_result_lines[L: PromptLine](
                 f"{where}: field 'prompt_idx': {result.prompt_idx} is also on line {earlier}; "
                 "a run holds one result per prompt"
             )
-        yield number, record, result
+        yield LineRef(path, number, offset, len(raw), zlib.crc32(raw)), record, result
+
+
+def _typed[M: BaseModel](model: type[M], record: JsonObject, where: str) -> M:
+    try:
+        return model.model_validate(record)
+    except ValidationError as exc:
+        raise RunReadError(f"{where}: {field_problem(exc)}") from None
+
+
+MAX_FAILURE_MESSAGE = 2000
+"""Characters of a failure's message a reader keeps (the writer stores at most this many)."""
 
 
 def read_failure_lines(folder: Path, limits: ReadLimits) -> list[FailureLine]:
-    """The lines of ``failures.jsonl``, typed (none when it is missing; a torn last line is skipped).
+    """The lines of ``failures.jsonl``, typed, streamed: the last failure of each prompt, in the order of those
+    last lines, each message cut to :data:`MAX_FAILURE_MESSAGE` characters (none when the file is missing; a
+    torn last line is skipped).
 
     Raises:
         RunReadError: the file is not regular or too large, or a line is malformed (named).
     """
     path = folder / FAILURES_FILE
-    data = read_file(path, limits.max_jsonl_bytes)
-    failures: list[FailureLine] = []
-    for number, raw in enumerate(jsonl_lines(data or b"")[0], start=1):
-        where = f"{shown(path)}:{number}"
-        try:
-            failures.append(FailureLine.model_validate(_json_object(where, raw)))
-        except ValidationError as exc:
-            raise RunReadError(f"{where}: {field_problem(exc)}") from None
-    return failures
+    latest: dict[int, FailureLine] = {}
+    for number, _, _, record in iter_objects(path, limits, finished=False):
+        failure = _typed(FailureLine, record, f"{shown(path)}:{number}")
+        if len(failure.message) > MAX_FAILURE_MESSAGE:
+            failure = failure.model_copy(update={"message": failure.message[:MAX_FAILURE_MESSAGE]})
+        latest.pop(failure.prompt_idx, None)
+        latest[failure.prompt_idx] = failure
+    return list(latest.values())
 
 
 # ---- a run ------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True, slots=True)
+class LineRef:
+    """Where one line of a JSONL file is, to read it again: its number, byte offset, size and CRC-32."""
+
+    path: Path
+    number: int
+    offset: int
+    size: int
+    crc: int
+
+    def read(self, limits: ReadLimits | None = None) -> JsonObject:
+        """The line again, decoded as it was the first time.
+
+        Raises:
+            RunReadError: the file is no longer a regular file under its cap, or the line changed since it was
+                read (named).
+        """
+        limits = limits or ReadLimits.from_env()
+        where = f"{shown(self.path)}:{self.number}"
+        with refusals_as_run_errors(), open_regular(self.path, limits.max_jsonl_bytes, hint=_hint(self.path)) as f:
+            try:
+                f.seek(self.offset)
+                raw = f.read(self.size)
+            except OSError as exc:
+                raise RunReadError(f"{where}: cannot be read ({exc.strerror or exc})") from None
+        if len(raw) != self.size or zlib.crc32(raw) != self.crc:
+            raise RunReadError(f"{where}: changed since it was read; read the run folder again")
+        return decode_line(raw, where)
+
+
 @dataclass
 class RunGroup:
-    """One finished prompt group of a run."""
+    """One finished prompt group of a run: what the readers use of its line, and where the line is."""
 
     key: str
     """The row's identity in this run: its ``row_id``, with ``#k`` for the k-th repeat of an identical row."""
@@ -319,13 +498,49 @@ class RunGroup:
     prompt_idx: int
     agent: str
     rewards: list[float]
-    record: JsonObject
-    """The line as read (every key, for previews and rewrites); it passed :class:`ResultLine`'s checks."""
+    dataset_line: int | None = None
+    """The row's line in the dataset (the result line's ``line``)."""
+    prompt: str = ""
+    """The last user message of the row's prompt, on one line, cut to 160 characters (:func:`prompt_preview`)."""
+    source: LineRef | None = None
+    """Where the line is, to read it again (:attr:`record`)."""
+
+    @property
+    def record(self) -> JsonObject:
+        """The line as read (every key), read again from the file each time it is asked for: a run of 200,000
+        prompts keeps no line in memory.
+
+        Raises:
+            RunReadError: the line cannot be read again or changed since (named).
+        """
+        if self.source is None:
+            raise RunReadError(f"results.jsonl:{self.line}: no longer available to read again")
+        return self.source.read()
 
     @cached_property
     def result(self) -> ResultLine:
-        """The line, typed (built again on first use: a run of 200,000 prompts keeps no model per line)."""
-        return ResultLine.model_validate(self.record)
+        """The line, typed (read again on first use, then kept)."""
+        where = shown(self.source.path) if self.source else RESULTS_FILE
+        return _typed(ResultLine, self.record, f"{where}:{self.line}")
+
+
+def prompt_preview(record: JsonObject, limit: int = 160) -> str:
+    """The last user message of the row's prompt, on one line (from the first completion's Gym result); text that
+    is not a string is shown as JSON; cut to ``limit`` characters."""
+    try:
+        items = record["completions"][0]["gym_result"]["responses_create_params"]["input"]
+    except (KeyError, IndexError, TypeError):
+        return ""
+    if isinstance(items, str):
+        text = items
+    elif isinstance(items, list):
+        users = [i.get("content") for i in items if isinstance(i, dict) and i.get("role") == "user"]
+        last = users[-1] if users else ""
+        text = last if isinstance(last, str) else dumps(last)[: 4 * limit].decode("utf-8", "replace")
+    else:
+        return ""
+    text = " ".join(text[: 8 * limit].split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 @dataclass
@@ -337,7 +552,7 @@ class LoadedRun:
     """``run.json``, typed."""
     groups: list[RunGroup]
     failures: list[FailureLine] = field(default_factory=list)
-    """``failures.jsonl``, when it was asked for."""
+    """``failures.jsonl``, when it was asked for: the last failure of each prompt."""
     by_key: dict[str, RunGroup] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -358,6 +573,23 @@ class LoadedRun:
         return self.meta.config.pass_threshold
 
 
+type LineVisitor = Callable[[RunGroup, JsonObject, ResultLine], None]
+"""Called with each group as its line streams by: the group, the line as read and the line typed."""
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """The cyclic garbage collector off while lines stream by: decoded JSON holds no cycles, and a collection
+    that walks every object kept so far, once per few hundred lines, cost more than the decoding itself."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def load_run(
     run_dir: str | Path,
     *,
@@ -365,9 +597,11 @@ def load_run(
     finished: bool = True,
     failures: bool = False,
     limits: ReadLimits | None = None,
+    visit: LineVisitor | None = None,
 ) -> LoadedRun:
-    """Read ``run.json`` and every ``results.jsonl`` line of ``run_dir``, in file order (and ``failures.jsonl``
-    when ``failures``).
+    """Read ``run.json`` and stream every ``results.jsonl`` line of ``run_dir``, in file order (and
+    ``failures.jsonl`` when ``failures``), keeping of each line its :class:`RunGroup`; ``visit`` sees each line
+    as it passes.
 
     ``finished`` (``compare``, ``rescore``): the run is not being written, has no torn last line and holds at
     least one group. Without it (``report``), a torn last line is skipped and an empty run is read as empty.
@@ -386,14 +620,25 @@ def load_run(
         raise RunReadError(f"{shown(folder)}: still being written (a process holds {LOCK_FILE}); read it when it ends")
     groups: list[RunGroup] = []
     seen: Counter[str] = Counter()
-    lines = read_result_lines(folder, limits, ResultLine, need_row_ids=need_row_ids, finished=finished)
-    for number, record, result in lines:
-        key = result.row_id if result.row_id is not None else f"idx:{result.prompt_idx}"
-        repeat = seen[key]
-        seen[key] += 1
-        rewards = [c.reward for c in result.completions]
-        group = RunGroup(f"{key}#{repeat}" if repeat else key, number, result.prompt_idx, result.agent, rewards, record)
-        groups.append(group)
+    lines = _result_lines(folder, limits, ResultLine, need_row_ids=need_row_ids, finished=finished)
+    with _collector_paused():
+        for ref, record, result in lines:
+            key = result.row_id if result.row_id is not None else f"idx:{result.prompt_idx}"
+            repeat = seen[key]
+            seen[key] += 1
+            group = RunGroup(
+                key=f"{key}#{repeat}" if repeat else key,
+                line=ref.number,
+                prompt_idx=result.prompt_idx,
+                agent=result.agent,
+                rewards=[c.reward for c in result.completions],
+                dataset_line=result.line,
+                prompt=prompt_preview(record),
+                source=ref,
+            )
+            if visit is not None:
+                visit(group, record, result)
+            groups.append(group)
     if finished and not groups:
         raise RunReadError(f"{shown(folder / RESULTS_FILE)}: empty; the run has no finished prompt group")
     found = read_failure_lines(folder, limits) if failures else []

@@ -3,33 +3,70 @@
 One panel per quantity over the steps: reward, held-out accuracy (McNemar's exact test of the last validation
 against the first, paired by problem and sample), loss, KL, policy movement, engine mismatch and async lag.
 Series that coincide at every point share one line and one label (``accuracy = lenient accuracy``), so no line
-hides under another; legends sit to the right of the panels, off the data. A run folder is untrusted input
-(people send runs to each other): files are read only when regular and under a size cap, each value is checked
-for type, and every text from the folder is escaped in the HTML.
+hides under another; legends sit to the right of the panels, off the data.
+
+A run folder is untrusted input (people send runs to each other): ``metrics.jsonl`` and ``val_results.jsonl``
+are read as an eval run folder's files are (:func:`gym_bridge.training.metrics.iter_jsonl`: through the
+boundary, regular files only, the same size caps, streamed line by line), each line typed, and a malformed line
+is one :class:`~gym_bridge.boundary.UntrustedInputError` naming ``file:line`` and the field, never skipped (a torn
+last line, a run killed mid-write, is skipped). Every text from the folder is escaped in the HTML (control characters as
+well), and both files are written through :func:`~gym_bridge.boundary.files.write_atomic` (a link planted at
+``training.png`` or ``training.html`` is replaced, never followed).
 """
 
 from __future__ import annotations
 
 import html
-import json
+import io
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Annotated
 
-from gym_bridge.failures import GymBridgeError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from gym_bridge.boundary.errors import UntrustedInputError
+from gym_bridge.boundary.files import write_atomic
+from gym_bridge.boundary.text import shown
 from gym_bridge.stats import McNemarResult, mcnemar_exact
+from gym_bridge.training.metrics import iter_jsonl
 
-MAX_FILE_BYTES = 256 * 1024**2
 MAX_SETS = 16
 PNG, HTML = "training.png", "training.html"
+METRICS_FILE = "metrics.jsonl"
+VAL_RESULTS_FILE = "val_results.jsonl"
 
 type Series = dict[str, list[tuple[float, float]]]
 """label -> (step, value) points."""
 
 
-class TrainingRunError(GymBridgeError):
-    """A training run folder cannot be read (missing, not regular, too large, malformed); the message names it."""
+TrainingRunError = UntrustedInputError
+"""A training run folder cannot be read (missing, not regular, too large, malformed): the boundary's error, one
+line naming the file, line and field (``gym-bridge report`` raises it as ``eval.runs.RunReadError``)."""
+
+
+class _Line(BaseModel):
+    """Strict, as the eval readers: a string is not a number, a number is not a bool."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class _MetricsLine(_Line):
+    """What the plots need of a ``metrics.jsonl`` line: its step (the rest is read as numbers by name)."""
+
+    step: Annotated[float, Field(allow_inf_nan=False)]
+    kind: str | None = None
+
+
+class _Verdict(_Line):
+    """One ``val_results.jsonl`` line: a held-out answer of a set at a step."""
+
+    set: str
+    step: int
+    problem: int
+    sample: int
+    correct: bool
 
 
 @dataclass
@@ -62,22 +99,32 @@ class TrainingPlots:
     """set -> (first step, last step, result)."""
 
 
-def _lines(path: Path) -> list[object]:
-    """The JSON values of a JSONL file (a torn or malformed line skipped); none when the file is absent."""
-    if not path.exists() and not path.is_symlink():
-        return []
-    if path.is_symlink() or not path.is_file():
-        raise TrainingRunError(f"{path}: not a regular file")
-    if path.stat().st_size > MAX_FILE_BYTES:
-        raise TrainingRunError(f"{path}: larger than {MAX_FILE_BYTES // 1024**2} MiB")
-    out: list[object] = []
-    for line in path.read_bytes().split(b"\n"):
-        if line.strip():
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                continue
+def _typed_lines[M: BaseModel](path: Path, model: type[M]) -> list[tuple[dict[str, object], M]]:
+    """Each line of the JSONL file ``path`` as read and typed as ``model`` (none when the file is absent; blank
+    lines and a torn last line skipped).
+
+    Raises:
+        UntrustedInputError: not a regular file, over the cap, or a line that is not a JSON object of ``model``'s
+            fields (``file:line`` and the field named).
+    """
+    out = []
+    for number, record in iter_jsonl(path):
+        try:
+            out.append((record, model.model_validate(record)))
+        except ValidationError as exc:
+            raise UntrustedInputError(f"{shown(path)}:{number}: {_field_problem(exc)}") from None
     return out
+
+
+def _field_problem(exc: ValidationError) -> str:
+    """The first problem pydantic found, in the words of the eval reader: ``field 'x' is missing`` or
+    ``field 'x': should be ... (got ...)``."""
+    error = exc.errors(include_url=False)[0]
+    name = ".".join(str(part) for part in error["loc"])
+    if error["type"] == "missing":
+        return f"field {shown(name)!r} is missing"
+    message = error["msg"].removeprefix("Input ")
+    return f"field {shown(name)!r}: {message} (got {shown(repr(error['input'])[:60])})"
 
 
 def _numbers(line: Mapping[str, object]) -> dict[str, float]:
@@ -90,32 +137,27 @@ def _numbers(line: Mapping[str, object]) -> dict[str, float]:
 
 
 def read_training_run(run_dir: str | Path) -> TrainingRun:
-    """``metrics.jsonl`` and ``val_results.jsonl`` of a run folder, checked; :class:`TrainingRunError` when the
-    folder has no training metrics."""
+    """``metrics.jsonl`` and ``val_results.jsonl`` of a run folder, read by the run-folder reader and typed.
+
+    Raises:
+        UntrustedInputError: the folder is missing, a file is not regular or too large, a line is malformed
+            (``file:line`` and the field named), or the folder has no training metrics.
+    """
     folder = Path(run_dir)
     if not folder.is_dir():
-        raise TrainingRunError(f"{folder}: not a run folder")
+        raise UntrustedInputError(f"{shown(folder)}: no such run folder")
     run = TrainingRun()
-    for line in _lines(folder / "metrics.jsonl"):
-        if not isinstance(line, dict) or "step" not in _numbers(line):
-            continue
-        (run.validations if line.get("kind") == "val" else run.steps).append(_numbers(line))
+    for record, line in _typed_lines(folder / METRICS_FILE, _MetricsLine):
+        (run.validations if line.kind == "val" else run.steps).append(_numbers(record))
     if not run.steps and not run.validations:
-        raise TrainingRunError(f"{folder}: no training metrics (metrics.jsonl) to plot")
+        raise UntrustedInputError(f"{shown(folder / METRICS_FILE)}: no training metrics to plot")
     sets: set[str] = set()
-    for record in _lines(folder / "val_results.jsonl"):
-        if not isinstance(record, dict):
-            continue
-        name, step, problem, sample, correct = (record.get(k) for k in ("set", "step", "problem", "sample", "correct"))
-        if not (isinstance(name, str) and isinstance(correct, bool)):
-            continue
-        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (step, problem, sample)):
-            continue
-        name = name[:80]
+    for _, verdict in _typed_lines(folder / VAL_RESULTS_FILE, _Verdict):
+        name = verdict.set[:80]
         if name not in sets and len(sets) >= MAX_SETS:
             continue
         sets.add(name)
-        run.verdicts.setdefault((name, float(step)), {})[(int(problem), int(sample))] = correct  # type: ignore[arg-type]
+        run.verdicts.setdefault((name, float(verdict.step)), {})[(verdict.problem, verdict.sample)] = verdict.correct
     return run
 
 
@@ -197,8 +239,8 @@ def panels(run: TrainingRun, tests: Mapping[str, tuple[float, float, McNemarResu
     ]
 
 
-def _draw(run_panels: Sequence[Panel], png: Path, title: str) -> None:
-    """Each panel on its own axes, one column, legends to the right of the axes."""
+def _draw(run_panels: Sequence[Panel], title: str) -> bytes:
+    """Each panel on its own axes, one column, legends to the right of the axes; PNG bytes."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -224,20 +266,28 @@ def _draw(run_panels: Sequence[Panel], png: Path, title: str) -> None:
     axes[-1].set_xlabel("steps done")
     fig.suptitle(_label(title))
     fig.tight_layout()
-    fig.savefig(png, dpi=90, bbox_inches="tight")
-    plt.close(fig)
+    out = io.BytesIO()
+    try:
+        fig.savefig(out, format="png", dpi=90, bbox_inches="tight")
+    finally:
+        plt.close(fig)
+    return out.getvalue()
 
 
 def _label(value: object, limit: int = 80) -> str:
-    """Text for matplotlib: one line per line, short, ``$`` escaped (mathtext would parse it)."""
-    text = str(value)
+    """Text for matplotlib: one line per line (control characters escaped), short, ``$`` escaped (mathtext would
+    parse it)."""
+    text = "\n".join(shown(part) for part in str(value).split("\n"))
     text = text if len(text) <= limit else text[: limit - 3] + "..."
     return text.replace("$", "\\$")
 
 
 def _html(run_panels: Sequence[Panel], tests: Mapping[str, tuple[float, float, McNemarResult]], title: str) -> str:
     """A self-contained page: the image, each panel's last values and the held-out tests; every text escaped."""
-    esc = html.escape
+
+    def esc(value: object) -> str:
+        return html.escape(shown(value))
+
     rows = []
     for panel in run_panels:
         for label, points in panel.series.items():
@@ -265,13 +315,22 @@ def _html(run_panels: Sequence[Panel], tests: Mapping[str, tuple[float, float, M
 
 
 def write_training_plots(run_dir: str | Path, title: str | None = None) -> TrainingPlots:
-    """``training.png`` and ``training.html`` in ``run_dir`` from its ``metrics.jsonl`` and ``val_results.jsonl``."""
+    """``training.png`` and ``training.html`` in ``run_dir`` from its ``metrics.jsonl`` and ``val_results.jsonl``,
+    both rendered before either is written, each written atomically (a planted link is replaced).
+
+    Raises:
+        UntrustedInputError: see :func:`read_training_run`; nothing is written then.
+    """
     folder = Path(run_dir)
     run = read_training_run(folder)
     tests = held_out_tests(run)
     run_panels = panels(run, tests)
     title = title or f"GRPO training: {folder.name}"
     png, page = folder / PNG, folder / HTML
-    _draw(run_panels, png, title)
-    page.write_text(_html(run_panels, tests, title))
+    image, text = _draw(run_panels, title), _html(run_panels, tests, title)
+    for path in (png, page):
+        if path.is_dir() and not path.is_symlink():
+            raise UntrustedInputError(f"{shown(path)}: a folder where gym-bridge writes a file; remove it")
+    write_atomic(png, image)
+    write_atomic(page, text)
     return TrainingPlots(png, page, tests)

@@ -206,7 +206,10 @@ def test_config_errors_name_the_key(data: dict, key: str) -> None:
 def test_missing_keys_and_bad_overrides_are_named(tmp_path: Path) -> None:
     with pytest.raises(EvalConfigError) as info:
         build_config({})
-    assert all(k in str(info.value) for k in ("dataset", "config_paths", "output_dir"))
+    assert all(k in str(info.value) for k in ("dataset", "output_dir"))
+    with pytest.raises(EvalConfigError, match="config_paths: no Gym server config; give config_paths .* or gym_head"):
+        build_config({"dataset": "d.jsonl", "output_dir": "o", "model_name": "m", "tokenizer": "t",
+                      "base_urls": ["http://127.0.0.1:9/v1"]})  # fmt: skip
     with pytest.raises(EvalConfigError, match="not key=value"):
         load_config(EXAMPLE, ["limit"])
     (tmp_path / "c.yaml").write_text("- a list\n")

@@ -44,6 +44,8 @@ def termination_reason(completion: Completion) -> str:
     return "stop"
 
 
+STAMP_PREFIXES: Final = ("_ng_", "_rowidx")
+"""Keys a row gains where it enters (its Gym task and rollout numbering, its index), not from its dataset line."""
 ROW_ID_KEY: Final = "row_id"
 """The result line's key for :func:`row_id`: what ``gym-bridge compare`` matches runs by."""
 _LOGPROB_DIGITS = 3
@@ -53,8 +55,11 @@ def row_id(row: object) -> str:
     """A dataset row's identity: sha256 of its canonical JSON (sorted keys, no spaces), 16 hex digits.
 
     The same row has the same id in any file, at any position, so runs of one dataset are matched
-    prompt by prompt even when the files order or subset the rows differently.
+    prompt by prompt even when the files order or subset the rows differently: the keys the bridge stamps as a row
+    enters (Gym's ``_ng_*`` rollout identity, ``_rowidx``) are left out.
     """
+    if isinstance(row, dict):  # the bridge's stamps (Gym's rollout numbering, ...) are no part of what the row asks
+        row = {key: value for key, value in row.items() if not key.startswith(STAMP_PREFIXES)}
     canonical = json.dumps(row, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 

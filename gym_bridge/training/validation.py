@@ -5,8 +5,8 @@ Each validation set gives ``val/accuracy`` (the first set) or ``val/<set>/accura
 ``format_rate`` (the environment extracted an answer: Gym's ``extracted_answer`` is set),
 ``lenient_accuracy`` (the last integer of the reply equals ``expected_answer``: correctness
 without the format) and ``mean_tokens``, and each agent's metrics (``val/<agent>/reward/mean``, ...:
-:mod:`~gym_bridge.training.agent_metrics`) when the set spans environments. Every answer is written to ``val_results.jsonl``
-so that two validations can be compared problem by problem (McNemar's test). With a
+:mod:`~gym_bridge.training.agent_metrics`) when the set spans environments. Every answer is written to
+``val_results.jsonl`` so that two validations can be compared problem by problem (McNemar's test). With a
 :class:`~gym_bridge.training.rewards.RewardShaper`, rewards are shaped (effort levels, reward penalties)
 before they are scored, as NeMo-RL's ``validate`` shapes them.
 """

@@ -1,6 +1,11 @@
 """Reading a NeMo-RL YAML as NeMo-RL's ``load_config`` does: ``defaults:`` parents, ``_override_`` sections,
 ``${...}`` interpolation with NeMo-RL's resolvers; and any config (a mapping or attribute-style) as a plain dict.
 
+A child's mapping merges into its parent's (OmegaConf's merge, NeMo-RL's rule): ``key: {}`` keeps the parent's keys,
+``key: null`` drops them, and ``_override_: true`` on a top-level section replaces the parent's section; NeMo-RL reads
+``_override_`` on top-level sections only. The two cases that read otherwise than they look (an empty mapping over a
+parent's keys, an ``_override_`` below the top level) are each one warning naming the key and the file.
+
 Values that ``${oc.env:NAME}`` interpolations resolve to are often secrets (API keys). Resolution notes them, and
 :func:`without_env_values` puts the interpolations back in a resolved config before it is written anywhere, so a run
 folder's ``config.yaml`` never holds them.
@@ -11,6 +16,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import io
+import logging
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -27,6 +33,8 @@ from gym_bridge.boundary.text import shown
 from gym_bridge.boundary.yaml_io import MAX_CONFIG_BYTES, check_yaml
 from gym_bridge.config.keys import TrainingConfigError
 from gym_bridge.json_types import JsonMapping, JsonObject
+
+logger = logging.getLogger(__name__)
 
 _RESOLVERS: dict[str, Callable[[float, float], float]] = {
     "add": lambda a, b: a + b,
@@ -49,9 +57,10 @@ def _register_resolvers() -> None:
             OmegaConf.register_new_resolver(name, fn)
 
 
-def _load_with_defaults(path: Path, children: tuple[Path, ...] = ()) -> DictConfig:
+def _load_with_defaults(path: Path, children: tuple[Path, ...] = (), shown_as: str | None = None) -> DictConfig:
     """The YAML at ``path`` with its ``defaults:`` parents merged under it, ``${...}`` still unresolved. The file is
-    read through the boundary (a regular file under a cap, aliases bounded before OmegaConf builds anything)."""
+    read through the boundary (a regular file under a cap, aliases bounded before OmegaConf builds anything).
+    ``shown_as``: how warnings name ``path`` (default: the path)."""
     if path in children:
         raise TrainingConfigError(
             f"{shown(path)}: its defaults: chain comes back to it ({' -> '.join(map(shown, children))})"
@@ -72,13 +81,14 @@ def _load_with_defaults(path: Path, children: tuple[Path, ...] = ()) -> DictConf
     merged = OmegaConf.create()
     for parent in [parents] if isinstance(parents, str) else list(parents):
         parent_path = (path.parent / str(parent)).resolve()
-        merged = _merge_with_override(merged, _load_with_defaults(parent_path, (*children, path)))
-    return _merge_with_override(merged, node)
+        merged = _merge_with_override(merged, _load_with_defaults(parent_path, (*children, path)), shown(parent_path))
+    return _merge_with_override(merged, node, shown_as or shown(path))
 
 
-def _merge_with_override(base: DictConfig, child: DictConfig) -> DictConfig:
+def _merge_with_override(base: DictConfig, child: DictConfig, where: str = "") -> DictConfig:
     """Merge ``child`` over ``base``; a top-level section of ``child`` marked ``_override_: true`` replaces
-    the parent's section instead of merging into it (NeMo-RL's rule)."""
+    the parent's section instead of merging into it (NeMo-RL's rule). ``where`` names ``child`` in the warnings
+    (:func:`_warn_merge`)."""
     for key in list(child.keys()):
         if OmegaConf.is_missing(child, key):
             continue
@@ -87,15 +97,81 @@ def _merge_with_override(base: DictConfig, child: DictConfig) -> DictConfig:
             value.pop(_OVERRIDE)
             if key in base:
                 base.pop(key)
+    _warn_merge(base, child, where)
     merged = OmegaConf.merge(base, child)
     assert isinstance(merged, DictConfig)  # two mappings merge into a mapping
     return merged
 
 
-def load_training_config(path: str | Path) -> JsonObject:
-    """A NeMo-RL YAML as a plain dict: ``defaults:`` parents merged under it, ``${...}`` resolved."""
+def _warn_merge(base: DictConfig, child: DictConfig, where: str) -> None:
+    """One warning for each mapping of ``child`` that merges otherwise than it reads: an empty mapping over a parent's
+    keys (they stay), and an ``_override_`` marker below the top level (NeMo-RL reads it on top-level sections only,
+    so the section merges and the marker stays a key)."""
+    if not base:
+        return
+    command_line = where == "the command line"
+    parent = OmegaConf.to_container(base, resolve=False)
+    for key, kept in _empty_over_keys(parent, OmegaConf.to_container(child, resolve=False)):
+        fix = (
+            f"~{key} removes them"
+            if command_line
+            else f"'{key.rsplit('.', 1)[-1]}: null' there (or ~{key} on the command line) removes them"
+        )
+        logger.warning(
+            "%s sets %s to {}, which keeps the parent's %d key(s) (%s): NeMo-RL merges a mapping into its parent's "
+            "(OmegaConf.merge; nemo_rl/utils/config.py); %s",
+            where or "a child config",
+            key,
+            len(kept),
+            ", ".join(kept[:5]),
+            fix,
+        )
+    for key in _nested_overrides(OmegaConf.to_container(child, resolve=False)):
+        logger.warning(
+            "%s: %s._override_ is below the top level, where NeMo-RL does not read it (only top-level sections, "
+            "nemo_rl/utils/config.py merge_with_override): %s merges with its parent's and keeps '_override_' as a "
+            "key. Put _override_: true on the top-level section, or set the key to null to drop the parent's value",
+            where or "a child config",
+            key,
+            key,
+        )
+
+
+def _empty_over_keys(parent: object, child: object, prefix: str = "") -> list[tuple[str, list[str]]]:
+    """``(dotted key, the parent's keys)`` for each empty mapping of ``child`` over a non-empty one of ``parent``."""
+    if not isinstance(parent, dict) or not isinstance(child, dict):
+        return []
+    found = []
+    for key, value in child.items():
+        dotted = f"{prefix}.{key}" if prefix else str(key)
+        below = parent.get(key)
+        if isinstance(value, dict) and isinstance(below, dict):
+            if not value and below:
+                found.append((dotted, [str(k) for k in below]))
+            else:
+                found += _empty_over_keys(below, value, dotted)
+    return found
+
+
+def _nested_overrides(child: object, prefix: str = "") -> list[str]:
+    """The dotted sections of ``child`` below the top level that carry an ``_override_`` marker."""
+    if not isinstance(child, dict):
+        return []
+    found = []
+    for key, value in child.items():
+        if isinstance(value, dict):
+            dotted = f"{prefix}.{key}" if prefix else str(key)
+            if prefix and _OVERRIDE in value:
+                found.append(dotted)
+            found += _nested_overrides(value, dotted)
+    return found
+
+
+def load_training_config(path: str | Path, *, shown_as: str | None = None) -> JsonObject:
+    """A NeMo-RL YAML as a plain dict: ``defaults:`` parents merged under it, ``${...}`` resolved. ``shown_as``: how
+    warnings name the file (default: its path)."""
     _register_resolvers()
-    return resolved_config(_load_with_defaults(Path(path).resolve()))
+    return resolved_config(_load_with_defaults(Path(path).resolve(), shown_as=shown_as))
 
 
 def _asplain_config(config: object) -> object:

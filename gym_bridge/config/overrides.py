@@ -6,6 +6,10 @@ error naming it), ``+key=value`` adds one, ``++key=value`` adds or changes, ``~k
 (``1`` an int, ``[1,2]`` a list, ``null`` None). The overrides are merged over the file as a child config whose
 ``defaults:`` is the file (:func:`~gym_bridge.config.loading.load_training_config`), so an interpolation sees the
 overridden value, as in NeMo-RL. Every problem is a :class:`TrainingConfigError` naming the override or the file.
+
+A mapping given as ``key={}`` merges into the config's mapping and so keeps its keys, as Hydra's
+``OmegaConf.update(..., merge=True)`` does in NeMo-RL (a warning says so); ``~key`` removes the key and ``key=null``
+replaces its value (docs/training.md, "Overrides and parents").
 """
 
 from __future__ import annotations
@@ -22,12 +26,13 @@ from gym_bridge.config.loading import load_training_config
 from gym_bridge.json_types import JsonObject
 
 
-def _read(path: Path) -> JsonObject:
-    """The config file with its parents merged and interpolations resolved; an unreadable file is one error."""
+def _read(path: Path, shown_as: str | None = None) -> JsonObject:
+    """The config file with its parents merged and interpolations resolved; an unreadable file is one error.
+    ``shown_as``: how warnings name the file (the command line's overrides are a temporary child file)."""
     if not path.is_file():
         raise TrainingConfigError(f"the training config {path} does not exist or is not a file")
     try:
-        config: JsonObject = load_training_config(path)
+        config: JsonObject = load_training_config(path, shown_as=shown_as)
     except TrainingConfigError:
         raise
     except (OSError, ValueError, yaml.YAMLError) as exc:
@@ -67,19 +72,28 @@ def _delete(config: dict[str, Any], dotted: str) -> None:
     del node[last]
 
 
+def _parsed(overrides: Sequence[str]) -> list[Any]:
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    try:
+        return list(OverridesParser.create().parse_overrides(list(overrides)))
+    except HydraException as exc:
+        raise TrainingConfigError(f"override: {str(exc).splitlines()[0]} (the form is key=value)") from None
+
+
+def override_keys(overrides: Sequence[str]) -> list[str]:
+    """The dotted keys ``overrides`` set, add or delete (``+``, ``++`` and ``~`` taken off), in order."""
+    return [override.key_or_group for override in _parsed(overrides)] if overrides else []
+
+
 def load_with_overrides(path: str | Path, overrides: Sequence[str] = ()) -> JsonObject:
     """The training config at ``path`` with ``overrides`` (NeMo-RL's ``key=value`` form) applied, resolved."""
     path = Path(path).absolute()
     base = _read(path)
     if not overrides:
         return base
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import HydraException
-
-    try:
-        parsed = OverridesParser.create().parse_overrides(list(overrides))
-    except HydraException as exc:
-        raise TrainingConfigError(f"override: {str(exc).splitlines()[0]} (the form is key=value)") from None
+    parsed = _parsed(overrides)
     child: dict[str, Any] = {"defaults": [str(path)]}
     deletions: list[str] = []
     for override in parsed:
@@ -101,7 +115,7 @@ def load_with_overrides(path: str | Path, overrides: Sequence[str] = ()) -> Json
     with tempfile.TemporaryDirectory(prefix="gym-bridge-overrides-") as folder:
         file = Path(folder) / "overrides.yaml"
         file.write_text(yaml.safe_dump(child, sort_keys=False))
-        config = _read(file)
+        config = _read(file, shown_as="the command line")
     for key in deletions:
         _delete(config, key)
     return config

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from gym_bridge.config.grpo import result_logging
-from gym_bridge.config.keys import TrainingConfigError
+from gym_bridge.config.keys import TrainingConfigError, config_value
 from gym_bridge.config.run_settings import GRPORunSettings, grpo_run_settings
 from gym_bridge.data import datum_from_gym_row
 from gym_bridge.generation.hf import HFGeneration
@@ -147,14 +147,30 @@ def check_checkpoint(out_dir: str | Path) -> TrainerState | None:
     return state
 
 
+def checkpointing_enabled(config: JsonMapping) -> bool:
+    """NeMo-RL's ``checkpointing.enabled`` (absent: true): false writes no checkpoint at all, at the end either.
+
+    ``GRPORunSettings`` does not carry it yet (``config/grpo.py`` turns false into "no periodic checkpoint" only), so
+    the recipe reads it here and passes it to :func:`start_grpo_run`."""
+    value = config_value(config, "checkpointing.enabled", True)
+    if not isinstance(value, bool):
+        raise TrainingConfigError(f"checkpointing.enabled must be true or false, got {value!r}")
+    return value
+
+
 def build_grpo_run(config: JsonMapping, out_dir: str | Path, *, resume: bool = True) -> GRPORun:
     """Read every setting (:func:`~gym_bridge.config.run_settings.grpo_run_settings`: a bad key stops here, before
     any model loads), then :func:`start_grpo_run`. Ray must be initialised (:func:`gym_bridge.ray_utils.init_ray`)."""
-    return start_grpo_run(grpo_run_settings(config), out_dir, resume=resume)
+    return start_grpo_run(
+        grpo_run_settings(config), out_dir, resume=resume, save_checkpoints=checkpointing_enabled(config)
+    )
 
 
-def start_grpo_run(settings: GRPORunSettings, out_dir: str | Path, *, resume: bool = True) -> GRPORun:
-    """Start the engine, its server, Gym and the manager; load the policy; resume from ``out_dir`` if it can."""
+def start_grpo_run(
+    settings: GRPORunSettings, out_dir: str | Path, *, resume: bool = True, save_checkpoints: bool = True
+) -> GRPORun:
+    """Start the engine, its server, Gym and the manager; load the policy; resume from ``out_dir`` if it can.
+    ``save_checkpoints=False`` (``checkpointing.enabled: false``): the trainer writes no checkpoint."""
     out_dir = Path(out_dir)
     torch.manual_seed(settings.seed)
     logger.info("grpo.seed %d", settings.seed)
@@ -195,6 +211,7 @@ def start_grpo_run(settings: GRPORunSettings, out_dir: str | Path, *, resume: bo
             dataset=[datum_from_gym_row(row, idx=i) for i, row in enumerate(rows)],
             out_dir=out_dir,
             state=state,
+            save_checkpoints=save_checkpoints,
             validator=validator_from(
                 settings,
                 rollouts.actors,

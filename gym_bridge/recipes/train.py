@@ -9,20 +9,29 @@ config as trained, its ``${oc.env:NAME}`` values, often secrets, written as thos
 ``val_results.jsonl``, the loggers' files under ``logs/`` and ``checkpoint/`` (a transformers folder:
 ``from_pretrained`` loads it; ``gym-bridge serve --model`` and eval's ``embedded_policy`` take it). With ``--resume``
 the checkpoint's files are checked before anything starts (:func:`~gym_bridge.recipes.grpo_run.check_checkpoint`).
+
+Before Ray starts, every check that can run then does (:func:`~gym_bridge.config.early_checks.check_before_start`:
+the batch against the dataset, the longest prompt plus ``max_new_tokens`` against the context, the Gym configs and
+agents), and the GPU-only keys a CPU run ignores are listed once (a warning with a table). With ``--smoke``
+(:func:`smoke_recipe`) the recipe is first rewritten into a short CPU run (:mod:`gym_bridge.config.smoke`).
+``checkpointing.enabled: false`` writes no checkpoint.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
+from gym_bridge.config.early_checks import check_before_start, smoke_facts
+from gym_bridge.config.keys import config_value
 from gym_bridge.config.loading import without_env_values
 from gym_bridge.config.logger import logger_settings
+from gym_bridge.config.smoke import SMOKE_MODEL, SmokePlan, format_table, gpu_only_keys, shown_value, smoke_config
 from gym_bridge.failures import GymBridgeError
 from gym_bridge.json_types import JsonObject
 from gym_bridge.training.loggers import LoggerPlan, open_loggers
@@ -47,7 +56,8 @@ class TrainOutcome:
     run_dir: Path
     lines: list[MetricsLine]
     plots: TrainingPlots | None
-    checkpoint: Path
+    checkpoint: Path | None
+    """None: ``checkpointing.enabled: false``, no checkpoint written."""
     loggers: LoggerPlan
 
 
@@ -82,6 +92,29 @@ def _check_run_dir(run_dir: Path, resume: bool) -> None:
         raise TrainRunError(f"--resume: {run_dir} holds no training run to continue")
 
 
+def smoke_recipe(config: JsonObject, *, model: str = SMOKE_MODEL, pinned: Sequence[str] = ()) -> SmokePlan:
+    """``--smoke``: ``config`` rewritten into a short CPU run of its Gym environments on ``model``
+    (:func:`~gym_bridge.config.smoke.smoke_config` over what :func:`~gym_bridge.config.early_checks.smoke_facts`
+    reads: the data, the Gym configs, the model's tokenizer and context). ``pinned``: the keys the command line set,
+    left as they are (a ``policy.model_name`` set there is the model the facts are read for)."""
+    if "policy.model_name" in pinned:
+        model = str(config_value(config, "policy.model_name"))
+    return smoke_config(config, smoke_facts(config, model, pinned=pinned), model=model, pinned=pinned)
+
+
+def gpu_keys_table(config: JsonObject) -> str | None:
+    """The GPU-only keys ``config`` sets that a CPU run ignores, as one table (None: there are none)."""
+    ignored = gpu_only_keys(config)
+    if not ignored:
+        return None
+    return format_table(
+        f"{len(ignored)} GPU-only key(s) of this config change nothing in a CPU run (gym-bridge train --smoke turns "
+        "the GPU features off and lists them the same way)",
+        ("key", "value", "why"),
+        [(i.key, shown_value(i.value), i.why) for i in ignored],
+    )
+
+
 def train(
     config: JsonObject,
     run_dir: str | Path,
@@ -89,14 +122,24 @@ def train(
     resume: bool = False,
     progress: bool = True,
     on_line: Callable[[MetricsLine], object] | None = None,
+    list_gpu_keys: bool = True,
 ) -> TrainOutcome:
-    """Train ``config`` into ``run_dir`` (resumed from its checkpoint with ``resume``); Ray is started if needed."""
+    """Train ``config`` into ``run_dir`` (resumed from its checkpoint with ``resume``); Ray is started if needed.
+
+    Before anything starts: :func:`~gym_bridge.config.early_checks.check_before_start` (one
+    :class:`~gym_bridge.config.keys.TrainingConfigError` naming every problem), every key read, and (``list_gpu_keys``)
+    one warning listing the GPU-only keys the run ignores (``--smoke`` has listed them in its table already)."""
     from gym_bridge.config.run_settings import grpo_run_settings
     from gym_bridge.ray_utils import init_ray
-    from gym_bridge.recipes.grpo_run import check_checkpoint, start_grpo_run
+    from gym_bridge.recipes.grpo_run import check_checkpoint, checkpointing_enabled, start_grpo_run
 
     run_dir = Path(run_dir)
+    check_before_start(config)  # the data, the context and the agents: seconds, before Ray, Gym or a model start
     settings = grpo_run_settings(config)  # every key read and checked before anything starts
+    save_checkpoints = checkpointing_enabled(config)
+    table = gpu_keys_table(config) if list_gpu_keys else None
+    if table is not None:
+        logger.warning("%s", table)
     plan = logger_settings(config).plan(run_dir)
     _check_run_dir(run_dir, resume)
     if resume:
@@ -106,6 +149,7 @@ def train(
     (run_dir / CONFIG_FILE).write_text(yaml.safe_dump(written, sort_keys=False))
     init_ray()
     run = start_grpo_run(settings, run_dir, resume=resume)
+    run.trainer.save_checkpoints = save_checkpoints  # checkpointing.enabled: read in run() only
     lines: list[MetricsLine] = []
     try:
         loggers = open_loggers(plan, written)
@@ -117,7 +161,8 @@ def train(
     finally:
         run.close()
     plots = write_training_plots(run_dir)
-    return TrainOutcome(run_dir, lines, plots, run.trainer.checkpoint_dir, plan)
+    checkpoint = run.trainer.checkpoint_dir if save_checkpoints else None
+    return TrainOutcome(run_dir, lines, plots, checkpoint, plan)
 
 
 def _run_with_progress(

@@ -1,0 +1,452 @@
+"""``gym-bridge train RECIPE --smoke``: a NeMo-RL Gym recipe rewritten into a short CPU run of its Gym environments.
+
+:func:`smoke_config` is a pure function over the plain (resolved) config dict: it returns the rewritten config and every
+key it changed (key, recipe value, smoke value, why), and every GPU-only key it leaves as it is because nothing here
+reads it. What it needs to know beyond the config (how many rows the data has, how long the longest prompt is under the
+small model's chat template, the model's own context, which Gym configs the rows use) comes in a :class:`SmokeFacts`,
+read by :func:`gym_bridge.config.early_checks.smoke_facts`; so the rewrite is tested without files, a model or Ray.
+
+What changes: the model (``--model``, default ``smollm2``), the batch (``grpo.num_prompts_per_step`` and
+``num_generations_per_prompt`` cut to :data:`SMOKE_PROMPTS` / :data:`SMOKE_GENERATIONS` and to the dataset,
+``policy.train_global_batch_size`` to their product), one step, the lengths (the context cut to the model's own, the
+engine's copies of it with it, ``max_new_tokens`` to :data:`SMOKE_MAX_NEW_TOKENS` and to the room the longest prompt
+leaves), validation shrunk (:data:`SMOKE_VAL_SAMPLES` rows, one generation each; a missing validation file replaced
+by the training rows), a missing training file replaced by the example rows Gym ships for the recipe's agent, rows
+without an agent routed to the agent that declares their file, the Gym configs of environments the rows do not use
+left out, no checkpoint, the experiment logs in the run folder, and every GPU feature off (:data:`GPU_KEYS`: Megatron,
+DTensor, colocation, ``precision: float32``, parallel sizes 1, GPU monitoring, ...). A key the command line set
+(``pinned``) is never changed.
+
+:func:`gpu_only_keys` lists the GPU-only keys a config sets that a CPU run ignores: a run without ``--smoke`` names
+them once (``gym_bridge.recipes.train``) instead of ignoring them silently.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from gym_bridge.json_types import JsonMapping, JsonObject
+
+SMOKE_MODEL = "smollm2"
+"""The model a smoke run trains unless ``--model`` names another (a built-in name or a local folder)."""
+SMOKE_PROMPTS = 2
+"""The most prompts a smoke step draws (``grpo.num_prompts_per_step``)."""
+SMOKE_GENERATIONS = 2
+"""The most samples per prompt (``grpo.num_generations_per_prompt``): two, so a group can have a reward spread."""
+SMOKE_MAX_NEW_TOKENS = 64
+"""The most tokens a smoke turn generates (``policy.generation.max_new_tokens``)."""
+SMOKE_VAL_SAMPLES = 2
+"""The most rows of each validation set (``grpo.max_val_samples``)."""
+SMOKE_STEPS = 1
+
+
+class _Absent:
+    """A key the config does not have (shown as ``(absent)``), or one the rewrite removes (``(removed)``)."""
+
+    def __init__(self, shown: str) -> None:
+        self.shown = shown
+
+    def __repr__(self) -> str:
+        return self.shown
+
+
+ABSENT = _Absent("(absent)")
+REMOVED = _Absent("(removed)")
+
+
+@dataclass(frozen=True)
+class KeyChange:
+    """One key the smoke rewrite changed."""
+
+    key: str
+    recipe: object
+    """The recipe's value (:data:`ABSENT` when it had none)."""
+    smoke: object
+    """The smoke run's value (:data:`REMOVED` when the key is taken out)."""
+    why: str
+
+
+@dataclass(frozen=True)
+class IgnoredKey:
+    """A GPU-only key a CPU run leaves as it is: nothing here reads it."""
+
+    key: str
+    value: object
+    why: str
+
+
+@dataclass(frozen=True)
+class GpuKey:
+    """A key that asks for something only NeMo-RL's GPU workers do.
+
+    ``inert``: the values that ask for nothing (not listed). ``off``: what ``--smoke`` sets it to (:data:`ABSENT`:
+    nothing to set, so it is listed as ignored). ``refused``: gym-bridge refuses an active value when it reads the
+    config, so without ``--smoke`` it is not listed as ignored."""
+
+    key: str
+    why: str
+    inert: tuple[object, ...] = (None,)
+    off: object = ABSENT
+    refused: bool = False
+
+
+GPU_KEYS: tuple[GpuKey, ...] = (
+    GpuKey(
+        "policy.megatron_cfg.enabled",
+        "Megatron-Core training workers (refused by gym-bridge: HFPolicy trains in one process)",
+        (False, None),
+        False,
+        refused=True,
+    ),
+    GpuKey(
+        "policy.dtensor_cfg.enabled",
+        "DTensor (FSDP2) training workers; HFPolicy trains in one process",
+        (False, None),
+        False,
+    ),
+    GpuKey(
+        "policy.precision",
+        "the GPU workers' dtype; HFPolicy trains in float32 on the CPU",
+        ("float32", None),
+        "float32",
+    ),
+    GpuKey(
+        "policy.generation.vllm_cfg.precision",
+        "vLLM's dtype; the engine (HFGeneration) generates in float32 on the CPU",
+        ("float32", None),
+        "float32",
+    ),
+    GpuKey(
+        "policy.generation.colocated.enabled",
+        "generation on the training GPUs; here the engine is its own HFGeneration in this process",
+        (False, None),
+        False,
+    ),
+    GpuKey("policy.generation.vllm_cfg.tensor_parallel_size", "vLLM's GPUs per replica", (1, None), 1),
+    GpuKey("policy.generation.vllm_cfg.pipeline_parallel_size", "vLLM's pipeline stages", (1, None), 1),
+    GpuKey("policy.generation.vllm_cfg.expert_parallel_size", "vLLM's expert-parallel GPUs", (1, None), 1),
+    GpuKey("policy.sequence_packing.enabled", "packs sequences for GPU throughput", (False, None), False),
+    GpuKey("policy.dynamic_batching.enabled", "packs micro-batches by tokens for GPU throughput", (False, None), False),
+    GpuKey("cluster.gpus_per_node", "the Ray cluster's GPUs; the run is one process and a local Ray", (0, None), 0),
+    GpuKey("cluster.num_nodes", "the Ray cluster's nodes; the run is one process and a local Ray", (1, None), 1),
+    GpuKey("logger.monitor_gpus", "NeMo-RL's GPU monitoring (Prometheus scrapes of GPU nodes)", (False, None), False),
+    GpuKey(
+        "grpo.calculate_advantages_on_gpu", "where advantages are computed, not what they are", (False, None), False
+    ),
+    GpuKey("policy.generation.vllm_cfg.gpu_memory_utilization", "vLLM's share of GPU memory"),
+    GpuKey("policy.generation.vllm_cfg.kv_cache_dtype", "vLLM's KV-cache dtype", ("auto", None)),
+    GpuKey("policy.generation.vllm_cfg.use_deep_gemm", "DeepGEMM FP8 kernels", (False, None)),
+    GpuKey("policy.generation.vllm_cfg.num_last_layers_in_bf16", "vLLM FP8 layer exceptions", (0, None)),
+    GpuKey("policy.generation.vllm_cfg.num_first_layers_in_bf16", "vLLM FP8 layer exceptions", (0, None)),
+    GpuKey(
+        "policy.generation.vllm_cfg.http_server_serving_chat_kwargs.tool_parser",
+        "vLLM's tool-call parser; gym-bridge's server parses Hermes <tool_call> blocks (the built-in models' template)",
+        ("hermes", None),
+    ),
+    GpuKey(
+        "policy.generation.vllm_cfg.http_server_serving_chat_kwargs.reasoning_parser",
+        "vLLM's reasoning parser; gym-bridge's server parses <think> blocks",
+    ),
+    GpuKey("policy.generation.vllm_cfg.tool_parser_plugin", "a vLLM tool-parser plugin file"),
+    GpuKey("policy.generation.vllm_cfg.reasoning_parser_plugin", "a vLLM reasoning-parser plugin file"),
+    GpuKey(
+        "policy.generation.vllm_kwargs.compilation_config", "vLLM's torch.compile and CUDA-graph settings", (None, {})
+    ),
+    GpuKey("policy.generation.vllm_kwargs.mamba_ssm_cache_dtype", "vLLM's Mamba state dtype (Nemotron-H models)"),
+    GpuKey("policy.logprob_chunk_size", "chunks the vocabulary in the logprob kernel to save GPU memory"),
+    GpuKey("policy.refit_buffer_size_gb", "the GPU buffer that carries weights to vLLM"),
+    GpuKey("policy.offload_optimizer_for_logprob", "moves optimizer state off the GPU", (False, None)),
+)
+"""The GPU-only keys of NeMo-RL's Gym recipes that a smoke run turns off or a CPU run ignores."""
+
+_CONTEXT_KEY = "policy.max_total_sequence_length"
+_ENGINE_CONTEXT_KEYS = (
+    "policy.generation.vllm_cfg.max_model_len",
+    "policy.generation.trtllm_cfg.max_model_len",
+    "policy.generation.mcore_generation_config.max_model_len",
+)
+"""NeMo-RL's engine copies of the context (:data:`gym_bridge.config.training.ENGINE_CONTEXT_KEYS`), kept equal to it."""
+_MODEL_KEYS = ("policy.model_name", "policy.tokenizer.name", "policy.generation.model_name")
+
+
+@dataclass(frozen=True)
+class SmokeFacts:
+    """What the rewrite needs beyond the config (:func:`gym_bridge.config.early_checks.smoke_facts` reads it)."""
+
+    train_path: str | None = None
+    """The training rows the smoke run uses: the recipe's file, or Gym's example rows when that file is missing
+    (None: no readable rows; the run will name the key)."""
+    train_rows: int | None = None
+    """How many prompts ``train_path`` holds."""
+    validation_paths: Mapping[str, str | None] = field(default_factory=dict)
+    """Each validation key (``data.validation.data_path``, ``data.validation.extra_sets.<name>``) -> its file, or
+    None when the file is missing."""
+    longest_prompt: int | None = None
+    """The longest first prompt of the rows (training and validation) in tokens, under the smoke model's template."""
+    model_context: int | None = None
+    """The smoke model's own context (``max_position_embeddings``)."""
+    route_to: str | None = None
+    """The agent for rows that name none (the one that declares their file, or the recipe's only agent)."""
+    example_agent: str | None = None
+    """The agent whose example rows replaced a missing training file."""
+    config_paths: tuple[str, ...] | None = None
+    """The recipe's ``env.nemo_gym.config_paths`` the rows need (None: unknown, all are kept)."""
+    unused_instances: tuple[str, ...] = ()
+    """``env.nemo_gym`` sections that configure servers of the Gym configs left out."""
+
+
+@dataclass(frozen=True)
+class SmokePlan:
+    """The smoke run's config, what changed, what is ignored, and which command-line keys were kept."""
+
+    config: JsonObject
+    changes: tuple[KeyChange, ...]
+    ignored: tuple[IgnoredKey, ...]
+    pinned: tuple[str, ...] = ()
+
+    def table(self) -> str:
+        """One table: every key changed (recipe -> smoke value) and every GPU-only key ignored."""
+        rows = [(c.key, shown_value(c.recipe), shown_value(c.smoke), c.why) for c in self.changes]
+        rows += [(i.key, shown_value(i.value), "(ignored)", i.why) for i in self.ignored]
+        title = f"--smoke: {len(self.changes)} key(s) changed, {len(self.ignored)} GPU-only key(s) ignored"
+        if self.pinned:
+            title += f"; kept as the command line set them: {', '.join(self.pinned)}"
+        return format_table(title, ("key", "recipe", "smoke", "why"), rows)
+
+
+def shown_value(value: object, limit: int = 48) -> str:
+    """A config value on one short line (JSON for containers), cut in the middle to ``limit`` characters (a path
+    keeps its file name)."""
+    if isinstance(value, _Absent):
+        return value.shown
+    if isinstance(value, list) and value and all(isinstance(v, str) and "/" in v for v in value):
+        value = ", ".join(v.rsplit("/", 1)[-1].rsplit(".", 1)[0] for v in value)  # config paths: their file names
+    text = value if isinstance(value, str) else json.dumps(value, default=str)
+    text = " ".join(text.split())
+    if len(text) <= limit:
+        return text
+    tail = (limit - 3) * 2 // 3
+    return text[: limit - 3 - tail] + "..." + text[-tail:]
+
+
+def format_table(title: str, header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """``rows`` under ``header`` in aligned columns (the last column as it is), with ``title`` above."""
+    widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header) - 1)]
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join([*(str(c).ljust(w) for c, w in zip(cells, widths, strict=False)), str(cells[-1])]).rstrip()
+
+    rule = "  ".join("-" * w for w in widths) + "  ---"
+    return "\n".join([title, line(header), rule, *(line(row) for row in rows)])
+
+
+def _get(config: JsonMapping, dotted: str) -> object:
+    node: object = config
+    for part in dotted.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return ABSENT
+        node = node[part]
+    return node
+
+
+class _Rewrite:
+    """The config being rewritten and the changes so far; a pinned key is never touched."""
+
+    def __init__(self, config: JsonMapping, pinned: Iterable[str]) -> None:
+        self.config: JsonObject = copy.deepcopy(dict(config))
+        self.changes: list[KeyChange] = []
+        self.pinned = tuple(pinned)
+
+    def is_pinned(self, key: str) -> bool:
+        return any(key == p or key.startswith(f"{p}.") or p.startswith(f"{key}.") for p in self.pinned)
+
+    def get(self, key: str) -> object:
+        return _get(self.config, key)
+
+    def set(self, key: str, value: object, why: str, *, add: bool = False) -> None:
+        """``key`` to ``value`` when the config has it (or ``add``), differs, and the command line did not set it."""
+        before = self.get(key)
+        if (before is ABSENT and not add) or before == value or self.is_pinned(key):
+            return
+        node: dict[str, Any] = self.config
+        *parents, last = key.split(".")
+        for part in parents:
+            child = node.get(part)
+            if not isinstance(child, dict):
+                child = node[part] = {}
+            node = child
+        node[last] = copy.deepcopy(value)
+        self.changes.append(KeyChange(key, copy.deepcopy(before), copy.deepcopy(value), why))
+
+    def remove(self, key: str, why: str) -> None:
+        before = self.get(key)
+        if before is ABSENT or self.is_pinned(key):
+            return
+        *parents, last = key.split(".")
+        node: Any = self.config
+        for part in parents:
+            node = node[part]
+        del node[last]
+        self.changes.append(KeyChange(key, copy.deepcopy(before), REMOVED, why))
+
+    def cut(self, key: str, most: int, why: str) -> int | None:
+        """``key`` (a positive int) cut to at most ``most``; its value afterwards (None: absent or not an int)."""
+        value = self.get(key)
+        if isinstance(value, bool) or not isinstance(value, int):
+            return None
+        if value > most:
+            self.set(key, most, why)
+        after = self.get(key)
+        return after if isinstance(after, int) else None
+
+
+def _is_active(spec: GpuKey, value: object) -> bool:
+    return value is not ABSENT and not any(value == inert and type(value) is type(inert) for inert in spec.inert)
+
+
+def gpu_only_keys(config: JsonMapping) -> list[IgnoredKey]:
+    """The GPU-only keys ``config`` sets to a value that asks for something (:data:`GPU_KEYS`) and that a CPU run
+    ignores: what a run without ``--smoke`` names once. Keys gym-bridge refuses when set are not listed here."""
+    return [
+        IgnoredKey(spec.key, _get(config, spec.key), spec.why)
+        for spec in GPU_KEYS
+        if not spec.refused and _is_active(spec, _get(config, spec.key))
+    ]
+
+
+def smoke_config(
+    config: JsonMapping, facts: SmokeFacts, *, model: str = SMOKE_MODEL, pinned: Iterable[str] = ()
+) -> SmokePlan:
+    """``config`` (a plain, resolved NeMo-RL Gym recipe) as a short CPU run: see the module docstring. ``pinned``: the
+    keys the command line set, never changed. Pure: reads nothing but its arguments."""
+    r = _Rewrite(config, pinned)
+    _model(r, model)
+    _data(r, facts)
+    _batch(r, facts)
+    _lengths(r, facts, model)
+    _validation(r)
+    _gym(r, facts)
+    _run(r)
+    ignored = _gpu(r)
+    return SmokePlan(r.config, tuple(r.changes), tuple(ignored), tuple(r.pinned))
+
+
+def _model(r: _Rewrite, model: str) -> None:
+    for key in _MODEL_KEYS:
+        if r.get(key) is not None:
+            r.set(key, model, "the smoke run's model (--model)")
+
+
+def _data(r: _Rewrite, facts: SmokeFacts) -> None:
+    key = "data.train.data_path" if r.get("data.train.data_path") not in (ABSENT, None) else "data.path"
+    if facts.train_path is not None and r.get(key) != facts.train_path:
+        why = (
+            f"the recipe's file is missing: Gym's example rows of {facts.example_agent}"
+            if facts.example_agent
+            else "the smoke run's training rows"
+        )
+        r.set(key, facts.train_path, why, add=True)
+    for val_key, path in facts.validation_paths.items():
+        if path is not None or r.get(val_key) is ABSENT:
+            continue
+        if val_key == "data.validation.data_path" and facts.train_path is not None:
+            r.set(val_key, facts.train_path, "the recipe's file is missing: the smoke run's training rows")
+        else:
+            r.remove(val_key, "the recipe's file is missing")
+
+
+def _batch(r: _Rewrite, facts: SmokeFacts) -> None:
+    most = SMOKE_PROMPTS if facts.train_rows is None else max(1, min(SMOKE_PROMPTS, facts.train_rows))
+    prompts = r.cut("grpo.num_prompts_per_step", most, f"at most {SMOKE_PROMPTS} prompts and the dataset's rows")
+    generations = r.cut("grpo.num_generations_per_prompt", SMOKE_GENERATIONS, f"{SMOKE_GENERATIONS} samples a prompt")
+    if prompts is not None and generations is not None:
+        r.set("policy.train_global_batch_size", prompts * generations, "one step's samples (prompts x generations)")
+    r.cut("grpo.max_num_steps", SMOKE_STEPS, "one step")
+    if r.get("grpo.use_dynamic_sampling") is True:
+        r.set(
+            "grpo.use_dynamic_sampling",
+            False,
+            "a small model's first groups often all agree; dynamic sampling would draw past the smoke's rows",
+        )
+        r.set("grpo.batch_multiplier", 1, "dynamic sampling is off")
+
+
+def _lengths(r: _Rewrite, facts: SmokeFacts, model: str) -> None:
+    context = r.get(_CONTEXT_KEY)
+    if isinstance(context, int) and not isinstance(context, bool):
+        if facts.model_context is not None and context > facts.model_context:
+            r.set(_CONTEXT_KEY, facts.model_context, f"{model}'s own context (max_position_embeddings)")
+        context = r.get(_CONTEXT_KEY)
+        for key in _ENGINE_CONTEXT_KEYS:
+            if r.get(key) not in (ABSENT, None):
+                r.set(key, context, f"equal to {_CONTEXT_KEY}")
+    key = "policy.generation.max_new_tokens"
+    budget = r.get(key)
+    if isinstance(budget, bool) or not isinstance(budget, int):
+        return
+    most = SMOKE_MAX_NEW_TOKENS
+    why = f"at most {SMOKE_MAX_NEW_TOKENS} tokens a turn"
+    if isinstance(context, int) and facts.longest_prompt is not None and context - facts.longest_prompt >= 1:
+        room = context - facts.longest_prompt
+        if room < most:
+            most, why = room, f"the room the longest prompt ({facts.longest_prompt} tokens) leaves in the context"
+    r.cut(key, most, why)
+
+
+def _validation(r: _Rewrite) -> None:
+    has_sets = r.get("data.validation.data_path") not in (ABSENT, None) or bool(r.get("data.validation.extra_sets"))
+    if not has_sets:
+        return
+    limit = r.get("grpo.max_val_samples")
+    if limit in (ABSENT, None) or (isinstance(limit, int) and limit > SMOKE_VAL_SAMPLES):
+        r.set("grpo.max_val_samples", SMOKE_VAL_SAMPLES, f"{SMOKE_VAL_SAMPLES} rows of each validation set", add=True)
+    r.cut("grpo.val_num_generations_per_prompt", 1, "one sample a validation row")
+
+
+def _gym(r: _Rewrite, facts: SmokeFacts) -> None:
+    if facts.route_to is not None:
+        r.set(
+            "env.nemo_gym.agent_name",
+            facts.route_to,
+            "the rows name no agent (agent_ref): the agent that declares their file, or the recipe's only one",
+            add=True,
+        )
+    if facts.config_paths is not None:
+        r.set(
+            "env.nemo_gym.config_paths",
+            list(facts.config_paths),
+            "only the Gym configs the rows use (the model server, their agents and what those call)",
+        )
+    for name in facts.unused_instances:
+        r.remove(f"env.nemo_gym.{name}", "configures a server of a Gym config left out")
+
+
+def _run(r: _Rewrite) -> None:
+    r.set("checkpointing.enabled", False, "no checkpoint (the weights, tokenizer and optimizer of a smoke step)")
+    if r.get("logger.log_dir") not in (ABSENT, None):
+        r.remove("logger.log_dir", "the experiment logs go in the run folder (<run>/logs)")
+    kl_penalty = r.get("loss_fn.reference_policy_kl_penalty")
+    if r.get("loss_fn.use_on_policy_kl_approximation") is True and kl_penalty in (0, 0.0, ABSENT, None):
+        r.set(
+            "loss_fn.use_on_policy_kl_approximation",
+            False,
+            "weights only the reference KL, which reference_policy_kl_penalty 0 turns off (gym-bridge refuses it)",
+        )
+
+
+def _gpu(r: _Rewrite) -> list[IgnoredKey]:
+    """Every GPU feature off where it has an off value; the other GPU-only keys listed as ignored."""
+    ignored = []
+    for spec in GPU_KEYS:
+        value = r.get(spec.key)
+        if not _is_active(spec, value):
+            continue
+        if spec.off is ABSENT or r.is_pinned(spec.key):
+            ignored.append(IgnoredKey(spec.key, value, spec.why))
+        else:
+            r.set(spec.key, spec.off, f"off on the CPU: {spec.why}")
+    return ignored

@@ -404,16 +404,15 @@ def check_context(config: JsonMapping, files: list[RowFile], model: ModelFacts |
             + (f" (the model's own context is {model.context})" if model.context else "")
             + " or leave the long rows out"
         ], warnings
-    if budget is None or budget <= room:
-        return [], warnings
-    raise_to = longest.tokens + budget
-    return [
-        f"{longest.where} renders to {longest.tokens} prompt tokens with {model.name}'s chat template (tools "
-        f"included); with policy.generation.max_new_tokens={budget} that is {raise_to} tokens, over "
-        f"policy.max_total_sequence_length={context} (the server refuses such a request, as vLLM does): set "
-        f"policy.generation.max_new_tokens={room} or less, or policy.max_total_sequence_length={raise_to} or more"
-        + (f" (the model's own context is {model.context})" if model.context else "")
-    ], warnings
+    if budget is not None and budget > room:  # the run's server cuts max_tokens to the room, as NeMo-RL's does
+        warnings.append(
+            f"{longest.where} renders to {longest.tokens} prompt tokens with {model.name}'s chat template (tools "
+            f"included); policy.generation.max_new_tokens={budget} leaves it {room} tokens to generate within "
+            f"policy.max_total_sequence_length={context} (the server cuts max_tokens to the room left, as NeMo-RL's "
+            f"does); set policy.generation.max_new_tokens={room} or policy.max_total_sequence_length="
+            f"{longest.tokens + budget} to say so"
+        )
+    return [], warnings
 
 
 def check_agents(config: JsonMapping, files: list[RowFile], gym: GymConfigs) -> list[str]:

@@ -31,7 +31,7 @@ from gym_bridge.json_types import JsonMapping
 from gym_bridge.models.loading import check_safetensors_weights
 from gym_bridge.policy.hf import HFPolicy, check_optimizer_file
 from gym_bridge.recipes.launch import NemoGymRollouts, start_nemo_gym_rollouts
-from gym_bridge.serving import OpenAIServer
+from gym_bridge.serving import OpenAIServer, ServerFeatures
 from gym_bridge.training.loop import GRPOTrainer
 from gym_bridge.training.loop_config import GRPOLoopConfig
 from gym_bridge.training.rewards import RewardShaper
@@ -180,8 +180,12 @@ def start_grpo_run(
         logger.info("resuming from %s at step %d (weight version %d)", checkpoint, state.step, state.weight_version)
         settings = settings.resumed_from(str(checkpoint), state.step)
     engine = HFGeneration(settings.engine)
-    server = OpenAIServer(
-        engine, engine.tokenizer, served_model_name=settings.served_model_name, max_model_len=settings.max_model_len
+    server = OpenAIServer(  # a max_tokens past the prompt's room is cut to it, as NeMo-RL's training server does
+        engine,
+        engine.tokenizer,
+        served_model_name=settings.served_model_name,
+        max_model_len=settings.max_model_len,
+        features=ServerFeatures(clamp_max_tokens=True),
     )
     try:
         settings = settings.serving_at([server.start_in_thread()])

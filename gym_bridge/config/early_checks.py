@@ -7,8 +7,9 @@ the model's chat template, tools included, rendered as Gym's ``vllm_model`` send
 directory, then the wheel), and the model's own context. The checks, each problem one line naming the key to change:
 
 - the batch against the dataset: ``grpo.num_prompts_per_step`` prompts per step from ``data.train.data_path``;
-- the longest prompt plus ``policy.generation.max_new_tokens`` against ``policy.max_total_sequence_length`` (our
-  server answers a request beyond the context with vLLM's 400, as stock vLLM does);
+- the longest prompt against ``policy.max_total_sequence_length`` (a problem when it leaves no room), and with
+  ``policy.generation.max_new_tokens`` (a warning: the run's server cuts max_tokens to the room left, as NeMo-RL's
+  training server does);
 - the Gym configs against the installed nemo-gym, and the agents the rows name against those the configs define.
 
 :func:`smoke_facts` reads the same things for ``--smoke`` (:mod:`gym_bridge.config.smoke`). A file or model that

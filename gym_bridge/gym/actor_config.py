@@ -185,17 +185,17 @@ class NemoGymConfig(BaseModel):
     def servers_config(self) -> GymServersConfig:
         """The Gym server set this actor starts (or, with ``gym_head``, attaches to); with a port range, the launcher
         binds the head server's port in it (:func:`gym_bridge.gym._launcher.claim_head_port`)."""
+        common = {
+            "policy_base_urls": list(self.base_urls),
+            "policy_model_name": self.model_name,
+            "policy_api_key": self.api_key,
+            "host": self.host,
+            "startup_timeout_s": self.startup_timeout_s,
+            "shutdown_timeout_s": self.shutdown_timeout_s,
+            "log_dir": self.log_dir,
+        }
         if self.gym_head is not None:
-            return GymServersConfig(
-                head_url=self.gym_head,
-                policy_base_urls=list(self.base_urls),
-                policy_model_name=self.model_name,
-                policy_api_key=self.api_key,
-                host=self.host,
-                startup_timeout_s=self.startup_timeout_s,
-                shutdown_timeout_s=self.shutdown_timeout_s,
-                log_dir=self.log_dir,
-            )
+            return GymServersConfig(head_url=self.gym_head, **common)
         overrides = {**_GYM_CONNECTOR_DEFAULTS, **self.overrides}
         if self.port_range_low is not None and self.port_range_high is not None:
             overrides.update(port_range_low=self.port_range_low, port_range_high=self.port_range_high)
@@ -205,18 +205,7 @@ class NemoGymConfig(BaseModel):
 
             config_paths = gym_model.swap_model_config(config_paths)
             server_dirs[gym_model.SERVER_KEY] = gym_model.SERVER_DIR
-        return GymServersConfig(
-            config_paths=config_paths,
-            server_dirs=server_dirs,
-            overrides=overrides,
-            policy_base_urls=list(self.base_urls),
-            policy_model_name=self.model_name,
-            policy_api_key=self.api_key,
-            host=self.host,
-            startup_timeout_s=self.startup_timeout_s,
-            shutdown_timeout_s=self.shutdown_timeout_s,
-            log_dir=self.log_dir,
-        )
+        return GymServersConfig(config_paths=config_paths, server_dirs=server_dirs, overrides=overrides, **common)
 
 
 def actor_configs(config: NemoGymConfig, num_actors: int, *, split_base_urls: bool = False) -> list[NemoGymConfig]:

@@ -248,11 +248,7 @@ class EpisodeRoutes(GymRoutes):
 def episode_target(row: Any, position: int, routes: GymRoutes) -> tuple[int, str]:
     """``(row index, environment server)`` of a stamped materialized row about to be sent (:func:`dispatch_target`'s
     counterpart); :class:`InvalidGymRow` where the routes have no taskset routes or none for its taskset."""
-    if not isinstance(row, dict):
-        raise InvalidGymRow(f"row {position} must be a dict, got {type(row).__name__}")
-    rowidx = row.get(ROW_INDEX_KEY)
-    if not isinstance(rowidx, int) or isinstance(rowidx, bool):
-        raise InvalidGymRow(f"row {position} has no int {ROW_INDEX_KEY} (got {rowidx!r})")
+    rowidx = _stamped_index(row, position)
     where = f"row {position} ({ROW_INDEX_KEY}={rowidx}, task_id={row.get('task_id')!r})"
     if not installed_gym().episode_protocol:
         _check_materialized(row, where)  # names the version
@@ -300,13 +296,19 @@ def dispatch_target(row: Any, position: int, routes: GymRoutes) -> tuple[int, st
     included, NeMo-RL's own code among them); the agent comes from ``agent_ref`` or, for a ``task_source`` row,
     from ``routes`` (:meth:`GymRoutes.agent_of`). :func:`validate_row` checks the whole row.
     """
+    rowidx = _stamped_index(row, position)
+    where = f"row {position} ({ROW_INDEX_KEY}={rowidx}, agent_ref={row.get('agent_ref')!r})"
+    return rowidx, routes.agent_of(row, where=where)
+
+
+def _stamped_index(row: Any, position: int) -> int:
+    """The ``_rowidx`` of a row about to be sent; :class:`InvalidGymRow` when it is no dict or has no int index."""
     if not isinstance(row, dict):
         raise InvalidGymRow(f"row {position} must be a dict, got {type(row).__name__}")
     rowidx = row.get(ROW_INDEX_KEY)
     if not isinstance(rowidx, int) or isinstance(rowidx, bool):
         raise InvalidGymRow(f"row {position} has no int {ROW_INDEX_KEY} (got {rowidx!r})")
-    where = f"row {position} ({ROW_INDEX_KEY}={rowidx}, agent_ref={row.get('agent_ref')!r})"
-    return rowidx, routes.agent_of(row, where=where)
+    return rowidx
 
 
 def build_rows(

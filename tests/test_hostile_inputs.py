@@ -97,3 +97,14 @@ def test_a_failed_preflight_leaves_no_run_folder(tmp_path: Path) -> None:
     assert not out.exists()
     again, _ = _gym_bridge("eval", str(EXAMPLE), f"output_dir={out}", f"base_urls=[{dead}]", cwd=REPO)
     assert "not empty" not in again.stderr, "the next run is not refused as 'not empty'"
+
+
+def test_a_misspelt_agent_is_refused_in_seconds_before_anything_starts(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    done, _ = _gym_bridge(
+        "eval", str(EXAMPLE), f"output_dir={out}", "agent_map={_default: lc_equivalence_rule_simple_agnt}", cwd=REPO
+    )
+    line = _one_line(done, "eval")
+    assert "'lc_equivalence_rule_simple_agnt' (named by agent_map._default, line 1" in line, line
+    assert "they define: example_single_tool_call_simple_agent, lc_equivalence_rule_simple_agent" in line
+    assert not out.exists() and "NeMo-Gym" not in done.stderr, "no Gym set was started"

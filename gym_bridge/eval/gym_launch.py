@@ -93,3 +93,38 @@ def routed(pending: list[DatasetRow], actor: ActorHandle) -> list[DatasetRow]:
         item if row is item.row else replace(item, row=ValidGymRow(row))
         for item, row in zip(pending, rows, strict=True)
     ]
+
+
+def check_agents(config: EvalConfig, rows: list[DatasetRow]) -> None:
+    """The agents the rows and the routing keys name against those the run's ``config_paths`` define, read from the
+    configs in seconds, before anything starts (rows routed by ``task_source`` are resolved by Gym once it is up).
+
+    Raises:
+        DatasetError: one line naming each unknown agent, where it is named, and the agents that exist.
+    """
+    from gym_bridge.config.early_checks import gym_configs
+    from gym_bridge.gym.routing import row_agent
+
+    if config.gym_head is not None or not config.config_paths:
+        return
+    gym = gym_configs({"env": {"nemo_gym": {"config_paths": list(config.config_paths), **config.gym_overrides}}})
+    agents = set(gym.agents())
+    if gym.missing or not agents:
+        return  # the launch names a config it cannot read
+    routing = config.routing
+    named = [("agent_name", routing.agent_name)]
+    named += [(f"agent_map.{key}", agent) for key, agent in routing.agent_map.items()]
+    named += [(f"fan_out.{key}", agent) for key, listed in routing.fan_out.items() for agent in listed]
+    named += [(f"line {row.line}", row_agent(row.row)) for row in rows]
+    unknown: dict[str, list[str]] = {}
+    for where, agent in named:
+        if agent is not None and agent not in agents:
+            unknown.setdefault(agent, []).append(where)
+    if unknown:
+        listed = "; ".join(
+            f"{agent!r} (named by {', '.join(places[:5])}{', ...' if len(places) > 5 else ''})"
+            for agent, places in unknown.items()
+        )
+        raise DatasetError(
+            f"no config in config_paths defines the agent(s) {listed}; they define: {', '.join(sorted(agents))}"
+        )

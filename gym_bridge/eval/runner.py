@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from gym_bridge.eval.config import EvalConfig, EvalConfigError
 from gym_bridge.eval.dataset import DatasetRow, file_sha256, load_dataset
-from gym_bridge.eval.gym_launch import launch_spec, preflight_policy, routed
+from gym_bridge.eval.gym_launch import check_agents, launch_spec, preflight_policy, routed
 from gym_bridge.eval.policy_endpoint import policy_endpoint
 from gym_bridge.eval.report import build_report, describe_model
 from gym_bridge.eval.runs import RUN_FILE
@@ -119,6 +119,7 @@ def run_eval(
     if config.policies is not None:
         raise EvalConfigError("policies: a config with several policies runs through run_policies")
     rows = load_dataset(config.dataset, limit=config.limit, routing=config.routing)
+    check_agents(config, rows)
     fresh = not (resume and (config.output_dir / RUN_FILE).exists())
     if fresh and not config.embedded:  # a new run's endpoint is checked before its folder is made: none is left
         preflight_policy(config, list(config.base_urls), rows)

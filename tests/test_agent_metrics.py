@@ -43,3 +43,17 @@ def test_completions_that_name_no_agent_give_no_per_agent_metrics():
     assert agent_metrics([completion("a", 1.0), completion(None, 0.0)], "val/") == pytest.approx(
         {k: v for k, v in agent_metrics([completion("a", 1.0)], "val/").items()}
     )
+
+
+def test_the_training_plot_draws_each_environments_reward_when_there_are_several():
+    from gym_bridge.training.plots import TrainingRun, panels
+
+    steps = [
+        {"step": s, "train/mean_reward": 0.5, "train/math_agent/reward/mean": 0.2 * s, "train/tool_agent/reward/mean": 1.0}
+        for s in range(3)
+    ]
+    reward = panels(TrainingRun(steps=steps), {})[0]
+    assert set(reward.series) == {"mean reward", "math_agent", "tool_agent"}
+    assert reward.series["math_agent"] == [(1, 0.0), (2, 0.2), (3, 0.4)]
+    one_agent = [{k: v for k, v in m.items() if "tool_agent" not in k} for m in steps]
+    assert set(panels(TrainingRun(steps=one_agent), {})[0].series) == {"mean reward"}, "one environment: its mean"

@@ -201,7 +201,7 @@ def held_out_tests(run: TrainingRun) -> dict[str, tuple[float, float, McNemarRes
 
 
 def panels(run: TrainingRun, tests: Mapping[str, tuple[float, float, McNemarResult]]) -> list[Panel]:
-    """The seven panels of a run."""
+    """The seven panels of a run (the reward panel has each environment's reward when the run has several)."""
     steps = _train_steps(run.steps)
     accuracy_keys = {"val/accuracy": "accuracy", "val/lenient_accuracy": "lenient accuracy"}
     for key in sorted({k for v in run.validations for k in v if k.endswith("/accuracy") and k.count("/") == 2}):
@@ -212,12 +212,12 @@ def panels(run: TrainingRun, tests: Mapping[str, tuple[float, float, McNemarResu
         for name, (first, last, t) in tests.items()
     )
     kl_keys = {"on_policy/gen_kl_error": "trainer vs engine (gen_kl_error)", "loss/reference_kl": "vs reference"}
+    reward_keys = {"train/mean_reward": "mean reward", "train/pass_rate": "pass rate"}
+    agent_rewards = sorted({k for v in steps for k in v if k.startswith("train/") and k.endswith("/reward/mean")})
+    if len(agent_rewards) > 1:  # a run over several environments: each one's reward too
+        reward_keys.update({key: key.split("/")[1] for key in agent_rewards})
     return [
-        Panel(
-            "reward",
-            "mean reward",
-            _series(steps, {"train/mean_reward": "mean reward", "train/pass_rate": "pass rate"}),
-        ),
+        Panel("reward", "mean reward", _series(steps, reward_keys)),
         Panel("held-out accuracy", "accuracy", _series(run.validations, accuracy_keys), note),
         Panel("loss", "loss", _series(steps, {"train/loss": "loss"})),
         Panel(

@@ -152,19 +152,22 @@ def test_the_issues_examples_equal_gyms():
     assert ours == [("a", 0, 0, "0-0"), ("a", 0, 1, "0-1"), ("b", 0, 2, "0-2"), ("b", 0, 3, "0-3")]
 
 
-def test_seeds_derive_from_the_run_seed_task_index_and_rollout_index_only():
-    """A row's seeds do not change when it is repeated elsewhere in the dataset, nor with the agent it is routed to:
-    they are ``rollout_seed(run seed, task index, rollout index)`` and nothing else."""
+def test_seeds_derive_from_the_run_seed_the_rows_content_and_the_rollout_index_only():
+    """A row's seeds are ``rollout_seed(run seed, its content, rollout index)``: the same wherever the row sits in its
+    file, whatever rows come before it, and for its first copy when it repeats (later copies continue its rollout
+    indices); routing it to another agent changes its ``agent_ref``, a part of its content, and so its seeds."""
     row = weather(1, agent_ref={"name": "a"})
     alone = our_rows([row], RowRouting(), 2, seed=7)
     repeated = our_rows([row, row], RowRouting(), 2, seed=7)
-    rerouted = our_rows([row], RowRouting(agent_map={"_default": "b"}), 2, seed=7)
-    assert [row_seed(r) for r in repeated[:2]] == [row_seed(r) for r in alone] == [row_seed(r) for r in rerouted]
-    assert {r["agent_ref"]["name"] for r in rerouted} == {"b"}
-    assert [row_seed(r) for r in repeated] == [rollout_seed(7, {"_ng_task_index": 0}, r) for r in range(4)]
+    after_another = our_rows([weather(2, agent_ref={"name": "a"}), row], RowRouting(), 2, seed=7)
+    assert [row_seed(r) for r in repeated[:2]] == [row_seed(r) for r in alone] == [row_seed(r) for r in after_another[2:]]
+    assert [row_seed(r) for r in repeated] == [rollout_seed(7, row, r) for r in range(4)]
     assert len({row_seed(r) for r in repeated}) == 4, "every rollout of a task draws its own samples"
+    rerouted = our_rows([row], RowRouting(agent_map={"_default": "b"}), 2, seed=7)
+    assert {r["agent_ref"]["name"] for r in rerouted} == {"b"}
+    assert [row_seed(r) for r in rerouted] == [rollout_seed(7, {**row, "agent_ref": {"name": "b"}}, r) for r in (0, 1)]
     other_content = our_rows([weather(2, agent_ref={"name": "a"})], RowRouting(), 2, seed=7)
-    assert [row_seed(r) for r in other_content] == [row_seed(r) for r in alone], "task 0 of any dataset: same seeds"
+    assert not {row_seed(r) for r in other_content} & {row_seed(r) for r in alone}, "another task: other seeds"
 
 
 # ---- every result carries the identity, on real Gym servers ----------------------------------------------------------

@@ -256,12 +256,15 @@ def test_report_rebuilds_the_plots_and_escapes_the_run_folder(trained: dict, tmp
     with (copy / "val_results.jsonl").open("w") as out:
         for row in rows:
             out.write(json.dumps({**row, "set": hostile}) + "\n")
-        out.write("{torn line\n")
     done = cli("report", str(copy), timeout=120)
     assert done.returncode == 0, done.stderr
     page = (copy / "training.html").read_text()
     assert (copy / "training.png").exists() and "&lt;script&gt;alert(1)&lt;/script&gt;" in page
     assert hostile not in page
+    with (copy / "val_results.jsonl").open("a") as out:  # a malformed line is named, never skipped
+        out.write("{torn line\n")
+    refused = cli("report", str(copy), timeout=120)
+    assert refused.returncode == 2 and f"val_results.jsonl:{len(rows) + 1}: not valid JSON" in refused.stderr
 
 
 def free_port() -> int:

@@ -27,9 +27,10 @@ Seeds: with a run seed, every stamped row carries its own sampling seed in
 ``num_repeats_add_seed`` writes it), which Gym's ``vllm_model`` merges into the
 chat-completions body and gym-bridge's model server into its completions body: the
 endpoint's per-request ``seed``. :func:`rollout_seed` derives it from the run seed, the
-rollout index and the task's identity (:func:`prompt_identity`: the ``_ng_task_index`` the row carries, which every
-row read from a file does; else the row's canonical JSON), nothing else: a row keeps its seed when it is re-sent,
-whatever agent it is routed to, and the same dataset gets the same seeds in another run.
+rollout index and the task's identity (:func:`prompt_identity`: the row's content, without the keys the bridge
+stamps), nothing else: a row keeps its seeds when it is re-sent, when other rows are added before it or repeat,
+and in another run; a repeat of it (an identical row, a ``fan_out`` copy) continues its rollout indices and so gets
+other seeds; routing it to another agent (``agent_map``) changes its ``agent_ref`` and so its seeds.
 """
 
 from __future__ import annotations
@@ -490,17 +491,15 @@ def stamped_row(
 
 
 def prompt_identity(row: Mapping[str, Any]) -> str:
-    """A task's identity, what its seeds derive from: Gym's ``_ng_task_index`` when the row has one (every row read
-    from a file, :func:`number_tasks`), else its canonical JSON (sorted keys, no spaces, as the eval's ``row_id``)
-    without the per-rollout stamps. Identical rows share an identity; their repeats differ by rollout index."""
-    task_index = row.get(TASK_INDEX_KEY)
-    if task_index is not None:
-        return f"{TASK_INDEX_KEY}={task_index}"
+    """A task's identity, what its seeds derive from: the row's canonical JSON (sorted keys, no spaces, as the eval's
+    ``row_id``) without the keys the bridge stamps (Gym's ``_ng_*`` numbering, ``_rowidx``). Identical rows share an
+    identity, and their repeats differ by rollout index; a row's place in its file, the rows before it and whether
+    it repeats do not change it."""
     return _canonical(row)
 
 
 def _canonical(row: Mapping[str, Any]) -> str:
-    fields = {key: value for key, value in row.items() if key not in _PER_ROLLOUT_KEYS}
+    fields = {key: value for key, value in row.items() if not key.startswith(_STAMP_PREFIXES)}
     return _canonical_all(fields)
 
 
@@ -509,16 +508,17 @@ def _canonical_all(row: Mapping[str, Any]) -> str:
     return json.dumps(row, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
 
 
-_PER_ROLLOUT_KEYS = frozenset({ROW_INDEX_KEY, ROLLOUT_INDEX_KEY, ATTEMPT_INDEX_KEY, ROLLOUT_ID_KEY})
+_STAMP_PREFIXES = ("_ng_", ROW_INDEX_KEY)
+"""The keys a row gains as it enters and is sent (its Gym numbering, its index), none of what it asks."""
 
 
 def rollout_seed(run_seed: int, row: Mapping[str, Any], rollout_index: int) -> int:
     """The sampling seed of rollout ``rollout_index`` of the task ``row`` in a run seeded ``run_seed``.
 
-    The first 63 bits of ``sha256("<run_seed>:<rollout index>:<prompt identity>")``, the identity being
-    ``"_ng_task_index=<task>"`` for a row that carries its task index (:func:`prompt_identity`). Sample ``i`` of a
-    group of ``n`` is rollout ``repeat * n + i`` (:func:`build_rows`). Independent of the order, timing, actor and
-    machine a row is sent in, of the agent it is routed to and of re-sends; different for each rollout of a task."""
+    The first 63 bits of ``sha256("<run_seed>:<rollout index>:<prompt identity>")`` (:func:`prompt_identity`: the
+    row's content without the bridge's stamps). Sample ``i`` of a group of ``n`` is rollout ``repeat * n + i``
+    (:func:`build_rows`). Independent of the order, timing, actor and machine a row is sent in, of its place in the
+    file and of re-sends; different for each rollout of a task."""
     return _derived_seed(run_seed, prompt_identity(row), rollout_index)
 
 

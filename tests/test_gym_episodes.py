@@ -77,6 +77,7 @@ def materialized(i: int = 0, **task_input: Any) -> dict[str, Any]:
 # ---- rows: which are materialized, and how they are validated --------------------------------------------------
 
 
+@needs_episodes
 def test_materialized_means_what_it_means_to_gym():
     from nemo_gym.episode_types import is_materialized_task_row
 

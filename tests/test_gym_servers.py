@@ -330,11 +330,10 @@ def test_a_configured_port_that_is_busy_ends_the_start_in_seconds_naming_it(tmp_
     with _listen(0) as held:
         port = held.getsockname()[1]
         servers = GymServers(_tool_server_config(tmp_path, port=port))
-        t0 = time.monotonic()
-        with pytest.raises(GymPortInUse, match=rf"'example_single_tool_call' could not bind its port .*{port}"):
+        with pytest.raises(GymPortInUse, match=rf"'example_single_tool_call' could not bind its port .*{port}") as info:
             servers.start()
-        elapsed = time.monotonic() - t0
-    assert elapsed < 30, f"{elapsed:.1f}s: noticed when the server exited, not at the start-up deadline"
+    # Noticed when the server exited and named with its cause, not the start-up deadline's "was not answering".
+    assert "address already in use" in str(info.value).lower() and "was not answering" not in str(info.value)
     _assert_nothing_left(servers, None)
 
 

@@ -199,6 +199,7 @@ class AsyncNemoGymRolloutImpl:
             for row in group.rows
         ]
         agent = row_agent(await self.client.routed(template, prompt_idx=prompt_idx)) or "(unknown)"
+        stamp_agent(completions, agent)
         # Gym's rollout identity (stamped on every result) is no verifier field: row.metrics leaves it out.
         metrics = group_metrics(completions, [agent] * len(completions), fields=[row.metrics for row in group.rows])
         metrics[f"{agent}/full_result"] = full_result_table([c.env_extras for c in completions])
@@ -287,6 +288,14 @@ def gym_completion(
         incomplete_reason=row.incomplete_reason,
         seed=seed if seed is not None else row_seed(row.full_result),
     )
+
+
+def stamp_agent(completions: Sequence[Completion], agent: str) -> None:
+    """Each Gym result gets its row's ``agent_ref`` where it has none, as NeMo-RL copies it from the row: a
+    ``task_source`` row's agent is known only once routed, and per-agent metrics read it from the result."""
+    for completion in completions:
+        if completion.env_extras is not None and not row_agent(completion.env_extras) and agent != "(unknown)":
+            completion.env_extras["agent_ref"] = {"name": agent}
 
 
 def group_metrics(

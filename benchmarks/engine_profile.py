@@ -260,17 +260,12 @@ def main() -> None:
     parser.add_argument("--only", nargs="+", choices=["engine", "model", "ops"], default=["engine", "model", "ops"])
     parser.add_argument("--ops-rows", type=int, default=32)
     parser.add_argument("--top", type=int, default=25)
-    parser.add_argument("--no-noise-ahead", action="store_true", help="draw the sampling noise at the token choice")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     engine = HFGeneration(HFGenerationConfig(model=args.model, stop_token_ids=[], seed=0))
-    if args.no_noise_ahead:
-        engine._ctx.noise = None
     prompts = arith_prompts(engine.tokenizer, (max(args.rows) + SAMPLES - 1) // SAMPLES)
-    ahead = getattr(engine._ctx, "noise", None) is not None
-    print(f"{args.model}, torch {torch.__version__}, {torch.get_num_threads()} threads, noise ahead {ahead}, "
-          f"load {os.getloadavg()}")  # fmt: skip
+    print(f"{args.model}, torch {torch.__version__}, {torch.get_num_threads()} threads, load {os.getloadavg()}")
     print(f"prompts: {len(prompts)} held-out arith chats, {min(map(len, prompts))}-{max(map(len, prompts))} tokens")
     engine_run(engine, make_rows(prompts, 2, 4, True))  # warm-up
     if "engine" in args.only:

@@ -16,7 +16,8 @@ from gym_bridge.batched import BatchedDataDict
 from gym_bridge.failures import SettingError
 from gym_bridge.failures import EngineShutDownError
 from gym_bridge.generation.hf import HFGeneration
-from gym_bridge.generation.hf_config import HFGenerationConfig
+from gym_bridge.generation.hf_config import HFGenerationConfig, RowSampling
+from gym_bridge.generation.hf_decode import Row, RunningBatch, check_distribution, pick_tokens, restricted
 from gym_bridge.testing import async_wait_until
 from gym_bridge.testing.generation import (
     MIXED_PROMPTS,
@@ -480,3 +481,110 @@ async def test_rows_joining_a_running_batch_decode_as_alone(tiny_lm) -> None:
             torch.testing.assert_close(unpadded(out, 0)[1], unpadded(ref, 0)[1], atol=1e-4, rtol=0)
     finally:
         gen.shutdown()
+
+
+# ---- the token choice and the worker's threads ---------------------------------------------------------------
+
+
+def reference_pick(logits: torch.Tensor, rows: list[Row], generator: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """The token choice as it was: one ``torch.multinomial`` over the rows without a generator (greedy ones too),
+    then one exponential draw per seeded sampled row, each row's division and argmax apart."""
+    greedy = torch.tensor([r.greedy for r in rows])
+    temps = torch.tensor([1.0 if r.greedy else r.sampling.temperature for r in rows])
+    scaled = logits / temps[:, None]
+    logp = torch.log_softmax(scaled, dim=-1)
+    tokens = torch.argmax(logits, dim=-1)
+    if not bool(greedy.all()):
+        probs = torch.softmax(restricted(scaled, rows), dim=-1)
+        sampled = tokens.clone()
+        shared = [j for j, r in enumerate(rows) if r.generator is None]
+        if shared:
+            index = torch.tensor(shared)
+            sampled[index] = torch.multinomial(probs[index], 1, generator=generator).squeeze(-1)
+        for j, r in enumerate(rows):
+            if not r.greedy and r.generator is not None:
+                q = torch.empty_like(probs[j]).exponential_(generator=r.generator)
+                sampled[j] = torch.argmax(probs[j] / q)
+        tokens = torch.where(greedy, tokens, sampled)
+    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def choice_rows(kinds: list[tuple[float, float, int | None, int | None]]) -> list[Row]:
+    """One row per ``(temperature, top_p, top_k, seed)``; temperature 0 is greedy, a seed gives the row its generator."""
+    return [
+        Row(
+            prompt=[1],
+            stop_strings=(),
+            greedy=t == 0.0,
+            sampling=RowSampling(temperature=t, top_p=p, top_k=k, max_new_tokens=8, seed=s),
+            generator=None if s is None else torch.Generator().manual_seed(s),
+        )
+        for t, p, k, s in kinds
+    ]
+
+
+MIXED_ROWS = [(0.0, 1.0, None, 3), (1.0, 1.0, None, None), (0.7, 1.0, None, 11), (1.0, 1.0, 5, None),
+              (1.3, 0.5, None, 12), (0.0, 1.0, None, None), (1.0, 1.0, None, 13), (0.5, 0.9, 40, None)]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "kinds",
+    [
+        MIXED_ROWS,
+        [(1.0, 1.0, None, None)] * 4,  # the arith eval's rows: unseeded, temperature 1, no filter
+        [(1.0, 1.0, None, 7), (1.0, 1.0, None, 8)],  # seeded only
+        [(0.0, 1.0, None, None), (0.0, 1.0, None, 4)],  # greedy only: no draw at all
+    ],
+    ids=["mixed", "unseeded", "seeded", "greedy"],
+)
+def test_the_token_choice_draws_what_multinomial_drew(kinds) -> None:
+    """``pick_tokens`` (one division and one argmax for the batch, no logits copy at temperature 1) gives the tokens
+    and bit-identical logprobs of the choice it replaced, step after step, and takes the same draws from every
+    generator."""
+    old_rows, new_rows = choice_rows(kinds), choice_rows(kinds)
+    old_gen, new_gen = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    for step in range(4):
+        logits = 3 * torch.randn(len(kinds), 300, generator=torch.Generator().manual_seed(step))
+        want_tokens, want_lp = reference_pick(logits, old_rows, old_gen)
+        tokens, lp = pick_tokens(logits, new_rows, new_gen)
+        assert torch.equal(tokens, want_tokens), step
+        assert torch.equal(lp, want_lp), step
+    assert torch.equal(torch.rand(4, generator=old_gen), torch.rand(4, generator=new_gen))
+    for old, new in zip(old_rows, new_rows, strict=True):
+        if old.generator is not None and new.generator is not None:
+            assert torch.equal(torch.rand(4, generator=old.generator), torch.rand(4, generator=new.generator))
+
+
+def test_a_distribution_that_is_not_one_is_refused_as_multinomial_refuses_it() -> None:
+    rows = choice_rows([(1.0, 1.0, None, None)])
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(RuntimeError, match="probability tensor contains"):
+            pick_tokens(torch.full((1, 10), bad), rows, torch.Generator().manual_seed(0))
+    with pytest.raises(RuntimeError, match="sum of probabilities"):
+        check_distribution(torch.zeros(1, 10))
+
+
+def test_the_worker_decodes_with_its_own_thread_count(tiny_lm, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker thread decodes with ``num_threads``; the caller's count and the count of threads started later
+    stay as they were (a trainer in the same process keeps its threads)."""
+    tok, _ = tiny_lm
+    before = torch.get_num_threads()
+    seen: list[int] = []
+    real_step = RunningBatch.step
+
+    def step(self: RunningBatch) -> None:
+        seen.append(torch.get_num_threads())
+        real_step(self)
+
+    monkeypatch.setattr(RunningBatch, "step", step)
+    gen = engine(tiny_lm, num_threads=before + 1, max_new_tokens=3)
+    try:
+        asyncio.run(_collect(gen, prompt_batch(tok, ["Say hi."])))
+    finally:
+        gen.shutdown()
+    later: list[int] = []
+    thread = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+    thread.start()
+    thread.join()
+    assert seen and set(seen) == {before + 1}
+    assert torch.get_num_threads() == before and later == [before]

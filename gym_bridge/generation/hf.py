@@ -49,7 +49,9 @@ batch's, up to ``max_batch_size`` rows); rows that finish leave at once and are
 handed back through ``loop.call_soon_threadsafe``. When the worker is idle, it waits
 ``batch_wait_s`` after the first row so that concurrent requests start together.
 Both paths share one lock per decode step, so the model never runs on two threads at once.
-The decode loop itself is :mod:`gym_bridge.generation.hf_decode`.
+The decode loop itself is :mod:`gym_bridge.generation.hf_decode`. ``num_threads`` gives the worker thread a torch
+thread count of its own (default: the process's), leaving every other thread's as it was
+(:mod:`gym_bridge.generation.hf_worker` says when fewer threads pay).
 
 Prefix caching (``enable_prefix_caching``, on by default, as in vLLM): the keys and values of
 every full ``prefix_cache_block_size``-token block of a row's prompt and output are kept
@@ -92,7 +94,7 @@ from gym_bridge.generation.hf_worker import (
     fail_queued,
     make_deliver,
     publish_counts,
-    worker_loop,
+    start_worker,
 )
 from gym_bridge.generation.prefix_cache import PrefixCache, PrefixCacheCounts
 from gym_bridge.interfaces import GenerationInterface
@@ -344,10 +346,7 @@ class HFGeneration(GenerationInterface):
                 raise EngineShutDownError("HFGeneration was shut down")
             if self._worker is not None:
                 return
-            self._worker = threading.Thread(
-                target=worker_loop, args=(weakref.ref(self), self._queue), name="hf-generation-worker", daemon=True
-            )
-            self._worker.start()
+            self._worker = start_worker(weakref.ref(self), self._queue, self.cfg.num_threads)
             # If the engine is dropped without shutdown(), stop the thread anyway.
             weakref.finalize(self, self._queue.put, STOP)
 

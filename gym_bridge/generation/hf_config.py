@@ -29,6 +29,13 @@ class HFGenerationConfig(BaseModel):
     max_model_len: int | None = Field(None, ge=1, description="None: the model's max_position_embeddings.")
     seed: int | None = Field(0, description="Seed of the sampling generator; None draws a random one.")
     batch_wait_s: float = Field(0.002, ge=0.0, description="How long the worker waits to coalesce requests.")
+    num_threads: int | None = Field(
+        None,
+        ge=1,
+        description="torch threads of the worker thread that decodes for generate_async (no other thread's count "
+        "changes). None: the process's, one per core unless OMP_NUM_THREADS says otherwise. 1 on a 2-core machine "
+        "that other heavy work shares: there 2 threads stall each other (see hf_worker).",
+    )
     shutdown_timeout_s: float = Field(30.0, gt=0.0)
     enable_prefix_caching: bool = Field(
         True, description="vLLM's automatic prefix caching: rows reuse the keys and values of a cached prompt prefix."

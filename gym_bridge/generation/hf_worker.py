@@ -3,6 +3,13 @@
 The worker decodes continuously: whatever was queued joins the running batch at the
 next step (unless a weight refit is waiting, which pauses admission until the batch
 has drained), and each finished row is handed back to its waiter's event loop.
+
+``HFGenerationConfig.num_threads`` gives the worker a torch thread count of its own (default: the process's, which
+is one per core unless ``OMP_NUM_THREADS`` says otherwise). On 2 cores, 2 threads decode 1.1-1.4x faster than 1 at
+8-32 rows when the machine is otherwise quiet, and as fast at 1 row; with a busy neighbour (other processes' work, at
+load averages of 8 and more) a step's hundreds of small parallel regions each wait for a descheduled thread, and 1
+thread has decoded 3-20x faster than 2 there (``benchmarks/history/2026-11-28-engine-profile.md``). vLLM's CPU worker
+always takes one thread per core less one.
 """
 
 from __future__ import annotations
@@ -16,6 +23,8 @@ import weakref
 from collections.abc import Callable, Sequence
 from enum import Enum
 from typing import Final, Protocol
+
+import torch
 
 from gym_bridge.failures import EngineShutDownError
 from gym_bridge.generation.hf_config import HFGenerationConfig
@@ -51,8 +60,43 @@ class WorkerEngine(Protocol):
     def _admit_and_step(self, batch: RunningBatch | None, pending: list[Row]) -> RunningBatch | None: ...
 
 
-def worker_loop(engine_ref: weakref.ref[WorkerEngine], q: queue.SimpleQueue[WorkItem]) -> None:
-    """The worker thread of an HFGeneration: take queued rows, admit them, step the running batch."""
+def start_worker(
+    engine_ref: weakref.ref[WorkerEngine], q: queue.SimpleQueue[WorkItem], threads: int | None
+) -> threading.Thread:
+    """Start the worker thread, decoding with ``threads`` torch threads (None: the process default, untouched); every
+    other thread keeps its count.
+
+    torch keeps a thread count per thread (OpenMP's and MKL's settings are per thread) and a process default that a
+    thread takes at its first parallel operation. The worker sets and takes its own count before this returns; then
+    the process default goes back to what it was, so a trainer in the same process and threads started later keep
+    theirs.
+    """
+    ready = threading.Event()
+    previous = torch.get_num_threads()
+    worker = threading.Thread(
+        target=worker_loop, args=(engine_ref, q, threads, ready), name="hf-generation-worker", daemon=True
+    )
+    worker.start()
+    ready.wait()
+    if threads is not None:
+        torch.set_num_threads(previous)
+    return worker
+
+
+def worker_loop(
+    engine_ref: weakref.ref[WorkerEngine],
+    q: queue.SimpleQueue[WorkItem],
+    threads: int | None = None,
+    ready: threading.Event | None = None,
+) -> None:
+    """The worker thread of an HFGeneration: take queued rows, admit them, step the running batch.
+
+    ``threads``: this thread's torch thread count (None: the process default); ``ready`` is set once it holds it."""
+    if threads is not None:
+        torch.set_num_threads(threads)
+        torch.get_num_threads()  # this thread takes its count now, before start_worker restores the default
+    if ready is not None:
+        ready.set()
     pending: list[Row] = []
     batch: RunningBatch | None = None
     stopping = False

@@ -21,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from gym_bridge.config.keys import TrainingConfigError
+from gym_bridge.config.keys import TrainingConfigError, config_value
 from gym_bridge.config.loading import load_training_config
 from gym_bridge.json_types import JsonObject
 
@@ -45,12 +45,10 @@ def _read(path: Path, shown_as: str | None = None) -> JsonObject:
 
 
 def _has(config: Mapping[str, Any], dotted: str) -> bool:
-    node: object = config
-    for part in dotted.split("."):
-        if not isinstance(node, Mapping) or part not in node:
-            return False
-        node = node[part]
-    return True
+    return config_value(config, dotted, _ABSENT) is not _ABSENT
+
+
+_ABSENT = object()
 
 
 def _set(tree: dict[str, Any], dotted: str, value: object) -> None:

@@ -29,6 +29,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from gym_bridge.config.keys import config_value
 from gym_bridge.json_types import JsonMapping, JsonObject
 
 SMOKE_MODEL = "smollm2"
@@ -244,15 +245,6 @@ def format_table(title: str, header: Sequence[str], rows: Sequence[Sequence[str]
     return "\n".join([title, line(header), rule, *(line(row) for row in rows)])
 
 
-def _get(config: JsonMapping, dotted: str) -> object:
-    node: object = config
-    for part in dotted.split("."):
-        if not isinstance(node, Mapping) or part not in node:
-            return ABSENT
-        node = node[part]
-    return node
-
-
 class _Rewrite:
     """The config being rewritten and the changes so far; a pinned key is never touched."""
 
@@ -265,7 +257,7 @@ class _Rewrite:
         return any(key == p or key.startswith(f"{p}.") or p.startswith(f"{key}.") for p in self.pinned)
 
     def get(self, key: str) -> object:
-        return _get(self.config, key)
+        return config_value(self.config, key, ABSENT)
 
     def set(self, key: str, value: object, why: str, *, add: bool = False) -> None:
         """``key`` to ``value`` when the config has it (or ``add``), differs, and the command line did not set it."""
@@ -312,9 +304,9 @@ def gpu_only_keys(config: JsonMapping) -> list[IgnoredKey]:
     """The GPU-only keys ``config`` sets to a value that asks for something (:data:`GPU_KEYS`) and that a CPU run
     ignores: what a run without ``--smoke`` names once. Keys gym-bridge refuses when set are not listed here."""
     return [
-        IgnoredKey(spec.key, _get(config, spec.key), spec.why)
+        IgnoredKey(spec.key, config_value(config, spec.key, ABSENT), spec.why)
         for spec in GPU_KEYS
-        if not spec.refused and _is_active(spec, _get(config, spec.key))
+        if not spec.refused and _is_active(spec, config_value(config, spec.key, ABSENT))
     ]
 
 

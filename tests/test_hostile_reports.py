@@ -311,8 +311,7 @@ HOSTILE_FILES = {
 
 @pytest.mark.parametrize("name", sorted(HOSTILE_FILES))
 def test_the_training_reader_and_the_eval_reader_say_the_same_line(tmp_path: Path, name: str) -> None:
-    """Two copies of one loop (the layer table keeps training/ from importing eval/): the same caps, and the same
-    words for the same bytes."""
+    """One loop (boundary/jsonl.py) under two readers' caps: the same caps, and the same words for the same bytes."""
     from gym_bridge.training import metrics as training
 
     assert (ReadLimits().max_jsonl_bytes, ReadLimits().max_line_bytes) == (

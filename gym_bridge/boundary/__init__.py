@@ -7,6 +7,8 @@ Its rules (``docs/reliability.md`` lists them with what stays trusted):
   folder go to a temporary file there and ``os.replace`` over the name; appends and repairs refuse a planted link.
 - :mod:`~gym_bridge.boundary.json_io`: untrusted JSON decoded with a depth limit and finite numbers only; JSON out
   is strict (non-finite numbers become null).
+- :mod:`~gym_bridge.boundary.jsonl`: JSONL files streamed line by line under a file cap and a line cap, a NUL byte
+  refused at its line, each line decoded as ``json_io`` decodes (its depth counted on the bytes).
 - :mod:`~gym_bridge.boundary.yaml_io`: YAML whose aliases would expand past a node budget is refused before
   anything is built from it.
 - :mod:`~gym_bridge.boundary.text`: control, bidi and other unprintable characters escaped before text from a run

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator
 from typing import Any
 
 import orjson
@@ -55,21 +54,6 @@ def jsonl_lines(data: bytes) -> tuple[list[bytes], bytes]:
     lines = data.split(b"\n")
     tail = lines.pop()
     return lines, tail
-
-
-def iter_jsonl_objects(data: bytes, name: str, *, max_depth: int = MAX_DEPTH) -> Iterator[tuple[int, dict[str, Any]]]:
-    """(line number, object) for each non-blank line of a JSONL file's ``data``, a last line without its newline
-    included; ``name`` (the file) goes into each error as ``name:line``.
-
-    Raises:
-        UntrustedInputError: a line that is not a JSON object, or nests too deeply (named ``name:line``).
-    """
-    lines, tail = jsonl_lines(data)
-    if tail.strip():
-        lines.append(tail)
-    for number, raw in enumerate(lines, start=1):
-        if raw.strip():
-            yield number, loads_object(raw, f"{name}:{number}", max_depth=max_depth)
 
 
 def depth(value: object, stop_after: int | None = None) -> int:

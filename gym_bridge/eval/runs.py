@@ -40,7 +40,6 @@ import errno
 import fcntl
 import gc
 import os
-import re
 import reprlib
 import stat
 import zlib
@@ -51,7 +50,6 @@ from functools import cached_property
 from pathlib import Path
 from typing import Literal
 
-import orjson
 from pydantic import BaseModel, ConfigDict, PositiveInt, ValidationError
 
 from gym_bridge.boundary.errors import UntrustedInputError
@@ -60,7 +58,11 @@ from gym_bridge.boundary.json_io import (
     MAX_DEPTH,
     dumps,
     jsonl_lines as jsonl_lines,  # the store's and the rescore's splitter
-    loads_object,
+)
+from gym_bridge.boundary.jsonl import (
+    decode_line as boundary_decode,
+    iter_lines as boundary_lines,
+    raw_depth as raw_depth,  # the depth decode_line measures
 )
 from gym_bridge.boundary.text import shown as shown  # what callers escape run-folder text with
 from gym_bridge.eval.records import ROW_ID_KEY, FailureLine, PromptLine, ResultLine, RunFile
@@ -77,8 +79,6 @@ MAX_BYTES_ENV = "GYM_BRIDGE_RUN_MAX_BYTES"
 MAX_RUN_JSON_DEPTH = MAX_DEPTH
 """How deeply ``run.json`` and each JSONL line may nest (the boundary's default): the writers nest a few levels,
 and their copies (``json.dump`` with an indent, ``copy.deepcopy``) recurse once per level."""
-_PIECE = 1 << 20
-"""How much of a line is read at once: a longer line is read piece by piece up to its cap."""
 
 _PREVIEW = reprlib.Repr(maxlevel=2, maxdict=3, maxlist=3, maxstring=40, maxother=40)
 """How much of a refused value an error line shows."""
@@ -222,110 +222,17 @@ def read_file(path: Path, max_bytes: int) -> bytes | None:
 
 
 def iter_lines(path: Path, limits: ReadLimits) -> Iterator[tuple[int, int, bytes, bool]]:
-    """Each line of the JSONL file ``path`` as it is read: (line number, byte offset, bytes without the newline,
-    whether a newline ended it). Only the last can lack its newline (a torn write, or a file not ending in one).
-    Nothing when ``path`` does not exist. Memory: a read of :data:`_PIECE` bytes and the line it ends, under
-    :attr:`ReadLimits.max_line_bytes`.
-
-    Raises:
-        RunReadError: not a regular file, over :attr:`ReadLimits.max_jsonl_bytes` (also when it grows while
-            read), a line over :attr:`ReadLimits.max_line_bytes`, or a NUL byte in a line (``file:line``; JSON
-            has no NUL byte: a sparse file or a file of zeros is refused at its first line, after one read).
-    """
-    where = shown(path)
-    hint = _hint(path)
-    max_line = limits.max_line_bytes
-    with refusals_as_run_errors(), contextlib.ExitStack() as stack:
-        try:
-            f = stack.enter_context(open_regular(path, limits.max_jsonl_bytes, hint=hint))
-        except FileNotFoundError:
-            return
-        buf, start, base, number, total = b"", 0, 0, 0, 0  # base: the file offset of buf[0]
-        while True:
-            end = buf.find(b"\n", start)
-            if end < 0:
-                if len(buf) - start > max_line:
-                    raise _line_too_long(where, number + 1, max_line)
-                try:
-                    piece = f.read(_PIECE)
-                except OSError as exc:
-                    raise RunReadError(f"{where}: cannot be read ({exc.strerror or exc})") from None
-                if not piece:
-                    if start < len(buf):
-                        yield number + 1, base + start, buf[start:], False
-                    return
-                total += len(piece)
-                if total > limits.max_jsonl_bytes:
-                    raise RunReadError(
-                        f"{where}: {total:,} bytes or more, over the limit of {limits.max_jsonl_bytes:,} bytes{hint}"
-                    )
-                base, buf, start = base + start, buf[start:] + piece, 0
-                nul = buf.find(b"\x00", len(buf) - len(piece))
-                if nul >= 0:
-                    line_start = buf.rfind(b"\n", 0, nul) + 1
-                    line = number + 1 + buf.count(b"\n", 0, line_start)
-                    byte = nul - line_start
-                    raise RunReadError(f"{where}:{line}: not valid JSON (a NUL byte at byte {byte:,} of the line)")
-                continue
-            number += 1
-            if end - start >= max_line:
-                raise _line_too_long(where, number, max_line)
-            yield number, base + start, buf[start:end], True
-            start = end + 1
-
-
-def _line_too_long(where: str, number: int, max_line: int) -> RunReadError:
-    return RunReadError(f"{where}:{number}: a line of more than {max_line:,} bytes, over the limit of a line")
-
-
-_ESCAPE = re.compile(rb"\\.", re.S)
-"""A backslash escape inside a JSON string (the only place valid JSON has a backslash)."""
-_NOT_STRUCTURE = bytes(range(256)).translate(None, b'"[]{}')
-"""Every byte but quotes and brackets (no byte of a multi-byte UTF-8 character is one of these)."""
-
-
-def raw_depth(raw: bytes) -> int:
-    """How deeply the valid JSON text ``raw`` nests lists and objects: as
-    :func:`~gym_bridge.boundary.json_io.depth` of its value, measured on the bytes (escapes dropped, then
-    everything but quotes and brackets, then what lies inside strings; the brackets left are counted)."""
-    structure = _ESCAPE.sub(b"", raw) if b"\\" in raw else raw
-    brackets = b"".join(structure.translate(None, _NOT_STRUCTURE).split(b'"')[::2])
-    level = deepest = 0
-    for byte in brackets:
-        if byte == 0x5B or byte == 0x7B:  # [ {
-            level += 1
-            if level > deepest:
-                deepest = level
-        else:
-            level -= 1
-    return deepest
-
-
-def _deeper_than(raw: bytes, limit: int) -> bool:
-    """Whether the valid JSON text ``raw`` nests deeper than ``limit`` (a short line with no more opening brackets
-    than ``limit`` cannot: then nothing is measured)."""
-    if len(raw) <= 4096 and raw.count(b"[") + raw.count(b"{") <= limit:
-        return False
-    return raw_depth(raw) > limit
+    """:func:`gym_bridge.boundary.jsonl.iter_lines` under ``limits``, its refusals as :class:`RunReadError`."""
+    with refusals_as_run_errors():
+        yield from boundary_lines(
+            path, max_bytes=limits.max_jsonl_bytes, max_line=limits.max_line_bytes, hint=_hint(path)
+        )
 
 
 def decode_line(raw: bytes, where: str, *, max_depth: int = MAX_RUN_JSON_DEPTH) -> JsonObject:
-    """One JSONL line (or ``run.json``) as a JSON object, decoded as
-    :func:`~gym_bridge.boundary.json_io.loads_object` decodes it (the same decoder, the same refusals in the
-    boundary's own words), its nesting measured on the bytes (:func:`raw_depth`).
-
-    Raises:
-        RunReadError: not valid JSON, not an object, or nested deeper than ``max_depth`` (``where``).
-    """
-    try:
-        value = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        value = None
-    if isinstance(value, dict) and not _deeper_than(raw, max_depth):
-        return value
+    """:func:`gym_bridge.boundary.jsonl.decode_line`, its refusals as :class:`RunReadError`."""
     with refusals_as_run_errors():
-        loads_object(raw, where, max_depth=max_depth)  # refuses it, in the boundary's words
-    raise RunReadError(f"{where}: nested deeper than {max_depth} levels")  # pragma: no cover (the boundary refused)
+        return boundary_decode(raw, where, max_depth=max_depth)
 
 
 def iter_objects(

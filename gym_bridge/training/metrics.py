@@ -4,27 +4,23 @@ Written as strict JSON (:func:`~gym_bridge.boundary.json_io.dumps`: a loss that 
 so every reader accepts the file), appended through a descriptor that refuses a planted link
 (:func:`~gym_bridge.boundary.files.open_nofollow`).
 
-Read back (:func:`iter_jsonl`, for ``metrics.jsonl`` and ``val_results.jsonl``) the way the run-folder reader of
-:mod:`gym_bridge.eval.runs` reads an eval run folder's JSONL files: through the boundary
-(:func:`~gym_bridge.boundary.files.open_regular`, :func:`~gym_bridge.boundary.json_io.loads_object`), streamed
-line by line, under the same caps (:data:`MAX_JSONL_BYTES`, raised by ``$GYM_BRIDGE_RUN_MAX_BYTES``, and
-:data:`MAX_LINE_BYTES`), with the same one-line errors naming ``file:line``. The layer table keeps this module
-from importing ``eval/`` (a tool), so the loop is this module's own; ``tests/test_hostile_reports.py`` holds the
-two readers to the same caps and the same error lines.
+Read back (:func:`iter_jsonl`, for ``metrics.jsonl`` and ``val_results.jsonl``) by the loop that also reads an eval
+run folder's JSONL files (:mod:`gym_bridge.boundary.jsonl`), under the same caps (:data:`MAX_JSONL_BYTES`, raised
+by ``$GYM_BRIDGE_RUN_MAX_BYTES``, and :data:`MAX_LINE_BYTES`), with the same one-line errors naming ``file:line``;
+``tests/test_hostile_reports.py`` holds the two readers to the same caps and the same error lines.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import BinaryIO
 
 from gym_bridge.boundary.errors import UntrustedInputError
-from gym_bridge.boundary.files import open_nofollow, open_regular
-from gym_bridge.boundary.json_io import MAX_DEPTH, dumps, loads_object
+from gym_bridge.boundary.files import open_nofollow
+from gym_bridge.boundary.json_io import dumps
+from gym_bridge.boundary.jsonl import decode_line, iter_lines
 from gym_bridge.boundary.text import shown
 from gym_bridge.json_types import JsonMapping, JsonObject
 
@@ -38,7 +34,6 @@ MAX_JSONL_BYTES = 2 << 30
 """The largest JSONL file of a run folder read (``eval.runs.ReadLimits.max_jsonl_bytes``)."""
 MAX_LINE_BYTES = 128 << 20
 """The longest line read (``eval.runs.ReadLimits.max_line_bytes``)."""
-_PIECE = 1 << 20
 
 
 def _plain(value: object) -> object:
@@ -87,8 +82,9 @@ def max_jsonl_bytes() -> int:
 
 
 def iter_jsonl(path: Path) -> Iterator[tuple[int, JsonObject]]:
-    """(line number, object) of each line of the JSONL file ``path``, streamed (none when it does not exist;
-    blank lines and a torn last line skipped: a run killed mid-write).
+    """(line number, object) of each line of the JSONL file ``path``, streamed by the boundary's one JSONL reader
+    (:mod:`gym_bridge.boundary.jsonl`), as the eval run-folder reader streams its files (none when it does not
+    exist; blank lines and a torn last line skipped: a run killed mid-write).
 
     Raises:
         UntrustedInputError: not a regular file, over the cap (``$GYM_BRIDGE_RUN_MAX_BYTES``), a line over
@@ -96,52 +92,12 @@ def iter_jsonl(path: Path) -> Iterator[tuple[int, JsonObject]]:
             (``file:line``).
     """
     where = shown(path)
-    limit = max_jsonl_bytes()
     hint = f"; set {MAX_BYTES_ENV} to read a larger one"
-    with contextlib.ExitStack() as stack:
-        try:
-            f = stack.enter_context(open_regular(path, limit, hint=hint))
-        except FileNotFoundError:
-            return
-        offset = number = 0
-        while True:
-            line = _line(f, where, number + 1)
-            if not line:
-                return
-            number += 1
-            offset += len(line)
-            if offset > limit:
-                raise UntrustedInputError(f"{where}: {offset:,} bytes or more, over the limit of {limit:,} bytes{hint}")
-            if not line.endswith(b"\n"):
-                return  # a torn last line
-            if line.strip():
-                yield number, loads_object(line, f"{where}:{number}", max_depth=MAX_DEPTH)
-
-
-def _line(f: BinaryIO, where: str, number: int) -> bytes:
-    """The next line of ``f`` with its newline (without one: the file's end), under :data:`MAX_LINE_BYTES`."""
-    parts: list[bytes] = []
-    size = 0
-    while True:
-        try:
-            piece = f.readline(_PIECE)
-        except OSError as exc:
-            raise UntrustedInputError(f"{where}: cannot be read ({exc.strerror or exc})") from None
-        if not piece:
-            break
-        at = piece.find(b"\x00")
-        if at >= 0:
-            byte = size + at
-            raise UntrustedInputError(f"{where}:{number}: not valid JSON (a NUL byte at byte {byte:,} of the line)")
-        parts.append(piece)
-        size += len(piece)
-        if size > MAX_LINE_BYTES:
-            raise UntrustedInputError(
-                f"{where}:{number}: a line of more than {MAX_LINE_BYTES:,} bytes, over the limit of a line"
-            )
-        if piece.endswith(b"\n"):
-            break
-    return b"".join(parts)
+    for number, _, raw, complete in iter_lines(path, max_bytes=max_jsonl_bytes(), max_line=MAX_LINE_BYTES, hint=hint):
+        if not complete:
+            return  # a torn last line
+        if raw.strip():
+            yield number, decode_line(raw, f"{where}:{number}")
 
 
 def read_metrics(path: Path) -> list[MetricsLine]:

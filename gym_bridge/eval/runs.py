@@ -14,11 +14,9 @@ goes through the trust boundary (:mod:`gym_bridge.boundary`) and is bounded and 
   :attr:`ReadLimits.max_line_bytes`, split on ``\\n`` only (never ``str.splitlines()``, which also splits on
   U+2028, U+2029 and U+0085 inside a valid row); a NUL byte (a sparse file, a file of zeros) is an error at the
   line that holds it, never an empty run;
-- every line is decoded as :func:`~gym_bridge.boundary.json_io.loads_object` decodes (orjson: finite numbers
-  only; nesting bounded at the boundary's :data:`~gym_bridge.boundary.json_io.MAX_DEPTH`; every refusal is the
-  boundary's own line) by :func:`decode_line`, which measures the nesting on the bytes (:func:`raw_depth`)
-  instead of walking every decoded value (the boundary's walk costs ~0.9 ms a 29 KB line, 35 s of a compare of
-  two runs of 20,000 prompts); each line is checked against the models of :mod:`gym_bridge.eval.records`;
+- every line is decoded by :func:`~gym_bridge.boundary.json_io.loads_object` (orjson: finite numbers only;
+  nesting bounded at :data:`~gym_bridge.boundary.json_io.MAX_DEPTH`, counted on the bytes; every refusal is the
+  boundary's own line); each line is checked against the models of :mod:`gym_bridge.eval.records`;
   ``run.json`` is typed too (a ``pass_threshold`` that is a string, a ``config`` that is not a mapping);
 - a ``prompt_idx`` given twice is refused, naming both lines.
 
@@ -58,12 +56,9 @@ from gym_bridge.boundary.json_io import (
     MAX_DEPTH,
     dumps,
     jsonl_lines as jsonl_lines,  # the store's and the rescore's splitter
+    loads_object,
 )
-from gym_bridge.boundary.jsonl import (
-    decode_line as boundary_decode,
-    iter_lines as boundary_lines,
-    raw_depth as raw_depth,  # the depth decode_line measures
-)
+from gym_bridge.boundary.jsonl import iter_lines as boundary_lines
 from gym_bridge.boundary.text import shown as shown  # what callers escape run-folder text with
 from gym_bridge.eval.records import ROW_ID_KEY, FailureLine, PromptLine, ResultLine, RunFile
 from gym_bridge.json_types import JsonObject
@@ -230,9 +225,10 @@ def iter_lines(path: Path, limits: ReadLimits) -> Iterator[tuple[int, int, bytes
 
 
 def decode_line(raw: bytes, where: str, *, max_depth: int = MAX_RUN_JSON_DEPTH) -> JsonObject:
-    """:func:`gym_bridge.boundary.jsonl.decode_line`, its refusals as :class:`RunReadError`."""
+    """One JSONL line (or ``run.json``) as a JSON object (:func:`~gym_bridge.boundary.json_io.loads_object`), its
+    refusals as :class:`RunReadError`."""
     with refusals_as_run_errors():
-        return boundary_decode(raw, where, max_depth=max_depth)
+        return loads_object(raw, where, max_depth=max_depth)
 
 
 def iter_objects(

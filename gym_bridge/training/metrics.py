@@ -19,8 +19,8 @@ from pathlib import Path
 
 from gym_bridge.boundary.errors import UntrustedInputError
 from gym_bridge.boundary.files import open_nofollow
-from gym_bridge.boundary.json_io import dumps
-from gym_bridge.boundary.jsonl import decode_line, iter_lines
+from gym_bridge.boundary.json_io import dumps, loads_object
+from gym_bridge.boundary.jsonl import iter_lines
 from gym_bridge.boundary.text import shown
 from gym_bridge.json_types import JsonMapping, JsonObject
 
@@ -97,7 +97,7 @@ def iter_jsonl(path: Path) -> Iterator[tuple[int, JsonObject]]:
         if not complete:
             return  # a torn last line
         if raw.strip():
-            yield number, decode_line(raw, f"{where}:{number}")
+            yield number, loads_object(raw, f"{where}:{number}")
 
 
 def read_metrics(path: Path) -> list[MetricsLine]:

@@ -375,6 +375,15 @@ def _seconds(value: float) -> str:
     return f"{value:.1f} s" if math.isfinite(value) else "n/a"
 
 
+def reward_bins(values: list[float], count: int = 10) -> list[float]:
+    """Ten equal bins over the rewards; a span too narrow for float bins (one value, denormals) gets a unit-wide one."""
+    low, high = min(values), max(values)
+    if high - low < 1e-9 * max(1.0, abs(low), abs(high)):
+        low, high = low - 0.5, high + 0.5
+    step = (high - low) / count
+    return [low + step * i for i in range(count)] + [high]
+
+
 def render_plot(metrics: JsonObject, rewards: dict[str, list[float]]) -> bytes:
     """``report.png``: the reward histogram per agent and pass@k per agent, as PNG bytes."""
     import matplotlib
@@ -387,7 +396,7 @@ def render_plot(metrics: JsonObject, rewards: dict[str, list[float]]) -> bytes:
         agents = [a for a in metrics["agents"] if a != ALL]
         finite = {a: [r for r in rewards.get(a, []) if abs(r) < 1e300] for a in agents}
         if any(finite.values()):
-            left.hist([finite[a] for a in agents], bins=10, label=[plot_label(a) for a in agents], stacked=True)
+            left.hist([finite[a] for a in agents], bins=reward_bins([r for a in agents for r in finite[a]]), label=[plot_label(a) for a in agents], stacked=True)
             left.legend(fontsize=7)
         left.set_title("Reward distribution (all completions)")
         left.set_xlabel("reward")

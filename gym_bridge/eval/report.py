@@ -396,7 +396,8 @@ def render_plot(metrics: JsonObject, rewards: dict[str, list[float]]) -> bytes:
         agents = [a for a in metrics["agents"] if a != ALL]
         finite = {a: [r for r in rewards.get(a, []) if abs(r) < 1e300] for a in agents}
         if any(finite.values()):
-            left.hist([finite[a] for a in agents], bins=reward_bins([r for a in agents for r in finite[a]]), label=[plot_label(a) for a in agents], stacked=True)
+            bins = reward_bins([r for a in agents for r in finite[a]])
+            left.hist([finite[a] for a in agents], bins=bins, label=[plot_label(a) for a in agents], stacked=True)
             left.legend(fontsize=7)
         left.set_title("Reward distribution (all completions)")
         left.set_xlabel("reward")

@@ -149,7 +149,8 @@ def test_a_client_that_disconnects_mid_body_is_not_an_error(tiny_tokenizer, capl
     however loaded the machine is; the close waits on the app's task, not on a pause.
     """
     caplog.set_level(logging.INFO)
-    caplog.set_level(logging.INFO, logger="gym_bridge")  # a CLI run earlier in this process may have set it higher
+    for name in ("gym_bridge", "gym_bridge.serving"):  # `gym-bridge train` run in this process sets them to WARNING
+        caplog.set_level(logging.INFO, logger=name)
     limits = ServerLimits(body_timeout_s=300.0, header_timeout_s=300.0)
     served = OpenAIServer(ScriptedGeneration(tiny_tokenizer), tiny_tokenizer, limits=limits)
     served.start_in_thread()

@@ -32,16 +32,12 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 import psutil
 
-from gym_bridge.boundary import UntrustedInputError
-from gym_bridge.boundary.yaml_io import load_yaml
 from gym_bridge.failures import GymPortInUse, GymServerDied, GymServersError, GymStartupError
 from gym_bridge.gym.reaper import (
     PORT_WINDOW,
@@ -54,6 +50,7 @@ from gym_bridge.gym.reaper import (
     tail,
     wait_gone,
 )
+from gym_bridge.gym.running import read_global_config, read_head
 from gym_bridge.gym.server_config import GymServersConfig, HeadServerAddress, deep_merge, head_address
 from gym_bridge.gym.versions import installed_gym
 from gym_bridge.json_types import JsonObject
@@ -68,8 +65,6 @@ _BIND_FAILURE = re.compile(
     re.IGNORECASE,
 )
 _KILL_WAIT_S = 5.0
-_HEAD_READ_TIMEOUT_S = 30.0
-"""The bound on one read of the head server's config or server list."""
 _PROBE_TIMEOUT_S = 0.5
 """The bound on one TCP connect to a server of a running Gym (:meth:`GymServers.poll`)."""
 _PROBE_EVERY_S = 2.0
@@ -320,7 +315,7 @@ class GymServers:
             f"the running NeMo-Gym's head server at {head.url} did not answer GET {readiness} with 200",
         )
         self._served_config = self._read_global_config(head)
-        instances = self._read_head(head, "/server_instances")
+        instances = read_head(head, "/server_instances")
         if not isinstance(instances, list):
             raise GymStartupError(f"the head server at {head.url} answered /server_instances with no list of servers")
         servers: dict[str, JsonObject] = {}
@@ -378,29 +373,12 @@ class GymServers:
             host = head.host
         return str(host), int(port)
 
-    def _read_head(self, head: HeadServerAddress, path: str) -> Any:
-        """``GET path`` of the head server as JSON, bounded; :class:`GymStartupError` naming it otherwise."""
-        try:
-            with urllib.request.urlopen(f"{head.url}{path}", timeout=_HEAD_READ_TIMEOUT_S) as response:
-                return json.loads(response.read())
-        except (OSError, ValueError) as exc:
-            raise GymStartupError(f"could not read {path} from the NeMo-Gym head server at {head.url}: {exc}") from None
-
     def _read_global_config(self, head: HeadServerAddress) -> dict[str, Any]:
-        """The head server's global config (Gym serves its YAML as a JSON string), as plain data."""
-        text = self._read_head(head, "/global_config_dict_yaml")
-        try:
-            config = (
-                load_yaml(text, f"the global config of the head server at {head.url}")
-                if isinstance(text, str)
-                else None
-            )
-        except UntrustedInputError as exc:
-            raise GymStartupError(str(exc)) from None
-        if not isinstance(config, dict):
-            raise GymStartupError(f"the head server at {head.url} served no global config mapping")
-        self._config_yaml = text
-        return config
+        """The head server's global config as plain data (:func:`~gym_bridge.gym.running.read_global_config`); its
+        YAML is kept for Gym's resolver."""
+        served = read_global_config(head)
+        self._config_yaml = served.yaml
+        return served.config
 
     def _resolve_routes(self, head: HeadServerAddress, deadline: float) -> JsonObject:
         """The routes of the running Gym's config, computed by Gym's own resolver in a process of its own."""

@@ -2,15 +2,26 @@
 (``policy.generation.{vllm_cfg,trtllm_cfg,mcore_generation_config}.max_model_len``) have one reader,
 ``gym_bridge.config.training.context_length``. Its value is the engine's and the server's ``max_model_len`` and the
 manager's ``max_seq_len``; keys that agree give it, one key alone gives it, keys that disagree are refused in one
-line naming both keys and both values."""
+line naming both keys and both values.
+
+Also the training config's ``env.nemo_gym.gym_head`` (a Gym that is already running): accepted instead of
+``config_paths``, and the run's policy endpoint read from that Gym's head server (a tiny one started here), refused in
+one line unless it is one loopback ``http://HOST:PORT/v1`` that nothing listens on yet."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import http.server
+import json
+import re
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from gym_bridge.config.keys import TrainingConfigError
 from gym_bridge.config.loading import load_training_config
@@ -109,14 +120,148 @@ def test_a_missing_or_bad_context_length_is_named(keys, message):
         grpo_run_settings(demo(**keys))
 
 
-def test_a_training_config_naming_a_running_gym_is_refused_in_one_line():
-    """Attaching to a running Gym is eval's (``gym_head``); a training run's Gym must call the run's own server."""
-    from gym_bridge.config.training import nemo_gym_rollout_settings
+# ---- env.nemo_gym.gym_head: a Gym that is already running ----------------------------------------------------------
 
-    config = {
-        "env": {"should_use_nemo_gym": True, "nemo_gym": {"gym_head": "http://127.0.0.1:11000"}},
-        "policy": {"model_name": "m", "max_total_sequence_length": 256, "generation": {"max_new_tokens": 8}},
-        "grpo": {"num_generations_per_prompt": 2},
-    }
-    with pytest.raises(TrainingConfigError, match=r"^env\.nemo_gym\.gym_head: a training run starts its own Gym"):
-        nemo_gym_rollout_settings(config, base_urls=["http://127.0.0.1:9/v1"])
+ATTACHED = {"env.nemo_gym.config_paths": None, "env.nemo_gym.math_with_judge": None,
+            "env.nemo_gym.math_with_judge_simple_agent": None}  # fmt: skip
+"""The demo's keys that start a Gym of its own (its configs and their overrides): none of them with ``gym_head``."""
+
+
+@contextlib.contextmanager
+def gym_head(global_config: dict[str, Any]) -> Iterator[str]:
+    """A head server of a running Gym as far as a training run reads it: ``GET /global_config_dict_yaml`` answers
+    ``global_config`` as Gym serves it (its YAML inside a JSON string), on a loopback port; its ``http://host:port``."""
+    body = json.dumps(yaml.safe_dump(global_config)).encode()
+
+    class Head(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            found = self.path == "/global_config_dict_yaml"
+            self.send_response(200 if found else 404)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body) if found else 0))
+            self.end_headers()
+            if found:
+                self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Head)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+def test_a_training_config_naming_a_running_gym_needs_no_config_paths():
+    """``env.nemo_gym.gym_head`` stands for ``config_paths``; whatever would change that Gym's config is refused."""
+    config = demo(**ATTACHED, **{"env.nemo_gym.gym_head": "http://127.0.0.1:11000"})
+    settings = grpo_run_settings(config)
+    assert settings.gym_head == "http://127.0.0.1:11000" and settings.rollout.launch.gym.config_paths == []
+    assert settings.rollout.launch.gym.servers_config().head_url == "http://127.0.0.1:11000"
+    # the run's server is named where the Gym calls, under the model the Gym asks for
+    served = settings.serving_at(["http://127.0.0.1:8000/v1"], "gym-policy")
+    assert served.served_model_name == "gym-policy" and served.rollout.launch.gym.model_name == "gym-policy"
+    assert served.rollout.launch.gym.base_urls == ["http://127.0.0.1:8000/v1"]
+    with pytest.raises(TrainingConfigError, match=r"^the training config has no 'env.nemo_gym.config_paths'"):
+        grpo_run_settings(demo(**ATTACHED))
+    for extra, key in [({"env.nemo_gym.config_paths": ["a.yaml"]}, "config_paths"),
+                       ({"env.nemo_gym.math_with_judge": {"x": 1}}, "overrides"),
+                       ({"env.nemo_gym.model_server": "gym_bridge"}, "model_server")]:  # fmt: skip
+        with pytest.raises(TrainingConfigError) as raised:
+            grpo_run_settings(demo(**{**ATTACHED, "env.nemo_gym.gym_head": "http://127.0.0.1:11000", **extra}))
+        (line,) = str(raised.value).splitlines()
+        assert line.startswith("env.nemo_gym: gym_head: a running Gym keeps the config") and key in line, line
+    with pytest.raises(TrainingConfigError, match=r"gym_head: a running Gym's head server is given as http://host"):
+        grpo_run_settings(demo(**ATTACHED, **{"env.nemo_gym.gym_head": "127.0.0.1:11000"}))
+
+
+def test_the_early_checks_leave_the_agents_to_the_running_gym(tmp_path):
+    """The rows name an agent no config of the run defines: the running Gym's agents route them once attached."""
+    from gym_bridge.config.early_checks import check_before_start
+
+    with pytest.raises(TrainingConfigError, match=r"names agent\(s\) .* that no config in env.nemo_gym.config_paths"):
+        check_before_start(demo(**{"env.nemo_gym.config_paths": ["responses_api_models/vllm_model/configs/"
+                                                                 "vllm_model_for_training.yaml"]}))  # fmt: skip
+    check_before_start(demo(**ATTACHED, **{"env.nemo_gym.gym_head": "http://127.0.0.1:11000"}))
+
+
+def test_the_run_serves_where_the_running_gym_calls_under_its_model_name():
+    from gym_bridge.recipes.grpo_run import PolicyAddress, running_gym_policy
+
+    config = {"policy_base_url": ["http://127.0.0.1:18000/v1"], "policy_model_name": "gym-policy"}
+    with gym_head(config) as head:
+        assert running_gym_policy(head, "smollm2") == PolicyAddress(
+            "http://127.0.0.1:18000/v1", "127.0.0.1", 18000, "gym-policy", head
+        )
+    for url, host in [("http://localhost:18001/v1/", "localhost"), ("http://[::1]:18002/v1", "::1")]:
+        with gym_head({"policy_base_url": url}) as head:  # Gym's string form; no policy_model_name: policy.model_name
+            address = running_gym_policy(head, "smollm2")
+        assert (address.host, address.model_name) == (host, "smollm2")
+
+
+@pytest.mark.parametrize(
+    ("policy_base_url", "why"),
+    [
+        (["http://10.1.2.3:8000/v1"], r"'http://10.1.2.3:8000/v1' \(its policy_base_url\), whose host 10.1.2.3 is not "
+                                      r"this machine's loopback .*the run serves its policy on this machine"),
+        ("http://gpu-0:8000/v1", r"whose host gpu-0 is not this machine's loopback"),
+        (["http://127.0.0.1:8000/v1", "http://127.0.0.1:8001/v1"], r"\['http://127.0.0.1:8000/v1', "
+                                                                   r"'http://127.0.0.1:8001/v1'\] .*one policy_base_url"),
+        (["https://127.0.0.1:8000/v1"], r"which is not an http://HOST:PORT/v1 URL"),
+        (["http://127.0.0.1/v1"], r"which names no port"),
+        (["http://127.0.0.1:8000"], r"whose path is not /v1"),
+    ],
+)
+def test_a_running_gym_calling_elsewhere_than_one_loopback_endpoint_is_refused_in_one_line(policy_base_url, why):
+    from gym_bridge.recipes.grpo_run import running_gym_policy
+
+    with gym_head({"policy_base_url": policy_base_url, "policy_model_name": "m"}) as head:
+        with pytest.raises(TrainingConfigError) as raised:
+            running_gym_policy(head, "smollm2")
+    (line,) = str(raised.value).splitlines()
+    assert line.startswith(f"env.nemo_gym.gym_head: the running NeMo-Gym at {head} calls its policy at "), line
+    assert re.search(why, line), line
+
+
+def test_a_busy_policy_port_stops_the_run_before_a_model_loads(tmp_path, monkeypatch):
+    """Something listens where the running Gym calls: one line naming the URL, before the engine is built."""
+    from gym_bridge.recipes import grpo_run
+    from gym_bridge.serving.listen import ServerBindError, listening_socket
+
+    def no_engine(*_: object, **__: object) -> None:
+        raise AssertionError("the engine was built")
+
+    monkeypatch.setattr(grpo_run, "HFGeneration", no_engine)
+    taken = listening_socket("127.0.0.1", 0)
+    url = f"http://127.0.0.1:{taken.getsockname()[1]}/v1"
+    try:
+        with gym_head({"policy_base_url": [url], "policy_model_name": "m"}) as head:
+            settings = grpo_run_settings(demo(**ATTACHED, **{"env.nemo_gym.gym_head": head}))
+            with pytest.raises(ServerBindError) as raised:
+                grpo_run.start_grpo_run(settings, tmp_path / "run")
+    finally:
+        taken.close()
+    (line,) = str(raised.value).splitlines()
+    assert line == (f"the running NeMo-Gym at {head} calls its policy at {url}, where this run would serve it, but "
+                    "something already listens there: stop it, or start the Gym with another policy_base_url")  # fmt: skip
+    # the port is free again once that process is gone: the run claims it
+    address = grpo_run.PolicyAddress(url, "127.0.0.1", int(url.rsplit(":", 1)[1].split("/")[0]), "m", head)
+    grpo_run.claim_policy_address(address).close()
+
+
+def test_a_head_that_does_not_answer_is_one_line_naming_it():
+    from gym_bridge.failures import GymStartupError
+    from gym_bridge.gym.reaper import free_port
+    from gym_bridge.gym.running import read_policy_endpoint
+
+    head = f"http://127.0.0.1:{free_port('127.0.0.1')}"
+    with pytest.raises(GymStartupError, match=rf"^could not read /global_config_dict_yaml from the NeMo-Gym head "
+                                              rf"server at {head}: "):  # fmt: skip
+        read_policy_endpoint(head, timeout_s=5)
+    with gym_head({"policy_model_name": "m"}) as head, pytest.raises(GymStartupError, match="names no policy endpoint"):
+        read_policy_endpoint(head)

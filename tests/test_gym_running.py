@@ -175,11 +175,15 @@ def policy_endpoint(tmp_path: Path, tiny_model_dir: Path) -> Iterator[str]:
         service.stop()
 
 
-@pytest.fixture
-def running_gym(tmp_path: Path, policy_endpoint: str) -> Iterator[tuple[str, _Service]]:
+@contextlib.contextmanager
+def gym_env_start(
+    tmp_path: Path, policy_url: str, *, model_name: str = SERVED_MODEL_NAME, episodes: bool = True, ready: bool = True
+) -> Iterator[tuple[str, _Service]]:
     """Gym's own ``gym env start`` on a port window claimed here (the head at its first port), its model server
-    pointed at ``policy_endpoint``, with our episode environment server's folder in its working folder; the head URL
-    and the service. Its servers run on this interpreter's environment (venv links, no installs) and without Ray."""
+    pointed at ``policy_url`` and asking for ``model_name``, with our episode environment server's folder in its
+    working folder (``episodes``: and its config started); the head URL and the service, once the head server says
+    it is ready (``ready``; Gym 0.7 says so once ``policy_url`` answers), else once it serves its config. Its servers
+    run on this interpreter's environment (venv links, no installs) and without Ray."""
     window = reserve_port_window()
     owner = object()
     work = tmp_path / "gym-cwd"
@@ -191,7 +195,7 @@ def running_gym(tmp_path: Path, policy_endpoint: str) -> Iterator[tuple[str, _Se
         (venvs / folder / ".venv").symlink_to(sys.prefix, target_is_directory=True)
     shim.mkdir()
     (shim / "sitecustomize.py").write_text(_NO_RAY)
-    configs = [*GYM_CONFIGS, str(ENVIRONMENT_DIR / "configs" / "episode_environment.yaml")]
+    configs = [*GYM_CONFIGS, *([str(ENVIRONMENT_DIR / "configs" / "episode_environment.yaml")] if episodes else [])]
     command = [str(Path(sys.executable).parent / "gym"), "env", "start"]
     command += [arg for path in configs for arg in ("--config", path)]
     command += [
@@ -202,8 +206,8 @@ def running_gym(tmp_path: Path, policy_endpoint: str) -> Iterator[tuple[str, _Se
         f"+port_range_high={window + PORT_WINDOW - 1}",
         "+skip_venv_if_present=true",
         f"+uv_venv_dir={venvs}",
-        f"+policy_base_url=[{policy_endpoint}]",
-        f"+policy_model_name={SERVED_MODEL_NAME}",
+        f"+policy_base_url=[{policy_url}]",
+        f"+policy_model_name={model_name}",
         "+policy_api_key=dummy_key",
     ]
     env = {**os.environ, "PYTHONPATH": str(shim), "GYM_BRIDGE_NO_RAY": "1", "PYTHONUNBUFFERED": "1"}
@@ -211,11 +215,19 @@ def running_gym(tmp_path: Path, policy_endpoint: str) -> Iterator[tuple[str, _Se
     service = _Service("gym env start", command, tmp_path / "gym.log", cwd=work, env=env)
     head = f"http://127.0.0.1:{window}"
     try:
-        service.wait(head + installed_gym().head_readiness_path, timeout_s=300)
+        service.wait(head + (installed_gym().head_readiness_path if ready else "/global_config_dict_yaml"), 300)
         yield head, service
     finally:
         service.stop()
         release(owner, window)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def running_gym(tmp_path: Path, policy_endpoint: str) -> Iterator[tuple[str, _Service]]:
+    """:func:`gym_env_start` pointed at ``policy_endpoint`` (``gym-bridge serve --policy scripted``), with our
+    episode environment server; the head URL and the service."""
+    with gym_env_start(tmp_path, policy_endpoint) as gym:
+        yield gym
 
 
 @pytest.mark.gym
@@ -265,3 +277,73 @@ def test_an_eval_uses_a_running_gym_and_leaves_it_running(
     # the running Gym is as it was: every process alive, its head ready, nothing new started for the run
     assert all(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in gym_processes)
     assert httpx.get(head + installed_gym().head_readiness_path, timeout=5, trust_env=False).status_code == 200
+
+
+# ---- a training run against Gym's own `gym env start` ------------------------------------------------------------
+
+
+@pytest.fixture
+def gym_calling_a_free_port(tmp_path: Path) -> Iterator[tuple[str, _Service, str]]:
+    """:func:`gym_env_start` whose model server calls ``http://127.0.0.1:PORT/v1`` on a port claimed free here, where
+    nothing listens yet (a training run serves its policy there), without the episode environment; the head URL, the
+    service and that URL, once the head server serves its config (Gym 0.7 says it is ready only once that endpoint
+    answers: it waits for it, 600 s by default, as it would for a vLLM still loading)."""
+    url = f"http://127.0.0.1:{free_port('127.0.0.1')}/v1"
+    with gym_env_start(tmp_path, url, episodes=False, ready=False) as (head, gym):
+        yield head, gym, url
+
+
+@pytest.mark.gym
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(not installed_gym().episode_protocol, reason=f"{installed_gym().label}: `gym env start` is 0.7's")
+def test_a_training_run_serves_where_a_running_gym_calls_and_leaves_it_running(
+    ray_session, gym_calling_a_free_port, tiny_model_dir, tmp_path
+):
+    """``gym-bridge train`` with ``env.nemo_gym.gym_head``: the run's server listens at the running Gym's
+    ``policy_base_url`` under its ``policy_model_name`` (not ``policy.model_name``, a folder here), one GRPO step
+    runs through that Gym's servers, and every process of that Gym still runs afterwards."""
+    from gym_bridge.recipes.train import train
+
+    head, gym, url = gym_calling_a_free_port
+    gym_processes = gym.processes()
+    rows = tool_call_rows()[:2]
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    config: dict[str, Any] = {
+        "use_nemo_gym": True,
+        "grpo": {"num_prompts_per_step": 2, "num_generations_per_prompt": 2, "max_num_steps": 1, "seed": 0},
+        "policy": {
+            "model_name": str(tiny_model_dir),
+            "max_total_sequence_length": 2048,
+            "generation": {"max_new_tokens": 8, "temperature": 1.0, "top_p": 1.0},
+        },
+        "checkpointing": {"enabled": False},
+        "env": {
+            "nemo_gym": {
+                "gym_head": head,
+                "rollout_timeout_s": 240,
+                "startup_timeout_s": 120,
+                "actor_options": {"num_cpus": 0},
+            }
+        },
+        "data": {"train": {"data_path": str(data)}},
+    }
+    run = tmp_path / "run"
+
+    outcome = train(config, run, progress=False)
+
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    (step,) = [line for line in lines if line["kind"] == "train"]
+    assert [line["step"] for line in outcome.lines] == [0], "one step, the first"
+    assert (step["train/groups"], step["train/samples"]) == (2, 4), step
+    assert isinstance(step["train/mean_reward"], float) and f"train/{TOOL_AGENT}/reward/mean" in step, step
+    # every sample's tokens came from the run's engine: Gym's model server called the run's server, by the name
+    # the Gym asks for (policy_model_name "tiny"; policy.model_name is a folder, a name the server does not serve)
+    assert step["train/mean_generated_tokens"] > 0, step
+    assert not (run / "gym-logs").exists(), "no Gym server of this run: nothing logged"
+    # the running Gym is as it was: every process alive, its head ready; the run's server is gone from its port
+    assert all(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in gym_processes)
+    assert httpx.get(head + installed_gym().head_readiness_path, timeout=5, trust_env=False).status_code == 200
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(url + "/models", timeout=5, trust_env=False)

@@ -10,7 +10,9 @@ directory, then the wheel), and the model's own context. The checks, each proble
 - the longest prompt against ``policy.max_total_sequence_length`` (a problem when it leaves no room), and with
   ``policy.generation.max_new_tokens`` (a warning: the run's server cuts max_tokens to the room left, as NeMo-RL's
   training server does);
-- the Gym configs against the installed nemo-gym, and the agents the rows name against those the configs define.
+- the Gym configs against the installed nemo-gym, and the agents the rows name against those the configs define
+  (not with ``env.nemo_gym.gym_head``: a running Gym's agents are its own, and the rows are routed against it once
+  the run has attached).
 
 :func:`smoke_facts` reads the same things for ``--smoke`` (:mod:`gym_bridge.config.smoke`). A file or model that
 cannot be read is left to the reader that owns it (``grpo_run_settings`` names the key); these checks skip it.
@@ -480,7 +482,9 @@ def check_before_start(config: JsonMapping) -> EarlyReport:
     model = model_facts(str(model_name)) if isinstance(model_name, str) and model_name else None
     context_problems, warnings = check_context(config, files, model)
     problems += context_problems
-    problems += check_agents(config, files, gym_configs(config))
+    if not config_value(config, "env.nemo_gym.gym_head", None):
+        # a running Gym's agents are its own: the rows are routed against it once the run attaches (routed_rows)
+        problems += check_agents(config, files, gym_configs(config))
     if problems:
         raise TrainingConfigError("\n".join(problems))
     for warning in warnings:

@@ -38,9 +38,11 @@ REQUIRED_KEYS = (
     "grpo.num_generations_per_prompt",
     "env.nemo_gym.config_paths",
 )
-"""Keys a GRPO run cannot start without (NeMo-RL's recipes set them all; its config schema requires them). The
-context length, ``policy.max_total_sequence_length`` (or an engine key of the same value), is required by its one
-reader, :func:`~gym_bridge.config.training.context_length`."""
+"""Keys a GRPO run cannot start without (NeMo-RL's recipes set them all; its config schema requires them), except
+that ``env.nemo_gym.gym_head`` (a Gym that is already running) stands for ``env.nemo_gym.config_paths``. The context
+length, ``policy.max_total_sequence_length`` (or an engine key of the same value), is required by its one reader,
+:func:`~gym_bridge.config.training.context_length`."""
+GYM_HEAD_KEY = "env.nemo_gym.gym_head"
 
 ENDPOINT_PENDING = "http://127.0.0.1:0/v1"
 """The endpoint the rollout settings name until the run's own server is up (:meth:`GRPORunSettings.serving_at`)."""
@@ -53,7 +55,8 @@ class GRPORunSettings:
     seed: int
     """``grpo.seed``: torch, the engine, the loop and every row's sampling seed (one value, one default)."""
     served_model_name: str
-    """``policy.model_name``: the weights at the start and the name the endpoint serves them under."""
+    """``policy.model_name``: the weights at the start and the name the endpoint serves them under (with
+    ``env.nemo_gym.gym_head``, the running Gym's ``policy_model_name`` once :meth:`serving_at` names it)."""
     engine: HFGenerationConfig
     """The engine from ``policy.generation``, ``policy.generation.vllm_kwargs.max_num_seqs`` and
     ``enable_prefix_caching`` (:func:`~gym_bridge.config.grpo.engine_prefix_caching`), seeded ``seed``."""
@@ -80,9 +83,20 @@ class GRPORunSettings:
         rollouts' ``max_seq_len``: the engine's and the server's ``max_model_len`` are this value."""
         return self.rollout.launch.max_seq_len
 
-    def serving_at(self, base_urls: list[str]) -> GRPORunSettings:
-        """These settings with the rollout endpoint set to the run's own server."""
-        return replace(self, rollout=self.rollout.with_base_urls(base_urls))
+    @property
+    def gym_head(self) -> str | None:
+        """``env.nemo_gym.gym_head``: the head server of a Gym that is already running, whose model server calls the
+        endpoint it was started with (the run serves its policy there), or None: the run starts its own Gym."""
+        return self.rollout.launch.gym.gym_head
+
+    def serving_at(self, base_urls: list[str], model_name: str | None = None) -> GRPORunSettings:
+        """These settings with the rollout endpoint set to the run's own server; ``model_name``: the name it serves
+        the policy under when that is not ``policy.model_name`` (a running Gym's ``policy_model_name``)."""
+        if model_name is None:
+            return replace(self, rollout=self.rollout.with_base_urls(base_urls))
+        return replace(
+            self, served_model_name=model_name, rollout=self.rollout.with_base_urls(base_urls, model_name=model_name)
+        )
 
     def resumed_from(self, weights: str, step: int) -> GRPORunSettings:
         """These settings with both model copies loading ``weights`` and the engine seeded for ``step``."""
@@ -95,7 +109,10 @@ class GRPORunSettings:
 
 def grpo_run_settings(config: JsonMapping) -> GRPORunSettings:
     """Read and check every key a GRPO run uses; :class:`TrainingConfigError` names the first bad or missing key."""
+    attached = bool(config_value(config, GYM_HEAD_KEY, None))
     for key in REQUIRED_KEYS:
+        if attached and key == "env.nemo_gym.config_paths":
+            continue
         if config_value(config, key, None) is None:
             raise TrainingConfigError(f"the training config has no '{key}' (NeMo-RL's GRPO recipes set it)")
     seed = run_seed(config)

@@ -4,7 +4,9 @@ Reads the keys a NeMo-RL GRPO config already has, so ``use_nemo_gym: true`` in a
 existing config just works:
 
 - ``use_nemo_gym`` (top level) or ``env.should_use_nemo_gym``: pick the ``nemo_gym`` backend;
-- ``env.nemo_gym.config_paths``: the Gym server configs; ``env.nemo_gym.base_urls`` and
+- ``env.nemo_gym.config_paths``: the Gym server configs, or ``env.nemo_gym.gym_head``: the head server of a Gym that
+  is already running, whose config is its own (what would change it is refused, as ``NemoGymConfig`` refuses it);
+  ``env.nemo_gym.base_urls`` and
   ``env.nemo_gym.model_name`` (else ``policy.generation.model_name``, else
   ``policy.model_name``): the endpoint; other keys of ``env.nemo_gym`` that
   :class:`~gym_bridge.gym.actor.NemoGymConfig` knows are taken as such, the rest go
@@ -48,9 +50,10 @@ from gym_bridge.config.keys import TrainingConfigError, config_value
 from gym_bridge.config.launch_spec import GymLaunchSpec
 from gym_bridge.config.loading import plain_config, resolved_config
 from gym_bridge.config.nemo_rl_gym import should_use_nemo_gym
-from gym_bridge.failures import RolloutRetryPolicy, RolloutTimeouts
+from gym_bridge.failures import RolloutRetryPolicy, RolloutTimeouts, SettingError
 from gym_bridge.gym.actor_config import NemoGymConfig
 from gym_bridge.gym.admission import AdmissionSettings
+from gym_bridge.gym.server_config import head_address
 from gym_bridge.json_types import JsonMapping, JsonObject
 
 logger = logging.getLogger(__name__)
@@ -182,12 +185,15 @@ def nemo_gym_config_from(config: JsonMapping, *, base_urls: list[str] | None = N
     if not model_name:
         raise TrainingConfigError("no model name: set 'env.nemo_gym.model_name' or 'policy.model_name'")
     if section.get("gym_head"):
+        try:
+            head_address(str(section["gym_head"]))
+        except SettingError as exc:
+            raise TrainingConfigError(f"env.nemo_gym.gym_head: {exc}") from None
+    elif "config_paths" not in section:
         raise TrainingConfigError(
-            "env.nemo_gym.gym_head: a training run starts its own Gym set, whose model server must call the run's "
-            "own server (its port is chosen as the run starts); attach to a running Gym with gym-bridge eval's gym_head"
+            "the training config has no 'env.nemo_gym.config_paths' (the Gym to start) or 'env.nemo_gym.gym_head' "
+            "(the head server of a Gym that is already running)"
         )
-    if "config_paths" not in section:
-        raise TrainingConfigError("the training config has no 'env.nemo_gym.config_paths'")
     known = set(NemoGymConfig.model_fields) - {"model_name", "base_urls", "overrides"}
     fields = {key: section.pop(key) for key in list(section) if key in known}
     overrides = {**section.pop("overrides", {}), **section}
@@ -233,9 +239,13 @@ class NemoGymRolloutSettings:
     unused_environments: tuple[str, ...] = ()
     """``env`` sections of NeMo-RL's native environments (``math``, ...): the Gym path does not start them."""
 
-    def with_base_urls(self, base_urls: list[str]) -> NemoGymRolloutSettings:
-        """These settings with the actors' endpoints replaced (a run whose own server starts after the read)."""
-        gym = self.launch.gym.model_copy(update={"base_urls": list(base_urls)})
+    def with_base_urls(self, base_urls: list[str], *, model_name: str | None = None) -> NemoGymRolloutSettings:
+        """These settings with the actors' endpoints (and ``model_name``: the model asked for) replaced (a run whose
+        own server starts after the read)."""
+        update: dict[str, object] = {"base_urls": list(base_urls)}
+        if model_name is not None:
+            update["model_name"] = model_name
+        gym = self.launch.gym.model_copy(update=update)
         return replace(self, launch=replace(self.launch, gym=gym))
 
 

@@ -7,14 +7,19 @@ server calls; the trained copy is an :class:`~gym_bridge.policy.hf.HFPolicy`. A 
 with a checkpoint resumes from it: both copies load the checkpoint's weights (safetensors only), once
 :func:`check_checkpoint` has passed its files, before anything starts (a pickle naming code is refused, never run).
 ``grpo.seed`` seeds torch before the models load, and on the CPU the run uses ``torch.use_deterministic_algorithms``
-(restored by :meth:`GRPORun.close`).
+(restored by :meth:`GRPORun.close`). With ``env.nemo_gym.gym_head`` the run starts no Gym: its server listens where
+that running Gym's model server calls (:func:`running_gym_policy`), and the Gym is left running when the run closes.
 """
 
 from __future__ import annotations
 
+import errno
+import ipaddress
 import logging
+import socket
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import torch
 
@@ -22,16 +27,19 @@ from gym_bridge.config.grpo import result_logging
 from gym_bridge.config.keys import TrainingConfigError, config_value
 from gym_bridge.config.run_settings import GRPORunSettings, grpo_run_settings
 from gym_bridge.data import datum_from_gym_row
+from gym_bridge.failures import SettingError
 from gym_bridge.generation.hf import HFGeneration
 from gym_bridge.gym.admission import AdmissionControl
 from gym_bridge.gym.client import GymClient
 from gym_bridge.gym.routing import GymRoutes
 from gym_bridge.gym.rows import ValidGymRow
+from gym_bridge.gym.running import read_policy_endpoint
 from gym_bridge.json_types import JsonMapping
 from gym_bridge.models.loading import check_safetensors_weights
 from gym_bridge.policy.hf import HFPolicy, check_optimizer_file
 from gym_bridge.recipes.launch import NemoGymRollouts, start_nemo_gym_rollouts
 from gym_bridge.serving import OpenAIServer, ServerFeatures
+from gym_bridge.serving.listen import ServerBindError, listening_socket
 from gym_bridge.training.loop import GRPOTrainer
 from gym_bridge.training.loop_config import GRPOLoopConfig
 from gym_bridge.training.rewards import RewardShaper
@@ -108,6 +116,95 @@ def reward_shaper_from(loop_cfg: GRPOLoopConfig, tokenizer: Tokenizer) -> Reward
     )
 
 
+@dataclass(frozen=True)
+class PolicyAddress:
+    """Where a training run serves its policy for a Gym that is already running: the endpoint that Gym's model server
+    calls (its ``policy_base_url``), under the model name it asks for (its ``policy_model_name``)."""
+
+    url: str
+    host: str
+    port: int
+    model_name: str
+    gym_head: str
+
+
+def running_gym_policy(gym_head: str, default_model_name: str) -> PolicyAddress:
+    """The address at which the run must serve its policy for the Gym running at ``gym_head``: read from its head
+    server (:func:`~gym_bridge.gym.running.read_policy_endpoint`), it must be one ``http://HOST:PORT/v1`` on this
+    machine's loopback (the run serves its policy on this machine). The model name is Gym's ``policy_model_name``
+    (``default_model_name``, ``policy.model_name``, when its config names none).
+
+    Raises:
+        TrainingConfigError: ``gym_head`` is not ``http://host:port``, or the endpoint is not one loopback
+            ``http://HOST:PORT/v1`` (one line naming the URL and why).
+        GymStartupError: the head server did not answer, or its config names no ``policy_base_url``.
+    """
+    try:
+        policy = read_policy_endpoint(gym_head)
+    except SettingError as exc:
+        raise TrainingConfigError(f"env.nemo_gym.gym_head: {exc}") from None
+    where = f"env.nemo_gym.gym_head: the running NeMo-Gym at {policy.head.url} calls its policy at"
+    if len(policy.base_urls) != 1:
+        raise TrainingConfigError(
+            f"{where} {list(policy.base_urls)} (its policy_base_url); a training run serves one policy endpoint on "
+            "this machine, so start that Gym with one policy_base_url, http://127.0.0.1:PORT/v1"
+        )
+    url = policy.base_urls[0]
+    try:
+        parts = urlsplit(url.strip())
+        host, port = parts.hostname, parts.port
+    except ValueError:
+        parts, host, port = None, None, None
+    why = None
+    if parts is None or parts.scheme != "http" or not host or parts.query or parts.fragment or parts.username:
+        why = "which is not an http://HOST:PORT/v1 URL"
+    elif not _is_loopback(host):
+        why = (
+            f"whose host {host} is not this machine's loopback (127.0.0.1, localhost, ::1): the run serves its "
+            "policy on this machine; start that Gym with policy_base_url=[http://127.0.0.1:PORT/v1]"
+        )
+    elif not port:
+        why = "which names no port: start that Gym with policy_base_url=[http://127.0.0.1:PORT/v1]"
+    elif parts.path.rstrip("/") != "/v1":
+        why = "whose path is not /v1, where the run's server serves the OpenAI API"
+    if why is not None:
+        raise TrainingConfigError(f"{where} {url!r} (its policy_base_url), {why}")
+    assert host is not None and port is not None
+    return PolicyAddress(url, host, port, policy.model_name or default_model_name, policy.head.url)
+
+
+def _is_loopback(host: str) -> bool:
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def claim_policy_address(address: PolicyAddress) -> socket.socket:
+    """The listening socket the run's server will serve on at ``address``, bound now, before any model loads.
+
+    Raises:
+        ServerBindError: the port is taken (one line naming the URL: stop what listens there, or start the Gym with
+            another ``policy_base_url``), or the address cannot be bound here.
+    """
+    try:
+        return listening_socket(address.host, address.port)
+    except ServerBindError as exc:
+        cause = exc.__cause__
+        if isinstance(cause, OSError) and cause.errno == errno.EADDRINUSE:
+            raise ServerBindError(
+                f"the running NeMo-Gym at {address.gym_head} calls its policy at {address.url}, where this run would "
+                "serve it, but something already listens there: stop it, or start the Gym with another "
+                "policy_base_url"
+            ) from None
+        raise ServerBindError(
+            f"the running NeMo-Gym at {address.gym_head} calls its policy at {address.url}, where this run would "
+            f"serve it: {exc}"
+        ) from None
+
+
 @dataclass
 class GRPORun:
     """Everything a run started; :meth:`close` stops it all (Gym servers, actors, server, engine)."""
@@ -170,7 +267,11 @@ def start_grpo_run(
     settings: GRPORunSettings, out_dir: str | Path, *, resume: bool = True, save_checkpoints: bool = True
 ) -> GRPORun:
     """Start the engine, its server, Gym and the manager; load the policy; resume from ``out_dir`` if it can.
-    ``save_checkpoints=False`` (``checkpointing.enabled: false``): the trainer writes no checkpoint."""
+    ``save_checkpoints=False`` (``checkpointing.enabled: false``): the trainer writes no checkpoint.
+
+    With ``env.nemo_gym.gym_head`` no Gym is started: the run's server listens where that running Gym's model server
+    calls (:func:`running_gym_policy`, its port claimed before the engine is built), under the model name it asks
+    for, and the actors attach to that Gym and leave it running when the run closes."""
     out_dir = Path(out_dir)
     torch.manual_seed(settings.seed)
     logger.info("grpo.seed %d", settings.seed)
@@ -179,16 +280,26 @@ def start_grpo_run(
     if state is not None:
         logger.info("resuming from %s at step %d (weight version %d)", checkpoint, state.step, state.weight_version)
         settings = settings.resumed_from(str(checkpoint), state.step)
-    engine = HFGeneration(settings.engine)
-    server = OpenAIServer(  # a max_tokens past the prompt's room is cut to it, as NeMo-RL's training server does
-        engine,
-        engine.tokenizer,
-        served_model_name=settings.served_model_name,
-        max_model_len=settings.max_model_len,
-        features=ServerFeatures(clamp_max_tokens=True),
-    )
+    address = running_gym_policy(settings.gym_head, settings.served_model_name) if settings.gym_head else None
+    sock = claim_policy_address(address) if address is not None else None  # a busy port fails before a model loads
     try:
-        settings = settings.serving_at([server.start_in_thread()])
+        engine = HFGeneration(settings.engine)
+        server = OpenAIServer(  # a max_tokens past the prompt's room is cut to it, as NeMo-RL's training server does
+            engine,
+            engine.tokenizer,
+            served_model_name=address.model_name if address is not None else settings.served_model_name,
+            host=address.host if address is not None else "127.0.0.1",
+            max_model_len=settings.max_model_len,
+            features=ServerFeatures(clamp_max_tokens=True),
+            sock=sock,
+        )
+    except BaseException:
+        if sock is not None:
+            sock.close()
+        raise
+    try:
+        url = server.start_in_thread()
+        settings = settings.serving_at([url], address.model_name if address is not None else None)
         rollouts = start_nemo_gym_rollouts(
             settings.rollout, engine.tokenizer, **result_logging(settings.rollout, out_dir)
         )

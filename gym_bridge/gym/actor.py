@@ -187,8 +187,8 @@ class NemoGym:
         self._routes = self._routes_of(servers, agents)
         self._agent_urls = {agent: urls[self._routes.dispatch.get(agent, agent)] for agent in agents}
         self._result_types = servers.server_impls
-        if self._capture is not None and servers.head is not None:  # the agents whose results Gym finalises
-            await asyncio.to_thread(self._capture.read_participants, servers.head.url, agents)
+        if self._capture is not None:  # the agents whose results Gym finalises
+            self._capture.read_participants(servers.global_config, agents)
         if not self._agent_urls and not self._episode_urls:
             logger.warning("NeMo-Gym started without any agent server: %s", sorted(urls))
 

@@ -28,10 +28,8 @@ Gym is imported here only when capture is on, inside the actor.
 
 from __future__ import annotations
 
-import json
 import math
 import tempfile
-import urllib.request
 from collections import Counter
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
@@ -159,14 +157,13 @@ class TokenCapture:
         self._participants: Collection[str] | None = None
         """The agents whose results are finalised; None: every agent (until :meth:`read_participants`)."""
 
-    def read_participants(self, head_url: str, agents: Collection[str], timeout_s: float = 30.0) -> None:
-        """Ask the head server for the launched config and keep the agents Gym's collection finalises
-        (``token_id_capture_enabled_for_agent``: ``all_agents``, or the agent's own ``token_id_capture`` flag)."""
+    def read_participants(self, global_config: Mapping[str, Any], agents: Collection[str]) -> None:
+        """Keep the agents Gym's collection finalises under the launched config (as its head server serves it):
+        ``token_id_capture_enabled_for_agent``: ``all_agents``, or the agent's own ``token_id_capture`` flag."""
         from nemo_gym.token_id_capture.config import token_id_capture_enabled_for_agent
         from omegaconf import OmegaConf
 
-        with urllib.request.urlopen(f"{head_url}/global_config_dict_yaml", timeout=timeout_s) as response:
-            config = OmegaConf.create(json.loads(response.read()))
+        config = OmegaConf.create(dict(global_config))
         self._participants = frozenset(a for a in agents if token_id_capture_enabled_for_agent(config, a))
 
     def participates(self, agent: str) -> bool:

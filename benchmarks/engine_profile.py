@@ -55,6 +55,15 @@ def arith_prompts(tokenizer: Any, count: int) -> list[list[int]]:
     return out
 
 
+def shared_preamble(tokenizer: Any, length: int) -> list[int]:
+    """``length`` token ids of a fixed English preamble (a stand-in for a long shared tool list)."""
+    sentence = "The assistant may call any of the listed tools, each with the arguments its schema names. "
+    ids: list[int] = []
+    while len(ids) < length:
+        ids += tokenizer.encode(sentence, add_special_tokens=False)
+    return ids[:length]
+
+
 def make_rows(prompts: list[list[int]], rows: int, new: int, seeded: bool) -> list[Row]:
     """``rows`` rows, ``SAMPLES`` per prompt (fewer when ``rows`` is smaller), sampled at temperature 1."""
     out = []
@@ -260,11 +269,16 @@ def main() -> None:
     parser.add_argument("--only", nargs="+", choices=["engine", "model", "ops"], default=["engine", "model", "ops"])
     parser.add_argument("--ops-rows", type=int, default=32)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument(
+        "--shared-prefix", type=int, default=0, help="tokens of one shared preamble before every prompt (long contexts)"
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     engine = HFGeneration(HFGenerationConfig(model=args.model, stop_token_ids=[], seed=0))
     prompts = arith_prompts(engine.tokenizer, (max(args.rows) + SAMPLES - 1) // SAMPLES)
+    if args.shared_prefix:
+        prompts = [shared_preamble(engine.tokenizer, args.shared_prefix) + p for p in prompts]
     print(f"{args.model}, torch {torch.__version__}, {torch.get_num_threads()} threads, load {os.getloadavg()}")
     print(f"prompts: {len(prompts)} held-out arith chats, {min(map(len, prompts))}-{max(map(len, prompts))} tokens")
     engine_run(engine, make_rows(prompts, 2, 4, True))  # warm-up

@@ -10,6 +10,10 @@ after the run (work left behind by abandoned rows would show there).
 
     uv run python benchmarks/workplace_assistant.py                     # prefix caching on (the engine's default)
     uv run python benchmarks/workplace_assistant.py --no-prefix-cache   # the same run computing every prefix
+    uv run python benchmarks/workplace_assistant.py --base-url http://127.0.0.1:18011/v1   # a running server
+
+With ``--base-url`` the rows go to a server already running SmolLM2 as ``smollm2`` (``benchmarks/engine_evals.py``
+passes ours and vLLM's CPU build in turn); the engine's own counters are then not read.
 """
 
 from __future__ import annotations
@@ -55,6 +59,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--admission-limit", type=int, default=None, help="rows in flight at first (default: none)")
     parser.add_argument("--concurrency", type=int, default=None, help="groups in flight (default: --prompts)")
     parser.add_argument("--no-prefix-cache", action="store_true", help="the engine without prefix caching")
+    parser.add_argument(
+        "--no-seed", action="store_true", help="no per-request seeds (vLLM's CPU build crashes on them)"
+    )
+    parser.add_argument("--base-url", default=None, help="a running server's /v1 URL serving SmolLM2 as smollm2")
     parser.add_argument("--output-dir", type=Path, default=None, help="the run folder (default: a temp folder)")
     return parser.parse_args()
 
@@ -90,6 +98,8 @@ class BusyClock:
         self._thread.join(timeout=5)
 
     def _run(self) -> None:
+        if self.generation is None:  # a server elsewhere: nothing to sample
+            return
         last = time.monotonic()
         while not self._stop.wait(self.every_s):
             now = time.monotonic()
@@ -131,16 +141,20 @@ def main() -> int:
         engine_options["enable_prefix_caching"] = not args.no_prefix_cache
     elif args.no_prefix_cache:
         print("this engine has no prefix caching: --no-prefix-cache changes nothing", file=sys.stderr)
-    generation = HFGeneration(HFGenerationConfig(**engine_options))
-    server = OpenAIServer(generation, generation.tokenizer, served_model_name=SERVED_NAME, model_path=str(model))
-    server.start_in_thread()
+    generation = None if args.base_url else HFGeneration(HFGenerationConfig(**engine_options))
+    server = None
+    if generation is not None:
+        server = OpenAIServer(generation, generation.tokenizer, served_model_name=SERVED_NAME, model_path=str(model))
+        server.start_in_thread()
     try:
-        assert server.base_url is not None and server.root_url is not None
+        base_url = args.base_url or (server.base_url if server else None)
+        assert base_url is not None
+        root_url = base_url.removesuffix("/").removesuffix("/v1")
         config = EvalConfig(
             dataset=dataset,
             config_paths=CONFIG_PATHS,
             output_dir=output_dir,
-            base_urls=[server.base_url],
+            base_urls=[base_url],
             model_name=SERVED_NAME,
             tokenizer=str(model),
             num_generations_per_prompt=args.samples,
@@ -152,22 +166,26 @@ def main() -> int:
             preflight_timeout_s=120.0,  # the preflight's chats run on the same CPUs as everything else
             temperature=0.7,
             top_p=0.95,
-            seed=0,
+            seed=None if args.no_seed else 0,
             admission=AdmissionSettings(initial_limit=args.admission_limit),
         )
-        before = prefix_cache_counters(server.root_url)
+        before = prefix_cache_counters(root_url)
         t0 = time.monotonic()
         with BusyClock(generation) as busy:
             outcome = run_eval(config, progress=False)
         elapsed = time.monotonic() - t0
         ended = time.time()
-        after = prefix_cache_counters(server.root_url)
-        work = generation.get_logger_metrics()
+        after = prefix_cache_counters(root_url)
+        work = generation.get_logger_metrics() if generation else None
     finally:
-        server.stop_thread()
-        generation.shutdown()
+        if server is not None:
+            server.stop_thread()
+        if generation is not None:
+            generation.shutdown()
     sending_s = ended - outcome.rollouts_started if outcome.rollouts_started else None
     report(args, outcome, elapsed, sending_s, before, after)
+    if work is None:
+        return 0 if outcome.failed_now == 0 else 1
     print(
         f"generation time: {busy.busy_s:.1f} s with a row decoding or queued (peak {busy.peak_running} running, "
         f"{busy.peak_waiting} waiting); {work['hf_generation/rows_generated']} rows, "
@@ -191,7 +209,10 @@ def report(
     print(
         f"workplace_assistant: {args.prompts} prompts x {args.samples} samples, SmolLM2, max_seq_len {args.max_seq_len}"
     )
-    print(f"prefix caching: {'off' if args.no_prefix_cache else 'on (engine default)'}")
+    if args.base_url:
+        print(f"engine: the server at {args.base_url}")
+    else:
+        print(f"prefix caching: {'off' if args.no_prefix_cache else 'on (engine default)'}")
     sending = f" ({sending_s:.1f} s from the first group sent to the end)" if sending_s is not None else ""
     print(f"wall time: {elapsed:.1f} s{sending}")
     done, total, failed = outcome.done_now, outcome.prompts_total, outcome.failed_now

@@ -228,6 +228,22 @@ def test_a_running_gym_calling_elsewhere_than_one_loopback_endpoint_is_refused_i
     assert re.search(why, line), line
 
 
+def test_a_running_gym_calling_elsewhere_stops_train_before_ray_starts(tmp_path, monkeypatch):
+    """The endpoint check runs with the other checks, before Ray, Gym or a model start, and no run folder is made."""
+    from gym_bridge import ray_utils
+    from gym_bridge.recipes.train import train
+
+    def no_ray(**_: object) -> None:
+        raise AssertionError("gym-bridge train started Ray")
+
+    monkeypatch.setattr(ray_utils, "init_ray", no_ray)
+    run = tmp_path / "run"
+    with gym_head({"policy_base_url": ["http://10.1.2.3:8000/v1"], "policy_model_name": "m"}) as head:
+        with pytest.raises(TrainingConfigError, match=r"^env\.nemo_gym\.gym_head: .* whose host 10\.1\.2\.3 is not"):
+            train(demo(**ATTACHED, **{"env.nemo_gym.gym_head": head}), run, progress=False, list_gpu_keys=False)
+    assert not run.exists()
+
+
 def test_a_busy_policy_port_stops_the_run_before_a_model_loads(tmp_path, monkeypatch):
     """Something listens where the running Gym calls: one line naming the URL, before the engine is built."""
     from gym_bridge.recipes import grpo_run

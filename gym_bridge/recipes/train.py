@@ -127,15 +127,23 @@ def train(
     """Train ``config`` into ``run_dir`` (resumed from its checkpoint with ``resume``); Ray is started if needed.
 
     Before anything starts: :func:`~gym_bridge.config.early_checks.check_before_start` (one
-    :class:`~gym_bridge.config.keys.TrainingConfigError` naming every problem), every key read, and (``list_gpu_keys``)
+    :class:`~gym_bridge.config.keys.TrainingConfigError` naming every problem), every key read, a running Gym's policy
+    endpoint (``env.nemo_gym.gym_head``) checked, and (``list_gpu_keys``)
     one warning listing the GPU-only keys the run ignores (``--smoke`` has listed them in its table already)."""
     from gym_bridge.config.run_settings import grpo_run_settings
     from gym_bridge.ray_utils import init_ray
-    from gym_bridge.recipes.grpo_run import check_checkpoint, checkpointing_enabled, start_grpo_run
+    from gym_bridge.recipes.grpo_run import (
+        check_checkpoint,
+        checkpointing_enabled,
+        running_gym_policy,
+        start_grpo_run,
+    )
 
     run_dir = Path(run_dir)
     check_before_start(config)  # the data, the context and the agents: seconds, before Ray, Gym or a model start
     settings = grpo_run_settings(config)  # every key read and checked before anything starts
+    if settings.gym_head is not None:  # a running Gym's policy endpoint: checked now, read again when the run binds it
+        running_gym_policy(settings.gym_head, settings.served_model_name)
     save_checkpoints = checkpointing_enabled(config)
     table = gpu_keys_table(config) if list_gpu_keys else None
     if table is not None:

@@ -147,8 +147,8 @@ def test_store_refuses_a_non_empty_folder_without_resume(tmp_path: Path) -> None
 def test_store_appends_and_resumes_tolerating_a_torn_last_line(tmp_path: Path) -> None:
     store = RunStore(tmp_path / "run")
     assert store.open({"n": 2}, resume=False) == set()
-    store.append_result({"prompt_idx": 0, "completions": []})
-    store.append_result({"prompt_idx": 2, "completions": []})
+    store.append_result({"prompt_idx": 0, "completions": [{"reward": 1.0}, {"reward": 0.25}]})
+    store.append_result({"prompt_idx": 2, "completions": [{"reward": 0.5}]})
     with pytest.raises(RunDirError, match="already has a result"):
         store.append_result({"prompt_idx": 2, "completions": []})
     store.close()
@@ -158,6 +158,7 @@ def test_store_appends_and_resumes_tolerating_a_torn_last_line(tmp_path: Path) -
 
     again = RunStore(tmp_path / "run")
     assert again.open({"n": 2}, resume=True) == {0, 2}
+    assert again.resumed_rewards == [1.0, 0.25, 0.5], "the finished completions' rewards, read once on resume"
     again.append_result({"prompt_idx": 1, "completions": []})
     again.close()
     assert [r["prompt_idx"] for r in read_jsonl(again.results_path)] == [0, 2, 1]

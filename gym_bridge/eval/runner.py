@@ -37,7 +37,7 @@ from gym_bridge.eval.report import build_report, describe_model
 from gym_bridge.eval.runs import RUN_FILE
 from gym_bridge.eval.shutdown import sigint_deferred
 from gym_bridge.eval.sink import RunStoreSink
-from gym_bridge.eval.store import RunStore, read_jsonl
+from gym_bridge.eval.store import RunStore
 from gym_bridge.failures import RunConfigurationError
 from gym_bridge.json_types import JsonObject
 from gym_bridge.preflight import PreflightError
@@ -320,7 +320,6 @@ def _run_pending(
         rollouts = start_nemo_gym(spec, tokenizer)
         try:
             pending = routed(pending, rollouts.actor)
-            previous = read_jsonl(store.results_path)
             bar = tqdm(
                 total=outcome.prompts_total,
                 initial=outcome.done_before,
@@ -330,9 +329,8 @@ def _run_pending(
                 mininterval=0.5,
             )
             state = _Progress(bar=bar)
-            for record in previous:
-                state.reward_sum += math.fsum(c["reward"] for c in record["completions"])
-                state.reward_count += len(record["completions"])
+            state.reward_sum = math.fsum(store.resumed_rewards)  # the earlier sessions' results, read once on open
+            state.reward_count = len(store.resumed_rewards)
             outcome.rollouts_started = time.time()
             gc.freeze()  # start-up's objects leave the collector's view: no long full-GC pauses mid-run
             try:

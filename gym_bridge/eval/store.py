@@ -90,6 +90,8 @@ class RunStore:
         self.failures_path = self.dir / FAILURES_FILE
         self.run_path = self.dir / RUN_FILE
         self.done: set[int] = set()
+        self.resumed_rewards: list[float] = []
+        """The rewards of the completions ``results.jsonl`` held when the run was resumed (the progress bar's mean)."""
         self._files: dict[Path, IO[bytes]] = {}
         self._lock: TextIO | None = None
 
@@ -144,12 +146,17 @@ class RunStore:
         return read_run_json(self.dir, ReadLimits.from_env())[0]
 
     def _resumed_prompts(self) -> set[int]:
-        """The prompt indices ``results.jsonl`` already holds, its torn last line cut off; a line that is not a JSON
+        """The prompt indices ``results.jsonl`` already holds (their rewards kept in :attr:`resumed_rewards`), its torn
+        last line cut off; a line that is not a JSON
         object with an integer ``prompt_idx`` and finite rewards, or repeats a ``prompt_idx``, raises
         :class:`RunReadError` naming it."""
         read_jsonl(self.results_path, repair=True)
         lines = read_result_lines(self.dir, ReadLimits.from_env(), ResumeLine, need_row_ids=False, finished=False)
-        return {result.prompt_idx for _, _, result in lines}
+        done: set[int] = set()
+        for _, _, result in lines:
+            done.add(result.prompt_idx)
+            self.resumed_rewards.extend(c.reward for c in result.completions)
+        return done
 
     def _hold_lock(self) -> None:
         """Take ``run.lock`` for as long as this store is open (see the module docstring)."""

@@ -117,6 +117,9 @@ class Completion:
     """Gym's ``response.incomplete_details.reason`` (``max_output_tokens``, ...), if the response was cut."""
     seed: int | None = None
     """The sampling seed the row was sent with (the endpoint's per-request ``seed``); None: unseeded."""
+    agent: str | None = None
+    """The Gym agent that ran the trajectory (its row's ``agent_ref.name`` once routed), kept beside Gym's result
+    so per-agent metrics need not write into it; None on a path without agents."""
 
 
 @dataclass

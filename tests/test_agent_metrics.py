@@ -38,6 +38,16 @@ def test_a_step_over_two_environments_reports_each_agent_over_the_step():
     assert scalars["train/tool_agent/reward/mean"] == 1.0, "the loggers carry them under NeMo-RL's names"
 
 
+def test_the_agent_beside_the_result_names_it_and_gyms_result_stays_as_it_came():
+    """A ``task_source`` row's agent is known once routed: the completion keeps it beside Gym's result
+    (``Completion.agent``), whose keys stay NeMo-RL's."""
+    routed = completion(None, 1.0)
+    routed.agent = "math_agent"
+    metrics = step_agent_metrics([group(0, routed, completion("math_agent", 0.0))])
+    assert metrics["train/math_agent/reward/mean"] == 0.5
+    assert "agent_ref" not in (routed.env_extras or {})
+
+
 def test_completions_that_name_no_agent_give_no_per_agent_metrics():
     assert step_agent_metrics([group(0, completion(None, 1.0))]) == {}
     assert agent_metrics([completion("a", 1.0), completion(None, 0.0)], "val/") == pytest.approx(

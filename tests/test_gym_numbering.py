@@ -199,3 +199,16 @@ def test_every_result_carries_its_rows_identity_from_an_agent_that_echoes_none(g
     for result, expected in zip(group.rows, identity, strict=True):
         assert {k: result.full_result.get(k) for k in expected} == expected
         assert not [k for k in result.metrics if k.startswith("_ng_")], "identity is no verifier field"
+
+
+def test_identity_the_callers_row_carried_is_summarised_as_nemo_rl_summarises_it():
+    """NeMo-RL summarises every numeric field of a result; its rows hold only what its caller stamped (the async
+    collector's ``_ng_task_index``). The identity gym-bridge stamps itself stays out of the per-agent metrics."""
+    from gym_bridge.gym.convert import caller_fields, scalar_fields
+
+    result = {"reward": 1.0, "_ng_task_index": 3, "_ng_rollout_index": 1, "_ng_rollout_id": "3-1", "judge": True}
+    metrics = scalar_fields(result)
+    assert metrics == {"reward": 1.0, "judge": 1.0}
+    assert caller_fields(metrics, result, {"responses_create_params": {}}) == metrics
+    assert caller_fields(metrics, result, {"_ng_task_index": 3}) == {**metrics, "_ng_task_index": 3.0}
+    assert caller_fields(metrics, {"reward": 1.0}, {"_ng_task_index": 3}) == metrics, "a result that echoes none"

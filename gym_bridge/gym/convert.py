@@ -331,6 +331,20 @@ def scalar_fields(full_result: Mapping[str, Any]) -> dict[str, float]:
     }
 
 
+def caller_fields(
+    metrics: Mapping[str, float], full_result: Mapping[str, Any], caller_row: Mapping[str, Any]
+) -> dict[str, float]:
+    """``metrics`` (:func:`scalar_fields`) plus the rollout identity fields the caller's row carried before the
+    bridge stamped its own (NeMo-RL's async collector stamps ``_ng_task_index``, Gym echoes it): NeMo-RL
+    summarises every numeric field of a result, and its rows hold only what its caller put there."""
+    carried = {
+        key: float(value)
+        for key in _IDENTITY_KEYS
+        if key in caller_row and isinstance(value := full_result.get(key), (int, float, bool))
+    }
+    return {**metrics, **carried} if carried else dict(metrics)
+
+
 def _output_items(result: Any) -> list[Any]:
     if not isinstance(result, dict):
         raise GymResultError(f"a NeMo-Gym result must be a dict, got {type(result).__name__}")

@@ -27,7 +27,7 @@ from pydantic import StrictBool, StrictInt
 from gym_bridge.failures import RolloutRetryPolicy, RolloutStats, RolloutTimeouts, SettingError
 from gym_bridge.gym.admission import AdmissionSettings
 from gym_bridge.gym.client import GymClient
-from gym_bridge.gym.convert import scalar_fields
+from gym_bridge.gym.convert import caller_fields, scalar_fields
 from gym_bridge.gym.result import GymRowResult
 from gym_bridge.gym.routing import row_agent
 from gym_bridge.gym.rows import build_rows, row_seed, validate_row
@@ -189,19 +189,20 @@ class AsyncNemoGymRolloutImpl:
         run_s = time.perf_counter() - t_run
 
         t_metrics = time.perf_counter()
+        agent = row_agent(await self.client.routed(template, prompt_idx=prompt_idx))
         completions = [
             gym_completion(
                 row,
                 max_seq_len=self.max_seq_len,
                 mask_env_flagged_samples=self.mask_env_flagged_samples,
                 seed=row_seed(rows[row.row_index]),
+                agent=agent,
             )
             for row in group.rows
         ]
-        agent = row_agent(await self.client.routed(template, prompt_idx=prompt_idx)) or "(unknown)"
-        stamp_agent(completions, agent)
-        # Gym's rollout identity (stamped on every result) is no verifier field: row.metrics leaves it out.
-        metrics = group_metrics(completions, [agent] * len(completions), fields=[row.metrics for row in group.rows])
+        agent = agent or "(unknown)"
+        fields = [caller_fields(row.metrics, row.full_result, template) for row in group.rows]
+        metrics = group_metrics(completions, [agent] * len(completions), fields=fields)
         metrics[f"{agent}/full_result"] = full_result_table([c.env_extras for c in completions])
         metrics.update(group.timing)
         metrics[f"{TIMER_PREFIX}/run_rollouts"] = run_s
@@ -267,12 +268,18 @@ def nemo_gym_actors(task_to_env: Mapping[str, Any] | None, explicit: Any = None)
 
 
 def gym_completion(
-    row: GymRowResult, *, max_seq_len: int | None, mask_env_flagged_samples: bool, seed: int | None = None
+    row: GymRowResult,
+    *,
+    max_seq_len: int | None,
+    mask_env_flagged_samples: bool,
+    seed: int | None = None,
+    agent: str | None = None,
 ) -> Completion:
     """One Gym row as a :class:`Completion`: NeMo-RL's length rule for ``truncated``, the environment's mask
     honoured only when ``mask_env_flagged_samples``. Gym's result is kept as it came (``env_extras``), plus
     ``token_drift`` details when the log was cut at a drift. ``seed``: the seed the row was sent with; None
-    reads it from the ``responses_create_params`` Gym's result echoes (None when the row had none)."""
+    reads it from the ``responses_create_params`` Gym's result echoes (None when the row had none). ``agent``:
+    the agent the row was routed to."""
     full_result = row.full_result
     if row.token_drift is not None:
         full_result = {**full_result, "token_drift": row.token_drift}
@@ -287,15 +294,8 @@ def gym_completion(
         failure_kind=row.failure_kind,
         incomplete_reason=row.incomplete_reason,
         seed=seed if seed is not None else row_seed(row.full_result),
+        agent=agent,
     )
-
-
-def stamp_agent(completions: Sequence[Completion], agent: str) -> None:
-    """Each Gym result gets its row's ``agent_ref`` where it has none, as NeMo-RL copies it from the row: a
-    ``task_source`` row's agent is known only once routed, and per-agent metrics read it from the result."""
-    for completion in completions:
-        if completion.env_extras is not None and not row_agent(completion.env_extras) and agent != "(unknown)":
-            completion.env_extras["agent_ref"] = {"name": agent}
 
 
 def group_metrics(

@@ -11,6 +11,7 @@ import torch
 
 from gym_bridge.batched import BatchedDataDict, batched_message_log_to_flat_message
 from gym_bridge.gym.client import GymGroupResult
+from gym_bridge.gym.convert import caller_fields
 from gym_bridge.gym.result import GymRowResult
 from gym_bridge.json_types import JsonMapping, JsonObject
 from gym_bridge.rollout.nemo_gym import (
@@ -128,7 +129,8 @@ class GroupPost:
         ]
         agents = [row["agent_ref"]["name"] for row in rows]
         t1 = time.perf_counter()
-        metrics.update(gym_group_metrics(completions, agents, fields=[r.metrics for r in group.rows]))
+        fields = [caller_fields(r.metrics, r.full_result, rows[r.row_index]) for r in group.rows]
+        metrics.update(gym_group_metrics(completions, agents, fields=fields))
         t2 = time.perf_counter()
         if self.log_full_result_tables:
             for agent in sorted(set(agents)):

@@ -16,8 +16,9 @@ UNKNOWN_AGENT = "(unknown)"
 
 
 def completion_agent(completion: Completion) -> str:
-    """The agent whose Gym result this completion holds (``agent_ref.name``), or :data:`UNKNOWN_AGENT`."""
-    return row_agent(completion.env_extras or {}) or UNKNOWN_AGENT
+    """The agent that ran this completion (:attr:`Completion.agent`, else its Gym result's ``agent_ref.name``), or
+    :data:`UNKNOWN_AGENT`."""
+    return completion.agent or row_agent(completion.env_extras or {}) or UNKNOWN_AGENT
 
 
 def step_agent_metrics(groups: Iterable[CommittedGroup]) -> dict[str, float]:

@@ -28,7 +28,7 @@ from gym_bridge.gym.client import GymClient
 from gym_bridge.gym.routing import row_agent
 from gym_bridge.gym.rows import build_rows
 from gym_bridge.json_types import JsonMapping, JsonObject
-from gym_bridge.rollout.nemo_gym import gym_completion, stamp_agent
+from gym_bridge.rollout.nemo_gym import gym_completion
 from gym_bridge.training.agent_metrics import agent_metrics
 from gym_bridge.training.rewards import RewardShaper
 from gym_bridge.types import Completion, GenerationSamplingParams
@@ -155,8 +155,10 @@ class GymValidator:
             scope=scope,
         )
         group = await self.client.run_group(rows, prompt_idx=prompt_idx, deadline_s=self.deadline_s)
-        completions = [gym_completion(r, max_seq_len=None, mask_env_flagged_samples=False) for r in group.rows]
-        stamp_agent(completions, row_agent(await self.client.routed(dict(row), prompt_idx=prompt_idx)) or "(unknown)")
+        agent = row_agent(await self.client.routed(dict(row), prompt_idx=prompt_idx))
+        completions = [
+            gym_completion(r, max_seq_len=None, mask_env_flagged_samples=False, agent=agent) for r in group.rows
+        ]
         if self.reward_shaper is not None:
             completions, _ = self.reward_shaper.shape([row] * len(completions), completions)
         return completions

@@ -162,13 +162,14 @@ def engine_view(engine: HFGeneration, prompts: list[list[int]], sizes: list[int]
 
 def model_view(engine: HFGeneration, prompts: list[list[int]], sizes: list[int], new: int) -> None:
     """The ``model`` table: one seeded run per size with hooks on every module; ms per decode step and per prefill."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
     from transformers.models.llama import modeling_llama
 
     from gym_bridge.generation import kv_cache
 
     model = engine.model
+    implementation = model.config._attn_implementation  # sdpa, or cascade_attention.ATTENTION (SDPA around it)
+    attention = ALL_ATTENTION_FUNCTIONS[implementation]
     print("\nmodel: the forward pass by part, one seeded run (ms per decode step | ms per prefill)")
     for size in sizes:
         timers = Timers()
@@ -204,7 +205,7 @@ def model_view(engine: HFGeneration, prompts: list[list[int]], sizes: list[int],
                 patched(kv_cache.GrowingLayer, "update", counted("kv append", kv_cache.GrowingLayer.update)),
                 patched(RunningBatch, "_forward", counted("forward", RunningBatch._forward)),
             ):
-                ALL_ATTENTION_FUNCTIONS["sdpa"] = counted("sdpa", sdpa_attention_forward)
+                ALL_ATTENTION_FUNCTIONS[implementation] = counted("sdpa", attention)
                 batch = RunningBatch(engine._ctx, 0)
                 if engine._prefix_cache is not None:
                     engine._prefix_cache.clear()
@@ -218,7 +219,7 @@ def model_view(engine: HFGeneration, prompts: list[list[int]], sizes: list[int],
                         steps += 1
                     per_phase["decode"] = {k: v / max(steps - 1, 1) for k, v in timers.seconds.items()}
         finally:
-            ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa_attention_forward
+            ALL_ATTENTION_FUNCTIONS[implementation] = attention
             for handle in handles:
                 handle.remove()
         names = ["forward", "embed", "mask", "rotary", "norms", "qkvo proj", "kv append", "sdpa", "mlp", "lm head"]
@@ -272,10 +273,16 @@ def main() -> None:
     parser.add_argument(
         "--shared-prefix", type=int, default=0, help="tokens of one shared preamble before every prompt (long contexts)"
     )
+    parser.add_argument(
+        "--per-row-attention", action="store_true", help="no shared-prefix attention (every row reads its own copy)"
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    engine = HFGeneration(HFGenerationConfig(model=args.model, stop_token_ids=[], seed=0))
+    config = HFGenerationConfig(
+        model=args.model, stop_token_ids=[], seed=0, shared_prefix_attention=not args.per_row_attention
+    )
+    engine = HFGeneration(config)
     prompts = arith_prompts(engine.tokenizer, (max(args.rows) + SAMPLES - 1) // SAMPLES)
     if args.shared_prefix:
         prompts = [shared_preamble(engine.tokenizer, args.shared_prefix) + p for p in prompts]

@@ -59,7 +59,9 @@ every full ``prefix_cache_block_size``-token block of a row's prompt and output 
 prefills only the rest. The N samples of one prompt, a shared few-shot header or tool preamble and
 the earlier turns of a multi-turn rollout are computed once. A row's tokens and logprobs are those
 it gets without the cache, up to the float rounding of a forward pass over a different number of
-positions (``tests/test_prefix_cache.py`` measures it). A refit empties the cache.
+positions (``tests/test_prefix_cache.py`` measures it). A refit empties the cache. With
+``shared_prefix_attention`` (on by default; CPU, SDPA models), the decode steps of rows that hold one
+cached copy of a long prefix attend to it once, together (:mod:`gym_bridge.generation.cascade_attention`).
 
 Weight refit: :meth:`HFGeneration.update_weights` stops the worker admitting rows,
 lets the rows in flight finish on the old weights, loads the new ones in place, empties the
@@ -83,6 +85,7 @@ import torch
 from gym_bridge.batched import BatchedDataDict
 from gym_bridge.failures import EngineShutDownError
 from gym_bridge.failures.errors import SettingError
+from gym_bridge.generation import cascade_attention
 from gym_bridge.generation.batch import assemble_output
 from gym_bridge.generation.hf_config import HFGenerationConfig, HFGenerationStats, RowCounts
 from gym_bridge.generation.hf_decode import DecodeContext, Row, RowResult, RunningBatch, decode_to_end
@@ -191,6 +194,12 @@ class HFGeneration(GenerationInterface):
             logits_to_keep="logits_to_keep" in inspect.signature(self.model.forward).parameters,
             is_closed=lambda: self._closed,
             prefix_cache=self._prefix_cache,
+            shared_prefix=(
+                cfg.shared_prefix_attention
+                and self._prefix_cache is not None
+                and self.device.type == "cpu"
+                and cascade_attention.enable(self.model)
+            ),
         )
 
     # ------------------------------------------------------------------ public API

@@ -41,6 +41,11 @@ class HFGenerationConfig(BaseModel):
         True, description="vLLM's automatic prefix caching: rows reuse the keys and values of a cached prompt prefix."
     )
     prefix_cache_block_size: int = Field(16, ge=1, description="Tokens per cached block (vLLM's block_size).")
+    shared_prefix_attention: bool = Field(
+        True,
+        description="Decode steps attend once to a long prefix several rows hold as the same prefix-cache copy "
+        "(cascade attention; CPU, SDPA models, with prefix caching). Equal to per-row attention up to float rounding.",
+    )
     prefix_cache_max_bytes: int = Field(
         1 << 30, ge=0, description="Bytes of cached keys and values kept; least recently used blocks go first."
     )
@@ -83,6 +88,7 @@ class HFGenerationStats:
     weight_updates: int = 0
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, tokens whose keys and values came from the cache
+    cascade_steps: int = 0  # decode steps whose rows attended a shared prefix once (cascade_attention)
 
 
 @dataclass(frozen=True)

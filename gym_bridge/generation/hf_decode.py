@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from gym_bridge.failures import EngineShutDownError, GymBridgeError
+from gym_bridge.generation import cascade_attention
 from gym_bridge.generation.hf_config import HFGenerationStats, RowSampling
 from gym_bridge.generation.prefix_cache import PrefixCache, cache_supported, past_from_blocks, row_blocks
 from gym_bridge.types import Tokenizer
@@ -75,6 +76,8 @@ class Row:
     logprobs: list[float] = field(default_factory=list)
     cap: int = 0
     window: int = 0
+    kv_start: int = 0  # the batch cache column of the row's first token
+    kv_blocks: tuple[torch.Tensor, ...] = ()  # prefix-cache blocks the row's first columns are copies of, bit for bit
 
 
 @dataclass
@@ -103,6 +106,7 @@ class DecodeContext:
     is_closed: Callable[[], bool]
     prefix_cache: PrefixCache | None = None
     growing_kv_cache: bool = True  # False: transformers' DynamicCache (the reference for tests and benchmarks)
+    shared_prefix: bool = False  # decode steps attend to a prefix shared by several rows once (cascade_attention.py)
 
 
 class RunningBatch:
@@ -170,6 +174,8 @@ class RunningBatch:
         keep = torch.tensor(list(range(len(self.rows))) + index, dtype=torch.long, device=self.ctx.device)
         select_rows(self._cache, keep)
         self._attention, self._next_pos, self._logits = self._attention[keep], self._next_pos[keep], self._logits[keep]
+        for leader, row in copies:
+            row.kv_start, row.kv_blocks = leader.kv_start, leader.kv_blocks
         self.rows = self.rows + [row for _, row in copies]
         self.ctx.stats.max_rows_in_batch = max(self.ctx.stats.max_rows_in_batch, len(self.rows))
 
@@ -220,11 +226,16 @@ class RunningBatch:
         if past:
             past_from_blocks(cache, found, past, spare=width)
         logits = self._forward(input_ids, attention, positions, cache)
+        for j, row in enumerate(joining):
+            row.kv_start = past - cached[j] if cached[j] else past + width - fed[j]
+            row.kv_blocks = tuple(found[j])
         if prefix_cache is not None:
             ctx.stats.prefix_cache_queries += sum(len(row.prompt) for row in joining)
             ctx.stats.prefix_cache_hits += sum(cached)
             for j, row in enumerate(joining):
-                self._remember(cache, attention, j, row.prompt)
+                cut = self._remember(cache, attention, j, row.prompt)
+                if not cached[j] or fed[j] == width:  # the row's columns run on from its cached ones: no gap
+                    row.kv_blocks += _leading(cut[len(found[j]) :])
         return _Prefilled(cache, attention, attention.sum(-1), logits)
 
     def _join(self, joining: list[Row], part: _Prefilled) -> None:
@@ -244,25 +255,31 @@ class RunningBatch:
             return
         assert self._attention is not None and self._next_pos is not None and self._logits is not None
         total = max(self._attention.shape[1], part.attention.shape[1])
+        for rows, width in ((self.rows, self._attention.shape[1]), (joining, part.attention.shape[1])):
+            for row in rows:
+                row.kv_start += total - width
         stack_caches(self._cache, part.cache, total)
         self._attention = torch.cat([_pad_left(self._attention, total), _pad_left(part.attention, total)], 0)
         self._next_pos = torch.cat([self._next_pos, part.next_pos])
         self._logits = torch.cat([self._logits, part.logits])
         self.rows = self.rows + joining
 
-    def _remember(self, cache: Any, attention: torch.Tensor, j: int, tokens: list[int]) -> None:
-        """Put the full blocks of ``tokens`` (row ``j`` of ``cache``, at its unmasked columns) in the prefix cache."""
+    def _remember(self, cache: Any, attention: torch.Tensor, j: int, tokens: list[int]) -> list[torch.Tensor | None]:
+        """Put the full blocks of ``tokens`` (row ``j`` of ``cache``, at its unmasked columns) in the prefix cache;
+        return each block this row's columns gave (None: the block was cached already)."""
         prefix_cache = self.ctx.prefix_cache
         if prefix_cache is None:
-            return
+            return []
         if not cache_supported(cache):
             logger.warning("prefix caching is off: this model's KV cache is not one full-attention DynamicCache")
             self.ctx.prefix_cache = None
-            return
+            return []
         names = prefix_cache.block_names(tokens)
         wanted = [not prefix_cache.contains(name) for name in names]
         columns = attention[j].nonzero().squeeze(-1)
-        prefix_cache.insert(names, row_blocks(cache, j, columns, prefix_cache.block_size, wanted))
+        blocks = row_blocks(cache, j, columns, prefix_cache.block_size, wanted)
+        prefix_cache.insert(names, blocks)
+        return blocks
 
     def step(self) -> None:
         """Pick every row's next token; finished and failed rows leave; the rest run one forward pass."""
@@ -308,8 +325,23 @@ class RunningBatch:
             self.rows = [self.rows[j] for j in keep]
             attention = self._trim(attention)
         attention = torch.cat([attention, attention.new_ones((len(keep), 1))], dim=-1)
-        self._logits = self._forward(tokens[:, None], attention, next_pos[:, None], self._cache)
+        with cascade_attention.decoding(self._plan(attention)):
+            self._logits = self._forward(tokens[:, None], attention, next_pos[:, None], self._cache)
         self._attention, self._next_pos = attention, next_pos + 1
+
+    def _plan(self, attention: torch.Tensor) -> cascade_attention.DecodePlan | None:
+        """The shared-prefix split of this decode step, when several rows hold one copy of a long prefix."""
+        prefix_cache = self.ctx.prefix_cache
+        if not self.ctx.shared_prefix or prefix_cache is None:
+            return None
+        size = prefix_cache.block_size
+        min_blocks = -(-cascade_attention.MIN_SHARED_TOKENS // size)
+        group = cascade_attention.choose_group([row.kv_blocks for row in self.rows], min_blocks)
+        if group is None:
+            return None
+        dtype = getattr(self.ctx.model, "dtype", torch.float32)
+        self.ctx.stats.cascade_steps += 1
+        return cascade_attention.DecodePlan.build(group, [row.kv_start for row in self.rows], attention, size, dtype)
 
     def _choose(self) -> tuple[torch.Tensor, torch.Tensor, dict[int, tuple[str, BaseException | None]]]:
         """Every row's next token and logprob, and the rows whose choice failed (index -> why).
@@ -341,6 +373,8 @@ class RunningBatch:
         if first < TRIM_COLUMNS:
             return attention
         drop_leading(self._cache, first)
+        for row in self.rows:
+            row.kv_start -= first
         return attention[:, first:]
 
     def _fail(self, row: Row, why: str, cause: BaseException | None) -> None:
@@ -480,6 +514,16 @@ def row_noise(rows: Sequence[Row], generator: torch.Generator, like: torch.Tenso
         elif r.generator is not None:
             noise[j].exponential_(generator=r.generator)
     return noise
+
+
+def _leading(blocks: Sequence[torch.Tensor | None]) -> tuple[torch.Tensor, ...]:
+    """The blocks before the first None."""
+    out: list[torch.Tensor] = []
+    for block in blocks:
+        if block is None:
+            break
+        out.append(block)
+    return tuple(out)
 
 
 def _pad_left(t: torch.Tensor, width: int) -> torch.Tensor:

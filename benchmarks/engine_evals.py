@@ -10,13 +10,18 @@ Both engines serve SmolLM2 in float32 over HTTP (``gym-bridge serve`` and ``scri
   and first to last result (``results.jsonl``'s ``finished_at``);
 - **workplace**: ``benchmarks/workplace_assistant.py --base-url URL`` (Gym's workplace_assistant example rows, 5 x 2,
   ~4,580-token prompts sharing a 27-tool preamble, 256 new tokens, ``max_seq_len`` 8192) without per-request seeds
-  (with them vLLM's CPU build crashes: "CPU Generator does not use offset"); its wall time.
+  (with them vLLM's CPU build crashes: "CPU Generator does not use offset"); its wall time, its rollouts' time (first
+  group sent to the end) and the tokens its finished rows generated. At the benchmark's temperature 0.7 the two
+  engines sample different texts (different lengths, different tool calls), so ``--workplace-temperature 0.0001`` runs
+  the like-for-like comparison: both sample (an eval's temperature must be above 0) as good as greedily, the same text
+  wherever float32 rounding leaves the most likely token alone.
 
 The engines alternate within each repetition (ours first in even repetitions, vLLM first in odd ones), so a change in
 the machine's load falls on both.
 
     uv run python benchmarks/engine_evals.py --start            # both servers started here, 1 repetition
     uv run python benchmarks/engine_evals.py --start --only arith --reps 2
+    uv run python benchmarks/engine_evals.py --start --only workplace --reps 2 --workplace-temperature 0.0001
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from pathlib import Path
 import engine_compare
 
 ROOT = Path(__file__).resolve().parent.parent
-WALL = re.compile(r"^wall time: ([0-9.]+) s", re.MULTILINE)
+WALL = re.compile(r"^wall time: ([0-9.]+) s(?: \(([0-9.]+) s from the first group sent)?", re.MULTILINE)
 GROUPS = re.compile(r"^groups finished: (\d+) of \d+ .*failed: (\d+)", re.MULTILINE)
 
 
@@ -49,6 +54,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--vllm-first", action="store_true", help="vLLM first in even repetitions, ours in odd ones")
     parser.add_argument("--ours-port", type=int, default=18010)
     parser.add_argument("--vllm-port", type=int, default=18011)
+    parser.add_argument(
+        "--workplace-temperature", type=float, default=0.7, help="0.0001: as good as greedy, the same text from both engines"
+    )
     parser.add_argument("--log-dir", default=str(Path(tempfile.gettempdir()) / "engine-evals-logs"))
     return parser.parse_args()
 
@@ -74,18 +82,28 @@ def arith(url: str, out: Path) -> dict[str, float]:
     }
 
 
-def workplace(url: str, out: Path) -> dict[str, float]:
-    """``workplace_assistant.py`` against ``url``: its wall time and the groups it finished."""
+def workplace(url: str, out: Path, temperature: float) -> dict[str, float]:
+    """``workplace_assistant.py`` against ``url``: its wall time, its rollouts' (first group sent to the end), the
+    groups it finished and the tokens their rows generated (rows of a lost group are not in the results)."""
     script = ROOT / "benchmarks" / "workplace_assistant.py"
     done = subprocess.run(
-        [sys.executable, str(script), "--base-url", url, "--output-dir", str(out), "--no-seed"],
+        [sys.executable, str(script), "--base-url", url, "--output-dir", str(out), "--no-seed",
+         "--temperature", str(temperature)],
         cwd=ROOT, capture_output=True, text=True, check=False,
     )  # fmt: skip
     match = WALL.search(done.stdout)
     groups = GROUPS.search(done.stdout)
     if match is None or groups is None:  # exit 1 with a wall time: some groups failed (counted, not hidden)
         raise RuntimeError(f"workplace_assistant.py failed ({done.returncode}): {(done.stdout + done.stderr)[-800:]}")
-    return {"wall s": float(match.group(1)), "groups": float(groups.group(1)), "failed": float(groups.group(2))}
+    with (out / "results.jsonl").open() as f:
+        generated = sum(c["generated_tokens"] for line in f if line.strip() for c in json.loads(line)["completions"])
+    return {
+        "wall s": float(match.group(1)),
+        "rollouts s": float(match.group(2) or "nan"),
+        "generated tokens": float(generated),
+        "groups": float(groups.group(1)),
+        "failed": float(groups.group(2)),
+    }
 
 
 def main() -> int:
@@ -113,7 +131,10 @@ def main() -> int:
                     out = work / f"{workload}-{name.replace(' ', '_')}-{rep}"
                     load = os.getloadavg()[0]
                     started = time.monotonic()
-                    measured = (arith if workload == "arith" else workplace)(url, out)
+                    if workload == "arith":
+                        measured = arith(url, out)
+                    else:
+                        measured = workplace(url, out, args.workplace_temperature)
                     measured["load"] = load
                     results.setdefault((workload, name), []).append(measured)
                     print(f"{rep} {workload} {name}: {measured} ({time.monotonic() - started:.0f} s)", flush=True)
@@ -122,7 +143,7 @@ def main() -> int:
     print("|---|---|---|---|---|")
     for (workload, name), runs in results.items():
         for key in runs[0]:
-            if key in ("groups", "failed", "load"):
+            if key in ("groups", "failed", "load", "generated tokens"):
                 continue
             values = [r[key] for r in runs]
             ours = results.get((workload, "ours"))
@@ -130,7 +151,8 @@ def main() -> int:
             if name != "ours" and ours:
                 ratio = f"{sum(values) / sum(r[key] for r in ours):.2f}x"
             shown = ", ".join(
-                f"{v:.1f} (load {r['load']:.1f}{f', {r["failed"]:.0f} failed' if r.get('failed') else ''})"
+                f"{v:.1f} (load {r['load']:.1f}{f', {r["generated tokens"]:.0f} tokens' if 'generated tokens' in r else ''}"
+                f"{f', {r["failed"]:.0f} failed' if r.get('failed') else ''})"
                 for v, r in zip(values, runs, strict=True)
             )
             print(f"| {workload} | {name} | {key} | {shown} | {ratio} |")

@@ -54,6 +54,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--samples", type=int, default=2, help="samples per prompt")
     parser.add_argument("--max-seq-len", type=int, default=8192)
     parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=0.7, help="0.0001: as good as greedy (two engines decode the same text)")
     parser.add_argument("--rollout-timeout-s", type=float, default=1800.0)
     parser.add_argument("--request-timeout-s", type=float, default=1800.0)
     parser.add_argument("--admission-limit", type=int, default=None, help="rows in flight at first (default: none)")
@@ -164,7 +165,7 @@ def main() -> int:
             rollout_timeout_s=args.rollout_timeout_s,
             request_timeout_s=args.request_timeout_s,
             preflight_timeout_s=120.0,  # the preflight's chats run on the same CPUs as everything else
-            temperature=0.7,
+            temperature=args.temperature,
             top_p=0.95,
             seed=None if args.no_seed else 0,
             admission=AdmissionSettings(initial_limit=args.admission_limit),

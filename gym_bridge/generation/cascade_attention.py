@@ -32,6 +32,8 @@ ATTENTION = "gym_bridge_cascade"
 #: shared prefix saves).
 MIN_SHARED_TOKENS = 256
 
+#: Attention arguments that make a layer more than softmax over its mask's columns: such a layer keeps SDPA's path.
+_NOT_PLAIN = ("sliding_window", "softcap", "s_aux", "position_bias")
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _local = threading.local()
 
@@ -90,6 +92,7 @@ class DecodePlan:
     lo: int
     rest_mask: torch.Tensor  # [n, 1, 1, W - lo], additive (0 or -inf)
     heads: list[tuple[int, torch.Tensor]]  # (row, [1, 1, 1, lo] additive mask)
+    index: torch.Tensor | None  # the members as an index; None: every row of the batch, in order
 
     @classmethod
     def build(
@@ -114,36 +117,39 @@ class DecodePlan:
             lo=lo,
             rest_mask=_additive(keep, dtype),
             heads=heads,
+            index=None if group.members == list(range(attention.shape[0])) else torch.tensor(group.members),
         )
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
         """Attention of one decode step (``query`` ``[n, H, 1, D]``, ``key`` / ``value`` ``[n, KV, W, D]``), in
         transformers' output layout ``[n, 1, H, D]``."""
         n, heads, _, dim = query.shape
-        kv = key.shape[1]
+        kv, members = key.shape[1], len(self.members)
         q = query.reshape(n, kv, heads // kv, dim)  # a decode query per head: the heads of one KV head are its queries
         out, lse = _flash(q, key[:, :, self.lo :], value[:, :, self.lo :], attn_mask=self.rest_mask, scale=scale)
-        out, lse = out.float(), lse.float()
-        members = torch.tensor(self.members, dtype=torch.long, device=query.device)
-        grouped = q.index_select(0, members).transpose(0, 1).reshape(1, kv, -1, dim)
+        grouped = q if self.index is None else q.index_select(0, self.index)
         src, shared = slice(self.source, self.source + 1), slice(self.source_start, self.source_start + self.length)
-        shared_out, shared_lse = _flash(grouped, key[src, :, shared], value[src, :, shared], scale=scale)
-        shared_out = shared_out.float().reshape(kv, len(self.members), -1, dim).transpose(0, 1)
-        shared_lse = shared_lse.float().reshape(kv, len(self.members), -1).transpose(0, 1)
-        merged = _merge(out.index_select(0, members), lse.index_select(0, members), shared_out, shared_lse)
-        out.index_copy_(0, members, merged)
+        shared_out, shared_lse = _flash(
+            grouped.transpose(0, 1).reshape(1, kv, -1, dim), key[src, :, shared], value[src, :, shared], scale=scale
+        )
+        shared_out = shared_out.reshape(kv, members, -1, dim).transpose(0, 1)
+        shared_lse = shared_lse.reshape(kv, members, -1).transpose(0, 1)
+        if self.index is None:
+            out = _merge(out, lse, shared_out, shared_lse)
+        else:
+            rows = (out.index_select(0, self.index), lse.index_select(0, self.index))
+            out.index_copy_(0, self.index, _merge(*rows, shared_out, shared_lse))
         for j, mask in self.heads:
             row, head = slice(j, j + 1), slice(0, self.lo)
             head_out, head_lse = _flash(q[row], key[row, :, head], value[row, :, head], attn_mask=mask, scale=scale)
-            out[row] = _merge(out[row], lse[row], head_out.float(), head_lse.float())
-        return out.to(query.dtype).reshape(n, heads, 1, dim).transpose(1, 2).contiguous()
+            out[row] = _merge(out[row], lse[row], head_out, head_lse)
+        return out.reshape(n, 1, heads, dim)  # [n, KV, rep, D] and [n, 1, H, D] are one memory order
 
 
 def _merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> torch.Tensor:
-    """Softmax attention over the union of two column sets, from each set's normalised output and log-sum-exp."""
-    top = torch.maximum(lse_a, lse_b)
-    wa, wb = torch.exp(lse_a - top)[..., None], torch.exp(lse_b - top)[..., None]
-    return (out_a * wa + out_b * wb) / (wa + wb)
+    """Softmax attention over the union of two column sets, from each set's normalised output and log-sum-exp: the
+    two outputs weighted by the share of the softmax mass each set holds (``sigmoid(lse_a - lse_b)`` for ``a``)."""
+    return torch.lerp(out_b, out_a, torch.sigmoid(lse_a - lse_b).unsqueeze(-1).to(out_a.dtype))
 
 
 def _additive(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -175,7 +181,8 @@ def attention(
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     plan: DecodePlan | None = getattr(_local, "plan", None)
-    if plan is None or query.shape[2] != 1 or dropout or query.device.type != "cpu":
+    plain = plan is not None and not dropout and not any(kwargs.get(k) is not None for k in _NOT_PLAIN)
+    if plan is None or not plain or query.shape[2] != 1 or query.device.type != "cpu":
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     return plan.attend(query, key, value, scaling if scaling is not None else query.shape[-1] ** -0.5), None
 

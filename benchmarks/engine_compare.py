@@ -123,9 +123,11 @@ def wait_ready(url: str, timeout_s: float) -> None:
     raise TimeoutError(f"{url} did not answer within {timeout_s:.0f} s")
 
 
-def start_servers(stack: ExitStack, args: argparse.Namespace, vllm_flags: tuple[str, ...] = ()) -> dict[str, str]:
+def start_servers(
+    stack: ExitStack, args: argparse.Namespace, vllm_flags: tuple[str, ...] = (), only: str | None = None
+) -> dict[str, str]:
     """Start ours and, if its venv is there, one vLLM server per ``--vllm-dtype`` on loopback (``vllm_flags`` added to
-    its command); URLs by engine name."""
+    its command); URLs by engine name. ``only``: that engine's server alone."""
     urls: dict[str, str] = {}
     log_dir = Path(args.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -148,6 +150,8 @@ def start_servers(stack: ExitStack, args: argparse.Namespace, vllm_flags: tuple[
                               *vllm_flags]
     else:
         print(f"vLLM's CPU build is not installed ({status.stdout.strip() or status.stderr.strip()}): ours alone")
+    if only is not None:
+        commands = {name: command for name, command in commands.items() if name == only}
     for name, command in commands.items():
         log = stack.enter_context((log_dir / f"{name}.log").open("w"))
         env = {**os.environ, **envs.get(name, {})}

@@ -17,7 +17,9 @@ Both engines serve SmolLM2 in float32 over HTTP (``gym-bridge serve`` and ``scri
   wherever float32 rounding leaves the most likely token alone.
 
 The engines alternate within each repetition (ours first in even repetitions, vLLM first in odd ones), so a change in
-the machine's load falls on both.
+the machine's load falls on both. With ``--start`` each run gets a server of its own, started for it and stopped after
+it: the engine runs alone on the machine (vLLM's CPU build pins its worker to one core; with both servers up, ours
+measured 64.9-75.8 s where it measured 48.3-63.3 s alone) and from a cold prefix cache, as a fresh eval does.
 
     uv run python benchmarks/engine_evals.py --start            # both servers started here, 1 repetition
     uv run python benchmarks/engine_evals.py --start --only arith --reps 2
@@ -55,7 +57,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--ours-port", type=int, default=18010)
     parser.add_argument("--vllm-port", type=int, default=18011)
     parser.add_argument(
-        "--workplace-temperature", type=float, default=0.7, help="0.0001: as good as greedy, the same text from both engines"
+        "--workplace-temperature",
+        type=float,
+        default=0.7,
+        help="0.0001: as good as greedy, the same text from both engines",
     )
     parser.add_argument("--log-dir", default=str(Path(tempfile.gettempdir()) / "engine-evals-logs"))
     return parser.parse_args()
@@ -106,38 +111,41 @@ def workplace(url: str, out: Path, temperature: float) -> dict[str, float]:
     }
 
 
+VLLM_FLAGS = ("--max-model-len", "8192", "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+
+
 def main() -> int:
     args = parse_args()
-    with ExitStack() as stack:
-        if args.start:
-            start = argparse.Namespace(
-                log_dir=args.log_dir, ours_port=args.ours_port, ours_threads=[], vllm_port=args.vllm_port,
-                vllm_dtype=["float32"],
-            )  # fmt: skip
-            urls = engine_compare.start_servers(
-                stack,
-                start,
-                vllm_flags=("--max-model-len", "8192", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"),
-            )
-        else:
-            urls = {name: url for name, url in (("ours", args.ours), ("vLLM float32", args.vllm)) if url}
-        work = Path(tempfile.mkdtemp(prefix="engine-evals-"))
-        results: dict[tuple[str, str], list[dict[str, float]]] = {}
-        workloads = [w for w in ("arith", "workplace") if args.only in (None, w)]
-        for rep in range(args.reps):
-            for workload in workloads:
-                order = list(urls.items())
-                for name, url in order if (rep + args.vllm_first) % 2 == 0 else order[::-1]:
+    start = argparse.Namespace(
+        log_dir=args.log_dir, ours_port=args.ours_port, ours_threads=[], vllm_port=args.vllm_port,
+        vllm_dtype=["float32"],
+    )  # fmt: skip
+    if args.start:
+        urls = {name: "" for name in ("ours", "vLLM float32")}
+    else:
+        urls = {name: url for name, url in (("ours", args.ours), ("vLLM float32", args.vllm)) if url}
+    work = Path(tempfile.mkdtemp(prefix="engine-evals-"))
+    results: dict[tuple[str, str], list[dict[str, float]]] = {}
+    workloads = [w for w in ("arith", "workplace") if args.only in (None, w)]
+    for rep in range(args.reps):
+        for workload in workloads:
+            order = list(urls.items())
+            for name, given in order if (rep + args.vllm_first) % 2 == 0 else order[::-1]:
+                with ExitStack() as stack:
+                    started = engine_compare.start_servers(stack, start, VLLM_FLAGS, only=name) if args.start else {}
+                    if args.start and name not in started:
+                        continue  # vLLM's CPU build is not installed: ours alone
+                    url = started.get(name, given)
                     out = work / f"{workload}-{name.replace(' ', '_')}-{rep}"
                     load = os.getloadavg()[0]
-                    started = time.monotonic()
+                    began = time.monotonic()
                     if workload == "arith":
                         measured = arith(url, out)
                     else:
                         measured = workplace(url, out, args.workplace_temperature)
-                    measured["load"] = load
-                    results.setdefault((workload, name), []).append(measured)
-                    print(f"{rep} {workload} {name}: {measured} ({time.monotonic() - started:.0f} s)", flush=True)
+                measured["load"] = load
+                results.setdefault((workload, name), []).append(measured)
+                print(f"{rep} {workload} {name}: {measured} ({time.monotonic() - began:.0f} s)", flush=True)
     print()
     print("| workload | engine | " + " | ".join(["measure", "runs", "speed ours / vLLM (vLLM s / ours s)"]) + " |")
     print("|---|---|---|---|---|")

@@ -332,3 +332,23 @@ def test_the_real_commands_end_in_one_line_on_hostile_folders(tmp_path: Path, ca
         lines = proc.stderr.splitlines()
         assert len(lines) == 1 and str(folder) in lines[0] and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert outside.read_bytes() == b"precious\n"
+
+
+@pytest.mark.parametrize(
+    ("lines", "says"),
+    [
+        ([{"kind": "val", "step": 1.5e308, "val/accuracy": 0.5}], "field 'step'"),
+        ([{"step": 0, "train/mean_reward": -1.7e308}, {"step": 1, "train/mean_reward": 1.7e308}], "span more"),
+    ],
+)
+def test_steps_and_values_no_plot_can_draw_are_one_line(tmp_path: Path, lines: list[dict], says: str) -> None:
+    """Found by the property above: a step of 1.5e308, or values whose span overflows a float, crashed matplotlib's
+    ticks. A step is a count (at most 2**53); a span the axes cannot draw is refused, naming the file."""
+    from gym_bridge.training.plots import write_training_plots
+
+    body = [{"kind": "train", "step": 0, "train/mean_reward": 0.5}, *lines]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in body))
+    with pytest.raises(UntrustedInputError, match=says) as caught:
+        write_training_plots(tmp_path)
+    one_line_naming(caught.value, tmp_path)
+    assert not (tmp_path / "training.png").exists()

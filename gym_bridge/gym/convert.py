@@ -335,8 +335,8 @@ def caller_fields(
     metrics: Mapping[str, float], full_result: Mapping[str, Any], caller_row: Mapping[str, Any]
 ) -> dict[str, float]:
     """``metrics`` (:func:`scalar_fields`) plus the rollout identity fields the caller's row carried before the
-    bridge stamped its own (NeMo-RL's async collector stamps ``_ng_task_index``, Gym echoes it): NeMo-RL
-    summarises every numeric field of a result, and its rows hold only what its caller put there."""
+    bridge stamped its own (NeMo-RL's async collector stamps ``_ng_task_index``, Gym echoes it): NeMo-RL's batch
+    functions summarise every numeric field of a result, and their rows hold only what their caller put there."""
     carried = {
         key: float(value)
         for key in _IDENTITY_KEYS

@@ -27,7 +27,7 @@ from pydantic import StrictBool, StrictInt
 from gym_bridge.failures import RolloutRetryPolicy, RolloutStats, RolloutTimeouts, SettingError
 from gym_bridge.gym.admission import AdmissionSettings
 from gym_bridge.gym.client import GymClient
-from gym_bridge.gym.convert import caller_fields, scalar_fields
+from gym_bridge.gym.convert import scalar_fields
 from gym_bridge.gym.result import GymRowResult
 from gym_bridge.gym.routing import row_agent
 from gym_bridge.gym.rows import build_rows, row_seed, validate_row
@@ -201,8 +201,8 @@ class AsyncNemoGymRolloutImpl:
             for row in group.rows
         ]
         agent = agent or "(unknown)"
-        fields = [caller_fields(row.metrics, row.full_result, template) for row in group.rows]
-        metrics = group_metrics(completions, [agent] * len(completions), fields=fields)
+        # The datum's row came from gym-bridge's readers (mark_repeats numbers repeats): identity is no verifier field.
+        metrics = group_metrics(completions, [agent] * len(completions), fields=[row.metrics for row in group.rows])
         metrics[f"{agent}/full_result"] = full_result_table([c.env_extras for c in completions])
         metrics.update(group.timing)
         metrics[f"{TIMER_PREFIX}/run_rollouts"] = run_s

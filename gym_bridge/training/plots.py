@@ -52,10 +52,14 @@ class _Line(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
 
+MAX_STEP = 2**53
+"""The largest step a metrics line may name: a count of steps, exact as a float."""
+
+
 class _MetricsLine(_Line):
     """What the plots need of a ``metrics.jsonl`` line: its step (the rest is read as numbers by name)."""
 
-    step: Annotated[float, Field(allow_inf_nan=False)]
+    step: Annotated[float, Field(allow_inf_nan=False, ge=0, le=MAX_STEP)]
     kind: str | None = None
 
 
@@ -265,9 +269,9 @@ def _draw(run_panels: Sequence[Panel], title: str) -> bytes:
             )
     axes[-1].set_xlabel("steps done")
     fig.suptitle(_label(title))
-    fig.tight_layout()
     out = io.BytesIO()
     try:
+        fig.tight_layout()
         fig.savefig(out, format="png", dpi=90, bbox_inches="tight")
     finally:
         plt.close(fig)
@@ -327,7 +331,13 @@ def write_training_plots(run_dir: str | Path, title: str | None = None) -> Train
     run_panels = panels(run, tests)
     title = title or f"GRPO training: {folder.name}"
     png, page = folder / PNG, folder / HTML
-    image, text = _draw(run_panels, title), _html(run_panels, tests, title)
+    try:
+        image = _draw(run_panels, title)
+    except (ValueError, OverflowError) as exc:  # matplotlib's axis arithmetic on values near the float range
+        raise UntrustedInputError(
+            f"{shown(folder / METRICS_FILE)}: its values span more than a plot can draw ({exc})"
+        ) from None
+    text = _html(run_panels, tests, title)
     for path in (png, page):
         if path.is_dir() and not path.is_symlink():
             raise UntrustedInputError(f"{shown(path)}: a folder where gym-bridge writes a file; remove it")

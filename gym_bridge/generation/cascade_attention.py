@@ -79,13 +79,13 @@ def _common(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> int:
 class DecodePlan:
     """One decode step's split of the columns ``[0, W)`` (``W`` = the step's attention width).
 
-    Group row ``j`` holds the shared prefix at columns ``[starts[j], starts[j] + length)``; the copy attended is the
-    ``source`` row's. Every row attends to ``[lo, W)`` under ``rest_mask`` (the group's prefix columns masked), and
-    each row of ``heads`` (a row outside the group whose columns start before ``lo``) to ``[0, lo)`` under its mask.
+    Each group row holds the shared prefix in ``length`` columns from its first token's; the copy attended is the
+    ``source`` row's, from column ``source_start``. Every row attends to ``[lo, W)`` under ``rest_mask`` (the group's
+    prefix columns masked), and each row of ``heads`` (a row outside the group whose columns start before ``lo``) to
+    ``[0, lo)`` under its mask.
     """
 
     members: list[int]
-    starts: list[int]
     length: int
     source: int
     source_start: int
@@ -110,7 +110,6 @@ class DecodePlan:
         heads = [(j, _additive(attention[j : j + 1, :lo].bool(), dtype)) for j in outside if attention[j, :lo].any()]
         return cls(
             members=list(group.members),
-            starts=member_starts,
             length=length,
             source=group.members[0],
             source_start=member_starts[0],
@@ -181,8 +180,8 @@ def attention(
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     plan: DecodePlan | None = getattr(_local, "plan", None)
-    plain = plan is not None and not dropout and not any(kwargs.get(k) is not None for k in _NOT_PLAIN)
-    if plan is None or not plain or query.shape[2] != 1 or query.device.type != "cpu":
+    special = dropout or any(kwargs.get(k) is not None for k in _NOT_PLAIN)
+    if plan is None or special or query.shape[2] != 1 or query.device.type != "cpu":
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     return plan.attend(query, key, value, scaling if scaling is not None else query.shape[-1] ** -0.5), None
 

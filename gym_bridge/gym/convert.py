@@ -342,7 +342,7 @@ def caller_fields(
         for key in _IDENTITY_KEYS
         if key in caller_row and isinstance(value := full_result.get(key), (int, float, bool))
     }
-    return {**metrics, **carried} if carried else dict(metrics)
+    return {**metrics, **carried}
 
 
 def _output_items(result: Any) -> list[Any]:

@@ -99,6 +99,7 @@ from gym_bridge.generation.hf_worker import (
     publish_counts,
     start_worker,
 )
+from gym_bridge.generation.packed_linear import PackedLinears
 from gym_bridge.generation.prefix_cache import PrefixCache, PrefixCacheCounts
 from gym_bridge.interfaces import GenerationInterface
 from gym_bridge.json_types import JsonMapping
@@ -200,6 +201,7 @@ class HFGeneration(GenerationInterface):
                 and self.device.type == "cpu"
                 and cascade_attention.enable(self.model)
             ),
+            packed=PackedLinears.for_model(self.model) if cfg.packed_linear else None,
         )
 
     # ------------------------------------------------------------------ public API

@@ -46,6 +46,11 @@ class HFGenerationConfig(BaseModel):
         description="Decode steps attend once to a long prefix several rows hold as the same prefix-cache copy "
         "(cascade attention; CPU, SDPA models, with prefix caching). Equal to per-row attention up to float rounding.",
     )
+    packed_linear: bool = Field(
+        True,
+        description="The engine's linear layers multiply by oneDNN-packed copies of their float32 CPU weights (a "
+        "second copy in memory, packed again when a weight changes); equal to nn.Linear up to float rounding.",
+    )
     prefix_cache_max_bytes: int = Field(
         1 << 30, ge=0, description="Bytes of cached keys and values kept; least recently used blocks go first."
     )

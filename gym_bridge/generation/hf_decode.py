@@ -24,6 +24,7 @@ Unseeded rows share the engine's generator, so their draws depend on batch compo
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from collections.abc import Callable, Sequence
@@ -35,6 +36,7 @@ import torch
 from gym_bridge.failures import EngineShutDownError, GymBridgeError
 from gym_bridge.generation import cascade_attention
 from gym_bridge.generation.hf_config import HFGenerationStats, RowSampling
+from gym_bridge.generation.packed_linear import PackedLinears
 from gym_bridge.generation.prefix_cache import PrefixCache, cache_supported, past_from_blocks, row_blocks
 from gym_bridge.types import Tokenizer
 
@@ -107,6 +109,7 @@ class DecodeContext:
     prefix_cache: PrefixCache | None = None
     growing_kv_cache: bool = True  # False: transformers' DynamicCache (the reference for tests and benchmarks)
     shared_prefix: bool = False  # decode steps attend to a prefix shared by several rows once (cascade_attention.py)
+    packed: PackedLinears | None = None  # the linear layers' oneDNN-packed weights (packed_linear.py)
 
 
 class RunningBatch:
@@ -397,14 +400,15 @@ class RunningBatch:
         self, input_ids: torch.Tensor, attention: torch.Tensor, positions: torch.Tensor, cache: object
     ) -> torch.Tensor:
         kwargs: dict[str, int] = {"logits_to_keep": 1} if self.ctx.logits_to_keep else {}
-        out = self.ctx.model(
-            input_ids=input_ids,
-            attention_mask=attention,
-            position_ids=positions,
-            past_key_values=cache,
-            use_cache=True,
-            **kwargs,
-        )
+        with self.ctx.packed.using() if self.ctx.packed is not None else contextlib.nullcontext():
+            out = self.ctx.model(
+                input_ids=input_ids,
+                attention_mask=attention,
+                position_ids=positions,
+                past_key_values=cache,
+                use_cache=True,
+                **kwargs,
+            )
         self.ctx.stats.forward_passes += 1
         return out.logits[:, -1, :].float()
 

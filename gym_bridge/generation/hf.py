@@ -62,6 +62,8 @@ it gets without the cache, up to the float rounding of a forward pass over a dif
 positions (``tests/test_prefix_cache.py`` measures it). A refit empties the cache. With
 ``shared_prefix_attention`` (on by default; CPU, SDPA models), the decode steps of rows that hold one
 cached copy of a long prefix attend to it once, together (:mod:`gym_bridge.generation.cascade_attention`).
+With ``packed_linear`` (on by default; float32 CPU weights, a torch with oneDNN), the engine's forward passes
+multiply by oneDNN-packed copies of the linear weights (:mod:`gym_bridge.generation.packed_linear`).
 
 Weight refit: :meth:`HFGeneration.update_weights` stops the worker admitting rows,
 lets the rows in flight finish on the old weights, loads the new ones in place, empties the

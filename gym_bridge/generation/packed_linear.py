@@ -1,4 +1,4 @@
-"""oneDNN-packed weights for the engine's linear layers on CPU: the same products, 1.4-5x faster than MKL's sgemm.
+"""oneDNN-packed weights for the engine's linear layers on CPU: the same products, 1.2-5x faster than MKL's sgemm.
 
 A decode step multiplies a few rows by every weight of the model once. Through ``torch.nn.functional.linear``
 (MKL's sgemm) that runs at 40 GFLOP/s at 10 rows on this project's 2-core AMD EPYC machines, and the LM head over

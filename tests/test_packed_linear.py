@@ -21,6 +21,7 @@ from gym_bridge.batched import BatchedDataDict
 from gym_bridge.generation.hf import HFGeneration
 from gym_bridge.generation.hf_config import HFGenerationConfig
 from gym_bridge.generation.packed_linear import PackedLinears
+from gym_bridge.testing.generation import reference_logprobs
 
 LOGPROB_TOL = 1e-5
 
@@ -137,12 +138,6 @@ def _seeded_batch(prompts: list[list[int]]) -> BatchedDataDict:
     )
 
 
-def _trainer_logprobs(model: torch.nn.Module, tokens: torch.Tensor, prompt: int) -> torch.Tensor:
-    with torch.inference_mode():
-        logits = model(input_ids=tokens[None]).logits[0].float()
-    return torch.log_softmax(logits, -1)[prompt - 1 : len(tokens) - 1].gather(-1, tokens[prompt:, None])[:, 0]
-
-
 def test_the_engine_gives_the_same_tokens_and_the_trainers_logprobs(tiny_lm) -> None:
     """Seeded rows, packed weights on and off: the same tokens; logprobs within 1e-5 of each other and of the
     trainer's forward pass (``nn.Linear``) over each finished row."""
@@ -164,7 +159,7 @@ def test_the_engine_gives_the_same_tokens_and_the_trainers_logprobs(tiny_lm) -> 
             assert torch.equal(tokens, off["output_ids"][i, :n])
             got = on["logprobs"][i, prompt:n]
             assert (got - off["logprobs"][i, prompt:n]).abs().max() <= LOGPROB_TOL
-            assert (got - _trainer_logprobs(model, tokens, prompt)).abs().max() <= LOGPROB_TOL
+            assert (got - reference_logprobs(model, tokens, prompt, 1.0)[0]).abs().max() <= LOGPROB_TOL
     finally:
         for engine in engines.values():
             engine.shutdown()
@@ -190,7 +185,8 @@ def test_a_trainer_step_on_the_engines_own_model_reaches_its_next_rows(tiny_lm) 
         n = int(out["unpadded_sequence_lengths"][0])
         tokens = out["output_ids"][0, :n]
         got = out["logprobs"][0, len(prompt) : n]
-        assert (got - _trainer_logprobs(model, tokens, len(prompt))).abs().max() <= LOGPROB_TOL
-        assert (got - _trainer_logprobs(shared, tokens, len(prompt))).abs().max() > 1e-3  # the old weights differ
+        assert (got - reference_logprobs(model, tokens, len(prompt), 1.0)[0]).abs().max() <= LOGPROB_TOL
+        old = reference_logprobs(shared, tokens, len(prompt), 1.0)[0]
+        assert (got - old).abs().max() > 1e-3  # the old weights would not explain them
     finally:
         engine.shutdown()

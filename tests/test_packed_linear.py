@@ -92,6 +92,19 @@ def test_a_changed_weight_is_packed_again_before_the_next_product(how: str) -> N
     assert packs.refresh() == 0  # nothing left stale
 
 
+def test_a_weight_moved_off_float32_is_dropped_and_its_layer_runs_unchanged() -> None:
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(16, 8)
+    packs = PackedLinears.for_model(layer)
+    assert packs is not None
+    layer.to(torch.float64)
+    x = torch.randn(3, 16, dtype=torch.float64)
+    with torch.no_grad(), packs.using():
+        got = layer(x)
+    assert packs.get(layer) is None and packs.nbytes == 0
+    assert torch.equal(got, F.linear(x, layer.weight, layer.bias))
+
+
 def test_outside_the_engines_forward_the_layer_runs_unchanged() -> None:
     """Autograd on, another thread, a deep copy, a pickled copy: each gets ``F.linear``'s result bit for bit."""
     torch.manual_seed(0)

@@ -49,11 +49,7 @@ class PackedLinears:
         None, changing nothing, where torch has no oneDNN or the model has no such layer."""
         if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
             return None
-        modules = [
-            m
-            for m in model.modules()
-            if type(m) is torch.nn.Linear and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32
-        ]
+        modules = [m for m in model.modules() if type(m) is torch.nn.Linear and _packable(m.weight)]
         if not modules:
             return None
         for m in modules:
@@ -77,16 +73,24 @@ class PackedLinears:
             _local.packs = previous
 
     def refresh(self) -> int:
-        """Pack again every weight that changed since it was packed; return how many did."""
+        """Pack again every weight that changed since it was packed (a weight no longer float32 on CPU is dropped:
+        its layer runs ``nn.Linear``); return how many changed."""
         stale = [m for m, layer in self._layers.items() if _stamp(m.weight) != (layer.address, layer.version)]
         for m in stale:
-            self._layers[m] = _pack(m)
+            if _packable(m.weight):
+                self._layers[m] = _pack(m)
+            else:
+                del self._layers[m]
         return len(stale)
 
     def get(self, module: torch.nn.Linear) -> torch.Tensor | None:
         """``module``'s packed weight; None for a layer these copies are not of (a deep copy of the model's)."""
         layer = self._layers.get(module)
         return None if layer is None else layer.packed
+
+
+def _packable(weight: torch.Tensor) -> bool:
+    return weight.device.type == "cpu" and weight.dtype == torch.float32
 
 
 def _stamp(weight: torch.Tensor) -> tuple[int, int]:

@@ -115,9 +115,9 @@ def hostile_folders(tmp: Path, only: tuple[str, ...] | None = None) -> list[tupl
     case("nul-source", "{dir}/run.json: field 'rescore.source': holds a NUL character",
          run={"rescore": {"source": "a\x00b"}})  # fmt: skip
     deep: object = 1
-    for _ in range(100):
+    for _ in range(200):
         deep = [deep]
-    case("deep", "{dir}/run.json: nested deeper than 64 levels", run={"config": {"pass_threshold": 1.0, "x": deep}})
+    case("deep", "{dir}/run.json: nested deeper than 128 levels", run={"config": {"pass_threshold": 1.0, "x": deep}})
     twice = [result_line(i, [1.0, 0.0]) for i in range(4)] + [result_line(2, [0.0, 0.0])]
     case("repeated", "{dir}/results.jsonl:5: field 'prompt_idx': 2 is also on line 3", lines=twice)
     text_reward = [result_line(0, [1.0]), result_line(1, ["1.0"])]  # type: ignore[list-item]

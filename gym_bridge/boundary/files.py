@@ -8,9 +8,9 @@ link planted in a run folder never redirects a write to a file outside it.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import stat
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
@@ -106,43 +106,166 @@ def read_text(path: str | Path, max_bytes: int, *, hint: str = "") -> str:
         raise UntrustedInputError(f"{shown(path)}: not UTF-8 text (byte {exc.start})") from None
 
 
-def write_atomic(path: str | Path, data: bytes | str) -> None:
+def write_atomic(path: str | Path, data: bytes | str, *, root: str | Path | None = None) -> None:
     """Write ``data`` to ``path`` through a temporary file in the same folder (fsynced) and ``os.replace``: a link
-    planted at ``path`` is replaced, never followed, and a reader never sees half a file."""
-    path = Path(path)
-    raw = data.encode("utf-8") if isinstance(data, str) else data
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(raw)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
-def open_nofollow(path: str | Path, flags: int, mode: int = 0o644) -> int:
-    """A descriptor on ``path`` opened with ``flags`` plus ``O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC``, checked to be a
-    regular file: the way to append to or repair a file in a folder someone else may have filled.
+    planted at ``path`` is replaced, never followed, and a reader never sees half a file. With ``root`` (a folder
+    above ``path``), no folder between ``root`` and ``path`` is followed as a link (:func:`folder_under`).
 
     Raises:
-        UntrustedInputError: ``path`` is a link, or not a regular file, or cannot be opened (named).
+        UntrustedInputError: ``path``'s folder is a link, a file or cannot be written (named).
     """
-    try:
-        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
-    except OSError as exc:
-        if os.path.islink(path):
-            raise UntrustedInputError(
-                f"{shown(path)}: a link; gym-bridge writes only to regular files in a run folder"
-            ) from None
-        raise UntrustedInputError(f"{shown(path)}: cannot be opened ({exc.strerror or exc})") from None
+    path = Path(path)
+    raw = data.encode("utf-8") if isinstance(data, str) else data
+    with folder_under(root, path.parent) as dir_fd:
+        tmp = f".{path.name}.{os.urandom(6).hex()}.tmp"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dir_fd)
+        except OSError as exc:
+            raise _unwritable(path, exc) from None
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(raw)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        except BaseException as exc:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=dir_fd)
+            if isinstance(exc, OSError):
+                raise _unwritable(path, exc) from None
+            raise
+
+
+def open_nofollow(path: str | Path, flags: int, mode: int = 0o644, *, root: str | Path | None = None) -> int:
+    """A descriptor on ``path`` opened with ``flags`` plus ``O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC``, checked to be a
+    regular file with one name: the way to append to or repair a file in a folder someone else may have filled. A
+    second hard link (a ``cp -al`` snapshot, a name planted outside the folder) is refused, so an append or a
+    truncation never reaches a file through another name. With ``root``, no folder between ``root`` and ``path``
+    is followed as a link either.
+
+    Raises:
+        UntrustedInputError: ``path`` is a link, has another hard link, is not a regular file, or cannot be opened.
+    """
+    path = Path(path)
+    with folder_under(root, path.parent) as dir_fd:
+        try:
+            fd = os.open(path.name, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode, dir_fd=dir_fd)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP or os.path.islink(path):
+                raise UntrustedInputError(
+                    f"{shown(path)}: a link; gym-bridge writes only to regular files in a run folder"
+                ) from None
+            raise UntrustedInputError(f"{shown(path)}: cannot be opened ({exc.strerror or exc})") from None
     info = os.fstat(fd)
-    if not stat.S_ISREG(info.st_mode):
+    problem = (
+        f"not a regular file ({file_kind(info.st_mode)})"
+        if not stat.S_ISREG(info.st_mode)
+        else f"has {info.st_nlink} hard links (another name reaches the same file)"
+        if info.st_nlink > 1
+        else ""
+    )
+    if problem:
         os.close(fd)
-        raise UntrustedInputError(
-            f"{shown(path)}: not a regular file ({file_kind(info.st_mode)}); gym-bridge writes only to regular files"
-        )
+        raise UntrustedInputError(f"{shown(path)}: {problem}; gym-bridge writes only to regular files with one name")
     return fd
+
+
+def open_append(path: str | Path, *, root: str | Path | None = None) -> BinaryIO:
+    """``path`` open for appending in binary (created if missing), through :func:`open_nofollow`: a log or a JSONL
+    file in a folder someone else may have filled.
+
+    Raises:
+        UntrustedInputError: as :func:`open_nofollow`.
+    """
+    return os.fdopen(open_nofollow(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, root=root), "ab")
+
+
+def make_dir(path: str | Path, *, root: str | Path | None = None) -> Path:
+    """``path`` made a folder (with its parents) if it is not one, and returned. Without ``root``, ``path`` is a
+    user's path: links are followed as the user typed them. With ``root``, every folder from ``root`` down is made
+    or opened without following a link.
+
+    Raises:
+        UntrustedInputError: ``path`` (or a folder above it) is a file, a link under ``root``, or cannot be made
+            (one line naming it and why).
+    """
+    path = Path(path)
+    if root is not None:
+        with folder_under(root, path, create=True):
+            return path
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise UntrustedInputError(f"{shown(path)}: exists and is not a folder") from None
+    except NotADirectoryError:
+        blocker = next((p for p in path.parents if p.exists() and not p.is_dir()), path)
+        raise UntrustedInputError(f"{shown(path)}: cannot be made, {shown(blocker)} is a file") from None
+    except OSError as exc:
+        raise UntrustedInputError(f"{shown(path)}: cannot be made ({exc.strerror or exc})") from None
+    if not path.is_dir():
+        raise UntrustedInputError(f"{shown(path)}: exists and is not a folder")
+    return path
+
+
+@contextlib.contextmanager
+def folder_under(root: str | Path | None, folder: str | Path, *, create: bool = False) -> Iterator[int]:
+    """A descriptor on ``folder``, closed on exit. With ``root`` (``folder`` at or under it), each component below
+    ``root`` is opened from its parent's descriptor with ``O_NOFOLLOW | O_DIRECTORY`` (made first when ``create``),
+    so a link planted anywhere inside the folder never leads a write outside it; ``root`` itself is the user's and
+    may be a link.
+
+    Raises:
+        UntrustedInputError: a component is a link, not a folder, or cannot be opened or made (named).
+    """
+    folder = Path(folder)
+    if root is None:
+        base, parts = folder, ()
+    else:
+        base = Path(root)
+        try:
+            parts = folder.relative_to(base).parts
+        except ValueError:
+            raise UntrustedInputError(f"{shown(folder)}: not inside {shown(base)}") from None
+        if ".." in parts:
+            raise UntrustedInputError(f"{shown(folder)}: leaves {shown(base)} through '..'")
+    try:
+        fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise _unwritable(base, exc) from None
+    try:
+        here = base
+        for part in parts:
+            here = here / part
+            if create:
+                try:
+                    os.mkdir(part, 0o755, dir_fd=fd)
+                except FileExistsError:
+                    pass
+                except OSError as exc:
+                    raise _unwritable(here, exc) from None
+            try:
+                child = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            except OSError as exc:
+                raise _not_a_folder(here, exc, fd, part) from None
+            os.close(fd)
+            fd = child
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def _not_a_folder(path: Path, exc: OSError, dir_fd: int, name: str) -> UntrustedInputError:
+    """Why the folder component ``name`` (``path``) could not be opened without following a link."""
+    try:
+        info = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except OSError:
+        return _unwritable(path, exc)
+    if stat.S_ISLNK(info.st_mode):
+        return UntrustedInputError(f"{shown(path)}: a link inside the run folder; gym-bridge follows no link there")
+    if not stat.S_ISDIR(info.st_mode):
+        return UntrustedInputError(f"{shown(path)}: {file_kind(info.st_mode)} where a folder is expected")
+    return _unwritable(path, exc)
+
+
+def _unwritable(path: Path, exc: OSError) -> UntrustedInputError:
+    return UntrustedInputError(f"{shown(path)}: cannot be written ({exc.strerror or exc})")

@@ -17,9 +17,14 @@ import orjson
 
 from gym_bridge.boundary.errors import UntrustedInputError
 
-MAX_DEPTH = 64
-"""How deeply untrusted JSON may nest by default: a Gym row, a run file or an endpoint answer nests a few levels;
-readers and copies that recurse (``copy.deepcopy``, pydantic) recurse once per level."""
+MAX_DEPTH = 128
+"""How deeply untrusted JSON may nest by default, the one limit of the row path: a run file holds a dataset's rows a
+few levels down (:data:`ROW_DEPTH`), so a row the eval accepts is a run file every reader accepts. Readers and
+copies that recurse (``copy.deepcopy``, pydantic) recurse once per level."""
+RUN_RECORD_NESTING = 8
+"""How many levels a run file's record adds above a row it holds (``completions[i].gym_result`` is 3), with room."""
+ROW_DEPTH = MAX_DEPTH - RUN_RECORD_NESTING
+"""How deeply a dataset row may nest (tool schemas inside ``responses_create_params`` nest a few dozen levels)."""
 
 
 def loads(data: bytes | str, where: str, *, max_depth: int = MAX_DEPTH) -> Any:

@@ -34,13 +34,17 @@ def check_yaml(text: str, where: str, *, max_nodes: int = MAX_NODES) -> None:
 
 def load_yaml(text: str, where: str, *, max_nodes: int = MAX_NODES) -> Any:
     """The value of the YAML document ``text`` (YAML's safe schema: plain data only), once :func:`check_yaml` passed.
+    Only JSON's types come out: a value YAML builds as bytes (``!!binary``), a date or time (an unquoted
+    ``2026-12-01``), a set or a mapping key that is not a string, number, bool or null is refused naming its key.
 
     Raises:
-        UntrustedInputError: as :func:`check_yaml`.
+        UntrustedInputError: as :func:`check_yaml`, or ``where: key a.b: a date, not a JSON value (quote it)``.
     """
     with _loader(text, where) as loader:
         node = _composed(loader, where, max_nodes)
-        return None if node is None else loader.construct_document(node)
+        value = None if node is None else loader.construct_document(node)
+    _check_plain(value, where)
+    return value
 
 
 def read_yaml_file(path: str | Path, *, max_bytes: int = MAX_CONFIG_BYTES) -> Any:
@@ -105,6 +109,30 @@ def _check_size(root: yaml.Node, where: str, max_nodes: int) -> None:
         open_nodes.add(key)
         stack.append((node, True))
         stack.extend((child, False) for child in children if id(child) not in sizes)
+
+
+_PLAIN = (str, int, float, bool, type(None))
+
+
+def _check_plain(value: Any, where: str) -> None:
+    """Refuse any value in ``value`` that JSON has no type for, naming its key path (iterative: no recursion)."""
+    stack: list[tuple[Any, str]] = [(value, "")]
+    while stack:
+        item, key = stack.pop()
+        if isinstance(item, dict):
+            for child_key, child in item.items():
+                if not isinstance(child_key, _PLAIN):
+                    raise _not_plain(where, key or "(top)", f"a key of type {type(child_key).__name__}")
+                stack.append((child, f"{key}.{child_key}" if key else str(child_key)))
+        elif isinstance(item, list):
+            stack.extend((child, f"{key}[{i}]") for i, child in enumerate(item))
+        elif not isinstance(item, _PLAIN):
+            kind = {bytes: "bytes (!!binary)", set: "a set"}.get(type(item), f"a {type(item).__name__}")
+            raise _not_plain(where, key or "(top)", kind)
+
+
+def _not_plain(where: str, key: str, kind: str) -> UntrustedInputError:
+    return UntrustedInputError(f"{where}: key {shown(key)}: {kind}, not a JSON value (quote it, or write plain data)")
 
 
 def _children(node: yaml.Node) -> list[yaml.Node]:

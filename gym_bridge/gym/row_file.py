@@ -16,7 +16,7 @@ from typing import Any
 
 from gym_bridge.boundary import UntrustedInputError
 from gym_bridge.boundary.files import read_text
-from gym_bridge.boundary.json_io import loads
+from gym_bridge.boundary.json_io import ROW_DEPTH, loads
 from gym_bridge.boundary.text import shown
 from gym_bridge.failures import InvalidGymRow
 from gym_bridge.gym.routing import RowRouting
@@ -24,8 +24,9 @@ from gym_bridge.gym.rows import ValidGymRow, number_tasks, validate_row
 
 MAX_ROW_FILE_BYTES = 4 << 30
 """The largest row file read (a dataset, training or validation data)."""
-MAX_ROW_DEPTH = 128
-"""How deeply a row may nest (tool schemas inside ``responses_create_params`` nest a few dozen levels at most)."""
+MAX_ROW_DEPTH = ROW_DEPTH
+"""How deeply a row may nest: the boundary's :data:`~gym_bridge.boundary.json_io.ROW_DEPTH`, below what a run file
+may hold, so a run folder written from rows is one that ``report``, ``compare`` and ``--resume`` read."""
 
 
 def read_row_text(path: Path) -> str:

@@ -218,8 +218,9 @@ def folder_under(root: str | Path | None, folder: str | Path, *, create: bool = 
         UntrustedInputError: a component is a link, not a folder, or cannot be opened or made (named).
     """
     folder = Path(folder)
+    parts: tuple[str, ...] = ()
     if root is None:
-        base, parts = folder, ()
+        base = folder
     else:
         base = Path(root)
         try:

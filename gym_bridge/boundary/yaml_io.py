@@ -127,7 +127,8 @@ def _check_plain(value: Any, where: str) -> None:
         elif isinstance(item, list):
             stack.extend((child, f"{key}[{i}]") for i, child in enumerate(item))
         elif not isinstance(item, _PLAIN):
-            kind = {bytes: "bytes (!!binary)", set: "a set"}.get(type(item), f"a {type(item).__name__}")
+            kinds: dict[type, str] = {bytes: "bytes (!!binary)", set: "a set"}
+            kind = kinds.get(type(item), f"a {type(item).__name__}")
             raise _not_plain(where, key or "(top)", kind)
 
 

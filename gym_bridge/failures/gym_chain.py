@@ -71,9 +71,10 @@ def _server_label(key: str) -> str:
 
 
 def _decode(text: str) -> Any:
+    """``text`` as JSON, or as it is when it is not (nested past the interpreter's recursion limit included)."""
     try:
         return json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return text
 
 

@@ -35,6 +35,8 @@ from dataclasses import dataclass
 import torch
 
 from gym_bridge.batched import BatchedDataDict
+from gym_bridge.boundary.errors import UntrustedInputError
+from gym_bridge.boundary.json_io import loads
 from gym_bridge.failures.errors import SettingError
 from gym_bridge.generation.batch import assemble_output
 from gym_bridge.interfaces import GenerationInterface
@@ -197,8 +199,8 @@ def _offered_tools(text: str) -> list[JsonObject]:
         if not line:
             continue
         try:
-            tool = json.loads(line)
-        except json.JSONDecodeError:
+            tool = loads(line, "a <tools> line")
+        except UntrustedInputError:
             continue
         if isinstance(tool, dict):
             tool = tool.get("function", tool)

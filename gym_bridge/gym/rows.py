@@ -47,6 +47,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from gym_bridge.boundary.errors import UntrustedInputError
+from gym_bridge.boundary.json_io import ROW_DEPTH, loads
 from gym_bridge.failures import InvalidGymRow, SettingError
 from gym_bridge.gym.routing import GymRoutes, check_agent, check_routable, row_agent
 from gym_bridge.gym.versions import ATTEMPT_INDEX_KEY, ROLLOUT_ID_KEY, ROLLOUT_INDEX_KEY, TASK_INDEX_KEY, installed_gym
@@ -541,11 +543,12 @@ def _derived_seed(run_seed: int, identity: str, sample_index: int) -> int:
 
 
 def _extra_body(metadata: Mapping[str, Any]) -> dict[str, Any]:
-    """``metadata.extra_body`` parsed: Gym's metadata values are strings, this one a JSON object."""
+    """``metadata.extra_body`` parsed: Gym's metadata values are strings, this one a JSON object (decoded by the
+    boundary, so no deeper than a row may nest)."""
     raw = metadata.get("extra_body") or "{}"
     try:
-        parsed = json.loads(raw) if isinstance(raw, str) else None
-    except json.JSONDecodeError:
+        parsed = loads(raw, "metadata.extra_body", max_depth=ROW_DEPTH) if isinstance(raw, str) else None
+    except UntrustedInputError:
         parsed = None
     if not isinstance(parsed, dict):
         raise InvalidGymRow(

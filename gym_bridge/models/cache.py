@@ -18,6 +18,8 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+from gym_bridge.boundary.errors import UntrustedInputError
+from gym_bridge.boundary.files import make_dir, write_atomic
 from gym_bridge.failures import GymBridgeError
 from gym_bridge.json_types import JsonObject
 
@@ -61,14 +63,14 @@ def build_atomically(final: Path, marker_file: str, write: Callable[[Path], Json
         return final
     tmp = final.parent / f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
-        final.parent.mkdir(parents=True, exist_ok=True)
+        make_dir(final.parent)
         _sweep_abandoned(final)
-        tmp.mkdir()
-    except OSError as exc:
-        raise ModelCacheError(f"cannot write the model cache folder {final.parent}: {exc.strerror or exc}") from exc
+        make_dir(tmp, root=final.parent)
+    except UntrustedInputError as exc:
+        raise ModelCacheError(f"cannot write the model cache folder: {exc}") from None
     try:
         marker = write(tmp)
-        (tmp / marker_file).write_text(json.dumps(marker, indent=2, sort_keys=True) + "\n")
+        write_atomic(tmp / marker_file, json.dumps(marker, indent=2, sort_keys=True) + "\n", root=tmp)
         for _ in range(3):
             try:
                 os.rename(tmp, final)

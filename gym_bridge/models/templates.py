@@ -11,7 +11,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from gym_bridge.boundary.files import read_bytes, write_atomic
+from gym_bridge.boundary.json_io import loads_object
+from gym_bridge.boundary.text import shown
 from gym_bridge.failures import SettingError
+
+MAX_TOKENIZER_CONFIG_BYTES = 16 << 20
+"""The largest ``tokenizer_config.json`` re-read after a build (transformers writes a few KB; a chat template and
+added tokens take it to a few hundred)."""
 
 
 def hermes_chat_template(default_system_prompt: str) -> str:
@@ -108,7 +115,7 @@ def pin_tokenizer_config(folder: Path, chat_template: str) -> None:
     for loaders that do not read ``chat_template.jinja``.
     """
     cfg_path = folder / "tokenizer_config.json"
-    cfg = json.loads(cfg_path.read_text())
+    cfg = loads_object(read_bytes(cfg_path, MAX_TOKENIZER_CONFIG_BYTES), shown(cfg_path))
     cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
     cfg["chat_template"] = chat_template
-    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
+    write_atomic(cfg_path, json.dumps(cfg, indent=2, sort_keys=True, ensure_ascii=False) + "\n", root=folder)

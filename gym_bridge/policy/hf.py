@@ -31,6 +31,7 @@ loads it; anything else is one :class:`~gym_bridge.failures.errors.CheckpointErr
 from __future__ import annotations
 
 import copy
+import io
 import logging
 import math
 import sys
@@ -42,6 +43,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from gym_bridge.batched import BatchedDataDict
+from gym_bridge.boundary.files import make_dir, write_atomic
 from gym_bridge.boundary.text import shown
 from gym_bridge.failures.errors import CheckpointError, GymBridgeError, SettingError
 from gym_bridge.interfaces import PolicyInterface
@@ -380,21 +382,28 @@ class HFPolicy(PolicyInterface):
     def save_checkpoint(self, path: str | Path, *args: object, save_optimizer: bool = True, **kwargs: object) -> None:
         """``save_pretrained`` of the model (safetensors) and tokenizer into ``path``, plus ``optimizer.pt`` (the
         optimizer's and the learning-rate scheduler's ``state_dict()`` and the step count: tensors and plain
-        containers, which :meth:`load_optimizer` reads with ``weights_only=True``)."""
+        containers, which :meth:`load_optimizer` reads with ``weights_only=True``). ``path`` itself is never
+        followed as a link, and ``optimizer.pt`` is written through a temporary file and ``os.replace``.
+
+        Raises:
+            UntrustedInputError: ``path`` is a link, a file, or cannot be made (one line naming it).
+        """
         path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
+        make_dir(path, root=make_dir(path.parent))  # the caller's folder may be a link; the checkpoint is not
         self.model.save_pretrained(path, safe_serialization=True)
         if self.tokenizer is not None:
             self.tokenizer.save_pretrained(path)
         if save_optimizer:
+            state = io.BytesIO()
             torch.save(
                 {
                     "optimizer": self.optimizer.state_dict(),
                     "scheduler": self.scheduler.state_dict(),
                     "steps_taken": int(self.steps_taken),
                 },
-                path / OPTIMIZER_FILE,
+                state,
             )
+            write_atomic(path / OPTIMIZER_FILE, state.getvalue(), root=path)
 
     def load_optimizer(self, path: str | Path) -> None:
         """Restore the optimizer, the scheduler and the step count that :meth:`save_checkpoint` wrote into ``path``.

@@ -21,12 +21,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import stat
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
+from gym_bridge.boundary.errors import UntrustedInputError
+from gym_bridge.boundary.files import file_kind, make_dir, write_atomic
+from gym_bridge.boundary.text import shown
 from gym_bridge.config.early_checks import check_before_start, smoke_facts
 from gym_bridge.config.keys import config_value
 from gym_bridge.config.loading import without_env_values
@@ -92,6 +97,39 @@ def _check_run_dir(run_dir: Path, resume: bool) -> None:
         raise TrainRunError(f"--resume: {run_dir} holds no training run to continue")
 
 
+def _check_out(run_dir: Path) -> None:
+    """``run_dir`` is a folder or can be made one: neither it nor the nearest path above it that exists is a file.
+    Nothing is made here (:func:`_make_run_folder` makes it once every check has passed).
+
+    Raises:
+        UntrustedInputError: naming ``run_dir`` and the file in the way.
+    """
+    existing = next((p for p in (run_dir, *run_dir.parents) if os.path.lexists(p)), None)
+    if existing is None or existing.is_dir():
+        return
+    try:
+        mode = os.stat(existing).st_mode
+        what = "a file" if stat.S_ISREG(mode) else file_kind(mode)
+    except OSError:
+        what = "a link to nothing"
+    if existing == run_dir:
+        raise UntrustedInputError(f"{shown(run_dir)}: exists and is {what}, not a folder")
+    raise UntrustedInputError(f"{shown(run_dir)}: cannot be made, {shown(existing)} is {what}")
+
+
+def _make_run_folder(run_dir: Path, plan: LoggerPlan) -> None:
+    """``run_dir`` made (``--out`` a file, under a file or not makeable: one line, before Ray starts), and the
+    loggers' folder in it made without following a link planted there.
+
+    Raises:
+        UntrustedInputError: naming the path and what is wrong.
+    """
+    make_dir(run_dir)
+    inside = run_dir.absolute()
+    if plan.enabled and plan.log_dir.is_relative_to(inside):
+        make_dir(plan.log_dir, root=inside)
+
+
 def smoke_recipe(config: JsonObject, *, model: str = SMOKE_MODEL, pinned: Sequence[str] = ()) -> SmokePlan:
     """``--smoke``: ``config`` rewritten into a short CPU run of its Gym environments on ``model``
     (:func:`~gym_bridge.config.smoke.smoke_config` over what :func:`~gym_bridge.config.early_checks.smoke_facts`
@@ -140,6 +178,7 @@ def train(
     )
 
     run_dir = Path(run_dir)
+    _check_out(run_dir)  # a file in the way: one line now, before the checks below take their seconds
     check_before_start(config)  # the data, the context and the agents: seconds, before Ray, Gym or a model start
     settings = grpo_run_settings(config)  # every key read and checked before anything starts
     if settings.gym_head is not None:  # a running Gym's policy endpoint: checked now, read again when the run binds it
@@ -153,8 +192,8 @@ def train(
     if resume:
         check_checkpoint(run_dir)  # a planted or broken checkpoint file is one line here, before Ray and Gym start
     written = without_env_values(config)  # secrets from the environment stay out of the run folder and the loggers
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / CONFIG_FILE).write_text(yaml.safe_dump(written, sort_keys=False))
+    _make_run_folder(run_dir, plan)
+    write_atomic(run_dir / CONFIG_FILE, yaml.safe_dump(written, sort_keys=False), root=run_dir)
     init_ray()
     run = start_grpo_run(settings, run_dir, resume=resume)
     run.trainer.save_checkpoints = save_checkpoints  # checkpointing.enabled: read in run() only

@@ -28,6 +28,7 @@ import httpx
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
+from gym_bridge.boundary.json_io import loads_object
 from gym_bridge.json_types import JsonObject
 from gym_bridge.testing.process import ServiceProcess
 
@@ -93,7 +94,7 @@ def build_app(upstream_root: str) -> FastAPI:
             await asyncio.sleep(state["delay_s"])
         content = await request.body()
         if mode == "rename_model":  # the upstream (our server) answers its own 404 for a model it does not serve
-            content = json.dumps({**json.loads(content), "model": state["model"]}).encode()
+            content = json.dumps({**loads_object(content, "the request body"), "model": state["model"]}).encode()
         upstream = await client.request(
             request.method, f"/{path}", content=content, headers={"content-type": "application/json"}
         )

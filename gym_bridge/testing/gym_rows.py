@@ -18,6 +18,8 @@ from typing import Any
 
 import ray
 
+from gym_bridge.boundary.files import read_text, write_atomic
+from gym_bridge.boundary.json_io import loads, loads_object
 from gym_bridge.data import datum_from_gym_row
 from gym_bridge.failures import RolloutRetryPolicy, RolloutTimeouts
 from gym_bridge.gym.actor_config import NemoGymConfig
@@ -33,6 +35,8 @@ EQUIVALENCE_GYM_CONFIGS = [
     "resources_servers/equivalence_rule/configs/lc.yaml",
 ]
 N = 4  # rows per prompt in make_manager
+MAX_EXAMPLE_BYTES = 64 << 20
+"""The largest example data file of the wheel read here (they are a few KB to a few MB)."""
 TOOL_AGENT = "example_single_tool_call_simple_agent"
 EQUIVALENCE_AGENT = "lc_equivalence_rule_simple_agent"
 
@@ -42,7 +46,8 @@ def tool_call_rows() -> list[JsonObject]:
     from gym_bridge.gym.server_config import wheel_config_path
 
     path = wheel_config_path("resources_servers/example_single_tool_call/data/example.jsonl")
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    text = read_text(path, MAX_EXAMPLE_BYTES)
+    rows = [loads_object(line, f"{path}:{n}") for n, line in enumerate(text.splitlines(), 1) if line.strip()]
     for row in rows:
         row["agent_ref"] = {"type": "responses_api_agents", "name": TOOL_AGENT}
     return rows
@@ -177,7 +182,7 @@ def gyms_own_collection(gym_actor: ActorHandle, rows: list[dict[str, Any]]) -> l
     )
     if done.returncode != 0:
         raise RuntimeError(f"Gym's run_examples failed: {done.stderr[-3000:]}")
-    results: list[dict[str, Any]] = json.loads(done.stdout)
+    results: list[dict[str, Any]] = loads(done.stdout, "Gym's run_examples output")
     return results
 
 
@@ -194,7 +199,7 @@ def gym_dataset_collate(
         shutil.copytree(site / folder, workdir / folder)
     for relative, rows in (data or {}).items():
         path = workdir / relative
-        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        write_atomic(path, "".join(json.dumps(row) + "\n" for row in rows), root=workdir)
         path.with_name(f"{path.stem}_metrics.json").unlink(missing_ok=True)  # Gym checks new data against it
     done = subprocess.run(
         [str(Path(sys.executable).with_name("gym")), "dataset", "collate", f"+config_paths=[{','.join(config_paths)}]",

@@ -12,14 +12,19 @@ import logging
 import os
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import httpx
 
+from gym_bridge.boundary.files import open_append, open_regular
 from gym_bridge.failures import GymBridgeError
 from gym_bridge.testing import wait_until
 
 log = logging.getLogger(__name__)
+
+LOG_TAIL_BYTES = 1 << 20
+"""How much of the end of a service's log :meth:`ServiceProcess.log_tail` reads."""
 
 
 class ServiceProcessError(GymBridgeError, RuntimeError):
@@ -53,7 +58,7 @@ class ServiceProcess:
 
     def spawn(self, command: list[str], timeout_s: float) -> None:
         """Start ``command`` and return once ``ready_path`` answers 200; on failure stop it and say why with the log."""
-        with self.log_path.open("ab") as out:
+        with open_append(self.log_path) as out:
             self.proc = subprocess.Popen(
                 command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
             )
@@ -100,4 +105,7 @@ class ServiceProcess:
     def log_tail(self, lines: int = 20) -> str:
         if not self.log_path.exists():
             return "(no log)"
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        with open_regular(self.log_path, sys.maxsize) as log:
+            log.seek(max(0, log.seek(0, os.SEEK_END) - LOG_TAIL_BYTES))
+            text = log.read().decode("utf-8", errors="replace")
+        return "\n".join(text.splitlines()[-lines:])

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from gym_bridge.boundary.files import make_dir
 from gym_bridge.json_types import JsonMapping
 
 logger = logging.getLogger(__name__)
@@ -143,7 +144,6 @@ class WandbBackend:
         os.environ["WANDB_MODE"] = "offline"  # the service is never contacted, whatever the environment said
         import wandb
 
-        run.dir.mkdir(parents=True, exist_ok=True)
         settings = wandb.Settings(mode="offline", silent=True, x_disable_stats=True, disable_git=True)
         self.run: Any = wandb.init(
             project=run.project,
@@ -171,7 +171,6 @@ class MlflowBackend:
     def __init__(self, run: MlflowRun, params: Mapping[str, str]) -> None:
         from mlflow.tracking import MlflowClient
 
-        run.artifact_location.mkdir(parents=True, exist_ok=True)
         self.client = MlflowClient(tracking_uri=run.tracking_uri)
         experiment = self.client.get_experiment_by_name(run.experiment_name)
         experiment_id = (
@@ -240,17 +239,30 @@ def _flat_params(config: JsonMapping, prefix: str = "") -> dict[str, str]:
     return out
 
 
+def _folder(path: Path, log_dir: Path) -> Path:
+    """``path`` made: inside ``log_dir`` without following a link planted there, elsewhere (a folder the config
+    names) as the user gave it.
+
+    Raises:
+        UntrustedInputError: a link inside ``log_dir``, a file in the way, or a folder that cannot be made (named).
+    """
+    if path.is_relative_to(log_dir):
+        return make_dir(path, root=make_dir(log_dir))
+    return make_dir(path)
+
+
 def open_loggers(plan: LoggerPlan, config: JsonMapping) -> ExperimentLoggers:
-    """Open the backends ``plan`` enables; ``config`` (the run's whole config) is their hyperparameters. A backend
-    that fails to open closes the ones already open."""
+    """Open the backends ``plan`` enables, each in its folder (made here); ``config`` (the run's whole config) is
+    their hyperparameters. A backend that fails to open closes the ones already open."""
     opened = ExperimentLoggers()
     try:
         if plan.tensorboard_dir is not None:
-            plan.tensorboard_dir.mkdir(parents=True, exist_ok=True)
-            opened.backends.append(TensorBoardBackend(plan.tensorboard_dir))
+            opened.backends.append(TensorBoardBackend(_folder(plan.tensorboard_dir, plan.log_dir)))
         if plan.wandb is not None:
+            _folder(plan.wandb.dir, plan.log_dir)
             opened.backends.append(WandbBackend(plan.wandb, config))
         if plan.mlflow is not None:
+            _folder(plan.mlflow.artifact_location, plan.log_dir)
             opened.backends.append(MlflowBackend(plan.mlflow, _flat_params(config)))
     except BaseException:
         opened.close()

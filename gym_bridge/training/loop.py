@@ -26,7 +26,6 @@ and the step.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import shutil
 import time
@@ -37,6 +36,8 @@ from typing import Any
 
 import torch
 
+from gym_bridge.boundary.files import make_dir, write_atomic
+from gym_bridge.boundary.json_io import dumps
 from gym_bridge.failures.errors import SettingError
 from gym_bridge.rollout.sink import CommittedGroup
 from gym_bridge.training.agent_metrics import step_agent_metrics
@@ -113,7 +114,7 @@ class GRPOTrainer(RolloutPhase, UpdatePhase):
         self.metric_sinks = list(metric_sinks)
         """Each metrics line goes to these too, after ``metrics.jsonl`` (the run's experiment loggers)."""
         self.out_dir = Path(out_dir)
-        self.out_dir.mkdir(parents=True, exist_ok=True)
+        make_dir(self.out_dir)
         self.metrics_path = self.out_dir / "metrics.jsonl"
         self.state = state or TrainerState()
         self.prompts = PromptQueue(dataset, seed=cfg.seed, shuffle=cfg.shuffle_data, state=self.state.prompts)
@@ -390,13 +391,16 @@ class GRPOTrainer(RolloutPhase, UpdatePhase):
         """The policy (weights, tokenizer, optimizer) and the trainer state, replacing the previous checkpoint.
 
         Prompts whose rollouts are still in flight are saved as queued again: a resumed run redoes them. A link
-        planted as ``checkpoint.partial`` or ``checkpoint`` is removed, never written through.
+        planted as ``checkpoint.partial`` or ``checkpoint`` is removed, never written through; the staging folder is
+        made and its state file written without following a link (a name planted there while the policy saves is
+        refused in one line).
         """
         staging = self.out_dir / "checkpoint.partial"
         _remove(staging)
+        make_dir(staging, root=self.out_dir)
         self.policy.save_checkpoint(staging)
         state = TrainerState(**{**asdict(self.state), "prompts": self.prompts.checkpoint_state()})
-        (staging / STATE_FILE).write_text(json.dumps(asdict(state)))
+        write_atomic(staging / STATE_FILE, dumps(asdict(state)), root=self.out_dir)
         _remove(self.checkpoint_dir)
         staging.rename(self.checkpoint_dir)
         return self.checkpoint_dir

@@ -14,14 +14,13 @@ before they are scored, as NeMo-RL's ``validate`` shapes them.
 from __future__ import annotations
 
 import asyncio
-import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from gym_bridge.boundary.files import open_nofollow
+from gym_bridge.boundary.files import open_append
 from gym_bridge.boundary.json_io import dumps
 from gym_bridge.failures.errors import SettingError
 from gym_bridge.gym.client import GymClient
@@ -204,7 +203,6 @@ class GymValidator:
                 for answer in answers
             )
         if self.results_path is not None:  # a training folder: a link planted as the file is refused, not followed
-            fd = open_nofollow(self.results_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
-            with os.fdopen(fd, "ab") as out:
+            with open_append(self.results_path) as out:
                 out.writelines(dumps(r) + b"\n" for r in records)
         return metrics

@@ -11,12 +11,13 @@ No pydantic on the request path: these run once per model turn.
 
 from __future__ import annotations
 
-import json
 import re
 import time
 import uuid
 from dataclasses import dataclass, field
 
+from gym_bridge.boundary import json_io
+from gym_bridge.boundary.errors import UntrustedInputError
 from gym_bridge.failures import GymBridgeError
 from gym_bridge.gym.versions import installed_gym
 from gym_bridge.json_types import JsonMapping, JsonObject
@@ -220,10 +221,11 @@ def _chat_tool(tool: object, i: int) -> JsonObject:
 
 
 def _json_object(text: object, where: str) -> JsonObject:
+    """``text`` decoded by the boundary's decoder (its depth limit included) as a JSON object."""
     try:
-        value = json.loads(text) if isinstance(text, str) else text
-    except json.JSONDecodeError as exc:
-        raise TranslationError(f"{where} is not JSON: {exc}") from None
+        value = json_io.loads(text, where) if isinstance(text, str) else text
+    except UntrustedInputError as exc:
+        raise TranslationError(f"{where} is not JSON we accept: {str(exc).removeprefix(f'{where}: ')}") from None
     if not isinstance(value, dict):
         raise TranslationError(f"{where} must be a JSON object")
     return value

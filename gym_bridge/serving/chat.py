@@ -13,15 +13,17 @@ from their text.
 from __future__ import annotations
 
 import copy
-import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeGuard
 
+from gym_bridge.boundary import json_io
+from gym_bridge.boundary.errors import UntrustedInputError
 from gym_bridge.json_types import JsonMapping, JsonObject
 from gym_bridge.serving.errors import ServingError
 from gym_bridge.serving.protocol import TOKEN_FIELDS
+from gym_bridge.serving.template_render import DEFAULT_BOUNDS, RenderBounds, TemplateBoundError, render_chat_template
 
 if TYPE_CHECKING:  # gym_bridge.types imports torch, which the Gym model server does without
     from gym_bridge.types import Tokenizer
@@ -59,25 +61,28 @@ def build_chat_prompt(
     required_prefix_token_ids: list[int] | None = None,
     vocab_size: int | None = None,
     splice: bool = True,
+    bounds: RenderBounds = DEFAULT_BOUNDS,
 ) -> ChatPrompt:
     """Render ``messages`` to token ids, splicing in carried token ids (see module docstring).
 
     ``splice=False`` serves the plain render as stock vLLM does (carried ids ignored)
-    and only measures the drift.
+    and only measures the drift. Every render runs within ``bounds``.
     """
     clean = normalize_messages(messages)
-    template = render_ids(tokenizer, clean, tools, add_generation_prompt, chat_template_kwargs)
+    template = render_ids(tokenizer, clean, tools, add_generation_prompt, chat_template_kwargs, bounds)
     prefix_index, model_prefix = _model_prefix(messages, required_prefix_token_ids)
     if not model_prefix:
         return ChatPrompt(template, spliced=False)
     if not splice:
         try:
-            corrected = _splice(tokenizer, clean, tools, chat_template_kwargs, template, prefix_index, model_prefix)
+            corrected = _splice(
+                tokenizer, clean, tools, chat_template_kwargs, template, prefix_index, model_prefix, bounds
+            )
         except ServingError:  # nothing to compare against; the plain render is served anyway
             return ChatPrompt(template, spliced=False, carried=True)
         return ChatPrompt(template, spliced=False, carried=True, drift_at=first_difference(template, corrected))
     _check_ids(model_prefix, vocab_size, "carried prompt/generation token ids")
-    spliced = _splice(tokenizer, clean, tools, chat_template_kwargs, template, prefix_index, model_prefix)
+    spliced = _splice(tokenizer, clean, tools, chat_template_kwargs, template, prefix_index, model_prefix, bounds)
     return ChatPrompt(spliced, spliced=True, carried=True, drift_at=first_difference(template, spliced))
 
 
@@ -96,9 +101,10 @@ def _splice(
     template: list[int],
     prefix_index: int | None,
     model_prefix: list[int],
+    bounds: RenderBounds,
 ) -> list[int]:
     upto = prefix_index + 1 if prefix_index is not None else _last_assistant_end(clean)
-    template_prefix = render_ids(tokenizer, clean[:upto], tools, False, chat_template_kwargs)
+    template_prefix = render_ids(tokenizer, clean[:upto], tools, False, chat_template_kwargs, bounds)
     return replace_prefix_tokens(tokenizer, model_prefix, template_prefix, template)
 
 
@@ -141,16 +147,29 @@ def render_ids(
     tools: list[JsonObject] | None,
     add_generation_prompt: bool,
     chat_template_kwargs: JsonMapping | None,
+    bounds: RenderBounds = DEFAULT_BOUNDS,
 ) -> list[int]:
-    """Apply the chat template to text, then tokenize it without adding special tokens (as vLLM does)."""
+    """Render the chat template to text as ``apply_chat_template`` does, in the bounded sandbox
+    (:mod:`~gym_bridge.serving.template_render`), then tokenize it without adding special tokens (as vLLM does).
+
+    A template past its bound is a 400, as a template's other failures are: the same request fails the same way
+    every time, and OpenAI clients retry a 5xx, which would run the runaway template again for each retry.
+    """
     kwargs = dict(chat_template_kwargs or {})
     bad = sorted(_RESERVED_TEMPLATE_KWARGS & kwargs.keys())
     if bad:
         raise ServingError(f"chat_template_kwargs may not set {bad}", param="chat_template_kwargs")
     try:
-        text = tokenizer.apply_chat_template(
-            messages, tools=tools or None, add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs
+        text = render_chat_template(
+            tokenizer,
+            messages,
+            tools=tools or None,
+            add_generation_prompt=add_generation_prompt,
+            template_kwargs=kwargs,
+            bounds=bounds,
         )
+    except TemplateBoundError as exc:
+        raise ServingError(f"{exc}; this request is refused, the server keeps serving") from None
     except Exception as exc:  # jinja errors and raise_exception() in templates are the client's
         raise ServingError(f"the chat template failed on these messages: {type(exc).__name__}: {exc}") from exc
     return list(tokenizer.encode(text, add_special_tokens=False))
@@ -169,20 +188,32 @@ def normalize_messages(messages: Sequence[JsonMapping]) -> list[JsonObject]:
         calls = clean.get("tool_calls") or []
         if not isinstance(calls, list):
             raise ServingError(f"messages[{i}].tool_calls must be a list", param=f"messages[{i}].tool_calls")
-        for call in calls:
+        for j, call in enumerate(calls):
             fn = call.get("function") if isinstance(call, dict) else None
             if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
                 raise ServingError(f"messages[{i}].tool_calls entries need function.name", param="messages")
             args = fn.get("arguments")
             if isinstance(args, str):
-                try:
-                    parsed = json.loads(args) if args.strip() else {}
-                except json.JSONDecodeError:
-                    parsed = None
+                parsed = parse_arguments(args, f"messages[{i}].tool_calls[{j}].function.arguments")
                 if isinstance(parsed, dict):
                     fn["arguments"] = parsed
         out.append(clean)
     return out
+
+
+def parse_arguments(text: str, where: str) -> object:
+    """A tool call's ``arguments`` string as JSON (through the boundary's decoder); None when it is not JSON (it is
+    then rendered as the string it is, as before). Nested past the boundary's depth limit it is a 400 naming
+    ``where``: the template and the splice copy and walk it, one level at a time."""
+    if not text.strip():
+        return {}
+    try:
+        return json_io.loads(text, where)
+    except UntrustedInputError as exc:
+        if json_io.raw_depth(text.encode("utf-8", "surrogatepass")) > json_io.MAX_DEPTH:
+            raise ServingError(f"{where} nests deeper than {json_io.MAX_DEPTH} levels", param=where) from None
+        logger.debug("tool-call arguments are not JSON, rendered as text (%s)", exc)
+        return None
 
 
 def _model_prefix(messages: Sequence[JsonMapping], required: list[int] | None) -> tuple[int | None, list[int]]:

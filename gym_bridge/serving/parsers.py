@@ -7,6 +7,8 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
+from gym_bridge.boundary import json_io
+from gym_bridge.boundary.errors import UntrustedInputError
 from gym_bridge.json_types import JsonObject
 
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)\Z", re.DOTALL)
@@ -42,7 +44,8 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[JsonObject]]:
     """Hermes tool calls: (content outside the calls or None, OpenAI ``tool_calls``).
 
     Like vLLM's hermes parser, a call whose JSON does not parse (or lacks a name)
-    means no tool calls at all: the whole text stays content.
+    means no tool calls at all: the whole text stays content. The model's text is decoded by the boundary's
+    decoder: a call nested past its depth limit is JSON that does not parse.
     """
     if "<tool_call>" not in text:
         return (text or None), []
@@ -50,8 +53,8 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[JsonObject]]:
     for match in _TOOL_CALL.finditer(text):
         body = (match.group(1) if match.group(1) is not None else match.group(2)).strip()
         try:
-            obj = json.loads(body)
-        except json.JSONDecodeError:
+            obj = json_io.loads(body, "the model's tool call")
+        except UntrustedInputError:
             return (text or None), []
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             return (text or None), []

@@ -1,14 +1,20 @@
-"""Connections that stall or flood: bounded at the HTTP protocol, below the app.
+"""Connections that stall, flood or send too much: bounded at the HTTP protocol, below the app.
 
 uvicorn times out only an idle connection after a complete response (``timeout_keep_alive``). A client that
 opens a connection and sends nothing, or half of a request's headers, would hold it (and a file descriptor) for
 ever, and enough of them use up the process's descriptors: asyncio then logs a traceback for every failed
-``accept``. Three guards, each cheap:
+``accept``. Four guards, each cheap:
 
-- :func:`guarded_protocol` wraps uvicorn's HTTP protocol: a connection that opened, or began its next request,
-  must finish the request's headers within ``header_timeout_s`` or it is closed (a half-sent body is the app's
-  ``body_timeout_s``, :mod:`~gym_bridge.serving.bodies`); beyond ``max_connections`` open ones, a new connection
-  is closed as soon as it is accepted (one warning line per ``WARN_EVERY_S``).
+- :func:`guarded_protocol` is uvicorn's h11 protocol with a deadline and a size bound on every request's head: a
+  connection that opened, or began its next request (kept alive or pipelined behind an answer), must finish the
+  request's headers within ``header_timeout_s`` or it is closed (a half-sent body is the app's ``body_timeout_s``,
+  :mod:`~gym_bridge.serving.bodies`); a head past ``max_header_bytes`` is a 431 and the connection is closed,
+  having held at most the bound plus one socket read (256 KiB) of it. h11, not httptools, whichever is installed:
+  httptools' parser (llhttp) has no bound on a head and uvicorn's httptools protocol appends the URL and header
+  values as they come, so a 256 MB header would be buffered whole; h11 keeps at most ``max_incomplete_event_size``
+  of an incomplete head and says 431.
+- Beyond ``max_connections`` open ones, a new connection is closed as soon as it is accepted (one warning line per
+  ``WARN_EVERY_S``).
 - :func:`raise_open_file_limit` lifts the soft limit on open files to the hard one (at most 65,536), as vLLM's
   server does at start.
 - :class:`AcceptErrorFilter` turns asyncio's "socket.accept() out of system resource" tracebacks (should the
@@ -23,6 +29,12 @@ import logging
 import resource
 import time
 from typing import Any
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from gym_bridge.boundary.json_io import dumps
+from gym_bridge.serving.errors import error_body
 
 logger = logging.getLogger(__name__)
 
@@ -73,20 +85,56 @@ class _RefusalLog:
             self._last, self._unreported = now, 0
 
 
-def guarded_protocol(base: type[Any], header_timeout_s: float, max_connections: int) -> type[asyncio.Protocol]:
-    """uvicorn's HTTP protocol ``base`` (h11 or httptools) with a deadline on request headers and a connection cap.
+class _BoundedHeadConnection(h11.Connection):
+    """h11's server side of a connection with a bound on every request's head, keeping the status its last
+    protocol error suggests (431: a head past the bound), which uvicorn's protocol would answer as a plain 400.
 
-    The deadline is armed when a connection opens and when bytes arrive while no request is being served (the
-    next request's start); it is disarmed once uvicorn starts the request (its ``cycle``), i.e. once the headers
-    are complete. It relies only on uvicorn's ``connections``, ``transport`` and ``cycle`` attributes, which both
-    of its HTTP/1.1 protocols have."""
+    h11 bounds a head still incomplete (``max_incomplete_event_size``); one that arrives whole in a single read
+    is measured here, so the bound holds however the bytes were split."""
+
+    refused_status = 400
+
+    def __init__(self, max_head_bytes: int) -> None:
+        super().__init__(h11.SERVER, max_incomplete_event_size=max_head_bytes)
+        self.max_head_bytes = max_head_bytes
+
+    def next_event(self) -> h11.Event | type[h11.NEED_DATA] | type[h11.PAUSED]:
+        try:
+            event = super().next_event()
+            if isinstance(event, h11.Request) and _head_size(event) > self.max_head_bytes:
+                raise h11.RemoteProtocolError("request head too long", error_status_hint=431)
+        except h11.RemoteProtocolError as exc:
+            self.refused_status = exc.error_status_hint
+            raise
+        return event
+
+
+def _head_size(request: h11.Request) -> int:
+    """The size of ``request``'s head on the wire as h11 read it (spaces around values and folds not counted)."""
+    line = len(request.method) + len(request.target) + len(b"  HTTP/1.1\r\n")
+    return line + sum(len(name) + len(value) + len(b": \r\n") for name, value in request.headers) + len(b"\r\n")
+
+
+def guarded_protocol(header_timeout_s: float, max_connections: int, max_header_bytes: int) -> type[H11Protocol]:
+    """uvicorn's h11 protocol with a deadline and a size bound on every request's head, and a connection cap.
+
+    The deadline is armed when a connection opens, when bytes arrive while no request is being served, and when a
+    response completes with part of the next request's head already received (pipelined, or sent while the answer
+    was being made); it is disarmed once uvicorn starts the request (its ``cycle``), i.e. once the head is complete.
+    An idle kept-alive connection (nothing of a next request yet) stays under uvicorn's ``timeout_keep_alive``."""
     refusals = _RefusalLog()
+    too_large = dumps(error_body(f"the request's headers exceed {max_header_bytes} bytes", 431))
 
-    class GuardedProtocol(base):
+    class GuardedProtocol(H11Protocol):
         _header_deadline: asyncio.TimerHandle | None = None
 
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self._head = _BoundedHeadConnection(max_header_bytes)
+            self.conn = self._head
+
         def connection_made(self, transport: asyncio.BaseTransport) -> None:
-            super().connection_made(transport)
+            super().connection_made(transport)  # type: ignore[arg-type]  # uvicorn's asks for a Transport
             if len(self.connections) > max_connections:
                 refusals.note(len(self.connections), max_connections)
                 self.transport.close()
@@ -100,14 +148,41 @@ def guarded_protocol(base: type[Any], header_timeout_s: float, max_connections: 
             elif self._header_deadline is None:
                 self._arm()
 
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if self._next_head_begun():
+                self._arm()
+
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
             super().connection_lost(exc)
+
+        def send_400_response(self, msg: str) -> None:
+            """uvicorn's 400 for a request h11 refused, or a 431 when it refused a head past the bound."""
+            if self._head.refused_status != 431:
+                super().send_400_response(msg)
+                return
+            headers = [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(too_large)).encode()),
+                (b"connection", b"close"),
+            ]
+            response = h11.Response(status_code=431, headers=headers, reason=b"Request Header Fields Too Large")
+            for event in (response, h11.Data(data=too_large), h11.EndOfMessage()):
+                self.transport.write(self.conn.send(event) or b"")
+            self.transport.close()
 
         def _awaiting_request(self) -> bool:
             """No request is being served: bytes now are (part of) the next request's headers."""
             cycle = self.cycle
             return cycle is None or bool(cycle.response_complete)
+
+        def _next_head_begun(self) -> bool:
+            """Part of the next request's head is here and no more is being served: h11 holds bytes it could not
+            make a request of yet."""
+            if self.transport.is_closing() or not self._awaiting_request() or self.conn.their_state is not h11.IDLE:
+                return False
+            return bool(self.conn.trailing_data[0])
 
         def _arm(self) -> None:
             self._disarm()
@@ -124,7 +199,6 @@ def guarded_protocol(base: type[Any], header_timeout_s: float, max_connections: 
                 logger.debug("a connection sent no complete request headers within %g s; closed", header_timeout_s)
                 self.transport.close()
 
-    GuardedProtocol.__name__ = GuardedProtocol.__qualname__ = f"Guarded{base.__name__}"
     return GuardedProtocol
 
 

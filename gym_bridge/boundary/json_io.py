@@ -37,6 +37,8 @@ def loads(data: bytes | str, where: str, *, max_depth: int = MAX_DEPTH) -> Any:
     try:
         value = orjson.loads(data)
     except orjson.JSONDecodeError as exc:
+        if str(exc).startswith("depth limit exceeded"):  # orjson's own limit (1,024) is past every caller's
+            raise UntrustedInputError(f"{where}: nested deeper than {max_depth} levels") from None
         raise UntrustedInputError(f"{where}: not valid JSON ({exc})") from None
     if _deeper_than(data.encode("utf-8") if isinstance(data, str) else data, max_depth):
         raise UntrustedInputError(f"{where}: nested deeper than {max_depth} levels")

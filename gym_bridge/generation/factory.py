@@ -68,9 +68,9 @@ def build_engine(spec: EngineSpec) -> BuiltEngine:
             )
         )
         return BuiltEngine(generation, generation.tokenizer, path)
-    from transformers import AutoTokenizer
+    from gym_bridge.models.folder_check import load_tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = load_tokenizer(path)  # the folder checked first: regular files, no remote code
     # transformers 5 types ``decode`` as returning ``str | list[str]``; for a list of ids it is a str.
     speaks = cast(Tokenizer, tokenizer)
     if spec.policy == "scripted":

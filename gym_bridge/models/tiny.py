@@ -269,10 +269,8 @@ def build_tiny_model(cache_dir: Path | str | None = None, *, seed: int = 0) -> P
 
 def load_tiny(cache_dir: Path | str | None = None, seed: int = 0) -> tuple[PreTrainedTokenizerBase, PreTrainedModel]:
     """Build if needed, then load ``(tokenizer, model)`` (model in eval mode, float32, CPU)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from gym_bridge.models.folder_check import load_checked_causal_lm
 
-    path = build_tiny_model(cache_dir, seed=seed)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype="float32")
+    tokenizer, model = load_checked_causal_lm(build_tiny_model(cache_dir, seed=seed), "float32")
     model.eval()
     return tokenizer, model

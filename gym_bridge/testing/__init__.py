@@ -136,10 +136,10 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_tokenizer(tiny_model_dir: Path) -> Tokenizer:
     """The tiny model's tokenizer (the scripted policy speaks it too)."""
-    from transformers import AutoTokenizer
+    from gym_bridge.models.folder_check import load_tokenizer
 
     # transformers types decode() for batches too (str | list[str]); a flat id list decodes to str, as Tokenizer says
-    return cast("Tokenizer", AutoTokenizer.from_pretrained(tiny_model_dir))
+    return cast("Tokenizer", load_tokenizer(tiny_model_dir))
 
 
 @pytest.fixture(scope="session")

@@ -169,3 +169,8 @@ def test_a_folder_descriptor_is_closed_after_use(tmp_path):
         with folder_under(tmp_path, tmp_path / "a" / "b", create=True):
             pass
     assert len(os.listdir("/proc/self/fd")) == before
+
+
+def test_an_integer_past_pythons_digit_limit_is_one_line():
+    with pytest.raises(UntrustedInputError, match=r"cfg\.yaml: a value that cannot be read"):
+        load_yaml("n: " + "9" * 5000, "cfg.yaml")

@@ -19,8 +19,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, model_validator
 
+from gym_bridge.config.values import Count, Seconds
 from gym_bridge.failures import RolloutRetryPolicy, RolloutTimeouts, SettingError
 from gym_bridge.json_types import JsonMapping, JsonObject
 
@@ -51,17 +52,19 @@ def _refuse_renamed(data: JsonMapping, renamed: Mapping[str, str], prefix: str) 
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    """A section of NeMo-RL's: unknown keys refused, every number finite."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class _NativeFailure(_Section):
-    generation_timeout_s: PositiveFloat | None = None
-    env_timeout_s: PositiveFloat | None = None
+    generation_timeout_s: Seconds | None = None
+    env_timeout_s: Seconds | None = None
 
 
 class _GymFailure(_Section):
-    rollout_timeout_s: PositiveFloat | None = None
-    max_row_attempts: PositiveInt = 3
+    rollout_timeout_s: Seconds | None = None
+    max_row_attempts: Count = 3
     """The policy's ``max_gym_row_attempts``; NeMo-RL's default."""
 
 
@@ -69,12 +72,12 @@ class RolloutFailureSettings(_Section):
     """``async_rl.rollout_failure``: NeMo-RL's keys and defaults, each the retry policy's field of the same meaning
     (:meth:`retry_policy` maps the names)."""
 
-    max_infra_attempts_per_prompt: PositiveInt = 5
+    max_infra_attempts_per_prompt: Count = 5
     """The policy's ``max_infra_attempts``; NeMo-RL's default."""
-    max_data_attempts_per_prompt: PositiveInt = 2
+    max_data_attempts_per_prompt: Count = 2
     """The policy's ``max_data_attempts``; NeMo-RL's default."""
-    backoff_base_s: PositiveFloat = _POLICY_DEFAULTS.backoff_base_s
-    max_backoff_s: PositiveFloat = _POLICY_DEFAULTS.max_backoff_s
+    backoff_base_s: Seconds = _POLICY_DEFAULTS.backoff_base_s
+    max_backoff_s: Seconds = _POLICY_DEFAULTS.max_backoff_s
     max_skipped_prompts: NonNegativeInt = _POLICY_DEFAULTS.max_skipped_prompts
     max_consecutive_dropped_prompts: NonNegativeInt = _POLICY_DEFAULTS.max_consecutive_dropped_prompts
     min_step_batch_fraction: float = Field(0.9, gt=0.0, le=1.0)
@@ -136,8 +139,8 @@ class StallWatchdogSettings(_Section):
     """``async_rl.stall_watchdog``: NeMo-RL's keys and defaults; the GRPO loop raises ``RolloutStall`` (``abort``)
     or warns when a step's rollouts commit nothing for ``stall_timeout_s``, checking every ``interval_s``."""
 
-    interval_s: PositiveFloat = 30.0
-    stall_timeout_s: PositiveFloat | None = 600.0
+    interval_s: Seconds = 30.0
+    stall_timeout_s: Seconds | None = 600.0
     """None (only when the section is absent): no stall watch."""
     stall_action: Literal["warn", "abort"] = "warn"
     gym_subprocess_check: Literal[True] = True

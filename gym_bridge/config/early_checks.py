@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from gym_bridge.boundary import UntrustedInputError
-from gym_bridge.boundary.json_io import loads
+from gym_bridge.boundary.json_io import ROW_DEPTH, loads
 from gym_bridge.boundary.text import shown
 from gym_bridge.boundary.yaml_io import read_yaml_file
 from gym_bridge.config.keys import TrainingConfigError, config_section, config_value
@@ -114,7 +114,7 @@ def read_rows(key: str, path: str | Path, routing: RowRouting | None = None) -> 
         if not line.strip():
             continue
         try:
-            rows += routing.apply(loads(line, "", max_depth=128))
+            rows += routing.apply(loads(line, "", max_depth=ROW_DEPTH))
         except UntrustedInputError:
             rows.append(None)
     return RowFile(key, path, tuple(rows))
@@ -294,16 +294,16 @@ def model_facts(name: str) -> ModelFacts | None:
         path = resolve_model_path(name)
     except ModelNotFoundError:
         return None
-    from transformers import AutoTokenizer
+    from gym_bridge.models.folder_check import load_tokenizer, model_config
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = load_tokenizer(path)
     except (OSError, ValueError) as exc:
         logger.debug("early checks: no tokenizer from %s (%s)", path, exc)
         return None
     context = None
     with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-        context = int(json.loads((path / "config.json").read_text())["max_position_embeddings"])
+        context = int(model_config(path)["max_position_embeddings"])
     return ModelFacts(name, tokenizer, context)
 
 

@@ -46,6 +46,7 @@ from gym_bridge.boundary import UntrustedInputError
 from gym_bridge.boundary.text import shown
 from gym_bridge.config.keys import TrainingConfigError, config_section, config_value
 from gym_bridge.config.training import ROUTING_KEYS, NemoGymRolloutSettings, run_seed
+from gym_bridge.config.values import count
 from gym_bridge.gym.routing import RowRouting
 from gym_bridge.gym.row_file import read_row_file, read_row_text
 from gym_bridge.gym.rows import ValidGymRow
@@ -291,10 +292,32 @@ class ValidationOptions:
     max_new_tokens: int | None
 
 
+_SAMPLING_RANGES = {"temperature": (0.0, 100.0), "top_p": (0.0, 1.0)}
+"""The sampling numbers of ``policy.generation`` (and their ``val_`` twins): each a number in this range (top_p
+above its low end)."""
+
+
+def check_sampling(generation: JsonMapping) -> None:
+    """``policy.generation``'s temperatures and top_p values are numbers in range, else one line naming the key."""
+    for name, (low, high) in _SAMPLING_RANGES.items():
+        for key in (name, f"val_{name}"):
+            value = generation.get(key)
+            if value is None:
+                continue
+            number = isinstance(value, int | float) and not isinstance(value, bool)
+            if not number or not (low < value <= high if name == "top_p" else low <= value <= high):
+                span = f"({low:g}, {high:g}]" if name == "top_p" else f"[{low:g}, {high:g}]"
+                raise TrainingConfigError(
+                    f"policy.generation.{key} must be a number in {span}, got {shown(repr(value)[:40])}"
+                )
+
+
 def validation_options(config: JsonMapping) -> ValidationOptions:
     grpo, generation = config_section(config, "grpo"), config_section(config, "policy.generation")
+    check_sampling(generation)
+    generations = grpo.get("val_num_generations_per_prompt") or 1
     return ValidationOptions(
-        num_generations=int(grpo.get("val_num_generations_per_prompt") or 1),
+        num_generations=count(generations, "grpo.val_num_generations_per_prompt"),
         max_samples=grpo.get("max_val_samples"),
         sampling=GenerationSamplingParams.from_generation_config(generation, validation=True),
         max_new_tokens=generation.get("max_new_tokens"),
@@ -348,25 +371,24 @@ def policy_config(config: JsonMapping, weights: str, loop_cfg: GRPOLoopConfig) -
     (so its logprobs are those of the distribution the engine sampled from)."""
     policy_cfg = config_section(config, "policy")
     optimizer = config_section(config, "policy.optimizer.kwargs")
+    generation = config_section(config, "policy.generation")
+    check_sampling(generation)
     scheduler = policy_cfg.get("scheduler") or None
     _check_scheduler(scheduler)
-    try:
-        return HFPolicyConfig(
-            model=weights,
-            learning_rate=float(optimizer.get("lr", 1e-5)),
-            weight_decay=float(optimizer.get("weight_decay", 0.0)),
-            betas=tuple(optimizer.get("betas", (0.9, 0.999))),
-            max_grad_norm=policy_cfg.get("max_grad_norm", 1.0),
-            temperature=float(config_section(config, "policy.generation").get("temperature", 1.0)),
-            keep_reference_model=loop_cfg.loss.reference_policy_kl_penalty > 0,
-            freeze_embeddings=bool(policy_cfg.get("freeze_embeddings", False)),
-            scheduler=scheduler,
-            **(
-                {"logprob_batch_size": int(policy_cfg["logprob_batch_size"])}
-                if policy_cfg.get("logprob_batch_size")
-                else {}
-            ),
-        )
+    values = {
+        "model": weights,
+        "learning_rate": optimizer.get("lr", 1e-5),
+        "weight_decay": optimizer.get("weight_decay", 0.0),
+        "betas": optimizer.get("betas", (0.9, 0.999)),
+        "max_grad_norm": policy_cfg.get("max_grad_norm", 1.0),
+        "temperature": generation.get("temperature", 1.0),
+        "keep_reference_model": loop_cfg.loss.reference_policy_kl_penalty > 0,
+        "freeze_embeddings": bool(policy_cfg.get("freeze_embeddings", False)),
+        "scheduler": scheduler,
+        **({"logprob_batch_size": policy_cfg["logprob_batch_size"]} if policy_cfg.get("logprob_batch_size") else {}),
+    }
+    try:  # pydantic reads each number (a bad one named by its key), as the float() and int() before it did
+        return HFPolicyConfig.model_validate(values)
     except ValidationError as exc:
         raise TrainingConfigError(_problems(exc, _POLICY_KEYS)) from None
 

@@ -30,8 +30,9 @@ from pydantic import BaseModel
 from gym_bridge.boundary import UntrustedInputError
 from gym_bridge.boundary.files import read_text
 from gym_bridge.boundary.text import shown
-from gym_bridge.boundary.yaml_io import MAX_CONFIG_BYTES, check_yaml
+from gym_bridge.boundary.yaml_io import MAX_CONFIG_BYTES
 from gym_bridge.config.keys import TrainingConfigError
+from gym_bridge.config.values import check_values, config_yaml
 from gym_bridge.json_types import JsonMapping, JsonObject
 
 logger = logging.getLogger(__name__)
@@ -57,17 +58,17 @@ def _register_resolvers() -> None:
             OmegaConf.register_new_resolver(name, fn)
 
 
-def _load_with_defaults(path: Path, children: tuple[Path, ...] = (), shown_as: str | None = None) -> DictConfig:
+def _load_with_defaults(path: Path, children: tuple[Path, ...] = ()) -> DictConfig:
     """The YAML at ``path`` with its ``defaults:`` parents merged under it, ``${...}`` still unresolved. The file is
-    read through the boundary (a regular file under a cap, aliases bounded before OmegaConf builds anything).
-    ``shown_as``: how warnings name ``path`` (default: the path)."""
+    read through the boundary (a regular file under a cap, aliases bounded, JSON types only, numbers finite, nesting
+    bounded: :func:`~gym_bridge.config.values.config_yaml`) before OmegaConf builds anything."""
     if path in children:
         raise TrainingConfigError(
             f"{shown(path)}: its defaults: chain comes back to it ({' -> '.join(map(shown, children))})"
         )
     try:
         text = read_text(path, MAX_CONFIG_BYTES)
-        check_yaml(text, shown(path))
+        config_yaml(text, shown(path))
     except OSError as exc:
         raise TrainingConfigError(f"cannot read the training config {shown(path)}: {exc.strerror or exc}") from None
     except UntrustedInputError as exc:
@@ -82,7 +83,7 @@ def _load_with_defaults(path: Path, children: tuple[Path, ...] = (), shown_as: s
     for parent in [parents] if isinstance(parents, str) else list(parents):
         parent_path = (path.parent / str(parent)).resolve()
         merged = _merge_with_override(merged, _load_with_defaults(parent_path, (*children, path)), shown(parent_path))
-    return _merge_with_override(merged, node, shown_as or shown(path))
+    return _merge_with_override(merged, node, shown(path))
 
 
 def _merge_with_override(base: DictConfig, child: DictConfig, where: str = "") -> DictConfig:
@@ -167,11 +168,21 @@ def _nested_overrides(child: object, prefix: str = "") -> list[str]:
     return found
 
 
-def load_training_config(path: str | Path, *, shown_as: str | None = None) -> JsonObject:
-    """A NeMo-RL YAML as a plain dict: ``defaults:`` parents merged under it, ``${...}`` resolved. ``shown_as``: how
-    warnings name the file (default: its path)."""
+def load_training_config(path: str | Path, *, child: JsonMapping | None = None) -> JsonObject:
+    """A NeMo-RL YAML as a plain dict: ``defaults:`` parents merged under it, ``child`` (the command line's overrides,
+    plain data already checked) merged over it as a child config would be, ``${...}`` resolved; the result's numbers
+    finite (an interpolation can compute ``inf``)."""
     _register_resolvers()
-    return resolved_config(_load_with_defaults(Path(path).resolve(), shown_as=shown_as))
+    node = _load_with_defaults(Path(path).resolve())
+    if child:  # as a child file whose defaults: is ``path`` merges: the file over nothing, then the child over it
+        node = _merge_with_override(OmegaConf.create(), node, shown(path))
+        node = _merge_with_override(node, OmegaConf.create(copy.deepcopy(dict(child))), "the command line")
+    config = resolved_config(node)
+    try:
+        check_values(config, f"the training config {shown(path)}")
+    except UntrustedInputError as exc:
+        raise TrainingConfigError(str(exc)) from None
+    return config
 
 
 def _asplain_config(config: object) -> object:

@@ -14,34 +14,37 @@ replaces its value (docs/training.md, "Overrides and parents").
 
 from __future__ import annotations
 
-import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from gym_bridge.boundary import UntrustedInputError
+from gym_bridge.boundary.text import shown
 from gym_bridge.config.keys import TrainingConfigError, config_value
 from gym_bridge.config.loading import load_training_config
+from gym_bridge.config.values import check_values, key_parts
 from gym_bridge.json_types import JsonObject
 
 
-def _read(path: Path, shown_as: str | None = None) -> JsonObject:
-    """The config file with its parents merged and interpolations resolved; an unreadable file is one error.
-    ``shown_as``: how warnings name the file (the command line's overrides are a temporary child file)."""
+def _read(path: Path, child: JsonObject | None = None) -> JsonObject:
+    """The config file with its parents merged, ``child`` (the command line's overrides) merged over it, and
+    interpolations resolved; an unreadable file is one error."""
     if not path.is_file():
-        raise TrainingConfigError(f"the training config {path} does not exist or is not a file")
+        raise TrainingConfigError(f"the training config {shown(path)} does not exist or is not a file")
     try:
-        config: JsonObject = load_training_config(path, shown_as=shown_as)
+        config: JsonObject = load_training_config(path, child=child)
     except TrainingConfigError:
         raise
-    except (OSError, ValueError, yaml.YAMLError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise TrainingConfigError(f"cannot read the training config {path}: {first}") from None
+    except (OSError, ValueError) as exc:
+        raise TrainingConfigError(f"cannot read the training config {shown(path)}: {_first_line(exc)}") from None
     except Exception as exc:  # OmegaConf's errors (a missing interpolation key, a bad parent) name the key
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise TrainingConfigError(f"{path}: {first}") from None
+        raise TrainingConfigError(f"{shown(path)}: {_first_line(exc)}") from None
     return config
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return shown(text.splitlines()[0][:300]) if text else type(exc).__name__
 
 
 def _has(config: Mapping[str, Any], dotted: str) -> bool:
@@ -75,9 +78,28 @@ def _parsed(overrides: Sequence[str]) -> list[Any]:
     from hydra.errors import HydraException
 
     try:
-        return list(OverridesParser.create().parse_overrides(list(overrides)))
+        parsed = list(OverridesParser.create().parse_overrides(list(overrides)))
     except HydraException as exc:
-        raise TrainingConfigError(f"override: {str(exc).splitlines()[0]} (the form is key=value)") from None
+        raise TrainingConfigError(f"override: {_first_line(exc)} (the form is key=value)") from None
+    except RecursionError:
+        raise TrainingConfigError("override: nested too deeply to read (the form is key=value)") from None
+    except ValueError as exc:  # Hydra's int() of a number past Python's 4,300-digit limit
+        raise TrainingConfigError(f"override: {_first_line(exc)}") from None
+    for override in parsed:
+        try:
+            line = override.input_line or override.key_or_group
+            key_parts(override.key_or_group, f"override {shown(line[:200])}")
+        except UntrustedInputError as exc:
+            raise TrainingConfigError(str(exc)) from None
+    return parsed
+
+
+def _value(override: Any) -> object:
+    """An override's value (Hydra's types: int, float, str, bool, None, lists and mappings of them)."""
+    try:
+        return override.value()
+    except RecursionError:
+        raise TrainingConfigError(f"override {shown(override.key_or_group)}: nested too deeply to read") from None
 
 
 def override_keys(overrides: Sequence[str]) -> list[str]:
@@ -92,7 +114,7 @@ def load_with_overrides(path: str | Path, overrides: Sequence[str] = ()) -> Json
     if not overrides:
         return base
     parsed = _parsed(overrides)
-    child: dict[str, Any] = {"defaults": [str(path)]}
+    child: dict[str, Any] = {}
     deletions: list[str] = []
     for override in parsed:
         key = override.key_or_group
@@ -109,11 +131,12 @@ def load_with_overrides(path: str | Path, overrides: Sequence[str] = ()) -> Json
             raise TrainingConfigError(
                 f"override {key}: the config has no key {key} (NeMo-RL's rule; add it with +{key}=VALUE)"
             )
-        _set(child, key, override.value())
-    with tempfile.TemporaryDirectory(prefix="gym-bridge-overrides-") as folder:
-        file = Path(folder) / "overrides.yaml"
-        file.write_text(yaml.safe_dump(child, sort_keys=False))
-        config = _read(file, shown_as="the command line")
+        _set(child, key, _value(override))
+    try:
+        check_values(child, "the command line")
+    except UntrustedInputError as exc:
+        raise TrainingConfigError(str(exc)) from None
+    config = _read(path, child)
     for key in deletions:
         _delete(config, key)
     return config

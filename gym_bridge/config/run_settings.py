@@ -12,6 +12,7 @@ from pydantic import ValidationError
 
 from gym_bridge.config.grpo import (
     ValidationOptions,
+    check_sampling,
     engine_batch_size,
     engine_prefix_caching,
     load_gym_rows,
@@ -135,6 +136,7 @@ def grpo_run_settings(config: JsonMapping) -> GRPORunSettings:
     prefix_caching = engine_prefix_caching(config)
     if prefix_caching is not None:
         engine_keys["enable_prefix_caching"] = prefix_caching
+    check_sampling(config_section(config, "policy.generation"))  # numbers before the engine's float() of them
     try:
         engine = HFGenerationConfig.from_generation_config(
             config_section(config, "policy.generation"), validation=False, **engine_keys

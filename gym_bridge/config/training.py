@@ -45,11 +45,13 @@ from dataclasses import dataclass, replace
 
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
+from gym_bridge.boundary import UntrustedInputError
 from gym_bridge.config.async_settings import AsyncGRPOSettings, AsyncRLSettings
 from gym_bridge.config.keys import TrainingConfigError, config_value
 from gym_bridge.config.launch_spec import GymLaunchSpec
 from gym_bridge.config.loading import plain_config, resolved_config
 from gym_bridge.config.nemo_rl_gym import should_use_nemo_gym
+from gym_bridge.config.values import check_values, count, seconds
 from gym_bridge.failures import RolloutRetryPolicy, RolloutTimeouts, SettingError
 from gym_bridge.gym.actor_config import NemoGymConfig
 from gym_bridge.gym.admission import AdmissionSettings
@@ -258,6 +260,10 @@ def nemo_gym_rollout_settings(config: object, *, base_urls: list[str] | None = N
     if not should_use_nemo_gym(mapping):
         raise TrainingConfigError("the config does not ask for NeMo-Gym: set 'env.should_use_nemo_gym: true'")
     config = plain_config(mapping)
+    try:
+        check_values(config, "the training config")  # a config given as a dict, not read from a file, too
+    except UntrustedInputError as exc:
+        raise TrainingConfigError(str(exc)) from None
     async_rl = _section_model(AsyncRLSettings, config, "async_rl")
     async_grpo = _section_model(AsyncGRPOSettings, config, "grpo.async_grpo")
     _refuse_native_failure_keys(config)
@@ -270,13 +276,9 @@ def nemo_gym_rollout_settings(config: object, *, base_urls: list[str] | None = N
     launch = GymLaunchSpec(
         gym=nemo_gym_config_from(config, base_urls=base_urls),
         generation_config=nemo_gym_generation_config(config),
-        num_generations_per_prompt=int(
-            config_value(config, "grpo.num_generations_per_prompt", None)
-            or config_value(config, "distillation.num_generations_per_prompt", None)
-            or config_value(config, "grpo.num_generations_per_prompt")  # raises, naming GRPO's key
-        ),
+        num_generations_per_prompt=_generations(config),
         max_seq_len=context_length(config),
-        num_actors=int(section.get("num_actors", 1)),
+        num_actors=count(section.get("num_actors", 1), "env.nemo_gym.num_actors"),
         split_base_urls=bool(section.get("split_base_urls", False)),
         retry_policy=retry_policy,
         timeouts=timeouts,
@@ -296,6 +298,15 @@ def nemo_gym_rollout_settings(config: object, *, base_urls: list[str] | None = N
         min_step_batch_fraction=async_rl.rollout_failure.min_step_batch_fraction if has_failure_section else 0.0,
         unused_environments=tuple(native_environments),
     )
+
+
+def _generations(config: JsonMapping) -> int:
+    """``grpo.num_generations_per_prompt`` (else ``distillation.num_generations_per_prompt``), a count."""
+    for key in ("grpo.num_generations_per_prompt", "distillation.num_generations_per_prompt"):
+        value = config_value(config, key, None)
+        if value:
+            return count(value, key)
+    return count(config_value(config, "grpo.num_generations_per_prompt"), "grpo.num_generations_per_prompt")
 
 
 def admission_settings(section: object) -> AdmissionSettings:
@@ -408,10 +419,13 @@ def _failure_policy(
         return failure.retry_policy(max_consecutive_dropped_prompts=generation_failures), failure.timeouts()
     timeout = ours["rollout_timeout_s"]
     row_attempts = ours["max_row_attempts"] or failure.nemo_gym.max_row_attempts
-    policy = RolloutRetryPolicy.single_attempt(max_gym_row_attempts=int(row_attempts))
+    policy = RolloutRetryPolicy.single_attempt(
+        max_gym_row_attempts=count(row_attempts, "env.nemo_gym.max_row_attempts")
+    )
     if async_grpo.enabled:
         policy = replace(policy, max_consecutive_dropped_prompts=async_grpo.max_generation_failures)
-    return policy, RolloutTimeouts(rollout_s=float(timeout) if timeout is not None else None)
+    rollout_s = seconds(timeout, "env.nemo_gym.rollout_timeout_s") if timeout is not None else None
+    return policy, RolloutTimeouts(rollout_s=rollout_s)
 
 
 def _refuse_native_failure_keys(config: JsonMapping) -> None:

@@ -32,8 +32,22 @@ from pydantic import (
 )
 
 from gym_bridge.boundary import UntrustedInputError
+from gym_bridge.boundary.files import read_text
 from gym_bridge.boundary.text import shown
-from gym_bridge.boundary.yaml_io import load_yaml, read_yaml_file
+from gym_bridge.boundary.yaml_io import MAX_CONFIG_BYTES
+from gym_bridge.config.values import (
+    INT64_MAX,
+    Count,
+    FiniteFloat,
+    Seconds,
+    Seed,
+    Temperature,
+    TokenCount,
+    TopP,
+    check_values,
+    config_yaml,
+    key_parts,
+)
 from gym_bridge.failures import GymBridgeError, RolloutRetryPolicy
 from gym_bridge.gym.admission import AdmissionSettings
 from gym_bridge.gym.routing import RowRouting
@@ -119,7 +133,7 @@ class EvalConfig(BaseModel):
         "Gym, whose config is its own.",
     )
     output_dir: Path = Field(description="Where results.jsonl, failures.jsonl, run.json and the report go.")
-    num_generations_per_prompt: int = Field(4, ge=1)
+    num_generations_per_prompt: Count = 4
     base_urls: list[str] = Field(default_factory=list, description="OpenAI-compatible endpoints; empty: embedded.")
     model_name: str = Field(
         "tiny", description="The served model name Gym sends to the endpoint (default: the embedded model's name)."
@@ -138,11 +152,11 @@ class EvalConfig(BaseModel):
         description="tiny / smollm2: that built-in model served by HFGeneration; scripted: rule-based replies; "
         "a local model folder (a save_pretrained folder, e.g. a gym-bridge train checkpoint): that model.",
     )
-    concurrency: int = Field(4, ge=1, description="Prompt groups in flight.")
-    rollout_timeout_s: float = Field(600.0, gt=0, description="Deadline of one prompt group, re-dispatches included.")
-    request_timeout_s: float = Field(300.0, gt=0, description="Deadline of one Gym /run call.")
-    startup_timeout_s: float = Field(180.0, gt=0, description="Deadline for Gym's servers to start.")
-    preflight_timeout_s: float = Field(20.0, gt=0, description="Deadline of each endpoint's preflight checks.")
+    concurrency: Count = Field(4, description="Prompt groups in flight.")
+    rollout_timeout_s: Seconds = Field(600.0, description="Deadline of one prompt group, re-dispatches included.")
+    request_timeout_s: Seconds = Field(300.0, description="Deadline of one Gym /run call.")
+    startup_timeout_s: Seconds = Field(180.0, description="Deadline for Gym's servers to start.")
+    preflight_timeout_s: Seconds = Field(20.0, description="Deadline of each endpoint's preflight checks.")
     retry: RolloutRetryPolicy = Field(
         EVAL_RETRY,
         description="The retry policy (RolloutRetryPolicy's keys); a key left out keeps the eval's (EVAL_RETRY).",
@@ -158,17 +172,17 @@ class EvalConfig(BaseModel):
         description="The embedded engine's prefix caching (vLLM's enable_prefix_caching): rows reuse the keys and "
         "values of a prompt prefix already computed. An endpoint of base_urls decides its own.",
     )
-    temperature: float = Field(1.0, gt=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    max_new_tokens: int = Field(256, ge=1)
-    max_seq_len: int = Field(4096, ge=1)
-    limit: int | None = Field(None, ge=1, description="Evaluate only the first `limit` rows.")
-    seed: int | None = Field(
+    temperature: Temperature = Field(1.0, description="0: greedy.")
+    top_p: TopP = 1.0
+    max_new_tokens: TokenCount = 256
+    max_seq_len: TokenCount = 4096
+    limit: int | None = Field(None, ge=1, le=INT64_MAX, description="Evaluate only the first `limit` rows.")
+    seed: Seed | None = Field(
         0,
         description="The run seed: every row's sampling seed derives from it, the prompt and the sample index, "
         "and goes to the endpoint as its per-request seed (the embedded model's generator too). null: unseeded.",
     )
-    pass_threshold: float = Field(1.0, description="A completion passes when its reward >= this.")
+    pass_threshold: FiniteFloat = Field(1.0, description="A completion passes when its reward >= this.")
     gym_overrides: JsonObject = Field(default_factory=dict, description="Merged into Gym's global config.")
     gym_head: str | None = Field(
         None,
@@ -192,6 +206,14 @@ class EvalConfig(BaseModel):
         "tokenizer, api_key_env_var or embedded_policy); each runs into <output_dir>/<name>, then compare.",
     )
     _policy_configs: list[tuple[str, EvalConfig]] = PrivateAttr(default_factory=list)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _finite_and_bounded(cls, data: object) -> object:
+        """Every number finite, every integer within 64 bits, nothing nested past ``MAX_CONFIG_DEPTH``, the sections
+        pydantic does not type (``gym_overrides``, ``retry``) included: refused naming the key."""
+        check_values(data, "")
+        return data
 
     @field_validator("retry", mode="before")
     @classmethod
@@ -363,15 +385,22 @@ class EvalConfig(BaseModel):
 
 
 def parse_override(text: str) -> tuple[list[str], object]:
-    """``a.b=value`` -> ``(["a", "b"], yaml value)``."""
+    """``a.b=value`` -> ``(["a", "b"], yaml value)``: the key's parts each named (at most ``MAX_KEY_PARTS``), the
+    value plain YAML data, finite and bounded in depth (:mod:`gym_bridge.config.values`)."""
     key, sep, raw = text.partition("=")
     if not sep or not key.strip():
-        raise EvalConfigError(f"override {text!r} is not key=value")
+        raise EvalConfigError(f"override {shown(text[:200])!r} is not key=value")
+    where = f"override {shown(key.strip()[:200])}"
+    if key.strip()[:1] in ("+", "~"):
+        raise EvalConfigError(
+            f"{where}: eval overrides are key=value (+key, ++key and ~key are the training command's forms)"
+        )
     try:
-        value = load_yaml(raw, f"override {shown(key)}") if raw.strip() else None
+        parts = key_parts(key, where)
+        value = config_yaml(raw, where) if raw.strip() else None
     except UntrustedInputError as exc:
         raise EvalConfigError(str(exc)) from None
-    return key.strip().split("."), value
+    return parts, value
 
 
 def _format_errors(
@@ -432,7 +461,7 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> EvalConfig:
     ``key=value`` overrides, validate."""
     path = Path(path)
     try:
-        data = read_yaml_file(path) or {}
+        data = config_yaml(read_text(path, MAX_CONFIG_BYTES), shown(path)) or {}
     except OSError as exc:
         raise EvalConfigError(f"cannot read the eval config {shown(path)}: {exc.strerror or exc}") from None
     except UntrustedInputError as exc:

@@ -57,13 +57,12 @@ def policy_endpoint(config: EvalConfig) -> Iterator[tuple[list[str], Tokenizer]]
 
 def endpoint_tokenizer(config: EvalConfig) -> Tokenizer:
     """The served model's tokenizer (``config.tokenizer``: a built-in name or a local folder)."""
-    from transformers import AutoTokenizer
-
+    from gym_bridge.models.folder_check import load_tokenizer
     from gym_bridge.models.registry import resolve_model_path
 
     path = resolve_model_path(config.tokenizer)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = load_tokenizer(path)
     except (OSError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise EvalConfigError(f"tokenizer: cannot load a tokenizer from {path}: {first}") from exc

@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import hashlib
-import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -35,7 +34,8 @@ from typing import TypedDict
 import httpx
 
 from gym_bridge.boundary import UntrustedInputError
-from gym_bridge.boundary.json_io import loads
+from gym_bridge.boundary.files import write_atomic
+from gym_bridge.boundary.json_io import dumps, loads
 from gym_bridge.boundary.yaml_io import read_yaml_file
 from gym_bridge.eval.compare import GRADER_KEYS
 from gym_bridge.eval.records import ROW_ID_KEY, row_id
@@ -52,7 +52,7 @@ from gym_bridge.eval.runs import (
     read_file,
     shown,
 )
-from gym_bridge.eval.store import RunStore, read_jsonl
+from gym_bridge.eval.store import RunStore, not_empty, read_jsonl
 from gym_bridge.failures import GymBridgeError
 from gym_bridge.gym.row_file import MAX_ROW_DEPTH
 from gym_bridge.json_types import JsonMapping, JsonObject
@@ -221,7 +221,7 @@ def rescore_run(
 
     source = load_run(source_dir, failures=True)
     out = Path(out_dir)
-    if out.exists() and any(out.iterdir()):
+    if not_empty(out):
         raise RescoreError(f"the output folder {shown(out)} is not empty; choose another --out")
     overrides = overrides or []
     config = grader_config(source, config_file, overrides)
@@ -249,7 +249,7 @@ def rescore_run(
             policy_model_name="none",
             use_ray=False,
             startup_timeout_s=startup_timeout_s,
-            log_dir=(out / "gym-logs").resolve(),
+            log_dir=out.resolve() / "gym-logs",  # made by this run in its new folder: no link of anyone's
         )
     )
     try:
@@ -387,6 +387,6 @@ def _write(
         rescore={"source": summary["source"], "changed": changed, "unverified": len(unverified)},
     )
     store.record_session(started, outcome="rescored")
-    (out / RESCORE_FILE).write_text(json.dumps(summary, indent=1) + "\n")
+    write_atomic(out / RESCORE_FILE, dumps(summary, indent=True) + b"\n", root=out)
     build_report(out)
     return RescoreOutcome(out_dir=out, completions=total, changed=changed, unverified=unverified)

@@ -1,8 +1,10 @@
 """The eval run: check the dataset, open the run folder, start the policy and Gym, roll out
 every pending prompt group with bounded concurrency, write each as it finishes, stop cleanly.
 
-Order matters: the dataset is read and validated, and the run folder opened (refusing a
-changed config on resume), before any server starts. On SIGINT the in-flight groups are
+Order matters: the dataset is read and validated, the tokenizer named, and the run folder opened (refusing a
+changed config on resume; on resume, a link or a second hard link among its files or in ``gym-logs``), before any
+server starts. A new run that its input stops before any group is sent (the endpoint, the tokenizer, a file) leaves
+no run folder behind. On SIGINT the in-flight groups are
 cancelled, finished results stay on disk, Gym and the embedded server are stopped, and
 :class:`EvalInterrupted` is raised (the CLI turns it into exit code 130).
 
@@ -29,17 +31,20 @@ from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
+from gym_bridge.boundary import UntrustedInputError
+from gym_bridge.boundary.files import folder_under
 from gym_bridge.eval.config import EvalConfig, EvalConfigError
-from gym_bridge.eval.dataset import DatasetRow, file_sha256, load_dataset
-from gym_bridge.eval.gym_launch import check_agents, launch_spec, preflight_policy, routed
+from gym_bridge.eval.dataset import DatasetError, DatasetRow, file_sha256, load_dataset
+from gym_bridge.eval.gym_launch import check_agents, check_gym_logs, launch_spec, preflight_policy, routed
 from gym_bridge.eval.policy_endpoint import policy_endpoint
 from gym_bridge.eval.report import build_report, describe_model
 from gym_bridge.eval.runs import RUN_FILE
 from gym_bridge.eval.shutdown import sigint_deferred
 from gym_bridge.eval.sink import RunStoreSink
-from gym_bridge.eval.store import RunStore
+from gym_bridge.eval.store import RunStore, not_empty
 from gym_bridge.failures import RunConfigurationError
 from gym_bridge.json_types import JsonObject
+from gym_bridge.models.registry import ModelNotFoundError, check_model_reference
 from gym_bridge.preflight import PreflightError
 
 if TYPE_CHECKING:
@@ -49,6 +54,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _DRAIN_TIMEOUT_S = 30.0
+_BAD_INPUT = (PreflightError, EvalConfigError, DatasetError, ModelNotFoundError, UntrustedInputError)
+"""What a run's input (an endpoint, the tokenizer, a file, the rows) raises: a new run stopped by one before any
+group was sent removes the folder it made."""
 
 
 class EvalInterrupted(KeyboardInterrupt):
@@ -120,11 +128,14 @@ def run_eval(
         raise EvalConfigError("policies: a config with several policies runs through run_policies")
     rows = load_dataset(config.dataset, limit=config.limit, routing=config.routing)
     check_agents(config, rows)
+    check_model_reference(config.tokenizer)  # a tokenizer that names nothing: one line, before any folder is made
     fresh = not (resume and (config.output_dir / RUN_FILE).exists())
+    if not fresh:
+        check_gym_logs(config.output_dir)
     if fresh and not config.embedded:  # a new run's endpoint is checked before its folder is made: none is left
         preflight_policy(config, list(config.base_urls), rows)
     store = RunStore(config.output_dir)
-    made_here = not config.output_dir.exists()
+    made_here = not (config.output_dir.exists() or config.output_dir.is_symlink())
     done = store.open(
         config.fingerprint(file_sha256(config.dataset)),
         resume=resume,
@@ -155,10 +166,10 @@ def run_eval(
     except RunConfigurationError:
         status = "stopped: configuration error"
         raise
-    except PreflightError:  # the embedded server's own check: a folder this run made holds nothing yet
+    except _BAD_INPUT:  # the embedded server's check, the tokenizer, the rows: a new run's folder holds nothing yet
         store.close()
-        if made_here and not store.done:
-            shutil.rmtree(config.output_dir, ignore_errors=True)
+        if fresh and outcome.rollouts_started is None and not store.done:
+            _discard_new_folder(config.output_dir, made_here)
             status = "removed"
         raise
     finally:
@@ -167,6 +178,19 @@ def run_eval(
             store.record_session(started, outcome=status, rollouts_started=outcome.rollouts_started)
     outcome.metrics = build_report(config.output_dir)
     return outcome
+
+
+def _discard_new_folder(folder: Path, made_here: bool) -> None:
+    """Remove what a new run wrote: the folder when this run made it, else what it put in the empty folder it was
+    given (``run.json``, ``run.lock``)."""
+    if made_here:
+        shutil.rmtree(folder, ignore_errors=True)
+        return
+    for entry in folder.iterdir():
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
 
 
 @dataclass
@@ -231,10 +255,14 @@ def run_policies(config: EvalConfig, *, resume: bool = False, progress: bool = T
     if not policies:
         raise EvalConfigError("policies: not set; run a single-policy config with run_eval")
     out = config.output_dir
-    if not resume and out.exists() and any(out.iterdir()):
+    if not resume and not_empty(out):
         raise RunDirError(
             f"the output folder {out} is not empty: pass --resume to continue those runs, or choose another output_dir"
         )
+    for _, cfg in policies:  # a policy's run folder planted as a link in a received folder is refused, not followed
+        if os.path.lexists(cfg.output_dir):
+            with folder_under(out, cfg.output_dir):
+                pass
     rows = load_dataset(config.dataset, limit=config.limit, routing=config.routing)
     _preflight_endpoints([cfg for _, cfg in policies if not cfg.embedded and not _finished(cfg, rows)], rows)
     started = time.perf_counter()

@@ -10,7 +10,10 @@ While a store is open it holds an exclusive ``flock`` on ``run.lock``, so reader
 the kernel releases the lock when the writer exits, even on SIGKILL.
 
 Reading goes through :mod:`gym_bridge.eval.runs` (regular files only, size caps, typed lines), resume included:
-a folder someone sent you is checked the same way whether you compare it or continue it.
+a folder someone sent you is checked the same way whether you compare it or continue it. Writing goes through the
+boundary too: on resume ``results.jsonl`` and ``failures.jsonl`` are opened for appending first, through a
+descriptor that refuses a link and a file with a second hard link (a ``cp -al`` snapshot), so such a folder is
+refused in one line before any torn line is cut off or anything is appended.
 """
 
 from __future__ import annotations
@@ -20,10 +23,10 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import IO, TextIO
+from typing import IO
 
 from gym_bridge.boundary import UntrustedInputError
-from gym_bridge.boundary.files import open_nofollow, read_bytes, write_atomic
+from gym_bridge.boundary.files import make_dir, open_append, open_nofollow, read_bytes, write_atomic
 from gym_bridge.boundary.json_io import dumps, jsonl_lines, loads_object
 from gym_bridge.boundary.text import shown
 from gym_bridge.eval.records import ResumeLine
@@ -93,7 +96,8 @@ class RunStore:
         self.resumed_rewards: list[float] = []
         """The rewards of the completions ``results.jsonl`` held when the run was resumed (the progress bar's mean)."""
         self._files: dict[Path, IO[bytes]] = {}
-        self._lock: TextIO | None = None
+        self._lock: int | None = None
+        """The descriptor holding ``run.lock``'s flock while the store is open."""
 
     def open(self, fingerprint: JsonObject, *, resume: bool, meta: JsonObject | None = None) -> set[int]:
         """Create or reopen the run folder; return the prompt indices already done.
@@ -109,6 +113,7 @@ class RunStore:
         if resume and self.run_path.exists():
             self._hold_lock()
             try:
+                self._open_appends()
                 self._check_resumable(fingerprint)
                 self.done = self._resumed_prompts()
                 read_jsonl(self.failures_path, repair=True)
@@ -116,16 +121,25 @@ class RunStore:
                 self.close()
                 raise
         else:
-            if self.dir.exists() and any(self.dir.iterdir()):
+            if not_empty(self.dir):
                 raise RunDirError(
-                    f"the output folder {self.dir} is not empty: pass --resume to continue that run, "
+                    f"the output folder {shown(self.dir)} is not empty: pass --resume to continue that run, "
                     "or choose another output_dir"
                 )
-            self.dir.mkdir(parents=True, exist_ok=True)
+            make_dir(self.dir)
             self._hold_lock()
             _write_atomic(self.run_path, {"fingerprint": fingerprint, "created": time.time(), "sessions": []})
         self.update_run(**(meta or {}))
         return set(self.done)
+
+    def _open_appends(self) -> None:
+        """Open the resumed folder's ``results.jsonl`` and ``failures.jsonl`` (those that exist) for appending, before
+        anything is read, cut or written: a link, a file that is not regular or one with a second hard link is
+        refused here (``UntrustedInputError``), never truncated or appended to through another name."""
+        for path in (self.results_path, self.failures_path):
+            if os.path.lexists(path):
+                os.close(open_nofollow(path, os.O_RDONLY, root=self.dir))  # a FIFO opens for reading, then is named
+                self._files[path] = open_append(path, root=self.dir)
 
     def _check_resumable(self, fingerprint: JsonObject) -> None:
         """Refuse to resume a run whose recorded fingerprint differs from ``fingerprint`` (the keys named)."""
@@ -161,13 +175,13 @@ class RunStore:
     def _hold_lock(self) -> None:
         """Take ``run.lock`` for as long as this store is open (see the module docstring)."""
         try:
-            lock = os.fdopen(open_lock(self.dir / LOCK_FILE, create=True), "a")
+            lock = open_lock(self.dir / LOCK_FILE, create=True)
         except OSError as exc:
             raise RunDirError(f"{shown(self.dir / LOCK_FILE)}: cannot be used as the run's lock ({exc})") from None
         try:
-            fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
-            lock.close()
+            os.close(lock)
             raise RunDirError(f"{self.dir} is being written by another process (it holds {LOCK_FILE})") from None
         self._lock = lock
 
@@ -197,7 +211,7 @@ class RunStore:
     def _append(self, path: Path, record: JsonObject) -> None:
         f = self._files.get(path)
         if f is None:
-            f = self._files[path] = os.fdopen(open_nofollow(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "ab")
+            f = self._files[path] = open_append(path, root=self.dir)
         f.write(dumps(record) + b"\n")
         f.flush()
         os.fsync(f.fileno())
@@ -207,9 +221,18 @@ class RunStore:
             f.close()
         self._files.clear()
         if self._lock is not None:
-            self._lock.close()  # closing the file releases the flock
+            os.close(self._lock)  # closing the descriptor releases the flock
             self._lock = None
 
 
+def not_empty(folder: Path) -> bool:
+    """Whether ``folder`` exists and holds anything: a file there is "not empty" only once :func:`make_dir` has
+    refused it in one line (it is not a folder), so the caller never lists what is not a folder."""
+    if not (folder.exists() or folder.is_symlink()):
+        return False
+    make_dir(folder)
+    return any(folder.iterdir())
+
+
 def _write_atomic(path: Path, data: JsonObject) -> None:
-    write_atomic(path, dumps(data, indent=True))
+    write_atomic(path, dumps(data, indent=True), root=path.parent)

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gym_bridge.boundary.errors import UntrustedInputError
+from gym_bridge.boundary.files import read_text
 from gym_bridge.boundary.json_io import dumps, loads, loads_object
 from gym_bridge.eval.runs import (
     FAILURES_FILE,
@@ -48,6 +49,8 @@ from gym_bridge.json_types import JsonObject
 
 VIEWER_FILE = "report.html"
 TEMPLATE = Path(__file__).with_name("viewer_template.html")
+_TEMPLATE_MAX_BYTES = 1 << 20
+"""The page template's size cap (it ships with the package: tens of kilobytes)."""
 _DATA_MARK = "__GYM_BRIDGE_DATA__"
 _HASH_MARK = "__GYM_BRIDGE_SCRIPT_HASH__"
 _SCRIPT = re.compile(r"<script>(.*?)</script>", re.S)
@@ -321,8 +324,7 @@ def viewer_data(run_dir: str | Path) -> JsonObject:
         RunReadError: see :func:`read_viewer_page`.
     """
     page, run = read_viewer_page(run_dir)
-    data: JsonObject = json.loads(page.payload(run, Path(run_dir)))
-    return data
+    return loads_object(page.payload(run, Path(run_dir)), "the viewer's page data")
 
 
 def render_viewer(data: JsonObject) -> str:
@@ -335,7 +337,7 @@ def render_viewer(data: JsonObject) -> str:
 def page_bytes(payload: bytes) -> bytes:
     """The page around the JSON ``payload``. Every ``<`` is escaped (``\\u003c``, inside JSON strings only: JSON
     has no ``<`` elsewhere), so no string can end the data block."""
-    page = TEMPLATE.read_text()
+    page = read_text(TEMPLATE, _TEMPLATE_MAX_BYTES)
     head, _, tail = page.replace(_HASH_MARK, script_hash(page), 1).partition(_DATA_MARK)
     return head.encode("utf-8") + payload.replace(b"<", b"\\u003c") + tail.encode("utf-8")
 

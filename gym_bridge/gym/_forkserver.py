@@ -38,6 +38,8 @@ from pathlib import Path
 
 import psutil
 
+from gym_bridge.boundary.files import open_nofollow
+
 
 @dataclass(frozen=True)
 class ServerCommand:
@@ -84,23 +86,37 @@ def fork_context() -> ForkServerContext:
 
 
 def start_server(
-    context: ForkServerContext, name: str, server: ServerCommand, env: dict[str, str], log_path: Path
+    context: ForkServerContext,
+    name: str,
+    server: ServerCommand,
+    env: dict[str, str],
+    log_path: Path,
+    *,
+    log_dir: Path | None = None,
 ) -> ForkedServer:
-    """Fork one Gym server from ``context``'s fork server; its output goes to ``log_path``."""
+    """Fork one Gym server from ``context``'s fork server; its output goes to ``log_path`` (opened as
+    :func:`redirect_output` opens it, under ``log_dir`` when given)."""
     venv = server.venv.resolve()  # what `source VENV/bin/activate` sets: the path the venv was made at
     env = {**env, **server.variables, "VIRTUAL_ENV": str(venv), "PWD": str(server.cwd)}
     env["PATH"] = os.pathsep.join(filter(None, [str(venv / "bin"), env.get("PATH")]))
-    process = context.Process(target=_run_server, args=(server, env, str(log_path)), name=name, daemon=False)
+    root = str(log_dir) if log_dir is not None else None
+    process = context.Process(target=_run_server, args=(server, env, str(log_path), root), name=name, daemon=False)
     process.start()
     return ForkedServer(process)
 
 
-def _run_server(server: ServerCommand, env: dict[str, str], log_path: str) -> None:
-    """In the forked child: become ``cd DIR && K=V python ENTRYPOINT`` and run it."""
-    log = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+def redirect_output(log_path: str | Path, log_dir: str | Path | None = None) -> None:
+    """Send this process's stdout and stderr to the end of ``log_path``, opened through the boundary: a link or a
+    second hard link planted there is refused (``UntrustedInputError``), never appended to."""
+    log = open_nofollow(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, root=log_dir)
     os.dup2(log, 1)
     os.dup2(log, 2)
     os.close(log)
+
+
+def _run_server(server: ServerCommand, env: dict[str, str], log_path: str, log_dir: str | None = None) -> None:
+    """In the forked child: become ``cd DIR && K=V python ENTRYPOINT`` and run it."""
+    redirect_output(log_path, log_dir)
     if not server.cwd.is_dir():
         raise SystemExit(f"cd: {server.cwd}: No such file or directory")  # what the shell said
     os.environ.clear()

@@ -15,11 +15,14 @@ reads its config (:func:`claim_head_port`) and hands it to Gym's uvicorn, so no 
 port between its choice and its bind. It reports to the
 parent through a JSON status file: ``phase`` (parsing, spawning, ready, failed),
 ``servers`` (name -> host, port, pid, log), ``routes`` (:mod:`gym_bridge.gym._gym_routes`) and ``error``.
+
+Its files go through the trust boundary: each server's log is appended to through a descriptor that refuses a
+link or a second hard link (:func:`open_log`), so a log folder someone else filled never leads an append outside
+it, and the status file is replaced whole (:func:`~gym_bridge.boundary.files.write_atomic`).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import shlex
@@ -33,8 +36,10 @@ from collections.abc import Callable, Mapping
 from multiprocessing.context import ForkServerContext
 from pathlib import Path
 from subprocess import DEVNULL, STDOUT, Popen
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, BinaryIO
 
+from gym_bridge.boundary.files import make_dir, open_append, read_bytes, write_atomic
+from gym_bridge.boundary.json_io import dumps, loads_object
 from gym_bridge.failures.errors import GymPortInUse, GymStartupError
 from gym_bridge.gym._forkserver import ForkedServer, fork_context, parse_server_command, start_server
 from gym_bridge.gym._gym_routes import gym_routes
@@ -45,6 +50,8 @@ if TYPE_CHECKING:
 
 _INSTALL_MARKERS = ("uv venv", "uv pip install")
 _GYM_POLL_S = 0.2
+SPEC_MAX_BYTES = 64 << 20
+"""The largest launch spec the launcher reads (the parent writes it: the Gym config and its overrides)."""
 
 
 class _Status:
@@ -54,9 +61,22 @@ class _Status:
 
     def update(self, **fields: object) -> None:
         self.data.update(fields)
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.data))
-        os.replace(tmp, self.path)
+        write_atomic(self.path, dumps(self.data))
+
+
+def open_log(log_dir: Path, name: str) -> BinaryIO:
+    """Server ``name``'s log in ``log_dir``, open for appending: a link or a file with a second hard link planted
+    there is refused (:func:`~gym_bridge.boundary.files.open_append`), never appended to.
+
+    Raises:
+        UntrustedInputError: the log is a link, has another hard link, is not a regular file, or cannot be opened.
+    """
+    return open_append(log_path_of(log_dir, name), root=log_dir)
+
+
+def log_path_of(log_dir: Path, name: str) -> Path:
+    """Where server ``name`` logs (its ``/`` made ``_``, so the name stays one file inside ``log_dir``)."""
+    return log_dir / f"{name.replace('/', '_')}.log"
 
 
 # Runs in a child of the launcher, in its process group: when the launcher dies without cleaning
@@ -112,7 +132,7 @@ def _link_venvs(servers: dict[str, JsonObject], venv_dir: Path) -> None:
     """``<venv_dir>/<type>/<impl>/.venv`` -> this interpreter's environment, so Gym skips its venv setup."""
     for server in servers.values():
         link = venv_dir / server["server_type"] / server["impl"] / ".venv"
-        link.parent.mkdir(parents=True, exist_ok=True)
+        make_dir(link.parent, root=venv_dir)
         if not link.is_symlink():
             link.symlink_to(sys.prefix, target_is_directory=True)
 
@@ -148,14 +168,13 @@ def _make_run_command(
             entries.append(env["PYTHONPATH"])
         env["PYTHONPATH"] = ":".join(entries)
         env["UV_CACHE_DIR"] = str(get_global_config_dict()[UV_CACHE_DIR_KEY_NAME])
-        log_path = log_dir / f"{name.replace('/', '_')}.log"
         server = parse_server_command(command, Path(sys.prefix)) if forks is not None else None
         process: Popen[bytes] | ForkedServer
-        with open(log_path, "ab") as log:
+        with open_log(log_dir, name) as log:
             log.write(f"$ {shlex.quote(name)} starting{' (forked)' if server else ''}\n".encode())
             log.flush()
             if forks is not None and server is not None:
-                process = start_server(forks, name, server, env, log_path)
+                process = start_server(forks, name, server, env, log_path_of(log_dir, name), log_dir=log_dir)
             else:
                 process = Popen(
                     command, executable="/bin/bash", shell=True, env=env, stdin=DEVNULL, stdout=log, stderr=STDOUT
@@ -221,7 +240,7 @@ def _short_sleep(seconds: float) -> None:
 
 
 def main(argv: list[str]) -> int:
-    spec = json.loads(Path(argv[1]).read_text())
+    spec = loads_object(read_bytes(argv[1], SPEC_MAX_BYTES), argv[1])
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     status = _Status(Path(spec["status_file"]))
@@ -241,7 +260,7 @@ def main(argv: list[str]) -> int:
         )
         global_config_dict = get_global_config_dict(global_config_dict_parser_config=parser_config)
         servers = _server_instances(global_config_dict)
-        _link_venvs(servers, Path(spec["venv_dir"]))
+        _link_venvs(servers, make_dir(spec["venv_dir"]))
         head = global_config_dict["head_server"]
         status.update(
             phase="spawning",

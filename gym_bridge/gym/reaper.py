@@ -21,6 +21,8 @@ from typing import Protocol
 
 import psutil
 
+from gym_bridge.boundary import UntrustedInputError
+from gym_bridge.boundary.files import make_dir, open_nofollow
 from gym_bridge.failures import GymServersError
 
 
@@ -122,9 +124,9 @@ def _lock_window(window: int) -> int | None:
     """A descriptor holding ``window``'s lock, or None when another process holds it (or its file is not ours)."""
     folder = Path(tempfile.gettempdir()) / f"gym-bridge-port-windows-{os.getuid()}"
     try:
-        folder.mkdir(mode=0o700, exist_ok=True)
-        fd = os.open(folder / f"{window}.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    except OSError:
+        make_dir(folder)
+        fd = open_nofollow(folder / f"{window}.lock", os.O_RDWR | os.O_CREAT, 0o600, root=folder)
+    except (OSError, UntrustedInputError):
         return None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -179,14 +181,18 @@ def answers(host: str, port: int, path: str = "/") -> bool:
 
 
 def tail(path: Path, limit: int = _LOG_TAIL_BYTES) -> str:
-    """The last ``limit`` bytes of a log, for error messages."""
+    """The last ``limit`` bytes of a log, for error messages (a log that is a link, a FIFO or has another hard link
+    is not read: only the log gym-bridge wrote)."""
     try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - limit))
-            return f.read().decode("utf-8", errors="replace")
+        fd = open_nofollow(path, os.O_RDONLY)
+    except UntrustedInputError as exc:
+        return f"<no log: {exc}>"
+    try:
+        return os.pread(fd, limit, max(0, os.fstat(fd).st_size - limit)).decode("utf-8", errors="replace")
     except OSError as exc:
         return f"<no log: {exc}>"
+    finally:
+        os.close(fd)
 
 
 def wait_gone(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:

@@ -16,12 +16,15 @@ tool's): :meth:`GymServers.start` attaches to it, as ``gym eval run --no-serve``
 (``GET /server_instances``) and config (``GET /global_config_dict_yaml``) from its head server and the routes from that
 config with Gym's own resolver (:mod:`gym_bridge.gym._gym_routes`, in a process of its own); :meth:`GymServers.poll`
 checks that its servers still accept connections, and :meth:`GymServers.stop` stops nothing.
+
+Every file it touches goes through the trust boundary (:mod:`gym_bridge.boundary.files`): the log folder is made as
+the user named it, a log is appended to only through a descriptor that refuses a link or a second hard link, and
+the launch spec, the status file and the routes are written whole and read under a size cap.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import re
@@ -38,7 +41,11 @@ from typing import Any
 
 import psutil
 
+from gym_bridge.boundary import UntrustedInputError
+from gym_bridge.boundary.files import make_dir, open_append, read_bytes, write_atomic
+from gym_bridge.boundary.json_io import dumps, loads_object
 from gym_bridge.failures import GymPortInUse, GymServerDied, GymServersError, GymStartupError
+from gym_bridge.gym._launcher import log_path_of
 from gym_bridge.gym.reaper import (
     PORT_WINDOW,
     answers,
@@ -73,14 +80,16 @@ _ROUTES_MIN_S = 60.0
 """The least time the routes of a running Gym's config get (Gym's resolver imports NeMo-Gym: seconds)."""
 
 _ROUTES_SCRIPT = """
-import json, sys
+import sys
 from omegaconf import OmegaConf
+from gym_bridge.boundary.files import write_atomic
+from gym_bridge.boundary.json_io import dumps
 from gym_bridge.gym._gym_routes import gym_routes
-routes = gym_routes(OmegaConf.create(sys.stdin.read()))
-with open(sys.argv[1], "w") as out:
-    json.dump(routes, out)
+write_atomic(sys.argv[1], dumps(gym_routes(OmegaConf.create(sys.stdin.read()))))
 """
 """Gym's own resolver over a running Gym's config, in a process of its own: the caller never imports NeMo-Gym."""
+_STATUS_MAX_BYTES = 64 << 20
+"""The largest status or routes file read back from the launcher (its servers and routes: kilobytes)."""
 
 
 def _running_ray_address() -> str | None:
@@ -132,7 +141,7 @@ class GymServers:
     @property
     def log_files(self) -> dict[str, Path]:
         """Server name -> its log file (the head server's is ``launcher_log``)."""
-        return {name: self.log_dir / f"{name.replace('/', '_')}.log" for name in self._status.get("servers", {})}
+        return {name: log_path_of(self.log_dir, name) for name in self._status.get("servers", {})}
 
     @property
     def launcher_log(self) -> Path:
@@ -406,8 +415,12 @@ class GymServers:
                 raise GymStartupError(
                     f"could not resolve the routes of the running NeMo-Gym at {head.url}:\n{done.stderr[-3000:]}"
                 )
-            routes = json.loads(out.read_text())
-        return routes if isinstance(routes, dict) else {}
+            try:
+                return loads_object(read_bytes(out, _STATUS_MAX_BYTES), "the running NeMo-Gym's routes")
+            except UntrustedInputError as exc:
+                raise GymStartupError(
+                    f"could not read the routes of the running NeMo-Gym at {head.url}: {exc}"
+                ) from None
 
     def _probe_attached(self) -> None:
         now = time.monotonic()
@@ -459,7 +472,7 @@ class GymServers:
 
     def _spawn_launcher(self) -> None:
         self._status, self._procs, self.head, self._busy_port = {}, {}, None, None  # a new attempt's
-        self.log_dir.mkdir(parents=True, exist_ok=True)
+        make_dir(self.log_dir)
         self._private_dir = Path(tempfile.mkdtemp(prefix="gym-bridge-servers-"))
         self._window = reserve_port_window()
         global_config = self._global_config()
@@ -474,9 +487,8 @@ class GymServers:
             "skip_load_from_dotenv": not self.config.load_env_yaml,
             "fork_servers": self.config.fork_servers,
         }
-        spec_path = self._private_dir / "launch.json"
-        spec_path.touch(mode=0o600)
-        spec_path.write_text(json.dumps(spec))
+        spec_path = self._private_dir / "launch.json"  # holds the API key: mkdtemp's folder is the owner's alone
+        write_atomic(spec_path, dumps(spec), root=self._private_dir)
 
         env = dict(os.environ)
         for key in ("NEMO_GYM_CONFIG_DICT", "NEMO_GYM_CONFIG_PATH"):
@@ -485,15 +497,14 @@ class GymServers:
         env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
         env["PYTHONUNBUFFERED"] = "1"
         if not uses_ray:
-            shim = self._private_dir / "no_ray"
-            shim.mkdir()
-            (shim / "sitecustomize.py").write_text(_NO_RAY_SITECUSTOMIZE)
+            shim = make_dir(self._private_dir / "no_ray", root=self._private_dir)
+            write_atomic(shim / "sitecustomize.py", _NO_RAY_SITECUSTOMIZE, root=self._private_dir)
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(shim), env.get("PYTHONPATH")]))
             env["GYM_BRIDGE_NO_RAY"] = "1"
 
         logger.info("NeMo-Gym server logs: %s", self.log_dir)
         cwd = self._working_dir() if self.config.server_dirs else None
-        with open(self.launcher_log, "ab") as log:
+        with open_append(self.launcher_log, root=self.log_dir) as log:
             self._launcher = subprocess.Popen(
                 # -P: the launcher's folder stays off sys.path, so a server forked from it gets the
                 # sys.path that `python app.py` would (gym/_forkserver.py)
@@ -522,7 +533,7 @@ class GymServers:
         links.update({key: Path(folder).resolve() for key, folder in self.config.server_dirs.items()})
         for key, folder in links.items():
             link = root / key
-            link.parent.mkdir(parents=True, exist_ok=True)
+            make_dir(link.parent, root=self._private_dir)
             link.symlink_to(folder, target_is_directory=True)
         if (here / "env.yaml").exists():
             (root / "env.yaml").symlink_to(here / "env.yaml")
@@ -531,8 +542,9 @@ class GymServers:
     def _read_status(self) -> None:
         assert self._private_dir is not None
         try:
-            self._status = json.loads((self._private_dir / "status.json").read_text())
-        except (OSError, ValueError):
+            status = read_bytes(self._private_dir / "status.json", _STATUS_MAX_BYTES)
+            self._status = loads_object(status, "the launcher's status file")
+        except (OSError, UntrustedInputError):
             return
         head = self._status.get("head")
         if head and self.head is None:

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gym_bridge.boundary.files import make_dir
 from gym_bridge.failures import SettingError, TokenCaptureMasked
 from gym_bridge.gym.versions import ROLLOUT_IDENTITY_KEYS, installed_gym
 from gym_bridge.json_types import JsonObject
@@ -150,8 +151,7 @@ class TokenCapture:
     def __init__(self, folder: Path, block: Mapping[str, Any] | None = None) -> None:
         from nemo_gym.token_id_capture.store import TokenCaptureStore
 
-        folder.mkdir(parents=True, exist_ok=True)
-        self.folder = folder
+        self.folder = make_dir(folder)
         self._store = TokenCaptureStore(folder)
         self.max_mask_fraction, self.min_samples = mask_limit(block or {})
         self._participants: Collection[str] | None = None

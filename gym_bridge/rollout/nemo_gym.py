@@ -15,7 +15,6 @@ it had.
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -24,6 +23,8 @@ from typing import Any, Self
 
 from pydantic import StrictBool, StrictInt
 
+from gym_bridge.boundary.files import make_dir, open_append
+from gym_bridge.boundary.json_io import dumps
 from gym_bridge.failures import RolloutRetryPolicy, RolloutStats, RolloutTimeouts, SettingError
 from gym_bridge.gym.admission import AdmissionSettings
 from gym_bridge.gym.client import GymClient
@@ -225,17 +226,20 @@ class AsyncNemoGymRolloutImpl:
         return self.client.in_flight_rows
 
     def _append_full_results(self, path: Path, prompt_idx: int, agent: str, completions: list[Completion]) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("a") as f:
-            for i, c in enumerate(completions):
-                line = {"prompt_idx": prompt_idx, "rowidx": i, "agent": agent, "full_result": c.env_extras}
-                f.write(json.dumps(line, default=str) + "\n")
+        """One line per completion appended to ``path`` (through the boundary: a link or a second hard link planted
+        there is refused, never appended to); strict JSON, a non-finite number written as null."""
+        lines = [
+            dumps({"prompt_idx": prompt_idx, "rowidx": i, "agent": agent, "full_result": c.env_extras}) + b"\n"
+            for i, c in enumerate(completions)
+        ]
+        with open_append(path, root=make_dir(path.parent)) as f:
+            f.write(b"".join(lines))
 
 
 def full_result_table(full_results: Sequence[Any]) -> Any:
     """NeMo-RL's ``{agent}/full_result`` table, one compact JSON per row: a ``wandb.Table`` when wandb is
     installed, else a plain ``{"columns": ["Full result"], "data": [[json], ...]}``."""
-    data = [[json.dumps(r, separators=(",", ":"), default=str)] for r in full_results]
+    data = [[dumps(r).decode("utf-8")] for r in full_results]
     table = _wandb_table()
     if table is None:
         return {"columns": ["Full result"], "data": data}

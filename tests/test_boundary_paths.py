@@ -174,3 +174,9 @@ def test_a_folder_descriptor_is_closed_after_use(tmp_path):
 def test_an_integer_past_pythons_digit_limit_is_one_line():
     with pytest.raises(UntrustedInputError, match=r"cfg\.yaml: a value that cannot be read"):
         load_yaml("n: " + "9" * 5000, "cfg.yaml")
+
+
+def test_a_secret_file_and_a_private_folder_keep_their_modes(tmp_path):
+    private = make_dir(tmp_path / "private", mode=0o700)
+    write_atomic(private / "launch.json", b"{}", root=private, mode=0o600)
+    assert (private.stat().st_mode & 0o777, (private / "launch.json").stat().st_mode & 0o777) == (0o700, 0o600)

@@ -106,10 +106,11 @@ def read_text(path: str | Path, max_bytes: int, *, hint: str = "") -> str:
         raise UntrustedInputError(f"{shown(path)}: not UTF-8 text (byte {exc.start})") from None
 
 
-def write_atomic(path: str | Path, data: bytes | str, *, root: str | Path | None = None) -> None:
+def write_atomic(path: str | Path, data: bytes | str, *, root: str | Path | None = None, mode: int = 0o644) -> None:
     """Write ``data`` to ``path`` through a temporary file in the same folder (fsynced) and ``os.replace``: a link
     planted at ``path`` is replaced, never followed, and a reader never sees half a file. With ``root`` (a folder
-    above ``path``), no folder between ``root`` and ``path`` is followed as a link (:func:`folder_under`).
+    above ``path``), no folder between ``root`` and ``path`` is followed as a link (:func:`folder_under`). The file
+    is created with ``mode`` (0o600 for a file holding a secret).
 
     Raises:
         UntrustedInputError: ``path``'s folder is a link, a file or cannot be written (named).
@@ -119,7 +120,7 @@ def write_atomic(path: str | Path, data: bytes | str, *, root: str | Path | None
     with folder_under(root, path.parent) as dir_fd:
         tmp = f".{path.name}.{os.urandom(6).hex()}.tmp"
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dir_fd)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dir_fd)
         except OSError as exc:
             raise _unwritable(path, exc) from None
         try:
@@ -180,10 +181,10 @@ def open_append(path: str | Path, *, root: str | Path | None = None) -> BinaryIO
     return os.fdopen(open_nofollow(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, root=root), "ab")
 
 
-def make_dir(path: str | Path, *, root: str | Path | None = None) -> Path:
+def make_dir(path: str | Path, *, root: str | Path | None = None, mode: int = 0o755) -> Path:
     """``path`` made a folder (with its parents) if it is not one, and returned. Without ``root``, ``path`` is a
     user's path: links are followed as the user typed them. With ``root``, every folder from ``root`` down is made
-    or opened without following a link.
+    or opened without following a link. Folders it makes get ``mode`` (0o700 for a private one).
 
     Raises:
         UntrustedInputError: ``path`` (or a folder above it) is a file, a link under ``root``, or cannot be made
@@ -191,10 +192,10 @@ def make_dir(path: str | Path, *, root: str | Path | None = None) -> Path:
     """
     path = Path(path)
     if root is not None:
-        with folder_under(root, path, create=True):
+        with folder_under(root, path, create=True, mode=mode):
             return path
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        path.mkdir(mode=mode, parents=True, exist_ok=True)
     except FileExistsError:
         raise UntrustedInputError(f"{shown(path)}: exists and is not a folder") from None
     except NotADirectoryError:
@@ -208,7 +209,9 @@ def make_dir(path: str | Path, *, root: str | Path | None = None) -> Path:
 
 
 @contextlib.contextmanager
-def folder_under(root: str | Path | None, folder: str | Path, *, create: bool = False) -> Iterator[int]:
+def folder_under(
+    root: str | Path | None, folder: str | Path, *, create: bool = False, mode: int = 0o755
+) -> Iterator[int]:
     """A descriptor on ``folder``, closed on exit. With ``root`` (``folder`` at or under it), each component below
     ``root`` is opened from its parent's descriptor with ``O_NOFOLLOW | O_DIRECTORY`` (made first when ``create``),
     so a link planted anywhere inside the folder never leads a write outside it; ``root`` itself is the user's and
@@ -239,7 +242,7 @@ def folder_under(root: str | Path | None, folder: str | Path, *, create: bool = 
             here = here / part
             if create:
                 try:
-                    os.mkdir(part, 0o755, dir_fd=fd)
+                    os.mkdir(part, mode, dir_fd=fd)
                 except FileExistsError:
                     pass
                 except OSError as exc:

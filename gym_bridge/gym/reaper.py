@@ -124,7 +124,7 @@ def _lock_window(window: int) -> int | None:
     """A descriptor holding ``window``'s lock, or None when another process holds it (or its file is not ours)."""
     folder = Path(tempfile.gettempdir()) / f"gym-bridge-port-windows-{os.getuid()}"
     try:
-        make_dir(folder)
+        make_dir(folder, mode=0o700)
         fd = open_nofollow(folder / f"{window}.lock", os.O_RDWR | os.O_CREAT, 0o600, root=folder)
     except (OSError, UntrustedInputError):
         return None

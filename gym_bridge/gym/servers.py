@@ -488,7 +488,7 @@ class GymServers:
             "fork_servers": self.config.fork_servers,
         }
         spec_path = self._private_dir / "launch.json"  # holds the API key: mkdtemp's folder is the owner's alone
-        write_atomic(spec_path, dumps(spec), root=self._private_dir)
+        write_atomic(spec_path, dumps(spec), root=self._private_dir, mode=0o600)
 
         env = dict(os.environ)
         for key in ("NEMO_GYM_CONFIG_DICT", "NEMO_GYM_CONFIG_PATH"):

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, NoReturn
+
+from gym_bridge.boundary.text import shown
 
 if TYPE_CHECKING:
     import socket
@@ -15,6 +18,42 @@ if TYPE_CHECKING:
 
     from gym_bridge.eval.config import EvalConfig
     from gym_bridge.serving.server import OpenAIServer
+
+
+DEBUG_ENV = "GYM_BRIDGE_DEBUG"
+"""Set to 1: an error shows its whole traceback (as ``--traceback`` does)."""
+EXIT_BUG = 70
+"""The exit code of an error no input explains (a bug in gym-bridge): sysexits' ``EX_SOFTWARE``."""
+MAX_SEED = 2**32 - 1
+MAX_TOKENS = 1 << 20
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line, ``gym-bridge <command>: <message>``, with exit code 2, as every
+    other refused input is."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {shown(message)} (see {self.prog} --help)\n")
+
+
+def _number(kind: type[int] | type[float], low: float, high: float, ends: str = "[]") -> Callable[[str], float]:
+    """An argparse type: a finite ``kind`` from ``low`` to ``high`` (``ends``: ``[`` or ``(`` and ``]`` or ``)``
+    say whether each end is allowed); anything else is refused naming the range, before anything starts."""
+    what = "an integer" if kind is int else "a finite number"
+    span = f"{ends[0]}{low:g}, {high:g}{ends[1]}" if kind is float else f"{ends[0]}{low}, {high}{ends[1]}"
+
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except (ValueError, OverflowError):
+            value = math.nan
+        above = value > low if ends[0] == "(" else value >= low
+        below = value < high if ends[1] == ")" else value <= high
+        if not (math.isfinite(value) and above and below):
+            raise argparse.ArgumentTypeError(f"must be {what} in {span}, got {shown(text[:40])!r}")
+        return value
+
+    return parse
 
 
 def _backends(args: argparse.Namespace) -> int:
@@ -145,7 +184,7 @@ def _eval(args: argparse.Namespace) -> int:
             return _eval_policies(config, args)
         outcome = run_eval(config, resume=args.resume, progress=not args.no_progress)
     except EvalInterrupted as exc:
-        print(f"gym-bridge eval: {exc}; continue with --resume", file=sys.stderr)
+        print(f"gym-bridge eval: {shown(exc)}; continue with --resume", file=sys.stderr)
         return 130
     except KeyboardInterrupt:
         print("gym-bridge eval: interrupted; continue with --resume", file=sys.stderr)
@@ -156,8 +195,8 @@ def _eval(args: argparse.Namespace) -> int:
         f"{outcome.done_before + outcome.done_now} of {outcome.prompts_total} prompt groups done "
         f"({outcome.failed_now} failed this run); mean reward {overall.get('mean_reward', float('nan')):.3f}"
     )
-    print(f"report: {outcome.run_dir / 'report.md'}")
-    print(f"metrics: {outcome.run_dir / 'metrics.json'}")
+    print(f"report: {shown(outcome.run_dir / 'report.md')}")
+    print(f"metrics: {shown(outcome.run_dir / 'metrics.json')}")
     return 1 if outcome.metrics.get("prompts_failed") else 0
 
 
@@ -173,14 +212,14 @@ def _eval_policies(config: EvalConfig, args: argparse.Namespace) -> int:
         print(
             f"{name}: {outcome.done_before + outcome.done_now} of {outcome.prompts_total} prompt groups done "
             f"({outcome.failed_now} failed this run); mean reward {overall.get('mean_reward', float('nan')):.3f}; "
-            f"report: {outcome.run_dir / 'report.md'}"
+            f"report: {shown(outcome.run_dir / 'report.md')}"
         )
     ray = f"; Ray started once ({done.ray_start_s:.1f} s)" if done.ray_start_s is not None else ""
     print(f"{len(done.policies)} policies in {done.seconds:.0f} s{ray}")
     if done.compare_dir is not None:
-        print(f"comparison: {done.compare_dir / 'compare.md'}")
+        print(f"comparison: {shown(done.compare_dir / 'compare.md')}")
     elif done.compare_error is not None:
-        print(f"gym-bridge eval: no comparison: {done.compare_error}", file=sys.stderr)
+        print(f"gym-bridge eval: no comparison: {shown(done.compare_error)}", file=sys.stderr)
     return 1 if failed or done.compare_error is not None else 0
 
 
@@ -214,19 +253,19 @@ def _train(args: argparse.Namespace) -> int:
     try:
         outcome = train(config, out, resume=args.resume, progress=not args.no_progress, list_gpu_keys=not args.smoke)
     except KeyboardInterrupt:
-        print(f"gym-bridge train: interrupted; continue with --resume --out {out}", file=sys.stderr)
+        print(f"gym-bridge train: interrupted; continue with --resume --out {shown(out)}", file=sys.stderr)
         return 130
-    print(f"run: {outcome.run_dir}")
-    print(f"checkpoint: {outcome.checkpoint or 'none (checkpointing.enabled: false)'}")
+    print(f"run: {shown(outcome.run_dir)}")
+    print(f"checkpoint: {shown(outcome.checkpoint or 'none (checkpointing.enabled: false)')}")
     if outcome.plots is not None:
-        print(f"plots: {outcome.plots.png} {outcome.plots.html}")
+        print(f"plots: {shown(outcome.plots.png)} {shown(outcome.plots.html)}")
         for name, (first, last, test) in outcome.plots.mcnemar.items():
             print(
                 f"held-out {name}: {test.wrong_to_right} wrong->right, {test.right_to_wrong} right->wrong of "
                 f"{test.n} answers (step {first:g} vs {last:g}), McNemar p={test.p_value:.3g}"
             )
     if outcome.loggers.enabled:
-        print(f"experiment logs ({', '.join(outcome.loggers.enabled)}): {outcome.loggers.log_dir}")
+        print(f"experiment logs ({', '.join(outcome.loggers.enabled)}): {shown(outcome.loggers.log_dir)}")
     return 0
 
 
@@ -236,7 +275,7 @@ def _check_endpoint(args: argparse.Namespace) -> int:
     api_key = args.api_key or _env_key("OPENAI_API_KEY")
     checks = check_endpoints(args.urls, args.model, tools=args.tools, timeout_s=args.timeout, api_key=api_key)
     for check in checks:
-        print(check.line, file=sys.stdout if check.ok else sys.stderr)
+        print(shown(check.line), file=sys.stdout if check.ok else sys.stderr)
     return 0 if all(check.ok for check in checks) else 2
 
 
@@ -248,7 +287,7 @@ def _report(args: argparse.Namespace) -> int:
 
     from gym_bridge.boundary import UntrustedInputError
     from gym_bridge.eval import RunDirError
-    from gym_bridge.eval.runs import RunReadError, run_folder_kind, shown
+    from gym_bridge.eval.runs import RunReadError, run_folder_kind
 
     where = f"cannot build the report of {shown(args.run_dir)}"
     folder = Path(args.run_dir)
@@ -283,9 +322,9 @@ def _compare(args: argparse.Namespace) -> int:
         seed=args.seed,
         fail_if_worse=args.fail_if_worse,
     )
-    print(f"comparison: {outcome.out_dir / 'compare.md'}")
+    print(f"comparison: {shown(outcome.out_dir / 'compare.md')}")
     for line in outcome.worse:
-        print(f"gym-bridge compare: {line}", file=sys.stderr)
+        print(f"gym-bridge compare: {shown(line)}", file=sys.stderr)
     return 1 if outcome.worse else 0
 
 
@@ -302,18 +341,18 @@ def _rescore(args: argparse.Namespace) -> int:
         f"{outcome.completions} completions verified again: {outcome.changed} rewards changed, "
         f"{len(outcome.unverified)} could not be verified (listed in {outcome.out_dir / 'rescore.json'})"
     )
-    print(f"report: {outcome.out_dir / 'report.md'}")
+    print(f"report: {shown(outcome.out_dir / 'report.md')}")
     return 1 if outcome.unverified else 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="gym-bridge", description=__doc__)
+    parser = _Parser(prog="gym-bridge", description=__doc__)
     parser.add_argument("--traceback", action="store_true", help="on an error, show the whole traceback")
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("backends", help="list the registered rollout backends").set_defaults(func=_backends)
     tiny = commands.add_parser("build-tiny", help="build (or reuse) the embedded tiny model and print its folder")
     tiny.add_argument("--cache-dir", default=None)
-    tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--seed", type=_number(int, 0, MAX_SEED), default=0)
     tiny.set_defaults(func=_build_tiny)
     serve = commands.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API until SIGINT/SIGTERM")
     serve.add_argument("--model", default="tiny", help='a built-in model ("tiny", "smollm2") or a local model folder')
@@ -324,14 +363,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="hf: the model; scripted: rule-based replies; instant: a fixed reply, no model (benchmarks)",
     )
     serve.add_argument(
-        "--answer-tokens", type=int, default=16, help="with --policy instant: reply length, EOS included"
+        "--answer-tokens",
+        type=_number(int, 1, MAX_TOKENS),
+        default=16,
+        help="with --policy instant: reply length, EOS included",
     )
     serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--port", type=_number(int, 0, 65535), default=8000)
     serve.add_argument("--served-model-name", default=None, help="default: the --model value")
-    serve.add_argument("--max-new-tokens", type=int, default=256)
-    serve.add_argument("--temperature", type=float, default=1.0)
-    serve.add_argument("--top-p", type=float, default=1.0)
+    serve.add_argument("--max-new-tokens", type=_number(int, 1, MAX_TOKENS), default=256)
+    serve.add_argument("--temperature", type=_number(float, 0, 100), default=1.0, help="0: greedy")
+    serve.add_argument("--top-p", type=_number(float, 0, 1, "(]"), default=1.0)
     serve.add_argument("--reasoning-parser", action="store_true", help="split <think> blocks into reasoning_content")
     serve.add_argument(
         "--upstream",
@@ -369,7 +411,9 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("urls", nargs="+", metavar="URL", help="base URL(s), http://host:port/v1")
     check.add_argument("--model", required=True, help="the served model name the run will send")
     check.add_argument("--tools", action="store_true", help="also check that chats offering tools are accepted")
-    check.add_argument("--timeout", type=float, default=20.0, help="seconds for each endpoint's checks")
+    check.add_argument(
+        "--timeout", type=_number(float, 0, 3600, "(]"), default=20.0, help="seconds for each endpoint's checks"
+    )
     check.add_argument("--api-key", default=None, help="the endpoints' API key (default: $OPENAI_API_KEY)")
     check.set_defaults(func=_check_endpoint)
     train = commands.add_parser(
@@ -402,12 +446,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     compare.add_argument("run_dirs", nargs="+", metavar="RUN", help="run folders; the first is the baseline")
     compare.add_argument("--out", default=None, help="output folder (default: ./compare-A-vs-B)")
-    compare.add_argument("--level", type=float, default=0.95, help="confidence level of the intervals")
-    compare.add_argument("--resamples", type=int, default=10_000, help="paired bootstrap resamples")
-    compare.add_argument("--seed", type=int, default=0, help="bootstrap seed")
+    compare.add_argument(
+        "--level", type=_number(float, 0, 1, "()"), default=0.95, help="confidence level of the intervals"
+    )
+    compare.add_argument(
+        "--resamples", type=_number(int, 100, 1_000_000), default=10_000, help="paired bootstrap resamples"
+    )
+    compare.add_argument("--seed", type=_number(int, 0, MAX_SEED), default=0, help="bootstrap seed")
     compare.add_argument(
         "--fail-if-worse",
-        type=float,
+        type=_number(float, 0, math.inf, "[)"),
         default=None,
         metavar="DELTA",
         help="exit 1 when a run is worse than the first by more than DELTA (mean reward or pass@1) at --level",
@@ -434,9 +482,34 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run one subcommand. The one error boundary: any :class:`~gym_bridge.failures.GymBridgeError` (every
-    error a user's input can cause) ends as ``gym-bridge <command>: <message>`` on stderr, one line per line
-    of the message, with exit code 2; ``--traceback`` shows the whole traceback instead."""
+    """Run one subcommand and return its exit code. The one error boundary: a usage error or an option out of its
+    range is one line before anything starts (exit 2, returned, not raised); any
+    :class:`~gym_bridge.failures.GymBridgeError` (every error a user's input can cause) and any ``OSError`` (a
+    path the system refused) end as ``gym-bridge <command>: <message>`` on stderr, one line per line of the
+    message, with exit code 2; Ctrl-C is ``interrupted`` (130). Anything else is a bug: one line that says so, its
+    traceback saved to a file (:func:`_bug`), exit code :data:`EXIT_BUG`. ``--traceback`` (or
+    ``GYM_BRIDGE_DEBUG=1``) shows the whole traceback instead."""
+    try:
+        args = _parsed(argv)
+    except SystemExit as exc:  # a usage error (2) or --help (0): the code returned, as for every other outcome
+        return exc.code if isinstance(exc.code, int) else 2
+    try:
+        return int(args.func(args))
+    except Exception as exc:
+        if args.traceback or os.environ.get(DEBUG_ENV) == "1":
+            raise
+        code, lines = _explained(exc)
+    except KeyboardInterrupt:
+        if args.traceback or os.environ.get(DEBUG_ENV) == "1":
+            raise
+        code, lines = 130, ["interrupted"]
+    for line in lines:
+        print(f"gym-bridge {args.command}: {shown(line)}", file=sys.stderr)
+    return code
+
+
+def _parsed(argv: Sequence[str] | None) -> argparse.Namespace:
+    """The arguments, ``key=value`` overrides after an option included; a usage error exits (argparse)."""
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     # key=value overrides may follow an option (``rescore RUN --out DIR key=value``); argparse before Python 3.13
@@ -446,16 +519,41 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
     if extra:
         args.overrides = [*args.overrides, *extra]
+    return args
+
+
+def _explained(exc: Exception) -> tuple[int, list[str]]:
+    """The exit code and the lines of an error: a refused input (2) in its own words, or a bug (:func:`_bug`)."""
     from gym_bridge.failures import GymBridgeError
 
+    if isinstance(exc, GymBridgeError):
+        return 2, str(exc).splitlines() or [type(exc).__name__]
+    if isinstance(exc, OSError):
+        names = [shown(name) for name in (exc.filename, exc.filename2) if name is not None]
+        return 2, [": ".join([*names, shown(exc.strerror or exc)])]
+    return EXIT_BUG, [_bug(exc)]
+
+
+def _bug(exc: Exception) -> str:
+    """The one line of an error no input explains, its traceback written to a file in the temporary folder
+    (``$TMPDIR``): a run that failed after an hour keeps what a bug report needs without a second run, and the
+    terminal and scripts still see one line."""
+    import tempfile
+    import time
+    import traceback
+    from pathlib import Path
+
+    from gym_bridge.boundary.files import write_atomic
+    from gym_bridge.failures import GymBridgeError
+
+    saved = Path(tempfile.gettempdir()) / f"gym-bridge-traceback-{os.getpid()}-{time.time_ns()}.txt"
     try:
-        return int(args.func(args))
-    except GymBridgeError as exc:
-        if args.traceback:
-            raise
-        for line in str(exc).splitlines() or [type(exc).__name__]:
-            print(f"gym-bridge {args.command}: {line}", file=sys.stderr)
-        return 2
+        write_atomic(saved, "".join(traceback.format_exception(exc)))
+        where = f"traceback in {shown(saved)}"
+    except (OSError, GymBridgeError):
+        where = f"run again with --traceback or {DEBUG_ENV}=1 for the traceback"
+    message = shown(" ".join(str(exc).split())[:300])
+    return f"internal error, please report it: {type(exc).__name__}: {message} ({where})"
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@ For each ``base_url`` (``http://host:port/v1``), in order, stopping at the first
 
 Each endpoint gives an :class:`EndpointCheck`; :func:`preflight_endpoints` raises :class:`PreflightError`
 holding one line per failed endpoint. An endpoint's answers are untrusted: every field read is type-checked (token
-ids are ints in ``[0, 2**31)``, never bools; logprobs finite numbers; names strings), and a wrong one is a failed
+ids are ints in ``[0, 2**31)``, never bools, one per logprob; logprobs finite numbers <= 0; a known finish reason; a
+``max_model_len`` a positive int; names strings), and a wrong one is a failed
 check naming the field (:attr:`EndpointProblem.BAD_ANSWER`); anything else that goes wrong while reading an answer
 is a failed check too, never a traceback. ``api_key`` is sent as ``Authorization: Bearer`` on every request
 (an endpoint that needs none ignores it, as vLLM without ``--api-key`` does) and appears in no line.
@@ -34,7 +35,9 @@ from typing import Any
 import httpx
 from pydantic import SecretStr
 
+from gym_bridge.boundary.text import shown
 from gym_bridge.failures import GymBridgeError
+from gym_bridge.generation.upstream_answer import FINISH_REASONS
 from gym_bridge.json_types import JsonMapping, JsonObject
 
 #: The flags a vLLM server needs before it accepts chats that offer tools (Hermes-style tool calls).
@@ -92,16 +95,17 @@ class EndpointCheck:
 
     @property
     def line(self) -> str:
-        """One line for a person: ``<base_url>: <what is wrong>`` or ``<base_url>: ok (...)``."""
+        """One line for a person: ``<base_url>: <what is wrong>`` or ``<base_url>: ok (...)``, every string from the
+        config or the endpoint escaped (:func:`~gym_bridge.boundary.text.shown`)."""
         if self.problem is None:
             tools = ", tools accepted" if self.tools_checked else ""
             return (
-                f"{self.base_url}: ok (serves {self.model_name!r}, token ids and logprobs{tools}; "
+                f"{shown(self.base_url)}: ok (serves {shown(repr(self.model_name))}, token ids and logprobs{tools}; "
                 f"{self.elapsed_s:.2f} s)"
             )
         if self.problem is EndpointProblem.KEY_REFUSED:
-            return f"{self.base_url} {self.detail}"
-        return f"{self.base_url}: {self.detail}"
+            return f"{shown(self.base_url)} {shown(self.detail)}"
+        return f"{shown(self.base_url)}: {shown(self.detail)}"
 
 
 class PreflightError(GymBridgeError, RuntimeError):
@@ -178,8 +182,8 @@ def _is_token_id(value: object) -> bool:
 
 
 def _is_logprob(value: object) -> bool:
-    """A finite number that is not a bool."""
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    """A finite number <= 0 that is not a bool."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value <= 0
 
 
 def _describe(exc: BaseException) -> str:
@@ -268,6 +272,9 @@ def _served_models(body: object) -> tuple[str, ...]:
             raise _bad(what, f"data[{i}]", card, "a model card (an object)")
         if not isinstance(card.get("id"), str):
             raise _bad(what, f"data[{i}].id", card.get("id"), "a model name (a string)")
+        length = card.get("max_model_len")
+        if length is not None and not (_is_token_id(length) and length > 0):
+            raise _bad(what, f"data[{i}].max_model_len", length, "a positive context length")
         names.append(card["id"])
     return tuple(names)
 
@@ -294,7 +301,7 @@ def _check_token_data(body: object) -> None:
         if not isinstance(item, dict):
             raise _bad(what, where, item, "a token entry (an object)")
         if not _is_logprob(item.get("logprob")):
-            raise _bad(what, f"{where}.logprob", item.get("logprob"), "a finite number")
+            raise _bad(what, f"{where}.logprob", item.get("logprob"), "a finite number <= 0")
         if not isinstance(item.get("token"), str):
             raise _bad(what, f"{where}.token", item.get("token"), "a string")
     token_ids = choice.get("token_ids")
@@ -305,6 +312,11 @@ def _check_token_data(body: object) -> None:
             "(no choices[0].token_ids for return_token_ids=true; vLLM >= 0.10.2 has it)",
         )
     _check_ids(what, "choices[0].token_ids", token_ids)
+    if len(token_ids) != len(content):
+        raise _bad(what, "choices[0].token_ids", token_ids, f"{len(content)} token ids, one per logprob entry")
+    finish = choice.get("finish_reason")
+    if finish is not None and finish not in FINISH_REASONS:
+        raise _bad(what, "choices[0].finish_reason", finish, "a finish reason (stop, length, ...)")
     if not all(item["token"].startswith(_TOKEN_ID_PREFIX) for item in content):
         raise _Failed(
             EndpointProblem.NO_TOKEN_IDS,

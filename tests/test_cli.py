@@ -24,8 +24,7 @@ def test_overrides_after_an_option_reach_the_command(tmp_path, capsys):
     missing = tmp_path / "missing.yaml"
     assert main(["eval", str(missing), "--resume", "limit=2"]) == 2
     assert "missing.yaml" in capsys.readouterr().err  # the config was read: the override parsed
-    with pytest.raises(SystemExit):
-        main(["eval", str(missing), "--resume", "--bogus"])
+    assert main(["eval", str(missing), "--resume", "--bogus"]) == 2
     assert "unrecognized arguments: --bogus" in capsys.readouterr().err
 
 

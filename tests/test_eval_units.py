@@ -173,7 +173,9 @@ def test_store_raises_on_corruption_before_the_last_line(tmp_path: Path) -> None
 
 
 def test_store_refuses_resume_with_a_changed_fingerprint(tmp_path: Path) -> None:
-    RunStore(tmp_path).open({"num_generations_per_prompt": 2, "temperature": 1.0}, resume=False)
+    first = RunStore(tmp_path)
+    first.open({"num_generations_per_prompt": 2, "temperature": 1.0}, resume=False)
+    first.close()  # the store holds run.lock until it is closed
     with pytest.raises(RunDirError, match=r"num_generations_per_prompt \(2 -> 3\)"):
         RunStore(tmp_path).open({"num_generations_per_prompt": 3, "temperature": 1.0}, resume=True)
 

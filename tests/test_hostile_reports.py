@@ -302,7 +302,7 @@ HOSTILE_FILES = {
     "nul": b'{"a": 1}\n{"b"\x00: 2}\n',
     "not-json": b'{"a": 1}\n{nope\n',
     "not-object": b'{"a": 1}\n"text"\n',
-    "deep": b'{"a": 1}\n' + b'{"a":' * 70 + b"1" + b"}" * 70 + b"\n",
+    "deep": b'{"a": 1}\n' + b'{"a":' * 140 + b"1" + b"}" * 140 + b"\n",
     "huge-int": b'{"a": 1}\n{"a": ' + b"9" * 400 + b"}\n",
     "nan": b'{"a": 1}\n{"a": NaN}\n',
 }

@@ -159,7 +159,7 @@ def test_report_refuses_each_hostile_folder_in_one_line(tmp_path: Path) -> None:
 def test_a_repeated_prompt_is_not_counted_twice(tmp_path: Path) -> None:
     """The same prompt_idx with other rewards: ``compare`` kept the first and ``report`` counted both."""
     lines = [result_line(i, [1.0]) for i in range(6)] + [result_line(3, [0.0])]
-    folder = write_run(tmp_path / "run", lines=lines)
+    folder = write_run(tmp_path / "run", prompts=6, lines=lines)
     line = refused("report", str(folder))
     assert "results.jsonl:7: field 'prompt_idx': 3 is also on line 4" in line
 

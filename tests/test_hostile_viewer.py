@@ -180,6 +180,7 @@ def test_report_md_escapes_agents_models_and_errors(tmp_path: Path) -> None:
     (run / "results.jsonl").write_text("".join(json.dumps(g) + "\n" for g in lines))
     meta = json.loads((run / "run.json").read_text())
     meta["model"] = XSS[0] + XSS[-1]
+    meta["prompts_total"] = 10  # the failure below is the tenth prompt
     (run / "run.json").write_text(json.dumps(meta))
     failure = {"prompt_idx": 9, "line": 10, "agent": XSS[0], "error": XSS[-1], "class": "infra", "message": XSS[1]}
     (run / "failures.jsonl").write_text(json.dumps(failure) + "\n")

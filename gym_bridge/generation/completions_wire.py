@@ -5,21 +5,23 @@ Token in, token out: the request's ``prompt`` is the row's token ids, with
 ``seed`` if it has one; the response gives the generated token ids
 (``choices[0].token_ids``, else ``logprobs.tokens`` as ``"token_id:<int>"`` strings),
 their logprobs and the finish reason. A malformed
-response is a :class:`~gym_bridge.failures.RolloutDataFailure` naming the field.
+response is a :class:`~gym_bridge.failures.RolloutDataFailure` naming the field
+(:mod:`~gym_bridge.generation.upstream_answer` checks it).
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Sequence
 
 import torch
 
 from gym_bridge.batched import BatchedDataDict
+from gym_bridge.boundary import UntrustedInputError
 from gym_bridge.failures import RolloutDataFailure
 from gym_bridge.failures.errors import SettingError
 from gym_bridge.generation.batch import check_input
 from gym_bridge.generation.openai_http_config import OpenAIHTTPGenerationConfig
+from gym_bridge.generation.upstream_answer import completion_choice
 from gym_bridge.json_types import JsonObject
 from gym_bridge.types import GenerationDatumSpec
 
@@ -89,56 +91,19 @@ def check_batch(data: BatchedDataDict[GenerationDatumSpec]) -> tuple[torch.Tenso
     return input_ids, lengths
 
 
-def parse_completion(payload: object, url: str) -> tuple[list[int], list[float], bool]:
-    """(generated ids, their logprobs, truncated) from a completions response (parsed JSON); every field is
-    type-checked: ids are ints >= 0 (no bools), logprobs finite numbers, so a malformed answer is one
-    :class:`~gym_bridge.failures.RolloutDataFailure` naming the field, never a crash further on."""
-    where = f"{url}/completions response"
-    if not isinstance(payload, Mapping):
-        raise RolloutDataFailure(f"{where} has no choices[0]")
-    choices = payload.get("choices")
-    if not isinstance(choices, list) or not choices:
-        raise RolloutDataFailure(f"{where} has no choices[0]")
-    choice = choices[0]
-    if not isinstance(choice, Mapping):
-        raise RolloutDataFailure(f"{where}: choices[0] is not an object")
-    lp = choice.get("logprobs")
-    token_ids = choice.get("token_ids")
-    if token_ids is None:
-        tokens = lp.get("tokens") if isinstance(lp, Mapping) else None
-        if tokens is None:
-            raise RolloutDataFailure(f"{where} has neither choices[0].token_ids nor choices[0].logprobs.tokens")
-        token_ids = _label_ids(tokens, where)
-    if not isinstance(token_ids, list) or not all(_is_token_id(t) for t in token_ids):
-        raise RolloutDataFailure(f"{where}: choices[0].token_ids is not a list of token ids (ints >= 0)")
-    logprobs = lp.get("token_logprobs") if isinstance(lp, Mapping) else None
-    if logprobs is None:
-        raise RolloutDataFailure(f"{where} has no choices[0].logprobs.token_logprobs")
-    if not isinstance(logprobs, list):
-        raise RolloutDataFailure(f"{where}: choices[0].logprobs.token_logprobs is not a list")
-    if len(logprobs) != len(token_ids):
-        raise RolloutDataFailure(f"{where}: {len(logprobs)} token_logprobs for {len(token_ids)} generated tokens")
-    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in logprobs):
-        raise RolloutDataFailure(f"{where}: choices[0].logprobs.token_logprobs holds non-numbers")
-    values = [float(v) for v in logprobs]
-    if not all(math.isfinite(v) for v in values):
-        raise RolloutDataFailure(f"{where}: choices[0].logprobs.token_logprobs holds a number that is not finite")
-    finish = choice.get("finish_reason")
-    if finish is None:
-        raise RolloutDataFailure(f"{where} has no choices[0].finish_reason")
-    return token_ids, values, finish == "length"
+def parse_completion(payload: object, url: str, vocab_size: int | None = None) -> tuple[list[int], list[float], bool]:
+    """(generated ids, their logprobs, truncated) from a completions response (parsed JSON), every field checked
+    (:func:`~gym_bridge.generation.upstream_answer.completion_choice`): a malformed answer is one
+    :class:`~gym_bridge.failures.RolloutDataFailure` naming the field, with ``http_status`` 502 (a bad gateway)."""
+    try:
+        ids, logprobs, finish = completion_choice(payload, f"{url}/completions response", vocab_size)
+    except UntrustedInputError as exc:
+        raise bad_answer(str(exc)) from None
+    return ids, logprobs, finish == "length"
 
 
-def _is_token_id(value: object) -> bool:
-    """An int >= 0 that is not a bool."""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def _label_ids(tokens: object, where: str) -> list[int]:
-    """The ids of ``logprobs.tokens`` labels (``"token_id:<int>"``), each a string of digits."""
-    if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
-        raise RolloutDataFailure(f"{where}: logprobs.tokens is not a list of 'token_id:<int>' strings")
-    labels = [t.removeprefix("token_id:") for t in tokens]
-    if not all(label.isascii() and label.isdigit() and len(label) <= 19 for label in labels):
-        raise RolloutDataFailure(f"{where}: logprobs.tokens are not 'token_id:<int>' strings")
-    return [int(label) for label in labels]
+def bad_answer(message: str) -> RolloutDataFailure:
+    """The failure of an upstream answer that cannot be used: a 502 when a proxy hands it on."""
+    failure = RolloutDataFailure(message)
+    failure.http_status = 502
+    return failure

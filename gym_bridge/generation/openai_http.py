@@ -20,7 +20,9 @@ Failures, per row:
   of rotation for ``unhealthy_cooldown_s``, so the retry (and the row's session)
   moves to another URL. Exhausted → :class:`~gym_bridge.failures.GenerationUnavailable`.
 - any other 4xx: :class:`~gym_bridge.failures.RolloutDataFailure`, not retried.
-- a response without the fields we need: ``RolloutDataFailure`` naming the field.
+- an answer larger than :data:`~gym_bridge.generation.upstream_answer.MAX_ANSWER_BYTES` (raw or decompressed),
+  not JSON, or without the fields we need checked (token ids in the vocabulary, logprobs finite and <= 0, a
+  known finish reason): ``RolloutDataFailure`` naming the field, ``http_status`` 502.
 
 An error raised for an HTTP status carries it as ``exc.http_status`` (for a proxy
 that hands the status on: a 429 stays a 429); others have ``http_status = None``.
@@ -42,6 +44,8 @@ import httpx
 import torch
 
 from gym_bridge.batched import BatchedDataDict
+from gym_bridge.boundary import UntrustedInputError, json_io
+from gym_bridge.boundary.text import shown
 from gym_bridge.failures import (
     EngineShutDownError,
     GenerationUnavailable,
@@ -55,6 +59,7 @@ from gym_bridge.failures import (
 )
 from gym_bridge.generation.batch import assemble_output
 from gym_bridge.generation.completions_wire import (
+    bad_answer,
     check_batch,
     completion_request,
     parse_completion,
@@ -62,6 +67,7 @@ from gym_bridge.generation.completions_wire import (
 )
 from gym_bridge.generation.openai_http_config import OpenAIHTTPGenerationConfig
 from gym_bridge.generation.routing import SessionRouter
+from gym_bridge.generation.upstream_answer import read_response_async
 from gym_bridge.interfaces import GenerationInterface
 from gym_bridge.json_types import JsonMapping, JsonObject
 from gym_bridge.types import GenerationDatumSpec, GenerationOutputSpec
@@ -143,11 +149,14 @@ class OpenAIHTTPGeneration(GenerationInterface):
         cfg: OpenAIHTTPGenerationConfig | JsonMapping,
         *,
         transport: httpx.AsyncBaseTransport | None = None,
+        vocab_size: int | None = None,
     ) -> None:
-        """``transport`` replaces the network for every URL (tests: ``httpx.MockTransport``)."""
+        """``transport`` replaces the network for every URL (tests: ``httpx.MockTransport``); ``vocab_size``, when
+        given, bounds the token ids an answer may hold (else int64 does)."""
         if not isinstance(cfg, OpenAIHTTPGenerationConfig):
             cfg = OpenAIHTTPGenerationConfig(**dict(cfg))
         self.cfg = cfg
+        self.vocab_size = vocab_size
         self._transport = transport
         self.router = SessionRouter(
             len(cfg.base_urls), max_sessions=cfg.max_sessions, cooldown_s=cfg.unhealthy_cooldown_s
@@ -314,7 +323,7 @@ class OpenAIHTTPGeneration(GenerationInterface):
             finally:
                 self.router.release(idx)
             try:
-                tokens, logprobs, truncated = parse_completion(payload, url)
+                tokens, logprobs, truncated = parse_completion(payload, url, self.vocab_size)
             except RolloutDataFailure:
                 self.stats.data_errors += 1
                 raise
@@ -335,11 +344,14 @@ class OpenAIHTTPGeneration(GenerationInterface):
         )
 
     async def _post(self, client: httpx.AsyncClient, url: str, body: JsonObject) -> object:
-        """One attempt: the decoded JSON body, or :class:`_Retryable` / ``RolloutDataFailure``."""
+        """One attempt: the decoded JSON body (read under the answer cap, compressed or not), or
+        :class:`_Retryable` / ``RolloutDataFailure``."""
         where = f"{url}/completions"
         try:
             async with asyncio.timeout(self.cfg.request_timeout_s):
-                response = await client.post("/completions", json=body)
+                async with client.stream("POST", "/completions", json=body) as response:
+                    status = response.status_code
+                    raw = await read_response_async(response, f"{where} answer")
         except TimeoutError:
             raise _Retryable(f"{where}: no response within {self.cfg.request_timeout_s}s", connection=False) from None
         except httpx.ConnectTimeout:
@@ -350,18 +362,17 @@ class OpenAIHTTPGeneration(GenerationInterface):
             raise _Retryable(f"{where}: {type(exc).__name__}: {exc}", connection=True) from None
         except httpx.HTTPError as exc:  # our own mistake (bad URL scheme, invalid request)
             raise RolloutDataFailure(f"{where}: {type(exc).__name__}: {exc}") from None
-        status = response.status_code
+        except UntrustedInputError as exc:
+            raise bad_answer(str(exc)) from None
         if status >= 400:
-            detail = f"{where} returned HTTP {status}: {shorten(response.text, _BODY_LIMIT)}"
+            detail = f"{where} returned HTTP {status}: {shown(shorten(raw.decode('utf-8', 'replace'), _BODY_LIMIT))}"
             if http_status_is_infra(status):
                 raise _Retryable(detail, connection=False, status=status)
             raise _with_status(RolloutDataFailure(detail), status)
         try:
-            return response.json()
-        except ValueError:
-            raise RolloutDataFailure(
-                f"{where} returned a body that is not JSON: {shorten(response.text, _BODY_LIMIT)}"
-            ) from None
+            return json_io.loads(raw, f"{where} answer")
+        except UntrustedInputError as exc:
+            raise bad_answer(str(exc)) from None
 
     # ------------------------------------------------------------------ loops and clients
 

@@ -63,6 +63,8 @@ from typing import Any
 import aiohttp
 import orjson
 
+from gym_bridge.boundary import UntrustedInputError, json_io
+from gym_bridge.boundary.text import shown
 from gym_bridge.failures import (
     GymResultError,
     GymServerDied,
@@ -537,9 +539,9 @@ class NemoGym:
         """The result with its captured token ids (:mod:`gym_bridge.gym.token_capture`), as JSON bytes again, and
         the build. A failure row (``_ng_failure_class``) is no rollout: Gym finalises none, nor do we."""
         try:
-            result = _loads(body)
-        except ValueError as exc:
-            raise GymResultError(f"{where}: /run returned invalid JSON: {exc}") from None
+            result = _loads(body, f"{where}: /run answer")
+        except UntrustedInputError as exc:
+            raise GymResultError(str(exc)) from None
         if not isinstance(result, dict) or result.get(_FAILURE_CLASS_KEY):
             return body, None  # the converter names what is wrong with it
         build = await capture.finalize(row, result)
@@ -559,9 +561,9 @@ class NemoGym:
         identity stamped, the message log built, the capture build kept."""
         rowidx = row[ROW_INDEX_KEY]
         try:
-            result = _loads(body)
-        except ValueError as exc:
-            raise GymResultError(f"{ROW_INDEX_KEY}={rowidx}: /run returned invalid JSON: {exc}") from None
+            result = _loads(body, f"{ROW_INDEX_KEY}={rowidx}: /run answer")
+        except UntrustedInputError as exc:
+            raise GymResultError(str(exc)) from None
         where = f"{ROW_INDEX_KEY}={rowidx} ({_describe(row)})"
         episode = is_materialized(row)
         if episode and is_episode_response(result):  # the reply to Gym's episode request: Gym's record of it
@@ -610,13 +612,21 @@ def _describe(row: dict[str, Any]) -> str:
     return f"agent {_label(row)!r}"
 
 
-def _loads(body: bytes) -> Any:
-    """orjson for speed; the stdlib for what orjson refuses but Python's json writes (NaN, Infinity),
-    so a NaN logprob is reported as such by the conversion instead of as invalid JSON."""
+def _loads(body: bytes, where: str) -> Any:
+    """The boundary's decoder (depth-bounded); for a body it refuses that holds ``NaN`` or ``Infinity`` (Python's
+    json writes them), the stdlib within the same depth, so a NaN logprob is reported as such by the conversion."""
     try:
-        return orjson.loads(body)
-    except orjson.JSONDecodeError:
-        return json.loads(body)
+        return json_io.loads(body, where)
+    except UntrustedInputError:
+        if b"NaN" not in body and b"Infinity" not in body:
+            raise
+    try:
+        value = json.loads(body)
+    except (ValueError, RecursionError) as exc:
+        raise UntrustedInputError(f"{where}: not valid JSON ({shown(exc)})") from None
+    if json_io.depth(value, stop_after=json_io.MAX_DEPTH) > json_io.MAX_DEPTH:
+        raise UntrustedInputError(f"{where}: nested deeper than {json_io.MAX_DEPTH} levels")
+    return value
 
 
 def _was_restarted() -> bool:

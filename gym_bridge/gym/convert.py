@@ -23,6 +23,7 @@ from typing import Any, Literal, cast
 
 import torch
 
+from gym_bridge.boundary.text import shown
 from gym_bridge.failures import (
     GymResultError,
     GymRunError,
@@ -61,6 +62,8 @@ _TOKEN_KEYS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs
 _DRIFT_WINDOW = 4
 _INT_TYPE = {int}
 _ARRAY_TYPECODES = {torch.int64: "q", torch.float32: "f"}
+_TOKEN_ID_LIMIT = 2**63
+"""Token ids are int64 (the tensors' dtype); one the tokenizer cannot decode is refused where it decodes."""
 
 
 def is_episode_response(result: Any) -> bool:
@@ -255,8 +258,13 @@ def convert_gym_result(
 
     if not converted:
         raise MissingGenerationData(_missing_message(result, output, tokenizer))
-    _check_non_negative(message_log)
-    prompt_strs, generation_strs = decode_turns(tokenizer, [u for _, u, _ in converted], [g for _, _, g in converted])
+    _check_token_range(message_log, _TOKEN_ID_LIMIT)
+    try:
+        prompt_strs, generation_strs = decode_turns(
+            tokenizer, [u for _, u, _ in converted], [g for _, _, g in converted]
+        )
+    except OverflowError:
+        raise GymResultError("a model call's token ids hold one the tokenizer cannot decode (past its range)") from None
     for (item, _, _), prompt_str, generation_str in zip(converted, prompt_strs, generation_strs, strict=True):
         item["prompt_str"] = prompt_str
         item["generation_str"] = generation_str
@@ -277,12 +285,7 @@ def gym_row_result(
     """
     if "reward" not in full_result:
         raise GymResultError("the Gym result has no 'reward'")
-    try:
-        reward = float(full_result["reward"])
-    except (TypeError, ValueError):
-        raise GymResultError(f"the Gym reward {full_result['reward']!r} is not a number") from None
-    if not math.isfinite(reward):
-        raise GymResultError(f"the Gym reward is {reward}")
+    reward = _reward(full_result["reward"])
     return GymRowResult(
         row_index=row_index,
         message_log=cast(LLMMessageLogType, message_log),
@@ -295,6 +298,17 @@ def gym_row_result(
         failure_kind=_optional_str(full_result, "failure_kind"),
         failure_reason=_optional_str(full_result, "failure_reason"),
     )
+
+
+def _reward(value: object) -> float:
+    """Gym's reward as a float: a finite JSON number, never a bool nor text (``"1.0"`` is no reward)."""
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise GymResultError(f"the Gym reward {shown(shorten(repr(value)))} is not a number")
+    if isinstance(value, int) and abs(value) > 2**53:
+        raise GymResultError("the Gym result's reward is an integer too large to be a float reward")
+    if not math.isfinite(value):
+        raise GymResultError(f"the Gym result's reward is {value}, not a finite number")
+    return float(value)
 
 
 def _env_flagged(full_result: Mapping[str, Any]) -> bool:
@@ -372,13 +386,18 @@ def _tensor(values: list[Any], dtype: torch.dtype) -> torch.Tensor:
     return torch.frombuffer(array.array(_ARRAY_TYPECODES[dtype], values), dtype=dtype)
 
 
-def _check_non_negative(message_log: list[dict[str, Any]]) -> None:
-    """Token ids are non-negative (one vectorised pass over the row; the types were checked per list)."""
+def _check_token_range(message_log: list[dict[str, Any]], vocab_size: int) -> None:
+    """Token ids lie in ``[0, vocab_size)`` (one vectorised pass over the row; the types were checked per list)."""
     ids = torch.cat([message["token_ids"] for message in message_log])
-    if ids.numel() and int(ids.min()) < 0:
-        turn = next(i for i, m in enumerate(message_log) if m["token_ids"].numel() and int(m["token_ids"].min()) < 0)
-        field = "prompt_token_ids" if turn % 2 == 0 else "generation_token_ids"
-        raise GymResultError(f"model call {turn // 2}: {field} has a negative token id")
+    if not ids.numel() or (int(ids.min()) >= 0 and int(ids.max()) < vocab_size):
+        return
+    turn = next(
+        i
+        for i, m in enumerate(message_log)
+        if m["token_ids"].numel() and (int(m["token_ids"].min()) < 0 or int(m["token_ids"].max()) >= vocab_size)
+    )
+    field = "prompt_token_ids" if turn % 2 == 0 else "generation_token_ids"
+    raise GymResultError(f"model call {turn // 2}: {field} has a token id outside [0, {vocab_size})")
 
 
 def _token_tensor(token_ids: list[int], name: str, turn: int) -> torch.Tensor:

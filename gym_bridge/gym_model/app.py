@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, cast
 import aiohttp
 import orjson
 
+from gym_bridge.boundary import UntrustedInputError, json_io
 from gym_bridge.failures import GymBridgeError
 from gym_bridge.gym_model.completions import CompletionsClient, CompletionsError, discover
 from gym_bridge.gym_model.config import GymModelConfig, load_from_gym_env
@@ -168,13 +169,15 @@ class GymModelServer:
                 chat_template_kwargs=cfg.chat_template_kwargs,
                 extra_body=cfg.extra_body,
             )
-            prompt = build_chat_prompt(
+            rendered = await asyncio.to_thread(  # off the loop: a template renders under its bound, others go on
+                build_chat_prompt,
                 self.tokenizer,
                 turn.messages,
                 tools=turn.tools,
                 chat_template_kwargs=turn.chat_template_kwargs or None,
                 vocab_size=self._vocab_size,
-            ).token_ids
+            )
+            prompt = rendered.token_ids
         except (TranslationError, ServingError) as exc:
             raise _HTTPError(400, str(exc)) from None
         sampling = dict(turn.sampling)
@@ -226,15 +229,16 @@ class GymModelServer:
                         self.tokenizer = await asyncio.to_thread(_load_tokenizer, found.root or found.name)
             assert self.tokenizer is not None  # configured, or learnt above (else _HTTPError was raised)
             self._vocab_size = vocab_size_of(self.tokenizer)
+            self.client.vocab_size = self._vocab_size
 
 
 def _load_tokenizer(path: str) -> Tokenizer:
     """The tokenizer at ``path`` (a folder or a hub id), loaded off the event loop by the caller."""
-    from transformers import AutoTokenizer
+    from gym_bridge.models.folder_check import load_tokenizer
 
     logger.info("loading the tokenizer from %s", path)
     # transformers 5 types ``decode`` as returning ``str | list[str]``; for a list of ids it is a str.
-    return cast("Tokenizer", AutoTokenizer.from_pretrained(path))
+    return cast("Tokenizer", load_tokenizer(path))
 
 
 def _session(scope: Scope) -> tuple[str, list[tuple[bytes, bytes]]]:
@@ -263,9 +267,9 @@ async def _read_body(receive: Receive) -> object:
         if not message.get("more_body"):
             break
     try:
-        return orjson.loads(b"".join(chunks))
-    except orjson.JSONDecodeError as exc:
-        raise _HTTPError(400, f"the body is not valid JSON: {exc}") from None
+        return json_io.loads(b"".join(chunks), "the body")
+    except UntrustedInputError as exc:
+        raise _HTTPError(400, str(exc)) from None
 
 
 def _error(status: int, message: str) -> bytes:
@@ -294,4 +298,6 @@ def main() -> None:
         log_level="warning",
         timeout_keep_alive=120,
         backlog=4096,
+        http="h11",  # h11 bounds a request head it buffers (a 431 past it); httptools buffers any size
+        h11_max_incomplete_event_size=64 * 1024,
     )

@@ -6,7 +6,9 @@ one's logprob. aiohttp + orjson, no torch: this runs once per turn of every roll
 Requests go to the least-loaded healthy endpoint, sticky per rollout
 (:class:`~gym_bridge.generation.routing.SessionRouter`). Unreachable or overloaded
 endpoints (connection errors, 408/429/5xx) are retried with capped backoff for
-``retry_budget_s``; any other 4xx fails at once, keeping its status and message.
+``retry_budget_s``; any other 4xx fails at once, keeping its status and message. Answers are untrusted: read
+under a size cap (raw and decompressed) and checked field by field (:mod:`~gym_bridge.generation.upstream_answer`);
+a bad one is a 502 naming the field.
 """
 
 from __future__ import annotations
@@ -21,8 +23,16 @@ import aiohttp
 import orjson
 from pydantic import SecretStr
 
+from gym_bridge.boundary import UntrustedInputError
+from gym_bridge.boundary.text import shown
 from gym_bridge.failures import GymBridgeError, http_status_is_infra
 from gym_bridge.generation.routing import SessionRouter
+from gym_bridge.generation.upstream_answer import (
+    check_max_model_len,
+    completion_choice,
+    decode_answer,
+    read_body_async,
+)
 from gym_bridge.json_types import JsonMapping
 
 logger = logging.getLogger(__name__)
@@ -62,17 +72,30 @@ class Discovered:
 
 
 async def discover(session: aiohttp.ClientSession, base_url: str, headers: dict[str, str]) -> Discovered:
-    """The served name, model path and context length from ``{base_url}/models`` (vLLM reports all three)."""
-    async with session.get(f"{base_url}/models", headers=headers) as response:
-        text = await response.read()
-        if response.status >= 400:
-            raise CompletionsError(f"{base_url}/models returned HTTP {response.status}", 503)
-    cards = orjson.loads(text).get("data") or []
-    if not cards:
-        raise CompletionsError(f"{base_url}/models lists no model", 503)
-    card = cards[0]
-    length = card.get("max_model_len")
-    return Discovered(str(card["id"]), card.get("root"), length if isinstance(length, int) else None)
+    """The served name, model path and context length from ``{base_url}/models`` (vLLM reports all three), each
+    checked: a bad answer is a :class:`CompletionsError` (503) naming the field."""
+    where = f"{shown(base_url)}/models answer"
+    try:
+        async with session.get(f"{base_url}/models", headers=headers) as response:
+            status, raw = response.status, await _read(response, where)
+        if status >= 400:
+            raise CompletionsError(f"{shown(base_url)}/models returned HTTP {status}", 503)
+        answer = decode_answer(raw, where)
+        cards = answer.get("data") if isinstance(answer, dict) else None
+        card = cards[0] if isinstance(cards, list) and cards else None
+        if not isinstance(card, dict) or not isinstance(card.get("id"), str):
+            raise UntrustedInputError(f"{where} lists no model")
+        root = card.get("root")
+        if root is not None and not isinstance(root, str):
+            raise UntrustedInputError(f"{where}: data[0].root is not a model path (a string)")
+        return Discovered(card["id"], root, check_max_model_len(card.get("max_model_len"), where))
+    except UntrustedInputError as exc:
+        raise CompletionsError(str(exc), 503) from None
+
+
+async def _read(response: aiohttp.ClientResponse, where: str) -> bytes:
+    """The body of an answer under :data:`MAX_ANSWER_BYTES`, raw and decompressed (the session does not decode)."""
+    return await read_body_async(response.headers, response.content.iter_any(), where)
 
 
 class CompletionsClient:
@@ -100,12 +123,17 @@ class CompletionsClient:
         self.retry_budget_s = retry_budget_s
         self.router = SessionRouter(len(self.base_urls), cooldown_s=cooldown_s)
         self.session: aiohttp.ClientSession | None = None
+        self.vocab_size: int | None = None
+        """When known, the bound of the token ids an answer may hold (else int64)."""
 
     async def start(self) -> None:
         connector = aiohttp.TCPConnector(limit=0, limit_per_host=self.max_connections, ttl_dns_cache=None)
         # sock_connect, not connect: aiohttp's connect also counts the wait for a free pooled connection.
         timeout = aiohttp.ClientTimeout(total=self.request_timeout_s, sock_connect=10.0)
-        self.session = aiohttp.ClientSession(connector=connector, timeout=timeout, json_serialize=_dumps)
+        # auto_decompress off: :class:`BodyReader` decodes under its cap.
+        self.session = aiohttp.ClientSession(
+            connector=connector, timeout=timeout, json_serialize=_dumps, auto_decompress=False
+        )
 
     async def close(self) -> None:
         if self.session is not None:
@@ -138,9 +166,11 @@ class CompletionsClient:
             except (aiohttp.ClientConnectionError, TimeoutError) as exc:
                 self.router.mark_unhealthy(idx)
                 problem, status = f"{url}/completions: {type(exc).__name__}: {exc}", 503
+            except UntrustedInputError as exc:
+                raise CompletionsError(str(exc), 502) from None
             else:
                 if status < 400:
-                    return _parse(raw, url)
+                    return _parse(raw, url, self.vocab_size)
                 problem = f"{url}/completions returned HTTP {status}: {_short(raw)}"
                 if not http_status_is_infra(status):
                     raise CompletionsError(problem, status)
@@ -156,7 +186,7 @@ class CompletionsClient:
     async def _post(self, url: str, body: bytes) -> tuple[int, bytes]:
         assert self.session is not None
         async with self.session.post(f"{url}/completions", data=body, headers=self.headers) as response:
-            return response.status, await response.read()
+            return response.status, await _read(response, f"{url}/completions answer")
 
 
 def _dumps(obj: object) -> str:
@@ -164,22 +194,15 @@ def _dumps(obj: object) -> str:
 
 
 def _short(raw: bytes) -> str:
-    text = " ".join(raw.decode("utf-8", errors="replace").split())
+    text = shown(" ".join(raw.decode("utf-8", errors="replace").split()))
     return text if len(text) <= _BODY_LIMIT else text[: _BODY_LIMIT - 3] + "..."
 
 
-def _parse(raw: bytes, url: str) -> Generated:
+def _parse(raw: bytes, url: str, vocab_size: int | None) -> Generated:
+    """The generated turn of a ``/completions`` answer, every field checked (a bad one is a 502 naming it)."""
     where = f"{url}/completions answer"
     try:
-        choice = orjson.loads(raw)["choices"][0]
-        logprobs = choice["logprobs"]
-        values = logprobs["token_logprobs"]
-        ids = choice.get("token_ids")
-        if ids is None:
-            ids = [int(str(t).removeprefix("token_id:")) for t in logprobs["tokens"]]
-        finish = choice["finish_reason"]
-    except (orjson.JSONDecodeError, KeyError, IndexError, TypeError, ValueError) as exc:
-        raise CompletionsError(f"{where} lacks token ids or logprobs ({type(exc).__name__}: {exc})", 502) from None
-    if len(ids) != len(values):
-        raise CompletionsError(f"{where}: {len(values)} logprobs for {len(ids)} tokens", 502)
-    return Generated(list(ids), [float(v) if v is not None else -9999.0 for v in values], str(finish))
+        ids, logprobs, finish = completion_choice(decode_answer(raw, where), where, vocab_size)
+    except UntrustedInputError as exc:
+        raise CompletionsError(str(exc), 502) from None
+    return Generated(ids, logprobs, finish)

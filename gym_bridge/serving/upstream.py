@@ -17,9 +17,13 @@ from typing import cast
 import httpx
 from pydantic import SecretStr
 
+from gym_bridge.boundary import UntrustedInputError
+from gym_bridge.boundary.text import shown
 from gym_bridge.failures import GymBridgeError
 from gym_bridge.generation.openai_http import OpenAIHTTPGeneration, OpenAIHTTPGenerationConfig
+from gym_bridge.generation.upstream_answer import check_max_model_len, decode_answer, read_response
 from gym_bridge.json_types import JsonMapping, JsonObject
+from gym_bridge.models.vocab import vocab_size_of
 from gym_bridge.serving.server import OpenAIServer
 from gym_bridge.serving.state import ServerLimits
 from gym_bridge.types import Tokenizer
@@ -51,28 +55,41 @@ def discover_upstream(
 ) -> UpstreamModel:
     """Ask ``{base_url}/models`` for the served name, model path and context length (vLLM reports all three).
 
-    Raises :class:`UpstreamError` when nothing answers, the key is refused, or no model is listed.
+    Raises :class:`UpstreamError` when nothing answers, the key is refused, no model is listed, or the answer is
+    too large or holds a field that is wrong (a ``max_model_len`` that is no positive int).
     """
     key = api_key.get_secret_value() if isinstance(api_key, SecretStr) else api_key
     headers = {"Authorization": f"Bearer {key}"} if key else {}
+    where = f"upstream {shown(base_url)}: GET /models"
     try:
-        response = httpx.get(f"{base_url}/models", timeout=timeout_s, headers=headers)
+        with httpx.stream("GET", f"{base_url}/models", timeout=timeout_s, headers=headers) as response:
+            status = response.status_code
+            body = read_response(response, where)
     except httpx.HTTPError as exc:
-        raise UpstreamError(f"upstream {base_url}: GET /models failed ({type(exc).__name__}: {exc})") from None
-    if response.status_code in (401, 403):
-        raise UpstreamError(f"upstream {base_url} refused the API key ({response.status_code})")
-    if response.status_code != 200:
-        raise UpstreamError(f"upstream {base_url}: GET /models answered HTTP {response.status_code}")
+        raise UpstreamError(f"{where} failed ({type(exc).__name__}: {shown(exc)})") from None
+    except UntrustedInputError as exc:
+        raise UpstreamError(str(exc)) from None
+    if status in (401, 403):
+        raise UpstreamError(f"upstream {shown(base_url)} refused the API key ({status})")
+    if status != 200:
+        raise UpstreamError(f"{where} answered HTTP {status}")
     try:
-        cards = response.json().get("data") or []
-        card = cards[0]
-        name = str(card["id"])
-    except (ValueError, AttributeError, IndexError, KeyError, TypeError):
-        raise UpstreamError(f"upstream {base_url}: GET /models lists no model") from None
-    length = card.get("max_model_len")
-    return UpstreamModel(
-        name=name, root=card.get("root"), max_model_len=int(length) if isinstance(length, int) else None
-    )
+        return _model_card(decode_answer(body, where), where)
+    except UntrustedInputError as exc:
+        raise UpstreamError(str(exc)) from None
+
+
+def _model_card(answer: object, where: str) -> UpstreamModel:
+    """The first model card of a ``/models`` answer, each field checked."""
+    cards = answer.get("data") if isinstance(answer, dict) else None
+    card = cards[0] if isinstance(cards, list) and cards else None
+    if not isinstance(card, dict) or not isinstance(card.get("id"), str) or not card["id"]:
+        raise UntrustedInputError(f"{where} lists no model")
+    root = card.get("root")
+    if root is not None and not isinstance(root, str):
+        raise UntrustedInputError(f"{where}: data[0].root is not a model path (a string)")
+    length = check_max_model_len(card.get("max_model_len"), where)
+    return UpstreamModel(name=card["id"], root=root, max_model_len=length)
 
 
 def build_proxy(
@@ -132,7 +149,9 @@ def build_proxy(
         "api_key": SecretStr(api_key) if isinstance(api_key, str) else api_key,
     }
     options.update(http_options or {})
-    generation = OpenAIHTTPGeneration(OpenAIHTTPGenerationConfig.model_validate(options), transport=transport)
+    generation = OpenAIHTTPGeneration(
+        OpenAIHTTPGenerationConfig.model_validate(options), transport=transport, vocab_size=vocab_size_of(tokenizer)
+    )
     logger.info("token-faithful proxy for %r over %s", model_name, ", ".join(base_urls))
     return OpenAIServer(
         generation,
@@ -151,10 +170,10 @@ def build_proxy(
 
 def _load_tokenizer(path: str) -> Tokenizer:
     """The tokenizer at ``path`` (a folder or a hub id), or :class:`UpstreamError` naming it."""
-    from transformers import AutoTokenizer
+    from gym_bridge.models.folder_check import load_tokenizer
 
     try:
-        loaded = AutoTokenizer.from_pretrained(path)
+        loaded = load_tokenizer(path)
     except (OSError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UpstreamError(f"cannot load the tokenizer {path!r} (pass --tokenizer a local folder): {first}") from None

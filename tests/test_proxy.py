@@ -343,7 +343,7 @@ def test_unreachable_and_malformed_upstreams(stub_proxy):
     assert r.status_code == 503, r.text
     stub.mode = "malformed"
     r = _post(server)
-    assert r.status_code == 500 and "choices[0]" in r.json()["error"]["message"]
+    assert r.status_code == 502 and "choices" in r.json()["error"]["message"]
 
 
 # ---------------------------------------------------------------------- units: the HTTP client's additions

@@ -66,6 +66,8 @@ def _loader(text: str, where: str) -> Iterator[yaml.SafeLoader]:
         yield loader
     except yaml.YAMLError as exc:
         raise UntrustedInputError(f"{where}: not valid YAML ({_first_line(exc)})") from None
+    except UntrustedInputError:
+        raise
     except ValueError as exc:  # a value YAML's constructors cannot build: an integer past Python's digit limit
         raise UntrustedInputError(f"{where}: a value that cannot be read ({_first_line(exc)})") from None
     finally:

@@ -11,14 +11,13 @@ such value's place, e.g. ``messages[0].content``.
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 from collections.abc import Iterable, Sequence
 
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
-from gym_bridge.boundary import UntrustedInputError
-from gym_bridge.boundary.json_io import loads
 from gym_bridge.serving.errors import ServingError
 from gym_bridge.serving.state import ServerLimits, ServingState
 
@@ -55,14 +54,19 @@ async def _read_body(request: Request, limit: int) -> bytearray:
 
 def parse_body[M: BaseModel](raw: bytes, model: type[M], limits: ServerLimits) -> M:
     """``raw`` as ``model``, refused with a 400 when it is not a JSON object, nests deeper than
-    ``limits.max_json_depth`` (counted by the boundary's decoder on the bytes), holds a string that is not UTF-8 text
+    ``limits.max_json_depth`` (the parser's own recursion limit included), holds a string that is not UTF-8 text
     or a number that is not finite, or has invalid fields (the refusal's ``param`` names the field)."""
+    too_deep = f"the body nests objects and arrays deeper than {limits.max_json_depth} levels"
     try:
-        payload = loads(bytes(raw), "the body", max_depth=limits.max_json_depth)
-    except UntrustedInputError as exc:  # not JSON, not UTF-8, a number past a double, or nested too deep
-        raise ServingError(str(exc)) from None
+        payload = json.loads(raw)
+    except RecursionError:
+        raise ServingError(too_deep) from None
+    except ValueError as exc:  # not JSON, not UTF-8, or an integer of more digits than Python converts
+        raise ServingError(f"the body is not valid JSON: {exc}") from exc
     if not isinstance(payload, dict):
         raise ServingError("the body must be a JSON object")
+    if json_depth(payload, limits.max_json_depth) > limits.max_json_depth:
+        raise ServingError(too_deep)
     unclean = unclean_value(payload)
     if unclean is not None:
         where, what = unclean
@@ -73,6 +77,21 @@ def parse_body[M: BaseModel](raw: bytes, model: type[M], limits: ServerLimits) -
         errors = exc.errors()[:5]
         problems = "; ".join(f"{field_path(err['loc']) or 'body'}: {err['msg']}" for err in errors)
         raise ServingError(f"invalid request: {problems}", param=field_path(errors[0]["loc"]) or None) from exc
+
+
+def json_depth(value: object, stop_after: int) -> int:
+    """How deep objects and arrays nest in parsed JSON (a scalar: 0), walked without recursion; the walk
+    ends as soon as the depth passes ``stop_after``."""
+    deepest = 0
+    stack: list[tuple[dict[str, object] | list[object], int]] = []
+    if isinstance(value, (dict, list)):
+        stack.append((value, 1))
+    while stack and deepest <= stop_after:
+        node, depth = stack.pop()
+        deepest = max(deepest, depth)
+        children = node.values() if isinstance(node, dict) else node
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return deepest
 
 
 def unclean_value(payload: object) -> tuple[str, str] | None:

@@ -266,7 +266,7 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
     def getattr(self, obj: Any, attribute: str) -> Any:
         budget = _check()
         if attribute in ("format", "format_map") and isinstance(obj, str):
-            _check_format(budget, obj)  # the sandbox wraps str.format: the call no longer names its string
+            _check_format(budget, obj)  # the sandbox wraps str.format: its call sees no string
         return super().getattr(obj, attribute)
 
     def getitem(self, obj: Any, argument: Any) -> Any:

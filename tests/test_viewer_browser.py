@@ -33,7 +33,7 @@ def browser():
 
 @pytest.fixture(scope="module")
 def page(tmp_path_factory) -> Path:
-    run = synthetic_run(tmp_path_factory.mktemp("viewer") / "run", PROMPTS, N, skill=0.6)
+    run = synthetic_run(tmp_path_factory.mktemp("viewer") / "run", PROMPTS, N, skill=0.6, prompts_total=PROMPTS + 1)
     failure = {"prompt_idx": PROMPTS, "line": PROMPTS + 1, "agent": "lc_equivalence_rule_simple_agent",
                "error": "RolloutTimeout", "message": "the group's deadline of 600 s expired", "class": "infra"}  # fmt: skip
     (run / "failures.jsonl").write_text(json.dumps(failure) + "\n")

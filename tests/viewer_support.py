@@ -77,9 +77,19 @@ def _completion(rng: random.Random, i: int, k: int, skill: float, row: dict[str,
 
 
 def synthetic_run(
-    folder: Path, prompts: int, n: int, *, skill: float = 0.5, seed: int = 0, sha: str = "synthetic"
+    folder: Path,
+    prompts: int,
+    n: int,
+    *,
+    skill: float = 0.5,
+    seed: int = 0,
+    sha: str = "synthetic",
+    prompts_total: int | None = None,
 ) -> Path:
     """A finished run folder of ``prompts`` groups of ``n`` completions; each passes with probability ``skill``.
+
+    ``prompts_total`` (default ``prompts``) is the dataset size ``run.json`` records: larger when the caller adds
+    failed groups past the completed ones.
 
     The same ``seed`` with another ``skill`` gives the same rows (so two such runs compare prompt by prompt).
     """
@@ -87,7 +97,7 @@ def synthetic_run(
     rng = random.Random(seed)
     config = {"pass_threshold": 1.0, "config_paths": ["a.yaml"], "gym_overrides": {}}
     run = {"fingerprint": {"dataset_sha256": sha, "config_paths": ["a.yaml"], "gym_overrides": {}},
-           "config": config, "model": f"synthetic policy (skill {skill})", "prompts_total": prompts,
+           "config": config, "model": f"synthetic policy (skill {skill})", "prompts_total": prompts if prompts_total is None else prompts_total,
            "sessions": [{"started": 0.0, "rollouts_started": 1.0, "ended": 2.0, "outcome": "finished"}]}  # fmt: skip
     (folder / "run.json").write_text(json.dumps(run))
     with (folder / "results.jsonl").open("w") as f:

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from gym_bridge.gym.convert import convert_gym_result
+from gym_bridge.gym.protocol.convert import convert_gym_result
 from gym_bridge.rollout.nemo_gym import group_metrics, gym_completion
 
 GROUP = 16

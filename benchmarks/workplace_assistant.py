@@ -70,7 +70,7 @@ def parse_args() -> argparse.Namespace:
 
 def example_rows(limit: int) -> list[dict[str, Any]]:
     """The wheel's ``workplace_assistant`` example rows, routed to its simple agent."""
-    from gym_bridge.gym.server_config import wheel_config_path
+    from gym_bridge.gym.servers.server_config import wheel_config_path
 
     text = wheel_config_path(ROWS_PATH).read_text()
     rows = [json.loads(line) for line in text.split("\n") if line.strip()][:limit]
@@ -128,7 +128,7 @@ def main() -> int:
     from gym_bridge.eval.runner import run_eval
     from gym_bridge.generation.hf import HFGeneration
     from gym_bridge.generation.hf_config import HFGenerationConfig
-    from gym_bridge.gym.admission import AdmissionSettings
+    from gym_bridge.gym.transport.admission import AdmissionSettings
     from gym_bridge.models.registry import resolve_model_path
     from gym_bridge.serving import OpenAIServer
 

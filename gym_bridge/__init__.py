@@ -54,8 +54,8 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "RolloutTimeouts",
     ),
     "gym_bridge.failures.stats": ("RolloutStats",),
-    "gym_bridge.gym.actor_config": ("NemoGymConfig",),
-    "gym_bridge.gym.spinup": (
+    "gym_bridge.gym.transport.actor_config": ("NemoGymConfig",),
+    "gym_bridge.gym.transport.spinup": (
         "spinup_nemo_gym_actors",
         "start_nemo_gym_actor",
         "stop_nemo_gym_actors",

@@ -51,10 +51,10 @@ from gym_bridge.failures.retry import (
 from gym_bridge.failures.stats import (
     RolloutStats as RolloutStats,
 )
-from gym_bridge.gym.actor_config import (
+from gym_bridge.gym.transport.actor_config import (
     NemoGymConfig as NemoGymConfig,
 )
-from gym_bridge.gym.spinup import (
+from gym_bridge.gym.transport.spinup import (
     spinup_nemo_gym_actors as spinup_nemo_gym_actors,
     start_nemo_gym_actor as start_nemo_gym_actor,
     stop_nemo_gym_actors as stop_nemo_gym_actors,

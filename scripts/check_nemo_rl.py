@@ -57,7 +57,7 @@ for _key, _value in {
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from nemo_rl_check import imports  # noqa: E402
 
-from gym_bridge.gym.versions import ROLLOUT_IDENTITY_KEYS  # noqa: E402  (light: package metadata only)
+from gym_bridge.gym_versions import ROLLOUT_IDENTITY_KEYS  # noqa: E402  (light: package metadata only)
 
 if TYPE_CHECKING:
     import torch
@@ -982,7 +982,7 @@ def start(stack: contextlib.ExitStack, root: Path, mc: MasterConfig) -> Env:
 
 
 def gym_bridge_wheel_config(path: str) -> Path:
-    from gym_bridge.gym.server_config import wheel_config_path
+    from gym_bridge.gym.servers.server_config import wheel_config_path
 
     return wheel_config_path(path)
 

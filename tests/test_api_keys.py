@@ -20,8 +20,8 @@ import pytest
 from pydantic import SecretStr, ValidationError
 
 from gym_bridge.eval.config import EvalConfigError, build_config
-from gym_bridge.gym.actor_config import NemoGymConfig
-from gym_bridge.gym.reaper import free_port
+from gym_bridge.gym.transport.actor_config import NemoGymConfig
+from gym_bridge.gym.servers.reaper import free_port
 from gym_bridge.preflight import EndpointProblem, PreflightError, check_endpoint, preflight_endpoints
 from gym_bridge.serving import OpenAIServer, ServerFeatures, build_proxy
 from gym_bridge.serving.auth import inbound_api_key, is_loopback, open_port_warning
@@ -246,7 +246,7 @@ def test_nemo_gym_config_reads_the_key_from_the_environment_never_from_text(monk
 def test_the_actor_config_wins_over_gyms_policy_keys_as_in_nemo_rl(caplog):
     """NeMo-RL's NemoGym actor sets policy_base_url, policy_model_name and policy_api_key of Gym's global config
     from its own config whatever the YAML says (nemo_rl/environments/nemo_gym.py); ours does the same."""
-    caplog.set_level(logging.WARNING, logger="gym_bridge.gym.server_config")
+    caplog.set_level(logging.WARNING, logger="gym_bridge.gym.servers.server_config")
     config = NemoGymConfig(
         model_name="tiny",
         base_urls=["http://127.0.0.1:9/v1"],

@@ -26,7 +26,7 @@ from test_hostile_run_folders import EXAMPLE, REPO, refused, result_line, write_
 from gym_bridge.boundary import UntrustedInputError
 from gym_bridge.eval.gym_launch import check_gym_logs
 from gym_bridge.eval.store import RunStore
-from gym_bridge.gym._launcher import open_log
+from gym_bridge.gym.servers._launcher import open_log
 
 SECRET = b"export PATH=/usr/bin  # the user's own file\n"
 """What a file outside the run folder holds (``~/.bashrc`` in the issue): it must hold exactly this afterwards."""
@@ -72,7 +72,7 @@ def test_the_launcher_appends_to_a_servers_log_only_when_it_is_a_file_of_its_own
 
 _REDIRECT = """
 import sys
-from gym_bridge.gym._forkserver import redirect_output
+from gym_bridge.gym.servers._forkserver import redirect_output
 redirect_output(sys.argv[1], sys.argv[2])
 print("server output", flush=True)
 """
@@ -103,8 +103,8 @@ def test_a_forked_servers_output_goes_only_to_a_log_of_its_own(tmp_path: Path) -
 def test_gym_servers_refuse_a_planted_launcher_log_before_starting_anything(tmp_path: Path, plant: str) -> None:
     """``GymServers.start`` opens ``_launcher.log`` for the launcher's output; a planted one is refused before the
     launcher process exists, and the set cleans up (no private folder, no port window held)."""
-    from gym_bridge.gym.server_config import GymServersConfig
-    from gym_bridge.gym.servers import GymServers
+    from gym_bridge.gym.servers.server_config import GymServersConfig
+    from gym_bridge.gym.servers.server_set import GymServers
 
     logs = tmp_path / "gym-logs"
     logs.mkdir()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from gym_bridge.gym.reaper import free_port
+from gym_bridge.gym.servers.reaper import free_port
 from gym_bridge.testing.cli import run_cli
 
 REPO = Path(__file__).resolve().parents[1]

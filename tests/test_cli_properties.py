@@ -31,7 +31,7 @@ from hypothesis import HealthCheck, Phase, event, given, settings, strategies as
 
 from gym_bridge import cli
 from gym_bridge.eval.records import row_id
-from gym_bridge.gym.reaper import free_port
+from gym_bridge.gym.servers.reaper import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples/eval_equivalence_tools.yaml"

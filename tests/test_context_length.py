@@ -272,8 +272,8 @@ def test_a_busy_policy_port_stops_the_run_before_a_model_loads(tmp_path, monkeyp
 
 def test_a_head_that_does_not_answer_is_one_line_naming_it():
     from gym_bridge.failures import GymStartupError
-    from gym_bridge.gym.reaper import free_port
-    from gym_bridge.gym.running import read_policy_endpoint
+    from gym_bridge.gym.servers.reaper import free_port
+    from gym_bridge.gym.servers.running import read_policy_endpoint
 
     head = f"http://127.0.0.1:{free_port('127.0.0.1')}"
     with pytest.raises(GymStartupError, match=rf"^could not read /global_config_dict_yaml from the NeMo-Gym head "

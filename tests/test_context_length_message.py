@@ -8,7 +8,7 @@ import re
 import pytest
 
 from gym_bridge.failures import MissingGenerationData
-from gym_bridge.gym.convert import convert_gym_result
+from gym_bridge.gym.protocol.convert import convert_gym_result
 from gym_bridge.serving.chat import render_ids
 
 MAX_SEQ_LEN = 1024

@@ -235,7 +235,7 @@ IM_START, IM_END = 1102, 1103  # two of its special tokens
 
 def gym_completion_of(tokenizer, generations: list[list[int]]):
     """A Gym result with one model call per generation, converted as the NemoGym actor converts it."""
-    from gym_bridge.gym.convert import convert_gym_result
+    from gym_bridge.gym.protocol.convert import convert_gym_result
     from gym_bridge.rollout.nemo_gym import gym_completion
 
     output, history = [], [5, 6, 7]

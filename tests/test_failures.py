@@ -96,7 +96,7 @@ def test_moved_classes_still_import_from_where_they_were_raised():
     from gym_bridge.failures import EngineShutDownError
     from gym_bridge.failures import NemoGymRestarted, NemoGymUnavailable
     from gym_bridge.failures import GymResultError, MissingGenerationData, NaNLogprobs, TokenDrift
-    from gym_bridge.gym.rows import InvalidGymRow
+    from gym_bridge.gym.protocol.rows import InvalidGymRow
     from gym_bridge.failures import GymServerDied, GymServersError, GymStartupError
     from gym_bridge.failures import GymRowIndexError
 
@@ -520,7 +520,7 @@ async def test_gather_rejects_non_awaitables_without_leaking_coroutines():
 
 
 # Modules that are a subprocess's entry point (importing them starts nothing, but they are not library code).
-_ENTRY_POINTS = {"gym_bridge.gym._forkserver", "gym_bridge.gym._launcher", "gym_bridge.gym._server_preload"}
+_ENTRY_POINTS = {"gym_bridge.gym.servers._forkserver", "gym_bridge.gym.servers._launcher", "gym_bridge.gym.servers._server_preload"}
 
 
 def test_every_exception_class_of_the_package_derives_from_gym_bridge_error():

@@ -32,12 +32,12 @@ from gym_bridge.failures import (
 )
 from gym_bridge.failures import NemoGymUnavailable
 from gym_bridge.failures import MissingGenerationData
-from gym_bridge.gym.reaper import free_port
-from gym_bridge.gym.result import GymRowBatch
-from gym_bridge.gym.rows import InvalidGymRow
-from gym_bridge.gym.server_config import wheel_config_path
-from gym_bridge.gym.spinup import start_nemo_gym_actor
-from gym_bridge.gym.versions import installed_gym
+from gym_bridge.gym.servers.reaper import free_port
+from gym_bridge.gym.protocol.result import GymRowBatch
+from gym_bridge.gym.protocol.rows import InvalidGymRow
+from gym_bridge.gym.servers.server_config import wheel_config_path
+from gym_bridge.gym.transport.spinup import start_nemo_gym_actor
+from gym_bridge.gym_versions import installed_gym
 from gym_bridge.rollout.manager import RolloutManager, RolloutOutcome
 from gym_bridge.failures import GymRowIndexError
 from gym_bridge.rollout.sink import InMemorySink

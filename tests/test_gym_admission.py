@@ -1,4 +1,4 @@
-"""The rules of adaptive admission (gym/admission.py), the endpoint-load reader (gym/endpoint_load.py) and the
+"""The rules of adaptive admission (gym/transport/admission.py), the endpoint-load reader (gym/transport/endpoint_load.py) and the
 counters they leave in RolloutStats: halving once per saturation, growing by one per success, pauses that double,
 arrival order, the in-flight deadline, and vLLM's request gauges read from a real HTTP server."""
 
@@ -11,7 +11,7 @@ import pytest
 from aiohttp import web
 
 from gym_bridge.failures import RolloutStats, RolloutTimeout, SettingError
-from gym_bridge.gym.admission import (
+from gym_bridge.gym.transport.admission import (
     AdmissionControl,
     AdmissionSettings,
     EndpointLoad,
@@ -19,7 +19,7 @@ from gym_bridge.gym.admission import (
     SaturationReason,
     saturation_reason,
 )
-from gym_bridge.gym.endpoint_load import metrics_url, parse_request_gauges, read_endpoint_load
+from gym_bridge.gym.transport.endpoint_load import metrics_url, parse_request_gauges, read_endpoint_load
 
 
 class Clock:

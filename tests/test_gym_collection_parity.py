@@ -18,8 +18,8 @@ import ray
 import torch
 
 from gym_bridge.failures import InvalidGymRow
-from gym_bridge.gym.rows import build_rows, validate_row
-from gym_bridge.gym.versions import installed_gym
+from gym_bridge.gym.protocol.rows import build_rows, validate_row
+from gym_bridge.gym_versions import installed_gym
 from gym_bridge.testing.cli import run_cli
 from gym_bridge.testing.gym_rows import (
     EQUIVALENCE_AGENT,
@@ -42,7 +42,7 @@ def test_rewards_tokens_and_logprobs_equalgyms_own_collection(gym_actor, gym_tok
 
     gym_results = gyms_own_collection(gym_actor, rows)
 
-    from gym_bridge.gym.client import GymClient
+    from gym_bridge.gym.transport.client import GymClient
 
     ours = asyncio.run(GymClient([gym_actor]).run_group(rows, prompt_idx=0, deadline_s=120)).rows
     assert [row.row_index for row in ours] == list(range(len(rows)))
@@ -91,7 +91,7 @@ def test_rows_gym_07_collates_run_as_gyms_own_collection_runs_them(gym_actor, co
     assert all("agent_ref" not in row for row in rows)
     gym_results = gyms_own_collection(gym_actor, rows)
 
-    from gym_bridge.gym.client import GymClient
+    from gym_bridge.gym.transport.client import GymClient
 
     ours = asyncio.run(GymClient([gym_actor]).run_group(rows, prompt_idx=0, deadline_s=120)).rows
     assert [row.reward for row in ours] == [gym["reward"] for gym in gym_results]

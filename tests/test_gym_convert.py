@@ -11,7 +11,7 @@ import torch
 
 from gym_bridge.failures import RolloutDataFailure
 from gym_bridge.failures import GymResultError, MissingGenerationData, NaNLogprobs, TokenDrift
-from gym_bridge.gym.convert import convert_gym_result, detect_tool_call_and_thinking_flags
+from gym_bridge.gym.protocol.convert import convert_gym_result, detect_tool_call_and_thinking_flags
 
 LP = math.log(0.5)
 
@@ -256,7 +256,7 @@ def test_numpy_round_trip_keeps_dtypes_values_and_the_shared_input_message():
     """A GymRowResult pickles (Ray's transport) its tensors as numpy arrays and unpickles the same tensors."""
     import numpy as np
 
-    from gym_bridge.gym.convert import gym_row_result
+    from gym_bridge.gym.protocol.convert import gym_row_result
 
     log = [
         {"role": "user", "content": "", "token_ids": torch.tensor([1, 2, 3], dtype=torch.int64)},
@@ -312,7 +312,7 @@ def _random_turns(ids: list[int], rng, turns: int) -> tuple[list[torch.Tensor], 
 
 
 def _check_decode_turns(tokenizer, users: list[list[int]], gens: list[list[int]]) -> None:
-    from gym_bridge.gym.decode import decode_turns
+    from gym_bridge.gym.protocol.decode import decode_turns
 
     prompts, generations = decode_turns(tokenizer, users, gens)
     for k in range(len(users)):
@@ -325,7 +325,7 @@ def test_decode_turns_equals_whole_prompt_decodes_at_any_split(tiny_tokenizer):
     """Split points inside multi-byte characters (U+FFFD pieces alone) still give the whole prompt's text."""
     import random
 
-    from gym_bridge.gym.decode import token_bytes_table
+    from gym_bridge.gym.protocol.decode import token_bytes_table
 
     assert token_bytes_table(tiny_tokenizer) is not None  # the fast path is the one under test
     ids = tiny_tokenizer.encode(_DECODE_TEXT * 3, add_special_tokens=False)
@@ -352,7 +352,7 @@ def test_decode_turns_equals_the_tokenizer_on_random_ids_of_the_whole_vocabulary
 def test_decode_turns_decodes_whole_prompts_for_other_decoders(tiny_tokenizer):
     """A tokenizer without a byte-level decoder (or with space clean-up), or an id outside the vocabulary,
     gets each prompt decoded whole by the tokenizer."""
-    from gym_bridge.gym.decode import decode_turns, token_bytes_table
+    from gym_bridge.gym.protocol.decode import decode_turns, token_bytes_table
 
     class CleanUp:
         backend_tokenizer = tiny_tokenizer.backend_tokenizer

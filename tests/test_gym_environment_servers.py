@@ -16,11 +16,11 @@ import pytest
 import ray
 import torch
 
-from gym_bridge.gym.client import GymClient
-from gym_bridge.gym.rows import build_rows
-from gym_bridge.gym.server_config import wheel_config_path
-from gym_bridge.gym.spinup import start_nemo_gym_actor, stop_nemo_gym_actors
-from gym_bridge.gym.versions import installed_gym
+from gym_bridge.gym.transport.client import GymClient
+from gym_bridge.gym.protocol.rows import build_rows
+from gym_bridge.gym.servers.server_config import wheel_config_path
+from gym_bridge.gym.transport.spinup import start_nemo_gym_actor, stop_nemo_gym_actors
+from gym_bridge.gym_versions import installed_gym
 from gym_bridge.testing.gym_rows import gym_actor_config, gym_token_turns, gyms_own_collection, tool_call_rows
 from gym_bridge.types import GenerationSamplingParams
 

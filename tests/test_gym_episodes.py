@@ -28,10 +28,10 @@ from gym_bridge.failures import (
     classify_rollout_failure,
 )
 from gym_bridge.failures.classify import FailureClass
-from gym_bridge.gym.client import GymClient
-from gym_bridge.gym.convert import episode_failure, episode_record, is_episode_response
-from gym_bridge.gym.routing import GymRoutes
-from gym_bridge.gym.rows import (
+from gym_bridge.gym.transport.client import GymClient
+from gym_bridge.gym.protocol.convert import episode_failure, episode_record, is_episode_response
+from gym_bridge.gym.protocol.routing import GymRoutes
+from gym_bridge.gym.protocol.rows import (
     ENVIRONMENT_SERVER_KEY,
     EpisodeRoutes,
     ValidGymRow,
@@ -43,9 +43,9 @@ from gym_bridge.gym.rows import (
     validate_row,
     with_attempt,
 )
-from gym_bridge.gym.server_config import wheel_config_path
-from gym_bridge.gym.spinup import start_nemo_gym_actor, stop_nemo_gym_actors
-from gym_bridge.gym.versions import gym_version, installed_gym
+from gym_bridge.gym.servers.server_config import wheel_config_path
+from gym_bridge.gym.transport.spinup import start_nemo_gym_actor, stop_nemo_gym_actors
+from gym_bridge.gym_versions import gym_version, installed_gym
 from gym_bridge.testing.gym_rows import (
     TOOL_AGENT,
     gym_actor_config,
@@ -133,7 +133,7 @@ def test_a_row_with_a_string_task_id_is_an_ordinary_row():
 
 
 def test_a_gym_without_the_protocol_refuses_materialized_rows_naming_the_version(monkeypatch):
-    import gym_bridge.gym.rows as rows
+    import gym_bridge.gym.protocol.rows as rows
 
     monkeypatch.setattr(rows, "installed_gym", lambda: gym_version("0.6.0"))
     with pytest.raises(InvalidGymRow, match=r"^prompt_idx=0: .*taskset='weather'.*nemo-gym >= 0\.7 \(nemo-gym 0\.6\.0"):

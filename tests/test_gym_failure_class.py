@@ -121,7 +121,7 @@ def test_a_result_that_carries_gyms_failure_class_is_that_classs_failure(failure
 def test_the_actor_raises_a_failure_row_as_its_class_and_stamps_every_other_result(tiny_tokenizer):
     """The actor's converter: a /run result with ``_ng_failure_class`` is no rollout; any other result gets the row's
     ``_ng_*`` identity, replacing what the agent echoed."""
-    from gym_bridge.gym.actor import NemoGym
+    from gym_bridge.gym.transport.actor import NemoGym
 
     actor = NemoGym({"model_name": "m", "base_urls": ["http://127.0.0.1:1/v1"], "config_paths": ["x.yaml"]},
                     tiny_tokenizer)  # fmt: skip
@@ -155,8 +155,8 @@ def test_a_deterministic_agent_500_is_data_and_never_resent(gym_actor, gym_token
     GymRunError (data) at once: no row is re-sent, although the client may re-send rows 3 times; the manager skips
     the prompt after its data budget, without an infrastructure retry."""
     from gym_bridge.data import datum_from_gym_row
-    from gym_bridge.gym.client import GymClient
-    from gym_bridge.gym.rows import build_rows
+    from gym_bridge.gym.transport.client import GymClient
+    from gym_bridge.gym.protocol.rows import build_rows
     from gym_bridge.rollout.manager import RolloutManager, RolloutOutcome
     from gym_bridge.rollout.sink import InMemorySink
     from gym_bridge.testing.gym_rows import equivalence_row

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from gym_bridge.gym._forkserver import ServerCommand, parse_server_command
+from gym_bridge.gym.servers._forkserver import ServerCommand, parse_server_command
 
 _CONFIG_YAML = "policy_model:\n  responses_api_models:\n    vllm_model: {entrypoint: app.py}\n"
 
@@ -84,7 +84,7 @@ sys.exit(3)
 _FORK_ONE = """
 import os, sys
 from pathlib import Path
-from gym_bridge.gym._forkserver import fork_context, parse_server_command, start_server
+from gym_bridge.gym.servers._forkserver import fork_context, parse_server_command, start_server
 command, log = sys.argv[1], Path(sys.argv[2])
 server = parse_server_command(command, Path(sys.prefix))
 assert server is not None, command

@@ -20,10 +20,10 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from gym_bridge.gym.routing import RowRouting
-from gym_bridge.gym.row_file import read_row_file
-from gym_bridge.gym.rows import build_rows, rollout_seed, row_seed
-from gym_bridge.gym.versions import ROLLOUT_ID_KEY, installed_gym
+from gym_bridge.gym.protocol.routing import RowRouting
+from gym_bridge.gym.protocol.row_file import read_row_file
+from gym_bridge.gym.protocol.rows import build_rows, rollout_seed, row_seed
+from gym_bridge.gym_versions import ROLLOUT_ID_KEY, installed_gym
 from gym_bridge.types import GenerationSamplingParams
 
 SAMPLING = GenerationSamplingParams(temperature=1.0, top_p=1.0)
@@ -76,7 +76,7 @@ def our_rows(rows: list[dict[str, Any]], routing: RowRouting, n: int, seed: int 
 
 
 def our_numbering(rows: list[dict[str, Any]], routing: RowRouting, n: int) -> list[tuple[Any, ...]]:
-    from gym_bridge.gym.versions import ROLLOUT_INDEX_KEY, TASK_INDEX_KEY
+    from gym_bridge.gym_versions import ROLLOUT_INDEX_KEY, TASK_INDEX_KEY
 
     return [
         ((row.get("agent_ref") or {}).get("name"), row[TASK_INDEX_KEY], row[ROLLOUT_INDEX_KEY], row.get(ROLLOUT_ID_KEY))
@@ -179,8 +179,8 @@ def test_every_result_carries_its_rows_identity_from_an_agent_that_echoes_none(g
     """Gym's example_single_tool_call agent returns its resources server's verify response, which drops the row's
     extra keys: Gym's own run_examples gives results without any ``_ng_*`` key. Through gym-bridge every result
     carries the identity of the row it answers, stamped by the actor."""
-    from gym_bridge.gym.client import GymClient
-    from gym_bridge.gym.versions import ROLLOUT_IDENTITY_KEYS
+    from gym_bridge.gym.transport.client import GymClient
+    from gym_bridge.gym_versions import ROLLOUT_IDENTITY_KEYS
     from gym_bridge.testing.gym_rows import TOOL_AGENT, gyms_own_collection, tool_call_rows
 
     dataset = [tool_call_rows()[0], tool_call_rows()[0], tool_call_rows()[1]]
@@ -204,7 +204,7 @@ def test_every_result_carries_its_rows_identity_from_an_agent_that_echoes_none(g
 def test_identity_the_callers_row_carried_is_summarised_as_nemo_rl_summarises_it():
     """NeMo-RL summarises every numeric field of a result; its rows hold only what its caller stamped (the async
     collector's ``_ng_task_index``). The identity gym-bridge stamps itself stays out of the per-agent metrics."""
-    from gym_bridge.gym.convert import caller_fields, scalar_fields
+    from gym_bridge.gym.protocol.convert import caller_fields, scalar_fields
 
     result = {"reward": 1.0, "_ng_task_index": 3, "_ng_rollout_index": 1, "_ng_rollout_id": "3-1", "judge": True}
     metrics = scalar_fields(result)

@@ -16,10 +16,10 @@ from gym_bridge.eval.config import EvalConfig
 from pydantic import ValidationError
 
 from gym_bridge.failures import InvalidGymRow
-from gym_bridge.gym.routing import GymRoutes, RowRouting
-from gym_bridge.gym.row_file import read_row_file
-from gym_bridge.gym.rows import build_rows, mark_repeats, rollout_seed, row_seed, validate_row, with_attempt
-from gym_bridge.gym.versions import installed_gym
+from gym_bridge.gym.protocol.routing import GymRoutes, RowRouting
+from gym_bridge.gym.protocol.row_file import read_row_file
+from gym_bridge.gym.protocol.rows import build_rows, mark_repeats, rollout_seed, row_seed, validate_row, with_attempt
+from gym_bridge.gym_versions import installed_gym
 from gym_bridge.types import GenerationSamplingParams
 
 PARAMS = {"input": "hi"}

@@ -7,7 +7,7 @@ import pickle
 import pytest
 
 from gym_bridge.failures import FailureClass, classify_rollout_failure
-from gym_bridge.gym.rows import InvalidGymRow, ValidGymRow, build_rows, validate_row
+from gym_bridge.gym.protocol.rows import InvalidGymRow, ValidGymRow, build_rows, validate_row
 from gym_bridge.types import GenerationSamplingParams
 
 ROW = {
@@ -89,7 +89,7 @@ def test_build_rows_copies_every_level():
 def test_known_create_params_fields_match_the_installed_gym():
     from nemo_gym.openai_utils import NeMoGymResponseCreateParamsNonStreaming as GymParams
 
-    from gym_bridge.gym.versions import installed_gym
+    from gym_bridge.gym_versions import installed_gym
 
     assert GymParams.model_config.get("extra") == "forbid"
     assert set(GymParams.model_fields) == installed_gym().request_fields
@@ -103,7 +103,7 @@ def test_a_materialized_row_is_refused_in_one_line_naming_it():
 
 def test_rows_with_the_installed_gyms_newer_request_fields_are_accepted():
     """Gym 0.6+ adds seven request fields (prompt_cache_key, ...): accepted exactly where the installed Gym has them."""
-    from gym_bridge.gym.versions import installed_gym
+    from gym_bridge.gym_versions import installed_gym
 
     row = {**ROW, "responses_create_params": {**ROW["responses_create_params"], "prompt_cache_key": "k"}}
     if "prompt_cache_key" in installed_gym().request_fields:
@@ -134,7 +134,7 @@ def test_gym_failure_kinds_map_onto_our_failure_classes(kind, expected):
 def test_the_version_seam_reads_the_installed_gym_and_refuses_unsupported_ones():
     import importlib.metadata
 
-    from gym_bridge.gym.versions import UnsupportedGymVersion, gym_version, installed_gym
+    from gym_bridge.gym_versions import UnsupportedGymVersion, gym_version, installed_gym
 
     assert str(installed_gym().version) == importlib.metadata.version("nemo-gym")
     for unsupported in ("0.3.1", "0.8.0"):

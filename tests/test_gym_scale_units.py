@@ -8,12 +8,12 @@ import socket
 from typing import Any
 
 from gym_bridge.failures import GymTransportError
-from gym_bridge.gym.actor import NemoGym
-from gym_bridge.gym.actor_config import NemoGymConfig
-from gym_bridge.gym.client import GymClient
-from gym_bridge.gym.health import SharedWatch
-from gym_bridge.gym.routing import GymRoutes
-from gym_bridge.gym.spinup import DEFAULT_MAX_CONCURRENCY, actor_options
+from gym_bridge.gym.transport.actor import NemoGym
+from gym_bridge.gym.transport.actor_config import NemoGymConfig
+from gym_bridge.gym.transport.client import GymClient
+from gym_bridge.gym.transport.health import SharedWatch
+from gym_bridge.gym.protocol.routing import GymRoutes
+from gym_bridge.gym.transport.spinup import DEFAULT_MAX_CONCURRENCY, actor_options
 
 
 def _config(**update: Any) -> NemoGymConfig:

@@ -16,9 +16,9 @@ import psutil
 import pytest
 
 from gym_bridge.failures import GymPortInUse, GymServerDied, GymStartupError
-from gym_bridge.gym.servers import GymServers
-from gym_bridge.gym.server_config import GymServersConfig, wheel_config_path
-from gym_bridge.gym.versions import installed_gym
+from gym_bridge.gym.servers.server_set import GymServers
+from gym_bridge.gym.servers.server_config import GymServersConfig, wheel_config_path
+from gym_bridge.gym_versions import installed_gym
 from gym_bridge.testing import wait_until
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.gym]
@@ -311,7 +311,7 @@ def test_a_port_taken_before_its_server_binds_is_noticed_and_the_set_starts_on_o
     thief.start()
     t0 = time.monotonic()
     try:
-        with caplog.at_level("WARNING", logger="gym_bridge.gym.servers"):
+        with caplog.at_level("WARNING", logger="gym_bridge.gym.servers.server_set"):
             head = servers.start()
         thief.join()
         assert taken, "the test took the server's port before the server bound it"
@@ -340,7 +340,7 @@ def test_a_configured_port_that_is_busy_ends_the_start_in_seconds_naming_it(tmp_
 
 def test_port_windows_are_held_across_processes():
     """A window this process holds is refused to another process (its lock file), until released."""
-    from gym_bridge.gym import reaper
+    from gym_bridge.gym.servers import reaper
 
     window = reaper.reserve_port_window()
     probe = (

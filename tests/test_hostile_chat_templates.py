@@ -30,7 +30,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from transformers import AutoTokenizer
 
 from gym_bridge.generation.scripted import ScriptedGeneration
-from gym_bridge.gym.reaper import free_port
+from gym_bridge.gym.servers.reaper import free_port
 from gym_bridge.gym_model.translate import TranslationError, responses_to_chat
 from gym_bridge.serving import OpenAIServer
 from gym_bridge.serving.chat import build_chat_prompt, render_ids

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from gym_bridge.gym.reaper import free_port
+from gym_bridge.gym.servers.reaper import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "eval_equivalence_tools.yaml"

@@ -12,7 +12,7 @@ from gym_bridge.boundary import UntrustedInputError
 from gym_bridge.failures import GymResultError, RolloutDataFailure
 from gym_bridge.generation.completions_wire import parse_completion
 from gym_bridge.generation.upstream_answer import BodyReader
-from gym_bridge.gym.convert import gym_row_result
+from gym_bridge.gym.protocol.convert import gym_row_result
 
 CAP = 1 << 20
 
@@ -96,7 +96,7 @@ def test_a_generated_answer_is_parsed_or_one_typed_refusal(answer: dict[str, obj
 
 
 def test_a_gym_token_id_of_2_to_the_33_is_a_typed_refusal(tiny_tokenizer) -> None:
-    from gym_bridge.gym.convert import convert_gym_result
+    from gym_bridge.gym.protocol.convert import convert_gym_result
 
     item = {
         "type": "message",

@@ -67,7 +67,7 @@ ALLOWED: dict[tuple[str, str], str] = {
     "passed, with trust_remote_code=False",
     ("models/loading.py", "torch.load"): "the one reader of torch-saved files (optimizer state): weights_only=True, "
     "opened through open_regular under a size cap",
-    ("gym/actor.py", "json.loads"): "only for a Gym body holding NaN or Infinity that the boundary's decoder refused, "
+    ("gym/transport/actor.py", "json.loads"): "only for a Gym body holding NaN or Infinity that the boundary's decoder refused, "
     "under the boundary's depth limit, so the conversion names a NaN logprob as such",
     ("serving/bodies.py", "json.loads"): "a request body, under the body cap: the server's own walk names the field "
     "(param) of a non-finite number or a lone surrogate, and measures the depth without recursion",

@@ -34,14 +34,15 @@ def imports(path: Path, modules: set[str]) -> set[str]:
 
 
 LAYERS: list[tuple[str, list[str]]] = [
-    ("bottom", ["types", "json_types", "batched", "interfaces", "failures", "boundary", "metrics", "stats", "data", "ray_utils"]),
+    ("bottom", ["types", "json_types", "batched", "interfaces", "failures", "boundary", "metrics", "stats", "data", "ray_utils", "gym_versions"]),
     ("components: models", ["models"]),
     ("components: generation", ["generation"]),
     ("components: serving", ["serving"]),
     ("components: policy, environments, preflight", ["policy", "environments", "preflight"]),
-    ("components: the Gym version seam", ["gym.versions"]),
     ("components: gym_model", ["gym_model"]),
-    ("components: gym", ["gym"]),
+    ("components: gym protocol", ["gym.protocol"]),
+    ("components: gym servers", ["gym.servers"]),
+    ("components: gym transport", ["gym.transport", "gym"]),
     ("components: rollout", ["rollout"]),
     ("components: training", ["training"]),
     ("config", ["config"]),
@@ -49,7 +50,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("tools", ["eval", "cli", "testing"]),
 ]
 """The layers in import order: each imports only from itself and the layers before it (docs/architecture.md draws
-the same table for readers). A module named on its own (``gym.versions``) sits in its own layer, below its folder."""
+the same table for readers). ``gym/``'s sub-packages are ordered sub-layers like the components."""
 
 
 def layers() -> list[tuple[str, list[str]]]:

@@ -20,9 +20,9 @@ from gym_bridge.failures import (
     RolloutTimeout,
     RolloutTimeouts,
 )
-from gym_bridge.gym.convert import gym_row_result
-from gym_bridge.gym.result import GymRowBatch, GymRowResult
-from gym_bridge.gym.routing import GymRoutes
+from gym_bridge.gym.protocol.convert import gym_row_result
+from gym_bridge.gym.protocol.result import GymRowBatch, GymRowResult
+from gym_bridge.gym.protocol.routing import GymRoutes
 from gym_bridge.rollout.manager import RolloutManager
 from gym_bridge.rollout.nemo_gym import AsyncNemoGymRolloutImpl
 from gym_bridge.failures import GymRowIndexError
@@ -249,7 +249,7 @@ async def _until_dead(actor) -> None:
 async def test_a_dead_actor_gets_no_more_groups(ray_session):
     """An actor Ray reports dead for good mid-run: its group is re-dispatched to the other actor, and later
     groups go straight there."""
-    from gym_bridge.gym.client import GymClient
+    from gym_bridge.gym.transport.client import GymClient
 
     dead, live = ScriptedStreamActor.remote(), ScriptedStreamActor.remote()
     try:
@@ -270,7 +270,7 @@ async def test_a_dead_actor_gets_no_more_groups(ray_session):
 
 
 async def test_agent_discovery_skips_a_dead_first_actor(ray_session):
-    from gym_bridge.gym.client import GymClient
+    from gym_bridge.gym.transport.client import GymClient
 
     dead, live = ScriptedStreamActor.remote(), ScriptedStreamActor.remote()
     try:

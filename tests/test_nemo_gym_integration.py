@@ -11,7 +11,7 @@ import torch
 from gym_bridge.data import datum_from_gym_row
 from gym_bridge.generation.hf import HFGeneration
 from gym_bridge.generation.hf_config import HFGenerationConfig
-from gym_bridge.gym.spinup import start_nemo_gym_actor
+from gym_bridge.gym.transport.spinup import start_nemo_gym_actor
 from gym_bridge.serving import OpenAIServer
 from gym_bridge.testing.gym_checks import (
     GEN_CFG,

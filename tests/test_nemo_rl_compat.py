@@ -17,7 +17,7 @@ from gym_bridge.generation.scripted import ScriptedGeneration
 from gym_bridge.rollout.env_step import calculate_rewards
 from gym_bridge.rollout.manager import RolloutManager
 from gym_bridge.rollout.native import UNLIMITED_TURNS, AsyncRolloutImpl
-from gym_bridge.gym.result import GymRowResult
+from gym_bridge.gym.protocol.result import GymRowResult
 from gym_bridge.rollout.nemo_gym import AsyncNemoGymRolloutImpl, group_metrics, gym_completion
 from gym_bridge.rollout.sync import run_multi_turn_rollout
 from gym_bridge.rollout.truncation import fit_observation, gym_completion_truncated

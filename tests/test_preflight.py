@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from gym_bridge.gym.reaper import free_port
+from gym_bridge.gym.servers.reaper import free_port
 from gym_bridge.preflight import (
     VLLM_TOOL_FLAGS,
     EndpointProblem,

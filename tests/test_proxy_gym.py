@@ -13,7 +13,7 @@ import torch
 
 from gym_bridge.data import datum_from_gym_row
 from gym_bridge.generation.scripted import ScriptedGeneration
-from gym_bridge.gym.spinup import start_nemo_gym_actor
+from gym_bridge.gym.transport.spinup import start_nemo_gym_actor
 from gym_bridge.rollout.manager import RolloutManager
 from gym_bridge.serving import OpenAIServer, build_proxy
 from gym_bridge.testing.gym_rows import SERVED_MODEL_NAME, gym_actor_config, tool_call_rows

@@ -23,7 +23,7 @@ import yaml
 from gym_bridge.failures import InvalidGymRow
 from gym_bridge.generation.hf import HFGeneration
 from gym_bridge.generation.hf_config import HFGenerationConfig
-from gym_bridge.gym.rows import (
+from gym_bridge.gym.protocol.rows import (
     SEED_KEY,
     build_rows,
     prompt_identity,

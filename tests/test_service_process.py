@@ -9,7 +9,7 @@ import httpx
 import psutil
 import pytest
 
-from gym_bridge.gym.reaper import free_port
+from gym_bridge.gym.servers.reaper import free_port
 from gym_bridge.testing.process import ServiceProcess
 
 

@@ -60,7 +60,7 @@ def test_no_endpoint_is_an_error():
 
 
 def test_actor_configs_share_or_split_endpoints(tmp_path):
-    from gym_bridge.gym.actor_config import NemoGymConfig, actor_configs
+    from gym_bridge.gym.transport.actor_config import NemoGymConfig, actor_configs
 
     config = NemoGymConfig(model_name="m", base_urls=[f"http://h{i}:8000/v1" for i in range(3)], log_dir=tmp_path)
     assert actor_configs(config, 1) == [config]
@@ -276,8 +276,8 @@ def test_nemo_rl_s_engine_checks_name_the_key_to_set(generation, message):
 
 def test_nemo_gym_config_follows_nemo_rl_for_defaults_global_config_and_ports():
     from gym_bridge.failures import GymPortInUse
-    from gym_bridge.gym._launcher import claim_head_port
-    from gym_bridge.gym.actor_config import NemoGymConfig
+    from gym_bridge.gym.servers._launcher import claim_head_port
+    from gym_bridge.gym.transport.actor_config import NemoGymConfig
 
     config = NemoGymConfig(
         model_name="m",

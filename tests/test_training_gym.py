@@ -18,9 +18,9 @@ import torch
 from gym_bridge.config.run_settings import grpo_run_settings
 from gym_bridge.data import datum_from_gym_row
 from gym_bridge.failures import RefitMismatch, RolloutStall, StepBatchShortfall
-from gym_bridge.gym.admission import AdmissionSettings
-from gym_bridge.gym.client import GymClient
-from gym_bridge.gym.versions import installed_gym
+from gym_bridge.gym.transport.admission import AdmissionSettings
+from gym_bridge.gym.transport.client import GymClient
+from gym_bridge.gym_versions import installed_gym
 from gym_bridge.policy import HFPolicy, HFPolicyConfig
 from gym_bridge.recipes.grpo_run import build_grpo_run, validator_from
 from gym_bridge.testing.gym_rows import EQUIVALENCE_AGENT, gym_dataset_collate

@@ -22,8 +22,8 @@ import pytest
 import ray
 
 from gym_bridge.testing.cluster import LocalRayCluster, NodeSpec
-from gym_bridge.gym.spinup import start_nemo_gym_actor
-from gym_bridge.gym.server_config import wheel_config_path
+from gym_bridge.gym.transport.spinup import start_nemo_gym_actor
+from gym_bridge.gym.servers.server_config import wheel_config_path
 from gym_bridge.rollout.manager import RolloutOutcome
 from gym_bridge.rollout.sink import InMemorySink
 from gym_bridge.testing import async_wait_until

@@ -37,8 +37,8 @@ from gym_bridge.boundary.yaml_io import read_yaml_file
 from gym_bridge.config.keys import TrainingConfigError, config_section, config_value
 from gym_bridge.config.smoke import SmokeFacts
 from gym_bridge.config.training import ROUTING_KEYS
-from gym_bridge.gym.routing import TASK_SOURCE_KEY, RowRouting, row_agent
-from gym_bridge.gym.row_file import read_row_text
+from gym_bridge.gym.protocol.routing import TASK_SOURCE_KEY, RowRouting, row_agent
+from gym_bridge.gym.protocol.row_file import read_row_text
 from gym_bridge.json_types import JsonMapping, JsonObject
 
 logger = logging.getLogger(__name__)
@@ -421,7 +421,7 @@ def check_context(config: JsonMapping, files: list[RowFile], model: ModelFacts |
 def check_agents(config: JsonMapping, files: list[RowFile], gym: GymConfigs) -> list[str]:
     """The Gym configs against the installed nemo-gym, and the agents the rows name (or the routing keys set) against
     the agents those configs define; rows that name no agent, with the agent to set."""
-    from gym_bridge.gym.versions import installed_gym
+    from gym_bridge.gym_versions import installed_gym
 
     problems = []
     if gym.missing:

@@ -47,9 +47,9 @@ from gym_bridge.boundary.text import shown
 from gym_bridge.config.keys import TrainingConfigError, config_section, config_value
 from gym_bridge.config.training import ROUTING_KEYS, NemoGymRolloutSettings, run_seed
 from gym_bridge.config.values import count
-from gym_bridge.gym.routing import RowRouting
-from gym_bridge.gym.row_file import read_row_file, read_row_text
-from gym_bridge.gym.rows import ValidGymRow
+from gym_bridge.gym.protocol.routing import RowRouting
+from gym_bridge.gym.protocol.row_file import read_row_file, read_row_text
+from gym_bridge.gym.protocol.rows import ValidGymRow
 from gym_bridge.json_types import JsonMapping
 from gym_bridge.policy.hf import HFPolicyConfig
 from gym_bridge.policy.lr_scheduler import build_lr_scheduler
@@ -350,7 +350,7 @@ def row_routing(config: JsonMapping) -> RowRouting:
 
 def load_gym_rows(path: str | Path, routing: RowRouting | None = None) -> list[ValidGymRow]:
     """The tasks of a JSONL file of Gym rows, read as every entrance reads them
-    (:func:`~gym_bridge.gym.row_file.read_row_file`); bad lines are one error naming each."""
+    (:func:`~gym_bridge.gym.protocol.row_file.read_row_file`); bad lines are one error naming each."""
     path = Path(path)
     try:
         text = read_row_text(path)

@@ -10,7 +10,7 @@ from gym_bridge.failures import RolloutRetryPolicy, RolloutTimeouts
 from gym_bridge.json_types import JsonMapping
 
 if TYPE_CHECKING:
-    from gym_bridge.gym.actor_config import NemoGymConfig
+    from gym_bridge.gym.transport.actor_config import NemoGymConfig
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from gym_bridge.config.keys import TrainingConfigError
-from gym_bridge.gym.actor_config import NemoGymConfig
+from gym_bridge.gym.transport.actor_config import NemoGymConfig
 from gym_bridge.json_types import JsonMapping
 
 NEMO_RL_GYM_KNOBS = (

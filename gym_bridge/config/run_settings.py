@@ -26,7 +26,7 @@ from gym_bridge.config.grpo import (
 from gym_bridge.config.keys import TrainingConfigError, config_section, config_value
 from gym_bridge.config.training import NemoGymRolloutSettings, nemo_gym_rollout_settings, run_seed
 from gym_bridge.generation.hf_config import HFGenerationConfig
-from gym_bridge.gym.rows import ValidGymRow
+from gym_bridge.gym.protocol.rows import ValidGymRow
 from gym_bridge.json_types import JsonMapping
 from gym_bridge.models.registry import ModelNotFoundError, check_model_reference
 from gym_bridge.policy.hf import HFPolicyConfig

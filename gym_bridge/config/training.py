@@ -9,7 +9,7 @@ existing config just works:
   ``env.nemo_gym.base_urls`` and
   ``env.nemo_gym.model_name`` (else ``policy.generation.model_name``, else
   ``policy.model_name``): the endpoint; other keys of ``env.nemo_gym`` that
-  :class:`~gym_bridge.gym.actor.NemoGymConfig` knows are taken as such, the rest go
+  :class:`~gym_bridge.gym.transport.actor.NemoGymConfig` knows are taken as such, the rest go
   to Gym's global config;
 - ``env.nemo_gym.rollout_timeout_s`` and ``env.nemo_gym.max_row_attempts``: the group
   deadline and the row re-dispatch budget (or NeMo-RL's ``async_rl.rollout_failure``);
@@ -53,9 +53,9 @@ from gym_bridge.config.loading import plain_config, resolved_config
 from gym_bridge.config.nemo_rl_gym import should_use_nemo_gym
 from gym_bridge.config.values import check_values, count, seconds
 from gym_bridge.failures import RolloutRetryPolicy, RolloutTimeouts, SettingError
-from gym_bridge.gym.actor_config import NemoGymConfig
-from gym_bridge.gym.admission import AdmissionSettings
-from gym_bridge.gym.server_config import head_address
+from gym_bridge.gym.servers.server_config import head_address
+from gym_bridge.gym.transport.actor_config import NemoGymConfig
+from gym_bridge.gym.transport.admission import AdmissionSettings
 from gym_bridge.json_types import JsonMapping, JsonObject
 
 logger = logging.getLogger(__name__)
@@ -65,8 +65,8 @@ DEFAULT_SEED = 0
 a test holds them equal). Defined here, not read from the trainer, so reading a config never imports torch or Ray."""
 _BRIDGE_KEYS = ("rollout_timeout_s", "max_row_attempts", "num_actors", "split_base_urls", "admission")
 ROUTING_KEYS = ("agent_name", "agent_map", "fan_out")
-"""Gym's collection keys under ``env.nemo_gym``: read into :class:`~gym_bridge.gym.routing.RowRouting` where rows
-enter (``config.grpo.row_routing``), not Gym's global config."""
+"""Gym's collection keys under ``env.nemo_gym``: read into :class:`~gym_bridge.gym.protocol.routing.RowRouting` where
+rows enter (``config.grpo.row_routing``), not Gym's global config."""
 _NEMO_RL_ONLY_GYM_KEYS = ("is_trajectory_collection", "effort_levels")
 """Keys of ``env.nemo_gym`` that NeMo-RL pops before Gym sees the section: read into the settings, not Gym's."""
 _READ_KEYS = (
@@ -310,8 +310,9 @@ def _generations(config: JsonMapping) -> int:
 
 
 def admission_settings(section: object) -> AdmissionSettings:
-    """``env.nemo_gym.admission`` (ours, never sent to Gym): :class:`~gym_bridge.gym.admission.AdmissionSettings`'
-    keys, each left out at its default; a bad key or value is a :class:`TrainingConfigError` naming it."""
+    """``env.nemo_gym.admission`` (ours, never sent to Gym):
+    :class:`~gym_bridge.gym.transport.admission.AdmissionSettings`' keys, each left out at its default; a bad key or
+    value is a :class:`TrainingConfigError` naming it."""
     if section is None:
         return AdmissionSettings()
     if not isinstance(section, Mapping):

@@ -49,8 +49,8 @@ from gym_bridge.config.values import (
     key_parts,
 )
 from gym_bridge.failures import GymBridgeError, RolloutRetryPolicy
-from gym_bridge.gym.admission import AdmissionSettings
-from gym_bridge.gym.routing import RowRouting
+from gym_bridge.gym.protocol.routing import RowRouting
+from gym_bridge.gym.transport.admission import AdmissionSettings
 from gym_bridge.json_types import JsonMapping, JsonObject
 
 if TYPE_CHECKING:  # torch stays out of the config's imports (the CLI reads configs)
@@ -249,7 +249,7 @@ class EvalConfig(BaseModel):
                 )
             return self
         from gym_bridge.failures import SettingError
-        from gym_bridge.gym.server_config import head_address
+        from gym_bridge.gym.servers.server_config import head_address
 
         try:
             head_address(self.gym_head)
@@ -355,7 +355,7 @@ class EvalConfig(BaseModel):
 
     @property
     def routing(self) -> RowRouting:
-        """Gym's routing keys as one setting (:class:`~gym_bridge.gym.routing.RowRouting`)."""
+        """Gym's routing keys as one setting (:class:`~gym_bridge.gym.protocol.routing.RowRouting`)."""
         return RowRouting(agent_name=self.agent_name, agent_map=self.agent_map, fan_out=self.fan_out)
 
     @model_validator(mode="after")

@@ -10,8 +10,8 @@ from gym_bridge.boundary import UntrustedInputError
 from gym_bridge.boundary.files import open_regular
 from gym_bridge.boundary.text import shown
 from gym_bridge.failures import GymBridgeError
-from gym_bridge.gym.routing import TASK_SOURCE_KEY, RowRouting, row_agent
-from gym_bridge.gym.row_file import MAX_ROW_FILE_BYTES, read_row_file, read_row_text
+from gym_bridge.gym.protocol.routing import TASK_SOURCE_KEY, RowRouting, row_agent
+from gym_bridge.gym.protocol.row_file import MAX_ROW_FILE_BYTES, read_row_file, read_row_text
 from gym_bridge.json_types import JsonObject
 
 _MAX_REPORTED = 20
@@ -51,11 +51,11 @@ def load_dataset(path: str | Path, *, limit: int | None = None, routing: RowRout
     Lines are split on ``\n`` only (a JSON string may hold U+2028 and other line separators). ``routing``
     (Gym's ``agent_name`` / ``agent_map`` / ``fan_out``) applies to each line's row first: a ``fan_out`` row
     becomes one task per agent, each its own ``prompt_idx``. Identical rows are one task rolled out more than
-    once (:func:`~gym_bridge.gym.rows.mark_repeats`): own rollout indices, seeds and ``row_id``.
+    once (:func:`~gym_bridge.gym.protocol.rows.mark_repeats`): own rollout indices, seeds and ``row_id``.
 
     Raises:
         DatasetError: the file is missing or empty, or lines are not JSON or fail
-            :func:`~gym_bridge.gym.rows.validate_row`; the message names every such line
+            :func:`~gym_bridge.gym.protocol.rows.validate_row`; the message names every such line
             (the first ``_MAX_REPORTED`` of them, and how many more).
     """
     path = Path(path)

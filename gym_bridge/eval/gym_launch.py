@@ -17,11 +17,11 @@ from gym_bridge.boundary.files import file_kind, folder_under
 from gym_bridge.boundary.text import shown
 from gym_bridge.eval.config import EvalConfig
 from gym_bridge.eval.dataset import DatasetError, DatasetRow
-from gym_bridge.gym.rows import ValidGymRow
+from gym_bridge.gym.protocol.rows import ValidGymRow
 
 if TYPE_CHECKING:
     from gym_bridge.config.launch_spec import GymLaunchSpec
-    from gym_bridge.gym.routing import GymRoutes
+    from gym_bridge.gym.protocol.routing import GymRoutes
     from gym_bridge.types import ActorHandle
 
 logger = logging.getLogger(__name__)
@@ -35,7 +35,7 @@ def launch_spec(config: EvalConfig, base_urls: list[str], pending: list[DatasetR
     own Gym server set, or (``gym_head``) using the running Gym there, which it neither starts nor stops."""
     from gym_bridge.config.launch_spec import GymLaunchSpec
     from gym_bridge.failures import RolloutTimeouts
-    from gym_bridge.gym.actor_config import NemoGymConfig
+    from gym_bridge.gym.transport.actor_config import NemoGymConfig
     from gym_bridge.preflight import rows_use_tools
 
     config_paths = [str(Path(p).resolve()) if Path(p).exists() else p for p in config.config_paths]
@@ -110,7 +110,7 @@ def check_agents(config: EvalConfig, rows: list[DatasetRow]) -> None:
     Raises:
         DatasetError: one line naming each unknown agent, where it is named, and the agents that exist.
     """
-    from gym_bridge.gym.routing import row_agent
+    from gym_bridge.gym.protocol.routing import row_agent
 
     if config.gym_head is not None or not config.config_paths:
         return
@@ -141,7 +141,7 @@ def _configured_agents(config: EvalConfig) -> set[str] | None:
     as plain YAML through the boundary (no Gym, torch or Ray import); None when a config cannot be read."""
     from gym_bridge.boundary import UntrustedInputError
     from gym_bridge.boundary.yaml_io import read_yaml_file
-    from gym_bridge.gym.server_config import GymConfigNotFound, wheel_config_path
+    from gym_bridge.gym.servers.server_config import GymConfigNotFound, wheel_config_path
 
     blocks: list[object] = [config.gym_overrides]
     for name in config.config_paths:

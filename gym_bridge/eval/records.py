@@ -116,9 +116,9 @@ def _gym_generation_strs(env_extras: JsonMapping | None) -> list[str]:
 
 def _special_ids(tokenizer: Tokenizer) -> frozenset[int] | None:
     """The ids ``skip_special_tokens`` leaves out, for a tokenizer whose decode is a join of its tokens' bytes
-    (:func:`gym_bridge.gym.decode.token_bytes_table`), so cutting special tokens off the text equals leaving
+    (:func:`gym_bridge.gym.protocol.decode.token_bytes_table`), so cutting special tokens off the text equals leaving
     them out of the decode; None for any other tokenizer."""
-    from gym_bridge.gym.decode import token_bytes_table
+    from gym_bridge.gym.protocol.decode import token_bytes_table
 
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or token_bytes_table(tokenizer) is None:

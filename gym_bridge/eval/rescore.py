@@ -54,7 +54,7 @@ from gym_bridge.eval.runs import (
 )
 from gym_bridge.eval.store import RunStore, not_empty, read_jsonl
 from gym_bridge.failures import GymBridgeError
-from gym_bridge.gym.row_file import MAX_ROW_DEPTH
+from gym_bridge.gym.protocol.row_file import MAX_ROW_DEPTH
 from gym_bridge.json_types import JsonMapping, JsonObject
 
 logger = logging.getLogger(__name__)
@@ -122,7 +122,7 @@ def _config_blocks(config_paths: list[str] | list[Path], overrides: JsonObject) 
         RescoreError: a config file cannot be read or is not a YAML mapping.
         GymConfigNotFound: a relative path is neither in the cwd nor in the installed nemo-gym.
     """
-    from gym_bridge.gym.server_config import deep_merge, wheel_config_path
+    from gym_bridge.gym.servers.server_config import deep_merge, wheel_config_path
 
     merged: JsonObject = {}
     for name in config_paths:
@@ -216,8 +216,8 @@ def rescore_run(
         RescoreError: bad overrides, an output folder that is not empty, or an agent without a resources server.
         GymStartupError: Gym's servers did not start.
     """
-    from gym_bridge.gym.server_config import GymServersConfig, deep_merge
-    from gym_bridge.gym.servers import GymServers
+    from gym_bridge.gym.servers.server_config import GymServersConfig, deep_merge
+    from gym_bridge.gym.servers.server_set import GymServers
 
     source = load_run(source_dir, failures=True)
     out = Path(out_dir)

@@ -36,7 +36,7 @@ The whole exception tree (all defined in :mod:`gym_bridge.failures.errors`)::
      ├── StepBatchShortfall           a step kept fewer groups than min_step_batch_fraction
      ├── RunConfigurationError        the run's first groups all hit one configuration error
      │    └── TokenCaptureMasked      more finalised token captures masked than token_id_capture.max_mask_fraction
-     ├── GymServersError              a Gym server set failed (gym/servers.py)
+     ├── GymServersError              a Gym server set failed (gym/servers/server_set.py)
      │    ├── GymStartupError         a server died during start-up or did not answer in time
      │    │    └── GymPortInUse       a server's port was taken before it bound it (named)
      │    └── GymServerDied           a server of a started set is no longer running

@@ -1,11 +1,11 @@
-"""The NeMo-Gym client side: start Gym's servers, send rows to its agents, and turn results into message logs.
+"""The NeMo-Gym client side, in three concerns, each a sub-package that imports only the ones before it:
 
-- :mod:`~gym_bridge.gym.servers` (``GymServers``), with :mod:`~gym_bridge.gym.reaper` and the fork server:
-  one bounded, leak-free set of Gym servers;
-- :mod:`~gym_bridge.gym.actor` (``NemoGym``, the Ray actor), :mod:`~gym_bridge.gym.actor_config`
-  (``NemoGymConfig``) and :mod:`~gym_bridge.gym.spinup` (starting and stopping actors);
-- :mod:`~gym_bridge.gym.client` (``GymClient``): one prompt group through the actors, lost rows re-sent;
-- :mod:`~gym_bridge.gym.rows` (rows checked and stamped), :mod:`~gym_bridge.gym.convert` and
-  :mod:`~gym_bridge.gym.result` (a ``/run`` result as a typed ``GymRowResult``);
-- :mod:`~gym_bridge.gym.versions`: everything that differs between nemo-gym versions, in one place.
+- :mod:`~gym_bridge.gym.protocol`: the row and result protocol (rows checked and stamped, routing, a ``/run`` result
+  as a typed ``GymRowResult``), spoken as Gym 0.7 speaks it;
+- :mod:`~gym_bridge.gym.servers`: Gym's server processes (``GymServers``, the launcher, the fork server, the reaper,
+  a running Gym read from its head server);
+- :mod:`~gym_bridge.gym.transport`: rows to the servers and back (``NemoGym``, the Ray actor; ``GymClient``;
+  admission; starting and stopping actors).
+
+What differs between nemo-gym versions lives below all of them, in :mod:`gym_bridge.gym_versions`.
 """

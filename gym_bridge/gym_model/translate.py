@@ -5,7 +5,7 @@ plus ``VLLMModel._preprocess_chat_completion_create_params`` (role mapping, chat
 kwargs and ``extra_body`` from the config and the row's ``metadata``, ``<think>`` moved
 out of earlier assistant turns). :func:`output_items` and :func:`response_body` mirror
 ``postprocess_assistant_message_dict`` and the ``NeMoGymResponse`` that ``vllm_model``
-returns, field for field. What differs between Gym versions comes from :mod:`gym_bridge.gym.versions`.
+returns, field for field. What differs between Gym versions comes from :mod:`gym_bridge.gym_versions`.
 No pydantic on the request path: these run once per model turn.
 """
 
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from gym_bridge.boundary import json_io
 from gym_bridge.boundary.errors import UntrustedInputError
 from gym_bridge.failures import GymBridgeError
-from gym_bridge.gym.versions import installed_gym
+from gym_bridge.gym_versions import installed_gym
 from gym_bridge.json_types import JsonMapping, JsonObject
 
 _THINK = re.compile(r"<think>(.*?)</think>", re.DOTALL)

@@ -29,11 +29,11 @@ from gym_bridge.config.run_settings import GRPORunSettings, grpo_run_settings
 from gym_bridge.data import datum_from_gym_row
 from gym_bridge.failures import SettingError
 from gym_bridge.generation.hf import HFGeneration
-from gym_bridge.gym.admission import AdmissionControl
-from gym_bridge.gym.client import GymClient
-from gym_bridge.gym.routing import GymRoutes
-from gym_bridge.gym.rows import ValidGymRow
-from gym_bridge.gym.running import read_policy_endpoint
+from gym_bridge.gym.protocol.routing import GymRoutes
+from gym_bridge.gym.protocol.rows import ValidGymRow
+from gym_bridge.gym.servers.running import read_policy_endpoint
+from gym_bridge.gym.transport.admission import AdmissionControl
+from gym_bridge.gym.transport.client import GymClient
 from gym_bridge.json_types import JsonMapping
 from gym_bridge.models.loading import check_safetensors_weights
 from gym_bridge.policy.hf import HFPolicy, check_optimizer_file
@@ -130,8 +130,8 @@ class PolicyAddress:
 
 def running_gym_policy(gym_head: str, default_model_name: str) -> PolicyAddress:
     """The address at which the run must serve its policy for the Gym running at ``gym_head``: read from its head
-    server (:func:`~gym_bridge.gym.running.read_policy_endpoint`), it must be one ``http://HOST:PORT/v1`` on this
-    machine's loopback (the run serves its policy on this machine). The model name is Gym's ``policy_model_name``
+    server (:func:`~gym_bridge.gym.servers.running.read_policy_endpoint`), it must be one ``http://HOST:PORT/v1`` on
+    this machine's loopback (the run serves its policy on this machine). The model name is Gym's ``policy_model_name``
     (``default_model_name``, ``policy.model_name``, when its config names none).
 
     Raises:

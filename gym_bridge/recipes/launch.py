@@ -23,7 +23,7 @@ from gym_bridge.config.training import NemoGymRolloutSettings, nemo_gym_rollout_
 from gym_bridge.json_types import JsonMapping
 
 if TYPE_CHECKING:
-    from gym_bridge.gym.admission import AdmissionControl
+    from gym_bridge.gym.transport.admission import AdmissionControl
     from gym_bridge.rollout.manager import RolloutManager
     from gym_bridge.types import ActorHandle, GenerationConfig, Tokenizer
 
@@ -56,7 +56,7 @@ class NemoGymRollouts:
     def shutdown(self, timeout_s: float = 60.0) -> None:
         """Stop every actor's Gym servers and the actors; safe to call more than once. A running Gym the actors used
         (``gym_head``) is left running."""
-        from gym_bridge.gym.spinup import stop_nemo_gym_actors
+        from gym_bridge.gym.transport.spinup import stop_nemo_gym_actors
 
         stop_nemo_gym_actors(self.actors, timeout_s)
 
@@ -93,7 +93,7 @@ def start_nemo_gym(spec: GymLaunchSpec, tokenizer: Tokenizer) -> NemoGymRollouts
             logger.info("preflight %s", check.line)
     import ray
 
-    from gym_bridge.gym.spinup import spinup_nemo_gym_actors, stop_nemo_gym_actors
+    from gym_bridge.gym.transport.spinup import spinup_nemo_gym_actors, stop_nemo_gym_actors
     from gym_bridge.ray_utils import init_ray
     from gym_bridge.rollout.manager import RolloutManager
 
@@ -192,7 +192,7 @@ def spinup_nemo_gym_actor(
     """NeMo-RL's spin-up, with its signature: the NemoGym actor for ``env_configs["nemo_gym"]`` (NeMo-RL's
     ``master_config.env``) against ``base_urls``, started, with the tokenizer installed
     (:func:`~gym_bridge.config.nemo_rl_gym.nemo_rl_gym_config`, then
-    :func:`~gym_bridge.gym.spinup.start_nemo_gym_actor`).
+    :func:`~gym_bridge.gym.transport.spinup.start_nemo_gym_actor`).
 
     As NeMo-RL's, with ``env.nemo_gym.num_gpu_nodes > 0`` the actor prefers the caller's Ray node (Gym's
     GPU-hosted servers are placed where the caller expects)."""
@@ -211,6 +211,6 @@ def spinup_nemo_gym_actor(
         if ray.is_initialized():
             here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=True)
             config = config.model_copy(update={"actor_options": {**config.actor_options, "scheduling_strategy": here}})
-    from gym_bridge.gym.spinup import start_nemo_gym_actor
+    from gym_bridge.gym.transport.spinup import start_nemo_gym_actor
 
     return start_nemo_gym_actor(config, tokenizer)

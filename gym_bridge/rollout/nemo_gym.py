@@ -1,14 +1,14 @@
 """AsyncNemoGymRolloutImpl: one prompt group through NeMo-Gym (registered as ``nemo_gym``).
 
 For each prompt it builds N rows from the Gym row in ``extra_env_info`` and the
-generation config, asks the :class:`~gym_bridge.gym.client.GymClient` for them (which
+generation config, asks the :class:`~gym_bridge.gym.transport.client.GymClient` for them (which
 picks the actor, streams, checks row indices, re-dispatches lost rows and holds one
 deadline, ``timeouts.rollout_s``, over all of it), and turns the typed rows into the N
 completions, in generation order, and the group's metrics. Multi-turn episodes happen
 inside Gym, so ``max_rollout_turns`` must be 1. Each row carries Gym's rollout identity (the task's
 ``_ng_task_index``, else the prompt index; rollout ``repeat * N + i``), which the actor stamps on its result. With
-a run ``seed`` every row carries its own sampling seed (:func:`~gym_bridge.gym.rows.rollout_seed`, of the run seed,
-the rollout index and the task's identity), stamped once per group, so a re-dispatched row is sent with the seed
+a run ``seed`` every row carries its own sampling seed (:func:`~gym_bridge.gym.protocol.rows.rollout_seed`, of the run
+seed, the rollout index and the task's identity), stamped once per group, so a re-dispatched row is sent with the seed
 it had.
 """
 
@@ -26,12 +26,12 @@ from pydantic import StrictBool, StrictInt
 from gym_bridge.boundary.files import make_dir, open_append
 from gym_bridge.boundary.json_io import dumps
 from gym_bridge.failures import RolloutRetryPolicy, RolloutStats, RolloutTimeouts, SettingError
-from gym_bridge.gym.admission import AdmissionSettings
-from gym_bridge.gym.client import GymClient
-from gym_bridge.gym.convert import scalar_fields
-from gym_bridge.gym.result import GymRowResult
-from gym_bridge.gym.routing import row_agent
-from gym_bridge.gym.rows import build_rows, row_seed, validate_row
+from gym_bridge.gym.protocol.convert import scalar_fields
+from gym_bridge.gym.protocol.result import GymRowResult
+from gym_bridge.gym.protocol.routing import row_agent
+from gym_bridge.gym.protocol.rows import build_rows, row_seed, validate_row
+from gym_bridge.gym.transport.admission import AdmissionSettings
+from gym_bridge.gym.transport.client import GymClient
 from gym_bridge.metrics import calculate_single_metric, pct, summarize, token_counts
 from gym_bridge.rollout.backend import BackendOptions, RolloutContext
 from gym_bridge.rollout.truncation import gym_completion_truncated
@@ -107,7 +107,7 @@ class AsyncNemoGymRolloutImpl:
         sample index; the endpoint takes it as its per-request ``seed``. None sends rows unseeded (as NeMo-RL).
 
         ``admission`` (ours): how the client's rows in flight adapt to a saturated endpoint (None: the default,
-        adaptive; :class:`~gym_bridge.gym.admission.AdmissionSettings`)."""
+        adaptive; :class:`~gym_bridge.gym.transport.admission.AdmissionSettings`)."""
         if generation_config is None:
             raise SettingError(
                 "the nemo_gym rollout backend needs generation_config (temperature, top_p, max_new_tokens)"

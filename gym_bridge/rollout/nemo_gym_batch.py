@@ -3,7 +3,7 @@
 NeMo-RL's GRPO (sync and async), validation, distillation and trajectory collector call
 these with a batch whose ``extra_env_info`` holds one Gym row per generation,
 ``num_generations`` contiguous rows per prompt. Each prompt group goes through the same
-:class:`~gym_bridge.gym.client.GymClient` and :func:`~gym_bridge.rollout.nemo_gym.gym_completion`
+:class:`~gym_bridge.gym.transport.client.GymClient` and :func:`~gym_bridge.rollout.nemo_gym.gym_completion`
 as the ``nemo_gym`` rollout backend, so both paths check, re-dispatch and convert rows
 alike. Groups come back in completion order, their rows in input order, as
 :class:`NemoGymRolloutResult` with NeMo-RL's ``final_batch`` keys and metric names.
@@ -20,8 +20,8 @@ import orjson
 
 from gym_bridge.batched import BatchedDataDict
 from gym_bridge.failures import GymBridgeError, SettingError
-from gym_bridge.gym.client import GymClient
-from gym_bridge.gym.rows import stamped_row
+from gym_bridge.gym.protocol.rows import stamped_row
+from gym_bridge.gym.transport.client import GymClient
 from gym_bridge.json_types import JsonMapping
 from gym_bridge.rollout.nemo_gym import TIMER_PREFIX, nemo_gym_actors
 from gym_bridge.rollout.nemo_gym_batch_input import (

@@ -9,9 +9,9 @@ import torch
 
 from gym_bridge.batched import BatchedDataDict
 from gym_bridge.failures import SettingError
-from gym_bridge.gym.routing import routing_basis
-from gym_bridge.gym.rows import validate_row
-from gym_bridge.gym.versions import TASK_INDEX_KEY
+from gym_bridge.gym.protocol.routing import routing_basis
+from gym_bridge.gym.protocol.rows import validate_row
+from gym_bridge.gym_versions import TASK_INDEX_KEY
 from gym_bridge.json_types import JsonMapping, JsonObject
 from gym_bridge.types import DatumSpec, GenerationConfig, GenerationSamplingParams
 

@@ -10,9 +10,9 @@ from typing import NotRequired, TypedDict
 import torch
 
 from gym_bridge.batched import BatchedDataDict, batched_message_log_to_flat_message
-from gym_bridge.gym.client import GymGroupResult
-from gym_bridge.gym.convert import caller_fields
-from gym_bridge.gym.result import GymRowResult
+from gym_bridge.gym.protocol.convert import caller_fields
+from gym_bridge.gym.protocol.result import GymRowResult
+from gym_bridge.gym.transport.client import GymGroupResult
 from gym_bridge.json_types import JsonMapping, JsonObject
 from gym_bridge.rollout.nemo_gym import (
     TIMER_PREFIX,

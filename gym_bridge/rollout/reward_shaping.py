@@ -22,7 +22,7 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from gym_bridge.failures import GymResultError, SettingError
-from gym_bridge.gym.convert import DEFAULT_THINKING_TAGS
+from gym_bridge.gym.protocol.convert import DEFAULT_THINKING_TAGS
 from gym_bridge.json_types import JsonMapping, JsonObject
 from gym_bridge.types import TokenIds, Tokenizer
 

@@ -34,7 +34,7 @@ import pytest
 from gym_bridge.json_types import JsonObject
 
 if TYPE_CHECKING:  # the plugin imports nothing heavy until a fixture runs (gym_bridge.types imports torch)
-    from gym_bridge.gym.actor_config import NemoGymConfig
+    from gym_bridge.gym.transport.actor_config import NemoGymConfig
     from gym_bridge.rollout.manager import RolloutManager
     from gym_bridge.serving import OpenAIServer
     from gym_bridge.types import ActorHandle, Tokenizer
@@ -193,8 +193,8 @@ def nemo_gym_config(
     gym_configs: list[str], gym_policy: OpenAIServer, tmp_path_factory: pytest.TempPathFactory
 ) -> NemoGymConfig:
     """The :class:`NemoGymConfig` for ``gym_configs`` on ``gym_policy``; override to add fields."""
-    from gym_bridge.gym.actor_config import NemoGymConfig
-    from gym_bridge.gym.server_config import wheel_config_path
+    from gym_bridge.gym.servers.server_config import wheel_config_path
+    from gym_bridge.gym.transport.actor_config import NemoGymConfig
 
     paths = [p if Path(p).is_absolute() else str(wheel_config_path(p)) for p in gym_configs]
     assert gym_policy.base_url is not None, "the gym_policy fixture starts its server"
@@ -213,7 +213,7 @@ def nemo_gym_config(
 @pytest.fixture(scope="session")
 def gym_actor(ray_session: None, nemo_gym_config: NemoGymConfig, gym_tokenizer: Tokenizer) -> Iterator[ActorHandle]:
     """One spun-up NemoGym actor for ``nemo_gym_config``, shut down (Gym processes included) at the end."""
-    from gym_bridge.gym.spinup import start_nemo_gym_actor, stop_nemo_gym_actors
+    from gym_bridge.gym.transport.spinup import start_nemo_gym_actor, stop_nemo_gym_actors
 
     handle = start_nemo_gym_actor(nemo_gym_config, gym_tokenizer)
     yield handle

@@ -29,7 +29,7 @@ from types import TracebackType
 import psutil
 
 from gym_bridge.failures import GymBridgeError, SettingError
-from gym_bridge.gym.reaper import free_ports
+from gym_bridge.gym.servers.reaper import free_ports
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from gym_bridge.boundary.files import read_text, write_atomic
 from gym_bridge.boundary.json_io import loads, loads_object
 from gym_bridge.data import datum_from_gym_row
 from gym_bridge.failures import RolloutRetryPolicy, RolloutTimeouts
-from gym_bridge.gym.actor_config import NemoGymConfig
+from gym_bridge.gym.transport.actor_config import NemoGymConfig
 from gym_bridge.json_types import JsonObject
 from gym_bridge.rollout.manager import RolloutManager
 from gym_bridge.testing import DEFAULT_GYM_CONFIGS, SERVED_MODEL_NAME
@@ -43,7 +43,7 @@ EQUIVALENCE_AGENT = "lc_equivalence_rule_simple_agent"
 
 def tool_call_rows() -> list[JsonObject]:
     """The wheel's example rows for example_single_tool_call (weather questions), routed to its agent."""
-    from gym_bridge.gym.server_config import wheel_config_path
+    from gym_bridge.gym.servers.server_config import wheel_config_path
 
     path = wheel_config_path("resources_servers/example_single_tool_call/data/example.jsonl")
     text = read_text(path, MAX_EXAMPLE_BYTES)
@@ -78,7 +78,7 @@ def stamp(rows: list[JsonObject]) -> list[JsonObject]:
 
 def gym_actor_config(base_urls: list[str], log_dir: Path | None, **kwargs: Any) -> NemoGymConfig:
     """The actor config of our Gym tests: the wheel's example servers on ``base_urls``, short timeouts."""
-    from gym_bridge.gym.server_config import wheel_config_path
+    from gym_bridge.gym.servers.server_config import wheel_config_path
 
     return NemoGymConfig(
         model_name=SERVED_MODEL_NAME,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 
-from gym_bridge.gym.routing import row_agent
+from gym_bridge.gym.protocol.routing import row_agent
 from gym_bridge.rollout.nemo_gym import group_metrics
 from gym_bridge.rollout.sink import CommittedGroup
 from gym_bridge.types import Completion

@@ -23,9 +23,9 @@ from typing import Protocol
 from gym_bridge.boundary.files import open_append
 from gym_bridge.boundary.json_io import dumps
 from gym_bridge.failures.errors import SettingError
-from gym_bridge.gym.client import GymClient
-from gym_bridge.gym.routing import row_agent
-from gym_bridge.gym.rows import build_rows
+from gym_bridge.gym.protocol.routing import row_agent
+from gym_bridge.gym.protocol.rows import build_rows
+from gym_bridge.gym.transport.client import GymClient
 from gym_bridge.json_types import JsonMapping, JsonObject
 from gym_bridge.rollout.nemo_gym import gym_completion
 from gym_bridge.training.agent_metrics import agent_metrics

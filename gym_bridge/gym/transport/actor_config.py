@@ -13,9 +13,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationInfo, field_validator, model_validator
 
 from gym_bridge.failures import SettingError
-from gym_bridge.gym.convert import DEFAULT_INVALID_TOOL_CALL_PATTERNS, DEFAULT_THINKING_TAGS
-from gym_bridge.gym.server_config import GymServersConfig, head_address
-from gym_bridge.gym.token_capture import capture_block
+from gym_bridge.gym.protocol.convert import DEFAULT_INVALID_TOOL_CALL_PATTERNS, DEFAULT_THINKING_TAGS
+from gym_bridge.gym.protocol.token_capture import capture_block
+from gym_bridge.gym.servers.server_config import GymServersConfig, head_address
 from gym_bridge.json_types import JsonObject
 
 # NeMo-RL's defaults for Gym's own aiohttp pools (Gym's agents fan out to models and tools).
@@ -184,7 +184,7 @@ class NemoGymConfig(BaseModel):
 
     def servers_config(self) -> GymServersConfig:
         """The Gym server set this actor starts (or, with ``gym_head``, attaches to); with a port range, the launcher
-        binds the head server's port in it (:func:`gym_bridge.gym._launcher.claim_head_port`)."""
+        binds the head server's port in it (:func:`gym_bridge.gym.servers._launcher.claim_head_port`)."""
         common = {
             "policy_base_urls": list(self.base_urls),
             "policy_model_name": self.model_name,

@@ -3,7 +3,7 @@
 A row is what NeMo-Gym's agent ``/run`` endpoint takes: ``responses_create_params``
 (OpenAI Responses "create" parameters, ``input`` required), ``agent_ref`` naming the
 agent server or ``task_source`` naming the instance that declared its dataset (Gym 0.7's
-prepared files; :mod:`gym_bridge.gym.routing` resolves it), and any verifier fields,
+prepared files; :mod:`gym_bridge.gym.protocol.routing` resolves it), and any verifier fields,
 which are passed through untouched.
 
 A materialized row (Gym 0.7's episode protocol: ``task_id`` an object ``{taskset, task_id}`` beside ``task_input``)
@@ -50,8 +50,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from gym_bridge.boundary.errors import UntrustedInputError
 from gym_bridge.boundary.json_io import ROW_DEPTH, loads
 from gym_bridge.failures import InvalidGymRow, SettingError
-from gym_bridge.gym.routing import GymRoutes, check_agent, check_routable, row_agent
-from gym_bridge.gym.versions import ATTEMPT_INDEX_KEY, ROLLOUT_ID_KEY, ROLLOUT_INDEX_KEY, TASK_INDEX_KEY, installed_gym
+from gym_bridge.gym.protocol.routing import GymRoutes, check_agent, check_routable, row_agent
+from gym_bridge.gym_versions import ATTEMPT_INDEX_KEY, ROLLOUT_ID_KEY, ROLLOUT_INDEX_KEY, TASK_INDEX_KEY, installed_gym
 
 if TYPE_CHECKING:  # torch stays out of reading rows (an eval's config and dataset checks run before it)
     from gym_bridge.types import GenerationSamplingParams
@@ -100,7 +100,7 @@ class GymRow(BaseModel):
     """The fields of a Gym row that gym-bridge relies on; everything else passes through.
 
     A row names its agent (``agent_ref``) or, as Gym 0.7's ``gym dataset collate`` writes it, the config
-    instance that declared its dataset (``task_source``), which :mod:`gym_bridge.gym.routing` resolves."""
+    instance that declared its dataset (``task_source``), which :mod:`gym_bridge.gym.protocol.routing` resolves."""
 
     model_config = ConfigDict(extra="allow")
 

@@ -9,7 +9,7 @@ Two streams, each an async generator consumed with ``num_returns="streaming"``:
 ``run_rollouts(rows, prefix)`` yields NeMo-RL's ``(rowidx, result, timing)`` per row, the
 contract NeMo-RL's own rollout functions and manager consume; ``run_row_batches(rows, prefix)``
 yields :class:`GymRowBatch` es (the rows that finished together, typed), which our
-:class:`~gym_bridge.gym.client.GymClient` consumes: one Ray message per batch instead of per row.
+:class:`~gym_bridge.gym.transport.client.GymClient` consumes: one Ray message per batch instead of per row.
 
 When Ray restarts the actor (``actor_options={"max_restarts": ...}``), the Gym servers
 died with the old process. ``cfg.on_restart="fail"`` makes every call raise
@@ -27,7 +27,7 @@ error ``GymTransportError``; an expired ``request_timeout_s`` ``RolloutTimeout``
 bad rows and bad results ``RolloutDataFailure`` subclasses.
 
 Every result is stamped with the ``_ng_*`` rollout identity of its row before it is converted
-(:func:`~gym_bridge.gym.token_capture.stamp_identity`), as Gym's collection stamps every result it records,
+(:func:`~gym_bridge.gym.protocol.token_capture.stamp_identity`), as Gym's collection stamps every result it records,
 whatever the agent echoes.
 
 Rows are posted where Gym's ``RolloutCollectionHelper.run_examples`` posts them (JSON body,
@@ -35,11 +35,12 @@ Rows are posted where Gym's ``RolloutCollectionHelper.run_examples`` posts them 
 in front of the row's agent, or of the agent itself when that server is the pass-through
 ``legacy_agent`` relay (one hop fewer) or there is none (Gym < 0.6); plus a bounded wait and no retry
 loop. ``task_source`` rows are resolved by the routes Gym's own resolver computed at start
-(:mod:`gym_bridge.gym.routing`). A materialized row (Gym 0.7's episode protocol: ``task_id`` = ``{taskset, task_id}``
-plus ``task_input``) is posted as Gym's episode request (:func:`~gym_bridge.gym.rows.episode_request_body`) to
-``/run`` of the environment server its taskset names in the config's ``environment_server_routes``, and the reply is
-made Gym's record (:func:`~gym_bridge.gym.convert.episode_record`): a ``result`` converted like any ``/run`` result, a
-handled ``failure`` raised typed (:func:`~gym_bridge.gym.convert.episode_failure`). With ``cfg.gym_head`` the server
+(:mod:`gym_bridge.gym.protocol.routing`). A materialized row (Gym 0.7's episode protocol: ``task_id`` = ``{taskset,
+task_id}`` plus ``task_input``) is posted as Gym's episode request
+(:func:`~gym_bridge.gym.protocol.rows.episode_request_body`) to ``/run`` of the environment server its taskset names in
+the config's ``environment_server_routes``, and the reply is made Gym's record
+(:func:`~gym_bridge.gym.protocol.convert.episode_record`): a ``result`` converted like any ``/run`` result, a handled
+``failure`` raised typed (:func:`~gym_bridge.gym.protocol.convert.episode_failure`). With ``cfg.gym_head`` the server
 set is a Gym that is already running: used, never started or stopped here (:class:`GymServers`).
 
 aiohttp, not httpx, because httpx's connection pool cost 4-8 ms of CPU per request at 256-1,024 requests in flight
@@ -80,9 +81,7 @@ from gym_bridge.failures import (
 )
 from gym_bridge.failures.classify import gym_failure_class_failure
 from gym_bridge.failures.gym_chain import agent_run_error
-from gym_bridge.gym.actor_config import NemoGymConfig
-from gym_bridge.gym.admission import EndpointLoad
-from gym_bridge.gym.convert import (
+from gym_bridge.gym.protocol.convert import (
     ENVIRONMENT_SERVER_FAILED,
     FAILURE_CLASS_KEY,
     convert_gym_result,
@@ -90,11 +89,9 @@ from gym_bridge.gym.convert import (
     episode_record,
     is_episode_response,
 )
-from gym_bridge.gym.endpoint_load import read_endpoint_load
-from gym_bridge.gym.health import EndpointWatch, SharedWatch
-from gym_bridge.gym.result import GymRowBatch, GymRowResult, NemoRLRowResult
-from gym_bridge.gym.routing import GymRoutes
-from gym_bridge.gym.rows import (
+from gym_bridge.gym.protocol.result import GymRowBatch, GymRowResult, NemoRLRowResult
+from gym_bridge.gym.protocol.routing import GymRoutes
+from gym_bridge.gym.protocol.rows import (
     ENVIRONMENT_SERVER_KEY,
     ROW_INDEX_KEY,
     EpisodeRoutes,
@@ -104,9 +101,7 @@ from gym_bridge.gym.rows import (
     is_materialized,
     row_label,
 )
-from gym_bridge.gym.servers import GymServers
-from gym_bridge.gym.stream_window import BATCH_WINDOW_S, failed, gather_window
-from gym_bridge.gym.token_capture import (
+from gym_bridge.gym.protocol.token_capture import (
     CAPTURE_KEY,
     CaptureBuild,
     TokenCapture,
@@ -114,7 +109,13 @@ from gym_bridge.gym.token_capture import (
     stamp_identity,
     with_capture_dir,
 )
-from gym_bridge.gym.versions import installed_gym
+from gym_bridge.gym.servers.server_set import GymServers
+from gym_bridge.gym.transport.actor_config import NemoGymConfig
+from gym_bridge.gym.transport.admission import EndpointLoad
+from gym_bridge.gym.transport.endpoint_load import read_endpoint_load
+from gym_bridge.gym.transport.health import EndpointWatch, SharedWatch
+from gym_bridge.gym.transport.stream_window import BATCH_WINDOW_S, failed, gather_window
+from gym_bridge.gym_versions import installed_gym
 from gym_bridge.types import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -536,8 +537,8 @@ class NemoGym:
     async def _finalized(
         capture: TokenCapture, row: dict[str, Any], body: bytes, where: str
     ) -> tuple[bytes, CaptureBuild | None]:
-        """The result with its captured token ids (:mod:`gym_bridge.gym.token_capture`), as JSON bytes again, and
-        the build. A failure row (``_ng_failure_class``) is no rollout: Gym finalises none, nor do we."""
+        """The result with its captured token ids (:mod:`gym_bridge.gym.protocol.token_capture`), as JSON bytes
+        again, and the build. A failure row (``_ng_failure_class``) is no rollout: Gym finalises none, nor do we."""
         try:
             result = _loads(body, f"{where}: /run answer")
         except UntrustedInputError as exc:

@@ -8,7 +8,7 @@ Two steps, as Gym's own collection takes them:
    ``fan_out`` lists becomes one row per agent. Precedence, Gym's:
    ``agent_map[<row value>] > agent_map._default > agent_ref > task_source``.
 2. :class:`GymRoutes` (what the launched config says, computed by Gym's own resolver in the launcher:
-   :mod:`gym_bridge.gym._gym_routes`) resolves a row that still names only its ``task_source`` and says
+   :mod:`gym_bridge.gym.servers._gym_routes`) resolves a row that still names only its ``task_source`` and says
    which server a row for each agent is posted to (:meth:`GymRoutes.agent_of`, :meth:`GymRoutes.routed`).
 """
 
@@ -21,7 +21,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from gym_bridge.failures import InvalidGymRow, SettingError
-from gym_bridge.gym.versions import installed_gym
+from gym_bridge.gym_versions import installed_gym
 
 TASK_SOURCE_KEY = "task_source"
 DEFAULT_KEY = "_default"
@@ -61,7 +61,8 @@ class RowRouting(BaseModel):
     applies to every row without an entry."""
     fan_out: dict[str, list[str]] = Field(default_factory=dict)
     """``{row value: [agents]}``: each such row runs once per agent (one prompt group each), all one Gym task whose
-    rollout index continues across the agents, as Gym numbers them (:func:`gym_bridge.gym.rows.number_tasks`)."""
+    rollout index continues across the agents, as Gym numbers them
+    (:func:`gym_bridge.gym.protocol.rows.number_tasks`)."""
 
     @model_validator(mode="after")
     def _consistent(self) -> RowRouting:

@@ -6,7 +6,7 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, cast
 
-from gym_bridge.gym.actor_config import NemoGymConfig, actor_configs
+from gym_bridge.gym.transport.actor_config import NemoGymConfig, actor_configs
 from gym_bridge.types import ActorHandle, Tokenizer
 
 if TYPE_CHECKING:
@@ -56,7 +56,7 @@ def spinup_nemo_gym_actors(
     """
     import ray
 
-    from gym_bridge.gym.actor import NemoGym  # lazily: the actor module imports aiohttp and orjson
+    from gym_bridge.gym.transport.actor import NemoGym  # lazily: the actor module imports aiohttp and orjson
 
     # By value, not ray.put: Ray re-runs the constructor on a restart, and a put object may be gone by then.
     # Ray types an actor's handle as ``ActorHandle[T] | type[T]``, whose methods lack ``.remote``; callers

@@ -3,7 +3,7 @@
 Importing ``nemo_gym`` (wandb, pandas, ray, fastapi, openai and anthropic types) costs each
 server process about 3.5 CPU-seconds; a set of six servers spent 20 s of CPU before any of
 them listened. The launcher instead starts one multiprocessing fork server that imports
-those third-party packages once (:mod:`gym_bridge.gym._server_preload`). Each server is a
+those third-party packages once (:mod:`gym_bridge.gym.servers._server_preload`). Each server is a
 fork of it that runs its ``app.py`` as ``__main__`` with the environment, folder and
 ``sys.path`` that Gym's shell command would have given it (only ``argv[0]`` differs: it is
 the full path). Each server imports NeMo-Gym itself (0.3 s), so NeMo-Gym's import-time
@@ -80,7 +80,7 @@ def parse_server_command(command: str, python_prefix: Path) -> ServerCommand | N
 def fork_context() -> ForkServerContext:
     """The fork server context, started now so its imports overlap the launcher's own."""
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["gym_bridge.gym._server_preload"])
+    context.set_forkserver_preload(["gym_bridge.gym.servers._server_preload"])
     forkserver.ensure_running()
     return context
 

@@ -35,9 +35,9 @@ from gym_bridge.failures import (
     TokenDrift,
     shorten,
 )
-from gym_bridge.gym.decode import decode_turns
-from gym_bridge.gym.result import GymRowResult
-from gym_bridge.gym.versions import ROLLOUT_IDENTITY_KEYS
+from gym_bridge.gym.protocol.decode import decode_turns
+from gym_bridge.gym.protocol.result import GymRowResult
+from gym_bridge.gym_versions import ROLLOUT_IDENTITY_KEYS
 from gym_bridge.json_types import JsonObject
 from gym_bridge.serving.chat import render_ids
 from gym_bridge.types import LOGPROB_DTYPE, TOKEN_DTYPE, LLMMessageLogType, Tokenizer

@@ -2,7 +2,7 @@
 
 vLLM (and any server in its dialect) reports ``vllm:num_requests_waiting`` (queued, not yet scheduled) and
 ``vllm:num_requests_running`` in Prometheus text; :func:`read_endpoint_load` sums them over the endpoints
-that answer, with a bound, and :class:`~gym_bridge.gym.admission.AdmissionControl` reads a waiting queue as
+that answer, with a bound, and :class:`~gym_bridge.gym.transport.admission.AdmissionControl` reads a waiting queue as
 a saturated engine.
 """
 
@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import aiohttp
 
-from gym_bridge.gym.admission import EndpointLoad
+from gym_bridge.gym.transport.admission import EndpointLoad
 
 WAITING = "vllm:num_requests_waiting"
 RUNNING = "vllm:num_requests_running"

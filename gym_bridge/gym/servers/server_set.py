@@ -4,18 +4,18 @@ It raises ``GymStartupError`` and ``GymServerDied`` (both ``GymServersError``; t
 drawn in :mod:`gym_bridge.failures`).
 
 Each :class:`GymServers` runs Gym's own ``RunHelper`` in a launcher process of
-its own session (see :mod:`gym_bridge.gym._launcher`); every Gym server is a
+its own session (see :mod:`gym_bridge.gym.servers._launcher`); every Gym server is a
 child of it, so the whole set is one process group that :meth:`GymServers.stop`
 signals, SIGTERM then SIGKILL. The servers run on this interpreter's
 environment: Gym's per-server venvs are prepared as links to ``sys.prefix`` and
-nothing is installed. The config lives in :mod:`gym_bridge.gym.server_config`, the
-cleanup registry and process checks in :mod:`gym_bridge.gym.reaper`.
+nothing is installed. The config lives in :mod:`gym_bridge.gym.servers.server_config`, the
+cleanup registry and process checks in :mod:`gym_bridge.gym.servers.reaper`.
 
 With ``GymServersConfig.head_url`` the set is a Gym that is already running (``gym env start``, ``ng_run``, another
 tool's): :meth:`GymServers.start` attaches to it, as ``gym eval run --no-serve`` does, reading its servers
 (``GET /server_instances``) and config (``GET /global_config_dict_yaml``) from its head server and the routes from that
-config with Gym's own resolver (:mod:`gym_bridge.gym._gym_routes`, in a process of its own); :meth:`GymServers.poll`
-checks that its servers still accept connections, and :meth:`GymServers.stop` stops nothing.
+config with Gym's own resolver (:mod:`gym_bridge.gym.servers._gym_routes`, in a process of its own);
+:meth:`GymServers.poll` checks that its servers still accept connections, and :meth:`GymServers.stop` stops nothing.
 
 Every file it touches goes through the trust boundary (:mod:`gym_bridge.boundary.files`): the log folder is made as
 the user named it, a log is appended to only through a descriptor that refuses a link or a second hard link, and
@@ -45,8 +45,8 @@ from gym_bridge.boundary import UntrustedInputError
 from gym_bridge.boundary.files import make_dir, open_append, read_bytes, write_atomic
 from gym_bridge.boundary.json_io import dumps, loads_object
 from gym_bridge.failures import GymPortInUse, GymServerDied, GymServersError, GymStartupError
-from gym_bridge.gym._launcher import log_path_of
-from gym_bridge.gym.reaper import (
+from gym_bridge.gym.servers._launcher import log_path_of
+from gym_bridge.gym.servers.reaper import (
     PORT_WINDOW,
     answers,
     is_alive,
@@ -57,9 +57,9 @@ from gym_bridge.gym.reaper import (
     tail,
     wait_gone,
 )
-from gym_bridge.gym.running import read_global_config, read_head
-from gym_bridge.gym.server_config import GymServersConfig, HeadServerAddress, deep_merge, head_address
-from gym_bridge.gym.versions import installed_gym
+from gym_bridge.gym.servers.running import read_global_config, read_head
+from gym_bridge.gym.servers.server_config import GymServersConfig, HeadServerAddress, deep_merge, head_address
+from gym_bridge.gym_versions import installed_gym
 from gym_bridge.json_types import JsonObject
 
 logger = logging.getLogger(__name__)
@@ -84,7 +84,7 @@ import sys
 from omegaconf import OmegaConf
 from gym_bridge.boundary.files import write_atomic
 from gym_bridge.boundary.json_io import dumps
-from gym_bridge.gym._gym_routes import gym_routes
+from gym_bridge.gym.servers._gym_routes import gym_routes
 write_atomic(sys.argv[1], dumps(gym_routes(OmegaConf.create(sys.stdin.read()))))
 """
 """Gym's own resolver over a running Gym's config, in a process of its own: the caller never imports NeMo-Gym."""
@@ -194,7 +194,8 @@ class GymServers:
 
     @property
     def routes(self) -> JsonObject:
-        """Where the launched config sends rows, as Gym's own code resolved it (:mod:`gym_bridge.gym._gym_routes`)."""
+        """Where the launched config sends rows, as Gym's own code resolved it
+        (:mod:`gym_bridge.gym.servers._gym_routes`)."""
         routes = self._status.get("routes")
         return routes if isinstance(routes, dict) else {}
 
@@ -383,8 +384,8 @@ class GymServers:
         return str(host), int(port)
 
     def _read_global_config(self, head: HeadServerAddress) -> dict[str, Any]:
-        """The head server's global config as plain data (:func:`~gym_bridge.gym.running.read_global_config`); its
-        YAML is kept for Gym's resolver."""
+        """The head server's global config as plain data (:func:`~gym_bridge.gym.servers.running.read_global_config`);
+        its YAML is kept for Gym's resolver."""
         served = read_global_config(head)
         self._config_yaml = served.yaml
         return served.config
@@ -507,8 +508,8 @@ class GymServers:
         with open_append(self.launcher_log, root=self.log_dir) as log:
             self._launcher = subprocess.Popen(
                 # -P: the launcher's folder stays off sys.path, so a server forked from it gets the
-                # sys.path that `python app.py` would (gym/_forkserver.py)
-                [sys.executable, "-P", "-m", "gym_bridge.gym._launcher", str(spec_path)],
+                # sys.path that `python app.py` would (gym/servers/_forkserver.py)
+                [sys.executable, "-P", "-m", "gym_bridge.gym.servers._launcher", str(spec_path)],
                 cwd=cwd,
                 env=env,
                 stdin=subprocess.DEVNULL,

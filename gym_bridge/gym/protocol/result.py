@@ -1,6 +1,6 @@
 """The typed results that cross from the NemoGym actor to the driver: one Gym row, a streamed batch.
 
-The actor builds them (:func:`gym_bridge.gym.convert.convert_gym_result` reads Gym's
+The actor builds them (:func:`gym_bridge.gym.protocol.convert.convert_gym_result` reads Gym's
 result schema). A :class:`GymRowResult` pickles its message log's tensors as numpy arrays and
 unpickles them as tensors again: Ray pickles an array out of band (~0.1 ms) but a tensor through
 ``torch.save`` (~0.3 ms each way, several per row), and neither end converts by hand.
@@ -15,7 +15,7 @@ from typing import Any, TypedDict, cast
 import numpy as np
 import torch
 
-from gym_bridge.gym.token_capture import CaptureBuild
+from gym_bridge.gym.protocol.token_capture import CaptureBuild
 from gym_bridge.types import LLMMessageLogType
 
 
@@ -56,7 +56,7 @@ class GymRowResult:
     """Gym's human-readable ``failure_reason``: a diagnosis, never a metric label."""
     capture: CaptureBuild | None = None
     """With ``token_id_capture`` on: what Gym's finaliser made of this result (None: it made no build), counted
-    against ``max_mask_fraction`` by the client (:class:`~gym_bridge.gym.token_capture.MaskFractionWatch`)."""
+    against ``max_mask_fraction`` by the client (:class:`~gym_bridge.gym.protocol.token_capture.MaskFractionWatch`)."""
 
     @property
     def input_message_log(self) -> LLMMessageLogType:

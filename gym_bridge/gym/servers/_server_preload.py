@@ -1,4 +1,4 @@
-"""What the Gym servers' fork server imports once (:mod:`gym_bridge.gym._forkserver`).
+"""What the Gym servers' fork server imports once (:mod:`gym_bridge.gym.servers._forkserver`).
 
 NeMo-Gym's heavy third-party dependencies, measured with ``-X importtime``: with these loaded,
 a server's own ``import nemo_gym`` takes 0.3 s instead of 3.5 s (``scipy.stats``: Gym 0.7's

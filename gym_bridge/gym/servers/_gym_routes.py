@@ -5,7 +5,7 @@ server set, what the driver needs and must not import Gym for: which agent each 
 resolves to (Gym's ``RolloutCollectionHelper.resolve_task_sources``, 0.6+), and which server a
 row for each agent is posted to (the environment server in front of it, as Gym's collection does;
 the agent itself behind a pass-through ``legacy_agent`` relay). The result is plain JSON for the
-status file; :class:`gym_bridge.gym.routing.GymRoutes` reads it.
+status file; :class:`gym_bridge.gym.protocol.routing.GymRoutes` reads it.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""The process that runs NeMo-Gym's ``RunHelper`` for one :class:`~gym_bridge.gym.servers.GymServers`.
+"""The process that runs NeMo-Gym's ``RunHelper`` for one :class:`~gym_bridge.gym.servers.server_set.GymServers`.
 
-Run as ``python -m gym_bridge.gym._launcher <launch.json>`` in a session of its
+Run as ``python -m gym_bridge.gym.servers._launcher <launch.json>`` in a session of its
 own. Gym keeps its config, head server and aiohttp client process-wide, so one
 launcher per ``GymServers`` keeps two of them apart, and the launcher's process
 group holds every server, so killing the group leaves nothing behind.
@@ -8,13 +8,13 @@ group holds every server, so killing the group leaves nothing behind.
 It changes four things in Gym: each server's output goes to its own log file
 (Gym's ``tee`` wrapper would orphan the servers), a server whose start command
 would create a venv or install packages is refused, each server is forked
-from a process that imported NeMo-Gym's dependencies once (:mod:`gym_bridge.gym._forkserver`)
+from a process that imported NeMo-Gym's dependencies once (:mod:`gym_bridge.gym.servers._forkserver`)
 instead of starting a fresh interpreter, and Gym polls its head and servers every 0.2 s
 instead of every 3 s (a set is ready ~2.5 s sooner). It also binds the head server's socket itself before Gym
 reads its config (:func:`claim_head_port`) and hands it to Gym's uvicorn, so no other process can take the head's
 port between its choice and its bind. It reports to the
 parent through a JSON status file: ``phase`` (parsing, spawning, ready, failed),
-``servers`` (name -> host, port, pid, log), ``routes`` (:mod:`gym_bridge.gym._gym_routes`) and ``error``.
+``servers`` (name -> host, port, pid, log), ``routes`` (:mod:`gym_bridge.gym.servers._gym_routes`) and ``error``.
 
 Its files go through the trust boundary: each server's log is appended to through a descriptor that refuses a
 link or a second hard link (:func:`open_log`), so a log folder someone else filled never leads an append outside
@@ -41,8 +41,8 @@ from typing import TYPE_CHECKING, BinaryIO
 from gym_bridge.boundary.files import make_dir, open_append, read_bytes, write_atomic
 from gym_bridge.boundary.json_io import dumps, loads_object
 from gym_bridge.failures.errors import GymPortInUse, GymStartupError
-from gym_bridge.gym._forkserver import ForkedServer, fork_context, parse_server_command, start_server
-from gym_bridge.gym._gym_routes import gym_routes
+from gym_bridge.gym.servers._forkserver import ForkedServer, fork_context, parse_server_command, start_server
+from gym_bridge.gym.servers._gym_routes import gym_routes
 from gym_bridge.json_types import JsonObject
 
 if TYPE_CHECKING:
@@ -141,7 +141,7 @@ def _make_run_command(
     status: _Status, log_dir: Path, forks: ForkServerContext | None
 ) -> Callable[..., Popen[bytes] | ForkedServer]:
     """A stand-in for ``nemo_gym.cli.setup_command.run_command``: one log file per server, no installs,
-    and each server forked from ``forks`` (:mod:`gym_bridge.gym._forkserver`) when its command allows."""
+    and each server forked from ``forks`` (:mod:`gym_bridge.gym.servers._forkserver`) when its command allows."""
     from nemo_gym.global_config import UV_CACHE_DIR_KEY_NAME, get_global_config_dict
 
     def run_command(

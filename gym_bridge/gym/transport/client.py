@@ -7,14 +7,15 @@ that comes back, and re-dispatches only the rows that never arrived after an inf
 failure (and, with ``resend_env_infra_failures``, the rows the environment masked for an
 infrastructure ``failure_kind``). One deadline spans all of it, agent discovery included; it counts the
 group's time running, not its waits for admission. Every attempt is admitted by the client's
-:class:`~gym_bridge.gym.admission.AdmissionControl`: a timeout into a saturated engine halves the rows in
+:class:`~gym_bridge.gym.transport.admission.AdmissionControl`: a timeout into a saturated engine halves the rows in
 flight and pauses admission, so re-sends back off instead of storming. The result is typed:
 :class:`GymGroupResult`.
 
 A deterministic failure (data: Gym's ``agent_run_error``, a bad result) fails the group at once: only
 infrastructure failures re-send rows. With ``token_id_capture`` on, every finalised capture is counted against
-``max_mask_fraction`` as Gym's collection counts it (:class:`~gym_bridge.gym.token_capture.MaskFractionWatch`); when
-Gym would abort, :class:`~gym_bridge.failures.TokenCaptureMasked` is raised, and again by every later group.
+``max_mask_fraction`` as Gym's collection counts it
+(:class:`~gym_bridge.gym.protocol.token_capture.MaskFractionWatch`); when Gym would abort,
+:class:`~gym_bridge.failures.TokenCaptureMasked` is raised, and again by every later group.
 """
 
 from __future__ import annotations
@@ -39,7 +40,11 @@ from gym_bridge.failures import (
     classify_rollout_failure,
     gym_failure_kind_class,
 )
-from gym_bridge.gym.admission import (
+from gym_bridge.gym.protocol.result import GymRowBatch, GymRowResult
+from gym_bridge.gym.protocol.routing import GymRoutes
+from gym_bridge.gym.protocol.rows import ROW_INDEX_KEY, with_attempt
+from gym_bridge.gym.protocol.token_capture import MaskFractionWatch
+from gym_bridge.gym.transport.admission import (
     AdmissionControl,
     AdmissionSettings,
     AdmissionTicket,
@@ -48,10 +53,6 @@ from gym_bridge.gym.admission import (
     endpoint_drained,
     saturation_reason,
 )
-from gym_bridge.gym.result import GymRowBatch, GymRowResult
-from gym_bridge.gym.routing import GymRoutes
-from gym_bridge.gym.rows import ROW_INDEX_KEY, with_attempt
-from gym_bridge.gym.token_capture import MaskFractionWatch
 from gym_bridge.types import ActorHandle
 
 logger = logging.getLogger(__name__)

@@ -120,7 +120,7 @@ class GymVersion:
     version, ``_ng_attempt_index`` from 0.5, ``_ng_rollout_id`` (the token-capture key) from 0.7."""
     token_id_capture: bool
     """0.7: Gym's model server records token ids under a rollout's capture key (``token_id_capture``), for agents
-    whose responses carry none; the NemoGym actor finalises them (:mod:`gym_bridge.gym.token_capture`)."""
+    whose responses carry none; the NemoGym actor finalises them (:mod:`gym_bridge.gym.protocol.token_capture`)."""
     cancels_on_disconnect: bool
     """0.7: every Gym server cancels a request whose client disconnects (``ClientDisconnectCancellationMiddleware``),
     so a ``/run`` the actor gives up on stops down to the model endpoint; 0.4.0 and 0.5.1 have no such middleware

@@ -93,8 +93,8 @@ class GymServersConfig(BaseModel):
     use_ray: bool = True
     """False: the servers neither start nor join a Ray cluster (fine for servers that never use Ray)."""
     fork_servers: bool = True
-    """Fork each server from one process that imported NeMo-Gym's dependencies once (``gym/_forkserver.py``) instead
-    of a fresh ``python app.py`` each; False for servers that need a fresh interpreter."""
+    """Fork each server from one process that imported NeMo-Gym's dependencies once (``gym/servers/_forkserver.py``)
+    instead of a fresh ``python app.py`` each; False for servers that need a fresh interpreter."""
     load_env_yaml: bool = False
     """Whether Gym also reads ``env.yaml`` from the cwd or the wheel."""
     server_dirs: dict[str, Path] = Field(default_factory=dict)

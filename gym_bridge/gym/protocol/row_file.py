@@ -1,11 +1,11 @@
 """A JSONL file of Gym rows read the one way every entrance reads it (eval datasets, training and validation data).
 
 Lines are split on ``\\n`` only (a JSON string may hold U+2028 and other line separators); each line's row is
-routed by the run's :class:`~gym_bridge.gym.routing.RowRouting` (a ``fan_out`` row becomes one prompt group per
-agent), numbered as Gym 0.7's ``preprocess_examples`` numbers it (:func:`~gym_bridge.gym.rows.number_tasks`: every
-row gets its ``_ng_task_index``, dense over distinct rows, and its ``_ng_rollout_index`` among its task's repeats
-and fan-out agents), and every row is checked by :func:`~gym_bridge.gym.rows.validate_row`. Problems are collected,
-not raised, so the caller names them all in its own error type.
+routed by the run's :class:`~gym_bridge.gym.protocol.routing.RowRouting` (a ``fan_out`` row becomes one prompt group per
+agent), numbered as Gym 0.7's ``preprocess_examples`` numbers it (:func:`~gym_bridge.gym.protocol.rows.number_tasks`:
+every row gets its ``_ng_task_index``, dense over distinct rows, and its ``_ng_rollout_index`` among its task's repeats
+and fan-out agents), and every row is checked by :func:`~gym_bridge.gym.protocol.rows.validate_row`. Problems are
+collected, not raised, so the caller names them all in its own error type.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from gym_bridge.boundary.files import read_text
 from gym_bridge.boundary.json_io import ROW_DEPTH, loads
 from gym_bridge.boundary.text import shown
 from gym_bridge.failures import InvalidGymRow
-from gym_bridge.gym.routing import RowRouting
-from gym_bridge.gym.rows import ValidGymRow, number_tasks, validate_row
+from gym_bridge.gym.protocol.routing import RowRouting
+from gym_bridge.gym.protocol.rows import ValidGymRow, number_tasks, validate_row
 
 MAX_ROW_FILE_BYTES = 4 << 30
 """The largest row file read (a dataset, training or validation data)."""

@@ -79,7 +79,7 @@ def _pad_dim0(tensor: torch.Tensor, length: int, value: float) -> torch.Tensor:
     return padded
 
 
-class BatchedDataDict[DictT: Mapping[str, object]](UserDict):
+class BatchedDataDict[DictT: Mapping[str, object]](UserDict[str, Any]):
     """A dict of per-sample columns: tensors with the batch on dim 0, or lists.
 
     ``DictT`` names the TypedDict the keys follow, for annotations only:

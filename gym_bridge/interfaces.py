@@ -57,7 +57,7 @@ class GenerationInterface(abc.ABC):
 
     def init_collective(
         self, ip: str, port: int, world_size: int, *, train_world_size: int | None = None
-    ) -> list[ObjectRef]:
+    ) -> list[ObjectRef[Any]]:
         raise NotImplementedError(f"{type(self).__name__} does not join a weight-sync collective")
 
     def prepare_for_generation(self, *args: Any, **kwargs: Any) -> bool:
@@ -187,7 +187,7 @@ class ColocatablePolicyInterface(PolicyInterface):
     @abc.abstractmethod
     def init_collective(
         self, ip: str, port: int, world_size: int, *, train_world_size: int | None = None, nccl_peer: str = "nemo"
-    ) -> list[ObjectRef]:
+    ) -> list[ObjectRef[Any]]:
         """Join the weight-sync collective at ``ip:port``; returns the Ray futures of the join."""
 
     @abc.abstractmethod
@@ -209,7 +209,7 @@ class ColocatablePolicyInterface(PolicyInterface):
         *,
         buffer_size_bytes: int | None = None,
         num_buffers: int | None = None,
-    ) -> list[ObjectRef]:
+    ) -> list[ObjectRef[Any]]:
         """Broadcast the weights over the collective; returns the Ray futures of the broadcast."""
 
     def prepare_weights_for_ipc(self, *args: Any, **kwargs: Any) -> object:
@@ -222,7 +222,7 @@ class ColocatablePolicyInterface(PolicyInterface):
 
     def stream_weights_via_ipc_zmq(
         self, buffer_size_bytes: int, kv_scales: dict[str, float] | None = None
-    ) -> list[ObjectRef]:
+    ) -> list[ObjectRef[Any]]:
         """HEAD: stream the weights to colocated engines over ZMQ."""
         raise _not_implemented(self, "stream_weights_via_ipc_zmq")
 
@@ -234,7 +234,7 @@ class ColocatablePolicyInterface(PolicyInterface):
         """HEAD: move the policy off the GPU; a no-op unless overridden."""
         return None
 
-    def stream_weights_via_http(self, rollout_engine_urls: list[str], buffer_size_bytes: int) -> list[ObjectRef]:
+    def stream_weights_via_http(self, rollout_engine_urls: list[str], buffer_size_bytes: int) -> list[ObjectRef[Any]]:
         """HEAD: stream the weights to colocated SGLang engines over HTTP."""
         raise _not_implemented(self, "stream_weights_via_http")
 
@@ -252,7 +252,7 @@ class ColocatablePolicyInterface(PolicyInterface):
         """HEAD: per-layer parameter metadata for an NCCL-reshard refit."""
         raise _not_implemented(self, "prepare_nccl_reshard_refit_info")
 
-    def nccl_reshard_refit(self, kv_scales: dict[str, float] | None = None) -> list[ObjectRef]:
+    def nccl_reshard_refit(self, kv_scales: dict[str, float] | None = None) -> list[ObjectRef[Any]]:
         """HEAD: send the weights to generation workers by NCCL reshard."""
         raise _not_implemented(self, "nccl_reshard_refit")
 

@@ -24,7 +24,7 @@ from gym_bridge.failures import RolloutTimeout
 from gym_bridge.gym.transport import client as client_module
 from gym_bridge.gym.transport.admission import AdmissionControl, AdmissionSettings, EndpointLoad, endpoint_drained
 from gym_bridge.gym.transport.client import GymClient
-from gym_bridge.gym.protocol.rows import ROW_INDEX_KEY
+from gym_bridge.gym.protocol.numbering import ROW_INDEX_KEY
 
 DEMO = Path(__file__).resolve().parents[1] / "examples" / "grpo_nemo_gym.yaml"
 BUSY = EndpointLoad(reachable=True, waiting=2.0, running=8.0)
@@ -168,10 +168,10 @@ def test_env_nemo_gym_admission_reaches_the_client_and_never_gyms_config():
     settings = nemo_gym_rollout_settings(
         _gym_config(admission={"initial_limit": 4, "drain_timeout_s": 10}), base_urls=["http://127.0.0.1:1/v1"]
     )
-    assert settings.launch.manager_options["admission"] == AdmissionSettings(initial_limit=4, drain_timeout_s=10.0)
+    assert settings.launch.manager_options.admission == AdmissionSettings(initial_limit=4, drain_timeout_s=10.0)
     assert "admission" not in settings.launch.gym.overrides
     default = nemo_gym_rollout_settings(_gym_config(), base_urls=["http://127.0.0.1:1/v1"])
-    assert default.launch.manager_options["admission"] == AdmissionSettings()
+    assert default.launch.manager_options.admission == AdmissionSettings()
     for bad, named in (({"initial_limt": 4}, "initial_limt"), ({"drain_timeout_s": -1}, "drain_timeout_s")):
         with pytest.raises(TrainingConfigError, match=rf"env\.nemo_gym\.admission.*{named}"):
             nemo_gym_rollout_settings(_gym_config(admission=bad), base_urls=["http://127.0.0.1:1/v1"])

@@ -101,10 +101,10 @@ def test_a_forked_servers_output_goes_only_to_a_log_of_its_own(tmp_path: Path) -
 
 @pytest.mark.parametrize("plant", ["link", "hard link"])
 def test_gym_servers_refuse_a_planted_launcher_log_before_starting_anything(tmp_path: Path, plant: str) -> None:
-    """``GymServers.start`` opens ``_launcher.log`` for the launcher's output; a planted one is refused before the
+    """``OwnedGym.start`` opens ``_launcher.log`` for the launcher's output; a planted one is refused before the
     launcher process exists, and the set cleans up (no private folder, no port window held)."""
     from gym_bridge.gym.servers.server_config import GymServersConfig
-    from gym_bridge.gym.servers.server_set import GymServers
+    from gym_bridge.gym.servers.owned import OwnedGym
 
     logs = tmp_path / "gym-logs"
     logs.mkdir()
@@ -113,7 +113,7 @@ def test_gym_servers_refuse_a_planted_launcher_log_before_starting_anything(tmp_
         (logs / "_launcher.log").symlink_to(target)
     else:
         os.link(target, logs / "_launcher.log")
-    servers = GymServers(GymServersConfig(config_paths=["none.yaml"], log_dir=logs, use_ray=False))
+    servers = OwnedGym(GymServersConfig(config_paths=["none.yaml"], log_dir=logs, use_ray=False))
     with pytest.raises(UntrustedInputError, match=re.escape(f"{logs}/_launcher.log: ")):
         servers.start()
     assert servers._launcher is None and servers._private_dir is None and servers._window is None

@@ -23,7 +23,7 @@ from test_hostile_checkpoints import tiny_policy, trainer
 from gym_bridge.boundary import UntrustedInputError
 from gym_bridge.cli import main
 from gym_bridge.failures import GymBridgeError
-from gym_bridge.policy.hf import OPTIMIZER_FILE
+from gym_bridge.policy.optimizer_file import OPTIMIZER_FILE
 from gym_bridge.testing.cli import run_cli
 from gym_bridge.training.trainer_state import STATE_FILE
 

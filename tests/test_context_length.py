@@ -182,7 +182,7 @@ def test_a_training_config_naming_a_running_gym_needs_no_config_paths():
 
 def test_the_early_checks_leave_the_agents_to_the_running_gym(tmp_path):
     """The rows name an agent no config of the run defines: the running Gym's agents route them once attached."""
-    from gym_bridge.config.early_checks import check_before_start
+    from gym_bridge.recipes.pre_start import check_before_start
 
     with pytest.raises(TrainingConfigError, match=r"names agent\(s\) .* that no config in env.nemo_gym.config_paths"):
         check_before_start(demo(**{"env.nemo_gym.config_paths": ["responses_api_models/vllm_model/configs/"

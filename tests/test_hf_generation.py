@@ -13,11 +13,12 @@ import pytest
 import torch
 
 from gym_bridge.batched import BatchedDataDict
-from gym_bridge.failures import SettingError
-from gym_bridge.failures import EngineShutDownError
+from gym_bridge.failures import EngineShutDownError, SettingError
+from gym_bridge.generation.decode_row import Row
 from gym_bridge.generation.hf import HFGeneration
 from gym_bridge.generation.hf_config import HFGenerationConfig, RowSampling
-from gym_bridge.generation.hf_decode import Row, RunningBatch, check_distribution, pick_tokens, restricted
+from gym_bridge.generation.hf_decode import RunningBatch
+from gym_bridge.generation.token_choice import check_distribution, pick_tokens, restricted
 from gym_bridge.testing import async_wait_until
 from gym_bridge.testing.generation import (
     MIXED_PROMPTS,

@@ -35,7 +35,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from gym_bridge.failures import CheckpointError
 from gym_bridge.policy import HFPolicy, HFPolicyConfig
-from gym_bridge.policy.hf import OPTIMIZER_FILE, optimizer_file_cap, read_optimizer_file
+from gym_bridge.policy.optimizer_file import OPTIMIZER_FILE, optimizer_file_cap, read_optimizer_file
 from gym_bridge.recipes.grpo_run import check_checkpoint
 from gym_bridge.testing.cli import run_cli
 from gym_bridge.training import GRPOLoopConfig, GRPOTrainer

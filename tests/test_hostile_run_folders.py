@@ -212,7 +212,7 @@ def test_a_planted_lock_file_does_not_hang_the_reader(tmp_path: Path) -> None:
 
 @pytest.fixture
 def wheel_server_dir() -> Path:
-    from gym_bridge.gym.servers.server_config import GymConfigNotFound, wheel_config_path
+    from gym_bridge.gym.servers.config_files import GymConfigNotFound, wheel_config_path
 
     try:
         return wheel_config_path(LC_CONFIG).parents[1]

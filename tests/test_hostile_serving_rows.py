@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from gym_bridge.failures import SettingError
+from gym_bridge.generation.decode_row import Row, RowFailure, RowResult
 from gym_bridge.generation.hf import HFGeneration
 from gym_bridge.generation.hf_config import HFGenerationConfig, RowSampling
-from gym_bridge.generation.hf_decode import Row, RowFailure, RowResult, RunningBatch, decode_to_end
+from gym_bridge.generation.hf_decode import RunningBatch, decode_to_end
 from gym_bridge.generation.hf_rows import MIN_TEMPERATURE, row_sampling, row_top_k
 
 MAX_NEW = 6

@@ -19,8 +19,9 @@ import pytest
 from viewer_support import synthetic_run
 
 from gym_bridge.eval.compare import compare_runs
+from gym_bridge.eval.inert_text import markdown_text
 from gym_bridge.eval.records import row_id
-from gym_bridge.eval.report import build_report, markdown_text
+from gym_bridge.eval.report import build_report
 from gym_bridge.eval.viewer import number, render_viewer, script_hash, text, viewer_data
 
 XSS = [

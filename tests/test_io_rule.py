@@ -62,12 +62,12 @@ RAW_QUALIFIED = {
 ALLOWED: dict[tuple[str, str], str] = {
     ("failures/gym_chain.py", "json.loads"): "failures/ imports nothing (test_layers.py); a Gym error body decoded "
     "best effort, kept as text when it is not JSON or nests past the recursion limit",
-    ("policy/hf.py", "torch.save"): "into a BytesIO; write_atomic writes the bytes to optimizer.pt",
+    ("policy/optimizer_file.py", "torch.save"): "into a BytesIO; write_atomic writes the bytes to optimizer.pt",
     ("models/folder_check.py", ".from_pretrained"): "only after check_model_folder / check_tokenizer_folder "
     "passed, with trust_remote_code=False",
     ("models/loading.py", "torch.load"): "the one reader of torch-saved files (optimizer state): weights_only=True, "
     "opened through open_regular under a size cap",
-    ("gym/transport/actor.py", "json.loads"): "only for a Gym body holding NaN or Infinity that the boundary's decoder refused, "
+    ("gym/transport/row_convert.py", "json.loads"): "only for a Gym body holding NaN or Infinity that the boundary's decoder refused, "
     "under the boundary's depth limit, so the conversion names a NaN logprob as such",
     ("serving/bodies.py", "json.loads"): "a request body, under the body cap: the server's own walk names the field "
     "(param) of a non-finite number or a lone surrogate, and measures the depth without recursion",

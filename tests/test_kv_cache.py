@@ -15,8 +15,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gym_bridge.generation.decode_row import DecodeContext, Row
 from gym_bridge.generation.hf_config import HFGenerationStats, RowSampling
-from gym_bridge.generation.hf_decode import DecodeContext, Row, RunningBatch
+from gym_bridge.generation.hf_decode import RunningBatch
 from gym_bridge.generation.kv_cache import (
     GrowingLayer,
     capacity_for,

@@ -38,7 +38,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("components: models", ["models"]),
     ("components: generation", ["generation"]),
     ("components: serving", ["serving"]),
-    ("components: policy, environments, preflight", ["policy", "environments", "preflight"]),
+    ("components: policy, environments, preflight", ["policy", "environments", "preflight", "preflight_answers"]),
     ("components: gym_model", ["gym_model"]),
     ("components: gym protocol", ["gym.protocol"]),
     ("components: gym servers", ["gym.servers"]),

@@ -17,7 +17,8 @@ import ray
 
 from gym_bridge.gym.servers.reaper import free_port
 from gym_bridge.data import datum_from_gym_row
-from gym_bridge.gym.protocol.rows import mark_repeats, rollout_seed, row_seed
+from gym_bridge.gym.protocol.numbering import mark_repeats, rollout_seed
+from gym_bridge.gym.protocol.rows import row_seed
 from gym_bridge.gym.servers.server_config import wheel_config_path
 from gym_bridge.gym_versions import installed_gym
 from gym_bridge.gym.transport.spinup import start_nemo_gym_actor

@@ -23,14 +23,8 @@ import yaml
 from gym_bridge.failures import InvalidGymRow
 from gym_bridge.generation.hf import HFGeneration
 from gym_bridge.generation.hf_config import HFGenerationConfig
-from gym_bridge.gym.protocol.rows import (
-    SEED_KEY,
-    build_rows,
-    prompt_identity,
-    rollout_seed,
-    row_seed,
-    stamped_row,
-)
+from gym_bridge.gym.protocol.numbering import prompt_identity, rollout_seed
+from gym_bridge.gym.protocol.rows import SEED_KEY, build_rows, row_seed, stamped_row
 from gym_bridge.serving import OpenAIServer
 from gym_bridge.testing.gym_rows import equivalence_row
 from gym_bridge.types import GenerationSamplingParams
@@ -248,7 +242,7 @@ def test_grpo_seed_reaches_the_nemo_gym_backend_and_a_bad_one_is_named():
     config = yaml.safe_load((Path(__file__).parents[1] / "examples" / "nemo_gym_grpo.yaml").read_text())
     config.setdefault("grpo", {})["seed"] = 1234
     urls = ["http://127.0.0.1:9/v1"]
-    assert nemo_gym_rollout_settings(config, base_urls=urls).launch.manager_options["seed"] == 1234
+    assert nemo_gym_rollout_settings(config, base_urls=urls).launch.manager_options.seed == 1234
     config["grpo"]["seed"] = "abc"
     with pytest.raises(TrainingConfigError, match=r"grpo.seed must be an int, got 'abc'"):
         nemo_gym_rollout_settings(config, base_urls=urls)
@@ -272,7 +266,7 @@ def test_one_run_seed_reaches_torch_the_engine_the_loop_and_the_rows(tmp_path, s
     expected = 0 if seed is None else seed
     assert settings.seed == expected
     assert settings.engine.seed == expected and settings.loop.seed == expected
-    assert settings.rollout.launch.manager_options["seed"] == expected
+    assert settings.rollout.launch.manager_options.seed == expected
     from gym_bridge.config.training import DEFAULT_SEED
     from gym_bridge.training.loop_config import GRPOLoopConfig
 
@@ -290,7 +284,7 @@ def test_eval_seed_is_the_run_seed_of_the_backend(tmp_path):
     for given in (None, 77):
         config = build_config(base, [f"seed={'null' if given is None else given}"])
         assert config.seed == given and config.fingerprint("sha")["seed"] == given
-        assert launch_spec(config, ["http://127.0.0.1:9/v1"], []).manager_options["seed"] == given
+        assert launch_spec(config, ["http://127.0.0.1:9/v1"], []).manager_options.seed == given
 
 
 def test_the_nemo_gym_backend_refuses_a_seed_that_is_not_an_int():

@@ -3,7 +3,7 @@
 The rewrite (:func:`gym_bridge.config.smoke.smoke_config`) is a pure function, tested here on a trimmed copy of
 NeMo-RL's Gym recipes (``tests/data/nemo_rl_gym_gpu_recipe.yaml``: Megatron, bfloat16, colocation, vLLM's GPU keys,
 ``max_new_tokens: ${policy.max_total_sequence_length}``, 64 x 16 samples a step, four Gym configs) with facts given
-by hand; :func:`gym_bridge.config.early_checks.smoke_facts` reads the real facts (the installed nemo-gym's configs
+by hand; :func:`gym_bridge.recipes.smoke_facts.smoke_facts` reads the real facts (the installed nemo-gym's configs
 and example rows, the tiny model's tokenizer). The early checks name the key to change and run before Ray: the
 command refuses a batch larger than the dataset in seconds, with no Ray started. The last test runs the smoke
 recipe end to end through real Gym servers. None of this needs a NeMo-RL checkout (``make smoke-recipes`` runs the
@@ -20,17 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gym_bridge.config.early_checks import (
-    RowFile,
-    check_agents,
-    check_batch,
-    check_before_start,
-    check_context,
-    gym_configs,
-    gym_root,
-    model_facts,
-    smoke_facts,
-)
+from gym_bridge.config.data_files import recipe_gym_configs as gym_configs
 from gym_bridge.config.keys import TrainingConfigError
 from gym_bridge.config.overrides import load_with_overrides, override_keys
 from gym_bridge.config.run_settings import grpo_run_settings
@@ -41,6 +31,10 @@ from gym_bridge.config.smoke import (
     gpu_only_keys,
     smoke_config,
 )
+from gym_bridge.gym.servers.config_files import gym_root
+from gym_bridge.recipes.pre_start import RowFile, check_agents, check_batch, check_before_start, check_context
+from gym_bridge.recipes.prompt_length import model_facts
+from gym_bridge.recipes.smoke_facts import smoke_facts
 from gym_bridge.testing.cli import run_cli
 
 REPO = Path(__file__).resolve().parents[1]
@@ -186,7 +180,7 @@ def test_a_training_file_named_on_the_command_line_is_not_replaced():
 
 
 def rows(path: Path, key: str = "data.train.data_path") -> RowFile:
-    from gym_bridge.config.early_checks import read_rows
+    from gym_bridge.recipes.pre_start import read_rows
 
     found = read_rows(key, path)
     assert found is not None
@@ -220,7 +214,7 @@ def test_a_long_prompt_plus_max_new_tokens_over_the_context_is_a_warning_naming_
 
 
 def test_the_longest_prompt_is_found_among_many_rows_by_rendering_the_longest_few(tmp_path):
-    from gym_bridge.config.early_checks import longest_prompt
+    from gym_bridge.recipes.prompt_length import longest_prompt
 
     model = model_facts("tiny")
     assert model is not None

@@ -45,11 +45,12 @@ from pydantic import ValidationError
 from gym_bridge.boundary import UntrustedInputError
 from gym_bridge.boundary.text import shown
 from gym_bridge.config.keys import TrainingConfigError, config_section, config_value
-from gym_bridge.config.training import ROUTING_KEYS, NemoGymRolloutSettings, run_seed
+from gym_bridge.config.training import NemoGymRolloutSettings, run_seed
 from gym_bridge.config.values import count
 from gym_bridge.gym.protocol.routing import RowRouting
 from gym_bridge.gym.protocol.row_file import read_row_file, read_row_text
 from gym_bridge.gym.protocol.rows import ValidGymRow
+from gym_bridge.gym.servers.config_files import GymConfigError, routing_from
 from gym_bridge.json_types import JsonMapping
 from gym_bridge.policy.hf import HFPolicyConfig
 from gym_bridge.policy.lr_scheduler import build_lr_scheduler
@@ -338,14 +339,12 @@ def validation_sets(config: JsonMapping) -> list[ValidationSet]:
 
 
 def row_routing(config: JsonMapping) -> RowRouting:
-    """Gym's routing keys under ``env.nemo_gym`` (``agent_name``, ``agent_map``, ``fan_out``), as Gym names them."""
-    section = config_section(config, "env.nemo_gym")
-    given = {key: section[key] for key in ROUTING_KEYS if section.get(key) is not None}
+    """Gym's routing keys under ``env.nemo_gym`` (``agent_name``, ``agent_map``, ``fan_out``), as Gym names them
+    (:func:`~gym_bridge.gym.servers.config_files.routing_from`); a problem is a :class:`TrainingConfigError`."""
     try:
-        return RowRouting(**given)
-    except ValidationError as exc:
-        problems = "; ".join(err["msg"].removeprefix("Value error, ") for err in exc.errors())
-        raise TrainingConfigError(f"env.nemo_gym: {problems}") from None
+        return routing_from(config_section(config, "env.nemo_gym"))
+    except GymConfigError as exc:
+        raise TrainingConfigError(f"env.nemo_gym: {exc}") from None
 
 
 def load_gym_rows(path: str | Path, routing: RowRouting | None = None) -> list[ValidGymRow]:

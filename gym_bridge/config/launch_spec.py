@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from gym_bridge.failures import RolloutRetryPolicy, RolloutTimeouts
 from gym_bridge.json_types import JsonMapping
 
 if TYPE_CHECKING:
     from gym_bridge.gym.transport.actor_config import NemoGymConfig
+    from gym_bridge.rollout.nemo_gym import NemoGymOptions
+
+
+def no_manager_options() -> NemoGymOptions:
+    """The ``nemo_gym`` backend's defaults (imported on use: reading a config starts no Ray import)."""
+    from gym_bridge.rollout.nemo_gym import NemoGymOptions
+
+    return NemoGymOptions()
 
 
 @dataclass(frozen=True)
@@ -37,6 +44,6 @@ class GymLaunchSpec:
     retry_policy: RolloutRetryPolicy | None = None
     """None: the manager's default (one attempt of everything)."""
     mask_env_flagged_samples: bool = True
-    manager_options: Mapping[str, Any] = field(default_factory=dict)
-    """The ``nemo_gym`` backend's options (:class:`~gym_bridge.rollout.nemo_gym.NemoGymOptions`: ``full_results_path``,
-    ``seed``, ...)."""
+    manager_options: NemoGymOptions = field(default_factory=no_manager_options)
+    """The ``nemo_gym`` backend's options (``full_results_path``, ``seed``, ``admission``, ...); the manager is given
+    the ones set (``model_fields_set``)."""

@@ -4,7 +4,7 @@
 key it changed (key, recipe value, smoke value, why), and every GPU-only key it leaves as it is because nothing here
 reads it. What it needs to know beyond the config (how many rows the data has, how long the longest prompt is under the
 small model's chat template, the model's own context, which Gym configs the rows use) comes in a :class:`SmokeFacts`,
-read by :func:`gym_bridge.config.early_checks.smoke_facts`; so the rewrite is tested without files, a model or Ray.
+read by :func:`gym_bridge.recipes.smoke_facts.smoke_facts`; so the rewrite is tested without files, a model or Ray.
 
 What changes: the model (``--model``, default ``smollm2``), the batch (``grpo.num_prompts_per_step`` and
 ``num_generations_per_prompt`` cut to :data:`SMOKE_PROMPTS` / :data:`SMOKE_GENERATIONS` and to the dataset,
@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gym_bridge.config.keys import config_value
+from gym_bridge.config.training import CONTEXT_LENGTH_KEY, ENGINE_CONTEXT_KEYS
 from gym_bridge.json_types import JsonMapping, JsonObject
 
 SMOKE_MODEL = "smollm2"
@@ -164,19 +165,12 @@ GPU_KEYS: tuple[GpuKey, ...] = (
 )
 """The GPU-only keys of NeMo-RL's Gym recipes that a smoke run turns off or a CPU run ignores."""
 
-_CONTEXT_KEY = "policy.max_total_sequence_length"
-_ENGINE_CONTEXT_KEYS = (
-    "policy.generation.vllm_cfg.max_model_len",
-    "policy.generation.trtllm_cfg.max_model_len",
-    "policy.generation.mcore_generation_config.max_model_len",
-)
-"""NeMo-RL's engine copies of the context (:data:`gym_bridge.config.training.ENGINE_CONTEXT_KEYS`), kept equal to it."""
 _MODEL_KEYS = ("policy.model_name", "policy.tokenizer.name", "policy.generation.model_name")
 
 
 @dataclass(frozen=True)
 class SmokeFacts:
-    """What the rewrite needs beyond the config (:func:`gym_bridge.config.early_checks.smoke_facts` reads it)."""
+    """What the rewrite needs beyond the config (:func:`gym_bridge.recipes.smoke_facts.smoke_facts` reads it)."""
 
     train_path: str | None = None
     """The training rows the smoke run uses: the recipe's file, or Gym's example rows when that file is missing
@@ -368,14 +362,14 @@ def _batch(r: _Rewrite, facts: SmokeFacts) -> None:
 
 
 def _lengths(r: _Rewrite, facts: SmokeFacts, model: str) -> None:
-    context = r.get(_CONTEXT_KEY)
+    context = r.get(CONTEXT_LENGTH_KEY)
     if isinstance(context, int) and not isinstance(context, bool):
         if facts.model_context is not None and context > facts.model_context:
-            r.set(_CONTEXT_KEY, facts.model_context, f"{model}'s own context (max_position_embeddings)")
-        context = r.get(_CONTEXT_KEY)
-        for key in _ENGINE_CONTEXT_KEYS:
+            r.set(CONTEXT_LENGTH_KEY, facts.model_context, f"{model}'s own context (max_position_embeddings)")
+        context = r.get(CONTEXT_LENGTH_KEY)
+        for key in ENGINE_CONTEXT_KEYS:
             if r.get(key) not in (ABSENT, None):
-                r.set(key, context, f"equal to {_CONTEXT_KEY}")
+                r.set(key, context, f"equal to {CONTEXT_LENGTH_KEY}")
     key = "policy.generation.max_new_tokens"
     budget = r.get(key)
     if isinstance(budget, bool) or not isinstance(budget, int):

@@ -1,24 +1,21 @@
 """Building the rollout layer from a NeMo-RL-style training config.
 
-Reads the keys a NeMo-RL GRPO config already has, so ``use_nemo_gym: true`` in an
-existing config just works:
+Reads the keys a NeMo-RL GRPO config already has, so ``use_nemo_gym: true`` in an existing config just works:
 
 - ``use_nemo_gym`` (top level) or ``env.should_use_nemo_gym``: pick the ``nemo_gym`` backend;
 - ``env.nemo_gym.config_paths``: the Gym server configs, or ``env.nemo_gym.gym_head``: the head server of a Gym that
   is already running, whose config is its own (what would change it is refused, as ``NemoGymConfig`` refuses it);
-  ``env.nemo_gym.base_urls`` and
-  ``env.nemo_gym.model_name`` (else ``policy.generation.model_name``, else
+  ``env.nemo_gym.base_urls`` and ``env.nemo_gym.model_name`` (else ``policy.generation.model_name``, else
   ``policy.model_name``): the endpoint; other keys of ``env.nemo_gym`` that
-  :class:`~gym_bridge.gym.transport.actor.NemoGymConfig` knows are taken as such, the rest go
-  to Gym's global config;
-- ``env.nemo_gym.rollout_timeout_s`` and ``env.nemo_gym.max_row_attempts``: the group
-  deadline and the row re-dispatch budget (or NeMo-RL's ``async_rl.rollout_failure``);
+  :class:`~gym_bridge.gym.transport.actor.NemoGymConfig` knows are taken as such, the rest go to Gym's global config;
+- ``env.nemo_gym.rollout_timeout_s`` and ``env.nemo_gym.max_row_attempts``: the group deadline and the row
+  re-dispatch budget (or NeMo-RL's ``async_rl.rollout_failure``);
 - ``env.should_mask_flagged_samples``, ``env.should_log_nemo_gym_responses``,
   ``logger.wandb.log_nemo_gym_full_result_tables``, ``env.nemo_gym.is_trajectory_collection``,
   ``env.nemo_gym.effort_levels``, ``reward_penalties``: carried in :class:`NemoGymRolloutSettings`;
 - ``async_rl`` and ``grpo.async_grpo`` (:mod:`gym_bridge.config.async_settings`): honoured, or refused in one line;
-- ``env.nemo_gym.num_actors`` (default 1) and ``env.nemo_gym.split_base_urls``: several
-  NemoGym actors, each with its own Gym servers, sharing the endpoints or splitting them;
+- ``env.nemo_gym.num_actors`` (default 1) and ``env.nemo_gym.split_base_urls``: several NemoGym actors, each with
+  its own Gym servers, sharing the endpoints or splitting them;
 - ``policy.generation``: the generation config; ``grpo.num_generations_per_prompt``: N;
 - ``policy.max_total_sequence_length`` and NeMo-RL's engine copies of it (``policy.generation.vllm_cfg.max_model_len``,
   ``trtllm_cfg.max_model_len``, ``mcore_generation_config.max_model_len``): the run's one context length
@@ -31,9 +28,8 @@ existing config just works:
 
 A NeMo-RL GRPO YAML loads unchanged (:func:`~gym_bridge.config.loading.load_training_config` resolves its
 ``defaults:`` parents and ``${...}`` interpolations as NeMo-RL's ``load_config`` does).
-As NeMo-RL's Gym setup does, ``stop_strings``/``stop_token_ids`` are set to None
-(one warning) on the Gym path; every key the rollout layer does not read is
-accepted and listed once at debug level.
+As NeMo-RL's Gym setup does, ``stop_strings``/``stop_token_ids`` are set to None (one warning) on the Gym path; every
+key the rollout layer does not read is accepted and listed once at debug level.
 """
 
 from __future__ import annotations
@@ -53,6 +49,7 @@ from gym_bridge.config.loading import plain_config, resolved_config
 from gym_bridge.config.nemo_rl_gym import should_use_nemo_gym
 from gym_bridge.config.values import check_values, count, seconds
 from gym_bridge.failures import RolloutRetryPolicy, RolloutTimeouts, SettingError
+from gym_bridge.gym.servers.config_files import ROUTING_KEYS
 from gym_bridge.gym.servers.server_config import head_address
 from gym_bridge.gym.transport.actor_config import NemoGymConfig
 from gym_bridge.gym.transport.admission import AdmissionSettings
@@ -64,9 +61,6 @@ DEFAULT_SEED = 0
 """The run seed of a config without ``grpo.seed`` (the trainer's ``GRPOLoopConfig.seed`` default is the same value;
 a test holds them equal). Defined here, not read from the trainer, so reading a config never imports torch or Ray."""
 _BRIDGE_KEYS = ("rollout_timeout_s", "max_row_attempts", "num_actors", "split_base_urls", "admission")
-ROUTING_KEYS = ("agent_name", "agent_map", "fan_out")
-"""Gym's collection keys under ``env.nemo_gym``: read into :class:`~gym_bridge.gym.protocol.routing.RowRouting` where
-rows enter (``config.grpo.row_routing``), not Gym's global config."""
 _NEMO_RL_ONLY_GYM_KEYS = ("is_trajectory_collection", "effort_levels")
 """Keys of ``env.nemo_gym`` that NeMo-RL pops before Gym sees the section: read into the settings, not Gym's."""
 _READ_KEYS = (
@@ -242,12 +236,9 @@ class NemoGymRolloutSettings:
     """``env`` sections of NeMo-RL's native environments (``math``, ...): the Gym path does not start them."""
 
     def with_base_urls(self, base_urls: list[str], *, model_name: str | None = None) -> NemoGymRolloutSettings:
-        """These settings with the actors' endpoints (and ``model_name``: the model asked for) replaced (a run whose
-        own server starts after the read)."""
-        update: dict[str, object] = {"base_urls": list(base_urls)}
-        if model_name is not None:
-            update["model_name"] = model_name
-        gym = self.launch.gym.model_copy(update=update)
+        """These settings with the actors' endpoints (and ``model_name``, the model asked for) replaced."""
+        named = {"model_name": model_name} if model_name is not None else {}
+        gym = self.launch.gym.model_copy(update={"base_urls": list(base_urls), **named})
         return replace(self, launch=replace(self.launch, gym=gym))
 
 
@@ -256,6 +247,8 @@ def nemo_gym_rollout_settings(config: object, *, base_urls: list[str] | None = N
 
     Errors name the key (:class:`TrainingConfigError`).
     """
+    from gym_bridge.rollout.nemo_gym import NemoGymOptions
+
     mapping = config if isinstance(config, Mapping) else resolved_config(config)
     if not should_use_nemo_gym(mapping):
         raise TrainingConfigError("the config does not ask for NeMo-Gym: set 'env.should_use_nemo_gym: true'")
@@ -283,7 +276,7 @@ def nemo_gym_rollout_settings(config: object, *, base_urls: list[str] | None = N
         retry_policy=retry_policy,
         timeouts=timeouts,
         mask_env_flagged_samples=config_value(config, "env.should_mask_flagged_samples", None) is not False,
-        manager_options={"seed": run_seed(config), "admission": admission_settings(section.get("admission"))},
+        manager_options=NemoGymOptions(seed=run_seed(config), admission=admission_settings(section.get("admission"))),
     )
     return NemoGymRolloutSettings(
         launch=launch,

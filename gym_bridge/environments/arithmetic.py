@@ -43,7 +43,7 @@ def score_answer(text: str, ground_truth: str) -> float:
     return 1.0 if extract_answer(text) == str(ground_truth).strip() else 0.0
 
 
-class ArithmeticEnvironment(EnvironmentInterface):
+class ArithmeticEnvironment(EnvironmentInterface[ArithmeticMetadata | None]):
     """Exact-match arithmetic; use :func:`arithmetic_env_actor` to run it as a Ray actor."""
 
     def __init__(self, retry_template: str = DEFAULT_RETRY_TEMPLATE, stop_strings: list[str] | None = None) -> None:
@@ -51,7 +51,7 @@ class ArithmeticEnvironment(EnvironmentInterface):
         self.stop_strings = stop_strings
 
     def step(
-        self, message_log_batch: list[LLMMessageLogType], metadata: list[ArithmeticMetadata]
+        self, message_log_batch: list[LLMMessageLogType], metadata: list[ArithmeticMetadata | None]
     ) -> EnvironmentReturn[ArithmeticMetadata | None]:
         """Score each log's last assistant reply; a wrong one with attempts left gets a retry prompt."""
         observations: list[dict[str, str]] = []
@@ -60,7 +60,7 @@ class ArithmeticEnvironment(EnvironmentInterface):
         terminateds: list[bool] = []
         answers: list[str | None] = []
         for log, meta in zip(message_log_batch, metadata, strict=True):
-            if "ground_truth" not in meta:
+            if meta is None or "ground_truth" not in meta:
                 raise KeyError("arithmetic environment metadata needs a 'ground_truth' field")
             reply = next((m["content"] for m in reversed(log) if m["role"] == "assistant"), "")
             reward = score_answer(reply, meta["ground_truth"])

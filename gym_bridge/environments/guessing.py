@@ -41,7 +41,7 @@ def parse_guess(text: str) -> int | None:
     return int(found[-1]) if found else None
 
 
-class GuessingGameEnvironment(EnvironmentInterface):
+class GuessingGameEnvironment(EnvironmentInterface[GuessingMetadata | None]):
     """Number guessing; run it as a Ray actor with :func:`guessing_env_actor`.
 
     ``stop_strings_per_turn[k]`` are the stop strings sent for turn ``k + 1``
@@ -62,7 +62,7 @@ class GuessingGameEnvironment(EnvironmentInterface):
         return self.stop_strings_per_turn[min(turn, len(self.stop_strings_per_turn) - 1)]
 
     def step(
-        self, message_log_batch: list[LLMMessageLogType], metadata: list[GuessingMetadata]
+        self, message_log_batch: list[LLMMessageLogType], metadata: list[GuessingMetadata | None]
     ) -> EnvironmentReturn[GuessingMetadata | None]:
         """Score each log's last guess; a wrong one with guesses left gets a hint, narrowed metadata and stops."""
         observations: list[dict[str, str]] = []
@@ -72,7 +72,7 @@ class GuessingGameEnvironment(EnvironmentInterface):
         terminateds: list[bool] = []
         answers: list[str | None] = []
         for log, meta in zip(message_log_batch, metadata, strict=True):
-            if "target" not in meta:
+            if meta is None or "target" not in meta:
                 raise KeyError("guessing-game metadata needs a 'target' field")
             reply = next((m["content"] for m in reversed(log) if m["role"] == "assistant"), "")
             guess = parse_guess(reply)

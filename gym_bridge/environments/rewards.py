@@ -100,6 +100,10 @@ def _box(text: str) -> tuple[float, float, float, float] | None:
     return (min(x1, x2), min(y1, y2), max(x1, x2), max(y1, y2))
 
 
+def _area(box: tuple[float, float, float, float]) -> float:
+    return (box[2] - box[0]) * (box[3] - box[1])
+
+
 def bbox_giou_reward(
     ground_truth: str, response: str, giou_penalty_thres: float = 10.0, answer_tag: str = "answer"
 ) -> RewardResult:
@@ -111,8 +115,7 @@ def bbox_giou_reward(
     ix = max(0.0, min(pred[2], gt[2]) - max(pred[0], gt[0]))
     iy = max(0.0, min(pred[3], gt[3]) - max(pred[1], gt[1]))
     inter = ix * iy
-    area = lambda b: (b[2] - b[0]) * (b[3] - b[1])  # noqa: E731
-    union = max(area(pred) + area(gt) - inter, 1e-3)
+    union = max(_area(pred) + _area(gt) - inter, 1e-3)
     iou = inter / union
     score = iou
     if iou < giou_penalty_thres:

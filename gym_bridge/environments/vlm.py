@@ -190,7 +190,7 @@ def chunk_to_workers[T](items: list[T], num_workers: int) -> list[list[T]]:
     return [items[w * size : (w + 1) * size] for w in range(num_workers)]
 
 
-class VLMEnvironmentImpl(EnvironmentInterface):
+class VLMEnvironmentImpl(EnvironmentInterface[VLMEnvironmentMetadata]):
     """The environment's code; :data:`VLMEnvironment` is it as a Ray actor class. Starts ``num_workers`` verify
     workers."""
 

@@ -31,7 +31,6 @@ with its control characters escaped (:func:`~gym_bridge.boundary.text.shown`).
 
 from __future__ import annotations
 
-import io
 import logging
 import math
 import multiprocessing
@@ -46,15 +45,26 @@ import numpy as np
 from gym_bridge.boundary.errors import UntrustedInputError
 from gym_bridge.boundary.files import make_dir
 from gym_bridge.boundary.text import shown
+from gym_bridge.eval.compare_render import (
+    ALL,
+    COMPARE_JSON,
+    COMPARE_MD,
+    COMPARE_PNG,
+    GATED_METRICS,
+    fmt_interval,
+    render_markdown,
+    render_plot,
+)
+from gym_bridge.eval.inert_text import json_out
+from gym_bridge.eval.output_files import write_files
 from gym_bridge.eval.passk import default_ks, pass_at_k
-from gym_bridge.eval.report import json_out, markdown_text, plot_label, safe_mean
-from gym_bridge.eval.runs import RESULTS_FILE, LoadedRun, RunGroup, load_run, write_files
+from gym_bridge.eval.report import safe_mean
+from gym_bridge.eval.runs import RESULTS_FILE, LoadedRun, RunGroup, load_run
 from gym_bridge.failures import GymBridgeError
 from gym_bridge.json_types import JsonObject
 from gym_bridge.stats import (
     DEFAULT_LEVEL,
     DEFAULT_RESAMPLES,
-    EXPANDED,
     MIN_PAIRED_PROMPTS,
     mcnemar_exact,
     paired_bootstrap,
@@ -62,16 +72,9 @@ from gym_bridge.stats import (
 
 logger = logging.getLogger(__name__)
 
-COMPARE_MD = "compare.md"
-COMPARE_JSON = "compare.json"
-COMPARE_PNG = "compare.png"
-ALL = "all"
 GRADER_KEYS = ("config_paths", "gym_overrides", "pass_threshold")
 """What decides a reward: a difference here makes two runs' rewards incomparable, and a rescore may change only
 these (everything else made the stored responses)."""
-GATED_METRICS = ("mean_reward", "pass@1")
-MD_FLIPS = 200
-"""Flipped prompts listed in ``compare.md`` per direction (``compare.json`` lists every one)."""
 PARALLEL_BYTES = 256 << 20
 """Runs whose ``results.jsonl`` files add up to more than this are read in parallel (the first here, the others in
 a process each, one per other CPU at most); smaller ones here, where a process start would cost more than it
@@ -356,163 +359,5 @@ def _gate(comparison: JsonObject, delta: float, level: float) -> JsonObject:
     for name in GATED_METRICS:
         m = comparison["agents"][ALL]["metrics"][name]
         if m["high"] < -delta:
-            lines.append(f"{name} {_fmt_interval(m)} at {level:.0%}: worse by more than {delta}")
+            lines.append(f"{name} {fmt_interval(m)} at {level:.0%}: worse by more than {delta}")
     return {"delta": delta, "metrics": list(GATED_METRICS), "worse": lines, "decided": True, "reason": None}
-
-
-def _fmt_interval(m: dict[str, float], claims: bool = True) -> str:
-    """``diff [low, high]``, with ▲ / ▼ when the interval lies above / below 0 and the row may claim it (``n/a``
-    for a number that is not finite)."""
-    mark = " ▲" if claims and m["low"] > 0 else (" ▼" if claims and m["high"] < 0 else "")
-    return f"{_num(m['diff'], '+.3f')} [{_num(m['low'], '+.3f')}, {_num(m['high'], '+.3f')}]{mark}"
-
-
-def _num(value: float, spec: str = ".3f") -> str:
-    """A number for a table cell; ``n/a`` when it is not finite (``compare.json`` holds null there)."""
-    return format(value, spec) if math.isfinite(value) else "n/a"
-
-
-def _rewards(values: list[float]) -> str:
-    """A prompt's rewards for a table cell: checked numbers only."""
-    return ", ".join(_num(float(r), ".2f") for r in values)
-
-
-def render_markdown(report: JsonObject) -> str:
-    level = report["level"]
-    lines = ["# Comparison", ""]
-    for run in report["runs"]:
-        extra = f"; rescored from {markdown_text(run['rescored_from'])}" if run.get("rescored_from") else ""
-        model = markdown_text(run.get("model") or "model unknown")
-        lines.append(f"- **{markdown_text(run['label'])}**: {markdown_text(run['dir'])}: {model}{extra}")
-    lines += [
-        "",
-        f"Baseline: **{markdown_text(report['baseline'])}**. {report['shared_prompts']} prompts finished in every run "
-        "are compared (matched by row identity); "
-        + ", ".join(
-            f"{markdown_text(r['label'])} has {r['not_shared']} more" for r in report["runs"] if r["not_shared"]
-        )
-        + ("." if any(r["not_shared"] for r in report["runs"]) else "no run has others."),
-        f"Differences are B - A with {level:.0%} paired percentile bootstrap intervals over prompts "
-        f"({report['resamples']} resamples, seed {report['seed']}); ▲ / ▼: the interval lies above / below 0, "
-        f"claimed only over at least {MIN_PAIRED_PROMPTS} paired prompts (below that no ▲ / ▼ and no gate "
-        "decision: a bootstrap over a handful of prompts is not an interval). "
-        f"A completion passes when its reward >= {report['pass_threshold']}; a prompt passes (McNemar, flips) when "
-        "at least half of its completions pass. McNemar: exact two-sided binomial test on the prompts that flipped.",
-        "",
-        f"![differences with {level:.0%} intervals]({COMPARE_PNG})",
-    ]
-    if any(
-        m.get("method") == EXPANDED
-        for comparison in report["comparisons"]
-        for row in comparison["agents"].values()
-        for m in row["metrics"].values()
-    ):
-        lines[-2:-2] = [
-            "Where the prompts' outcomes are mostly distinct at this scale (continuous rewards), an interval is the "
-            "ideal bootstrap's, from the Cornish-Fisher expansion of the resampled mean (`method` in "
-            f"{COMPARE_JSON}), not from resampling.",
-        ]
-    for comparison in report["comparisons"]:
-        a, b, names = markdown_text(comparison["a"]), markdown_text(comparison["b"]), comparison["metrics"]
-        lines += ["", f"## {b} vs {a}", ""]
-        if comparison.get("grader_change"):
-            change = "; ".join(
-                f"{markdown_text(k)}: {markdown_text(repr(v['a']))} -> {markdown_text(repr(v['b']))}"
-                for k, v in comparison["grader_change"].items()
-            )
-            lines += [f"Same responses, another grader (a rescore): {change}.", ""]
-        header = ["agent", "prompts"]
-        for name in names:
-            header += [f"{name} {a}", f"{name} {b}", f"{name} diff"]
-        header.append("McNemar fixed / broken (p)")
-        lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-        for agent, row in comparison["agents"].items():
-            cells = ["**all**" if agent == ALL else markdown_text(agent), str(row["prompts"])]
-            for name in names:
-                m = row["metrics"][name]
-                cells += [_num(m["a"]), _num(m["b"]), _fmt_interval(m, row.get("claims", True))]
-            test = row["mcnemar"]
-            cells.append(f"{test['fixed']} / {test['broken']} (p = {test['p_value']:.3g})")
-            lines.append("| " + " | ".join(cells) + " |")
-        gate = comparison.get("gate")
-        if gate is not None:
-            verdict = (
-                f"no decision: {gate['reason']}"
-                if not gate.get("decided", True)
-                else "; ".join(gate["worse"])
-                if gate["worse"]
-                else f"not worse by more than {gate['delta']}"
-            )
-            lines += ["", f"Gate (--fail-if-worse {gate['delta']} on {', '.join(gate['metrics'])}): {verdict}."]
-        if _non_finite(comparison["agents"]):
-            note = f"n/a: a number that is not finite (rewards near the float limit); {COMPARE_JSON} holds null."
-            lines += ["", note]
-        flips = comparison["flips"]
-        lines += ["", f"### Prompts that flipped ({len(flips)})", ""]
-        if flips:
-            lines += [
-                f"| flip | agent | row | prompt | rewards {a} | rewards {b} |",
-                "|---|---|---|---|---|---|",
-            ]
-            shown = [f for f in flips if f["direction"] == "fixed"][:MD_FLIPS]
-            shown += [f for f in flips if f["direction"] == "broken"][:MD_FLIPS]
-            for f in shown:
-                row = f"{markdown_text(f['row_id'])} (line {markdown_text(f['dataset_line'])})"
-                lines.append(
-                    f"| {f['direction']} | {markdown_text(f['agent'])} | {row} | {markdown_text(f['prompt'])} | "
-                    f"{_rewards(f['rewards_a'])} | {_rewards(f['rewards_b'])} |"
-                )
-            if len(shown) < len(flips):
-                lines += ["", f"The first {MD_FLIPS} of each direction; all {len(flips)} are in {COMPARE_JSON}."]
-        else:
-            lines.append("None.")
-    return "\n".join(lines) + "\n"
-
-
-def _non_finite(value: object) -> bool:
-    if isinstance(value, float):
-        return not math.isfinite(value)
-    if isinstance(value, dict):
-        return any(_non_finite(v) for v in value.values())
-    return False
-
-
-def render_plot(report: JsonObject) -> bytes:
-    """Per-agent differences (B - A) in mean reward and pass@1 with their intervals, one colour per comparison, as
-    PNG bytes (a number that is not finite is left out)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    comparisons = report["comparisons"]
-    agents = list(comparisons[0]["agents"])
-    fig, axes = plt.subplots(1, 2, figsize=(11, 1.2 + 0.45 * len(agents) * len(comparisons)), squeeze=False)
-    for ax, name in zip(axes[0], GATED_METRICS, strict=True):
-        for j, comparison in enumerate(comparisons):
-            ys = [i + 0.8 * (j - (len(comparisons) - 1) / 2) / max(1, len(comparisons)) for i in range(len(agents))]
-            ms = [_finite_interval(comparison["agents"][agent]["metrics"][name]) for agent in agents]
-            diffs = [m["diff"] for m in ms]
-            errors = [[m["diff"] - m["low"] for m in ms], [m["high"] - m["diff"] for m in ms]]
-            label = plot_label(f"{comparison['b']} - {comparison['a']}")
-            ax.errorbar(diffs, ys, xerr=errors, fmt="o", capsize=3, label=label)
-        ax.axvline(0.0, color="grey", linewidth=0.8)
-        ax.set_yticks(range(len(agents)), [plot_label(agent) for agent in agents], fontsize=8)
-        ax.invert_yaxis()
-        ax.set_title(f"{name}: difference with {report['level']:.0%} interval")
-    axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
-    out = io.BytesIO()
-    try:
-        fig.savefig(out, format="png", dpi=100)
-    finally:
-        plt.close(fig)
-    return out.getvalue()
-
-
-def _finite_interval(m: dict[str, float]) -> dict[str, float]:
-    """``m`` for the plot: an interval with a number past the limit drawn as nan (left out), never an error."""
-    values = (m["diff"], m["low"], m["high"])
-    if all(math.isfinite(v) and abs(v) < 1e300 for v in values):
-        return m
-    return {"diff": math.nan, "low": math.nan, "high": math.nan}

@@ -17,10 +17,9 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING
 
 from pydantic import (
-    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -48,6 +47,8 @@ from gym_bridge.config.values import (
     config_yaml,
     key_parts,
 )
+from gym_bridge.eval.config_errors import format_errors
+from gym_bridge.eval.policy_entry import EmbeddedPolicy, PolicyEntry
 from gym_bridge.failures import GymBridgeError, RolloutRetryPolicy
 from gym_bridge.gym.protocol.routing import RowRouting
 from gym_bridge.gym.transport.admission import AdmissionSettings
@@ -75,50 +76,6 @@ EVAL_RETRY = RolloutRetryPolicy(
 """The eval's retry policy for the keys ``retry:`` leaves out: a failed group is recorded (``failures.jsonl``,
 ``--resume`` retries it) and the run goes on, transient infrastructure failures are retried, and the run stops
 only when groups keep being dropped for infrastructure."""
-_FLAT_RETRY_KEYS = {
-    "max_row_attempts": "max_gym_row_attempts",
-    "max_infra_attempts": "max_infra_attempts",
-    "max_data_attempts": "max_data_attempts",
-    "max_consecutive_dropped_prompts": "max_consecutive_dropped_prompts",
-    "retry_backoff_s": "backoff_base_s",
-}
-"""Top-level keys that name a retry setting, and the ``retry:`` key that holds it."""
-
-
-EMBEDDED_NAMES = ("tiny", "smollm2", "scripted")
-
-
-def _embedded_policy(value: str) -> str:
-    """A built-in name, or a local model folder (one ``from_pretrained`` loads: it holds ``config.json``)."""
-    if value in EMBEDDED_NAMES:
-        return value
-    folder = Path(value).expanduser()
-    if not (folder / "config.json").is_file():
-        raise ValueError(
-            f"{value!r} is neither one of {', '.join(EMBEDDED_NAMES)} nor a local model folder (no config.json there)"
-        )
-    return value
-
-
-EmbeddedPolicy = Annotated[str, AfterValidator(_embedded_policy)]
-"""``tiny``, ``smollm2``, ``scripted`` or the path of a local model folder."""
-
-
-class PolicyEntry(BaseModel):
-    """One entry of ``policies:``: a name (its run folder) and the keys of one policy."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    name: str = Field(description="The policy's name: its run folder under output_dir and its label in compare.")
-    base_urls: list[str] | None = None
-    model_name: str | None = None
-    tokenizer: str | None = None
-    api_key_env_var: str | None = None
-    embedded_policy: EmbeddedPolicy | None = None
-
-    def keys(self) -> JsonObject:
-        """The policy keys this entry sets (``name`` excluded)."""
-        return self.model_dump(exclude={"name"}, exclude_none=True)
 
 
 class EvalConfig(BaseModel):
@@ -327,7 +284,7 @@ class EvalConfig(BaseModel):
             try:
                 configs.append((entry.name, EvalConfig.model_validate(data)))
             except ValidationError as exc:
-                raise EvalConfigError(f"{label}: {_format_errors(exc, prefix='')}") from None
+                raise EvalConfigError(f"{label}: {format_errors(exc, EvalConfig.model_fields, prefix='')}") from None
         self._policy_configs = configs
         return self
 
@@ -403,40 +360,6 @@ def parse_override(text: str) -> tuple[list[str], object]:
     return parts, value
 
 
-def _format_errors(
-    exc: ValidationError, *, prefix: str = "invalid eval config: ", data: JsonMapping | None = None
-) -> str:
-    """One line: every error with its key (``policies`` entries named by their ``name`` where ``data`` has it)."""
-    entries = (data or {}).get("policies")
-    lines = []
-    for err in exc.errors():
-        loc = list(err["loc"])
-        key = ".".join(str(p) for p in loc)
-        message = err["msg"].removeprefix("Value error, ")
-        if len(loc) >= 3 and loc[0] == "policies" and isinstance(loc[1], int):
-            if err["type"] == "extra_forbidden":
-                message = f"unknown key; known keys: {', '.join(PolicyEntry.model_fields)}"
-            name = (
-                entries[loc[1]].get("name") if isinstance(entries, list) and isinstance(entries[loc[1]], dict) else None
-            )
-            where = f"policy {name!r} (policies.{loc[1]})" if name is not None else f"policies.{loc[1]}"
-            lines.append(f"{where}: {'.'.join(str(p) for p in loc[2:])}: {message}")
-            continue
-        if err["type"] == "extra_forbidden" and key == "api_key":
-            message = (
-                "an API key is never written in the config (it is copied into run.json); put it in "
-                "$OPENAI_API_KEY or in the environment variable api_key_env_var names"
-            )
-        elif err["type"] == "extra_forbidden" and key in _FLAT_RETRY_KEYS:
-            message = f"a retry setting: give it as retry.{_FLAT_RETRY_KEYS[key]}"
-        elif err["type"] == "extra_forbidden":
-            message = f"unknown key; known keys: {', '.join(EvalConfig.model_fields)}"
-        elif err["type"] == "unexpected_keyword_argument" and loc[:1] == ["retry"]:
-            message = f"unknown key; known keys: {', '.join(asdict(EVAL_RETRY))}"
-        lines.append(f"{key}: {message}" if key else message)  # a check of several keys names them itself
-    return prefix + "; ".join(lines)
-
-
 def build_config(data: JsonMapping, overrides: Sequence[str] = ()) -> EvalConfig:
     """Apply ``overrides`` to ``data`` and validate."""
     merged = dict(data)
@@ -453,7 +376,7 @@ def build_config(data: JsonMapping, overrides: Sequence[str] = ()) -> EvalConfig
     try:
         return EvalConfig.model_validate(merged)
     except ValidationError as exc:
-        raise EvalConfigError(_format_errors(exc, data=merged)) from None
+        raise EvalConfigError(format_errors(exc, EvalConfig.model_fields, data=merged)) from None
 
 
 def load_config(path: str | Path, overrides: Sequence[str] = ()) -> EvalConfig:

@@ -21,7 +21,6 @@ from gym_bridge.gym.protocol.rows import ValidGymRow
 
 if TYPE_CHECKING:
     from gym_bridge.config.launch_spec import GymLaunchSpec
-    from gym_bridge.gym.protocol.routing import GymRoutes
     from gym_bridge.types import ActorHandle
 
 logger = logging.getLogger(__name__)
@@ -37,6 +36,7 @@ def launch_spec(config: EvalConfig, base_urls: list[str], pending: list[DatasetR
     from gym_bridge.failures import RolloutTimeouts
     from gym_bridge.gym.transport.actor_config import NemoGymConfig
     from gym_bridge.preflight import rows_use_tools
+    from gym_bridge.rollout.nemo_gym import NemoGymOptions
 
     config_paths = [str(Path(p).resolve()) if Path(p).exists() else p for p in config.config_paths]
     key = SecretStr("dummy_key") if config.embedded else config.api_key()  # the embedded server needs none
@@ -63,35 +63,33 @@ def launch_spec(config: EvalConfig, base_urls: list[str], pending: list[DatasetR
         ray_num_cpus=os.cpu_count() or 2,
         timeouts=RolloutTimeouts(rollout_s=config.rollout_timeout_s),
         retry_policy=config.retry_policy(),
-        manager_options={"seed": config.seed, "admission": config.admission},
+        manager_options=NemoGymOptions(seed=config.seed, admission=config.admission),
     )
 
 
 def preflight_policy(config: EvalConfig, base_urls: list[str], pending: list[DatasetRow]) -> None:
     """Check every endpoint of the run (``base_urls``: the configured ones, or the embedded server) with the run's
     API key (None for the embedded server, or when none is set, so a refusal says so); raises ``PreflightError``."""
-    from gym_bridge.preflight import preflight_endpoints, rows_use_tools
+    from gym_bridge.preflight import rows_use_tools
+    from gym_bridge.recipes.gym_pre_start import preflight
 
-    checks = preflight_endpoints(
+    preflight(
         base_urls,
         config.model_name,
         tools=rows_use_tools([item.row for item in pending]),
         timeout_s=config.preflight_timeout_s,
         api_key=None if config.embedded else config.api_key(),
     )
-    for check in checks:
-        logger.info("preflight %s", check.line)
 
 
 def routed(pending: list[DatasetRow], actor: ActorHandle) -> list[DatasetRow]:
-    """Each row with the agent the launched Gym config routes it to (``task_source`` rows resolved by Gym's own
-    resolver; a materialized row stamped with the environment server its taskset routes to); :class:`DatasetError`
-    naming every row that routes nowhere, before any row is sent."""
-    import ray
+    """Each row with the agent the launched Gym config routes it to
+    (:func:`~gym_bridge.recipes.gym_pre_start.route_on_gym`); :class:`DatasetError` naming every row that routes
+    nowhere, before any row is sent."""
+    from gym_bridge.recipes.gym_pre_start import route_on_gym
 
-    routes: GymRoutes = ray.get(actor.routes.remote(), timeout=60)
-    rows, problems = routes.route_all(
-        [item.row for item in pending], [f"line {i.line}: prompt_idx={i.prompt_idx}" for i in pending]
+    rows, problems = route_on_gym(
+        [item.row for item in pending], actor, [f"line {i.line}: prompt_idx={i.prompt_idx}" for i in pending]
     )
     if problems:
         raise DatasetError(
@@ -104,28 +102,25 @@ def routed(pending: list[DatasetRow], actor: ActorHandle) -> list[DatasetRow]:
 
 
 def check_agents(config: EvalConfig, rows: list[DatasetRow]) -> None:
-    """The agents the rows and the routing keys name against those the run's ``config_paths`` define, read from the
-    configs in seconds, before anything starts (rows routed by ``task_source`` are resolved by Gym once it is up).
+    """The agents the rows and the routing keys name against those the run's ``config_paths`` and ``gym_overrides``
+    define (:func:`~gym_bridge.gym.servers.config_files.unknown_agents`), read from the configs in seconds, before
+    anything starts (rows routed by ``task_source`` are resolved by Gym once it is up; a config that cannot be read
+    is left to the launch, which names it).
 
     Raises:
         DatasetError: one line naming each unknown agent, where it is named, and the agents that exist.
     """
     from gym_bridge.gym.protocol.routing import row_agent
+    from gym_bridge.gym.servers.config_files import defined_agents, routing_agents, unknown_agents
 
     if config.gym_head is not None or not config.config_paths:
         return
-    agents = _configured_agents(config)
-    if agents is None or not agents:
-        return  # the launch names a config it cannot read
-    routing = config.routing
-    named = [("agent_name", routing.agent_name)]
-    named += [(f"agent_map.{key}", agent) for key, agent in routing.agent_map.items()]
-    named += [(f"fan_out.{key}", agent) for key, listed in routing.fan_out.items() for agent in listed]
+    agents = defined_agents(config.config_paths, config.gym_overrides)
+    if not agents:
+        return
+    named: list[tuple[str, str | None]] = [*routing_agents(config.routing)]
     named += [(f"line {row.line}", row_agent(row.row)) for row in rows]
-    unknown: dict[str, list[str]] = {}
-    for where, agent in named:
-        if agent is not None and agent not in agents:
-            unknown.setdefault(agent, []).append(where)
+    unknown = unknown_agents(named, agents)
     if unknown:
         listed = "; ".join(
             f"{agent!r} (named by {', '.join(places[:5])}{', ...' if len(places) > 5 else ''})"
@@ -134,29 +129,6 @@ def check_agents(config: EvalConfig, rows: list[DatasetRow]) -> None:
         raise DatasetError(
             f"no config in config_paths defines the agent(s) {listed}; they define: {', '.join(sorted(agents))}"
         )
-
-
-def _configured_agents(config: EvalConfig) -> set[str] | None:
-    """The agents ``config_paths`` (cwd-relative, else in the installed nemo-gym) and ``gym_overrides`` define, read
-    as plain YAML through the boundary (no Gym, torch or Ray import); None when a config cannot be read."""
-    from gym_bridge.boundary import UntrustedInputError
-    from gym_bridge.boundary.yaml_io import read_yaml_file
-    from gym_bridge.gym.servers.server_config import GymConfigNotFound, wheel_config_path
-
-    blocks: list[object] = [config.gym_overrides]
-    for name in config.config_paths:
-        try:
-            path = Path(name) if Path(name).exists() else wheel_config_path(name)
-            blocks.append(read_yaml_file(path))
-        except (OSError, UntrustedInputError, GymConfigNotFound):
-            return None
-    return {
-        str(key)
-        for block in blocks
-        if isinstance(block, dict)
-        for key, body in block.items()
-        if isinstance(body, dict) and "responses_api_agents" in body
-    }
 
 
 def check_gym_logs(run_dir: Path) -> None:

@@ -15,21 +15,19 @@ values at the limit) is ``null`` in ``metrics.json`` and ``n/a`` in ``report.md`
 
 from __future__ import annotations
 
-import html
 import io
 import math
-import re
 from array import array
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gym_bridge.boundary.json_io import dumps
-from gym_bridge.boundary.text import shown
+from gym_bridge.eval.inert_text import json_out, markdown_text, plot_label
+from gym_bridge.eval.output_files import write_files
 from gym_bridge.eval.passk import default_ks, pass_at_k
 from gym_bridge.eval.records import ResultLine
-from gym_bridge.eval.runs import LoadedRun, RunGroup, load_run, write_files
+from gym_bridge.eval.runs import LoadedRun, RunGroup, load_run
 from gym_bridge.eval.viewer import VIEWER_FILE, ViewerPage, page_bytes
 from gym_bridge.json_types import JsonObject
 
@@ -37,31 +35,6 @@ METRICS_FILE = "metrics.json"
 REPORT_FILE = "report.md"
 PLOT_FILE = "report.png"
 ALL = "all"
-
-
-_NON_ASCII = re.compile(r"[^\x00-\x7f]")
-
-
-def json_out(value: object) -> bytes:
-    """``value`` as the strict, indented JSON of a file gym-bridge writes (:func:`~gym_bridge.boundary.json_io.dumps`:
-    a number that is not finite is null), with every character that is not printable (a bidi override, U+2028)
-    written as its ``\\u`` escape, so ``cat metrics.json`` shows what a run folder holds without obeying it (JSON
-    escapes ESC and NUL itself)."""
-    data = dumps(value, indent=True) + b"\n"
-    if data.isascii():
-        return data
-    return _NON_ASCII.sub(_escaped, data.decode("utf-8")).encode("utf-8")
-
-
-def _escaped(match: re.Match[str]) -> str:
-    char = match.group()
-    if char.isprintable():
-        return char
-    code = ord(char)
-    if code > 0xFFFF:  # a surrogate pair, as JSON writes one
-        code -= 0x10000
-        return f"\\u{0xD800 + (code >> 10):04x}\\u{0xDC00 + (code & 0x3FF):04x}"
-    return f"\\u{code:04x}"
 
 
 def safe_mean(values: Sequence[float]) -> float:
@@ -257,33 +230,6 @@ def _finite_sum(values: Iterable[float]) -> float:
         return math.fsum(items)
     except OverflowError:
         return math.inf
-
-
-_MARKDOWN_ACTIVE = re.compile(r"([\\`*_\[\]()#!|~$])")
-"""ASCII punctuation that CommonMark or GFM may read as markup (links, emphasis, tables, code); escaped by a
-backslash, which CommonMark allows before any ASCII punctuation."""
-
-
-def markdown_text(value: object, limit: int = 400) -> str:
-    """``value`` as inert Markdown text on one line: HTML escaped, markup characters escaped, cut to ``limit``.
-
-    Why: agent names, model names and error messages come from run folders (model output, other people's
-    files); a ``|`` or newline must not break a table, ``<img onerror>`` or ``[x](javascript:)`` must not
-    become markup in a Markdown viewer, and ESC, NUL or a bidi override must not reach a terminal that shows the
-    file (escaped as ``\\x1b``, ``\\x00``, ``\\u202e``: :func:`~gym_bridge.boundary.text.shown`).
-    """
-    text = shown(" ".join(str(value).split()))
-    if len(text) > limit:
-        text = text[: limit - 3] + "..."
-    return html.escape(_MARKDOWN_ACTIVE.sub(r"\\\1", text), quote=True)
-
-
-def plot_label(value: object, limit: int = 60) -> str:
-    """``value`` as a matplotlib label: one line, short, control characters escaped, ``$`` escaped (mathtext would
-    parse it, and may fail)."""
-    text = shown(" ".join(str(value).split()))
-    text = text if len(text) <= limit else text[: limit - 3] + "..."
-    return text.replace("$", "\\$").lstrip("_") or "(no name)"
 
 
 def _fmt(value: object) -> str:

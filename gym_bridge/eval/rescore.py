@@ -36,7 +36,6 @@ import httpx
 from gym_bridge.boundary import UntrustedInputError
 from gym_bridge.boundary.files import write_atomic
 from gym_bridge.boundary.json_io import dumps, loads
-from gym_bridge.boundary.yaml_io import read_yaml_file
 from gym_bridge.eval.compare import GRADER_KEYS
 from gym_bridge.eval.records import ROW_ID_KEY, row_id
 from gym_bridge.eval.report import build_report
@@ -122,19 +121,14 @@ def _config_blocks(config_paths: list[str] | list[Path], overrides: JsonObject) 
         RescoreError: a config file cannot be read or is not a YAML mapping.
         GymConfigNotFound: a relative path is neither in the cwd nor in the installed nemo-gym.
     """
-    from gym_bridge.gym.servers.server_config import deep_merge, wheel_config_path
+    from gym_bridge.gym.servers.config_files import GymConfigError, GymConfigNotFound, merged_blocks
 
-    merged: JsonObject = {}
-    for name in config_paths:
-        path = Path(name) if Path(name).exists() else wheel_config_path(name)
-        try:
-            blocks = read_yaml_file(path) or {}
-        except (OSError, UntrustedInputError) as exc:
-            raise RescoreError(f"config_paths: {shown(path)} cannot be read as YAML ({shown(exc)})") from None
-        if not isinstance(blocks, dict):
-            raise RescoreError(f"config_paths: {shown(path)} is not a YAML mapping of Gym servers")
-        merged = deep_merge(merged, blocks)
-    return deep_merge(merged, overrides)
+    try:
+        return merged_blocks(config_paths, overrides)
+    except GymConfigNotFound:
+        raise
+    except GymConfigError as exc:
+        raise RescoreError(f"config_paths: {exc}") from None
 
 
 def agent_resources_servers(blocks: JsonMapping) -> dict[str, str]:

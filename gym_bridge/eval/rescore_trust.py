@@ -29,11 +29,11 @@ def trusted_config_files(config_paths: list[str], run_json: Path | None) -> list
             installed nemo-gym (the field named).
         GymConfigNotFound: a user's relative path is neither in the cwd nor in the installed nemo-gym.
     """
-    from gym_bridge.gym.servers.server_config import GymConfigNotFound, wheel_config_path
+    from gym_bridge.gym.servers.config_files import GymConfigNotFound, config_path, wheel_config_path
     from gym_bridge.gym_versions import installed_gym
 
     if run_json is None:
-        return [Path(name) if Path(name).exists() else wheel_config_path(name) for name in config_paths]
+        return [config_path(name) for name in config_paths]
     files = []
     for i, name in enumerate(config_paths):
         relative = PurePosixPath(name)

@@ -304,23 +304,23 @@ def _finished(config: EvalConfig, rows: list[DatasetRow]) -> bool:
 def _preflight_endpoints(configs: list[EvalConfig], rows: list[DatasetRow]) -> None:
     """Check every endpoint policy that has work to do, before anything starts (embedded ones are checked
     when their server is up)."""
-    from gym_bridge.preflight import preflight_endpoints, rows_use_tools
+    from gym_bridge.preflight import rows_use_tools
+    from gym_bridge.recipes.gym_pre_start import preflight
 
     tools = rows_use_tools([item.row for item in rows])
     for cfg in configs:
         try:
-            checks = preflight_endpoints(
-                list(cfg.base_urls),
+            preflight(
+                cfg.base_urls,
                 cfg.model_name,
                 tools=tools,
                 timeout_s=cfg.preflight_timeout_s,
                 api_key=cfg.api_key(),
+                label=cfg.output_dir.name,
             )
         except PreflightError:
             logger.error("policy %r: its endpoints failed preflight; nothing was started", cfg.output_dir.name)
             raise
-        for check in checks:
-            logger.info("preflight %s: %s", cfg.output_dir.name, check.line)
 
 
 def _run_pending(

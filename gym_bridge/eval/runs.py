@@ -24,25 +24,20 @@ goes through the trust boundary (:mod:`gym_bridge.boundary`) and is bounded and 
   is not there, or as another.
 
 What a reader keeps is bounded by what it uses, not by the file: :func:`load_run` keeps per prompt its numbers
-(key, lines, agent, rewards, a short prompt preview) and where its line is (:class:`LineRef`); the full line is
-read again when it is asked for (:attr:`RunGroup.record`, checked to be the line read first). A caller that needs
-more of each line (the report's token counts, the trace viewer) sees each line once as it streams by (``visit``).
+(key, lines, agent, rewards, a short prompt preview) and where its line is
+(:class:`~gym_bridge.eval.line_stream.LineRef`); the full line is read again when it is asked for
+(:attr:`RunGroup.record`). A caller that needs more of each line (the report's token counts, the trace viewer)
+sees each line once as it streams by (``visit``).
 
 Any problem is one :class:`RunReadError` line naming the folder, the file, the line and the field. A torn last
 line is an error for a finished run (it is a run killed mid-write; ``gym-bridge eval --resume`` repairs it), and
-a run still being written (its ``run.lock`` held) is refused. :func:`run_folder_kind` tells an eval run folder
-from a training one, or says that a folder is neither.
+a run still being written (its ``run.lock`` held: :mod:`gym_bridge.eval.run_lock`) is refused.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
-import gc
 import os
-import reprlib
-import stat
 import zlib
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -54,22 +49,23 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, PositiveInt, ValidationError
 
 from gym_bridge.boundary.errors import UntrustedInputError
-from gym_bridge.boundary.files import file_kind, open_nofollow, open_regular, read_bytes, write_atomic
+from gym_bridge.boundary.files import read_bytes
 from gym_bridge.boundary.json_io import (
     MAX_DEPTH,
-    dumps,
     jsonl_lines as jsonl_lines,  # the store's and the rescore's splitter
     loads_object,
 )
 from gym_bridge.boundary.jsonl import iter_lines as boundary_lines
 from gym_bridge.boundary.text import shown as shown  # what callers escape run-folder text with
+from gym_bridge.eval.line_stream import LineRef, collector_paused
+from gym_bridge.eval.line_text import field_problem, prompt_preview
 from gym_bridge.eval.records import NO_ROW_ID, REPEAT_MARK, ROW_ID_KEY, FailureLine, PromptLine, ResultLine, RunFile
+from gym_bridge.eval.run_lock import LOCK_FILE, writer_active
 from gym_bridge.json_types import JsonObject
 
 RUN_FILE = "run.json"
 RESULTS_FILE = "results.jsonl"
 FAILURES_FILE = "failures.jsonl"
-LOCK_FILE = "run.lock"
 TRAINING_METRICS_FILE = "metrics.jsonl"
 """A training run folder's one required file (``gym-bridge train``: one line per step and per validation)."""
 MAX_BYTES_ENV = "GYM_BRIDGE_RUN_MAX_BYTES"
@@ -77,9 +73,6 @@ MAX_BYTES_ENV = "GYM_BRIDGE_RUN_MAX_BYTES"
 MAX_RUN_JSON_DEPTH = MAX_DEPTH
 """How deeply ``run.json`` and each JSONL line may nest (the boundary's default): the writers nest a few levels,
 and their copies (``json.dump`` with an indent, ``copy.deepcopy``) recurse once per level."""
-
-_PREVIEW = reprlib.Repr(maxlevel=2, maxdict=3, maxlist=3, maxstring=40, maxother=40)
-"""How much of a refused value an error line shows."""
 
 
 class RunReadError(UntrustedInputError):
@@ -126,35 +119,6 @@ class ReadLimits(BaseModel):
         return cls(max_jsonl_bytes=int(raw))
 
 
-def open_lock(path: Path, *, create: bool) -> int:
-    """A descriptor on the lock file ``path``, opened without blocking or following a link (a FIFO or a device
-    planted as ``run.lock`` never hangs the reader).
-
-    Raises:
-        OSError: ``path`` cannot be opened, or is a link, not a regular file or hard-linked (``EINVAL``).
-    """
-    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT if create else os.O_RDONLY
-    try:
-        return open_nofollow(path, flags)
-    except UntrustedInputError as exc:
-        raise OSError(errno.EINVAL, str(exc), str(path)) from None
-
-
-def writer_active(run_dir: str | Path) -> bool:
-    """Whether a process holds ``run_dir``'s store open right now (a run still being written)."""
-    try:
-        fd = open_lock(Path(run_dir) / LOCK_FILE, create=False)
-    except OSError:
-        return False  # no lock file, or not one a writer made
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except OSError:
-        return True
-    finally:
-        os.close(fd)
-    return False
-
-
 def run_folder_kind(run_dir: str | Path) -> Literal["eval", "training"]:
     """Whether ``run_dir`` is an eval run folder (it has ``run.json``) or a training run folder (no ``run.json``,
     a ``metrics.jsonl``). Anything at the name counts (a FIFO, a link): the reader then refuses it by name.
@@ -173,29 +137,6 @@ def run_folder_kind(run_dir: str | Path) -> Literal["eval", "training"]:
         f"{shown(folder)}: neither an eval run folder (no {RUN_FILE}) nor a training run folder "
         f"(no {TRAINING_METRICS_FILE})"
     )
-
-
-def write_files(files: dict[Path, bytes | str]) -> None:
-    """Write each of ``files`` (path -> content) through :func:`~gym_bridge.boundary.files.write_atomic` (a link
-    or a FIFO planted at a name is replaced, never followed or opened), once no name is a folder: a folder
-    planted at one is refused before anything is written.
-
-    Raises:
-        RunReadError: a name is a folder (named).
-        OSError: the folder cannot be written.
-    """
-    for path in files:
-        try:
-            info = os.lstat(path)
-        except FileNotFoundError:
-            continue
-        if stat.S_ISDIR(info.st_mode):
-            raise RunReadError(f"{shown(path)}: {file_kind(info.st_mode)} where gym-bridge writes a file; remove it")
-    for path, data in files.items():
-        write_atomic(path, data)
-
-
-# ---- bytes ------------------------------------------------------------------------------------
 
 
 def _hint(path: Path) -> str:
@@ -254,17 +195,6 @@ def iter_objects(
         if skip_blank and not raw.strip():
             continue
         yield number, offset, raw, decode_line(raw, f"{where}:{number}")
-
-
-def field_problem(exc: ValidationError, prefix: str = "") -> str:
-    """The first problem pydantic found, in words: ``field 'a.b[0]' is missing`` or ``field 'x' should be ...``."""
-    error = exc.errors(include_url=False)[0]
-    name = prefix + "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in error["loc"])
-    name = name.lstrip(".")
-    if error["type"] == "missing":
-        return f"field {shown(name)!r} is missing"
-    message = error["msg"].removeprefix("Value error, ").removeprefix("Input ")
-    return f"field {shown(name)!r}: {message} (got {shown(_PREVIEW.repr(error['input']))})"
 
 
 # ---- the files --------------------------------------------------------------------------------
@@ -389,36 +319,6 @@ def read_failure_lines(folder: Path, limits: ReadLimits, prompts_total: int | No
 # ---- a run ------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class LineRef:
-    """Where one line of a JSONL file is, to read it again: its number, byte offset, size and CRC-32."""
-
-    path: Path
-    number: int
-    offset: int
-    size: int
-    crc: int
-
-    def read(self, limits: ReadLimits | None = None) -> JsonObject:
-        """The line again, decoded as it was the first time.
-
-        Raises:
-            RunReadError: the file is no longer a regular file under its cap, or the line changed since it was
-                read (named).
-        """
-        limits = limits or ReadLimits.from_env()
-        where = f"{shown(self.path)}:{self.number}"
-        with refusals_as_run_errors(), open_regular(self.path, limits.max_jsonl_bytes, hint=_hint(self.path)) as f:
-            try:
-                f.seek(self.offset)
-                raw = f.read(self.size)
-            except OSError as exc:
-                raise RunReadError(f"{where}: cannot be read ({exc.strerror or exc})") from None
-        if len(raw) != self.size or zlib.crc32(raw) != self.crc:
-            raise RunReadError(f"{where}: changed since it was read; read the run folder again")
-        return decode_line(raw, where)
-
-
 @dataclass
 class RunGroup:
     """One finished prompt group of a run: what the readers use of its line, and where the line is."""
@@ -447,32 +347,15 @@ class RunGroup:
         """
         if self.source is None:
             raise RunReadError(f"results.jsonl:{self.line}: no longer available to read again")
-        return self.source.read()
+        limits = ReadLimits.from_env()
+        with refusals_as_run_errors():
+            return self.source.read(limits.max_jsonl_bytes, _hint(self.source.path))
 
     @cached_property
     def result(self) -> ResultLine:
         """The line, typed (read again on first use, then kept)."""
         where = shown(self.source.path) if self.source else RESULTS_FILE
         return _typed(ResultLine, self.record, f"{where}:{self.line}")
-
-
-def prompt_preview(record: JsonObject, limit: int = 160) -> str:
-    """The last user message of the row's prompt, on one line (from the first completion's Gym result); text that
-    is not a string is shown as JSON; cut to ``limit`` characters."""
-    try:
-        items = record["completions"][0]["gym_result"]["responses_create_params"]["input"]
-    except (KeyError, IndexError, TypeError):
-        return ""
-    if isinstance(items, str):
-        text = items
-    elif isinstance(items, list):
-        users = [i.get("content") for i in items if isinstance(i, dict) and i.get("role") == "user"]
-        last = users[-1] if users else ""
-        text = last if isinstance(last, str) else dumps(last)[: 4 * limit].decode("utf-8", "replace")
-    else:
-        return ""
-    text = " ".join(text[: 8 * limit].split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 @dataclass
@@ -509,19 +392,6 @@ type LineVisitor = Callable[[RunGroup, JsonObject, ResultLine], None]
 """Called with each group as its line streams by: the group, the line as read and the line typed."""
 
 
-@contextlib.contextmanager
-def _collector_paused() -> Iterator[None]:
-    """The cyclic garbage collector off while lines stream by: decoded JSON holds no cycles, and a collection
-    that walks every object kept so far, once per few hundred lines, cost more than the decoding itself."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
 def load_run(
     run_dir: str | Path,
     *,
@@ -555,7 +425,7 @@ def load_run(
     lines = _result_lines(
         folder, limits, ResultLine, need_row_ids=need_row_ids, finished=finished, prompts_total=meta.prompts_total
     )
-    with _collector_paused():
+    with collector_paused():
         for ref, record, result in lines:
             key = result.row_id if result.row_id is not None else f"{NO_ROW_ID}{result.prompt_idx}"
             repeat = seen[key]

@@ -6,8 +6,9 @@ A process killed mid-write leaves at most one torn last line; reading tolerates 
 on a fresh line.
 
 While a store is open it holds an exclusive ``flock`` on ``run.lock``, so readers (``gym-bridge compare``,
-``rescore``) can tell a run still being written from a finished or killed one (:func:`writer_active`);
-the kernel releases the lock when the writer exits, even on SIGKILL.
+``rescore``) can tell a run still being written from a finished or killed one
+(:func:`~gym_bridge.eval.run_lock.writer_active`); the kernel releases the lock when the writer exits, even on
+SIGKILL.
 
 Reading goes through :mod:`gym_bridge.eval.runs` (regular files only, size caps, typed lines), resume included:
 a folder someone sent you is checked the same way whether you compare it or continue it. Writing goes through the
@@ -30,13 +31,12 @@ from gym_bridge.boundary.files import make_dir, open_append, open_nofollow, read
 from gym_bridge.boundary.json_io import dumps, jsonl_lines, loads_object
 from gym_bridge.boundary.text import shown
 from gym_bridge.eval.records import ResumeLine
+from gym_bridge.eval.run_lock import LOCK_FILE, open_lock
 from gym_bridge.eval.runs import (
     FAILURES_FILE,
-    LOCK_FILE,
     RESULTS_FILE,
     RUN_FILE,
     ReadLimits,
-    open_lock,
     read_result_lines,
     read_run_json,
 )

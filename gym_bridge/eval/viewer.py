@@ -35,6 +35,7 @@ from pathlib import Path
 from gym_bridge.boundary.errors import UntrustedInputError
 from gym_bridge.boundary.files import read_text
 from gym_bridge.boundary.json_io import dumps, loads, loads_object
+from gym_bridge.eval.output_files import write_files
 from gym_bridge.eval.runs import (
     FAILURES_FILE,
     MAX_RUN_JSON_DEPTH,
@@ -43,7 +44,6 @@ from gym_bridge.eval.runs import (
     ReadLimits,
     iter_objects,
     read_file,
-    write_files,
 )
 from gym_bridge.json_types import JsonObject
 

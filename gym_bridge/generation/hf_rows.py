@@ -1,8 +1,8 @@
-"""A generation batch as :class:`~gym_bridge.generation.hf_decode.Row`s for
+"""A generation batch as :class:`~gym_bridge.generation.decode_row.Row`s for
 :class:`~gym_bridge.generation.hf.HFGeneration`: checked ids, merged stop strings, per-row sampling and seeds.
 
 Every row's sampling is checked and bounded here, as vLLM's ``SamplingParams`` bounds a request's, so nothing a
-caller sends can make the batched token choice of :mod:`~gym_bridge.generation.hf_decode` fail for the rows
+caller sends can make the batched token choice of :mod:`~gym_bridge.generation.token_choice` fail for the rows
 beside it: a temperature is a finite number >= 0 (one in ``(0, MIN_TEMPERATURE)`` is raised to
 :data:`MIN_TEMPERATURE`, vLLM's ``_MAX_TEMP``), ``top_p`` lies in ``(0, 1]``, ``top_k`` is -1, 0 (all tokens) or
 positive (at least the vocabulary: all tokens, as vLLM's input batch clamps it), and no bool passes for a number.
@@ -21,8 +21,8 @@ import torch
 from gym_bridge.batched import BatchedDataDict
 from gym_bridge.failures.errors import SettingError
 from gym_bridge.generation.batch import check_input
+from gym_bridge.generation.decode_row import Row
 from gym_bridge.generation.hf_config import PER_ROW_SAMPLING_KEYS, HFGenerationConfig, RowSampling
-from gym_bridge.generation.hf_decode import Row
 from gym_bridge.types import GenerationDatumSpec
 
 

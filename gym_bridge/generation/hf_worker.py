@@ -27,8 +27,9 @@ from typing import Final, Protocol
 import torch
 
 from gym_bridge.failures import EngineShutDownError
+from gym_bridge.generation.decode_row import Row, RowResult
 from gym_bridge.generation.hf_config import HFGenerationConfig
-from gym_bridge.generation.hf_decode import Row, RowResult, RunningBatch
+from gym_bridge.generation.hf_decode import RunningBatch
 
 logger = logging.getLogger("gym_bridge.generation.hf")
 

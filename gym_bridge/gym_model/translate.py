@@ -83,7 +83,46 @@ def responses_to_chat(
     extra_body: JsonObject | None = None,
 ) -> ChatTurn:
     """The chat ``vllm_model`` would send for the Responses request ``body`` (a parsed JSON object)."""
-    raw_input = body.get("input")
+    messages = _input_messages(body.get("input"))
+
+    if replace_developer_role_with_system:
+        for message in messages:
+            if message.get("role") == "developer":
+                message["role"] = "system"
+    metadata = body.get("metadata") or {}
+    template_kwargs = dict(chat_template_kwargs or {})
+    template_kwargs.update(_json_object(metadata.get("chat_template_kwargs", "{}"), "metadata.chat_template_kwargs"))
+    extra = dict(extra_body or {})
+    extra.update(_json_object(metadata.get("extra_body", "{}"), "metadata.extra_body"))
+    if uses_reasoning_parser:
+        for message in messages:
+            _move_reasoning(message, uses_interleaved_reasoning)
+
+    tools = [_chat_tool(t, i) for i, t in enumerate(body.get("tools") or [])] or None
+    sampling: JsonObject = {}
+    if body.get("max_output_tokens") is not None:
+        sampling["max_tokens"] = body["max_output_tokens"]
+    for key in ("temperature", "top_p"):
+        if body.get(key) is not None:
+            sampling[key] = body[key]
+    extra_template_kwargs = extra.pop("chat_template_kwargs", None)
+    if not template_kwargs and extra_template_kwargs:  # as in Gym, the request's own kwargs win over extra_body's
+        template_kwargs = dict(extra_template_kwargs)
+    sampling = {**extra, **sampling}
+    tool_choice = body.get("tool_choice", "auto")
+    return ChatTurn(
+        messages=messages,
+        tools=tools,
+        chat_template_kwargs=template_kwargs,
+        sampling=sampling,
+        parse_tools=bool(tools) and tool_choice != "none",
+        echo=body,
+    )
+
+
+def _input_messages(raw_input: object) -> list[JsonObject]:
+    """The chat messages of a Responses ``input`` (a string, or a list of message, reasoning, function-call and
+    function-call-output items), turns grouped as the installed Gym's converter groups them."""
     if isinstance(raw_input, str):
         items: list[object] = [
             {"content": [{"text": raw_input, "type": "input_text"}], "role": "user", "type": "message"}
@@ -129,41 +168,7 @@ def responses_to_chat(
                 info["routed_experts"] = item["routed_experts"]
             state.token_info = info
     state.flush_assistant()
-    messages = state.messages
-
-    if replace_developer_role_with_system:
-        for message in messages:
-            if message.get("role") == "developer":
-                message["role"] = "system"
-    metadata = body.get("metadata") or {}
-    template_kwargs = dict(chat_template_kwargs or {})
-    template_kwargs.update(_json_object(metadata.get("chat_template_kwargs", "{}"), "metadata.chat_template_kwargs"))
-    extra = dict(extra_body or {})
-    extra.update(_json_object(metadata.get("extra_body", "{}"), "metadata.extra_body"))
-    if uses_reasoning_parser:
-        for message in messages:
-            _move_reasoning(message, uses_interleaved_reasoning)
-
-    tools = [_chat_tool(t, i) for i, t in enumerate(body.get("tools") or [])] or None
-    sampling: JsonObject = {}
-    if body.get("max_output_tokens") is not None:
-        sampling["max_tokens"] = body["max_output_tokens"]
-    for key in ("temperature", "top_p"):
-        if body.get(key) is not None:
-            sampling[key] = body[key]
-    extra_template_kwargs = extra.pop("chat_template_kwargs", None)
-    if not template_kwargs and extra_template_kwargs:  # as in Gym, the request's own kwargs win over extra_body's
-        template_kwargs = dict(extra_template_kwargs)
-    sampling = {**extra, **sampling}
-    tool_choice = body.get("tool_choice", "auto")
-    return ChatTurn(
-        messages=messages,
-        tools=tools,
-        chat_template_kwargs=template_kwargs,
-        sampling=sampling,
-        parse_tools=bool(tools) and tool_choice != "none",
-        echo=body,
-    )
+    return state.messages
 
 
 def _message(item: JsonMapping, state: _State) -> None:

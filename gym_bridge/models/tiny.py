@@ -228,7 +228,7 @@ def build_model(tokenizer: PreTrainedTokenizerFast, *, seed: int = 0) -> LlamaFo
         **MODEL_CONFIG,
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(torch.float32)  # type: ignore[arg-type]  # typeshed types functools.wraps'd .to as unbound
+    model: LlamaForCausalLM = LlamaForCausalLM(config).to(torch.float32)  # type: ignore[arg-type]  # typeshed types functools.wraps'd .to as unbound
     model.eval()
     model.generation_config = GenerationConfig(
         bos_token_id=bos_id,

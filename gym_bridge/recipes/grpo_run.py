@@ -29,7 +29,6 @@ from gym_bridge.config.run_settings import GRPORunSettings, grpo_run_settings
 from gym_bridge.data import datum_from_gym_row
 from gym_bridge.failures import SettingError
 from gym_bridge.generation.hf import HFGeneration
-from gym_bridge.gym.protocol.routing import GymRoutes
 from gym_bridge.gym.protocol.rows import ValidGymRow
 from gym_bridge.gym.servers.running import read_policy_endpoint
 from gym_bridge.gym.transport.admission import AdmissionControl
@@ -37,12 +36,13 @@ from gym_bridge.gym.transport.client import GymClient
 from gym_bridge.json_types import JsonMapping
 from gym_bridge.models.loading import check_safetensors_weights
 from gym_bridge.policy.hf import HFPolicy, check_optimizer_file
+from gym_bridge.recipes.gym_pre_start import route_on_gym
 from gym_bridge.recipes.launch import NemoGymRollouts, start_nemo_gym_rollouts
+from gym_bridge.rollout.reward_shaper import RewardShaper
 from gym_bridge.serving import OpenAIServer, ServerFeatures
 from gym_bridge.serving.listen import ServerBindError, listening_socket
 from gym_bridge.training.loop import GRPOTrainer
 from gym_bridge.training.loop_config import GRPOLoopConfig
-from gym_bridge.training.rewards import RewardShaper
 from gym_bridge.training.trainer_state import TrainerState, load_trainer_state
 from gym_bridge.training.validation import GymValidator, ValidationSet
 from gym_bridge.types import ActorHandle, Tokenizer
@@ -78,7 +78,7 @@ def validator_from(
         GymClient(
             actors,
             timer_prefix="timing/validation",
-            admission=admission or settings.rollout.launch.manager_options.get("admission"),
+            admission=admission or settings.rollout.launch.manager_options.admission,
         ),
         sets,
         sampling=options.sampling,
@@ -93,12 +93,10 @@ def validator_from(
 
 
 def routed_rows(rows: list[ValidGymRow], actor: ActorHandle, what: str = "training") -> list[ValidGymRow]:
-    """``what`` rows with the agent the launched Gym config routes each to (``task_source`` rows resolved by Gym's own
-    resolver); :class:`TrainingConfigError` naming every row that routes nowhere, before any step runs."""
-    import ray
-
-    routes: GymRoutes = ray.get(actor.routes.remote(), timeout=60)
-    routed, problems = routes.route_all(rows, [f"{what} row {i}" for i in range(len(rows))])
+    """``what`` rows with the agent the launched Gym config routes each to
+    (:func:`~gym_bridge.recipes.gym_pre_start.route_on_gym`); :class:`TrainingConfigError` naming every row that
+    routes nowhere, before any step runs."""
+    routed, problems = route_on_gym(rows, actor, [f"{what} row {i}" for i in range(len(rows))])
     if problems:
         raise TrainingConfigError(
             f"{len(problems)} {what} row(s) route to no running agent: " + "; ".join(problems[:5])
@@ -263,6 +261,29 @@ def build_grpo_run(config: JsonMapping, out_dir: str | Path, *, resume: bool = T
     )
 
 
+def _engine_and_server(settings: GRPORunSettings, address: PolicyAddress | None) -> tuple[HFGeneration, OpenAIServer]:
+    """The run's engine and the server in front of it (not yet started). With ``address`` (a running Gym's policy
+    endpoint) its port is claimed first, so a busy port fails before a model loads, and the server serves there under
+    that Gym's model name."""
+    sock = claim_policy_address(address) if address is not None else None
+    try:
+        engine = HFGeneration(settings.engine)
+        server = OpenAIServer(  # a max_tokens past the prompt's room is cut to it, as NeMo-RL's training server does
+            engine,
+            engine.tokenizer,
+            served_model_name=address.model_name if address is not None else settings.served_model_name,
+            host=address.host if address is not None else "127.0.0.1",
+            max_model_len=settings.max_model_len,
+            features=ServerFeatures(clamp_max_tokens=True),
+            sock=sock,
+        )
+    except BaseException:
+        if sock is not None:
+            sock.close()
+        raise
+    return engine, server
+
+
 def start_grpo_run(
     settings: GRPORunSettings, out_dir: str | Path, *, resume: bool = True, save_checkpoints: bool = True
 ) -> GRPORun:
@@ -281,22 +302,7 @@ def start_grpo_run(
         logger.info("resuming from %s at step %d (weight version %d)", checkpoint, state.step, state.weight_version)
         settings = settings.resumed_from(str(checkpoint), state.step)
     address = running_gym_policy(settings.gym_head, settings.served_model_name) if settings.gym_head else None
-    sock = claim_policy_address(address) if address is not None else None  # a busy port fails before a model loads
-    try:
-        engine = HFGeneration(settings.engine)
-        server = OpenAIServer(  # a max_tokens past the prompt's room is cut to it, as NeMo-RL's training server does
-            engine,
-            engine.tokenizer,
-            served_model_name=address.model_name if address is not None else settings.served_model_name,
-            host=address.host if address is not None else "127.0.0.1",
-            max_model_len=settings.max_model_len,
-            features=ServerFeatures(clamp_max_tokens=True),
-            sock=sock,
-        )
-    except BaseException:
-        if sock is not None:
-            sock.close()
-        raise
+    engine, server = _engine_and_server(settings, address)
     try:
         url = server.start_in_thread()
         settings = settings.serving_at([url], address.model_name if address is not None else None)

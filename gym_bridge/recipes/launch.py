@@ -12,7 +12,7 @@ A failure at any step undoes the steps before it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, cast
@@ -21,10 +21,12 @@ from gym_bridge.config.launch_spec import GymLaunchSpec
 from gym_bridge.config.nemo_rl_gym import nemo_rl_gym_config
 from gym_bridge.config.training import NemoGymRolloutSettings, nemo_gym_rollout_settings
 from gym_bridge.json_types import JsonMapping
+from gym_bridge.recipes.gym_pre_start import preflight
 
 if TYPE_CHECKING:
     from gym_bridge.gym.transport.admission import AdmissionControl
     from gym_bridge.rollout.manager import RolloutManager
+    from gym_bridge.rollout.nemo_gym import NemoGymOptions
     from gym_bridge.types import ActorHandle, GenerationConfig, Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -80,17 +82,13 @@ def start_nemo_gym(spec: GymLaunchSpec, tokenizer: Tokenizer) -> NemoGymRollouts
         GymStartupError, ...: an actor could not start its Gym servers (Ray stopped again if started here).
     """
     if spec.preflight:
-        from gym_bridge.preflight import preflight_endpoints
-
-        checks = preflight_endpoints(
+        preflight(
             spec.gym.base_urls,
             spec.gym.model_name,
             tools=spec.uses_tools,
             timeout_s=spec.preflight_timeout_s,
             api_key=spec.gym.api_key,
         )
-        for check in checks:
-            logger.info("preflight %s", check.line)
     import ray
 
     from gym_bridge.gym.transport.spinup import spinup_nemo_gym_actors, stop_nemo_gym_actors
@@ -118,7 +116,7 @@ def start_nemo_gym(spec: GymLaunchSpec, tokenizer: Tokenizer) -> NemoGymRollouts
                 mask_env_flagged_samples=spec.mask_env_flagged_samples,
                 timeouts=spec.timeouts,
                 retry_policy=spec.retry_policy,
-                **dict(spec.manager_options),
+                **{name: getattr(spec.manager_options, name) for name in spec.manager_options.model_fields_set},
             )
         except BaseException:
             stop_nemo_gym_actors(actors, spec.gym.shutdown_timeout_s + 10)
@@ -169,14 +167,29 @@ def start_nemo_gym_rollouts(
     preflight: bool = True,
     **manager_kwargs: object,
 ) -> NemoGymRollouts:
-    """:func:`build_nemo_gym_rollouts` for settings already read."""
+    """:func:`build_nemo_gym_rollouts` for settings already read; ``manager_kwargs`` are ``nemo_gym`` backend options
+    over the settings' (an unknown or mistyped one is a ``BackendOptionsError`` before anything starts)."""
     spec = replace(
         settings.launch,
         uses_tools=uses_tools,
         preflight=preflight,
-        manager_options={**settings.launch.manager_options, **manager_kwargs},
+        manager_options=_with_options(settings.launch.manager_options, manager_kwargs),
     )
     return start_nemo_gym(spec, tokenizer)
+
+
+def _with_options(options: NemoGymOptions, extra: Mapping[str, object]) -> NemoGymOptions:
+    """``options`` with ``extra`` set over them, validated as the manager validates a backend's keywords."""
+    if not extra:
+        return options
+    from gym_bridge.rollout.backend import BackendClass, backend_options
+    from gym_bridge.rollout.nemo_gym import NEMO_GYM_TASK, AsyncNemoGymRolloutImpl, NemoGymOptions
+
+    given = {name: getattr(options, name) for name in options.model_fields_set}
+    backend = cast("type[BackendClass]", AsyncNemoGymRolloutImpl)
+    merged = backend_options(backend, NEMO_GYM_TASK, {**given, **extra})
+    assert isinstance(merged, NemoGymOptions)
+    return merged
 
 
 def spinup_nemo_gym_actor(

@@ -10,7 +10,7 @@ config as trained, its ``${oc.env:NAME}`` values, often secrets, written as thos
 ``from_pretrained`` loads it; ``gym-bridge serve --model`` and eval's ``embedded_policy`` take it). With ``--resume``
 the checkpoint's files are checked before anything starts (:func:`~gym_bridge.recipes.grpo_run.check_checkpoint`).
 
-Before Ray starts, every check that can run then does (:func:`~gym_bridge.config.early_checks.check_before_start`:
+Before Ray starts, every check that can run then does (:func:`~gym_bridge.recipes.pre_start.check_before_start`:
 the batch against the dataset, the longest prompt plus ``max_new_tokens`` against the context, the Gym configs and
 agents), and the GPU-only keys a CPU run ignores are listed once (a warning with a table). With ``--smoke``
 (:func:`smoke_recipe`) the recipe is first rewritten into a short CPU run (:mod:`gym_bridge.config.smoke`).
@@ -32,13 +32,14 @@ import yaml
 from gym_bridge.boundary.errors import UntrustedInputError
 from gym_bridge.boundary.files import file_kind, make_dir, write_atomic
 from gym_bridge.boundary.text import shown
-from gym_bridge.config.early_checks import check_before_start, smoke_facts
 from gym_bridge.config.keys import config_value
 from gym_bridge.config.loading import without_env_values
 from gym_bridge.config.logger import logger_settings
 from gym_bridge.config.smoke import SMOKE_MODEL, SmokePlan, format_table, gpu_only_keys, shown_value, smoke_config
 from gym_bridge.failures import GymBridgeError
 from gym_bridge.json_types import JsonObject
+from gym_bridge.recipes.pre_start import check_before_start
+from gym_bridge.recipes.smoke_facts import smoke_facts
 from gym_bridge.training.loggers import LoggerPlan, open_loggers
 from gym_bridge.training.loop import GRPOTrainer
 from gym_bridge.training.metrics import MetricsLine
@@ -132,7 +133,7 @@ def _make_run_folder(run_dir: Path, plan: LoggerPlan) -> None:
 
 def smoke_recipe(config: JsonObject, *, model: str = SMOKE_MODEL, pinned: Sequence[str] = ()) -> SmokePlan:
     """``--smoke``: ``config`` rewritten into a short CPU run of its Gym environments on ``model``
-    (:func:`~gym_bridge.config.smoke.smoke_config` over what :func:`~gym_bridge.config.early_checks.smoke_facts`
+    (:func:`~gym_bridge.config.smoke.smoke_config` over what :func:`~gym_bridge.recipes.smoke_facts.smoke_facts`
     reads: the data, the Gym configs, the model's tokenizer and context). ``pinned``: the keys the command line set,
     left as they are (a ``policy.model_name`` set there is the model the facts are read for)."""
     if "policy.model_name" in pinned:
@@ -164,7 +165,7 @@ def train(
 ) -> TrainOutcome:
     """Train ``config`` into ``run_dir`` (resumed from its checkpoint with ``resume``); Ray is started if needed.
 
-    Before anything starts: :func:`~gym_bridge.config.early_checks.check_before_start` (one
+    Before anything starts: :func:`~gym_bridge.recipes.pre_start.check_before_start` (one
     :class:`~gym_bridge.config.keys.TrainingConfigError` naming every problem), every key read, a running Gym's policy
     endpoint (``env.nemo_gym.gym_head``) checked, and (``list_gpu_keys``)
     one warning listing the GPU-only keys the run ignores (``--smoke`` has listed them in its table already)."""

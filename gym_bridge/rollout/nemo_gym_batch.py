@@ -19,22 +19,21 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 import orjson
 
 from gym_bridge.batched import BatchedDataDict
-from gym_bridge.failures import GymBridgeError, SettingError
+from gym_bridge.failures import GymBridgeError
 from gym_bridge.gym.protocol.rows import stamped_row
-from gym_bridge.gym.transport.client import GymClient
-from gym_bridge.json_types import JsonMapping
+from gym_bridge.gym.transport.client import GymClient, GymGroupResult
+from gym_bridge.json_types import JsonMapping, JsonObject
 from gym_bridge.rollout.nemo_gym import TIMER_PREFIX, nemo_gym_actors
 from gym_bridge.rollout.nemo_gym_batch_input import (
-    check_options,
+    LossMultiplier,
+    check_message_logs,
+    checked_sampling,
     engine_max_model_len,
     loss_multiplier_column,
     split_groups,
 )
-from gym_bridge.rollout.nemo_gym_batch_result import (
-    GroupPost,
-    NemoGymRolloutResult,
-    RewardShaping,
-)
+from gym_bridge.rollout.nemo_gym_batch_result import GroupPost, NemoGymRolloutResult
+from gym_bridge.rollout.reward_shaper import RewardShaper
 from gym_bridge.rollout.reward_shaping import EffortLevelsConfig, PenaltyConfig
 from gym_bridge.types import (
     ActorHandle,
@@ -73,13 +72,10 @@ async def run_async_nemo_gym_rollout(
 ) -> AsyncIterator[NemoGymRolloutResult]:
     """Yield complete prompt groups of ``input_batch["extra_env_info"]`` in completion order (NeMo-RL's signature).
 
-    Rows are stamped with ``sampling_params`` (default: the training profile of
-    ``generation_config``) and ``max_output_tokens = min(row's, max_new_tokens)`` on copies;
-    the caller's rows are not changed. The last result carries the timing metrics.
-    As in NeMo-RL, each row gets one attempt: the first group that fails ends the stream and
-    cancels the others.
-
-    ``policy_generation`` is read for its ``cfg`` only (the engine's ``max_model_len``).
+    Rows are stamped with ``sampling_params`` (default: the training profile of ``generation_config``) and
+    ``max_output_tokens = min(row's, max_new_tokens)`` on copies; the caller's rows are not changed. The last result
+    carries the timing metrics. As in NeMo-RL, each row gets one attempt: the first group that fails ends the stream
+    and cancels the others. ``policy_generation`` is read for its ``cfg`` only (the engine's ``max_model_len``).
 
     Raises:
         SettingError: an option the Gym path cannot honour (``greedy``, ``max_rollout_turns``, stop strings,
@@ -90,26 +86,20 @@ async def run_async_nemo_gym_rollout(
     """
     rows = list(input_batch["extra_env_info"])
     engine_max_len = engine_max_model_len(policy_generation, max_seq_len)
-    check_options(generation_config, sampling_params, greedy, max_rollout_turns, max_seq_len, engine_max_len)
-    sampling = sampling_params or GenerationSamplingParams.from_generation_config(generation_config)
-    if sampling.top_k:
-        raise SettingError("sampling_params.top_k is not supported on the NeMo-Gym path (not an OpenAI parameter)")
+    sampling = checked_sampling(
+        generation_config, sampling_params, greedy, max_rollout_turns, max_seq_len, engine_max_len
+    )
     groups = split_groups(rows, num_generations, returns_entire_batch)
-    message_logs = input_batch.get("message_log")
-    if message_logs is not None and len(message_logs) != len(rows):
-        raise SettingError(f"input_batch has {len(message_logs)} message logs for {len(rows)} NeMo-Gym rows")
+    check_message_logs(input_batch, len(rows))
     max_new_tokens = generation_config.get("max_new_tokens")
-    shaping = RewardShaping(tokenizer, effort_config, reward_penalty_config, thinking_tags)
+    shaping = RewardShaper(
+        tokenizer, effort_levels=effort_config, reward_penalties=reward_penalty_config, thinking_tags=thinking_tags
+    )
     loss_multiplier = loss_multiplier_column(input_batch, len(rows))
     client = GymClient(
-        nemo_gym_actors(task_to_env),
-        max_gym_row_attempts=1,
-        timer_prefix=TIMER_PREFIX,
-        resend_env_infra_failures=False,
+        nemo_gym_actors(task_to_env), max_gym_row_attempts=1, timer_prefix=TIMER_PREFIX, resend_env_infra_failures=False
     )
-    routes = await client.routes()
-    if routes is not None:  # task_source rows gain agent_ref once, here: metrics and final_batch name the agent
-        rows = [routes.routed(row, where=f"row {i}") for i, row in enumerate(rows)]
+    rows = await _routed(client, rows)
     stamped = [
         [stamped_row(rows[start + i], i, sampling, max_new_tokens) for i in range(end - start)] for start, end in groups
     ]
@@ -130,12 +120,8 @@ async def run_async_nemo_gym_rollout(
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             awaited += time.perf_counter() - waiting
             for task in sorted(done, key=tasks.__getitem__):
-                g = tasks[task]
-                start, end = groups[g]
-                gym_group = task.result()
-                _add_timing(timing, gym_group.timing)
-                result = post.result(rows[start:end], gym_group, loss_multiplier[start:end])
-                _add_timing(timing, post.timing(result))
+                start, end = groups[tasks[task]]
+                result = _post_group(post, timing, task.result(), rows[start:end], loss_multiplier[start:end])
                 if not pending and task is max(done, key=tasks.__getitem__):
                     result.rollout_metrics.update(_final_timing(timing, awaited, time.perf_counter() - started))
                     result.rollout_metrics.update(debug)
@@ -199,9 +185,32 @@ def run_nemo_gym_rollout_sync(
     return asyncio.run(drain())
 
 
+async def _routed(client: GymClient, rows: list[JsonObject]) -> list[JsonObject]:
+    """The rows with ``agent_ref`` where the Gym config routes them (``task_source`` rows gain it once, here, so
+    metrics and ``final_batch`` name the agent); the rows as they are when the Gym routes nothing."""
+    routes = await client.routes()
+    if routes is None:
+        return rows
+    return [routes.routed(row, where=f"row {i}") for i, row in enumerate(rows)]
+
+
 def should_log_nemo_gym_full_result_tables(*, wandb_enabled: bool, wandb_config: JsonMapping) -> bool:
     """NeMo-RL's rule: ``{agent}/full_result`` tables only when wandb logs and ``log_nemo_gym_full_result_tables``."""
     return bool(wandb_enabled) and bool(wandb_config.get("log_nemo_gym_full_result_tables"))
+
+
+def _post_group(
+    post: GroupPost,
+    timing: dict[str, float],
+    gym_group: GymGroupResult,
+    rows: list[JsonObject],
+    loss_multiplier: LossMultiplier,
+) -> NemoGymRolloutResult:
+    """One finished group as NeMo-RL's result, its transport and post-processing seconds added to ``timing``."""
+    _add_timing(timing, gym_group.timing)
+    result = post.result(rows, gym_group, loss_multiplier)
+    _add_timing(timing, post.timing(result))
+    return result
 
 
 def _add_timing(total: dict[str, float], timing: Mapping[str, float]) -> None:

@@ -21,16 +21,16 @@ type LossMultiplier = torch.Tensor | Sequence[float]
 """The batch's ``loss_multiplier`` column: a tensor, or one float per row."""
 
 
-def check_options(
+def checked_sampling(
     generation_config: GenerationConfig,
     sampling_params: GenerationSamplingParams | None,
     greedy: bool,
     max_rollout_turns: int | None,
     max_seq_len: int | None,
     engine_max_len: int | None,
-) -> None:
-    """Refuse an option the Gym path cannot honour (``SettingError``); warn when ``max_seq_len`` is over the
-    engine's ``max_model_len``."""
+) -> GenerationSamplingParams:
+    """The rows' sampling: ``sampling_params``, else the training profile of ``generation_config``. Refuse an option
+    the Gym path cannot honour (``SettingError``); warn when ``max_seq_len`` is over the engine's ``max_model_len``."""
     if greedy:
         raise SettingError(
             "greedy is not supported on the NeMo-Gym path; pass sampling_params for a validation profile"
@@ -49,6 +49,10 @@ def check_options(
             f"max_model_len ({engine_max_len}); the engine truncates at its own limit",
             stacklevel=3,
         )
+    sampling = sampling_params or GenerationSamplingParams.from_generation_config(generation_config)
+    if sampling.top_k:
+        raise SettingError("sampling_params.top_k is not supported on the NeMo-Gym path (not an OpenAI parameter)")
+    return sampling
 
 
 def split_groups(rows: list[JsonObject], num_generations: int, returns_entire_batch: bool) -> list[tuple[int, int]]:
@@ -75,6 +79,13 @@ def split_groups(rows: list[JsonObject], num_generations: int, returns_entire_ba
                 raise SettingError(f"prompt group {g} (rows {start}..{end - 1}) mixes NeMo-Gym agents: {agents}")
             group_task_index(rows[start:end])
     return groups
+
+
+def check_message_logs(input_batch: BatchedDataDict[DatumSpec], n: int) -> None:
+    """Refuse a batch whose ``message_log`` column (when it has one) does not hold one log per Gym row."""
+    message_logs = input_batch.get("message_log")
+    if message_logs is not None and len(message_logs) != n:
+        raise SettingError(f"input_batch has {len(message_logs)} message logs for {n} NeMo-Gym rows")
 
 
 def group_task_index(rows: Sequence[JsonMapping]) -> int | None:

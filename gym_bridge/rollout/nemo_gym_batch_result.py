@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NotRequired, TypedDict
 
@@ -11,9 +10,8 @@ import torch
 
 from gym_bridge.batched import BatchedDataDict, batched_message_log_to_flat_message
 from gym_bridge.gym.protocol.convert import caller_fields
-from gym_bridge.gym.protocol.result import GymRowResult
 from gym_bridge.gym.transport.client import GymGroupResult
-from gym_bridge.json_types import JsonMapping, JsonObject
+from gym_bridge.json_types import JsonObject
 from gym_bridge.rollout.nemo_gym import (
     TIMER_PREFIX,
     full_result_table,
@@ -21,16 +19,10 @@ from gym_bridge.rollout.nemo_gym import (
     gym_completion,
 )
 from gym_bridge.rollout.nemo_gym_batch_input import LossMultiplier, group_task_index
+from gym_bridge.rollout.reward_shaper import RewardShaper
 from gym_bridge.rollout.reward_shaping import (
-    EffortLevelsConfig,
-    PenaltyConfig,
-    apply_effort_shaping,
-    apply_reward_penalties,
     build_reward_component_columns,
-    effort_metrics,
     extract_reward_components,
-    penalty_metrics,
-    resolve_reward_penalty_config,
     validate_reward_components_match_scalar,
 )
 from gym_bridge.types import LLMMessageLogType, Tokenizer, padding_id
@@ -68,36 +60,6 @@ class NemoGymRolloutResult:
     """The group's ``_ng_task_index`` (NeMo-RL's async collector identity); None when the rows carry none."""
 
 
-class RewardShaping:
-    """Effort shaping and reward penalties, resolved once per call (NeMo-RL's order: effort, then penalties)."""
-
-    def __init__(
-        self,
-        tokenizer: Tokenizer,
-        effort_config: EffortLevelsConfig | JsonMapping | None,
-        reward_penalty_config: PenaltyConfig | None,
-        thinking_tags: Sequence[str] | None,
-    ) -> None:
-        if isinstance(effort_config, Mapping):
-            effort_config = EffortLevelsConfig.model_validate(effort_config)
-        self.effort = effort_config
-        tags = list(thinking_tags) if thinking_tags is not None else None
-        self.penalties = resolve_reward_penalty_config(reward_penalty_config, tokenizer, thinking_tags=tags)
-
-    def apply(self, rows: list[JsonObject], gym_rows: list[GymRowResult]) -> dict[str, float]:
-        """Shape the rewards of one group in place (Gym's ``reward`` and ours); return NeMo-RL's shaping metrics."""
-        if self.effort is None and not self.penalties:
-            return {}
-        results = [{"message_log": r.message_log, "full_result": r.full_result} for r in gym_rows]
-        effort = apply_effort_shaping(results, rows, self.effort)
-        counts = apply_reward_penalties(results, self.penalties)
-        for row in gym_rows:
-            reward = float(row.full_result["reward"])
-            row.reward = reward
-            row.metrics["reward"] = reward
-        return {**effort_metrics(effort), **penalty_metrics(self.penalties, counts, len(gym_rows))}
-
-
 @dataclass(frozen=True)
 class GroupPost:
     """Turns one finished group into NeMo-RL's ``NemoGymRolloutResult``."""
@@ -106,7 +68,7 @@ class GroupPost:
     engine_max_len: int | None
     mask_env_flagged_samples: bool
     log_full_result_tables: bool
-    shaping: RewardShaping
+    shaping: RewardShaper
 
     @staticmethod
     def timing(result: NemoGymRolloutResult) -> dict[str, float]:
@@ -122,7 +84,7 @@ class GroupPost:
         if any(c is not None for c in components):
             # The verifier's contract (reward == sum of components) is checked before shaping changes the reward.
             validate_reward_components_match_scalar(full_results)
-        metrics: JsonObject = self.shaping.apply(rows, group.rows)
+        metrics: JsonObject = self.shaping.shape_gym_rows(rows, group.rows)
         completions = [
             gym_completion(r, max_seq_len=self.engine_max_len, mask_env_flagged_samples=self.mask_env_flagged_samples)
             for r in group.rows

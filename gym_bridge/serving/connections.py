@@ -115,6 +115,19 @@ def _head_size(request: h11.Request) -> int:
     return line + sum(len(name) + len(value) + len(b": \r\n") for name, value in request.headers) + len(b"\r\n")
 
 
+def _refuse_large_head(transport: asyncio.Transport, conn: h11.Connection, body: bytes) -> None:
+    """Answer 431 with ``body`` (a JSON error) on ``conn`` and close: the head h11 read is past the bound."""
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        (b"connection", b"close"),
+    ]
+    response = h11.Response(status_code=431, headers=headers, reason=b"Request Header Fields Too Large")
+    for event in (response, h11.Data(data=body), h11.EndOfMessage()):
+        transport.write(conn.send(event) or b"")
+    transport.close()
+
+
 def guarded_protocol(header_timeout_s: float, max_connections: int, max_header_bytes: int) -> type[H11Protocol]:
     """uvicorn's h11 protocol with a deadline and a size bound on every request's head, and a connection cap.
 
@@ -162,15 +175,7 @@ def guarded_protocol(header_timeout_s: float, max_connections: int, max_header_b
             if self._head.refused_status != 431:
                 super().send_400_response(msg)
                 return
-            headers = [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(too_large)).encode()),
-                (b"connection", b"close"),
-            ]
-            response = h11.Response(status_code=431, headers=headers, reason=b"Request Header Fields Too Large")
-            for event in (response, h11.Data(data=too_large), h11.EndOfMessage()):
-                self.transport.write(self.conn.send(event) or b"")
-            self.transport.close()
+            _refuse_large_head(self.transport, self.conn, too_large)
 
         def _awaiting_request(self) -> bool:
             """No request is being served: bytes now are (part of) the next request's headers."""

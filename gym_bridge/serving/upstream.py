@@ -20,7 +20,8 @@ from pydantic import SecretStr
 from gym_bridge.boundary import UntrustedInputError
 from gym_bridge.boundary.text import shown
 from gym_bridge.failures import GymBridgeError
-from gym_bridge.generation.openai_http import OpenAIHTTPGeneration, OpenAIHTTPGenerationConfig
+from gym_bridge.generation.openai_http import OpenAIHTTPGeneration
+from gym_bridge.generation.openai_http_config import OpenAIHTTPGenerationConfig
 from gym_bridge.generation.upstream_answer import check_max_model_len, decode_answer, read_response
 from gym_bridge.json_types import JsonMapping, JsonObject
 from gym_bridge.models.vocab import vocab_size_of

@@ -185,7 +185,7 @@ def gym_tokenizer(request: pytest.FixtureRequest, gym_policy_name: str, gym_poli
     if gym_policy_name in ("scripted", "tiny"):
         tokenizer: Tokenizer = request.getfixturevalue("tiny_tokenizer")
         return tokenizer
-    return gym_policy.state.tokenizer
+    return cast("Tokenizer", gym_policy.state.tokenizer)
 
 
 @pytest.fixture(scope="session")
@@ -193,7 +193,7 @@ def nemo_gym_config(
     gym_configs: list[str], gym_policy: OpenAIServer, tmp_path_factory: pytest.TempPathFactory
 ) -> NemoGymConfig:
     """The :class:`NemoGymConfig` for ``gym_configs`` on ``gym_policy``; override to add fields."""
-    from gym_bridge.gym.servers.server_config import wheel_config_path
+    from gym_bridge.gym.servers.config_files import wheel_config_path
     from gym_bridge.gym.transport.actor_config import NemoGymConfig
 
     paths = [p if Path(p).is_absolute() else str(wheel_config_path(p)) for p in gym_configs]

@@ -52,7 +52,8 @@ class FaultGate(ServiceProcess):
         ).raise_for_status()
 
     def stats(self) -> JsonObject:
-        return httpx.get(f"{self.root_url}/admin/stats", timeout=5).json()
+        stats: JsonObject = httpx.get(f"{self.root_url}/admin/stats", timeout=5).json()
+        return stats
 
 
 def build_app(upstream_root: str) -> FastAPI:
@@ -75,7 +76,7 @@ def build_app(upstream_root: str) -> FastAPI:
         if state["times"] is not None:
             state["times"] -= 1
         state["faulted"] += 1
-        return state["mode"]
+        return str(state["mode"])
 
     @app.api_route("/{path:path}", methods=["GET", "POST"])
     async def forward(path: str, request: Request) -> Response:

@@ -6,7 +6,7 @@ same tool the same way.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -36,7 +36,7 @@ WEATHER_TOOL: JsonObject = {
 """One OpenAI function tool with a required argument."""
 
 
-def prompt_batch(tokenizer: Tokenizer, prompts: list[str], **extra: object) -> BatchedDataDict:
+def prompt_batch(tokenizer: Tokenizer, prompts: list[str], **extra: object) -> BatchedDataDict[Any]:
     """``input_ids`` right-padded two tokens beyond the longest prompt, with ``input_lengths`` and ``extra`` fields."""
     encoded = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
     width = max(len(e) for e in encoded) + 2
@@ -47,20 +47,20 @@ def prompt_batch(tokenizer: Tokenizer, prompts: list[str], **extra: object) -> B
     return BatchedDataDict({"input_ids": ids, "input_lengths": lengths, **extra})
 
 
-def unpadded(out: BatchedDataDict, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+def unpadded(out: BatchedDataDict[Any], i: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Row ``i``'s prompt-plus-generation ids and logprobs, cut at ``unpadded_sequence_lengths``."""
     n = int(out["unpadded_sequence_lengths"][i])
     return out["output_ids"][i, :n], out["logprobs"][i, :n]
 
 
-def generated(out: BatchedDataDict, data: BatchedDataDict, i: int) -> list[int]:
+def generated(out: BatchedDataDict[Any], data: BatchedDataDict[Any], i: int) -> list[int]:
     """Only the ids row ``i`` generated (its prompt removed)."""
     n_in = int(data["input_lengths"][i])
-    return out["output_ids"][i, n_in : int(out["unpadded_sequence_lengths"][i])].tolist()
+    return [int(t) for t in out["output_ids"][i, n_in : int(out["unpadded_sequence_lengths"][i])]]
 
 
 def assert_output_contract(
-    out: BatchedDataDict, data: BatchedDataDict, tokenizer: Tokenizer, *, keys: set[str], max_new_tokens: int
+    out: BatchedDataDict[Any], data: BatchedDataDict[Any], tokenizer: Tokenizer, *, keys: set[str], max_new_tokens: int
 ) -> None:
     """NeMo-RL's generation output for ``data``: its keys and dtypes, the input then the generated tokens, right
     padding with the pad id, logprobs only (and negative) on generated positions, every row cut at the cap."""

@@ -43,7 +43,7 @@ EQUIVALENCE_AGENT = "lc_equivalence_rule_simple_agent"
 
 def tool_call_rows() -> list[JsonObject]:
     """The wheel's example rows for example_single_tool_call (weather questions), routed to its agent."""
-    from gym_bridge.gym.servers.server_config import wheel_config_path
+    from gym_bridge.gym.servers.config_files import wheel_config_path
 
     path = wheel_config_path("resources_servers/example_single_tool_call/data/example.jsonl")
     text = read_text(path, MAX_EXAMPLE_BYTES)
@@ -78,7 +78,7 @@ def stamp(rows: list[JsonObject]) -> list[JsonObject]:
 
 def gym_actor_config(base_urls: list[str], log_dir: Path | None, **kwargs: Any) -> NemoGymConfig:
     """The actor config of our Gym tests: the wheel's example servers on ``base_urls``, short timeouts."""
-    from gym_bridge.gym.servers.server_config import wheel_config_path
+    from gym_bridge.gym.servers.config_files import wheel_config_path
 
     return NemoGymConfig(
         model_name=SERVED_MODEL_NAME,

@@ -1,6 +1,7 @@
 """Training through the bridge: GRPO advantages, the loss, on-policy fidelity, refit, staleness, validation,
 the loop."""
 
+from gym_bridge.rollout.reward_shaper import RewardShaper
 from gym_bridge.training.advantages import (
     baseline_and_std_per_group,
     clip_advantages,
@@ -16,7 +17,6 @@ from gym_bridge.training.metrics import MetricsLine, append_metrics, read_metric
 from gym_bridge.training.plots import TrainingPlots, write_training_plots
 from gym_bridge.training.prompts import PromptQueue, PromptQueueState
 from gym_bridge.training.refit import RefitTarget, check_refit, refit
-from gym_bridge.training.rewards import RewardShaper
 from gym_bridge.training.staleness import StalenessBuffer
 from gym_bridge.training.step_rollouts import RolloutCollector
 from gym_bridge.training.trainer_state import TrainerState, load_trainer_state

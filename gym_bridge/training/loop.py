@@ -39,6 +39,7 @@ import torch
 from gym_bridge.boundary.files import make_dir, write_atomic
 from gym_bridge.boundary.json_io import dumps
 from gym_bridge.failures.errors import SettingError
+from gym_bridge.rollout.reward_shaper import RewardShaper
 from gym_bridge.rollout.sink import CommittedGroup
 from gym_bridge.training.agent_metrics import step_agent_metrics
 from gym_bridge.training.batch import GroupStats, train_batch
@@ -55,7 +56,6 @@ from gym_bridge.training.loss import (
 from gym_bridge.training.metrics import MetricsLine, append_metrics
 from gym_bridge.training.prompts import PromptQueue
 from gym_bridge.training.refit import RefitTarget, check_refit, refit
-from gym_bridge.training.rewards import RewardShaper
 from gym_bridge.training.staleness import StalenessBuffer
 from gym_bridge.training.step_rollouts import RolloutCollector, RolloutPhase
 from gym_bridge.training.trainer_state import STATE_FILE, TrainerState

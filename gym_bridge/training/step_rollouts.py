@@ -11,11 +11,11 @@ import time
 from typing import Protocol
 
 from gym_bridge.failures import RolloutStall, StepBatchShortfall
+from gym_bridge.rollout.reward_shaper import RewardShaper
 from gym_bridge.rollout.sink import CommittedGroup, InMemorySink, RolloutSink
 from gym_bridge.training.loop_config import GRPOLoopConfig, StepRollouts, has_reward_spread
 from gym_bridge.training.prompts import PromptQueue
 from gym_bridge.training.refit import VersionTagger
-from gym_bridge.training.rewards import RewardShaper
 from gym_bridge.training.trainer_state import TrainerState
 from gym_bridge.types import (
     DatumSpec,

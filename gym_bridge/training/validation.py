@@ -7,7 +7,7 @@ Each validation set gives ``val/accuracy`` (the first set) or ``val/<set>/accura
 without the format) and ``mean_tokens``, and each agent's metrics (``val/<agent>/reward/mean``, ...:
 :mod:`~gym_bridge.training.agent_metrics`) when the set spans environments. Every answer is written to
 ``val_results.jsonl`` so that two validations can be compared problem by problem (McNemar's test). With a
-:class:`~gym_bridge.training.rewards.RewardShaper`, rewards are shaped (effort levels, reward penalties)
+:class:`~gym_bridge.rollout.reward_shaper.RewardShaper`, rewards are shaped (effort levels, reward penalties)
 before they are scored, as NeMo-RL's ``validate`` shapes them.
 """
 
@@ -28,8 +28,8 @@ from gym_bridge.gym.protocol.rows import build_rows
 from gym_bridge.gym.transport.client import GymClient
 from gym_bridge.json_types import JsonMapping, JsonObject
 from gym_bridge.rollout.nemo_gym import gym_completion
+from gym_bridge.rollout.reward_shaper import RewardShaper
 from gym_bridge.training.agent_metrics import agent_metrics
-from gym_bridge.training.rewards import RewardShaper
 from gym_bridge.types import Completion, GenerationSamplingParams
 
 _INTEGER = re.compile(r"-?\d+")

@@ -1,9 +1,8 @@
-"""What a GymServers set starts (:class:`GymServersConfig`), or the running Gym it attaches to, where the head server
-listens, and wheel paths."""
+"""What a GymServers set starts (:class:`GymServersConfig`), or the running Gym it attaches to, and where the head
+server listens (Gym's config files are read in :mod:`gym_bridge.gym.servers.config_files`)."""
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 from pathlib import Path
 from typing import NamedTuple
@@ -11,14 +10,10 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
-from gym_bridge.failures import GymBridgeError, SettingError
+from gym_bridge.failures import SettingError
 from gym_bridge.json_types import JsonObject
 
 logger = logging.getLogger(__name__)
-
-
-class GymConfigNotFound(GymBridgeError, FileNotFoundError):
-    """A Gym config path that is not in the installed nemo-gym wheel (or nemo-gym is not installed)."""
 
 
 class HeadServerAddress(NamedTuple):
@@ -52,20 +47,6 @@ def head_address(url: str) -> HeadServerAddress:
             f"a running Gym's head server is given as http://host:port (Gym's head_server.host and .port), got {url!r}"
         )
     return HeadServerAddress(parts.hostname, port)
-
-
-def wheel_config_path(relative: str | Path) -> Path:
-    """The absolute path of ``relative`` inside the installed nemo-gym wheel's site-packages.
-
-    Example: ``wheel_config_path("responses_api_models/vllm_model/configs/vllm_model_for_training.yaml")``.
-    """
-    spec = importlib.util.find_spec("nemo_gym")
-    if spec is None or spec.origin is None:
-        raise GymConfigNotFound("nemo_gym is not installed")
-    path = Path(spec.origin).parent.parent / relative
-    if not path.exists():
-        raise GymConfigNotFound(f"{relative} is not in the installed nemo-gym wheel ({path})")
-    return path
 
 
 class GymServersConfig(BaseModel):

@@ -1,12 +1,13 @@
-"""NeMo-RL's Gym reward shaping on the GRPO loop's path: effort levels and reward penalties on committed groups.
+"""The one reward shaper of NeMo-RL's Gym path: effort levels, then reward penalties, resolved once per run.
 
 NeMo-RL shapes rewards inside its Gym rollout functions, before a batch reaches the advantage estimator
-(``env.nemo_gym.effort_levels`` first, then ``reward_penalties``). The loop rolls out through
-``manager.collect``, which returns the environment's rewards as they are, so :class:`RewardShaper` applies
-the same shaping (:mod:`gym_bridge.rollout.reward_shaping`, shared with the batch functions) to the
-completions of a training step, and :class:`~gym_bridge.training.validation.GymValidator` to its
-validation rollouts, as NeMo-RL's ``validate`` does. The environment's own result (``env_extras``) is left as
-Gym returned it; only ``Completion.reward`` changes.
+(``env.nemo_gym.effort_levels`` first, then ``reward_penalties``). :class:`RewardShaper` resolves both once
+(think-tag ids from the tokenizer) and applies them, through the pure functions of
+:mod:`gym_bridge.rollout.reward_shaping`, to whichever form a caller holds: NeMo-RL's whole-batch functions
+shape a group's Gym rows in place (:meth:`RewardShaper.shape_gym_rows`, Gym's ``reward`` and ours, as
+NeMo-RL's ``final_batch`` reads it); the GRPO loop and its validation shape completions
+(:meth:`RewardShaper.shape`, :meth:`RewardShaper.shape_groups`), leaving the environment's own result
+(``env_extras``) as Gym returned it.
 """
 
 from __future__ import annotations
@@ -15,10 +16,12 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 
 from gym_bridge.failures.errors import SettingError
+from gym_bridge.gym.protocol.result import GymRowResult
 from gym_bridge.json_types import JsonMapping, JsonObject
 from gym_bridge.rollout.reward_shaping import (
     PENALTY_FLAGS,
     EffortLevelsConfig,
+    PenaltyConfig,
     apply_effort_shaping,
     apply_reward_penalties,
     effort_metrics,
@@ -37,7 +40,7 @@ class RewardShaper:
         tokenizer: Tokenizer,
         *,
         effort_levels: EffortLevelsConfig | JsonMapping | None = None,
-        reward_penalties: JsonMapping | None = None,
+        reward_penalties: PenaltyConfig | None = None,
         thinking_tags: Sequence[str] | None = None,
     ) -> None:
         if isinstance(effort_levels, Mapping):
@@ -54,10 +57,33 @@ class RewardShaper:
             penalties.get(flag) for flag, _ in PENALTY_FLAGS.values()
         )
 
+    def apply(self, rows: Sequence[JsonMapping], results: Sequence[JsonObject]) -> dict[str, float]:
+        """Shape NeMo-RL-shaped results in place (``full_result["reward"]``; row ``i`` is result ``i``'s Gym row)
+        in NeMo-RL's order, effort then penalties; return NeMo-RL's shaping metrics (empty when nothing is on)."""
+        if not self.enabled or not results:
+            return {}
+        effort = apply_effort_shaping(results, rows, self.effort)
+        counts = apply_reward_penalties(results, self.penalties)
+        return {**effort_metrics(effort), **penalty_metrics(self.penalties, counts, len(results))}
+
+    def shape_gym_rows(self, rows: Sequence[JsonMapping], gym_rows: Sequence[GymRowResult]) -> dict[str, float]:
+        """Shape one group's Gym rows in place (Gym's ``reward``, the row's ``reward`` and its ``reward`` metric);
+        return NeMo-RL's shaping metrics."""
+        if not self.enabled:
+            return {}
+        results: list[JsonObject] = [{"message_log": r.message_log, "full_result": r.full_result} for r in gym_rows]
+        metrics = self.apply(rows, results)
+        for row in gym_rows:
+            reward = float(row.full_result["reward"])
+            row.reward = reward
+            row.metrics["reward"] = reward
+        return metrics
+
     def shape(
         self, rows: Sequence[JsonMapping], completions: Sequence[Completion]
     ) -> tuple[list[Completion], dict[str, float]]:
-        """The completions with shaped rewards (row ``i`` is completion ``i``'s Gym row) and NeMo-RL's metrics.
+        """The completions with shaped rewards (row ``i`` is completion ``i``'s Gym row) and NeMo-RL's metrics;
+        each completion's ``env_extras`` stays as Gym returned it.
 
         Raises :class:`~gym_bridge.failures.errors.SettingError` (a ``ValueError``) for a completion without a
         Gym result (``env_extras``): the shaping reads it.
@@ -73,13 +99,12 @@ class RewardShaper:
                 )
             full_result = {**completion.env_extras, "reward": float(completion.reward)}
             results.append({"message_log": completion.message_log, "full_result": full_result})
-        effort = apply_effort_shaping(results, rows, self.effort)
-        counts = apply_reward_penalties(results, self.penalties)
+        metrics = self.apply(rows, results)
         shaped = [
             dataclasses.replace(completion, reward=float(result["full_result"]["reward"]))
             for completion, result in zip(completions, results, strict=True)
         ]
-        return shaped, {**effort_metrics(effort), **penalty_metrics(self.penalties, counts, len(results))}
+        return shaped, metrics
 
     def shape_groups(self, groups: Sequence[CommittedGroup]) -> tuple[list[CommittedGroup], dict[str, float]]:
         """Every group's completions shaped together, as NeMo-RL's sync GRPO shapes one step's batch; each

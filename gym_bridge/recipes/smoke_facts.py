@@ -1,0 +1,85 @@
+"""What ``gym-bridge train --smoke`` reads before it rewrites a recipe (:func:`smoke_facts`): the training and
+validation rows, the Gym configs they use, and the smoke model's tokenizer and context, so the rewrite itself
+(:func:`~gym_bridge.config.smoke.smoke_config`) stays a pure function of the config and these facts."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from gym_bridge.config.data_files import GYM_SECTION, TRAIN_KEY, data_paths, is_train_key, recipe_gym_configs
+from gym_bridge.config.grpo import row_routing
+from gym_bridge.config.keys import config_section
+from gym_bridge.config.smoke import SmokeFacts
+from gym_bridge.gym.servers.config_files import GymConfigs
+from gym_bridge.json_types import JsonMapping
+from gym_bridge.recipes.pre_start import RowFile, read_rows
+from gym_bridge.recipes.prompt_length import longest_prompt, model_facts
+
+
+def smoke_facts(config: JsonMapping, model: str, *, pinned: Iterable[str] = ()) -> SmokeFacts:
+    """What :func:`~gym_bridge.config.smoke.smoke_config` needs for ``config`` and the smoke ``model``: the training
+    rows (the recipe's file, or when it is missing and the command line did not name it, the example rows Gym ships
+    for the recipe's first agent that has them), which validation files exist, the longest prompt under ``model``'s
+    template, the model's own context, the agent for rows that name none, and the Gym configs those rows use."""
+    pinned = tuple(pinned)
+    gym = recipe_gym_configs(config)
+    routing = row_routing(config)
+    paths = data_paths(config)
+    train_key = next((k for k in paths if is_train_key(k)), TRAIN_KEY)
+    train = read_rows(train_key, paths[train_key], routing) if train_key in paths else None
+    train_path = paths.get(train_key) if train is not None else None
+    example_agent = None
+    if train is None and train_key not in pinned and TRAIN_KEY not in pinned:
+        example = gym.example_rows()
+        if example is not None:
+            example_agent, example_path = example
+            train = read_rows(TRAIN_KEY, example_path, routing)
+            train_path = str(example_path) if train is not None else None
+    validation: dict[str, str | None] = {}
+    files = [train] if train is not None else []
+    for key, path in paths.items():
+        if key == train_key:
+            continue
+        found = read_rows(key, path, routing)
+        validation[key] = path if found is not None else None
+        if found is not None:
+            files.append(found)
+    route_to = None
+    if routing.is_empty and any(f.unrouted() for f in files):
+        agents = gym.agents()
+        declared = gym.agent_declaring(train.path) if train is not None else None
+        route_to = declared or (agents[0] if len(agents) == 1 else None)
+    config_paths, unused = _needed_configs(config, gym, files, route_to)
+    facts = model_facts(model)
+    longest = longest_prompt(files, facts.tokenizer) if facts is not None else None
+    return SmokeFacts(
+        train_path=train_path,
+        train_rows=len(train.rows) if train is not None else None,
+        validation_paths=validation,
+        longest_prompt=longest.tokens if longest is not None else None,
+        model_context=facts.context if facts is not None else None,
+        route_to=route_to,
+        example_agent=example_agent,
+        config_paths=config_paths,
+        unused_instances=unused,
+    )
+
+
+def _needed_configs(
+    config: JsonMapping, gym: GymConfigs, files: list[RowFile], route_to: str | None
+) -> tuple[tuple[str, ...] | None, tuple[str, ...]]:
+    """The config paths the rows' agents need (None: all of them, or unknown) and the recipe's ``env.nemo_gym``
+    sections that configure servers of the paths left out."""
+    used: set[str] = set()
+    for file in files:
+        used |= file.agents()
+    if route_to is not None:
+        used.add(route_to)
+    if not (gym.complete and used and used <= set(gym.agents())):
+        return None, ()
+    kept, left_out = gym.needed(sorted(used))
+    if kept == list(gym.config_paths):
+        return None, ()
+    recipe_sections = config_section(config, GYM_SECTION)
+    kept_names = {i.name for i in gym.instances if i.config_path in kept}
+    return tuple(kept), tuple(n for n in left_out if n in recipe_sections and n not in kept_names)

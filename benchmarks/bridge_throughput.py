@@ -64,6 +64,7 @@ from gym_bridge.failures import RolloutTimeouts
 from gym_bridge.gym.transport.actor_config import NemoGymConfig
 from gym_bridge.gym.servers.reaper import free_port
 from gym_bridge.gym.protocol.rows import build_rows
+from gym_bridge.gym.servers.gym_set import GymSet
 from gym_bridge.gym.servers.server_set import GymServers
 from gym_bridge.gym.servers.server_config import GymServersConfig, wheel_config_path
 from gym_bridge.gym.transport.spinup import start_nemo_gym_actor, stop_nemo_gym_actors
@@ -473,7 +474,7 @@ def gym_config(base_url: str, log_dir: Path, workload: Workload, model_server: s
     )
 
 
-def default_gym(base_url: str, log_dir: Path, workload: Workload) -> GymServers:
+def default_gym(base_url: str, log_dir: Path, workload: Workload) -> GymSet:
     """A default nemo-gym set-up: Gym's vllm_model_for_training + the same resources server and agent (and relay)."""
     return GymServers(
         GymServersConfig(
@@ -497,7 +498,7 @@ async def run_benchmark(args: argparse.Namespace, workdir: Path) -> Report:
     endpoint = EndpointProcess(free_port("127.0.0.1"), workdir / "endpoint.log")
     raw = RawGymWorker()
     default_raw = RawGymWorker() if args.default_baseline else None
-    default_servers: GymServers | None = None
+    default_servers: GymSet | None = None
     actor = None
     try:
         workload = WORKLOADS[args.workload]

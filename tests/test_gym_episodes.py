@@ -29,19 +29,23 @@ from gym_bridge.failures import (
 )
 from gym_bridge.failures.classify import FailureClass
 from gym_bridge.gym.transport.client import GymClient
-from gym_bridge.gym.protocol.convert import episode_failure, episode_record, is_episode_response
+from gym_bridge.gym.protocol.episode import (
+    EpisodeRoutes,
+    episode_failure,
+    episode_record,
+    episode_request_body,
+    episode_target,
+    is_episode_response,
+)
+from gym_bridge.gym.protocol.numbering import with_attempt
 from gym_bridge.gym.protocol.routing import GymRoutes
 from gym_bridge.gym.protocol.rows import (
     ENVIRONMENT_SERVER_KEY,
-    EpisodeRoutes,
     ValidGymRow,
     build_rows,
-    episode_request_body,
-    episode_target,
     is_materialized,
     row_label,
     validate_row,
-    with_attempt,
 )
 from gym_bridge.gym.servers.server_config import wheel_config_path
 from gym_bridge.gym.transport.spinup import start_nemo_gym_actor, stop_nemo_gym_actors

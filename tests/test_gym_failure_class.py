@@ -121,14 +121,17 @@ def test_a_result_that_carries_gyms_failure_class_is_that_classs_failure(failure
 def test_the_actor_raises_a_failure_row_as_its_class_and_stamps_every_other_result(tiny_tokenizer):
     """The actor's converter: a /run result with ``_ng_failure_class`` is no rollout; any other result gets the row's
     ``_ng_*`` identity, replacing what the agent echoed."""
-    from gym_bridge.gym.transport.actor import NemoGym
+    from gym_bridge.gym.transport.actor_config import NemoGymConfig
+    from gym_bridge.gym.transport.row_convert import Conversion
 
-    actor = NemoGym({"model_name": "m", "base_urls": ["http://127.0.0.1:1/v1"], "config_paths": ["x.yaml"]},
-                    tiny_tokenizer)  # fmt: skip
+    cfg = NemoGymConfig.model_validate(
+        {"model_name": "m", "base_urls": ["http://127.0.0.1:1/v1"], "config_paths": ["x.yaml"]}
+    )
+    conversion = Conversion(tiny_tokenizer, cfg, {})
     row = {"_rowidx": 2, "agent_ref": {"name": "a"}, "_ng_task_index": 4, "_ng_rollout_index": 9}
     failure_row = {"_ng_failure_class": "agent_run_error", "_ng_failure_message": "KeyError('x')"}
     with pytest.raises(GymRunError, match=r"_ng_failure_class agent_run_error: _rowidx=2 \(agent 'a'\): KeyError"):
-        actor._convert(row, json.dumps(failure_row).encode())
+        conversion.row(row, json.dumps(failure_row).encode())
     prompt = tiny_tokenizer.encode("hi")
     item = {
         "type": "message",
@@ -139,9 +142,36 @@ def test_the_actor_raises_a_failure_row_as_its_class_and_stamps_every_other_resu
         "generation_log_probs": [-0.1, -0.2],
     }
     result = {"reward": 1.0, "response": {"output": [item]}, "_ng_task_index": 0, "_ng_rollout_index": 0}
-    converted = actor._convert(row, json.dumps(result).encode())
+    converted = conversion.row(row, json.dumps(result).encode())
     assert (converted.full_result["_ng_task_index"], converted.full_result["_ng_rollout_index"]) == (4, 9)
     assert "_ng_task_index" not in converted.metrics
+    assert converted.agent == "a", "the result carries the agent its row was sent to"
+
+
+def test_the_routed_agent_travels_with_the_result_and_a_materialized_row_names_none(tiny_tokenizer):
+    """``GymRowResult.agent``: the agent the row was sent to, kept across the pickle to the driver; None for a
+    materialized row (it goes to an environment server) and for a result converted outside an actor."""
+    from gym_bridge.gym.transport.actor_config import NemoGymConfig
+    from gym_bridge.gym.transport.row_convert import Conversion
+
+    cfg = NemoGymConfig.model_validate({"model_name": "m", "base_urls": ["http://127.0.0.1:1/v1"], "config_paths": ["x"]})
+    conversion = Conversion(tiny_tokenizer, cfg, {"env": "some_environment"})
+    item = {
+        "type": "message",
+        "role": "assistant",
+        "content": [{"type": "output_text", "text": "ok"}],
+        "prompt_token_ids": tiny_tokenizer.encode("hi"),
+        "generation_token_ids": [5, 6],
+        "generation_log_probs": [-0.1, -0.2],
+    }
+    body = {"reward": 1.0, "response": {"output": [dict(item)]}}
+    sent = conversion.row({"_rowidx": 0, "agent_ref": {"name": "math_agent"}}, json.dumps(body).encode())
+    assert pickle.loads(pickle.dumps(sent)).agent == "math_agent"
+    task_id = {"taskset": "t", "task_id": "1"}
+    row = {"_rowidx": 1, "task_id": task_id, "task_input": {}, "_ng_environment_server": "env"}
+    reply = {"episode_id": {"rollout_id": "0-0", "attempt": 0}, "task_id": task_id, "result": body}
+    episode = conversion.row(row, json.dumps(reply).encode())
+    assert episode.agent is None and episode.full_result["_ng_result_type"] == "some_environment"
 
 
 # ---- end to end: a verifier that raises, on real Gym servers -------------------------------------------------------

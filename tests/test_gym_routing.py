@@ -18,7 +18,8 @@ from pydantic import ValidationError
 from gym_bridge.failures import InvalidGymRow
 from gym_bridge.gym.protocol.routing import GymRoutes, RowRouting
 from gym_bridge.gym.protocol.row_file import read_row_file
-from gym_bridge.gym.protocol.rows import build_rows, mark_repeats, rollout_seed, row_seed, validate_row, with_attempt
+from gym_bridge.gym.protocol.numbering import mark_repeats, rollout_seed, with_attempt
+from gym_bridge.gym.protocol.rows import build_rows, row_seed, validate_row
 from gym_bridge.gym_versions import installed_gym
 from gym_bridge.types import GenerationSamplingParams
 

@@ -16,8 +16,9 @@ import psutil
 import pytest
 
 from gym_bridge.failures import GymPortInUse, GymServerDied, GymStartupError
-from gym_bridge.gym.servers.server_set import GymServers
-from gym_bridge.gym.servers.server_config import GymServersConfig, wheel_config_path
+from gym_bridge.gym.servers.owned import OwnedGym
+from gym_bridge.gym.servers.config_files import wheel_config_path
+from gym_bridge.gym.servers.server_config import GymServersConfig
 from gym_bridge.gym_versions import installed_gym
 from gym_bridge.testing import wait_until
 
@@ -91,14 +92,14 @@ def _listening(pid: int) -> set[tuple[str, int]]:
 def two_sets(ray_session, tmp_path_factory):
     """Two server sets started at once: A (model, agent, tools) joins the session's Ray; B (tools) skips Ray."""
     root = tmp_path_factory.mktemp("gym-servers")
-    a = GymServers(_config(root / "a"))
-    b = GymServers(
+    a = OwnedGym(_config(root / "a"))
+    b = OwnedGym(
         GymServersConfig(overrides=_TOOL_SERVER, log_dir=root / "b", startup_timeout_s=150, use_ray=False)
     )
     errors: list[BaseException] = []
     timings: dict[str, float] = {}
 
-    def start(name: str, servers: GymServers) -> None:
+    def start(name: str, servers: OwnedGym) -> None:
         t0 = time.monotonic()
         try:
             servers.start()
@@ -132,7 +133,7 @@ def test_head_servers_answer_on_loopback_not_11000(two_sets):
     assert two_sets[0].head.port != two_sets[1].head.port
 
 
-def _names(servers: GymServers) -> set[str]:
+def _names(servers: OwnedGym) -> set[str]:
     return _SERVERS if "policy_model" in servers.server_urls else {"example_single_tool_call"}
 
 
@@ -222,7 +223,7 @@ def test_poll_names_a_dead_server_then_stop_leaves_nothing(two_sets):
     a.stop()  # idempotent
 
 
-def _assert_nothing_left(servers: GymServers, launcher_pid: int | None) -> None:
+def _assert_nothing_left(servers: OwnedGym, launcher_pid: int | None) -> None:
     assert servers.pids() == set()
     if launcher_pid is not None:
         assert not _alive(launcher_pid)
@@ -240,7 +241,7 @@ def test_server_that_dies_at_startup(tmp_path, fork_servers):
         use_ray=False,
         fork_servers=fork_servers,
     )
-    servers = GymServers(config)
+    servers = OwnedGym(config)
     t0 = time.monotonic()
     with pytest.raises(GymStartupError, match="'broken_server' exited during start-up") as info:
         servers.start()
@@ -266,7 +267,7 @@ def test_server_that_hangs_hits_the_deadline(tmp_path, monkeypatch):
         startup_timeout_s=40,
         use_ray=False,
     )
-    servers = GymServers(config)
+    servers = OwnedGym(config)
     t0 = time.monotonic()
     with pytest.raises(GymStartupError, match="'stuck' was not answering after the 40") as info:
         servers.start()
@@ -294,7 +295,7 @@ def _listen(port: int) -> socket.socket:
 def test_a_port_taken_before_its_server_binds_is_noticed_and_the_set_starts_on_other_ports(tmp_path, caplog):
     """The race for real: another process binds the port Gym chose for a server between the choice (the launcher's
     status file lists it) and the server's own bind. The server exits, the set starts again on another window."""
-    servers = GymServers(_tool_server_config(tmp_path))
+    servers = OwnedGym(_tool_server_config(tmp_path))
     taken: list[socket.socket] = []
 
     def take_the_first_chosen_port() -> None:
@@ -311,7 +312,7 @@ def test_a_port_taken_before_its_server_binds_is_noticed_and_the_set_starts_on_o
     thief.start()
     t0 = time.monotonic()
     try:
-        with caplog.at_level("WARNING", logger="gym_bridge.gym.servers.server_set"):
+        with caplog.at_level("WARNING", logger="gym_bridge.gym.servers.owned"):
             head = servers.start()
         thief.join()
         assert taken, "the test took the server's port before the server bound it"
@@ -330,7 +331,7 @@ def test_a_port_taken_before_its_server_binds_is_noticed_and_the_set_starts_on_o
 def test_a_configured_port_that_is_busy_ends_the_start_in_seconds_naming_it(tmp_path):
     with _listen(0) as held:
         port = held.getsockname()[1]
-        servers = GymServers(_tool_server_config(tmp_path, port=port))
+        servers = OwnedGym(_tool_server_config(tmp_path, port=port))
         with pytest.raises(GymPortInUse, match=rf"'example_single_tool_call' could not bind its port .*{port}") as info:
             servers.start()
     # Noticed when the server exited and named with its cause, not the start-up deadline's "was not answering".

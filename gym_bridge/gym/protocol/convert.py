@@ -26,11 +26,8 @@ import torch
 from gym_bridge.boundary.text import shown
 from gym_bridge.failures import (
     GymResultError,
-    GymRunError,
-    GymTransportError,
     MissingGenerationData,
     NaNLogprobs,
-    RolloutFailure,
     SettingError,
     TokenDrift,
     shorten,
@@ -38,7 +35,7 @@ from gym_bridge.failures import (
 from gym_bridge.gym.protocol.decode import decode_turns
 from gym_bridge.gym.protocol.result import GymRowResult
 from gym_bridge.gym_versions import ROLLOUT_IDENTITY_KEYS
-from gym_bridge.json_types import JsonObject
+from gym_bridge.json_types import JsonMapping, JsonObject
 from gym_bridge.serving.chat import render_ids
 from gym_bridge.types import LOGPROB_DTYPE, TOKEN_DTYPE, LLMMessageLogType, Tokenizer
 
@@ -51,13 +48,6 @@ DEFAULT_INVALID_TOOL_CALL_PATTERNS: tuple[str, ...] = (
 DEFAULT_THINKING_TAGS: tuple[str, ...] = ("<think>", "</think>")
 
 _IDENTITY_KEYS = frozenset(ROLLOUT_IDENTITY_KEYS)
-FAILURE_CLASS_KEY = "_ng_failure_class"
-"""Gym's failure-routing sentinel on a record that is no rollout (``rollout_collection.NG_FAILURE_CLASS_KEY``)."""
-ENVIRONMENT_SERVER_FAILED = "environment_server_failed"
-"""Gym's ``_ng_failure_class`` of an episode the environment server answered with a handled ``failure``."""
-TERMINAL_KEY = "_ng_failure_terminal"
-TASK_ID_KEY = "_ng_task_id"
-_RESERVED_RESULT_KEYS = ("ng_trajectory", "ng_model_call_capture", "ng_perf")
 _TOKEN_KEYS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs", "routed_experts")
 _DRIFT_WINDOW = 4
 _INT_TYPE = {int}
@@ -66,75 +56,8 @@ _TOKEN_ID_LIMIT = 2**63
 """Token ids are int64 (the tensors' dtype); one the tokenizer cannot decode is refused where it decodes."""
 
 
-def is_episode_response(result: Any) -> bool:
-    """Gym's ``_is_episode_response``: a ``BaseEpisodeResponse``-shaped reply (``episode_id`` and ``task_id``
-    objects, plus ``result`` or ``failure``). Applied only to the reply to a materialized row, as Gym applies it."""
-    return (
-        isinstance(result, Mapping)
-        and isinstance(result.get("episode_id"), Mapping)
-        and isinstance(result.get("task_id"), Mapping)
-        and ("result" in result or "failure" in result)
-    )
-
-
-def episode_record(response: Mapping[str, Any]) -> JsonObject:
-    """The record Gym's collection stores for an episode reply (``rollout_collection._episode_record``).
-
-    A handled ``failure`` becomes Gym's failure row (``_ng_failure_class`` = ``environment_server_failed``,
-    ``_ng_failure_terminal``, ``_ng_failure_message``, ``_ng_failure_stage``, ``_ng_failure_partial_response``); a
-    ``result`` is kept as the environment server returned it, plus ``_ng_task_id``: scored by its top-level
-    ``reward`` like any ``/run`` result. :class:`GymResultError` where Gym raises ``ValueError``: a failure or result
-    that is no object, a result using keys reserved for the collection (``_ng_*``, ``ng_trajectory``, ...)."""
-    task_id = response.get("task_id")
-    failure = response.get("failure")
-    if failure is not None:
-        if not isinstance(failure, Mapping):
-            raise GymResultError(
-                f"environment server reply for task {task_id!r} carries a non-object failure: {shorten(repr(failure))}"
-            )
-        record: JsonObject = {
-            TASK_ID_KEY: task_id,
-            FAILURE_CLASS_KEY: ENVIRONMENT_SERVER_FAILED,
-            TERMINAL_KEY: bool(failure.get("terminal", False)),
-            "_ng_failure_message": failure.get("failure_reason"),
-        }
-        if failure.get("stage") is not None:
-            record["_ng_failure_stage"] = failure["stage"]
-        if failure.get("partial_response") is not None:
-            record["_ng_failure_partial_response"] = failure["partial_response"]
-        return record
-    result = response.get("result")
-    if not isinstance(result, Mapping):
-        raise GymResultError(
-            f"environment server reply for task {task_id!r} carries a non-object result: {shorten(repr(result))}"
-        )
-    reserved = sorted(key for key in result if key.startswith("_ng_") or key in _RESERVED_RESULT_KEYS)
-    if reserved:
-        raise GymResultError(
-            f"environment server result for task {task_id!r} uses keys reserved for rollout collection: {reserved}"
-        )
-    return {**result, TASK_ID_KEY: task_id}
-
-
-def episode_failure(record: Mapping[str, Any], where: str) -> RolloutFailure:
-    """The typed failure of Gym's ``environment_server_failed`` row (:func:`episode_record`).
-
-    Gym re-dispatches a non-terminal one (with the next ``_ng_attempt_index``) and never a terminal one
-    (``is_terminal_failure``): a non-terminal failure is :class:`GymTransportError`, infrastructure, re-sent like a
-    lost row while ``max_gym_row_attempts`` lasts; a terminal one :class:`GymRunError`, data, never re-sent."""
-    terminal = bool(record.get(TERMINAL_KEY))
-    stage = record.get("_ng_failure_stage")
-    detail = shorten(str(record.get("_ng_failure_message") or "(no failure_reason)"))
-    message = (
-        f"{where}: Gym's _ng_failure_class {ENVIRONMENT_SERVER_FAILED} ("
-        f"{'terminal' if terminal else 'not terminal: Gym retries it'}"
-        f"{f', stage {stage}' if stage is not None else ''}): {detail}"
-    )
-    return GymRunError(message) if terminal else GymTransportError(message)
-
-
 def detect_tool_call_and_thinking_flags(
-    item: dict[str, Any],
+    item: JsonObject,
     invalid_tool_call_patterns: Sequence[str] = DEFAULT_INVALID_TOOL_CALL_PATTERNS,
     thinking_tags: Sequence[str] = DEFAULT_THINKING_TAGS,
 ) -> tuple[bool, bool]:
@@ -157,7 +80,7 @@ def detect_tool_call_and_thinking_flags(
     return False, False
 
 
-def _message_text(item: dict[str, Any]) -> str | None:
+def _message_text(item: JsonObject) -> str | None:
     content = item.get("content")
     if isinstance(content, list) and content and isinstance(content[0], dict):
         text = content[0].get("text")
@@ -171,7 +94,7 @@ def _contains_any(text: str, needles: Sequence[str]) -> bool:
 
 
 def convert_gym_result(
-    result: dict[str, Any],
+    result: JsonObject,
     tokenizer: Tokenizer,
     *,
     row_index: int = 0,
@@ -202,27 +125,14 @@ def convert_gym_result(
     output = _output_items(result)
     message_log: list[dict[str, Any]] = []
     seen: list[int] = []
-    converted: list[tuple[dict[str, Any], list[int], list[int]]] = []
-    drift: dict[str, Any] | None = None
+    converted: list[tuple[JsonObject, list[int], list[int]]] = []
+    drift: JsonObject | None = None
     turn = -1
     for item in output:
         if not isinstance(item, dict) or not item.get("generation_token_ids"):
             continue
         turn += 1
-        prompt = item.get("prompt_token_ids")
-        if not isinstance(prompt, list):
-            raise GymResultError(
-                f"model call {turn}: prompt_token_ids must be a list of ints, got {type(prompt).__name__}"
-            )
-        generation = _int_list(item["generation_token_ids"], "generation_token_ids", turn)
-        logprobs = item.get("generation_log_probs")
-        if not isinstance(logprobs, list) or len(logprobs) != len(generation):
-            raise GymResultError(
-                f"model call {turn}: generation_log_probs has "
-                f"{len(logprobs) if isinstance(logprobs, list) else type(logprobs).__name__} entries "
-                f"for {len(generation)} generation_token_ids"
-            )
-        logprob_tensor = _logprob_tensor(logprobs, turn)
+        prompt, generation, logprob_tensor = _model_call(item, turn)
         position = _first_difference(seen, prompt)
         # A prompt that extends the history only needs its new tokens checked: the rest equals checked ints.
         _int_list(prompt, "prompt_token_ids", turn, start=len(seen) if position is None else 0)
@@ -238,27 +148,58 @@ def convert_gym_result(
             break
         for key in _TOKEN_KEYS:
             item.pop(key, None)
-        invalid, malformed = detect_tool_call_and_thinking_flags(item, invalid_tool_call_patterns, thinking_tags)
+        flags = detect_tool_call_and_thinking_flags(item, invalid_tool_call_patterns, thinking_tags)
         new_prompt = prompt[len(seen) :]
-        user_ids = _token_tensor(new_prompt, "prompt_token_ids", turn)
-        generation_ids = _token_tensor(generation, "generation_token_ids", turn)
-        message_log.append({"role": "user", "content": "", "token_ids": user_ids})
-        message_log.append(
-            {
-                "role": "assistant",
-                "content": "",
-                "token_ids": generation_ids,
-                "generation_logprobs": logprob_tensor,
-                "is_invalid_tool_call": invalid,
-                "has_malformed_thinking": malformed,
-            }
-        )
+        message_log.extend(_turn_messages(new_prompt, generation, logprob_tensor, flags, turn))
         converted.append((item, new_prompt, generation))
         seen = prompt + generation
 
     if not converted:
         raise MissingGenerationData(_missing_message(result, output, tokenizer))
     _check_token_range(message_log, _TOKEN_ID_LIMIT)
+    _decode_onto(converted, tokenizer)
+    return gym_row_result(row_index, message_log, result, token_drift=drift)
+
+
+def _model_call(item: JsonObject, turn: int) -> tuple[list[Any], list[int], torch.Tensor]:
+    """One model call's ``(prompt_token_ids, generation_token_ids, logprob tensor)``, the generation and the
+    logprobs checked (the prompt is checked against the history by the caller)."""
+    prompt = item.get("prompt_token_ids")
+    if not isinstance(prompt, list):
+        raise GymResultError(f"model call {turn}: prompt_token_ids must be a list of ints, got {type(prompt).__name__}")
+    generation = _int_list(item["generation_token_ids"], "generation_token_ids", turn)
+    logprobs = item.get("generation_log_probs")
+    if not isinstance(logprobs, list) or len(logprobs) != len(generation):
+        raise GymResultError(
+            f"model call {turn}: generation_log_probs has "
+            f"{len(logprobs) if isinstance(logprobs, list) else type(logprobs).__name__} entries "
+            f"for {len(generation)} generation_token_ids"
+        )
+    return prompt, generation, _logprob_tensor(logprobs, turn)
+
+
+def _turn_messages(
+    new_prompt: list[int], generation: list[int], logprobs: torch.Tensor, flags: tuple[bool, bool], turn: int
+) -> list[dict[str, Any]]:
+    """The user message (the prompt tokens new since the history) and the assistant message of one model call."""
+    invalid, malformed = flags
+    user_ids = _token_tensor(new_prompt, "prompt_token_ids", turn)
+    generation_ids = _token_tensor(generation, "generation_token_ids", turn)
+    return [
+        {"role": "user", "content": "", "token_ids": user_ids},
+        {
+            "role": "assistant",
+            "content": "",
+            "token_ids": generation_ids,
+            "generation_logprobs": logprobs,
+            "is_invalid_tool_call": invalid,
+            "has_malformed_thinking": malformed,
+        },
+    ]
+
+
+def _decode_onto(converted: list[tuple[JsonObject, list[int], list[int]]], tokenizer: Tokenizer) -> None:
+    """``prompt_str`` / ``generation_str`` of every converted model call, decoded in one pass, onto its item."""
     try:
         prompt_strs, generation_strs = decode_turns(
             tokenizer, [u for _, u, _ in converted], [g for _, _, g in converted]
@@ -268,15 +209,14 @@ def convert_gym_result(
     for (item, _, _), prompt_str, generation_str in zip(converted, prompt_strs, generation_strs, strict=True):
         item["prompt_str"] = prompt_str
         item["generation_str"] = generation_str
-    return gym_row_result(row_index, message_log, result, token_drift=drift)
 
 
 def gym_row_result(
     row_index: int,
     message_log: LLMMessageLogType | list[dict[str, Any]],
-    full_result: dict[str, Any],
+    full_result: JsonObject,
     *,
-    token_drift: dict[str, Any] | None = None,
+    token_drift: JsonObject | None = None,
 ) -> GymRowResult:
     """The typed row of a Gym result whose message log is built: Gym's reward (checked), flags and scalar fields.
 
@@ -311,7 +251,7 @@ def _reward(value: object) -> float:
     return float(value)
 
 
-def _env_flagged(full_result: Mapping[str, Any]) -> bool:
+def _env_flagged(full_result: JsonMapping) -> bool:
     """Whether the environment masked this sample: top-level ``mask_sample`` (Gym 0.7) or
     ``instance_config.mask_sample`` (the field NeMo-RL reads for older Gyms)."""
     instance_config = full_result.get("instance_config")
@@ -319,14 +259,14 @@ def _env_flagged(full_result: Mapping[str, Any]) -> bool:
     return bool(full_result.get("mask_sample")) or bool(nested)
 
 
-def _optional_str(full_result: Mapping[str, Any], key: str) -> str | None:
+def _optional_str(full_result: JsonMapping, key: str) -> str | None:
     value = full_result.get(key)
     if value is not None and not isinstance(value, str):
         raise GymResultError(f"the Gym result's {key} is {value!r}, not a string")
     return value
 
 
-def incomplete_reason(full_result: Mapping[str, Any] | None) -> str | None:
+def incomplete_reason(full_result: JsonMapping | None) -> str | None:
     """Gym's ``response.incomplete_details.reason`` (``max_output_tokens``, ...), or None."""
     response = (full_result or {}).get("response") or {}
     details = response.get("incomplete_details") if isinstance(response, Mapping) else None
@@ -334,7 +274,7 @@ def incomplete_reason(full_result: Mapping[str, Any] | None) -> str | None:
     return reason if isinstance(reason, str) else None
 
 
-def scalar_fields(full_result: Mapping[str, Any]) -> dict[str, float]:
+def scalar_fields(full_result: JsonMapping) -> dict[str, float]:
     """The numeric and boolean top-level fields of a Gym result (``reward``, verifier scores), as floats: what
     NeMo-RL summarises per agent. Gym's rollout identity (``_ng_task_index``, ..., stamped on every result) is no
     verifier field and is left out, as Gym's collection leaves it out of its per-agent metrics."""
@@ -345,9 +285,7 @@ def scalar_fields(full_result: Mapping[str, Any]) -> dict[str, float]:
     }
 
 
-def caller_fields(
-    metrics: Mapping[str, float], full_result: Mapping[str, Any], caller_row: Mapping[str, Any]
-) -> dict[str, float]:
+def caller_fields(metrics: Mapping[str, float], full_result: JsonMapping, caller_row: JsonMapping) -> dict[str, float]:
     """``metrics`` (:func:`scalar_fields`) plus the rollout identity fields the caller's row carried before the
     bridge stamped its own (NeMo-RL's async collector stamps ``_ng_task_index``, Gym echoes it): NeMo-RL's batch
     functions summarise every numeric field of a result, and their rows hold only what their caller put there."""
@@ -432,7 +370,7 @@ def _first_difference(history: list[int], prompt: list[int]) -> int | None:
     return None
 
 
-def _drift_message(drift: dict[str, Any], seen: list[int], prompt: list[int], tokenizer: Tokenizer) -> str:
+def _drift_message(drift: JsonObject, seen: list[int], prompt: list[int], tokenizer: Tokenizer) -> str:
     i = drift["position"]
     start = max(0, i - _DRIFT_WINDOW)
     return (
@@ -452,7 +390,7 @@ def _decode(tokenizer: Tokenizer, ids: list[int]) -> str:
         return f"<decode failed: {exc}>"
 
 
-def _missing_message(result: dict[str, Any], output: list[Any], tokenizer: Tokenizer) -> str:
+def _missing_message(result: JsonObject, output: list[Any], tokenizer: Tokenizer) -> str:
     types = [item.get("type", "?") if isinstance(item, dict) else type(item).__name__ for item in output]
     response = result.get("response") or {}
     incomplete = response.get("incomplete_details") if isinstance(response, dict) else None
@@ -465,7 +403,7 @@ def _missing_message(result: dict[str, Any], output: list[Any], tokenizer: Token
     )
 
 
-def _first_prompt_length(result: dict[str, Any], tokenizer: Tokenizer) -> str:
+def _first_prompt_length(result: JsonObject, tokenizer: Tokenizer) -> str:
     """The first prompt's length as the model server renders it: the input messages and the tools the request offers."""
     params = result.get("responses_create_params")
     if not isinstance(params, dict):
@@ -485,7 +423,7 @@ def _first_prompt_length(result: dict[str, Any], tokenizer: Tokenizer) -> str:
     return f"first prompt ~{len(ids)} tokens by the chat template{with_tools}"
 
 
-def _chat_tool(tool: dict[str, Any]) -> JsonObject:
+def _chat_tool(tool: JsonObject) -> JsonObject:
     """A Responses API function tool (``name`` at the top) in the chat shape the chat template renders."""
     if "function" not in tool and "name" in tool:
         return {"type": "function", "function": {k: v for k, v in tool.items() if k not in ("type", "strict")}}

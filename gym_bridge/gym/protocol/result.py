@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from gym_bridge.gym.protocol.token_capture import CaptureBuild
+from gym_bridge.json_types import JsonObject
 from gym_bridge.types import LLMMessageLogType
 
 
@@ -26,7 +27,7 @@ class NemoRLRowResult(TypedDict):
 
     message_log: list[dict[str, Any]]
     input_message_log: list[dict[str, Any]]
-    full_result: dict[str, Any]
+    full_result: JsonObject
 
 
 @dataclass(slots=True)
@@ -37,11 +38,11 @@ class GymRowResult:
     """The row's ``_rowidx`` (its position in the group)."""
     message_log: LLMMessageLogType
     """User/assistant pairs, one per model call, with int64 ``token_ids`` and float32 ``generation_logprobs``."""
-    full_result: dict[str, Any]
+    full_result: JsonObject
     """Gym's ``/run`` result, token arrays popped and ``prompt_str`` / ``generation_str`` added."""
     reward: float
     """Gym's ``reward``, checked finite."""
-    token_drift: dict[str, Any] | None = None
+    token_drift: JsonObject | None = None
     """The first drift (``on_drift="truncate"``): the log ends before that turn."""
     incomplete_reason: str | None = None
     """Gym's ``response.incomplete_details.reason`` (``max_output_tokens``, ...), if any."""
@@ -54,6 +55,10 @@ class GymRowResult:
     """Gym 0.7's ``failure_kind`` (``session_lost``, ``judge_failed``, ...), independent of ``mask_sample``."""
     failure_reason: str | None = None
     """Gym's human-readable ``failure_reason``: a diagnosis, never a metric label."""
+    agent: str | None = None
+    """The agent the row was sent to (its ``agent_ref.name`` as routed, a ``task_source`` row's resolved agent
+    included), set by the actor that posted it; None for a materialized row, which goes to an environment server,
+    and for a result converted outside an actor."""
     capture: CaptureBuild | None = None
     """With ``token_id_capture`` on: what Gym's finaliser made of this result (None: it made no build), counted
     against ``max_mask_fraction`` by the client (:class:`~gym_bridge.gym.protocol.token_capture.MaskFractionWatch`)."""

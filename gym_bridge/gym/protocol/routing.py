@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from gym_bridge.failures import InvalidGymRow, SettingError
 from gym_bridge.gym_versions import installed_gym
+from gym_bridge.json_types import JsonMapping, JsonObject
 
 TASK_SOURCE_KEY = "task_source"
 DEFAULT_KEY = "_default"
@@ -36,14 +37,14 @@ def check_agent(name: Any, known_agents: Collection[str], *, where: str) -> None
         )
 
 
-def row_agent(row: Mapping[str, Any]) -> str | None:
+def row_agent(row: JsonMapping) -> str | None:
     """The agent a row names in ``agent_ref.name``, or None."""
     ref = row.get("agent_ref")
     name = ref.get("name") if isinstance(ref, Mapping) else None
     return name if isinstance(name, str) else None
 
 
-def routing_basis(row: Mapping[str, Any]) -> str | None:
+def routing_basis(row: JsonMapping) -> str | None:
     """What a row routes by as written in the data: its ``agent_ref.name``, else its ``task_source``."""
     source = row.get(TASK_SOURCE_KEY)
     return row_agent(row) or (source if isinstance(source, str) else None)
@@ -62,7 +63,7 @@ class RowRouting(BaseModel):
     fan_out: dict[str, list[str]] = Field(default_factory=dict)
     """``{row value: [agents]}``: each such row runs once per agent (one prompt group each), all one Gym task whose
     rollout index continues across the agents, as Gym numbers them
-    (:func:`gym_bridge.gym.protocol.rows.number_tasks`)."""
+    (:func:`gym_bridge.gym.protocol.numbering.number_tasks`)."""
 
     @model_validator(mode="after")
     def _consistent(self) -> RowRouting:
@@ -88,7 +89,7 @@ class RowRouting(BaseModel):
     def is_empty(self) -> bool:
         return self.agent_name is None and not self.agent_map and not self.fan_out
 
-    def _mapped(self, row: Mapping[str, Any]) -> str | None:
+    def _mapped(self, row: JsonMapping) -> str | None:
         source = row.get(TASK_SOURCE_KEY)
         for key in (row_agent(row), source if isinstance(source, str) else None):
             if key is not None and key in self.agent_map:
@@ -110,7 +111,7 @@ class RowRouting(BaseModel):
         return [row if mapped is None else _with_agent(row, mapped)]
 
 
-def _with_agent(row: dict[str, Any], agent: str) -> dict[str, Any]:
+def _with_agent(row: JsonObject, agent: str) -> JsonObject:
     if row_agent(row) == agent:
         return row
     return {**row, "agent_ref": {"name": agent}}
@@ -129,7 +130,7 @@ class GymRoutes:
     task_source_errors: Mapping[str, str] = field(default_factory=dict)
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any], agents: list[str]) -> GymRoutes:
+    def from_json(cls, data: JsonMapping, agents: list[str]) -> GymRoutes:
         """Routes from the launcher's JSON; ``agents`` (the running agent servers) where it says nothing."""
         sources = data.get("task_sources")
         return cls(
@@ -140,7 +141,7 @@ class GymRoutes:
             task_source_errors=dict(data.get("task_source_errors") or {}),
         )
 
-    def agent_of(self, row: Mapping[str, Any], *, where: str) -> str:
+    def agent_of(self, row: JsonMapping, *, where: str) -> str:
         """The running agent ``row`` goes to; :class:`InvalidGymRow` naming the row, the value and the agents."""
         agent = row_agent(row)
         if agent is None:
@@ -151,13 +152,11 @@ class GymRoutes:
             raise InvalidGymRow(f"{where}: {self.dispatch_errors[agent]}")
         return agent
 
-    def routed(self, row: dict[str, Any], *, where: str) -> dict[str, Any]:
+    def routed(self, row: JsonObject, *, where: str) -> JsonObject:
         """``row`` with ``agent_ref`` naming its agent (a copy when it had to be stamped, as Gym stamps it)."""
         return _with_agent(row, self.agent_of(row, where=where))
 
-    def route_all(
-        self, rows: Sequence[dict[str, Any]], wheres: Sequence[str]
-    ) -> tuple[list[dict[str, Any]], list[str]]:
+    def route_all(self, rows: Sequence[JsonObject], wheres: Sequence[str]) -> tuple[list[JsonObject], list[str]]:
         """Every row :meth:`routed` (``wheres`` names each in a message), and one problem per row that routes nowhere:
         what a run checks of its whole dataset right after Gym starts, before any row is sent."""
         routed, problems = [], []
@@ -198,7 +197,7 @@ def _no_task_source_routing(where: str, source: Any) -> str:
     )
 
 
-def check_routable(row: Mapping[str, Any], *, where: str) -> None:
+def check_routable(row: JsonMapping, *, where: str) -> None:
     """Refuse, where a row enters, a row that no installed Gym can route: no agent and no (resolvable) source."""
     if row_agent(row) is not None:
         return

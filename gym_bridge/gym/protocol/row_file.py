@@ -2,7 +2,8 @@
 
 Lines are split on ``\\n`` only (a JSON string may hold U+2028 and other line separators); each line's row is
 routed by the run's :class:`~gym_bridge.gym.protocol.routing.RowRouting` (a ``fan_out`` row becomes one prompt group per
-agent), numbered as Gym 0.7's ``preprocess_examples`` numbers it (:func:`~gym_bridge.gym.protocol.rows.number_tasks`:
+agent), numbered as Gym 0.7's ``preprocess_examples`` numbers it
+(:func:`~gym_bridge.gym.protocol.numbering.number_tasks`:
 every row gets its ``_ng_task_index``, dense over distinct rows, and its ``_ng_rollout_index`` among its task's repeats
 and fan-out agents), and every row is checked by :func:`~gym_bridge.gym.protocol.rows.validate_row`. Problems are
 collected, not raised, so the caller names them all in its own error type.
@@ -19,8 +20,9 @@ from gym_bridge.boundary.files import read_text
 from gym_bridge.boundary.json_io import ROW_DEPTH, loads
 from gym_bridge.boundary.text import shown
 from gym_bridge.failures import InvalidGymRow
+from gym_bridge.gym.protocol.numbering import number_tasks
 from gym_bridge.gym.protocol.routing import RowRouting
-from gym_bridge.gym.protocol.rows import ValidGymRow, number_tasks, validate_row
+from gym_bridge.gym.protocol.rows import ValidGymRow, validate_row
 
 MAX_ROW_FILE_BYTES = 4 << 30
 """The largest row file read (a dataset, training or validation data)."""

@@ -3,7 +3,8 @@
 With ``token_id_capture: {enabled: true, ...}`` in Gym's global config (``gym_overrides`` of an eval,
 ``env.nemo_gym.token_id_capture`` of a training config, as Gym names it), Gym's model server records each model
 call's token ids and sampling logprobs under the rollout's capture key (built from the ``_ng_*`` identity every
-row carries, :func:`gym_bridge.gym.protocol.rows.rollout_identity`) in a file store. Gym's own collection then finalises
+row carries, :func:`gym_bridge.gym.protocol.numbering.rollout_identity`) in a file store. Gym's own collection then
+finalises
 each result: it rebuilds ``response.output`` from the frozen records (``finalize_rollout_token_capture``). The
 NemoGym actor does the same with Gym's own functions, before converting the result, so a ``Completion`` holds the
 token ids and logprobs the endpoint produced. A result that already carries token ids is left as it is; one

@@ -44,7 +44,7 @@ def gym_routes(global_config_dict: DictConfig) -> JsonObject:
     }
 
 
-def _dispatch(blocks: dict[str, Any], agents: list[str]) -> tuple[dict[str, str], dict[str, str]]:
+def _dispatch(blocks: JsonObject, agents: list[str]) -> tuple[dict[str, str], dict[str, str]]:
     """Each agent's entry point: its one working environment server, else the agent itself."""
     fronting: dict[str, list[tuple[str, str]]] = {}
     for name, block in blocks.items():
@@ -81,9 +81,7 @@ def _environment_server_agents(server: Any) -> list[str]:
     return [str(name) for name in environment_server_agent_names(server)]
 
 
-def _task_sources(
-    global_config_dict: DictConfig, blocks: dict[str, Any]
-) -> tuple[dict[str, str] | None, dict[str, str]]:
+def _task_sources(global_config_dict: DictConfig, blocks: JsonObject) -> tuple[dict[str, str] | None, dict[str, str]]:
     """Every instance a dataset may be declared on, resolved to its agent by Gym's own resolver."""
     from nemo_gym.rollout_collection import RolloutCollectionHelper
 
@@ -95,7 +93,7 @@ def _task_sources(
     for name, block in blocks.items():
         if _AGENT_TYPE not in block and _RESOURCES_TYPE not in block:
             continue
-        row: dict[str, Any] = {"task_source": name}
+        row: JsonObject = {"task_source": name}
         try:
             resolve([row], global_config_dict)
         except ValueError as exc:

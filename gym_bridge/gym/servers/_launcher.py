@@ -1,4 +1,4 @@
-"""The process that runs NeMo-Gym's ``RunHelper`` for one :class:`~gym_bridge.gym.servers.server_set.GymServers`.
+"""The process that runs NeMo-Gym's ``RunHelper`` for one :class:`~gym_bridge.gym.servers.owned.OwnedGym`.
 
 Run as ``python -m gym_bridge.gym.servers._launcher <launch.json>`` in a session of its
 own. Gym keeps its config, head server and aiohttp client process-wide, so one

@@ -1,5 +1,5 @@
 """No Gym process outlives its owner: the live-set registry with atexit/signal cleanup, port windows,
-and the process checks (alive, answering, log tail) GymServers uses to start, watch and stop its set."""
+and the process checks (alive, answering, log tail) an OwnedGym uses to start, watch and stop its set."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from gym_bridge.failures import GymServersError
 
 
 class Stoppable(Protocol):
-    """What the reaper needs of a server set (``GymServers``): a ``stop()`` that never raises."""
+    """What the reaper needs of a server set (``OwnedGym``): a ``stop()`` that never raises."""
 
     def stop(self) -> None: ...
 
@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 # Gym's default range (10001-20000) overlaps Ray's worker ports; stay below Linux's ephemeral range.
 _PORT_SPACE = (20_000, 32_000)
 PORT_WINDOW = 200
-"""Ports per GymServers set."""
+"""Ports per launched Gym set."""
 _LOG_TAIL_BYTES = 3000
 
 _instances_lock = threading.Lock()
@@ -57,7 +57,7 @@ def _stop_all_live() -> None:
 
 
 def _install_cleanup_handlers() -> None:
-    """atexit, plus SIGTERM/SIGHUP handlers that stop every live GymServers, then chain."""
+    """atexit, plus SIGTERM/SIGHUP handlers that stop every live launched set, then chain."""
     global _handlers_installed
     with _instances_lock:
         if _handlers_installed:
@@ -98,7 +98,7 @@ def free_ports(host: str, count: int) -> list[int]:
 
 
 def reserve_port_window() -> int:
-    """The start of a block of ports no other GymServers uses, in this process or any other on the machine (Gym
+    """The start of a block of ports no other launched set uses, in this process or any other on the machine (Gym
     picks its servers' ports, and the launcher its head port, there).
 
     A window is held by an exclusive ``flock`` on its lock file for as long as the set lives; the kernel drops the
@@ -137,7 +137,7 @@ def _lock_window(window: int) -> int | None:
 
 
 def next_instance_index() -> int:
-    """A process-wide counter naming each GymServers' default log folder."""
+    """A process-wide counter naming each Gym set's default log folder."""
     global _instance_count
     with _instances_lock:
         _instance_count += 1

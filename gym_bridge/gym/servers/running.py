@@ -3,7 +3,7 @@ endpoint its model server calls.
 
 Every read is one bounded ``GET`` of the head server (Gym serves JSON; its config as a YAML string inside it), read
 under a size cap through the boundary's JSON and YAML loaders. A failure is a :class:`GymStartupError` naming the head
-server and the path. :class:`~gym_bridge.gym.servers.server_set.GymServers` attaches with these readers, and a training
+server and the path. :class:`~gym_bridge.gym.servers.attached.AttachedGym` attaches with these readers, and a training
 run reads
 :func:`read_policy_endpoint` before it starts the server that Gym's model server will call.
 """
@@ -19,6 +19,7 @@ from gym_bridge.boundary.json_io import loads
 from gym_bridge.boundary.yaml_io import MAX_CONFIG_BYTES, load_yaml
 from gym_bridge.failures import GymStartupError
 from gym_bridge.gym.servers.server_config import HeadServerAddress, head_address
+from gym_bridge.json_types import JsonObject
 
 HEAD_READ_TIMEOUT_S = 30.0
 """The bound on one read of the head server's config or server list."""
@@ -29,7 +30,7 @@ class GlobalConfig:
     """A running Gym's global config as its head server serves it: the mapping (interpolations such as
     ``${policy_base_url}`` left as Gym wrote them) and the YAML text it was read from."""
 
-    config: dict[str, Any]
+    config: JsonObject
     yaml: str
 
 

@@ -40,9 +40,9 @@ from gym_bridge.failures import (
     classify_rollout_failure,
     gym_failure_kind_class,
 )
+from gym_bridge.gym.protocol.numbering import ROW_INDEX_KEY, with_attempt
 from gym_bridge.gym.protocol.result import GymRowBatch, GymRowResult
 from gym_bridge.gym.protocol.routing import GymRoutes
-from gym_bridge.gym.protocol.rows import ROW_INDEX_KEY, with_attempt
 from gym_bridge.gym.protocol.token_capture import MaskFractionWatch
 from gym_bridge.gym.transport.admission import (
     AdmissionControl,
@@ -53,6 +53,7 @@ from gym_bridge.gym.transport.admission import (
     endpoint_drained,
     saturation_reason,
 )
+from gym_bridge.json_types import JsonObject
 from gym_bridge.types import ActorHandle
 
 logger = logging.getLogger(__name__)
@@ -143,14 +144,12 @@ class GymClient:
         routes = await self.routes()
         return list(routes.agents) if routes is not None else None
 
-    async def routed(self, row: dict[str, Any], *, prompt_idx: int) -> dict[str, Any]:
+    async def routed(self, row: JsonObject, *, prompt_idx: int) -> JsonObject:
         """``row`` with ``agent_ref`` naming the running agent it goes to (:meth:`GymRoutes.routed`)."""
         routes = await self.routes()
         return row if routes is None else routes.routed(row, where=f"prompt_idx={prompt_idx}")
 
-    async def run_group(
-        self, rows: list[dict[str, Any]], *, prompt_idx: int, deadline_s: float | None
-    ) -> GymGroupResult:
+    async def run_group(self, rows: list[JsonObject], *, prompt_idx: int, deadline_s: float | None) -> GymGroupResult:
         """Roll out one group's stamped rows (``_rowidx`` = position) within ``deadline_s`` seconds.
 
         The deadline covers every attempt, agent discovery included, but not the waits for admission
@@ -202,7 +201,7 @@ class GymClient:
         candidates = [i for i in live if i not in avoid] or live
         return min(candidates, key=lambda i: (self._in_flight[i], i))
 
-    async def _collect(self, rows: list[dict[str, Any]], prompt_idx: int, clock: InFlightDeadline) -> GymGroupResult:
+    async def _collect(self, rows: list[JsonObject], prompt_idx: int, clock: InFlightDeadline) -> GymGroupResult:
         """Stream the rows; after an infrastructure failure re-dispatch only the missing ones, elsewhere if possible.
 
         Each attempt waits for admission first; a timeout that the engine's load explains backs admission off."""
@@ -329,7 +328,7 @@ class GymClient:
     async def _stream(
         self,
         actor: int,
-        pending: list[dict[str, Any]],
+        pending: list[JsonObject],
         results: list[GymRowResult | None],
         ticket: AdmissionTicket,
         *,

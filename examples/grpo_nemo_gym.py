@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from gym_bridge.cli import main
+from gym_bridge import main
 
 ASYNC = [
     "grpo.async_grpo.enabled=true",

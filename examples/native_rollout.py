@@ -9,12 +9,14 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from gym_bridge.data import datum_from_chat
-from gym_bridge.environments.arithmetic import arithmetic_env_actor
-from gym_bridge.generation.hf import HFGeneration
-from gym_bridge.generation.hf_config import HFGenerationConfig
-from gym_bridge.ray_utils import init_ray
-from gym_bridge.rollout.manager import RolloutManager
+from gym_bridge import (
+    HFGeneration,
+    HFGenerationConfig,
+    RolloutManager,
+    arithmetic_env_actor,
+    datum_from_chat,
+    init_ray,
+)
 
 QUESTIONS = [("What is 12 + 7?", "19"), ("What is 6 * 7?", "42"), ("What is 100 - 1?", "99")]
 

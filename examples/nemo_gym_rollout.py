@@ -14,33 +14,46 @@ import argparse
 import asyncio
 import json
 import logging
+from contextlib import ExitStack
 from pathlib import Path
 
 import yaml
 
-from gym_bridge import build_nemo_gym_rollouts, datum_from_gym_row, init_ray
-from gym_bridge.preflight import rows_use_tools
+from gym_bridge import (
+    EngineSpec,
+    ServeOptions,
+    build_nemo_gym_rollouts,
+    datum_from_gym_row,
+    init_ray,
+    resolve_model_path,
+    rows_use_tools,
+    serve_engine,
+)
 
 
 def load_tokenizer(name: str):
     from transformers import AutoTokenizer
 
-    from gym_bridge.models.registry import resolve_model_path
-
     return AutoTokenizer.from_pretrained(resolve_model_path(name))
 
 
 async def run(config: dict, base_urls: list[str]) -> None:
-    tokenizer = load_tokenizer(config["policy"]["model_name"])
+    name = config["policy"]["model_name"]
     rows = [json.loads(line) for line in Path(config["data"]["path"]).read_text().splitlines() if line.strip()]
-    server = None
-    if not base_urls and not config["env"]["nemo_gym"].get("base_urls"):
-        from gym_bridge.generation.scripted import ScriptedGeneration
-        from gym_bridge.serving import OpenAIServer
+    with ExitStack() as stack:
+        if not base_urls and not config["env"]["nemo_gym"].get("base_urls"):
+            # The scripted policy on the model's tokenizer behind our OpenAI server, stopped when the block ends.
+            served = stack.enter_context(
+                serve_engine(EngineSpec(policy="scripted", model=name), ServeOptions(served_model_name=name))
+            )
+            tokenizer, base_urls = served.tokenizer, [served.base_url]
+            print(f"serving the scripted policy at {base_urls[0]}")
+        else:
+            tokenizer = load_tokenizer(name)
+        await roll_out(config, rows, tokenizer, base_urls)
 
-        server = OpenAIServer(ScriptedGeneration(tokenizer), tokenizer, served_model_name=config["policy"]["model_name"])
-        base_urls = [server.start_in_thread()]
-        print(f"serving the scripted policy at {base_urls[0]}")
+
+async def roll_out(config: dict, rows: list[dict], tokenizer, base_urls: list[str]) -> None:
     # Checks every endpoint first (tools too when the rows offer them), then starts Gym and the manager.
     rollouts = build_nemo_gym_rollouts(config, tokenizer, base_urls=base_urls or None, uses_tools=rows_use_tools(rows))
     try:
@@ -59,8 +72,6 @@ async def run(config: dict, base_urls: list[str]) -> None:
         print("metrics of prompt 0:", json.dumps(summary, indent=1))
     finally:
         rollouts.shutdown()
-        if server is not None:
-            server.stop_thread()
 
 
 def main() -> None:

@@ -13,14 +13,19 @@ import logging
 
 import torch
 
-from gym_bridge.batched import BatchedDataDict, batched_message_log_to_flat_message
-from gym_bridge.data import datum_from_chat
-from gym_bridge.environments.guessing import guessing_env_actor
-from gym_bridge.generation.hf import HFGeneration
-from gym_bridge.generation.hf_config import HFGenerationConfig
-from gym_bridge.policy import HFPolicy, HFPolicyConfig, policy_gradient_loss
-from gym_bridge.ray_utils import init_ray
-from gym_bridge.rollout.sync import run_multi_turn_rollout
+from gym_bridge import (
+    BatchedDataDict,
+    HFGeneration,
+    HFGenerationConfig,
+    HFPolicy,
+    HFPolicyConfig,
+    batched_message_log_to_flat_message,
+    datum_from_chat,
+    guessing_env_actor,
+    init_ray,
+    policy_gradient_loss,
+    run_multi_turn_rollout,
+)
 
 MAX_SEQ_LEN = 256
 SAMPLES_PER_PROMPT = 4

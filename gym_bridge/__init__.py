@@ -19,7 +19,11 @@ if TYPE_CHECKING:
 
 
 _EXPORTS: dict[str, tuple[str, ...]] = {
-    "gym_bridge.batched": ("BatchedDataDict",),
+    "gym_bridge.batched": (
+        "BatchedDataDict",
+        "batched_message_log_to_flat_message",
+    ),
+    "gym_bridge.cli": ("main",),
     "gym_bridge.config.launch_spec": ("GymLaunchSpec",),
     "gym_bridge.config.nemo_rl_gym": (
         "setup_nemo_gym_config",
@@ -30,6 +34,8 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "datum_from_chat",
         "datum_from_gym_row",
     ),
+    "gym_bridge.environments.arithmetic": ("arithmetic_env_actor",),
+    "gym_bridge.environments.guessing": ("guessing_env_actor",),
     "gym_bridge.eval.config": (
         "EvalConfig",
         "load_config",
@@ -54,6 +60,9 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "RolloutTimeouts",
     ),
     "gym_bridge.failures.stats": ("RolloutStats",),
+    "gym_bridge.generation.factory": ("EngineSpec",),
+    "gym_bridge.generation.hf": ("HFGeneration",),
+    "gym_bridge.generation.hf_config": ("HFGenerationConfig",),
     "gym_bridge.gym.transport.actor_config": ("NemoGymConfig",),
     "gym_bridge.gym.transport.spinup": (
         "spinup_nemo_gym_actors",
@@ -71,14 +80,27 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "calculate_single_metric",
         "pct",
     ),
+    "gym_bridge.models.registry": ("resolve_model_path",),
+    "gym_bridge.policy.hf": (
+        "HFPolicy",
+        "HFPolicyConfig",
+    ),
+    "gym_bridge.policy.loss": ("policy_gradient_loss",),
     "gym_bridge.preflight": (
         "EndpointCheck",
         "PreflightError",
         "check_endpoint",
         "check_endpoints",
         "preflight_endpoints",
+        "rows_use_tools",
     ),
     "gym_bridge.ray_utils": ("init_ray",),
+    "gym_bridge.recipes.engine_server": (
+        "EngineServer",
+        "ServeOptions",
+        "build_engine_server",
+        "serve_engine",
+    ),
     "gym_bridge.recipes.launch": (
         "NemoGymRollouts",
         "build_nemo_gym_rollouts",

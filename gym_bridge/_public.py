@@ -8,6 +8,10 @@ from __future__ import annotations
 
 from gym_bridge.batched import (
     BatchedDataDict as BatchedDataDict,
+    batched_message_log_to_flat_message as batched_message_log_to_flat_message,
+)
+from gym_bridge.cli import (
+    main as main,
 )
 from gym_bridge.config.launch_spec import (
     GymLaunchSpec as GymLaunchSpec,
@@ -22,6 +26,12 @@ from gym_bridge.config.training import (
 from gym_bridge.data import (
     datum_from_chat as datum_from_chat,
     datum_from_gym_row as datum_from_gym_row,
+)
+from gym_bridge.environments.arithmetic import (
+    arithmetic_env_actor as arithmetic_env_actor,
+)
+from gym_bridge.environments.guessing import (
+    guessing_env_actor as guessing_env_actor,
 )
 from gym_bridge.eval.config import (
     EvalConfig as EvalConfig,
@@ -51,6 +61,15 @@ from gym_bridge.failures.retry import (
 from gym_bridge.failures.stats import (
     RolloutStats as RolloutStats,
 )
+from gym_bridge.generation.factory import (
+    EngineSpec as EngineSpec,
+)
+from gym_bridge.generation.hf import (
+    HFGeneration as HFGeneration,
+)
+from gym_bridge.generation.hf_config import (
+    HFGenerationConfig as HFGenerationConfig,
+)
 from gym_bridge.gym.transport.actor_config import (
     NemoGymConfig as NemoGymConfig,
 )
@@ -70,15 +89,32 @@ from gym_bridge.metrics import (
     calculate_single_metric as calculate_single_metric,
     pct as pct,
 )
+from gym_bridge.models.registry import (
+    resolve_model_path as resolve_model_path,
+)
+from gym_bridge.policy.hf import (
+    HFPolicy as HFPolicy,
+    HFPolicyConfig as HFPolicyConfig,
+)
+from gym_bridge.policy.loss import (
+    policy_gradient_loss as policy_gradient_loss,
+)
 from gym_bridge.preflight import (
     EndpointCheck as EndpointCheck,
     PreflightError as PreflightError,
     check_endpoint as check_endpoint,
     check_endpoints as check_endpoints,
     preflight_endpoints as preflight_endpoints,
+    rows_use_tools as rows_use_tools,
 )
 from gym_bridge.ray_utils import (
     init_ray as init_ray,
+)
+from gym_bridge.recipes.engine_server import (
+    EngineServer as EngineServer,
+    ServeOptions as ServeOptions,
+    build_engine_server as build_engine_server,
+    serve_engine as serve_engine,
 )
 from gym_bridge.recipes.launch import (
     NemoGymRollouts as NemoGymRollouts,

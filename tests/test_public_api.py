@@ -84,3 +84,42 @@ def test_the_public_surface_is_named_in_one_place():
         )
     )
     assert named == ["failures/errors.py"]
+
+
+def _deep_imports(source: str) -> list[str]:
+    """Each import in ``source`` of a module below ``gym_bridge`` (``gym_bridge.x``), as ``line: module``."""
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.level == 0:
+            names = [node.module or ""]
+        elif isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        else:
+            continue
+        found += [f"{node.lineno}: {name}" for name in names if name.startswith("gym_bridge.")]
+    return found
+
+
+def test_the_examples_import_only_the_public_api():
+    """Every example (scripts, configs' helpers, the plugin suite) imports from ``gym_bridge`` itself, never a module
+    below it: what an example needs is public (``__all__``), so a user copying one depends on nothing internal."""
+    from pathlib import Path
+
+    examples = Path(__file__).resolve().parent.parent / "examples"
+    files = sorted(examples.rglob("*.py"))
+    assert files
+    deep = {path.relative_to(examples).as_posix(): _deep_imports(path.read_text()) for path in files}
+    assert {path: lines for path, lines in deep.items() if lines} == {}
+
+
+def test_a_deep_import_in_an_example_is_caught():
+    planted = (
+        "from gym_bridge import init_ray\n"
+        "import gym_bridge\n"
+        "from gym_bridge.rollout.manager import RolloutManager\n"
+        "def f():\n"
+        "    import gym_bridge.serving.server\n"
+    )
+    assert _deep_imports(planted) == ["3: gym_bridge.rollout.manager", "5: gym_bridge.serving.server"]

@@ -4,7 +4,7 @@ OpenAI-compatible endpoint, and come back as token-level completions with the en
 
 import torch
 
-from gym_bridge.data import datum_from_gym_row
+from gym_bridge import datum_from_gym_row
 
 AGENT = {"type": "responses_api_agents", "name": "lc_equivalence_rule_simple_agent"}
 

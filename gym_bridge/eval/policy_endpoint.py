@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, cast
 
 from gym_bridge.eval.config import EvalConfig, EvalConfigError
 from gym_bridge.eval.shutdown import sigint_deferred
+from gym_bridge.generation.factory import EngineSpec
+from gym_bridge.recipes.engine_server import ServeOptions, StopStep, serve_engine
 
 if TYPE_CHECKING:
     from gym_bridge.types import Tokenizer
@@ -16,43 +18,31 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+_STOP_STEPS: dict[StopStep, str] = {"server": "stopping the embedded server", "engine": "stopping the embedded policy"}
+"""Each stop step of the embedded policy, as a SIGINT during it names it."""
+
+
 @contextmanager
 def policy_endpoint(config: EvalConfig) -> Iterator[tuple[list[str], Tokenizer]]:
-    """``(base_urls, tokenizer)``: the configured endpoints, or the embedded server for the run's duration."""
+    """``(base_urls, tokenizer)``: the configured endpoints, or the embedded server for the run's duration (built by
+    :func:`~gym_bridge.recipes.engine_server.serve_engine`; each stop step finishes through a SIGINT)."""
     if not config.embedded:
         yield list(config.base_urls), endpoint_tokenizer(config)
         return
-    from gym_bridge.models.registry import check_model_reference
-
-    check_model_reference(config.tokenizer)  # an unknown model is one line before torch is imported
-    from gym_bridge.generation.factory import EngineSpec, build_engine
-    from gym_bridge.serving import OpenAIServer
-
-    built = build_engine(
-        EngineSpec(
-            policy="scripted" if config.embedded_policy == "scripted" else "hf",
-            model=config.tokenizer,
-            max_new_tokens=config.max_new_tokens,
-            temperature=config.temperature,
-            top_p=config.top_p,
-            seed=config.seed,
-            max_model_len=config.max_seq_len,
-            enable_prefix_caching=config.enable_prefix_caching,
-        )
+    spec = EngineSpec(
+        policy="scripted" if config.embedded_policy == "scripted" else "hf",
+        model=config.tokenizer,
+        max_new_tokens=config.max_new_tokens,
+        temperature=config.temperature,
+        top_p=config.top_p,
+        seed=config.seed,
+        max_model_len=config.max_seq_len,
+        enable_prefix_caching=config.enable_prefix_caching,
     )
-    generation, tokenizer, path = built.generation, built.tokenizer, built.model_path
-    server = OpenAIServer(generation, tokenizer, served_model_name=config.model_name, model_path=str(path))
-    try:
-        url = server.start_in_thread()
-        logger.info("embedded %s policy at %s", config.embedded_policy, url)
-        yield [url], tokenizer
-    finally:
-        with sigint_deferred("stopping the embedded server"):
-            server.stop_thread()
-        with sigint_deferred("stopping the embedded policy"):
-            shutdown = getattr(generation, "shutdown", None)
-            if shutdown is not None:
-                shutdown()
+    options = ServeOptions(served_model_name=config.model_name)
+    with serve_engine(spec, options, step=lambda name: sigint_deferred(_STOP_STEPS[name])) as served:
+        logger.info("embedded %s policy at %s", config.embedded_policy, served.base_url)
+        yield [served.base_url], served.tokenizer
 
 
 def endpoint_tokenizer(config: EvalConfig) -> Tokenizer:

@@ -1,4 +1,5 @@
-"""One place that builds a generation engine from a name, for ``gym-bridge serve`` and ``gym-bridge eval``.
+"""One place that builds a generation engine from a name, for ``gym-bridge serve`` and ``gym-bridge eval``
+(through :mod:`gym_bridge.recipes.engine_server`, which serves it).
 
 ``policy`` is ``hf`` (the model itself, :class:`~gym_bridge.generation.hf.HFGeneration`),
 ``scripted`` (rule-based replies over the model's tokenizer) or ``instant`` (a fixed
@@ -9,11 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from gym_bridge.failures.errors import SettingError
-from gym_bridge.interfaces import GenerationInterface
-from gym_bridge.types import Tokenizer
+
+if TYPE_CHECKING:  # torch: imported by the engines only, so a spec is cheap to build
+    from gym_bridge.interfaces import GenerationInterface
+    from gym_bridge.types import Tokenizer
 
 Policy = Literal["hf", "scripted", "instant"]
 POLICIES: tuple[str, ...] = ("hf", "scripted", "instant")
@@ -72,7 +75,7 @@ def build_engine(spec: EngineSpec) -> BuiltEngine:
 
     tokenizer = load_tokenizer(path)  # the folder checked first: regular files, no remote code
     # transformers 5 types ``decode`` as returning ``str | list[str]``; for a list of ids it is a str.
-    speaks = cast(Tokenizer, tokenizer)
+    speaks = cast("Tokenizer", tokenizer)
     if spec.policy == "scripted":
         from gym_bridge.generation.scripted import ScriptedGeneration
 

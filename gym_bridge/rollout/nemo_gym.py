@@ -28,7 +28,6 @@ from gym_bridge.boundary.json_io import dumps
 from gym_bridge.failures import RolloutRetryPolicy, RolloutStats, RolloutTimeouts, SettingError
 from gym_bridge.gym.protocol.convert import scalar_fields
 from gym_bridge.gym.protocol.result import GymRowResult
-from gym_bridge.gym.protocol.routing import row_agent
 from gym_bridge.gym.protocol.rows import build_rows, row_seed, validate_row
 from gym_bridge.gym.transport.admission import AdmissionSettings
 from gym_bridge.gym.transport.client import GymClient
@@ -190,7 +189,7 @@ class AsyncNemoGymRolloutImpl:
         run_s = time.perf_counter() - t_run
 
         t_metrics = time.perf_counter()
-        agent = row_agent(await self.client.routed(template, prompt_idx=prompt_idx))
+        agent = next((row.agent for row in group.rows if row.agent), None)  # the agent Gym ran, carried on each result
         completions = [
             gym_completion(
                 row,

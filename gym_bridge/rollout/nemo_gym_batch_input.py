@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -15,7 +16,11 @@ from gym_bridge.gym_versions import TASK_INDEX_KEY
 from gym_bridge.json_types import JsonMapping, JsonObject
 from gym_bridge.types import DatumSpec, GenerationConfig, GenerationSamplingParams
 
-_ENGINE_CONFIG_KEYS = ("vllm_cfg", "trtllm_cfg", "mcore_generation_config")
+ENGINE_CONFIG_SECTIONS = ("vllm_cfg", "trtllm_cfg", "mcore_generation_config")
+"""NeMo-RL's engine sections of a generation config (``policy.generation``), in the order NeMo-RL reads their
+``max_model_len``: the one list of them (:func:`engine_context_lengths`)."""
+CONTEXT_LENGTH_FIELD = "max_total_sequence_length"
+"""NeMo-RL's name for the run's context length (``policy.max_total_sequence_length``)."""
 
 type LossMultiplier = torch.Tensor | Sequence[float]
 """The batch's ``loss_multiplier`` column: a tensor, or one float per row."""
@@ -99,16 +104,31 @@ def group_task_index(rows: Sequence[JsonMapping]) -> int | None:
     return first
 
 
+def engine_context_lengths(generation: object) -> dict[str, Any]:
+    """Each ``<section>.max_model_len`` that a NeMo-RL generation config sets (None and absent left out), keyed by its
+    path under the config, in NeMo-RL's order (:data:`ENGINE_CONFIG_SECTIONS`): the one reader of those keys, for the
+    training config's context length (:func:`~gym_bridge.config.training.context_length`) and the engine's limit
+    here alike."""
+    if not isinstance(generation, Mapping):
+        return {}
+    found: dict[str, Any] = {}
+    for section in ENGINE_CONFIG_SECTIONS:
+        body = generation.get(section)
+        if isinstance(body, Mapping) and body.get("max_model_len") is not None:
+            found[f"{section}.max_model_len"] = body["max_model_len"]
+    return found
+
+
 def engine_max_model_len(policy_generation: object, max_seq_len: int | None) -> int | None:
-    """The engine's ``max_model_len`` from NeMo-RL's generation config, else ``max_total_sequence_length``,
-    else ``max_seq_len`` (our engines carry no such config)."""
+    """The engine's ``max_model_len`` from NeMo-RL's generation config (:func:`engine_context_lengths`), else
+    ``max_total_sequence_length``, else ``max_seq_len`` (our engines carry no such config)."""
     cfg = getattr(policy_generation, "cfg", None)
     if isinstance(cfg, Mapping):
-        for key in _ENGINE_CONFIG_KEYS:
-            if isinstance(cfg.get(key), Mapping) and cfg[key].get("max_model_len") is not None:
-                return int(cfg[key]["max_model_len"])
-        if cfg.get("max_total_sequence_length") is not None:
-            return int(cfg["max_total_sequence_length"])
+        first = next(iter(engine_context_lengths(cfg).values()), None)
+        if first is not None:
+            return int(first)
+        if cfg.get(CONTEXT_LENGTH_FIELD) is not None:
+            return int(cfg[CONTEXT_LENGTH_FIELD])
     return max_seq_len
 
 

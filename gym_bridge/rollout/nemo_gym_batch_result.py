@@ -89,7 +89,7 @@ class GroupPost:
             gym_completion(r, max_seq_len=self.engine_max_len, mask_env_flagged_samples=self.mask_env_flagged_samples)
             for r in group.rows
         ]
-        agents = [row["agent_ref"]["name"] for row in rows]
+        agents = [r.agent or rows[r.row_index]["agent_ref"]["name"] for r in group.rows]
         t1 = time.perf_counter()
         fields = [caller_fields(r.metrics, r.full_result, rows[r.row_index]) for r in group.rows]
         metrics.update(gym_group_metrics(completions, agents, fields=fields))

@@ -23,7 +23,6 @@ from typing import Protocol
 from gym_bridge.boundary.files import open_append
 from gym_bridge.boundary.json_io import dumps
 from gym_bridge.failures.errors import SettingError
-from gym_bridge.gym.protocol.routing import row_agent
 from gym_bridge.gym.protocol.rows import build_rows
 from gym_bridge.gym.transport.client import GymClient
 from gym_bridge.json_types import JsonMapping, JsonObject
@@ -154,7 +153,7 @@ class GymValidator:
             scope=scope,
         )
         group = await self.client.run_group(rows, prompt_idx=prompt_idx, deadline_s=self.deadline_s)
-        agent = row_agent(await self.client.routed(dict(row), prompt_idx=prompt_idx))
+        agent = next((r.agent for r in group.rows if r.agent), None)  # the agent Gym ran, carried on each result
         completions = [
             gym_completion(r, max_seq_len=None, mask_env_flagged_samples=False, agent=agent) for r in group.rows
         ]

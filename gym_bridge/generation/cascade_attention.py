@@ -142,7 +142,8 @@ class DecodePlan:
             row, head = slice(j, j + 1), slice(0, self.lo)
             head_out, head_lse = _flash(q[row], key[row, :, head], value[row, :, head], attn_mask=mask, scale=scale)
             out[row] = _merge(out[row], lse[row], head_out, head_lse)
-        return out.reshape(n, 1, heads, dim)  # [n, KV, rep, D] and [n, 1, H, D] are one memory order
+        merged: torch.Tensor = out.reshape(n, 1, heads, dim)  # [n, KV, rep, D] and [n, 1, H, D] are one memory order
+        return merged
 
 
 def _merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> torch.Tensor:

@@ -353,7 +353,8 @@ class RunningBatch:
                 **kwargs,
             )
         self.ctx.stats.forward_passes += 1
-        return out.logits[:, -1, :].float()
+        logits: torch.Tensor = out.logits[:, -1, :].float()
+        return logits
 
     def _hit_stop_string(self, row: Row) -> bool:
         """Whether the newest token completed one of the row's stop strings.

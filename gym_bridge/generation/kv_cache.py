@@ -47,7 +47,7 @@ class GrowingLayer(DynamicLayer):
     """
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # transformers' DynamicLayer.__init__ is unannotated
         self._k: torch.Tensor | None = None  # [rows, kv_heads, capacity, head_dim]
         self._v: torch.Tensor | None = None
         self._start = 0

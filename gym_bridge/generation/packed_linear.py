@@ -108,4 +108,5 @@ def _forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     packed = None if packs is None or torch.is_grad_enabled() or x.dtype != torch.float32 else packs.get(self)
     if packed is None:
         return torch.nn.functional.linear(x, self.weight, self.bias)
-    return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
+    out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
+    return out

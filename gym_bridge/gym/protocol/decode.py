@@ -20,7 +20,7 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from gym_bridge.types import Tokenizer
 
-_CHAR_BYTES: dict[str, int] = {char: byte for byte, char in bytes_to_unicode().items()}  # type: ignore[no-untyped-call]
+_CHAR_BYTES: dict[str, int] = {char: byte for byte, char in bytes_to_unicode().items()}
 _TABLES: weakref.WeakKeyDictionary[Tokenizer, list[bytes] | None] = weakref.WeakKeyDictionary()
 
 

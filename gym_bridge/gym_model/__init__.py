@@ -4,7 +4,7 @@ Gym starts a server from ``<cwd>/<server_type>/<impl>`` when that folder holds a
 ``requirements.txt`` or ``pyproject.toml``, else from its own install. The folder
 :data:`SERVER_DIR` (``app.py``, ``requirements.txt``, ``configs/``) is made visible
 as ``responses_api_models/gym_bridge_model`` in the launcher's working folder
-(:class:`~gym_bridge.gym.servers.server_set.GymServersConfig` ``server_dirs``), so nothing is
+(:class:`~gym_bridge.gym.servers.server_config.GymServersConfig` ``server_dirs``), so nothing is
 copied into site-packages and Gym is not patched. This module only names paths:
 importing it is cheap.
 """

@@ -61,12 +61,13 @@ from transformers import AutoTokenizer
 
 from gym_bridge.data import datum_from_gym_row
 from gym_bridge.failures import RolloutTimeouts
-from gym_bridge.gym.transport.actor_config import NemoGymConfig
-from gym_bridge.gym.servers.reaper import free_port
 from gym_bridge.gym.protocol.rows import build_rows
+from gym_bridge.gym.servers.config_files import wheel_config_path
 from gym_bridge.gym.servers.gym_set import GymSet
+from gym_bridge.gym.servers.reaper import free_port
+from gym_bridge.gym.servers.server_config import GymServersConfig
 from gym_bridge.gym.servers.server_set import GymServers
-from gym_bridge.gym.servers.server_config import GymServersConfig, wheel_config_path
+from gym_bridge.gym.transport.actor_config import NemoGymConfig
 from gym_bridge.gym.transport.spinup import start_nemo_gym_actor, stop_nemo_gym_actors
 from gym_bridge.gym_versions import installed_gym
 from gym_bridge.models.registry import resolve_model_path

@@ -26,8 +26,9 @@ import psutil
 import ray
 from results_file import HISTORY, git_revision, publish
 
+from gym_bridge.gym.servers.config_files import wheel_config_path
+from gym_bridge.gym.servers.server_config import GymServersConfig
 from gym_bridge.gym.servers.server_set import GymServers
-from gym_bridge.gym.servers.server_config import GymServersConfig, wheel_config_path
 from gym_bridge.ray_utils import init_ray
 
 CONFIGS = [

@@ -62,8 +62,8 @@ from transformers import AutoTokenizer
 
 from gym_bridge.data import datum_from_gym_row
 from gym_bridge.failures import RolloutRetryPolicy, RolloutTimeouts
-from gym_bridge.gym.transport.spinup import start_nemo_gym_actor, stop_nemo_gym_actors
 from gym_bridge.gym.servers.reaper import free_port
+from gym_bridge.gym.transport.spinup import start_nemo_gym_actor, stop_nemo_gym_actors
 from gym_bridge.models.registry import resolve_model_path
 from gym_bridge.ray_utils import init_ray
 from gym_bridge.rollout.manager import RolloutManager, RolloutOutcome

@@ -25,8 +25,8 @@ from typing import Any
 
 from results_file import git_revision, publish, verdict
 
-from gym_bridge.training.metrics import read_metrics
 from gym_bridge.stats import mcnemar_exact
+from gym_bridge.training.metrics import read_metrics
 
 
 def load_run(folder: Path) -> dict[str, Any]:

@@ -41,13 +41,13 @@ from bridge_throughput import (
 from results_file import HISTORY, git_revision, publish
 from transformers import AutoTokenizer
 
-from gym_bridge.testing.cluster import LocalRayCluster, NodeSpec
 from gym_bridge.data import datum_from_gym_row
 from gym_bridge.failures import RolloutTimeouts
-from gym_bridge.gym.transport.spinup import start_nemo_gym_actor, stop_nemo_gym_actors
 from gym_bridge.gym.servers.reaper import free_port
+from gym_bridge.gym.transport.spinup import start_nemo_gym_actor, stop_nemo_gym_actors
 from gym_bridge.models.registry import resolve_model_path
 from gym_bridge.rollout.manager import RolloutManager
+from gym_bridge.testing.cluster import LocalRayCluster, NodeSpec
 
 SINGLE = WORKLOADS["single"]  # single-turn equivalence rows, instant answers
 NODES = ("node_a", "node_b")

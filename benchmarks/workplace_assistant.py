@@ -70,7 +70,7 @@ def parse_args() -> argparse.Namespace:
 
 def example_rows(limit: int) -> list[dict[str, Any]]:
     """The wheel's ``workplace_assistant`` example rows, routed to its simple agent."""
-    from gym_bridge.gym.servers.server_config import wheel_config_path
+    from gym_bridge.gym.servers.config_files import wheel_config_path
 
     text = wheel_config_path(ROWS_PATH).read_text()
     rows = [json.loads(line) for line in text.split("\n") if line.strip()][:limit]

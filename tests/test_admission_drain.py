@@ -21,10 +21,10 @@ from gym_bridge.config.run_settings import grpo_run_settings
 from gym_bridge.config.training import nemo_gym_rollout_settings
 from gym_bridge.eval.config import EvalConfig
 from gym_bridge.failures import RolloutTimeout
+from gym_bridge.gym.protocol.numbering import ROW_INDEX_KEY
 from gym_bridge.gym.transport import client as client_module
 from gym_bridge.gym.transport.admission import AdmissionControl, AdmissionSettings, EndpointLoad, endpoint_drained
 from gym_bridge.gym.transport.client import GymClient
-from gym_bridge.gym.protocol.numbering import ROW_INDEX_KEY
 
 DEMO = Path(__file__).resolve().parents[1] / "examples" / "grpo_nemo_gym.yaml"
 BUSY = EndpointLoad(reachable=True, waiting=2.0, running=8.0)

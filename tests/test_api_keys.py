@@ -20,8 +20,8 @@ import pytest
 from pydantic import SecretStr, ValidationError
 
 from gym_bridge.eval.config import EvalConfigError, build_config
-from gym_bridge.gym.transport.actor_config import NemoGymConfig
 from gym_bridge.gym.servers.reaper import free_port
+from gym_bridge.gym.transport.actor_config import NemoGymConfig
 from gym_bridge.preflight import EndpointProblem, PreflightError, check_endpoint, preflight_endpoints
 from gym_bridge.serving import OpenAIServer, ServerFeatures, build_proxy
 from gym_bridge.serving.auth import inbound_api_key, is_loopback, open_port_warning

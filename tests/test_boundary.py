@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from gym_bridge.boundary import UntrustedInputError
 from gym_bridge.boundary.files import open_nofollow, read_bytes, read_text, write_atomic

@@ -9,8 +9,7 @@ import os
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from gym_bridge.boundary import UntrustedInputError
 from gym_bridge.boundary.files import folder_under, make_dir, open_append, open_nofollow, write_atomic

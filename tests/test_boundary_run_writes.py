@@ -103,8 +103,8 @@ def test_a_forked_servers_output_goes_only_to_a_log_of_its_own(tmp_path: Path) -
 def test_gym_servers_refuse_a_planted_launcher_log_before_starting_anything(tmp_path: Path, plant: str) -> None:
     """``OwnedGym.start`` opens ``_launcher.log`` for the launcher's output; a planted one is refused before the
     launcher process exists, and the set cleans up (no private folder, no port window held)."""
-    from gym_bridge.gym.servers.server_config import GymServersConfig
     from gym_bridge.gym.servers.owned import OwnedGym
+    from gym_bridge.gym.servers.server_config import GymServersConfig
 
     logs = tmp_path / "gym-logs"
     logs.mkdir()

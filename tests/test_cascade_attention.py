@@ -12,8 +12,7 @@ import itertools
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from gym_bridge.generation.cascade_attention import DecodePlan, Group, choose_group
 from gym_bridge.generation.hf import HFGeneration

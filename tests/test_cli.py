@@ -31,8 +31,8 @@ def test_overrides_after_an_option_reach_the_command(tmp_path, capsys):
 def test_train_reads_nemo_rl_overrides_before_anything_starts(tmp_path, capsys):
     """``gym-bridge train``: NeMo-RL's override grammar over a config with ``defaults:`` and ``${...}``; a missing
     key, an unknown override and an unreadable file are each one line and exit 2, before Ray or a model starts."""
-    from gym_bridge.config.overrides import load_with_overrides
     from gym_bridge.cli import main
+    from gym_bridge.config.overrides import load_with_overrides
 
     parent = tmp_path / "parent.yaml"
     parent.write_text("policy:\n  model_name: tiny\n  max_total_sequence_length: 64\n  max_new: ${policy.max_total_sequence_length}\n"
@@ -66,8 +66,8 @@ def test_metrics_lines_take_nemo_rl_names():
 
 
 def test_the_logger_section_refuses_what_would_leave_the_machine():
-    from gym_bridge.config.logger import logger_settings
     from gym_bridge.config.keys import TrainingConfigError
+    from gym_bridge.config.logger import logger_settings
 
     remote = {"logger": {"mlflow_enabled": True, "mlflow": {"tracking_uri": "https://mlflow.example.com"}}}
     with pytest.raises(TrainingConfigError, match="logger.mlflow.tracking_uri"):

@@ -18,8 +18,8 @@ from gym_bridge.failures import (
     RolloutRetryPolicy,
 )
 from gym_bridge.rollout.manager import RolloutManager, RolloutOutcome
-from gym_bridge.testing import async_wait_until
 from gym_bridge.rollout.sink import InMemorySink, RolloutSink
+from gym_bridge.testing import async_wait_until
 from gym_bridge.types import Completion, PromptGroupRecord
 
 

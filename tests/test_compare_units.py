@@ -16,8 +16,8 @@ from gym_bridge.cli import main
 from gym_bridge.eval.compare import CompareError, compare_runs
 from gym_bridge.eval.records import row_id
 from gym_bridge.eval.runs import load_run
-from gym_bridge.stats import mcnemar_exact, paired_bootstrap
 from gym_bridge.eval.store import RunStore
+from gym_bridge.stats import mcnemar_exact, paired_bootstrap
 
 # ---- statistics ------------------------------------------------------------------------------
 

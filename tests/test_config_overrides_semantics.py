@@ -16,10 +16,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gym_bridge.config.grpo import loop_config_from
+from gym_bridge.config.grpo import checkpointing_enabled, loop_config_from
 from gym_bridge.config.loading import load_training_config
 from gym_bridge.config.overrides import load_with_overrides
-from gym_bridge.recipes.grpo_run import checkpointing_enabled
 
 PARENT = {
     "grpo": {"num_prompts_per_step": 2, "max_num_steps": 1},
@@ -99,27 +98,29 @@ def test_null_on_the_command_line_drops_the_parents_keys(tmp_path):
 
 
 def test_the_validation_sets_follow_the_merged_config(tmp_path):
-    from gym_bridge.config.grpo import validation_sets
+    from gym_bridge.config.run_data import run_data, validation_sets
 
     rows = tmp_path / "rows.jsonl"
     rows.write_text('{"responses_create_params": {"input": "1+1?"}, "agent_ref": {"name": "a"}}\n')
-    parent = {**PARENT, "data": {"validation": {"data_path": str(rows), "extra_sets": {"other": str(rows)}}}}
+    sets = {"data_path": str(rows), "extra_sets": {"other": str(rows)}}
+    parent = {**PARENT, "data": {"train": {"data_path": str(rows)}, "validation": sets}}
     write(tmp_path, "parent.yaml", parent)
     dropped = load_training_config(
         write(tmp_path, "child.yaml", {"defaults": "parent.yaml", "data": {"validation": {"extra_sets": None}}})
     )
-    assert [s.name for s in validation_sets(dropped)] == ["validation"]
+    assert [s.name for s in validation_sets(run_data(dropped), None)] == ["validation"]
     kept = load_training_config(
         write(tmp_path, "child2.yaml", {"defaults": "parent.yaml", "data": {"validation": {"extra_sets": {}}}})
     )
-    assert [s.name for s in validation_sets(kept)] == ["validation", "other"]
+    assert [s.name for s in validation_sets(run_data(kept), None)] == ["validation", "other"]
 
 
 def test_checkpointing_disabled_in_a_child_config_writes_no_checkpoint(tmp_path, tiny_model_dir):
+    from test_training_loop import SPREAD, FixedGroups, NullEngine, dataset
+
     from gym_bridge.config.training import nemo_gym_rollout_settings
     from gym_bridge.policy import HFPolicy, HFPolicyConfig
     from gym_bridge.training import GRPOTrainer
-    from test_training_loop import SPREAD, FixedGroups, NullEngine, dataset
 
     base = {
         **PARENT,

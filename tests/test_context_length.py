@@ -182,12 +182,13 @@ def test_a_training_config_naming_a_running_gym_needs_no_config_paths():
 
 def test_the_early_checks_leave_the_agents_to_the_running_gym(tmp_path):
     """The rows name an agent no config of the run defines: the running Gym's agents route them once attached."""
+    from gym_bridge.config.run_settings import grpo_run_keys
     from gym_bridge.recipes.pre_start import check_before_start
 
     with pytest.raises(TrainingConfigError, match=r"names agent\(s\) .* that no config in env.nemo_gym.config_paths"):
-        check_before_start(demo(**{"env.nemo_gym.config_paths": ["responses_api_models/vllm_model/configs/"
-                                                                 "vllm_model_for_training.yaml"]}))  # fmt: skip
-    check_before_start(demo(**ATTACHED, **{"env.nemo_gym.gym_head": "http://127.0.0.1:11000"}))
+        check_before_start(grpo_run_keys(demo(**{"env.nemo_gym.config_paths": [
+            "responses_api_models/vllm_model/configs/vllm_model_for_training.yaml"]})))  # fmt: skip
+    check_before_start(grpo_run_keys(demo(**ATTACHED, **{"env.nemo_gym.gym_head": "http://127.0.0.1:11000"})))
 
 
 def test_the_run_serves_where_the_running_gym_calls_under_its_model_name():
@@ -246,13 +247,14 @@ def test_a_running_gym_calling_elsewhere_stops_train_before_ray_starts(tmp_path,
 
 def test_a_busy_policy_port_stops_the_run_before_a_model_loads(tmp_path, monkeypatch):
     """Something listens where the running Gym calls: one line naming the URL, before the engine is built."""
+    from gym_bridge.generation import hf
     from gym_bridge.recipes import grpo_run
     from gym_bridge.serving.listen import ServerBindError, listening_socket
 
     def no_engine(*_: object, **__: object) -> None:
         raise AssertionError("the engine was built")
 
-    monkeypatch.setattr(grpo_run, "HFGeneration", no_engine)
+    monkeypatch.setattr(hf, "HFGeneration", no_engine)  # the one builder (recipes/engine_server.py) builds it there
     taken = listening_socket("127.0.0.1", 0)
     url = f"http://127.0.0.1:{taken.getsockname()[1]}/v1"
     try:

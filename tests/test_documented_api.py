@@ -24,15 +24,14 @@ from gym_bridge.generation.hf import HFGeneration
 from gym_bridge.generation.hf_config import HFGenerationConfig
 from gym_bridge.generation.scripted import ScriptedGeneration
 from gym_bridge.interfaces import ColocatablePolicyInterface, EnvironmentInterface, GenerationInterface, PolicyInterface
-from gym_bridge.types import LogprobOutputSpec, ReferenceLogprobOutputSpec, TopkLogitsOutputSpec
 from gym_bridge.policy import HFPolicy, HFPolicyConfig
 from gym_bridge.rollout.env_step import calculate_rewards
 from gym_bridge.rollout.manager import RolloutManager
 from gym_bridge.rollout.sync import generate_responses, run_multi_turn_rollout
-from gym_bridge.training.trainer_state import STATE_FILE
-from gym_bridge.training.loop_config import GRPOLoopConfig
 from gym_bridge.training.loop import GRPOTrainer
-from gym_bridge.types import EnvironmentReturn
+from gym_bridge.training.loop_config import GRPOLoopConfig
+from gym_bridge.training.trainer_state import STATE_FILE
+from gym_bridge.types import EnvironmentReturn, LogprobOutputSpec, ReferenceLogprobOutputSpec, TopkLogitsOutputSpec
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 

@@ -93,12 +93,20 @@ def test_the_package_docstring_draws_every_exception_class_once():
 
 
 def test_moved_classes_still_import_from_where_they_were_raised():
-    from gym_bridge.failures import EngineShutDownError
-    from gym_bridge.failures import NemoGymRestarted, NemoGymUnavailable
-    from gym_bridge.failures import GymResultError, MissingGenerationData, NaNLogprobs, TokenDrift
+    from gym_bridge.failures import (
+        EngineShutDownError,
+        GymResultError,
+        GymRowIndexError,
+        GymServerDied,
+        GymServersError,
+        GymStartupError,
+        MissingGenerationData,
+        NaNLogprobs,
+        NemoGymRestarted,
+        NemoGymUnavailable,
+        TokenDrift,
+    )
     from gym_bridge.gym.protocol.rows import InvalidGymRow
-    from gym_bridge.failures import GymServerDied, GymServersError, GymStartupError
-    from gym_bridge.failures import GymRowIndexError
 
     for cls in (EngineShutDownError, NemoGymRestarted, NemoGymUnavailable, GymResultError, MissingGenerationData,
                 NaNLogprobs, TokenDrift, InvalidGymRow, GymServerDied, GymServersError, GymStartupError,

@@ -25,21 +25,21 @@ from gym_bridge.data import datum_from_gym_row
 from gym_bridge.failures import (
     EndpointConfigError,
     EndpointUnavailable,
+    GymRowIndexError,
     GymTransportError,
+    MissingGenerationData,
+    NemoGymUnavailable,
     RolloutRedispatchExhausted,
     RolloutTimeout,
     RunConfigurationError,
 )
-from gym_bridge.failures import NemoGymUnavailable
-from gym_bridge.failures import MissingGenerationData
-from gym_bridge.gym.servers.reaper import free_port
 from gym_bridge.gym.protocol.result import GymRowBatch
 from gym_bridge.gym.protocol.rows import InvalidGymRow
-from gym_bridge.gym.servers.server_config import wheel_config_path
+from gym_bridge.gym.servers.config_files import wheel_config_path
+from gym_bridge.gym.servers.reaper import free_port
 from gym_bridge.gym.transport.spinup import start_nemo_gym_actor
 from gym_bridge.gym_versions import installed_gym
 from gym_bridge.rollout.manager import RolloutManager, RolloutOutcome
-from gym_bridge.failures import GymRowIndexError
 from gym_bridge.rollout.sink import InMemorySink
 from gym_bridge.testing import async_wait_until
 from gym_bridge.testing.fault_gate import FaultGate

@@ -13,15 +13,16 @@ import torch
 from gym_bridge.failures import (
     FailureClass,
     InvalidGymRow,
+    NemoGymRestarted,
+    NemoGymUnavailable,
     RolloutDataFailure,
     classify_rollout_failure,
 )
 from gym_bridge.generation.scripted import ScriptedGeneration
+from gym_bridge.gym.protocol.result import GymRowBatch
 from gym_bridge.gym.transport.actor import NemoGym
 from gym_bridge.gym.transport.actor_config import NemoGymConfig
-from gym_bridge.failures import NemoGymRestarted, NemoGymUnavailable
 from gym_bridge.gym.transport.admission import EndpointLoad
-from gym_bridge.gym.protocol.result import GymRowBatch
 from gym_bridge.gym.transport.spinup import start_nemo_gym_actor
 from gym_bridge.testing import wait_until
 from gym_bridge.testing.gym_rows import (

@@ -9,8 +9,7 @@ import pickle
 import pytest
 import torch
 
-from gym_bridge.failures import RolloutDataFailure
-from gym_bridge.failures import GymResultError, MissingGenerationData, NaNLogprobs, TokenDrift
+from gym_bridge.failures import GymResultError, MissingGenerationData, NaNLogprobs, RolloutDataFailure, TokenDrift
 from gym_bridge.gym.protocol.convert import convert_gym_result, detect_tool_call_and_thinking_flags
 
 LP = math.log(0.5)

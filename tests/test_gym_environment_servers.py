@@ -16,9 +16,9 @@ import pytest
 import ray
 import torch
 
-from gym_bridge.gym.transport.client import GymClient
 from gym_bridge.gym.protocol.rows import build_rows
-from gym_bridge.gym.servers.server_config import wheel_config_path
+from gym_bridge.gym.servers.config_files import wheel_config_path
+from gym_bridge.gym.transport.client import GymClient
 from gym_bridge.gym.transport.spinup import start_nemo_gym_actor, stop_nemo_gym_actors
 from gym_bridge.gym_versions import installed_gym
 from gym_bridge.testing.gym_rows import gym_actor_config, gym_token_turns, gyms_own_collection, tool_call_rows

@@ -28,7 +28,6 @@ from gym_bridge.failures import (
     classify_rollout_failure,
 )
 from gym_bridge.failures.classify import FailureClass
-from gym_bridge.gym.transport.client import GymClient
 from gym_bridge.gym.protocol.episode import (
     EpisodeRoutes,
     episode_failure,
@@ -47,7 +46,8 @@ from gym_bridge.gym.protocol.rows import (
     row_label,
     validate_row,
 )
-from gym_bridge.gym.servers.server_config import wheel_config_path
+from gym_bridge.gym.servers.config_files import wheel_config_path
+from gym_bridge.gym.transport.client import GymClient
 from gym_bridge.gym.transport.spinup import start_nemo_gym_actor, stop_nemo_gym_actors
 from gym_bridge.gym_versions import gym_version, installed_gym
 from gym_bridge.testing.gym_rows import (

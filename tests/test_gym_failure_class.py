@@ -185,8 +185,8 @@ def test_a_deterministic_agent_500_is_data_and_never_resent(gym_actor, gym_token
     GymRunError (data) at once: no row is re-sent, although the client may re-send rows 3 times; the manager skips
     the prompt after its data budget, without an infrastructure retry."""
     from gym_bridge.data import datum_from_gym_row
-    from gym_bridge.gym.transport.client import GymClient
     from gym_bridge.gym.protocol.rows import build_rows
+    from gym_bridge.gym.transport.client import GymClient
     from gym_bridge.rollout.manager import RolloutManager, RolloutOutcome
     from gym_bridge.rollout.sink import InMemorySink
     from gym_bridge.testing.gym_rows import equivalence_row

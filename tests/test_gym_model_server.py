@@ -18,7 +18,7 @@ import ray
 from omegaconf import OmegaConf
 
 from gym_bridge import gym_model
-from gym_bridge.gym.servers.server_config import wheel_config_path
+from gym_bridge.gym.servers.config_files import wheel_config_path
 from gym_bridge.gym.transport.spinup import start_nemo_gym_actor, stop_nemo_gym_actors
 from gym_bridge.testing import gym_checks
 from gym_bridge.testing.gym_rows import (

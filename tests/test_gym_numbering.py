@@ -20,9 +20,9 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from gym_bridge.gym.protocol.numbering import rollout_seed
 from gym_bridge.gym.protocol.routing import RowRouting
 from gym_bridge.gym.protocol.row_file import read_row_file
-from gym_bridge.gym.protocol.numbering import rollout_seed
 from gym_bridge.gym.protocol.rows import build_rows, row_seed
 from gym_bridge.gym_versions import ROLLOUT_ID_KEY, installed_gym
 from gym_bridge.types import GenerationSamplingParams

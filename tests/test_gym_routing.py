@@ -8,17 +8,16 @@ import json
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from gym_bridge.config.grpo import load_gym_rows, row_routing
 from gym_bridge.config.keys import TrainingConfigError
 from gym_bridge.config.training import nemo_gym_config_from
 from gym_bridge.eval.config import EvalConfig
-from pydantic import ValidationError
-
 from gym_bridge.failures import InvalidGymRow
+from gym_bridge.gym.protocol.numbering import mark_repeats, rollout_seed, with_attempt
 from gym_bridge.gym.protocol.routing import GymRoutes, RowRouting
 from gym_bridge.gym.protocol.row_file import read_row_file
-from gym_bridge.gym.protocol.numbering import mark_repeats, rollout_seed, with_attempt
 from gym_bridge.gym.protocol.rows import build_rows, row_seed, validate_row
 from gym_bridge.gym_versions import installed_gym
 from gym_bridge.types import GenerationSamplingParams

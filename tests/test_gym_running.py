@@ -25,11 +25,11 @@ import pytest
 
 from gym_bridge.eval.config import EvalConfigError, build_config
 from gym_bridge.failures import GymStartupError, SettingError
-from gym_bridge.gym.transport.actor_config import NemoGymConfig
-from gym_bridge.gym.servers.reaper import PORT_WINDOW, free_port, release, reserve_port_window
 from gym_bridge.gym.servers.config_files import wheel_config_path
+from gym_bridge.gym.servers.reaper import PORT_WINDOW, free_port, release, reserve_port_window
 from gym_bridge.gym.servers.server_config import GymServersConfig, HeadServerAddress, head_address
 from gym_bridge.gym.servers.server_set import GymServers
+from gym_bridge.gym.transport.actor_config import NemoGymConfig
 from gym_bridge.gym_versions import installed_gym
 from gym_bridge.testing import SERVED_MODEL_NAME, wait_until
 from gym_bridge.testing.gym_rows import TOOL_AGENT, tool_call_rows

@@ -8,11 +8,11 @@ import socket
 from typing import Any
 
 from gym_bridge.failures import GymTransportError
+from gym_bridge.gym.protocol.routing import GymRoutes
 from gym_bridge.gym.transport.actor import NemoGym
 from gym_bridge.gym.transport.actor_config import NemoGymConfig
 from gym_bridge.gym.transport.client import GymClient
 from gym_bridge.gym.transport.health import SharedWatch
-from gym_bridge.gym.protocol.routing import GymRoutes
 from gym_bridge.gym.transport.spinup import DEFAULT_MAX_CONCURRENCY, actor_options
 
 

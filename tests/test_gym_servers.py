@@ -16,8 +16,8 @@ import psutil
 import pytest
 
 from gym_bridge.failures import GymPortInUse, GymServerDied, GymStartupError
-from gym_bridge.gym.servers.owned import OwnedGym
 from gym_bridge.gym.servers.config_files import wheel_config_path
+from gym_bridge.gym.servers.owned import OwnedGym
 from gym_bridge.gym.servers.server_config import GymServersConfig
 from gym_bridge.gym_versions import installed_gym
 from gym_bridge.testing import wait_until

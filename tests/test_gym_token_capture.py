@@ -23,14 +23,14 @@ import pytest
 import torch
 
 from gym_bridge.failures import RolloutRetryPolicy, RunConfigurationError, SettingError, TokenCaptureMasked
-from gym_bridge.gym.transport.client import GymClient
 from gym_bridge.gym.protocol.convert import gym_row_result
 from gym_bridge.gym.protocol.result import GymRowBatch
 from gym_bridge.gym.protocol.routing import GymRoutes
 from gym_bridge.gym.protocol.rows import build_rows
-from gym_bridge.gym.servers.server_config import wheel_config_path
-from gym_bridge.gym.transport.spinup import start_nemo_gym_actor, stop_nemo_gym_actors
 from gym_bridge.gym.protocol.token_capture import GYM_CAPTURE_KEYS, CaptureBuild, MaskFractionWatch, capture_block
+from gym_bridge.gym.servers.config_files import wheel_config_path
+from gym_bridge.gym.transport.client import GymClient
+from gym_bridge.gym.transport.spinup import start_nemo_gym_actor, stop_nemo_gym_actors
 from gym_bridge.gym_versions import ROLLOUT_IDENTITY_KEYS, installed_gym
 from gym_bridge.testing.gym_rows import gym_actor_config, tool_call_rows
 from gym_bridge.types import GenerationSamplingParams, token_tensor

@@ -8,12 +8,14 @@ Gym servers are exercised by the integration tests.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 import ray
 import torch
 
 from gym_bridge.failures import (
+    GymRowIndexError,
     GymTransportError,
     RolloutDataFailure,
     RolloutRetryPolicy,
@@ -25,7 +27,6 @@ from gym_bridge.gym.protocol.result import GymRowBatch, GymRowResult
 from gym_bridge.gym.protocol.routing import GymRoutes
 from gym_bridge.rollout.manager import RolloutManager
 from gym_bridge.rollout.nemo_gym import AsyncNemoGymRolloutImpl
-from gym_bridge.failures import GymRowIndexError
 from gym_bridge.types import token_tensor
 
 pytestmark = pytest.mark.usefixtures("ray_session")
@@ -38,7 +39,8 @@ ROW = {
 
 
 def fake_result(rowidx: int, reward: float = 1.0, **flags) -> GymRowResult:
-    """A converted row as the actor ships it (numpy arrays), built by the same schema reader."""
+    """A converted row as the actor ships it (numpy arrays, the agent it was sent to), built by the same schema
+    reader."""
     user = {"role": "user", "content": "", "token_ids": token_tensor([1, 2, 3])}
     asst = {
         "role": "assistant",
@@ -47,7 +49,7 @@ def fake_result(rowidx: int, reward: float = 1.0, **flags) -> GymRowResult:
         "generation_logprobs": torch.tensor([-0.5, -0.25]),
     }
     full_result = {"reward": reward, "solved": reward > 0, "response": {}, "label": "text", **flags}
-    return gym_row_result(rowidx, [user, asst], full_result)
+    return dataclasses.replace(gym_row_result(rowidx, [user, asst], full_result), agent="agent_a")
 
 
 _MASK_PLANS = {

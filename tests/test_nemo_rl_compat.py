@@ -14,10 +14,10 @@ from gym_bridge.data import datum_from_chat
 from gym_bridge.environments.arithmetic import arithmetic_env_actor
 from gym_bridge.failures import RolloutRetryPolicy, RolloutStats, RolloutTimeouts
 from gym_bridge.generation.scripted import ScriptedGeneration
+from gym_bridge.gym.protocol.result import GymRowResult
 from gym_bridge.rollout.env_step import calculate_rewards
 from gym_bridge.rollout.manager import RolloutManager
 from gym_bridge.rollout.native import UNLIMITED_TURNS, AsyncRolloutImpl
-from gym_bridge.gym.protocol.result import GymRowResult
 from gym_bridge.rollout.nemo_gym import AsyncNemoGymRolloutImpl, group_metrics, gym_completion
 from gym_bridge.rollout.sync import run_multi_turn_rollout
 from gym_bridge.rollout.truncation import fit_observation, gym_completion_truncated

@@ -10,11 +10,11 @@ from omegaconf import OmegaConf
 from pydantic import ValidationError
 
 from gym_bridge import NemoGymConfig, setup_nemo_gym_config, should_use_nemo_gym
-from gym_bridge.config.nemo_rl_gym import nemo_rl_gym_config
+from gym_bridge.config.grpo import loop_config_from
 from gym_bridge.config.keys import TrainingConfigError
 from gym_bridge.config.loading import load_training_config
+from gym_bridge.config.nemo_rl_gym import nemo_rl_gym_config
 from gym_bridge.config.training import nemo_gym_rollout_settings, unused_training_keys
-from gym_bridge.config.grpo import loop_config_from
 
 DATA = Path(__file__).parent / "data" / "nemo_rl_keys"
 URLS = ["http://127.0.0.1:9/v1"]

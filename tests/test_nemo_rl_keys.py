@@ -23,12 +23,12 @@ from gym_bridge.config.grpo import (
     loop_config_from,
     loss_config_from,
     policy_config,
-    train_data_path,
     validation_options,
 )
+from gym_bridge.config.keys import TrainingConfigError
 from gym_bridge.config.logger import logger_settings
 from gym_bridge.config.no_effect import NO_EFFECT_KEYS, no_effect_reason
-from gym_bridge.config.keys import TrainingConfigError
+from gym_bridge.config.run_data import run_data
 from gym_bridge.config.training import nemo_gym_rollout_settings
 
 FIXTURE = Path(__file__).parent / "data" / "nemo_rl_gym_recipe_keys.yaml"
@@ -74,7 +74,7 @@ def built(config: dict[str, Any]) -> str:
     """Everything the GRPO recipe reads from a config before it starts anything, as one comparable string."""
     settings = nemo_gym_rollout_settings(config, base_urls=["http://127.0.0.1:1/v1"])
     loop = loop_config_from(config, settings)
-    data = (train_data_path(config), config.get("data", {}).get("validation"), validation_options(config))
+    data = (run_data(config), config.get("data", {}).get("validation"), validation_options(config))
     policy = policy_config(config, "weights", loop)
     logging = logger_settings(config)
     return repr((settings, loop, loss_config_from(config), policy, engine_batch_size(config), data, logging))

@@ -23,10 +23,10 @@ from gym_bridge.batched import BatchedDataDict
 from gym_bridge.data import datum_from_gym_row
 from gym_bridge.failures import RolloutRetryPolicy, RolloutTimeout, RolloutTimeouts
 from gym_bridge.generation.scripted import ScriptedGeneration
+from gym_bridge.gym.protocol.rows import build_rows, validate_row
+from gym_bridge.gym.servers.config_files import wheel_config_path
 from gym_bridge.gym.transport.admission import AdmissionControl, AdmissionSettings
 from gym_bridge.gym.transport.client import GymClient
-from gym_bridge.gym.protocol.rows import build_rows, validate_row
-from gym_bridge.gym.servers.server_config import wheel_config_path
 from gym_bridge.gym.transport.spinup import start_nemo_gym_actor, stop_nemo_gym_actors
 from gym_bridge.gym_versions import installed_gym
 from gym_bridge.rollout.manager import RolloutManager, RolloutOutcome

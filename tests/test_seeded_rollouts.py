@@ -15,13 +15,13 @@ from typing import Any
 import pytest
 import ray
 
-from gym_bridge.gym.servers.reaper import free_port
 from gym_bridge.data import datum_from_gym_row
 from gym_bridge.gym.protocol.numbering import mark_repeats, rollout_seed
 from gym_bridge.gym.protocol.rows import row_seed
-from gym_bridge.gym.servers.server_config import wheel_config_path
-from gym_bridge.gym_versions import installed_gym
+from gym_bridge.gym.servers.config_files import wheel_config_path
+from gym_bridge.gym.servers.reaper import free_port
 from gym_bridge.gym.transport.spinup import start_nemo_gym_actor
+from gym_bridge.gym_versions import installed_gym
 from gym_bridge.rollout.manager import RolloutManager
 from gym_bridge.testing.fault_gate import FaultGate
 from gym_bridge.testing.gym_rows import EQUIVALENCE_GYM_CONFIGS, N, gym_actor_config, make_manager, prompt

@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 from gym_bridge.models import tiny
 from gym_bridge.models.cache import default_cache_dir
+from gym_bridge.models.registry import resolve_model_path
 from gym_bridge.models.tiny import (
     MARKER_FILE,
     RECIPE_TAG,
@@ -22,7 +23,6 @@ from gym_bridge.models.tiny import (
     load_tiny,
     tiny_model_path,
 )
-from gym_bridge.models.registry import resolve_model_path
 
 # Builds in a fresh interpreter with the hub offline and every socket connect refused,
 # so a build that tried to reach the network would fail here.

@@ -21,9 +21,10 @@ import pytest
 import yaml
 
 from gym_bridge.config.data_files import recipe_gym_configs as gym_configs
+from gym_bridge.config.grpo import row_routing
 from gym_bridge.config.keys import TrainingConfigError
 from gym_bridge.config.overrides import load_with_overrides, override_keys
-from gym_bridge.config.run_settings import grpo_run_settings
+from gym_bridge.config.run_settings import grpo_run_keys, grpo_run_settings
 from gym_bridge.config.smoke import (
     REMOVED,
     SMOKE_MAX_NEW_TOKENS,
@@ -31,11 +32,13 @@ from gym_bridge.config.smoke import (
     gpu_only_keys,
     smoke_config,
 )
+from gym_bridge.config.training import context_length
 from gym_bridge.gym.servers.config_files import gym_root
 from gym_bridge.recipes.pre_start import RowFile, check_agents, check_batch, check_before_start, check_context
 from gym_bridge.recipes.prompt_length import model_facts
 from gym_bridge.recipes.smoke_facts import smoke_facts
 from gym_bridge.testing.cli import run_cli
+from gym_bridge.training.loop_config import GRPOLoopConfig
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "tests" / "data" / "nemo_rl_gym_gpu_recipe.yaml"
@@ -168,7 +171,7 @@ def test_smoke_facts_read_gyms_example_rows_route_them_and_leave_unused_environm
     assert c["env.nemo_gym.agent_name"][1] == "math_with_judge_simple_agent"
     assert c["env.nemo_gym.code_gen"][1] is REMOVED
     assert plan.config["env"]["nemo_gym"]["config_paths"] == [MODEL_CONFIG, MATH_CONFIG]
-    check_before_start(plan.config)  # the rewritten recipe passes every early check
+    check_before_start(grpo_run_keys(plan.config))  # the rewritten recipe passes every early check
 
 
 def test_a_training_file_named_on_the_command_line_is_not_replaced():
@@ -188,10 +191,11 @@ def rows(path: Path, key: str = "data.train.data_path") -> RowFile:
 
 
 def test_a_batch_larger_than_the_dataset_names_the_key_and_both_numbers():
-    [problem] = check_batch(recipe(), rows(WORKPLACE_ROWS))
+    [problem] = check_batch(GRPOLoopConfig(num_prompts_per_step=64, max_num_epochs=1), rows(WORKPLACE_ROWS))
     assert problem.startswith("grpo.num_prompts_per_step=64 needs at least 64 prompts; data.train.data_path (")
     assert f"{WORKPLACE_ROWS}) has 5" in problem
-    assert check_batch(recipe("grpo.num_prompts_per_step=5"), rows(WORKPLACE_ROWS)) == []
+    assert check_batch(GRPOLoopConfig(num_prompts_per_step=5, max_num_epochs=1), rows(WORKPLACE_ROWS)) == []
+    assert check_batch(GRPOLoopConfig(num_prompts_per_step=64), rows(WORKPLACE_ROWS)) == [], "no epoch bound"
 
 
 def test_a_long_prompt_plus_max_new_tokens_over_the_context_is_a_warning_naming_both_numbers_and_both_keys():
@@ -199,17 +203,16 @@ def test_a_long_prompt_plus_max_new_tokens_over_the_context_is_a_warning_naming_
     max_tokens to the room its prompt leaves, so the run goes on, and the warning says how much room that is."""
     model = model_facts("smollm2")
     assert model is not None and model.context == 8192
-    config = recipe("policy.max_total_sequence_length=8192")  # max_new_tokens follows it: 8192
-    problems, [warning] = check_context(config, [rows(WORKPLACE_ROWS)], model)
+    context = context_length(recipe("policy.max_total_sequence_length=8192"))  # max_new_tokens follows it: 8192
+    problems, [warning] = check_context(context, 8192, [rows(WORKPLACE_ROWS)], model)
     assert problems == []
     longest = int(warning.split("renders to ")[1].split(" ")[0])
     assert longest > 4000, "26 tools in the prompt"
     assert f"policy.generation.max_new_tokens=8192 leaves it {8192 - longest} tokens to generate" in warning
     assert "within policy.max_total_sequence_length=8192" in warning
     assert f"set policy.generation.max_new_tokens={8192 - longest} or policy.max_total_sequence_length=" in warning
-    assert check_context(recipe("policy.max_total_sequence_length=8192", "policy.generation.max_new_tokens=64"),
-                         [rows(WORKPLACE_ROWS)], model) == ([], [])  # fmt: skip
-    _, warnings = check_context(recipe("policy.generation.max_new_tokens=64"), [rows(WORKPLACE_ROWS)], model)
+    assert check_context(8192, 64, [rows(WORKPLACE_ROWS)], model) == ([], [])
+    _, warnings = check_context(context_length(recipe()), 64, [rows(WORKPLACE_ROWS)], model)
     assert warnings and "policy.max_total_sequence_length=49152 is over smollm2's own context (8192" in warnings[0]
 
 
@@ -230,18 +233,20 @@ def test_agents_are_checked_against_the_gym_configs(tmp_path):
     config = recipe()
     gym = gym_configs(config)
     assert "workplace_assistant_simple_agent" in gym.agents() and gym.complete
-    [unrouted] = check_agents(config, [rows(WORKPLACE_ROWS)], gym)
+    [unrouted] = check_agents(row_routing(config), [rows(WORKPLACE_ROWS)], gym)
     assert "5 of 5 rows name no agent" in unrouted
     assert "set +env.nemo_gym.agent_name=workplace_assistant_simple_agent" in unrouted
     named = tmp_path / "named.jsonl"
     row = json.loads(MATH_ROWS.read_text().splitlines()[0])
     named.write_text(json.dumps({**row, "agent_ref": {"name": "nobody_agent"}}) + "\n")
-    [unknown] = check_agents(config, [rows(named)], gym)
+    [unknown] = check_agents(row_routing(config), [rows(named)], gym)
     assert "names agent(s) nobody_agent that no config in env.nemo_gym.config_paths defines" in unknown
     wrong = recipe("+env.nemo_gym.agent_name=typo_agent")
-    assert any("env.nemo_gym.agent_name=typo_agent" in p for p in check_agents(wrong, [], gym_configs(wrong)))
+    assert any(
+        "env.nemo_gym.agent_name=typo_agent" in p for p in check_agents(row_routing(wrong), [], gym_configs(wrong))
+    )
     missing = recipe("env.nemo_gym.config_paths=[resources_servers/not_shipped/configs/x.yaml]")
-    [problem] = check_agents(missing, [], gym_configs(missing))
+    [problem] = check_agents(row_routing(missing), [], gym_configs(missing))
     assert "resources_servers/not_shipped/configs/x.yaml is neither a file" in problem and "nemo-gym 0." in problem
 
 
@@ -253,7 +258,10 @@ def test_train_refuses_a_batch_larger_than_the_dataset_before_ray_starts(tmp_pat
         raise AssertionError("Ray started before the early checks refused the run")
 
     monkeypatch.setattr(gym_bridge.ray_utils, "init_ray", no_ray)
-    config = recipe(f"data.train.data_path={WORKPLACE_ROWS}")
+    given = facts(validation_paths={"data.validation.data_path": None}, route_to="math_with_judge_simple_agent")
+    config = smoke_config(recipe(), given).config  # a config the trainer reads, with 64 prompts a step for 5 rows
+    config["grpo"]["num_prompts_per_step"] = 64
+    config["policy"]["train_global_batch_size"] = 64 * config["grpo"]["num_generations_per_prompt"]
     with pytest.raises(TrainingConfigError, match=r"grpo\.num_prompts_per_step=64 needs at least 64 prompts"):
         train_module.train(config, tmp_path / "run", progress=False)
     assert not (tmp_path / "run").exists(), "nothing written"
@@ -262,8 +270,8 @@ def test_train_refuses_a_batch_larger_than_the_dataset_before_ray_starts(tmp_pat
 def test_the_command_refuses_it_in_seconds_with_no_ray_session(tmp_path):
     env = {**os.environ, "RAY_TMPDIR": str(tmp_path / "ray")}
     started = time.monotonic()
-    done = run_cli("train", str(RECIPE), f"data.train.data_path={WORKPLACE_ROWS}", "--out", str(tmp_path / "run"),
-                   env=env, timeout=180)  # fmt: skip
+    done = run_cli("train", str(RECIPE), "--smoke", "--model", "tiny", f"data.train.data_path={WORKPLACE_ROWS}",
+                   "grpo.num_prompts_per_step=64", "--out", str(tmp_path / "run"), env=env, timeout=180)  # fmt: skip
     elapsed = time.monotonic() - started
     assert done.returncode == 2, done.stderr
     assert "gym-bridge train: grpo.num_prompts_per_step=64 needs at least 64 prompts; data.train.data_path" in (

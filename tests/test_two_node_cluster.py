@@ -21,13 +21,20 @@ import psutil
 import pytest
 import ray
 
-from gym_bridge.testing.cluster import LocalRayCluster, NodeSpec
+from gym_bridge.gym.servers.config_files import wheel_config_path
 from gym_bridge.gym.transport.spinup import start_nemo_gym_actor
-from gym_bridge.gym.servers.server_config import wheel_config_path
 from gym_bridge.rollout.manager import RolloutOutcome
 from gym_bridge.rollout.sink import InMemorySink
 from gym_bridge.testing import async_wait_until
-from gym_bridge.testing.gym_rows import EQUIVALENCE_AGENT, EQUIVALENCE_GYM_CONFIGS, N, gym_actor_config, make_manager, prompt
+from gym_bridge.testing.cluster import LocalRayCluster, NodeSpec
+from gym_bridge.testing.gym_rows import (
+    EQUIVALENCE_AGENT,
+    EQUIVALENCE_GYM_CONFIGS,
+    N,
+    gym_actor_config,
+    make_manager,
+    prompt,
+)
 
 logger = logging.getLogger(__name__)
 pytestmark = [pytest.mark.timeout(900), pytest.mark.gym, pytest.mark.slow]

@@ -51,7 +51,7 @@ def load_dataset(path: str | Path, *, limit: int | None = None, routing: RowRout
     Lines are split on ``\n`` only (a JSON string may hold U+2028 and other line separators). ``routing``
     (Gym's ``agent_name`` / ``agent_map`` / ``fan_out``) applies to each line's row first: a ``fan_out`` row
     becomes one task per agent, each its own ``prompt_idx``. Identical rows are one task rolled out more than
-    once (:func:`~gym_bridge.gym.protocol.rows.mark_repeats`): own rollout indices, seeds and ``row_id``.
+    once (:func:`~gym_bridge.gym.protocol.numbering.mark_repeats`): own rollout indices, seeds and ``row_id``.
 
     Raises:
         DatasetError: the file is missing or empty, or lines are not JSON or fail

@@ -7,9 +7,9 @@ deadline, ``timeouts.rollout_s``, over all of it), and turns the typed rows into
 completions, in generation order, and the group's metrics. Multi-turn episodes happen
 inside Gym, so ``max_rollout_turns`` must be 1. Each row carries Gym's rollout identity (the task's
 ``_ng_task_index``, else the prompt index; rollout ``repeat * N + i``), which the actor stamps on its result. With
-a run ``seed`` every row carries its own sampling seed (:func:`~gym_bridge.gym.protocol.rows.rollout_seed`, of the run
-seed, the rollout index and the task's identity), stamped once per group, so a re-dispatched row is sent with the seed
-it had.
+a run ``seed`` every row carries its own sampling seed (:func:`~gym_bridge.gym.protocol.numbering.rollout_seed`, of the
+run seed, the rollout index and the task's identity), stamped once per group, so a re-dispatched row is sent with the
+seed it had.
 """
 
 from __future__ import annotations

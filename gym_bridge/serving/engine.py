@@ -19,7 +19,7 @@ it cannot take per row (the off-policy guard above refuses those that differ).
 longer generation is cut after the fact (finish ``length``). Without per-request
 sampling the engine's ``max_new_tokens`` also caps it. A ``max_tokens`` beyond the
 room the prompt leaves in the context is vLLM's 400, unless the server clamps it
-(:class:`~gym_bridge.serving.app.ServerFeatures` ``clamp_max_tokens``, NeMo-RL's chat server).
+(:class:`~gym_bridge.serving.state.ServerFeatures` ``clamp_max_tokens``, NeMo-RL's chat server).
 """
 
 from __future__ import annotations

@@ -982,7 +982,7 @@ def start(stack: contextlib.ExitStack, root: Path, mc: MasterConfig) -> Env:
 
 
 def gym_bridge_wheel_config(path: str) -> Path:
-    from gym_bridge.gym.servers.server_config import wheel_config_path
+    from gym_bridge.gym.servers.config_files import wheel_config_path
 
     return wheel_config_path(path)
 

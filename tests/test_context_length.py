@@ -283,3 +283,20 @@ def test_a_head_that_does_not_answer_is_one_line_naming_it():
         read_policy_endpoint(head, timeout_s=5)
     with gym_head({"policy_model_name": "m"}) as head, pytest.raises(GymStartupError, match="names no policy endpoint"):
         read_policy_endpoint(head)
+
+
+def test_the_engine_context_keys_have_one_reader_for_the_config_and_the_rollout():
+    """NeMo-RL's engine ``max_model_len`` keys, in its order: the config's context length and the rollout's engine
+    limit read them through one function."""
+    from types import SimpleNamespace
+
+    from gym_bridge.rollout.nemo_gym_batch_input import engine_context_lengths, engine_max_model_len
+
+    generation = {"vllm_cfg": {"max_model_len": None}, "trtllm_cfg": {"max_model_len": 64}, "mcore_generation_config": 3}
+    assert engine_context_lengths(generation) == {"trtllm_cfg.max_model_len": 64}
+    assert engine_max_model_len(SimpleNamespace(cfg=generation), 32) == 64
+    assert engine_max_model_len(SimpleNamespace(cfg={"max_total_sequence_length": 16}), 32) == 16
+    assert engine_max_model_len(object(), 32) == 32
+    config = demo(**{"policy.generation.trtllm_cfg": {"max_model_len": 128}})
+    with pytest.raises(TrainingConfigError, match=r"policy.generation.trtllm_cfg.max_model_len \(128\) disagree"):
+        context_length(config)

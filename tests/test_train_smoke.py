@@ -313,3 +313,14 @@ def test_the_recipe_runs_one_step_with_smoke_and_no_other_override(tmp_path):
     written = yaml.safe_load((run / "config.yaml").read_text())
     assert written["env"]["nemo_gym"]["config_paths"] == [MODEL_CONFIG, MATH_CONFIG]
     assert not (tmp_path / "logs").exists(), "the logs stay in the run folder"
+
+
+def test_the_early_checks_take_max_new_tokens_as_the_typed_settings_carry_it():
+    """Set: the engine's value; not set: None (the engine's default is no budget the config asked for)."""
+    from gym_bridge.recipes.pre_start import max_new_tokens
+
+    config = smoke_config(recipe(), facts(validation_paths={"data.validation.data_path": None},
+                                          route_to="math_with_judge_simple_agent")).config  # fmt: skip
+    assert max_new_tokens(grpo_run_keys(config)) == SMOKE_MAX_NEW_TOKENS
+    del config["policy"]["generation"]["max_new_tokens"]
+    assert max_new_tokens(grpo_run_keys(config)) is None

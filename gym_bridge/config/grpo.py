@@ -22,7 +22,8 @@ Keys read (NeMo-RL's names where NeMo-RL has them):
 - ``loss_fn`` (:class:`~gym_bridge.training.loss.ClippedPGLossConfig`'s keys; a NeMo-RL loss variant this
   loss does not implement is refused); ``checkpointing.enabled``, ``checkpointing.save_period``;
 - ``env.nemo_gym`` (see :mod:`gym_bridge.config.training`); ``data.train.data_path`` (or ``data.path``),
-  ``data.validation.data_path`` and ``data.validation.extra_sets`` (ours: name -> path), ``data.shuffle``.
+  ``data.validation.data_path`` and ``data.validation.extra_sets`` (ours: name -> path; read by
+  :mod:`gym_bridge.config.run_data`), ``data.shuffle``.
 
 ``policy.generation.temperature`` reaches the policy too: the trainer scores tokens with the
 logits divided by the temperature they were sampled with.
@@ -56,7 +57,6 @@ from gym_bridge.policy.hf import HFPolicyConfig
 from gym_bridge.policy.lr_scheduler import build_lr_scheduler
 from gym_bridge.training.loop_config import GRPOLoopConfig
 from gym_bridge.training.loss import ClippedPGLossConfig
-from gym_bridge.training.validation import ValidationSet
 from gym_bridge.types import GenerationSamplingParams
 
 _LOSS_VARIANTS_NOT_IMPLEMENTED = {
@@ -273,13 +273,13 @@ def result_logging(settings: NemoGymRolloutSettings, out_dir: Path) -> dict[str,
     return {}
 
 
-def train_data_path(config: JsonMapping) -> str:
-    """``data.train.data_path`` (NeMo-RL's key) or ``data.path``."""
-    data = config_section(config, "data")
-    path = config_section(config, "data.train").get("data_path") or data.get("path")
-    if not path:
-        raise TrainingConfigError("data.train.data_path (or data.path) must name a JSONL file of Gym rows")
-    return str(path)
+def checkpointing_enabled(config: JsonMapping) -> bool:
+    """NeMo-RL's ``checkpointing.enabled`` (absent: true): false writes no checkpoint at all, at the end either
+    (the loop's periodic checkpoints are off too: :func:`loop_config_from`)."""
+    value = config_value(config, "checkpointing.enabled", True)
+    if not isinstance(value, bool):
+        raise TrainingConfigError(f"checkpointing.enabled must be true or false, got {value!r}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -323,19 +323,6 @@ def validation_options(config: JsonMapping) -> ValidationOptions:
         sampling=GenerationSamplingParams.from_generation_config(generation, validation=True),
         max_new_tokens=generation.get("max_new_tokens"),
     )
-
-
-def validation_sets(config: JsonMapping) -> list[ValidationSet]:
-    """``data.validation.data_path`` (reported as ``val/*``), then ``data.validation.extra_sets`` in order;
-    each cut to ``grpo.max_val_samples`` rows when that is set."""
-    validation = config_section(config, "data.validation")
-    limit = validation_options(config).max_samples
-    named: list[tuple[str, str | Path]] = []
-    if validation.get("data_path"):
-        named.append(("validation", validation["data_path"]))
-    named.extend((str(name), path) for name, path in (validation.get("extra_sets") or {}).items())
-    routing = row_routing(config)
-    return [ValidationSet(name, load_gym_rows(path, routing)[: limit or None]) for name, path in named]
 
 
 def row_routing(config: JsonMapping) -> RowRouting:

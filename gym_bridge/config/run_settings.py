@@ -1,29 +1,30 @@
 """One typed value for a whole GRPO run read from a NeMo-RL-style config, read and checked before anything starts.
 
-After :func:`grpo_run_settings` nothing reads a raw config key: the recipe starts the engine, the server, Gym
-and the trainer from :class:`GRPORunSettings` alone, so every key has one reader and every default one place.
+:func:`grpo_run_keys` reads every key once into :class:`GRPORunKeys` (the checks before start run on it), and
+:func:`with_rows` reads the data files' rows into :class:`GRPORunSettings`; :func:`grpo_run_settings` is both.
+After them nothing reads a raw config key: the recipe starts the engine, the server, Gym and the trainer from
+:class:`GRPORunSettings` alone, so every key has one reader and every default one place.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
+from typing import Self
 
 from pydantic import ValidationError
 
 from gym_bridge.config.grpo import (
     ValidationOptions,
     check_sampling,
+    checkpointing_enabled,
     engine_batch_size,
     engine_prefix_caching,
-    load_gym_rows,
     loop_config_from,
     policy_config,
-    row_routing,
-    train_data_path,
     validation_options,
-    validation_sets,
 )
 from gym_bridge.config.keys import TrainingConfigError, config_section, config_value
+from gym_bridge.config.run_data import RunData, run_data, train_rows, validation_sets
 from gym_bridge.config.training import NemoGymRolloutSettings, nemo_gym_rollout_settings, run_seed
 from gym_bridge.generation.hf_config import HFGenerationConfig
 from gym_bridge.gym.protocol.rows import ValidGymRow
@@ -50,8 +51,9 @@ ENDPOINT_PENDING = "http://127.0.0.1:0/v1"
 
 
 @dataclass(frozen=True)
-class GRPORunSettings:
-    """Everything a GRPO run through Gym takes from its config: one reader per key, every check already done."""
+class GRPORunKeys:
+    """Every key a GRPO run through Gym takes from its config, read and checked once; the data files named, their
+    rows not yet read (:func:`with_rows`)."""
 
     seed: int
     """``grpo.seed``: torch, the engine, the loop and every row's sampling seed (one value, one default)."""
@@ -66,10 +68,11 @@ class GRPORunSettings:
     :meth:`serving_at` names the run's server."""
     loop: GRPOLoopConfig
     policy: HFPolicyConfig
-    train_rows: list[ValidGymRow]
-    """``data.train.data_path``, read and validated (routed against the launched Gym once it runs)."""
+    data: RunData
+    """``data.train.data_path``, the validation files and the routing their rows are read with."""
     validation: ValidationOptions
-    validation_sets: list[ValidationSet]
+    save_checkpoints: bool
+    """``checkpointing.enabled`` (absent: true): false writes no checkpoint, at the end either."""
 
     def __post_init__(self) -> None:
         if self.engine.max_model_len != self.max_model_len:
@@ -90,7 +93,7 @@ class GRPORunSettings:
         endpoint it was started with (the run serves its policy there), or None: the run starts its own Gym."""
         return self.rollout.launch.gym.gym_head
 
-    def serving_at(self, base_urls: list[str], model_name: str | None = None) -> GRPORunSettings:
+    def serving_at(self, base_urls: list[str], model_name: str | None = None) -> Self:
         """These settings with the rollout endpoint set to the run's own server; ``model_name``: the name it serves
         the policy under when that is not ``policy.model_name`` (a running Gym's ``policy_model_name``)."""
         if model_name is None:
@@ -99,7 +102,7 @@ class GRPORunSettings:
             self, served_model_name=model_name, rollout=self.rollout.with_base_urls(base_urls, model_name=model_name)
         )
 
-    def resumed_from(self, weights: str, step: int) -> GRPORunSettings:
+    def resumed_from(self, weights: str, step: int) -> Self:
         """These settings with both model copies loading ``weights`` and the engine seeded for ``step``."""
         return replace(
             self,
@@ -108,7 +111,31 @@ class GRPORunSettings:
         )
 
 
+@dataclass(frozen=True)
+class GRPORunSettings(GRPORunKeys):
+    """Everything a GRPO run through Gym takes from its config: one reader per key, every check already done, and
+    the data files' rows read."""
+
+    train_rows: list[ValidGymRow]
+    """``data.train.data_path``, read and validated (routed against the launched Gym once it runs)."""
+    validation_sets: list[ValidationSet]
+
+
 def grpo_run_settings(config: JsonMapping) -> GRPORunSettings:
+    """Read and check every key a GRPO run uses, then its rows (:func:`grpo_run_keys`, :func:`with_rows`)."""
+    return with_rows(grpo_run_keys(config))
+
+
+def with_rows(keys: GRPORunKeys) -> GRPORunSettings:
+    """``keys`` with the training rows and the validation sets read (a bad line is a :class:`TrainingConfigError`
+    naming it)."""
+    rows = train_rows(keys.data)
+    held_out = validation_sets(keys.data, keys.validation.max_samples)
+    read = {field.name: getattr(keys, field.name) for field in fields(GRPORunKeys)}
+    return GRPORunSettings(**read, train_rows=rows, validation_sets=held_out)
+
+
+def grpo_run_keys(config: JsonMapping) -> GRPORunKeys:
     """Read and check every key a GRPO run uses; :class:`TrainingConfigError` names the first bad or missing key."""
     attached = bool(config_value(config, GYM_HEAD_KEY, None))
     for key in REQUIRED_KEYS:
@@ -146,14 +173,14 @@ def grpo_run_settings(config: JsonMapping) -> GRPORunSettings:
             f"policy.generation.{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors()
         )
         raise TrainingConfigError(problems) from None
-    return GRPORunSettings(
+    return GRPORunKeys(
         seed=seed,
         served_model_name=model_name,
         engine=engine,
         rollout=rollout,
         loop=loop,
         policy=policy_config(config, model_name, loop),
-        train_rows=load_gym_rows(train_data_path(config), row_routing(config)),
+        data=run_data(config),
         validation=validation_options(config),
-        validation_sets=validation_sets(config),
+        save_checkpoints=checkpointing_enabled(config),
     )

@@ -54,12 +54,18 @@ from gym_bridge.gym.servers.server_config import head_address
 from gym_bridge.gym.transport.actor_config import NemoGymConfig
 from gym_bridge.gym.transport.admission import AdmissionSettings
 from gym_bridge.json_types import JsonMapping, JsonObject
+from gym_bridge.rollout.nemo_gym_batch_input import CONTEXT_LENGTH_FIELD, ENGINE_CONFIG_SECTIONS, engine_context_lengths
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_SEED = 0
 """The run seed of a config without ``grpo.seed`` (the trainer's ``GRPOLoopConfig.seed`` default is the same value;
 a test holds them equal). Defined here, not read from the trainer, so reading a config never imports torch or Ray."""
+CONTEXT_LENGTH_KEY = f"policy.{CONTEXT_LENGTH_FIELD}"
+"""The run's context length, NeMo-RL's name for it (its recipes give every engine key below this value)."""
+ENGINE_CONTEXT_KEYS = tuple(f"policy.generation.{section}.max_model_len" for section in ENGINE_CONFIG_SECTIONS)
+"""NeMo-RL's engine contexts (``vllm_cfg`` -> ``trtllm_cfg`` -> ``mcore``, then :data:`CONTEXT_LENGTH_KEY`); each
+recipe sets them to ``${policy.max_total_sequence_length}``."""
 _BRIDGE_KEYS = ("rollout_timeout_s", "max_row_attempts", "num_actors", "split_base_urls", "admission")
 _NEMO_RL_ONLY_GYM_KEYS = ("is_trajectory_collection", "effort_levels")
 """Keys of ``env.nemo_gym`` that NeMo-RL pops before Gym sees the section: read into the settings, not Gym's."""
@@ -75,7 +81,8 @@ _READ_KEYS = (
     "grpo.async_grpo",
     "reward_penalties",
     "policy.model_name",
-    "policy.max_total_sequence_length",
+    CONTEXT_LENGTH_KEY,
+    *ENGINE_CONTEXT_KEYS,
     "policy.generation.model_name",
     "policy.generation.max_new_tokens",
     "policy.generation.temperature",
@@ -87,24 +94,12 @@ _READ_KEYS = (
     "policy.generation.stop_strings",
     "policy.generation.stop_token_ids",
     "policy.generation.backend",
-    "policy.generation.vllm_cfg.max_model_len",
-    "policy.generation.trtllm_cfg.max_model_len",
-    "policy.generation.mcore_generation_config.max_model_len",
     "grpo.num_generations_per_prompt",
     "grpo.seed",
     "distillation.num_generations_per_prompt",
 )
 """The keys of a training config that the rollout layer reads (a prefix covers its subtree)."""
 _STOP_KEYS = ("stop_strings", "stop_token_ids")
-CONTEXT_LENGTH_KEY = "policy.max_total_sequence_length"
-"""The run's context length, NeMo-RL's name for it (its recipes give every engine key below this value)."""
-ENGINE_CONTEXT_KEYS = (
-    "policy.generation.vllm_cfg.max_model_len",
-    "policy.generation.trtllm_cfg.max_model_len",
-    "policy.generation.mcore_generation_config.max_model_len",
-)
-"""NeMo-RL's engine contexts, in the order NeMo-RL reads them (``vllm_cfg`` -> ``trtllm_cfg`` -> ``mcore``, then
-:data:`CONTEXT_LENGTH_KEY`); each recipe sets them to ``${policy.max_total_sequence_length}``."""
 
 
 def _leaf_paths(node: object, prefix: str = "") -> list[str]:
@@ -336,16 +331,19 @@ def run_seed(config: JsonMapping) -> int:
 def context_length(config: JsonMapping) -> int:
     """The run's one context length: the engine's and the server's ``max_model_len`` and the manager's truncation
     length (``max_seq_len``: a completion of exactly this many tokens is ``truncated``). The one reader of
-    :data:`CONTEXT_LENGTH_KEY` and :data:`ENGINE_CONTEXT_KEYS`.
+    :data:`CONTEXT_LENGTH_KEY` and :data:`ENGINE_CONTEXT_KEYS` (those through
+    :func:`~gym_bridge.rollout.nemo_gym_batch_input.engine_context_lengths`, which the rollout's engine limit reads).
 
     NeMo-RL starts its engine at the first engine key set and falls back to ``policy.max_total_sequence_length``;
     its recipes write both as one value. Here every key that is set must hold that value: two that disagree would
     start an engine whose context is not the length its completions are flagged truncated at, so they are refused
     in one line naming both keys and both values (:class:`TrainingConfigError`). One key set alone is the value.
     """
+    engines = engine_context_lengths(config_value(config, "policy.generation", None))
+    candidates = {CONTEXT_LENGTH_KEY: config_value(config, CONTEXT_LENGTH_KEY, None)}
+    candidates.update({f"policy.generation.{key}": value for key, value in engines.items()})
     given: dict[str, int] = {}
-    for key in (CONTEXT_LENGTH_KEY, *ENGINE_CONTEXT_KEYS):
-        value = config_value(config, key, None)
+    for key, value in candidates.items():
         if value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 import torch
 
 from gym_bridge.config.grpo import result_logging
-from gym_bridge.config.keys import TrainingConfigError, config_value
+from gym_bridge.config.keys import TrainingConfigError
 from gym_bridge.config.run_settings import GRPORunSettings, grpo_run_settings
 from gym_bridge.data import datum_from_gym_row
 from gym_bridge.failures import SettingError
@@ -36,6 +36,7 @@ from gym_bridge.gym.transport.client import GymClient
 from gym_bridge.json_types import JsonMapping
 from gym_bridge.models.loading import check_safetensors_weights
 from gym_bridge.policy.hf import HFPolicy, check_optimizer_file
+from gym_bridge.recipes.engine_server import ServeOptions, build_engine_server
 from gym_bridge.recipes.gym_pre_start import route_on_gym
 from gym_bridge.recipes.launch import NemoGymRollouts, start_nemo_gym_rollouts
 from gym_bridge.rollout.reward_shaper import RewardShaper
@@ -242,46 +243,27 @@ def check_checkpoint(out_dir: str | Path) -> TrainerState | None:
     return state
 
 
-def checkpointing_enabled(config: JsonMapping) -> bool:
-    """NeMo-RL's ``checkpointing.enabled`` (absent: true): false writes no checkpoint at all, at the end either.
-
-    ``GRPORunSettings`` does not carry it yet (``config/grpo.py`` turns false into "no periodic checkpoint" only), so
-    the recipe reads it here and passes it to :func:`start_grpo_run`."""
-    value = config_value(config, "checkpointing.enabled", True)
-    if not isinstance(value, bool):
-        raise TrainingConfigError(f"checkpointing.enabled must be true or false, got {value!r}")
-    return value
-
-
 def build_grpo_run(config: JsonMapping, out_dir: str | Path, *, resume: bool = True) -> GRPORun:
     """Read every setting (:func:`~gym_bridge.config.run_settings.grpo_run_settings`: a bad key stops here, before
     any model loads), then :func:`start_grpo_run`. Ray must be initialised (:func:`gym_bridge.ray_utils.init_ray`)."""
-    return start_grpo_run(
-        grpo_run_settings(config), out_dir, resume=resume, save_checkpoints=checkpointing_enabled(config)
-    )
+    settings = grpo_run_settings(config)
+    return start_grpo_run(settings, out_dir, resume=resume, save_checkpoints=settings.save_checkpoints)
 
 
 def _engine_and_server(settings: GRPORunSettings, address: PolicyAddress | None) -> tuple[HFGeneration, OpenAIServer]:
-    """The run's engine and the server in front of it (not yet started). With ``address`` (a running Gym's policy
-    endpoint) its port is claimed first, so a busy port fails before a model loads, and the server serves there under
-    that Gym's model name."""
-    sock = claim_policy_address(address) if address is not None else None
-    try:
-        engine = HFGeneration(settings.engine)
-        server = OpenAIServer(  # a max_tokens past the prompt's room is cut to it, as NeMo-RL's training server does
-            engine,
-            engine.tokenizer,
-            served_model_name=address.model_name if address is not None else settings.served_model_name,
-            host=address.host if address is not None else "127.0.0.1",
-            max_model_len=settings.max_model_len,
-            features=ServerFeatures(clamp_max_tokens=True),
-            sock=sock,
-        )
-    except BaseException:
-        if sock is not None:
-            sock.close()
-        raise
-    return engine, server
+    """The run's engine and the server in front of it (not yet started), built by
+    :func:`~gym_bridge.recipes.engine_server.build_engine_server`. With ``address`` (a running Gym's policy endpoint)
+    its port is claimed first (:func:`claim_policy_address`), so a busy port fails before a model loads, and the server
+    serves there under that Gym's model name."""
+    options = ServeOptions(  # a max_tokens past the prompt's room is cut to it, as NeMo-RL's training server does
+        served_model_name=address.model_name if address is not None else settings.served_model_name,
+        host=address.host if address is not None else "127.0.0.1",
+        sock=claim_policy_address(address) if address is not None else None,
+        max_model_len=settings.max_model_len,
+        features=ServerFeatures(clamp_max_tokens=True),
+    )
+    served = build_engine_server(settings.engine, options)
+    return served.generation, served.server
 
 
 def start_grpo_run(

@@ -1,5 +1,6 @@
 """``gym-bridge train``'s checks before anything starts: what a training config's data, Gym configs and model say,
-read in seconds before Ray, the engine or Gym start, each problem one line naming the key to change.
+read in seconds before Ray, the engine or Gym start, each problem one line naming the key to change. They run on
+the typed settings (:class:`~gym_bridge.config.run_settings.GRPORunKeys`), before the rows are read into them:
 
 - the batch against the dataset: ``grpo.num_prompts_per_step`` prompts per step from ``data.train.data_path``;
 - the longest prompt (:mod:`gym_bridge.recipes.prompt_length`) against the run's context length
@@ -10,8 +11,8 @@ read in seconds before Ray, the engine or Gym start, each problem one line namin
   (:mod:`gym_bridge.gym.servers.config_files`; not with ``env.nemo_gym.gym_head``: a running Gym's agents are its own,
   and the rows are routed against it once the run has attached).
 
-A data file or model that cannot be read is left to the reader that owns it (``grpo_run_settings`` names the key);
-these checks skip it.
+A data file or model that cannot be read is left to the reader that owns it (``with_rows`` names the file); these
+checks skip it.
 """
 
 from __future__ import annotations
@@ -23,20 +24,21 @@ from pathlib import Path
 from gym_bridge.boundary import UntrustedInputError
 from gym_bridge.boundary.json_io import ROW_DEPTH, loads
 from gym_bridge.boundary.text import shown
-from gym_bridge.config.data_files import data_paths, is_train_key, recipe_gym_configs
-from gym_bridge.config.grpo import row_routing
-from gym_bridge.config.keys import TrainingConfigError, config_value
-from gym_bridge.config.training import CONTEXT_LENGTH_KEY, context_length
+from gym_bridge.config.data_files import GYM_SECTION, run_gym_configs
+from gym_bridge.config.keys import TrainingConfigError
+from gym_bridge.config.run_data import RunData
+from gym_bridge.config.run_settings import GRPORunKeys
+from gym_bridge.config.training import CONTEXT_LENGTH_KEY
 from gym_bridge.gym.protocol.routing import TASK_SOURCE_KEY, RowRouting, row_agent
 from gym_bridge.gym.protocol.row_file import read_row_text
 from gym_bridge.gym.servers.config_files import GymConfigs, routing_agents, unknown_agents
-from gym_bridge.json_types import JsonMapping
 from gym_bridge.recipes.prompt_length import ModelFacts, longest_prompt, model_facts
+from gym_bridge.training.loop_config import GRPOLoopConfig
 
 logger = logging.getLogger(__name__)
 
 _MAX_SHOWN = 5
-_GYM_KEY = "env.nemo_gym"
+_GYM_KEY = GYM_SECTION
 
 
 @dataclass(frozen=True)
@@ -82,24 +84,17 @@ def read_rows(key: str, path: str | Path, routing: RowRouting | None = None) -> 
     return RowFile(key, path, tuple(rows))
 
 
-def row_files(config: JsonMapping) -> list[RowFile]:
-    """The readable data files of ``config``, training first."""
-    routing = row_routing(config)
-    return [f for key, path in data_paths(config).items() if (f := read_rows(key, path, routing)) is not None]
+def row_files(data: RunData) -> list[RowFile]:
+    """The readable data files of the run, training first."""
+    return [f for file in data.files if (f := read_rows(file.key, file.path, data.routing)) is not None]
 
 
-def _int(config: JsonMapping, key: str) -> int | None:
-    value = config_value(config, key, None)
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
-
-
-def check_batch(config: JsonMapping, train: RowFile | None) -> list[str]:
+def check_batch(loop: GRPOLoopConfig, train: RowFile | None) -> list[str]:
     """``grpo.num_prompts_per_step`` against the training rows: with ``grpo.max_num_epochs`` (absent: 1, NeMo-RL's
     default) an epoch is ``rows // num_prompts_per_step`` steps (NeMo-RL's dataloader drops the last partial batch),
     so fewer rows than one step's prompts leave no step."""
-    prompts = _int(config, "grpo.num_prompts_per_step")
-    epochs = config_value(config, "grpo.max_num_epochs", 1)
-    if train is None or prompts is None or epochs is None or len(train.rows) >= prompts:
+    prompts = loop.num_prompts_per_step
+    if train is None or loop.max_num_epochs is None or len(train.rows) >= prompts:
         return []
     return [
         f"grpo.num_prompts_per_step={prompts} needs at least {prompts} prompts; {train.where} has {len(train.rows)} "
@@ -108,12 +103,14 @@ def check_batch(config: JsonMapping, train: RowFile | None) -> list[str]:
     ]
 
 
-def check_context(config: JsonMapping, files: list[RowFile], model: ModelFacts | None) -> tuple[list[str], list[str]]:
-    """The longest first prompt plus ``policy.generation.max_new_tokens`` against the run's context length
-    (problems), and the context against the model's own (a warning): (problems, warnings)."""
+def check_context(
+    context: int, max_new_tokens: int | None, files: list[RowFile], model: ModelFacts | None
+) -> tuple[list[str], list[str]]:
+    """The longest first prompt plus ``max_new_tokens`` (``policy.generation.max_new_tokens``; None: not set) against
+    the run's ``context`` length (problems), and the context against the model's own (a warning): (problems,
+    warnings)."""
     if model is None:
         return [], []
-    context = context_length(config)
     warnings = []
     if model.context is not None and context > model.context:
         warnings.append(
@@ -123,7 +120,7 @@ def check_context(config: JsonMapping, files: list[RowFile], model: ModelFacts |
     longest = longest_prompt(files, model.tokenizer)
     if longest is None:
         return [], warnings
-    budget = _int(config, "policy.generation.max_new_tokens")
+    budget = max_new_tokens if max_new_tokens is not None and max_new_tokens > 0 else None
     room = context - longest.tokens
     if room < 1:
         return [
@@ -144,10 +141,10 @@ def check_context(config: JsonMapping, files: list[RowFile], model: ModelFacts |
     return [], warnings
 
 
-def check_agents(config: JsonMapping, files: list[RowFile], gym: GymConfigs) -> list[str]:
-    """The Gym configs against the installed nemo-gym, and the agents the rows name (or the routing keys set) against
-    the agents those configs define (:meth:`~gym_bridge.gym.servers.config_files.GymConfigs.unknown_agents`); rows
-    that name no agent, with the agent to set."""
+def check_agents(routing: RowRouting, files: list[RowFile], gym: GymConfigs) -> list[str]:
+    """The Gym configs against the installed nemo-gym, and the agents the rows name (or the ``routing`` keys set)
+    against the agents those configs define (:meth:`~gym_bridge.gym.servers.config_files.GymConfigs.unknown_agents`);
+    rows that name no agent, with the agent to set."""
     from gym_bridge.gym_versions import installed_gym
 
     if gym.missing:
@@ -162,7 +159,7 @@ def check_agents(config: JsonMapping, files: list[RowFile], gym: GymConfigs) -> 
     problems = []
     agents = gym.agents()
     known = ", ".join(agents) or "none"
-    named = [(f"{_GYM_KEY}.{key}", agent) for key, agent in routing_agents(row_routing(config))]
+    named = [(f"{_GYM_KEY}.{key}", agent) for key, agent in routing_agents(routing)]
     unknown = gym.unknown_agents(named)
     for key, agent in named:
         if agent in unknown:
@@ -196,19 +193,25 @@ class EarlyReport:
     warnings: tuple[str, ...]
 
 
-def check_before_start(config: JsonMapping) -> EarlyReport:
-    """Every check that can run before Ray starts, on a plain (resolved) config: every problem found is one line of
-    one :class:`TrainingConfigError`; warnings are logged and returned."""
-    files = row_files(config)
-    train = next((f for f in files if is_train_key(f.key)), None)
-    problems = check_batch(config, train)
-    model_name = config_value(config, "policy.model_name", None)
-    model = model_facts(str(model_name)) if isinstance(model_name, str) and model_name else None
-    context_problems, warnings = check_context(config, files, model)
+def max_new_tokens(settings: GRPORunKeys) -> int | None:
+    """The engine's ``max_new_tokens`` when the config sets it (``policy.generation.max_new_tokens``); None when it
+    does not and the engine's default applies."""
+    engine = settings.engine
+    return engine.max_new_tokens if "max_new_tokens" in engine.model_fields_set else None
+
+
+def check_before_start(settings: GRPORunKeys) -> EarlyReport:
+    """Every check that can run before Ray starts, on the typed settings (the rows not yet read into them): every
+    problem found is one line of one :class:`TrainingConfigError`; warnings are logged and returned."""
+    files = row_files(settings.data)
+    train = next((f for f in files if f.key == settings.data.train.key), None)
+    problems = check_batch(settings.loop, train)
+    model = model_facts(settings.served_model_name)
+    context_problems, warnings = check_context(settings.max_model_len, max_new_tokens(settings), files, model)
     problems += context_problems
-    if not config_value(config, f"{_GYM_KEY}.gym_head", None):
+    if not settings.gym_head:
         # a running Gym's agents are its own: the rows are routed against it once the run attaches (routed_rows)
-        problems += check_agents(config, files, recipe_gym_configs(config))
+        problems += check_agents(settings.data.routing, files, run_gym_configs(settings.rollout.launch.gym))
     if problems:
         raise TrainingConfigError("\n".join(problems))
     for warning in warnings:

@@ -10,10 +10,12 @@ config as trained, its ``${oc.env:NAME}`` values, often secrets, written as thos
 ``from_pretrained`` loads it; ``gym-bridge serve --model`` and eval's ``embedded_policy`` take it). With ``--resume``
 the checkpoint's files are checked before anything starts (:func:`~gym_bridge.recipes.grpo_run.check_checkpoint`).
 
-Before Ray starts, every check that can run then does (:func:`~gym_bridge.recipes.pre_start.check_before_start`:
-the batch against the dataset, the longest prompt plus ``max_new_tokens`` against the context, the Gym configs and
-agents), and the GPU-only keys a CPU run ignores are listed once (a warning with a table). With ``--smoke``
-(:func:`smoke_recipe`) the recipe is first rewritten into a short CPU run (:mod:`gym_bridge.config.smoke`).
+The config's keys are rewritten in NeMo-RL's key space first (overrides; with ``--smoke``, :func:`smoke_recipe`,
+into a short CPU run: :mod:`gym_bridge.config.smoke`), then read once into typed settings
+(:func:`~gym_bridge.config.run_settings.grpo_run_keys`). Before Ray starts, every check that can run then does, on
+those settings (:func:`~gym_bridge.recipes.pre_start.check_before_start`: the batch against the dataset, the longest
+prompt plus ``max_new_tokens`` against the context, the Gym configs and agents), and the GPU-only keys a CPU run
+ignores are listed once (a warning with a table).
 ``checkpointing.enabled: false`` writes no checkpoint.
 """
 
@@ -165,26 +167,24 @@ def train(
 ) -> TrainOutcome:
     """Train ``config`` into ``run_dir`` (resumed from its checkpoint with ``resume``); Ray is started if needed.
 
-    Before anything starts: :func:`~gym_bridge.recipes.pre_start.check_before_start` (one
-    :class:`~gym_bridge.config.keys.TrainingConfigError` naming every problem), every key read, a running Gym's policy
-    endpoint (``env.nemo_gym.gym_head``) checked, and (``list_gpu_keys``)
+    Before anything starts: every key read into typed settings
+    (:func:`~gym_bridge.config.run_settings.grpo_run_keys`), the checks on them
+    (:func:`~gym_bridge.recipes.pre_start.check_before_start`: one :class:`~gym_bridge.config.keys.TrainingConfigError`
+    naming every problem), the rows read, a running Gym's policy endpoint (``env.nemo_gym.gym_head``) checked, and
+    (``list_gpu_keys``)
     one warning listing the GPU-only keys the run ignores (``--smoke`` has listed them in its table already)."""
-    from gym_bridge.config.run_settings import grpo_run_settings
+    from gym_bridge.config.run_settings import grpo_run_keys, with_rows
     from gym_bridge.ray_utils import init_ray
-    from gym_bridge.recipes.grpo_run import (
-        check_checkpoint,
-        checkpointing_enabled,
-        running_gym_policy,
-        start_grpo_run,
-    )
+    from gym_bridge.recipes.grpo_run import check_checkpoint, running_gym_policy, start_grpo_run
 
     run_dir = Path(run_dir)
     _check_out(run_dir)  # a file in the way: one line now, before the checks below take their seconds
-    check_before_start(config)  # the data, the context and the agents: seconds, before Ray, Gym or a model start
-    settings = grpo_run_settings(config)  # every key read and checked before anything starts
+    keys = grpo_run_keys(config)  # every key read and checked once, into typed settings, before anything starts
+    check_before_start(keys)  # the data, the context and the agents: seconds, before Ray, Gym or a model start
+    settings = with_rows(keys)  # the rows read and validated
     if settings.gym_head is not None:  # a running Gym's policy endpoint: checked now, read again when the run binds it
         running_gym_policy(settings.gym_head, settings.served_model_name)
-    save_checkpoints = checkpointing_enabled(config)
+    save_checkpoints = settings.save_checkpoints
     table = gpu_keys_table(config) if list_gpu_keys else None
     if table is not None:
         logger.warning("%s", table)

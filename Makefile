@@ -31,16 +31,16 @@ test: setup
 
 # Docs that run: every command block of README.md and docs/*.md, each in a scratch folder of its own (or skipped, with
 # the reason its <!-- docs-test: skip (...) --> marker gives), and every python snippet's gym_bridge imports
-# (tests/test_docs_commands.py; it prints how many blocks ran and were skipped, and why).
+# (tests/house/test_docs_commands.py; it prints how many blocks ran and were skipped, and why).
 test-docs: setup
-	$(UV) run pytest -p no:xdist -q -rs --durations=10 tests/test_docs_commands.py
+	$(UV) run pytest -p no:xdist -q -rs --durations=10 tests/house/test_docs_commands.py
 
 # The trace viewer in a real headless browser: Debian's chromium and chromium-driver (`apt-get install chromium
 # chromium-driver`; browser downloads are not reachable here). Without them this target fails, saying so.
 test-browser: setup
 	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
 		{ echo "make test-browser: needs Debian's chromium and chromium-driver (apt-get install chromium chromium-driver)" >&2; exit 2; }
-	$(UV) run pytest -m browser -q tests/test_viewer_browser.py
+	$(UV) run pytest -m browser -q tests/eval/test_viewer_browser.py
 
 # NeMo-RL's own rollout, manager and GRPO code (from a checkout: NEMO_RL_SRC=...) against ours on real Gym servers.
 # Not in CI, which cannot fetch NeMo-RL; docs/nemo_rl_migration.md has the last result.
@@ -71,7 +71,7 @@ test-plugin: setup
 # The package gets every rule and strict types; tests, benchmarks and examples get pyflakes (undefined and unused names).
 lint: setup
 	$(UV) run ruff check gym_bridge
-	$(UV) run ruff check --select F tests/*.py benchmarks/*.py examples/*.py examples/*/*.py
+	$(UV) run ruff check --select F tests/*.py tests/*/test_*.py benchmarks/*.py examples/*.py examples/*/*.py
 	$(UV) run ruff format --check gym_bridge
 	$(UV) run mypy
 

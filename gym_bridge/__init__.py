@@ -4,7 +4,7 @@ The public API is importable from here (``from gym_bridge import RolloutManager,
 ``_EXPORTS`` below maps each defining module to its public names; every name is resolved lazily on
 first use (module ``__getattr__``), so ``import gym_bridge`` and the CLI pay for torch or Ray only
 when a name that needs them is used. :mod:`gym_bridge._public` imports the same names for type
-checkers (``tests/test_public_api.py`` keeps the two equal).
+checkers (``tests/house/test_public_api.py`` keeps the two equal).
 """
 
 from __future__ import annotations

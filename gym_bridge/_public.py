@@ -1,7 +1,7 @@
 """The public API for type checkers: one import per name from the module that defines it.
 
 ``gym_bridge/__init__.py``'s ``_EXPORTS`` lists the same names for the lazy imports at run time; add a name
-to both (``tests/test_public_api.py`` fails when they differ).
+to both (``tests/house/test_public_api.py`` fails when they differ).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ A Gym recipe is a YAML under ``examples/`` whose ``env.should_use_nemo_gym`` is 
 parents are merged (NeMo-RL's loader rules, :func:`gym_bridge.config.training.load_training_config`). Each
 leaf key of every such recipe is listed with the distinct values the recipes give it, in the order first
 seen. An ``${oc.env:VAR}`` whose variable is unset becomes the string ``<$VAR>``. The key-walk test
-(``tests/test_nemo_rl_keys.py``) reads the fixture, so CI needs no NeMo-RL checkout.
+(``tests/config/test_nemo_rl_keys.py``) reads the fixture, so CI needs no NeMo-RL checkout.
 """
 
 from __future__ import annotations

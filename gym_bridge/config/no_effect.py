@@ -2,7 +2,7 @@
 
 Every key NeMo-RL 7ea279a's Gym recipes set (``tests/data/nemo_rl_gym_recipe_keys.yaml``) is applied (it
 changes a setting), refused (:class:`~gym_bridge.config.training.TrainingConfigError` naming it), or listed
-here. An entry covers its key and every key under it. ``tests/test_nemo_rl_keys.py`` walks them all.
+here. An entry covers its key and every key under it. ``tests/config/test_nemo_rl_keys.py`` walks them all.
 """
 
 from __future__ import annotations

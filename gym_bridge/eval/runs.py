@@ -2,7 +2,7 @@
 ``eval --resume``, the trace viewer), and the one place that tells an eval run folder from a training one
 (:func:`run_folder_kind`, for ``gym-bridge report``). A training folder's JSONL files are read by
 :func:`gym_bridge.training.metrics.iter_jsonl`, the same loop under the same caps with the same error lines (the
-layer table keeps ``training/`` from importing this tool; ``tests/test_hostile_reports.py`` holds the two equal).
+layer table keeps ``training/`` from importing this tool; ``tests/eval/test_hostile_reports.py`` holds the two equal).
 
 A run folder is data that people send each other, and model text in it is attacker-controlled, so reading one
 goes through the trust boundary (:mod:`gym_bridge.boundary`) and is bounded and typed:

@@ -96,11 +96,11 @@ the package that defines it and, in brackets, the builtin it also subclasses (th
      └── EvalInterrupted              eval: SIGINT stopped the run; finished groups are kept, --resume continues
 
 Private exceptions a module raises and catches itself (a leading ``_``) are not drawn: no caller meets them.
-``tests/test_failure_tree.py`` checks that every exception class of the package is drawn here under its base.
+``tests/house/test_failure_tree.py`` checks that every exception class of the package is drawn here under its base.
 
 ``SettingError`` (above) is the one for an invalid setting or argument with no type closer to its input.
 ``gym-bridge``'s ``main()`` prints any of them as one line, exit code 2.
-``tests/test_failures.py`` checks that every exception class of the package derives from ``GymBridgeError``
+``tests/house/test_failures.py`` checks that every exception class of the package derives from ``GymBridgeError``
 (``EvalInterrupted`` aside: a ``KeyboardInterrupt``).
 
 Every class takes a single message string, so it pickles across Ray; the ``__cause__``

@@ -59,7 +59,7 @@ every full ``prefix_cache_block_size``-token block of a row's prompt and output 
 prefills only the rest. The N samples of one prompt, a shared few-shot header or tool preamble and
 the earlier turns of a multi-turn rollout are computed once. A row's tokens and logprobs are those
 it gets without the cache, up to the float rounding of a forward pass over a different number of
-positions (``tests/test_prefix_cache.py`` measures it). A refit empties the cache. With
+positions (``tests/generation/test_prefix_cache.py`` measures it). A refit empties the cache. With
 ``shared_prefix_attention`` (on by default; CPU, SDPA models), the decode steps of rows that hold one
 cached copy of a long prefix attend to it once, together (:mod:`gym_bridge.generation.cascade_attention`).
 With ``packed_linear`` (on by default; float32 CPU weights, a torch with oneDNN), the engine's forward passes

@@ -7,7 +7,7 @@ so every reader accepts the file), appended through a descriptor that refuses a 
 Read back (:func:`iter_jsonl`, for ``metrics.jsonl`` and ``val_results.jsonl``) by the loop that also reads an eval
 run folder's JSONL files (:mod:`gym_bridge.boundary.jsonl`), under the same caps (:data:`MAX_JSONL_BYTES`, raised
 by ``$GYM_BRIDGE_RUN_MAX_BYTES``, and :data:`MAX_LINE_BYTES`), with the same one-line errors naming ``file:line``;
-``tests/test_hostile_reports.py`` holds the two readers to the same caps and the same error lines.
+``tests/eval/test_hostile_reports.py`` holds the two readers to the same caps and the same error lines.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""An environment server written to NeMo-Gym 0.7's episode protocol, for tests (``tests/test_gym_episodes.py``).
+"""An environment server written to NeMo-Gym 0.7's episode protocol, for tests (``tests/gym/test_gym_episodes.py``).
 
 It takes Gym's episode request (``BaseEpisodeRequest``: ``episode_id`` plus the materialized task) on ``POST /run``, as
 Gym's own environment servers (``single_agent_turn``, ``legacy_agent``) are written: a ``BaseEnvironmentServer`` with

@@ -36,6 +36,7 @@ import httpx
 from gym_bridge.boundary import UntrustedInputError
 from gym_bridge.boundary.files import write_atomic
 from gym_bridge.boundary.json_io import dumps, loads
+from gym_bridge.boundary.text import shown
 from gym_bridge.eval.compare import GRADER_KEYS
 from gym_bridge.eval.records import ROW_ID_KEY, row_id
 from gym_bridge.eval.report import build_report
@@ -49,7 +50,6 @@ from gym_bridge.eval.runs import (
     jsonl_lines,
     load_run,
     read_file,
-    shown,
 )
 from gym_bridge.eval.store import RunStore, not_empty, read_jsonl
 from gym_bridge.failures import GymBridgeError

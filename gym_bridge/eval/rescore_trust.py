@@ -5,7 +5,8 @@ from __future__ import annotations
 import re
 from pathlib import Path, PurePosixPath
 
-from gym_bridge.eval.runs import RunReadError, shown
+from gym_bridge.boundary.text import shown
+from gym_bridge.eval.runs import RunReadError
 from gym_bridge.json_types import JsonMapping
 
 _SERVER_LEVELS = 3

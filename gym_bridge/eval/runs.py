@@ -56,7 +56,7 @@ from gym_bridge.boundary.json_io import (
     loads_object,
 )
 from gym_bridge.boundary.jsonl import iter_lines as boundary_lines
-from gym_bridge.boundary.text import shown as shown  # what callers escape run-folder text with
+from gym_bridge.boundary.text import shown
 from gym_bridge.eval.line_stream import LineRef, collector_paused
 from gym_bridge.eval.line_text import field_problem, prompt_preview
 from gym_bridge.eval.records import NO_ROW_ID, REPEAT_MARK, ROW_ID_KEY, FailureLine, PromptLine, ResultLine, RunFile

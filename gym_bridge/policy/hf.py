@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
@@ -437,10 +436,3 @@ class HFPolicy(PolicyInterface):
     def shutdown(self) -> bool:
         self.optimizer.zero_grad(set_to_none=True)
         return True
-
-
-def check_optimizer_file(folder: Path) -> None:
-    """``folder``'s ``optimizer.pt`` checked without its tensors' data: a ``torch.save`` archive of tensors and plain
-    containers with the top level :meth:`HFPolicy.load_optimizer` reads. Only the pickle is read, so a run checks it
-    before anything starts; the size cap (:func:`optimizer_file_cap`) needs the model and waits for the load."""
-    read_optimizer_file(folder / OPTIMIZER_FILE, sys.maxsize, meta=True)

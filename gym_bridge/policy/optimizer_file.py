@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import math
+import sys
 from pathlib import Path
 from typing import Any, TypeGuard
 
@@ -49,6 +50,14 @@ def read_optimizer_file(file: Path, max_bytes: int, *, meta: bool = False) -> di
         raise CheckpointError(f"{shown(file)}: {problem}; not an optimizer state HFPolicy.save_checkpoint wrote")
     assert isinstance(saved, dict)  # _top_level_problem checked it
     return saved
+
+
+def check_optimizer_file(folder: Path) -> None:
+    """``folder``'s ``optimizer.pt`` checked without its tensors' data: a ``torch.save`` archive of tensors and plain
+    containers with the top level :meth:`~gym_bridge.policy.hf.HFPolicy.load_optimizer` reads. Only the pickle is
+    read, so a run checks it before anything starts; the size cap (:func:`optimizer_file_cap`) needs the model and
+    waits for the load."""
+    read_optimizer_file(folder / OPTIMIZER_FILE, sys.maxsize, meta=True)
 
 
 def state_problem(

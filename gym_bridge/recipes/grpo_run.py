@@ -35,7 +35,8 @@ from gym_bridge.gym.transport.admission import AdmissionControl
 from gym_bridge.gym.transport.client import GymClient
 from gym_bridge.json_types import JsonMapping
 from gym_bridge.models.loading import check_safetensors_weights
-from gym_bridge.policy.hf import HFPolicy, check_optimizer_file
+from gym_bridge.policy.hf import HFPolicy
+from gym_bridge.policy.optimizer_file import check_optimizer_file
 from gym_bridge.recipes.engine_server import ServeOptions, build_engine_server
 from gym_bridge.recipes.gym_pre_start import route_on_gym
 from gym_bridge.recipes.launch import NemoGymRollouts, start_nemo_gym_rollouts

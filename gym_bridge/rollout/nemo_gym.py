@@ -189,7 +189,7 @@ class AsyncNemoGymRolloutImpl:
         run_s = time.perf_counter() - t_run
 
         t_metrics = time.perf_counter()
-        agent = next((row.agent for row in group.rows if row.agent), None)  # the agent Gym ran, carried on each result
+        agent = group.agent
         completions = [
             gym_completion(
                 row,

@@ -153,7 +153,7 @@ class GymValidator:
             scope=scope,
         )
         group = await self.client.run_group(rows, prompt_idx=prompt_idx, deadline_s=self.deadline_s)
-        agent = next((r.agent for r in group.rows if r.agent), None)  # the agent Gym ran, carried on each result
+        agent = group.agent
         completions = [
             gym_completion(r, max_seq_len=None, mask_env_flagged_samples=False, agent=agent) for r in group.rows
         ]

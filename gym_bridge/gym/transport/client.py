@@ -71,6 +71,11 @@ class GymGroupResult:
     rows: list[GymRowResult]
     timing: dict[str, float]
 
+    @property
+    def agent(self) -> str | None:
+        """The agent Gym ran the group's rows on, as each result carries it (None: a materialized row's episode)."""
+        return next((row.agent for row in self.rows if row.agent), None)
+
 
 class GymClient:
     """Sends prompt groups to one or more NemoGym actors (each with its own Gym servers, same configs)."""

@@ -22,12 +22,13 @@ import yaml
 from gym_bridge import (
     EngineSpec,
     ServeOptions,
-    build_nemo_gym_rollouts,
     datum_from_gym_row,
     init_ray,
+    nemo_gym_launch_spec,
     resolve_model_path,
     rows_use_tools,
     serve_engine,
+    start_nemo_gym,
 )
 
 
@@ -55,7 +56,8 @@ async def run(config: dict, base_urls: list[str]) -> None:
 
 async def roll_out(config: dict, rows: list[dict], tokenizer, base_urls: list[str]) -> None:
     # Checks every endpoint first (tools too when the rows offer them), then starts Gym and the manager.
-    rollouts = build_nemo_gym_rollouts(config, tokenizer, base_urls=base_urls or None, uses_tools=rows_use_tools(rows))
+    spec = nemo_gym_launch_spec(config, base_urls=base_urls or None, uses_tools=rows_use_tools(rows))
+    rollouts = start_nemo_gym(spec, tokenizer)
     try:
         data = [datum_from_gym_row(row, idx=i) for i, row in enumerate(rows)]
         records = await asyncio.gather(*(rollouts.manager.run_rollout(datum) for datum in data))

@@ -29,7 +29,10 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "setup_nemo_gym_config",
         "should_use_nemo_gym",
     ),
-    "gym_bridge.config.training": ("nemo_gym_config_from",),
+    "gym_bridge.config.training": (
+        "nemo_gym_config_from",
+        "nemo_gym_launch_spec",
+    ),
     "gym_bridge.data": (
         "datum_from_chat",
         "datum_from_gym_row",
@@ -65,8 +68,8 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "gym_bridge.generation.hf_config": ("HFGenerationConfig",),
     "gym_bridge.gym.transport.actor_config": ("NemoGymConfig",),
     "gym_bridge.gym.transport.spinup": (
-        "spinup_nemo_gym_actors",
         "start_nemo_gym_actor",
+        "start_nemo_gym_actors",
         "stop_nemo_gym_actors",
     ),
     "gym_bridge.interfaces": (
@@ -103,7 +106,6 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     ),
     "gym_bridge.recipes.launch": (
         "NemoGymRollouts",
-        "build_nemo_gym_rollouts",
         "launch_nemo_gym",
         "spinup_nemo_gym_actor",
         "start_nemo_gym",

@@ -22,6 +22,7 @@ from gym_bridge.config.nemo_rl_gym import (
 )
 from gym_bridge.config.training import (
     nemo_gym_config_from as nemo_gym_config_from,
+    nemo_gym_launch_spec as nemo_gym_launch_spec,
 )
 from gym_bridge.data import (
     datum_from_chat as datum_from_chat,
@@ -74,8 +75,8 @@ from gym_bridge.gym.transport.actor_config import (
     NemoGymConfig as NemoGymConfig,
 )
 from gym_bridge.gym.transport.spinup import (
-    spinup_nemo_gym_actors as spinup_nemo_gym_actors,
     start_nemo_gym_actor as start_nemo_gym_actor,
+    start_nemo_gym_actors as start_nemo_gym_actors,
     stop_nemo_gym_actors as stop_nemo_gym_actors,
 )
 from gym_bridge.interfaces import (
@@ -118,7 +119,6 @@ from gym_bridge.recipes.engine_server import (
 )
 from gym_bridge.recipes.launch import (
     NemoGymRollouts as NemoGymRollouts,
-    build_nemo_gym_rollouts as build_nemo_gym_rollouts,
     launch_nemo_gym as launch_nemo_gym,
     spinup_nemo_gym_actor as spinup_nemo_gym_actor,
     start_nemo_gym as start_nemo_gym,

@@ -17,11 +17,13 @@ the new name (as NeMo-RL's own check), and a setting we cannot honour is refused
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, model_validator
 
-from gym_bridge.config.values import Count, Seconds
+from gym_bridge.config.keys import TrainingConfigError, config_value
+from gym_bridge.config.values import Count, Seconds, count, seconds
 from gym_bridge.failures import RolloutRetryPolicy, RolloutTimeouts, SettingError
 from gym_bridge.json_types import JsonMapping, JsonObject
 
@@ -259,3 +261,55 @@ class AsyncGRPOSettings(_Section):
     max_generation_failures: NonNegativeInt = 0
     in_flight_weight_updates: bool = False
     recompute_kv_cache_after_weight_updates: bool = False
+
+
+def failure_policy(
+    config: JsonMapping, async_rl: AsyncRLSettings, async_grpo: AsyncGRPOSettings
+) -> tuple[RolloutRetryPolicy, RolloutTimeouts]:
+    """NeMo-RL's ``async_rl.rollout_failure`` when present; else our ``env.nemo_gym`` keys over one attempt
+    (``single_attempt()``), with ``env.nemo_gym.max_row_attempts`` defaulting to NeMo-RL's row budget.
+
+    ``grpo.async_grpo.max_generation_failures`` (async on) bounds the prompts dropped in a row, as
+    ``async_rl.rollout_failure.max_consecutive_dropped_prompts`` does; both set to different values is an error.
+    """
+    ours = {key: config_value(config, f"env.nemo_gym.{key}", None) for key in ("rollout_timeout_s", "max_row_attempts")}
+    failure = async_rl.rollout_failure
+    generation_failures = (
+        async_grpo.max_generation_failures
+        if async_grpo.enabled and "max_generation_failures" in async_grpo.model_fields_set
+        else None
+    )
+    if config_value(config, "async_rl.rollout_failure", None) is not None:
+        clash = [key for key, value in ours.items() if value is not None]
+        if clash:
+            raise TrainingConfigError(
+                f"env.nemo_gym.{clash[0]} and async_rl.rollout_failure.nemo_gym.{clash[0]} both set; keep NeMo-RL's"
+            )
+        dropped = failure.max_consecutive_dropped_prompts
+        both_set = generation_failures is not None and "max_consecutive_dropped_prompts" in failure.model_fields_set
+        if both_set and generation_failures != dropped:
+            raise TrainingConfigError(
+                f"grpo.async_grpo.max_generation_failures ({generation_failures}) and "
+                f"async_rl.rollout_failure.max_consecutive_dropped_prompts ({dropped}) set the same budget; keep one"
+            )
+        return failure.retry_policy(max_consecutive_dropped_prompts=generation_failures), failure.timeouts()
+    timeout = ours["rollout_timeout_s"]
+    row_attempts = ours["max_row_attempts"] or failure.nemo_gym.max_row_attempts
+    policy = RolloutRetryPolicy.single_attempt(
+        max_gym_row_attempts=count(row_attempts, "env.nemo_gym.max_row_attempts")
+    )
+    if async_grpo.enabled:
+        policy = replace(policy, max_consecutive_dropped_prompts=async_grpo.max_generation_failures)
+    rollout_s = seconds(timeout, "env.nemo_gym.rollout_timeout_s") if timeout is not None else None
+    return policy, RolloutTimeouts(rollout_s=rollout_s)
+
+
+def refuse_native_failure_keys(config: JsonMapping) -> None:
+    """NeMo-RL's rule: ``async_rl.rollout_failure.native`` settings on a Gym run would be silently ignored."""
+    native = config_value(config, "async_rl.rollout_failure.native", None) or {}
+    populated = [f"{key}={value!r}" for key, value in native.items() if value is not None]
+    if populated:
+        raise TrainingConfigError(
+            f"async_rl.rollout_failure.native.{', '.join(populated)}: this run uses the nemo_gym rollout path, where "
+            "native-only deadlines do nothing; move them under async_rl.rollout_failure.nemo_gym or remove them"
+        )

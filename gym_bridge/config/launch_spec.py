@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, cast
 
 from gym_bridge.failures import RolloutRetryPolicy, RolloutTimeouts
 from gym_bridge.json_types import JsonMapping
@@ -47,3 +47,17 @@ class GymLaunchSpec:
     manager_options: NemoGymOptions = field(default_factory=no_manager_options)
     """The ``nemo_gym`` backend's options (``full_results_path``, ``seed``, ``admission``, ...); the manager is given
     the ones set (``model_fields_set``)."""
+
+    def with_manager_options(self, **options: object) -> GymLaunchSpec:
+        """This spec with ``options`` set over its ``manager_options``, validated as the manager validates a
+        backend's keywords (an unknown or mistyped one is a ``BackendOptionsError`` before anything starts)."""
+        if not options:
+            return self
+        from gym_bridge.rollout.backend import BackendClass, backend_options
+        from gym_bridge.rollout.nemo_gym import NEMO_GYM_TASK, AsyncNemoGymRolloutImpl, NemoGymOptions
+
+        given = {name: getattr(self.manager_options, name) for name in self.manager_options.model_fields_set}
+        backend = cast("type[BackendClass]", AsyncNemoGymRolloutImpl)
+        merged = backend_options(backend, NEMO_GYM_TASK, {**given, **options})
+        assert isinstance(merged, NemoGymOptions)
+        return replace(self, manager_options=merged)

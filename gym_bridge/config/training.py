@@ -42,13 +42,18 @@ from dataclasses import dataclass, replace
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from gym_bridge.boundary import UntrustedInputError
-from gym_bridge.config.async_settings import AsyncGRPOSettings, AsyncRLSettings
+from gym_bridge.config.async_settings import (
+    AsyncGRPOSettings,
+    AsyncRLSettings,
+    failure_policy,
+    refuse_native_failure_keys,
+)
 from gym_bridge.config.keys import TrainingConfigError, config_value
 from gym_bridge.config.launch_spec import GymLaunchSpec
 from gym_bridge.config.loading import plain_config, resolved_config
 from gym_bridge.config.nemo_rl_gym import should_use_nemo_gym
-from gym_bridge.config.values import check_values, count, seconds
-from gym_bridge.failures import RolloutRetryPolicy, RolloutTimeouts, SettingError
+from gym_bridge.config.values import check_values, count
+from gym_bridge.failures import SettingError
 from gym_bridge.gym.servers.config_files import ROUTING_KEYS
 from gym_bridge.gym.servers.server_config import head_address
 from gym_bridge.gym.transport.actor_config import NemoGymConfig
@@ -254,11 +259,11 @@ def nemo_gym_rollout_settings(config: object, *, base_urls: list[str] | None = N
         raise TrainingConfigError(str(exc)) from None
     async_rl = _section_model(AsyncRLSettings, config, "async_rl")
     async_grpo = _section_model(AsyncGRPOSettings, config, "grpo.async_grpo")
-    _refuse_native_failure_keys(config)
+    refuse_native_failure_keys(config)
     native_environments = _native_environments(config)
     _warn_without_effect(async_rl, native_environments)
     has_failure_section = config_value(config, "async_rl.rollout_failure", None) is not None
-    retry_policy, timeouts = _failure_policy(config, async_rl, async_grpo)
+    retry_policy, timeouts = failure_policy(config, async_rl, async_grpo)
     section = config_value(config, "env.nemo_gym", {}) or {}
     wandb = config_value(config, "logger.wandb", {}) or {}
     launch = GymLaunchSpec(
@@ -286,6 +291,22 @@ def nemo_gym_rollout_settings(config: object, *, base_urls: list[str] | None = N
         min_step_batch_fraction=async_rl.rollout_failure.min_step_batch_fraction if has_failure_section else 0.0,
         unused_environments=tuple(native_environments),
     )
+
+
+def nemo_gym_launch_spec(
+    config: object,
+    *,
+    base_urls: list[str] | None = None,
+    uses_tools: bool = False,
+    preflight: bool = True,
+    **manager_options: object,
+) -> GymLaunchSpec:
+    """What :func:`~gym_bridge.recipes.launch.start_nemo_gym` starts for a NeMo-RL-style training config
+    (:func:`nemo_gym_rollout_settings`' ``launch``). ``uses_tools``: some rows offer tools, so preflight checks that
+    every endpoint accepts chats with tools (:func:`gym_bridge.preflight.rows_use_tools` tells from the rows);
+    ``manager_options``: ``nemo_gym`` backend options over the config's."""
+    launch = nemo_gym_rollout_settings(config, base_urls=base_urls).launch
+    return replace(launch, uses_tools=uses_tools, preflight=preflight).with_manager_options(**manager_options)
 
 
 def _generations(config: JsonMapping) -> int:
@@ -377,58 +398,6 @@ def _section_model[M: BaseModel](model: type[M], config: JsonMapping, dotted: st
             for err in exc.errors()
         )
         raise TrainingConfigError(problems) from None
-
-
-def _failure_policy(
-    config: JsonMapping, async_rl: AsyncRLSettings, async_grpo: AsyncGRPOSettings
-) -> tuple[RolloutRetryPolicy, RolloutTimeouts]:
-    """NeMo-RL's ``async_rl.rollout_failure`` when present; else our ``env.nemo_gym`` keys over one attempt
-    (``single_attempt()``), with ``env.nemo_gym.max_row_attempts`` defaulting to NeMo-RL's row budget.
-
-    ``grpo.async_grpo.max_generation_failures`` (async on) bounds the prompts dropped in a row, as
-    ``async_rl.rollout_failure.max_consecutive_dropped_prompts`` does; both set to different values is an error.
-    """
-    ours = {key: config_value(config, f"env.nemo_gym.{key}", None) for key in ("rollout_timeout_s", "max_row_attempts")}
-    failure = async_rl.rollout_failure
-    generation_failures = (
-        async_grpo.max_generation_failures
-        if async_grpo.enabled and "max_generation_failures" in async_grpo.model_fields_set
-        else None
-    )
-    if config_value(config, "async_rl.rollout_failure", None) is not None:
-        clash = [key for key, value in ours.items() if value is not None]
-        if clash:
-            raise TrainingConfigError(
-                f"env.nemo_gym.{clash[0]} and async_rl.rollout_failure.nemo_gym.{clash[0]} both set; keep NeMo-RL's"
-            )
-        dropped = failure.max_consecutive_dropped_prompts
-        both_set = generation_failures is not None and "max_consecutive_dropped_prompts" in failure.model_fields_set
-        if both_set and generation_failures != dropped:
-            raise TrainingConfigError(
-                f"grpo.async_grpo.max_generation_failures ({generation_failures}) and "
-                f"async_rl.rollout_failure.max_consecutive_dropped_prompts ({dropped}) set the same budget; keep one"
-            )
-        return failure.retry_policy(max_consecutive_dropped_prompts=generation_failures), failure.timeouts()
-    timeout = ours["rollout_timeout_s"]
-    row_attempts = ours["max_row_attempts"] or failure.nemo_gym.max_row_attempts
-    policy = RolloutRetryPolicy.single_attempt(
-        max_gym_row_attempts=count(row_attempts, "env.nemo_gym.max_row_attempts")
-    )
-    if async_grpo.enabled:
-        policy = replace(policy, max_consecutive_dropped_prompts=async_grpo.max_generation_failures)
-    rollout_s = seconds(timeout, "env.nemo_gym.rollout_timeout_s") if timeout is not None else None
-    return policy, RolloutTimeouts(rollout_s=rollout_s)
-
-
-def _refuse_native_failure_keys(config: JsonMapping) -> None:
-    """NeMo-RL's rule: ``async_rl.rollout_failure.native`` settings on a Gym run would be silently ignored."""
-    native = config_value(config, "async_rl.rollout_failure.native", None) or {}
-    populated = [f"{key}={value!r}" for key, value in native.items() if value is not None]
-    if populated:
-        raise TrainingConfigError(
-            f"async_rl.rollout_failure.native.{', '.join(populated)}: this run uses the nemo_gym rollout path, where "
-            "native-only deadlines do nothing; move them under async_rl.rollout_failure.nemo_gym or remove them"
-        )
 
 
 def _warn_without_effect(async_rl: AsyncRLSettings, native_environments: list[str]) -> None:

@@ -39,7 +39,7 @@ from gym_bridge.policy.hf import HFPolicy
 from gym_bridge.policy.optimizer_file import check_optimizer_file
 from gym_bridge.recipes.engine_server import ServeOptions, build_engine_server
 from gym_bridge.recipes.gym_pre_start import route_on_gym
-from gym_bridge.recipes.launch import NemoGymRollouts, start_nemo_gym_rollouts
+from gym_bridge.recipes.launch import NemoGymRollouts, start_nemo_gym
 from gym_bridge.rollout.reward_shaper import RewardShaper
 from gym_bridge.serving import OpenAIServer, ServerFeatures
 from gym_bridge.serving.listen import ServerBindError, listening_socket
@@ -289,9 +289,8 @@ def start_grpo_run(
     try:
         url = server.start_in_thread()
         settings = settings.serving_at([url], address.model_name if address is not None else None)
-        rollouts = start_nemo_gym_rollouts(
-            settings.rollout, engine.tokenizer, **result_logging(settings.rollout, out_dir)
-        )
+        spec = settings.rollout.launch.with_manager_options(**result_logging(settings.rollout, out_dir))
+        rollouts = start_nemo_gym(spec, engine.tokenizer)
     except BaseException:
         server.stop_thread()
         engine.shutdown()

@@ -1,35 +1,31 @@
-"""The one place that assembles a NeMo-Gym rollout stack: preflight, Ray, NemoGym actors, manager.
+"""The one public way to start a NeMo-Gym rollout stack: preflight, Ray, NemoGym actors, manager.
 
-``gym-bridge eval``, the training-config helper and the examples all start Gym
-through :func:`start_nemo_gym` (or the context manager :func:`launch_nemo_gym`), so
-the order is the same everywhere: every endpoint is checked first (a bad one fails
-in seconds, before Ray or Gym start), then Ray is started if nothing started it,
-then the actors (each with its own Gym servers, or, with ``NemoGymConfig.gym_head``, each using the Gym already
-running there, which nothing here starts or stops), then the ``RolloutManager``.
-A failure at any step undoes the steps before it.
+``gym-bridge eval``, ``gym-bridge train`` and the examples all start Gym through :func:`start_nemo_gym` (or its
+``with`` form :func:`launch_nemo_gym`, same parameters) from a :class:`GymLaunchSpec`, written by hand or read from a
+training config (:func:`~gym_bridge.config.training.nemo_gym_launch_spec`), so the order is the same everywhere:
+every endpoint is checked first (a bad one fails in seconds, before Ray or Gym start), then Ray is started if nothing
+started it, then the actors (each with its own Gym servers, or, with ``NemoGymConfig.gym_head``, each using the Gym
+already running there, which nothing here starts or stops), then the ``RolloutManager``. A failure at any step
+undoes the steps before it. :func:`spinup_nemo_gym_actor` is NeMo-RL's spin-up of one actor, with NeMo-RL's
+signature.
 """
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
 from gym_bridge.config.launch_spec import GymLaunchSpec
 from gym_bridge.config.nemo_rl_gym import nemo_rl_gym_config
-from gym_bridge.config.training import NemoGymRolloutSettings, nemo_gym_rollout_settings
 from gym_bridge.json_types import JsonMapping
 from gym_bridge.recipes.gym_pre_start import preflight
 
 if TYPE_CHECKING:
     from gym_bridge.gym.transport.admission import AdmissionControl
     from gym_bridge.rollout.manager import RolloutManager
-    from gym_bridge.rollout.nemo_gym import NemoGymOptions
     from gym_bridge.types import ActorHandle, GenerationConfig, Tokenizer
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -91,17 +87,14 @@ def start_nemo_gym(spec: GymLaunchSpec, tokenizer: Tokenizer) -> NemoGymRollouts
         )
     import ray
 
-    from gym_bridge.gym.transport.spinup import spinup_nemo_gym_actors, stop_nemo_gym_actors
+    from gym_bridge.gym.transport.spinup import start_nemo_gym_actors, stop_nemo_gym_actors
     from gym_bridge.ray_utils import init_ray
     from gym_bridge.rollout.manager import RolloutManager
 
     started_ray = not ray.is_initialized()
     init_ray(num_cpus=spec.ray_num_cpus)
-    if spec.gym.gym_head is not None:
-        logger.info("using the NeMo-Gym already running at %s: its servers are neither started nor stopped here",
-                    spec.gym.gym_head)  # fmt: skip
     try:
-        actors = spinup_nemo_gym_actors(spec.gym, tokenizer, spec.num_actors, split_base_urls=spec.split_base_urls)
+        actors = start_nemo_gym_actors(spec.gym, tokenizer, spec.num_actors, split_base_urls=spec.split_base_urls)
         try:
             manager = RolloutManager(
                 tokenizer=tokenizer,
@@ -138,58 +131,6 @@ def launch_nemo_gym(
         yield rollouts
     finally:
         rollouts.close(stop_timeout_s)
-
-
-def build_nemo_gym_rollouts(
-    config: JsonMapping,
-    tokenizer: Tokenizer,
-    *,
-    base_urls: list[str] | None = None,
-    uses_tools: bool = False,
-    preflight: bool = True,
-    **manager_kwargs: object,
-) -> NemoGymRollouts:
-    """Preflight the endpoints, then start the NemoGym actor(s) and a ``RolloutManager(use_nemo_gym=True)``
-    from a training config (through :func:`start_nemo_gym`).
-
-    ``uses_tools``: the data offers tools, so every endpoint must accept chats with tools
-    (:func:`gym_bridge.preflight.rows_use_tools` tells from the rows).
-    """
-    settings = nemo_gym_rollout_settings(config, base_urls=base_urls)
-    return start_nemo_gym_rollouts(settings, tokenizer, uses_tools=uses_tools, preflight=preflight, **manager_kwargs)
-
-
-def start_nemo_gym_rollouts(
-    settings: NemoGymRolloutSettings,
-    tokenizer: Tokenizer,
-    *,
-    uses_tools: bool = False,
-    preflight: bool = True,
-    **manager_kwargs: object,
-) -> NemoGymRollouts:
-    """:func:`build_nemo_gym_rollouts` for settings already read; ``manager_kwargs`` are ``nemo_gym`` backend options
-    over the settings' (an unknown or mistyped one is a ``BackendOptionsError`` before anything starts)."""
-    spec = replace(
-        settings.launch,
-        uses_tools=uses_tools,
-        preflight=preflight,
-        manager_options=_with_options(settings.launch.manager_options, manager_kwargs),
-    )
-    return start_nemo_gym(spec, tokenizer)
-
-
-def _with_options(options: NemoGymOptions, extra: Mapping[str, object]) -> NemoGymOptions:
-    """``options`` with ``extra`` set over them, validated as the manager validates a backend's keywords."""
-    if not extra:
-        return options
-    from gym_bridge.rollout.backend import BackendClass, backend_options
-    from gym_bridge.rollout.nemo_gym import NEMO_GYM_TASK, AsyncNemoGymRolloutImpl, NemoGymOptions
-
-    given = {name: getattr(options, name) for name in options.model_fields_set}
-    backend = cast("type[BackendClass]", AsyncNemoGymRolloutImpl)
-    merged = backend_options(backend, NEMO_GYM_TASK, {**given, **extra})
-    assert isinstance(merged, NemoGymOptions)
-    return merged
 
 
 def spinup_nemo_gym_actor(

@@ -318,3 +318,18 @@ def _port_with_a_free_neighbour() -> tuple[socket.socket, int]:
                 continue
         return held, taken
     raise AssertionError("no free port with a free neighbour in 50 tries")
+
+
+def test_a_training_config_s_launch_spec_carries_the_caller_s_options_over_the_config_s():
+    from gym_bridge.config.training import nemo_gym_launch_spec
+    from gym_bridge.rollout.backend import BackendOptionsError
+
+    spec = nemo_gym_launch_spec(gym_config(grpo={"seed": 7}), base_urls=URLS, uses_tools=True, full_results_path="r.jsonl")
+    assert (spec.uses_tools, spec.preflight, spec.gym.base_urls) == (True, True, URLS)
+    assert (spec.manager_options.seed, str(spec.manager_options.full_results_path)) == (7, "r.jsonl")
+    assert spec.manager_options.model_fields_set >= {"seed", "full_results_path"}
+    assert spec.with_manager_options() is spec
+    with pytest.raises(BackendOptionsError, match="rollout backend 'nemo_gym': unknown option 'temprature'"):
+        spec.with_manager_options(temprature=0.5)
+    with pytest.raises(BackendOptionsError, match="option 'seed'"):
+        nemo_gym_launch_spec(gym_config(), base_urls=URLS, seed="seven")

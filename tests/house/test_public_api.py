@@ -123,3 +123,20 @@ def test_a_deep_import_in_an_example_is_caught():
         "    import gym_bridge.serving.server\n"
     )
     assert _deep_imports(planted) == ["3: gym_bridge.rollout.manager", "5: gym_bridge.serving.server"]
+
+
+GYM_STARTS = {"start_nemo_gym", "launch_nemo_gym", "start_nemo_gym_actors", "start_nemo_gym_actor"}
+"""The public functions that start Gym: one stack starter and one actor starter, each with a thin wrapper. NeMo-RL's
+``spinup_nemo_gym_actor`` keeps NeMo-RL's signature and is not one of ours."""
+
+
+def test_gym_starts_one_public_way_with_wrappers_that_share_its_parameter_names():
+    import inspect
+
+    starters = {name for name in gym_bridge.__all__ if name.startswith(("start_", "launch_", "build_")) and "gym" in name}
+    assert starters == GYM_STARTS
+    for wrapper, core in (("launch_nemo_gym", "start_nemo_gym"), ("start_nemo_gym_actor", "start_nemo_gym_actors")):
+        wrapped = list(inspect.signature(getattr(gym_bridge, wrapper)).parameters)
+        shared = list(inspect.signature(getattr(gym_bridge, core)).parameters)
+        assert wrapped[:2] == shared[:2] == (["spec", "tokenizer"] if core == "start_nemo_gym" else ["config", "tokenizer"])
+        assert set(wrapped) - {"stop_timeout_s"} <= set(shared), (wrapper, wrapped, shared)

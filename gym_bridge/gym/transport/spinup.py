@@ -1,4 +1,4 @@
-"""Starting NemoGym actors: create them with their options, start Gym, and clean up on any failure."""
+"""Starting and stopping NemoGym actors: create them with their options, start Gym, and clean up on any failure."""
 
 from __future__ import annotations
 
@@ -29,30 +29,22 @@ def actor_options(config: NemoGymConfig) -> dict[str, Any]:
     return {"max_concurrency": DEFAULT_MAX_CONCURRENCY, **config.actor_options}
 
 
-def start_nemo_gym_actor(config: NemoGymConfig, tokenizer: Tokenizer, *, margin_s: float = 60.0) -> ActorHandle:
-    """Create the actor with ``config.actor_options``, start Gym and install the tokenizer; return the handle.
-
-    Blocks at most ``startup_timeout_s + margin_s``. On failure the actor is shut
-    down and killed, and the typed error (``GymStartupError``, ``GetTimeoutError``, ...)
-    is re-raised.
-    """
-    return spinup_nemo_gym_actors(config, tokenizer, 1, margin_s=margin_s)[0]
-
-
-def spinup_nemo_gym_actors(
+def start_nemo_gym_actors(
     config: NemoGymConfig,
     tokenizer: Tokenizer,
-    num_actors: int,
+    num_actors: int = 1,
     *,
     split_base_urls: bool = False,
     margin_s: float = 60.0,
 ) -> list[ActorHandle]:
     """``num_actors`` NemoGym actors, each with its own Gym servers, started concurrently (with
-    ``config.gym_head``: each using the Gym already running there, which stopping them leaves running).
+    ``config.gym_head``: each using the Gym already running there, which stopping them leaves running), each with
+    the tokenizer installed: the one way to start actors without a manager (a whole stack:
+    :func:`~gym_bridge.recipes.launch.start_nemo_gym`).
 
-    ``config.actor_options`` go to every actor (``scheduling_strategy`` or resources
-    place them on other nodes). On any
-    failure every actor is shut down and killed and the first typed error re-raised.
+    ``config.actor_options`` go to every actor (``scheduling_strategy`` or resources place them on other nodes).
+    Blocks at most ``startup_timeout_s + margin_s``. On any failure every actor is shut down and killed and the first
+    typed error (``GymStartupError``, ``GetTimeoutError``, ...) re-raised.
     """
     import ray
 
@@ -79,6 +71,11 @@ def spinup_nemo_gym_actors(
             raise cause from None
         raise
     return handles
+
+
+def start_nemo_gym_actor(config: NemoGymConfig, tokenizer: Tokenizer, *, margin_s: float = 60.0) -> ActorHandle:
+    """:func:`start_nemo_gym_actors` for one actor, same parameters: its handle."""
+    return start_nemo_gym_actors(config, tokenizer, 1, margin_s=margin_s)[0]
 
 
 def stop_nemo_gym_actors(actors: Sequence[ActorHandle], timeout_s: float = 60.0) -> None:

@@ -12,6 +12,7 @@ signature.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -26,6 +27,8 @@ if TYPE_CHECKING:
     from gym_bridge.gym.transport.admission import AdmissionControl
     from gym_bridge.rollout.manager import RolloutManager
     from gym_bridge.types import ActorHandle, GenerationConfig, Tokenizer
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -93,6 +96,9 @@ def start_nemo_gym(spec: GymLaunchSpec, tokenizer: Tokenizer) -> NemoGymRollouts
 
     started_ray = not ray.is_initialized()
     init_ray(num_cpus=spec.ray_num_cpus)
+    if spec.gym.gym_head is not None:  # the actors' own attach line is logged in their Ray workers, not here
+        logger.info("using the NeMo-Gym already running at %s: its servers are neither started nor stopped here",
+                    spec.gym.gym_head)  # fmt: skip
     try:
         actors = start_nemo_gym_actors(spec.gym, tokenizer, spec.num_actors, split_base_urls=spec.split_base_urls)
         try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from gym_bridge.boundary.chat_template import render_chat_template
 from gym_bridge.json_types import JsonObject
 from gym_bridge.types import DatumSpec, MessageEntry, Tokenizer, token_tensor
 
@@ -16,8 +17,12 @@ def datum_from_chat(
     stop_strings: list[str] | None = None,
     tools: list[JsonObject] | None = None,
 ) -> DatumSpec:
-    """One prompt: the rendered chat (generation prompt included) as a single tokenised user message."""
-    text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+    """One prompt: the rendered chat (generation prompt included) as a single tokenised user message.
+
+    The chat template renders in the bounded sandbox, as the server renders it (a model folder's template is
+    untrusted): a runaway template is a ``TemplateBoundError`` naming it, not a hung trainer.
+    """
+    text = render_chat_template(tokenizer, messages, tools=tools, add_generation_prompt=True, template_kwargs={})
     token_ids = token_tensor(tokenizer(text, add_special_tokens=False)["input_ids"])
     datum = DatumSpec(
         message_log=[MessageEntry(role="user", content=text, token_ids=token_ids)],

@@ -11,7 +11,7 @@ import contextlib
 import errno
 import os
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
@@ -106,17 +106,25 @@ def read_text(path: str | Path, max_bytes: int, *, hint: str = "") -> str:
         raise UntrustedInputError(f"{shown(path)}: not UTF-8 text (byte {exc.start})") from None
 
 
-def write_atomic(path: str | Path, data: bytes | str, *, root: str | Path | None = None, mode: int = 0o644) -> None:
+def write_atomic(
+    path: str | Path,
+    data: bytes | str | Callable[[BinaryIO], object],
+    *,
+    root: str | Path | None = None,
+    mode: int = 0o644,
+) -> None:
     """Write ``data`` to ``path`` through a temporary file in the same folder (fsynced) and ``os.replace``: a link
     planted at ``path`` is replaced, never followed, and a reader never sees half a file. With ``root`` (a folder
     above ``path``), no folder between ``root`` and ``path`` is followed as a link (:func:`folder_under`). The file
-    is created with ``mode`` (0o600 for a file holding a secret).
+    is created with ``mode`` (0o600 for a file holding a secret). ``data`` may be a function that writes into the
+    open file, so a large file (an optimizer state) streams to disk instead of being built in memory first.
 
     Raises:
         UntrustedInputError: ``path``'s folder is a link, a file or cannot be written (named).
     """
     path = Path(path)
     raw = data.encode("utf-8") if isinstance(data, str) else data
+    write: Callable[[BinaryIO], object] = raw if callable(raw) else (lambda f: f.write(raw))
     with folder_under(root, path.parent) as dir_fd:
         tmp = f".{path.name}.{os.urandom(6).hex()}.tmp"
         try:
@@ -125,7 +133,7 @@ def write_atomic(path: str | Path, data: bytes | str, *, root: str | Path | None
             raise _unwritable(path, exc) from None
         try:
             with os.fdopen(fd, "wb") as f:
-                f.write(raw)
+                write(f)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
@@ -256,6 +264,21 @@ def folder_under(
         yield fd
     finally:
         os.close(fd)
+
+
+def check_no_links(folder: str | Path, *, root: str | Path) -> None:
+    """Refuse ``folder`` (under ``root``, opened as :func:`folder_under` opens it) when it or an entry in it is a
+    link: a received run folder's checkpoint is read only where it lies.
+
+    Raises:
+        UntrustedInputError: ``folder``, a folder above it below ``root``, or an entry in it is a link (named).
+    """
+    with folder_under(root, folder) as fd:
+        for name in sorted(os.listdir(fd)):
+            if stat.S_ISLNK(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode):
+                raise UntrustedInputError(
+                    f"{shown(Path(folder) / name)}: a link inside the run folder; gym-bridge follows no link there"
+                )
 
 
 def _not_a_folder(path: Path, exc: OSError, dir_fd: int, name: str) -> UntrustedInputError:

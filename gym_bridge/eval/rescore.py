@@ -111,6 +111,12 @@ def grader_config(source: LoadedRun, config_file: str | Path | None, overrides: 
             if not isinstance(target, dict):
                 raise RescoreError(f"{text}: {key} is not a mapping")
         target[path[-1]] = value
+    paths = config.get("config_paths")
+    if not isinstance(paths, list) or not paths:
+        raise RescoreError(
+            f"{shown(source.dir / RUN_FILE)}: config.config_paths is missing or empty, so the Gym configs that grade "
+            "this run are unknown; name them with config_paths=[...] or --config"
+        )
     return config
 
 

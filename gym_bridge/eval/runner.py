@@ -38,7 +38,7 @@ from gym_bridge.eval.dataset import DatasetError, DatasetRow, file_sha256, load_
 from gym_bridge.eval.gym_launch import check_agents, check_gym_logs, launch_spec, preflight_policy, routed
 from gym_bridge.eval.policy_endpoint import policy_endpoint
 from gym_bridge.eval.report import build_report, describe_model
-from gym_bridge.eval.runs import RUN_FILE
+from gym_bridge.eval.runs import RUN_FILE, ReadLimits, recorded_total
 from gym_bridge.eval.shutdown import sigint_deferred
 from gym_bridge.eval.sink import RunStoreSink
 from gym_bridge.eval.store import RunStore, not_empty
@@ -136,12 +136,13 @@ def run_eval(
         preflight_policy(config, list(config.base_urls), rows)
     store = RunStore(config.output_dir)
     made_here = not (config.output_dir.exists() or config.output_dir.is_symlink())
+    recorded = None if fresh else recorded_total(config.output_dir, ReadLimits.from_env())
     done = store.open(
         config.fingerprint(file_sha256(config.dataset)),
         resume=resume,
         meta={
             "config": config.model_dump(mode="json"),
-            "prompts_total": len(rows),
+            "prompts_total": max(len(rows), recorded or 0),  # a resume with a smaller limit keeps the groups it ran
             "model": describe_model(config.model_dump(mode="json")),
         },
     )
@@ -292,7 +293,7 @@ def run_policies(config: EvalConfig, *, resume: bool = False, progress: bool = T
 def _finished(config: EvalConfig, rows: list[DatasetRow]) -> bool:
     """Whether ``config``'s run folder already holds a result for every row (its resume runs nothing)."""
     from gym_bridge.eval.records import ResumeLine
-    from gym_bridge.eval.runs import RESULTS_FILE, RUN_FILE, ReadLimits, read_result_lines
+    from gym_bridge.eval.runs import RESULTS_FILE, read_result_lines
 
     if not (config.output_dir / RUN_FILE).exists() or not (config.output_dir / RESULTS_FILE).exists():
         return False

@@ -24,6 +24,7 @@ import aiohttp
 import orjson
 
 from gym_bridge.boundary import UntrustedInputError, json_io
+from gym_bridge.boundary.chat_template import off_the_loop
 from gym_bridge.failures import GymBridgeError
 from gym_bridge.gym_model.completions import CompletionsClient, CompletionsError, discover
 from gym_bridge.gym_model.config import GymModelConfig, load_from_gym_env
@@ -169,7 +170,7 @@ class GymModelServer:
                 chat_template_kwargs=cfg.chat_template_kwargs,
                 extra_body=cfg.extra_body,
             )
-            rendered = await asyncio.to_thread(  # off the loop: a template renders under its bound, others go on
+            rendered = await off_the_loop(  # a template renders under its bound on the render pool, others go on
                 build_chat_prompt,
                 self.tokenizer,
                 turn.messages,

@@ -52,8 +52,8 @@ from gym_bridge.policy.loss import (
 from gym_bridge.policy.lr_scheduler import build_lr_scheduler
 from gym_bridge.policy.optimizer_file import (
     OPTIMIZER_FILE,
-    optimizer_file_bytes,
     optimizer_file_cap,
+    optimizer_file_writer,
     read_optimizer_file,
     state_problem,
 )
@@ -387,8 +387,8 @@ class HFPolicy(PolicyInterface):
         if self.tokenizer is not None:
             self.tokenizer.save_pretrained(path)
         if save_optimizer:
-            state = optimizer_file_bytes(self.optimizer, self.scheduler, self.steps_taken)
-            write_atomic(path / OPTIMIZER_FILE, state, root=path)
+            writer = optimizer_file_writer(self.optimizer, self.scheduler, int(self.steps_taken))
+            write_atomic(path / OPTIMIZER_FILE, writer, root=path)
 
     def load_optimizer(self, path: str | Path) -> None:
         """Restore the optimizer, the scheduler and the step count that :meth:`save_checkpoint` wrote into ``path``.

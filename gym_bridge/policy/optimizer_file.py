@@ -8,11 +8,11 @@ either loads it; anything else is one :class:`~gym_bridge.failures.errors.Checkp
 
 from __future__ import annotations
 
-import io
 import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeGuard
+from typing import Any, BinaryIO, TypeGuard
 
 import torch
 
@@ -67,17 +67,18 @@ def state_problem(
     return _optimizer_problem(saved["optimizer"], optimizer) or _scheduler_problem(saved.get("scheduler"), scheduler)
 
 
-def optimizer_file_bytes(
+def optimizer_file_writer(
     optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler, steps_taken: int
-) -> bytes:
-    """``optimizer.pt``'s content: the optimizer's and the scheduler's ``state_dict()`` and the step count, tensors
-    and plain containers only, which :func:`read_optimizer_file` reads with ``weights_only=True``."""
-    state = io.BytesIO()
-    torch.save(
-        {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "steps_taken": int(steps_taken)},
-        state,
-    )
-    return state.getvalue()
+) -> Callable[[BinaryIO], None]:
+    """What writes ``optimizer.pt`` into an open file: the optimizer's and the scheduler's ``state_dict()`` and the
+    step count, tensors and plain containers only (:func:`read_optimizer_file` reads them with ``weights_only=True``).
+    ``torch.save`` streams into the file, so the state is never held a second time as bytes in memory."""
+
+    def write(file: BinaryIO) -> None:
+        state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "steps_taken": steps_taken}
+        torch.save(state, file)
+
+    return write
 
 
 def _top_level_problem(saved: object) -> str | None:

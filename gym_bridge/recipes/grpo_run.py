@@ -16,6 +16,7 @@ from __future__ import annotations
 import errno
 import ipaddress
 import logging
+import os
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,11 +24,13 @@ from urllib.parse import urlsplit
 
 import torch
 
+from gym_bridge.boundary import UntrustedInputError
+from gym_bridge.boundary.files import check_no_links
 from gym_bridge.config.grpo import result_logging
 from gym_bridge.config.keys import TrainingConfigError
 from gym_bridge.config.run_settings import GRPORunSettings, grpo_run_settings
 from gym_bridge.data import datum_from_gym_row
-from gym_bridge.failures import SettingError
+from gym_bridge.failures import CheckpointError, SettingError
 from gym_bridge.generation.hf import HFGeneration
 from gym_bridge.gym.protocol.rows import ValidGymRow
 from gym_bridge.gym.servers.running import read_policy_endpoint
@@ -230,13 +233,19 @@ class GRPORun:
 def check_checkpoint(out_dir: str | Path) -> TrainerState | None:
     """The run folder's checkpoint, checked before anything starts: its trainer state (None: no complete checkpoint
     to resume), weights in safetensors, and an ``optimizer.pt`` of tensors and plain containers (its pickle only).
-    Training folders are passed around, so a planted pickle is refused here in one line and never run.
+    Training folders are passed around, so a planted pickle is refused here in one line and never run, and a
+    checkpoint folder that is a link, or holds one, is refused rather than read through.
 
     Raises:
         CheckpointError: the trainer state or the optimizer file is refused (the message names the file).
         ModelLoadError: the checkpoint's only weights are pickle files.
     """
     checkpoint = Path(out_dir) / CHECKPOINT_DIR
+    if os.path.lexists(checkpoint):
+        try:
+            check_no_links(checkpoint, root=out_dir)
+        except UntrustedInputError as exc:
+            raise CheckpointError(str(exc)) from None
     state = load_trainer_state(checkpoint)
     if state is not None:
         check_safetensors_weights(checkpoint)

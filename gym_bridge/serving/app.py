@@ -10,12 +10,12 @@ cancelled (:mod:`~gym_bridge.serving.disconnect`), and with it the engine's rows
 Bodies are parsed by hand (time and size limits, JSON, nesting depth, clean strings and numbers, pydantic) so
 every refusal is a 4xx with the OpenAI error shape, never FastAPI's 422 or a 500; an exception no route meant is
 a 500 with the same shape and one log line (:mod:`~gym_bridge.serving.crashes`). Request bodies are untrusted: the work
-that grows with a body (parsing, tokenizing, chat rendering, building the answer) runs in worker
-threads (``asyncio.to_thread``), never on the event loop, so one large request does not hold
-``/health`` or any other request; stop strings are capped as vLLM caps them. A failure of an HTTP
-generation backend keeps its upstream status (a 429 stays a 429, a context-length
-400 stays a 400 naming the context length); an unreachable upstream is a 503 and a
-malformed upstream answer a 500.
+that grows with a body (parsing, tokenizing, chat rendering, building the answer) runs in worker threads
+(``asyncio.to_thread``; chats render on the render pool of :mod:`~gym_bridge.boundary.chat_template`), never on
+the event loop, so one large request does not hold ``/health`` or any other request; stop strings are capped as
+vLLM caps them. A failure of an HTTP generation backend keeps its upstream status (a 429 stays a 429, a
+context-length 400 stays a 400 naming the context length); an unreachable upstream is a 503 and a malformed
+upstream answer a 500.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
+from gym_bridge.boundary.chat_template import off_the_loop
 from gym_bridge.failures import EngineShutDownError, GenerationUnavailable, RolloutDataFailure, SettingError
 from gym_bridge.json_types import JsonMapping, JsonObject
 from gym_bridge.serving.bodies import parse_request
@@ -129,7 +130,7 @@ async def chat_completions(request: Request) -> Response:
     req = await parse_request(request, ChatCompletionRequest, state)
     state.drift.count_request("chat_completions")
     _check_chat(req, state)
-    prompt = await asyncio.to_thread(_render_chat, req, req.messages, state)
+    prompt = await off_the_loop(_render_chat, req, req.messages, state)
     headers = state.drift.record(prompt)
     samples = await _generate(
         state, req, prompt.token_ids, req.requested_max_tokens(), clamp=state.features.clamp_max_tokens
@@ -181,7 +182,7 @@ async def tokenize(request: Request) -> Response:
     state = serving_state(request)
     req = await parse_request(request, TokenizeRequest, state)
     _check_model(req.model, state)
-    tokens = await asyncio.to_thread(_tokenize_ids, req, state)
+    tokens = await off_the_loop(_tokenize_ids, req, state)  # a chat renders here
     return await _json_response({"tokens": tokens, "count": len(tokens), "max_model_len": state.profile.max_model_len})
 
 

@@ -19,11 +19,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeGuard
 
 from gym_bridge.boundary import json_io
+from gym_bridge.boundary.chat_template import DEFAULT_BOUNDS, RenderBounds, TemplateBoundError, render_chat_template
 from gym_bridge.boundary.errors import UntrustedInputError
 from gym_bridge.json_types import JsonMapping, JsonObject
 from gym_bridge.serving.errors import ServingError
 from gym_bridge.serving.protocol import TOKEN_FIELDS
-from gym_bridge.serving.template_render import DEFAULT_BOUNDS, RenderBounds, TemplateBoundError, render_chat_template
 
 if TYPE_CHECKING:  # gym_bridge.types imports torch, which the Gym model server does without
     from gym_bridge.types import Tokenizer
@@ -150,7 +150,7 @@ def render_ids(
     bounds: RenderBounds = DEFAULT_BOUNDS,
 ) -> list[int]:
     """Render the chat template to text as ``apply_chat_template`` does, in the bounded sandbox
-    (:mod:`~gym_bridge.serving.template_render`), then tokenize it without adding special tokens (as vLLM does).
+    (:mod:`~gym_bridge.boundary.chat_template`), then tokenize it without adding special tokens (as vLLM does).
 
     A template past its bound is a 400, as a template's other failures are: the same request fails the same way
     every time, and OpenAI clients retry a 5xx, which would run the runaway template again for each retry.

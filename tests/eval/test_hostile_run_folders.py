@@ -346,6 +346,29 @@ def test_eval_resume_refuses_a_repeated_prompt_through_the_real_command(tmp_path
     assert f"{tmp_path / 'repeated'}/results.jsonl:3: field 'prompt_idx': 0 is also on line 1" in line
 
 
+@pytest.mark.slow  # the command imports the run loop (torch)
+def test_eval_resume_with_a_smaller_limit_keeps_the_dataset_size_its_results_need(tmp_path: Path) -> None:
+    """A finished 6-prompt run resumed with ``limit=2`` runs nothing and keeps ``prompts_total`` at 6: a smaller
+    number would put its own results outside the dataset, and every reader would refuse the folder."""
+    folder = tmp_path / "run"
+    args = resumable_run(folder)
+    write_lines(folder / "results.jsonl", [result_line(i, [1.0, 0.0]) for i in range(6)])
+    run = json.loads((folder / "run.json").read_text())
+    (folder / "run.json").write_text(json.dumps({**run, "prompts_total": 6}))
+    proc = run_cli("eval", str(EXAMPLE), *args, "limit=2", "--resume", timeout=HANG_S)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((folder / "run.json").read_text())["prompts_total"] == 6
+    report = run_cli("report", str(folder), timeout=HANG_S)
+    assert report.returncode == 0, report.stderr[-3000:]
+
+
+def test_rescore_names_a_run_json_without_config_paths(tmp_path: Path) -> None:
+    folder = write_run(tmp_path / "run", run={"config": {"pass_threshold": 1.0, "gym_overrides": {}}})
+    line = refused("rescore", str(folder), "--out", str(tmp_path / "out"))
+    assert f"{folder}/run.json: config.config_paths is missing or empty" in line, line
+    assert not (tmp_path / "out").exists()
+
+
 def test_eval_resume_reads_the_folder_through_the_same_reader(tmp_path: Path) -> None:
     """The store's resume (what ``eval --resume`` calls before anything starts) on planted files: the boundary's
     refusal (the store reads through it; a :class:`RunReadError` is one too)."""

@@ -1,7 +1,7 @@
 """Hostile chat templates and JSON inside strings (issue 57).
 
 A model folder's chat template is code from the folder: it renders in Jinja's sandbox within a time and output
-bound (:mod:`gym_bridge.serving.template_render`), in a worker thread. Through the real server over the tiny
+bound (:mod:`gym_bridge.boundary.chat_template`), in a worker thread. Through the real server over the tiny
 model's tokenizer: a runaway template fails its own request (a 400 naming the template and the bound) while 8
 innocent chats sent beside it are answered, and the real ``gym-bridge serve --model DIR`` rendering one stops on
 SIGTERM. Our renderer is text- and token-identical to ``apply_chat_template`` on the tiny and SmolLM2 templates (named
@@ -29,6 +29,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 from transformers import AutoTokenizer
 
+from gym_bridge.data import datum_from_chat
 from gym_bridge.generation.scripted import ScriptedGeneration
 from gym_bridge.gym.servers.reaper import free_port
 from gym_bridge.gym_model.translate import TranslationError, responses_to_chat
@@ -36,8 +37,9 @@ from gym_bridge.serving import OpenAIServer
 from gym_bridge.serving.chat import build_chat_prompt, render_ids
 from gym_bridge.serving.errors import ServingError
 from gym_bridge.serving.parsers import parse_tool_calls
-from gym_bridge.serving.template_render import (
+from gym_bridge.boundary.chat_template import (
     DEFAULT_BOUNDS,
+    RENDER_THREADS,
     RenderBounds,
     TemplateBoundError,
     render_chat_template,
@@ -135,6 +137,31 @@ def test_a_runaway_template_fails_alone_while_eight_chats_beside_it_are_answered
     assert _chat(url, "What is 1 + 1?").status_code == 200  # still serving
     with httpx.Client(timeout=30) as client:
         assert client.get(url.removesuffix("/v1") + "/health").status_code == 200
+
+
+def test_runaway_templates_filling_the_render_pool_leave_the_other_worker_threads_free(trapped_server):
+    """As many runaway renders as the render pool has threads: a text completion (its tokenizing and its answer run
+    on asyncio's default threads) is answered while every one of them still renders."""
+    url = trapped_server.base_url
+    body = {"model": "tiny", "prompt": "What is 2 + 2?", "max_tokens": 4}
+    with ThreadPoolExecutor(RENDER_THREADS) as pool:
+        hostile = [pool.submit(_chat, url, TRIGGER) for _ in range(RENDER_THREADS)]
+        time.sleep(0.5)  # every render thread is held (each for its 5 s bound)
+        with httpx.Client(timeout=120) as client:
+            text = client.post(f"{url}/completions", json=body)
+        assert not any(f.done() for f in hostile), "the text completion waited for the runaway renders"
+        refused = [f.result() for f in hostile]
+    assert text.status_code == 200, text.text
+    assert [r.status_code for r in refused] == [400] * RENDER_THREADS
+
+
+def test_datum_from_chat_renders_through_the_same_bound(tiny_model_dir):
+    """Training's prompts render as the server renders them: a template building text past its output bound is a
+    ``TemplateBoundError`` naming the template, refused before the text is built."""
+    tokenizer = _tokenizer(tiny_model_dir)
+    tokenizer.chat_template = "{{ 'x' * 100000000 }}" + tokenizer.chat_template
+    with pytest.raises(TemplateBoundError, match=f"the chat template of {tiny_model_dir}.*output bound"):
+        datum_from_chat(tokenizer, [{"role": "user", "content": "hi"}], idx=0)
 
 
 def test_tokenize_renders_through_the_same_bound(trapped_server):

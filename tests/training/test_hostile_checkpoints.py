@@ -300,6 +300,24 @@ def test_a_link_planted_in_the_run_folder_never_redirects_a_checkpoint(tiny_mode
     assert not checkpoint.is_symlink() and (checkpoint / OPTIMIZER_FILE).is_file()
 
 
+@pytest.mark.parametrize("where", ["folder", "file"])
+def test_a_checkpoint_that_is_or_holds_a_link_is_refused_before_it_is_read(run_copy, tmp_path, where):
+    """Resume reads a checkpoint only where it lies: the checkpoint folder, or a file in it, planted as a link to a
+    checkpoint elsewhere is one line naming the link."""
+    elsewhere = tmp_path / "elsewhere"
+    shutil.move(run_copy / "checkpoint", elsewhere)
+    if where == "folder":
+        (run_copy / "checkpoint").symlink_to(elsewhere, target_is_directory=True)
+        link = run_copy / "checkpoint"
+    else:
+        shutil.copytree(elsewhere, run_copy / "checkpoint")
+        link = run_copy / "checkpoint" / STATE_FILE
+        link.unlink()
+        link.symlink_to(elsewhere / STATE_FILE)
+    line = refused(lambda: check_checkpoint(run_copy))
+    assert line == f"{link}: a link inside the run folder; gym-bridge follows no link there", line
+
+
 # ---- files that are not what they say ---------------------------------------------------------------------
 
 
@@ -328,8 +346,12 @@ def test_a_checkpoint_file_that_is_not_a_regular_file_of_sane_size_is_refused_wi
     calls = [lambda: check_checkpoint(run_copy)]
     if name == OPTIMIZER_FILE:
         calls.append(lambda: policy.load_optimizer(run_copy / "checkpoint"))
-    for call in calls:
+    for k, call in enumerate(calls):
         line = refused(call)
+        if kind == "device" and k == 0:  # the run's check refuses the link itself; the reader, what it leads to
+            expected = "a link inside the run folder"
+        elif kind == "device":
+            expected = "not a regular file (a character device)"
         assert line.startswith(f"{file}: ") and (expected in line or kind == "oversized" and "archive" in line), line
 
 

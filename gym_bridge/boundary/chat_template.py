@@ -8,16 +8,21 @@ A model folder's ``chat_template.jinja`` is untrusted code: a template with nest
 ``for`` iterates through a checking wrapper), every call, attribute and item lookup, ``*`` ``**`` ``+`` ``%`` on
 values (a product or power past the cap is refused before it is built), every filter, every namespace write and
 every chunk the template yields. A template past its bound raises :class:`TemplateBoundError`.
+
+Servers render on :func:`off_the_loop`'s own pool, not asyncio's default executor: templates running to their bound
+hold only render threads, never the threads that parse bodies, tokenize and build answers for other requests.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import re
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -41,6 +46,17 @@ class RenderBounds:
 
 DEFAULT_BOUNDS = RenderBounds()
 """A chat renders in milliseconds; an 8 MiB request body (the server's cap) renders well inside both bounds."""
+
+
+RENDER_THREADS = 4
+"""Renders that may run at once in one process; more wait their turn, each at most its deadline."""
+
+_RENDER_POOL = ThreadPoolExecutor(max_workers=RENDER_THREADS, thread_name_prefix="chat-template")
+
+
+async def off_the_loop[**P, R](fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
+    """``fn(*args, **kwargs)`` (a render) on the render pool, awaited from the event loop."""
+    return await asyncio.get_running_loop().run_in_executor(_RENDER_POOL, functools.partial(fn, *args, **kwargs))
 
 
 class TemplateBoundError(GymBridgeError):

@@ -1,32 +1,26 @@
-"""What an eval run starts Gym with (its launch spec), the endpoints' preflight, every row routed by that Gym, and
-the run folder's Gym log folder checked before a resume starts anything (:func:`check_gym_logs`)."""
+"""What an eval run starts Gym with (its launch spec, its logs in the run folder's ``gym-logs``), the endpoints'
+preflight, and every row routed by that Gym."""
 
 from __future__ import annotations
 
 import logging
 import os
-import stat
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pydantic import SecretStr
 
-from gym_bridge.boundary import UntrustedInputError
-from gym_bridge.boundary.files import file_kind, folder_under
-from gym_bridge.boundary.text import shown
 from gym_bridge.eval.config import EvalConfig
 from gym_bridge.eval.dataset import DatasetError, DatasetRow
 from gym_bridge.gym.protocol.rows import ValidGymRow
+from gym_bridge.gym.servers.log_folder import gym_log_dir
 
 if TYPE_CHECKING:
     from gym_bridge.config.launch_spec import GymLaunchSpec
     from gym_bridge.types import ActorHandle
 
 logger = logging.getLogger(__name__)
-
-GYM_LOGS = "gym-logs"
-"""The run folder's Gym log folder: one log per server, appended to by every session of the run."""
 
 
 def launch_spec(config: EvalConfig, base_urls: list[str], pending: list[DatasetRow]) -> GymLaunchSpec:
@@ -49,7 +43,7 @@ def launch_spec(config: EvalConfig, base_urls: list[str], pending: list[DatasetR
         gym_head=config.gym_head,
         startup_timeout_s=config.startup_timeout_s,
         request_timeout_s=config.request_timeout_s,
-        log_dir=config.output_dir.resolve() / GYM_LOGS,  # the user's folder resolved, never a link inside it
+        log_dir=gym_log_dir(config.output_dir),
         actor_options={"num_cpus": 0},
     )
     return GymLaunchSpec(
@@ -129,39 +123,3 @@ def check_agents(config: EvalConfig, rows: list[DatasetRow]) -> None:
         raise DatasetError(
             f"no config in config_paths defines the agent(s) {listed}; they define: {', '.join(sorted(agents))}"
         )
-
-
-def check_gym_logs(run_dir: Path) -> None:
-    """Refuse a run folder whose ``gym-logs`` Gym would write through to somewhere else: ``gym-logs`` or anything
-    inside it a link, a file with a second hard link (a ``cp -al`` snapshot), or a FIFO, device or socket. Checked on
-    resume before anything starts, the folders walked by descriptor without following a link, so a received folder
-    never leads a log append outside it.
-
-    Raises:
-        UntrustedInputError: one line naming the first such entry and what it is.
-    """
-    logs = run_dir / GYM_LOGS
-    if not os.path.lexists(logs):
-        return
-    with folder_under(run_dir, logs) as fd:
-        for top, dirs, files, top_fd in os.fwalk(".", dir_fd=fd):
-            for name in sorted(dirs + files):
-                problem = _log_entry_problem(os.stat(name, dir_fd=top_fd, follow_symlinks=False))
-                if problem:
-                    raise UntrustedInputError(
-                        f"{shown(logs / top / name)}: {problem}; a resume appends Gym's logs only to regular files "
-                        "with one name inside the run folder"
-                    )
-
-
-def _log_entry_problem(info: os.stat_result) -> str:
-    """What makes an entry of a Gym log folder unsafe to append through, in words ("" when nothing)."""
-    if stat.S_ISLNK(info.st_mode):
-        return "a link inside the run folder"
-    if stat.S_ISDIR(info.st_mode):
-        return ""
-    if not stat.S_ISREG(info.st_mode):
-        return f"not a regular file ({file_kind(info.st_mode)})"
-    if info.st_nlink > 1:
-        return f"has {info.st_nlink} hard links (another name reaches the same file)"
-    return ""

@@ -54,6 +54,7 @@ from gym_bridge.eval.runs import (
 from gym_bridge.eval.store import RunStore, not_empty, read_jsonl
 from gym_bridge.failures import GymBridgeError
 from gym_bridge.gym.protocol.row_file import MAX_ROW_DEPTH
+from gym_bridge.gym.servers.log_folder import gym_log_dir
 from gym_bridge.json_types import JsonMapping, JsonObject
 
 logger = logging.getLogger(__name__)
@@ -249,7 +250,7 @@ def rescore_run(
             policy_model_name="none",
             use_ray=False,
             startup_timeout_s=startup_timeout_s,
-            log_dir=out.resolve() / "gym-logs",  # made by this run in its new folder: no link of anyone's
+            log_dir=gym_log_dir(out),  # made by this run in its new folder: no link of anyone's
         )
     )
     try:

@@ -35,7 +35,7 @@ from gym_bridge.boundary import UntrustedInputError
 from gym_bridge.boundary.files import folder_under
 from gym_bridge.eval.config import EvalConfig, EvalConfigError
 from gym_bridge.eval.dataset import DatasetError, DatasetRow, file_sha256, load_dataset
-from gym_bridge.eval.gym_launch import check_agents, check_gym_logs, launch_spec, preflight_policy, routed
+from gym_bridge.eval.gym_launch import check_agents, launch_spec, preflight_policy, routed
 from gym_bridge.eval.policy_endpoint import policy_endpoint
 from gym_bridge.eval.report import build_report, describe_model
 from gym_bridge.eval.runs import RUN_FILE, ReadLimits, recorded_total
@@ -43,6 +43,7 @@ from gym_bridge.eval.shutdown import sigint_deferred
 from gym_bridge.eval.sink import RunStoreSink
 from gym_bridge.eval.store import RunStore, not_empty
 from gym_bridge.failures import RunConfigurationError
+from gym_bridge.gym.servers.log_folder import check_gym_logs
 from gym_bridge.json_types import JsonObject
 from gym_bridge.models.registry import ModelNotFoundError, check_model_reference
 from gym_bridge.preflight import PreflightError

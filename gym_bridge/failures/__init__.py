@@ -18,6 +18,7 @@ the package that defines it and, in brackets, the builtin it also subclasses (th
      │    │    ├── NoHealthyShards    every generation endpoint is cooling down after refusing connections
      │    │    ├── EnvironmentUnavailable  an environment actor died or is unreachable
      │    │    │    └── NemoGymUnavailable  the NemoGym actor has no running Gym servers (a dead one is named)
+     │    │    │         ├── NemoGymServerRestarting  a Gym server exited and is being started again
      │    │    │         └── NemoGymRestarted  Ray restarted the actor; on_restart="fail" asks for spinup()
      │    │    └── GymTransportError  NeMo-Gym /run failed in transport (HTTP 5xx/408/429, broken stream)
      │    │         └── GymRowIndexError  the stream returned a bad, repeated or never-sent row index
@@ -43,6 +44,8 @@ the package that defines it and, in brackets, the builtin it also subclasses (th
      │    ├── GymStartupError         a server died during start-up or did not answer in time
      │    │    └── GymPortInUse       a server's port was taken before it bound it (named)
      │    └── GymServerDied           a server of a started set is no longer running
+     │         ├── GymServerRestarting  it exited and is being started again (rows in flight are re-sent)
+     │         └── GymServerCrashLoop  it exited again after its last allowed restart: the run stops
      ├── EngineShutDownError          the local generation engine was shut down (generation/hf.py)
      │
      │   defined beside the code that checks for them:

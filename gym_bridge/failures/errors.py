@@ -15,7 +15,9 @@ __all__ = [
     "GymResultError",
     "GymRowIndexError",
     "GymRunError",
+    "GymServerCrashLoop",
     "GymServerDied",
+    "GymServerRestarting",
     "GymServersError",
     "GymStartupError",
     "GymTransportError",
@@ -23,6 +25,7 @@ __all__ = [
     "MissingGenerationData",
     "NaNLogprobs",
     "NemoGymRestarted",
+    "NemoGymServerRestarting",
     "NemoGymUnavailable",
     "NoHealthyShards",
     "RefitMismatch",
@@ -94,6 +97,11 @@ class EnvironmentUnavailable(RolloutInfraFailure):
 
 class NemoGymUnavailable(EnvironmentUnavailable):
     """The actor has no running Gym servers: never spun up, shut down, or a server died (named)."""
+
+
+class NemoGymServerRestarting(NemoGymUnavailable):
+    """A Gym server of the actor's set exited while rows were in flight and is being started again: the rows are
+    re-sent once it answers (counted as re-dispatches of this reason)."""
 
 
 class NemoGymRestarted(NemoGymUnavailable):
@@ -224,6 +232,16 @@ class GymPortInUse(GymStartupError):
 
 class GymServerDied(GymServersError):
     """A server of a started ``GymServers`` is no longer running."""
+
+
+class GymServerRestarting(GymServerDied):
+    """A server of a started set exited and is being started again (or is not answering yet since): rows in flight
+    are lost to it and re-sent; the message names the server, its restart count and its log."""
+
+
+class GymServerCrashLoop(GymServerDied):
+    """A server exited once more after its last allowed restart: the run stops, naming the server and its log
+    (``--resume`` continues it from its last checkpoint or result)."""
 
 
 class EngineShutDownError(GymBridgeError, RuntimeError):

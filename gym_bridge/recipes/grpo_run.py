@@ -18,7 +18,7 @@ import ipaddress
 import logging
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -33,6 +33,7 @@ from gym_bridge.data import datum_from_gym_row
 from gym_bridge.failures import CheckpointError, SettingError
 from gym_bridge.generation.hf import HFGeneration
 from gym_bridge.gym.protocol.rows import ValidGymRow
+from gym_bridge.gym.servers.log_folder import check_gym_logs, gym_log_dir
 from gym_bridge.gym.servers.running import read_policy_endpoint
 from gym_bridge.gym.transport.admission import AdmissionControl
 from gym_bridge.gym.transport.client import GymClient
@@ -290,6 +291,7 @@ def start_grpo_run(
     logger.info("grpo.seed %d", settings.seed)
     checkpoint = out_dir / CHECKPOINT_DIR
     state = check_checkpoint(out_dir) if resume else None
+    check_gym_logs(out_dir)  # a received folder's gym-logs never leads a log append outside it
     if state is not None:
         logger.info("resuming from %s at step %d (weight version %d)", checkpoint, state.step, state.weight_version)
         settings = settings.resumed_from(str(checkpoint), state.step)
@@ -299,6 +301,8 @@ def start_grpo_run(
         url = server.start_in_thread()
         settings = settings.serving_at([url], address.model_name if address is not None else None)
         spec = settings.rollout.launch.with_manager_options(**result_logging(settings.rollout, out_dir))
+        if spec.gym.log_dir is None:  # Gym's logs in the run folder, as an eval's are
+            spec = replace(spec, gym=spec.gym.model_copy(update={"log_dir": gym_log_dir(out_dir)}))
         rollouts = start_nemo_gym(spec, engine.tokenizer)
     except BaseException:
         server.stop_thread()

@@ -174,6 +174,7 @@ def train(
     (``list_gpu_keys``)
     one warning listing the GPU-only keys the run ignores (``--smoke`` has listed them in its table already)."""
     from gym_bridge.config.run_settings import grpo_run_keys, with_rows
+    from gym_bridge.gym.servers.log_folder import check_gym_logs
     from gym_bridge.ray_utils import init_ray
     from gym_bridge.recipes.grpo_run import check_checkpoint, running_gym_policy, start_grpo_run
 
@@ -192,6 +193,7 @@ def train(
     _check_run_dir(run_dir, resume)
     if resume:
         check_checkpoint(run_dir)  # a planted or broken checkpoint file is one line here, before Ray and Gym start
+        check_gym_logs(run_dir)  # so is a gym-logs entry a log append would follow out of the folder
     written = without_env_values(config)  # secrets from the environment stay out of the run folder and the loggers
     _make_run_folder(run_dir, plan)
     write_atomic(run_dir / CONFIG_FILE, yaml.safe_dump(written, sort_keys=False), root=run_dir)

@@ -14,6 +14,7 @@ from gym_bridge.failures import (
     EndpointConfigError,
     FailureClass,
     GymBridgeError,
+    GymServerCrashLoop,
     RolloutDataFailure,
     RolloutRedispatchExhausted,
     RolloutRetryPolicy,
@@ -193,7 +194,8 @@ class RolloutManager:
             slot = slots.open(start_version)
             try:
                 await self._attempt(datum, slots, slot, start_version, inflight_registry)
-            except RunConfigurationError as exc:  # terminal for the run (e.g. Gym's max_mask_fraction abort)
+            except (RunConfigurationError, GymServerCrashLoop) as exc:  # terminal for the run (a config error,
+                # Gym's max_mask_fraction abort, a Gym server past its last restart)
                 await _drop_quietly(slots, slot, exc)
                 raise
             except Exception as exc:

@@ -24,7 +24,7 @@ import pytest
 from test_hostile_run_folders import EXAMPLE, REPO, refused, result_line, write_lines, write_run
 
 from gym_bridge.boundary import UntrustedInputError
-from gym_bridge.eval.gym_launch import check_gym_logs
+from gym_bridge.gym.servers.log_folder import check_gym_logs
 from gym_bridge.eval.store import RunStore
 from gym_bridge.gym.servers._launcher import open_log
 

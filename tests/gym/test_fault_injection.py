@@ -25,6 +25,7 @@ from gym_bridge.data import datum_from_gym_row
 from gym_bridge.failures import (
     EndpointConfigError,
     EndpointUnavailable,
+    GymServerCrashLoop,
     GymRowIndexError,
     GymTransportError,
     MissingGenerationData,
@@ -544,29 +545,65 @@ def _resources_server(info: dict) -> tuple[str, int]:
     return names[0], info["server_pids"][names[0]]
 
 
-async def test_resources_server_killed_mid_run_is_named(fault_gym, gate, tiny_tokenizer):
-    """Fault: Gym's resources server is SIGKILLed while rows are in flight (Gym's agent would retry
-    the refused /verify forever). Expected: the actor's health watch fails the stream within
-    ~health_poll_s with NemoGymUnavailable naming the server; retries fail fast before dispatch;
-    with max_consecutive_dropped_prompts=0 the run stops, naming it."""
+async def _kill_when_answering(fault_gym, name: str, pid: int, timeout_s: float = 120.0) -> int:
+    """SIGKILL server ``name`` (``pid``) and return the pid its restart runs under once the actor sees it answer."""
+    os.kill(pid, signal.SIGKILL)
+
+    async def restarted() -> int | None:
+        try:
+            await fault_gym.health_check.remote()  # the actor's poll, which takes up the new process
+        except NemoGymUnavailable:
+            return None
+        new = int((await fault_gym.server_info.remote())["server_pids"][name])
+        return new if new != pid else None
+
+    return await async_wait_until(restarted, timeout_s, f"{name} restarted and answering", poll_s=0.25)
+
+
+async def test_resources_server_killed_mid_run_is_restarted_and_its_rows_re_sent(fault_gym, gate, tiny_tokenizer):
+    """Fault: Gym's resources server is SIGKILLed while rows are in flight. Expected: the health watch fails the
+    stream within ~health_poll_s (NemoGymServerRestarting, counted as a re-dispatch of that reason), the launcher
+    starts the server again on its port, the re-sent rows wait before dispatch until it answers, and the group
+    commits with every completion graded by the verifier (reward 1.0, none faked)."""
     name, pid = _resources_server(await fault_gym.server_info.remote())
     gate.set("delay", delay_s=2.0)
-    manager = make_manager(fault_gym, tiny_tokenizer, max_infra_attempts=2, max_gym_row_attempts=2,
-                           max_consecutive_dropped_prompts=0)
-    sink = InMemorySink()
+    manager = make_manager(fault_gym, tiny_tokenizer, max_infra_attempts=3, max_gym_row_attempts=1,
+                           max_consecutive_dropped_prompts=0)  # fmt: skip
     seen = gate.stats()["chat"]
-    task = asyncio.ensure_future(manager.collect(prompt(30), sink))
+    task = asyncio.ensure_future(collect(manager, [prompt(30)]))
     await rows_in_flight(gate, seen)
-    t0 = time.monotonic()
     os.kill(pid, signal.SIGKILL)
-    with pytest.raises(RolloutRedispatchExhausted) as info:
-        await asyncio.wait_for(task, 30)
+    outcomes, sink, _ = await asyncio.wait_for(task, 120)
+    assert outcomes == [RolloutOutcome.COMMITTED], f"last error: {sink.last_error}"
+    assert counts(manager).get("rollout/redispatch_total/NemoGymServerRestarting", 0) >= 1, counts(manager)
+    info = await fault_gym.server_info.remote()
+    assert info["server_pids"][name] != pid, "a new process serves the resources server"
+    log = Path(info["log_dir"]) / f"{name}.log"
+    assert "exited with code -9; restarting it (1 of 3)" in log.read_text()
+    await fault_gym.health_check.remote()
+
+
+async def test_a_resources_server_that_keeps_dying_stops_the_run_in_one_line_naming_it(fault_gym, gate, tiny_tokenizer):
+    """Fault: the resources server is killed after each restart, once more than its 3 allowed restarts. Expected:
+    the next group stops the run (GymServerCrashLoop, not a dropped or skipped prompt) with one line naming the
+    server and its log file, and no record is committed."""
+    name, pid = _resources_server(await fault_gym.server_info.remote())
+    info = await fault_gym.server_info.remote()
+    restarts = int((Path(info["log_dir"]) / f"{name}.log").read_text().count("restarting it ("))
+    for _ in range(3 - restarts):
+        pid = await _kill_when_answering(fault_gym, name, pid)
+    os.kill(pid, signal.SIGKILL)
+    manager = make_manager(fault_gym, tiny_tokenizer, max_infra_attempts=3, max_gym_row_attempts=1,
+                           max_consecutive_dropped_prompts=0)  # fmt: skip
+    sink = InMemorySink()
+    t0 = time.monotonic()
+    with pytest.raises(GymServerCrashLoop) as raised:
+        await asyncio.wait_for(manager.collect(prompt(31), sink), 60)
     assert time.monotonic() - t0 < 2.0 + MARGIN_S
-    assert isinstance(info.value.__cause__, NemoGymUnavailable)
-    assert f"'{name}'" in str(info.value) or name in str(info.value)
+    message = str(raised.value).strip().splitlines()[-1]
+    assert f"NeMo-Gym server '{name}' exited (code -9) after its last allowed restart (3 of 3)" in message, message
+    assert f"its log: {Path(info['log_dir']) / f'{name}.log'}" in message, message
     assert not sink.records and not sink.reserved
-    with pytest.raises(NemoGymUnavailable, match=name):
-        await fault_gym.health_check.remote()
 
 
 async def test_actor_killed_is_restarted_by_ray_and_respins(fault_gym, gate, tiny_tokenizer):

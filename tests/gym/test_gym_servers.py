@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from gym_bridge.failures import GymPortInUse, GymServerDied, GymStartupError
+from gym_bridge.failures import GymPortInUse, GymServerCrashLoop, GymStartupError
 from gym_bridge.gym.servers.config_files import wheel_config_path
 from gym_bridge.gym.servers.owned import OwnedGym
 from gym_bridge.gym.servers.server_config import GymServersConfig
@@ -94,7 +94,7 @@ def two_sets(ray_session, tmp_path_factory):
     root = tmp_path_factory.mktemp("gym-servers")
     a = OwnedGym(_config(root / "a"))
     b = OwnedGym(
-        GymServersConfig(overrides=_TOOL_SERVER, log_dir=root / "b", startup_timeout_s=150, use_ray=False)
+        GymServersConfig(overrides=_TOOL_SERVER, log_dir=root / "b", startup_timeout_s=150, use_ray=False, max_restarts=0)
     )
     errors: list[BaseException] = []
     timings: dict[str, float] = {}
@@ -204,8 +204,8 @@ def test_poll_names_a_dead_server_then_stop_leaves_nothing(two_sets):
     victim = b.server_pids["example_single_tool_call"]
     os.kill(victim, signal.SIGKILL)
     wait_until(lambda: not _alive(victim), 10, "the killed server is gone", poll_s=0.1)
-    with pytest.raises(GymServerDied, match="'example_single_tool_call' is no longer running"):
-        b.poll()
+    with pytest.raises(GymServerCrashLoop, match=r"'example_single_tool_call' exited .*restart \(0 of 0\); its log: "):
+        b.poll()  # B allows no restart
     a.poll()
 
     pids = a.pids() | b.pids()

@@ -141,6 +141,8 @@ def test_a_config_of_defaults_and_two_keys_trains_one_step(trained: dict) -> Non
     assert as_trained["grpo"]["num_generations_per_prompt"] == 8 and as_trained["logger"]["mlflow_enabled"] is True
     assert "train: 100%" in trained["done"].stderr and "1/1" in trained["done"].stderr, "the progress bar"
     assert f"checkpoint: {trained['run'] / 'checkpoint'}" in trained["done"].stdout
+    logs = sorted(p.name for p in (trained["run"] / "gym-logs").rglob("*.log"))
+    assert any(name.startswith("math_with_judge") for name in logs), f"Gym's logs are in the run folder: {logs}"
 
 
 def test_a_config_without_policy_model_name_is_one_line_and_exit_2(tmp_path: Path) -> None:

@@ -10,11 +10,12 @@ It changes four things in Gym: each server's output goes to its own log file
 would create a venv or install packages is refused, each server is forked
 from a process that imported NeMo-Gym's dependencies once (:mod:`gym_bridge.gym.servers._forkserver`)
 instead of starting a fresh interpreter, and Gym polls its head and servers every 0.2 s
-instead of every 3 s (a set is ready ~2.5 s sooner). It also binds the head server's socket itself before Gym
-reads its config (:func:`claim_head_port`) and hands it to Gym's uvicorn, so no other process can take the head's
-port between its choice and its bind. It reports to the
-parent through a JSON status file: ``phase`` (parsing, spawning, ready, failed),
-``servers`` (name -> host, port, pid, log), ``routes`` (:mod:`gym_bridge.gym.servers._gym_routes`) and ``error``.
+instead of every 3 s (a set is ready ~2.5 s sooner). Once the set is ready, a server that exits is started again
+with its own command, a bounded number of times (:func:`keep_servers_up`). It also binds the head server's socket
+itself before Gym reads its config (:func:`claim_head_port`) and hands it to Gym's uvicorn, so no other process can
+take the head's port between its choice and its bind. It reports to the parent through a JSON status file:
+``phase`` (parsing, spawning, ready, failed), ``servers`` (name -> host, port, pid, log, and after an exit
+``exit_code``, ``restarts``, ``gave_up``), ``routes`` (:mod:`gym_bridge.gym.servers._gym_routes`) and ``error``.
 
 Its files go through the trust boundary: each server's log is appended to through a descriptor that refuses a
 link or a second hard link (:func:`open_log`), so a log folder someone else filled never leads an append outside
@@ -23,6 +24,7 @@ it, and the status file is replaced whole (:func:`~gym_bridge.boundary.files.wri
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import shlex
@@ -50,6 +52,8 @@ if TYPE_CHECKING:
 
 _INSTALL_MARKERS = ("uv venv", "uv pip install")
 _GYM_POLL_S = 0.2
+_RESTART_POLL_S = 0.2
+"""How often a ready set's servers are checked for one that exited (a restart starts within this of the exit)."""
 SPEC_MAX_BYTES = 64 << 20
 """The largest launch spec the launcher reads (the parent writes it: the Gym config and its overrides)."""
 
@@ -137,11 +141,17 @@ def _link_venvs(servers: dict[str, JsonObject], venv_dir: Path) -> None:
             link.symlink_to(sys.prefix, target_is_directory=True)
 
 
+type _Process = Popen[bytes] | ForkedServer
+type _Started = dict[str, tuple[_Process, Callable[[], _Process]]]
+"""Each server's process and what starts it again (the same command, environment and so port)."""
+
+
 def _make_run_command(
-    status: _Status, log_dir: Path, forks: ForkServerContext | None
-) -> Callable[..., Popen[bytes] | ForkedServer]:
+    status: _Status, log_dir: Path, forks: ForkServerContext | None, started: _Started
+) -> Callable[..., _Process]:
     """A stand-in for ``nemo_gym.cli.setup_command.run_command``: one log file per server, no installs,
-    and each server forked from ``forks`` (:mod:`gym_bridge.gym.servers._forkserver`) when its command allows."""
+    and each server forked from ``forks`` (:mod:`gym_bridge.gym.servers._forkserver`) when its command allows.
+    Every server it starts is entered in ``started`` with the call that starts it again."""
     from nemo_gym.global_config import UV_CACHE_DIR_KEY_NAME, get_global_config_dict
 
     def run_command(
@@ -182,9 +192,40 @@ def _make_run_command(
         servers = status.data["servers"]
         servers.setdefault(name, {})["pid"] = process.pid
         status.update(servers=servers)
+        again = functools.partial(run_command, command, working_dir_path, server_name, project_root,
+                                  global_config_dict=global_config_dict, extra_env=extra_env)  # fmt: skip
+        started[name] = (process, again)
         return process
 
     return run_command
+
+
+def keep_servers_up(status: _Status, log_dir: Path, started: _Started, max_restarts: int) -> None:
+    """Once the set is ready, start a server that exits again, with its own command (so on its own port, under the
+    routes Gym already has), up to ``max_restarts`` times each. The status file counts each server's ``restarts``;
+    a server that exits once more stays down with ``gave_up`` set, and the parent names it and its log."""
+    while True:
+        time.sleep(_RESTART_POLL_S)
+        for name, (process, again) in list(started.items()):
+            code = process.poll()
+            entry = status.data["servers"].setdefault(name, {})
+            if code is None or entry.get("gave_up"):
+                continue
+            count = int(entry.get("restarts", 0))
+            with open_log(log_dir, name) as log:
+                what = f"restarting it ({count + 1} of {max_restarts})" if count < max_restarts else "giving up"
+                log.write(f"$ {shlex.quote(name)} exited with code {code}; {what}\n".encode())
+            entry.update(exit_code=code)
+            if count >= max_restarts:
+                entry.update(gave_up=True)
+                status.update(servers=status.data["servers"])
+                continue
+            entry.update(restarts=count + 1)
+            try:
+                again()  # enters the new process in ``started`` and its pid in the status file
+            except Exception as exc:  # a start that fails is a restart that failed: the server stays down
+                entry.update(gave_up=True, error=f"{type(exc).__name__}: {exc}")
+                status.update(servers=status.data["servers"])
 
 
 def claim_head_port(global_config: JsonObject) -> socket.socket:
@@ -268,7 +309,8 @@ def main(argv: list[str]) -> int:
             head={"host": head["host"], "port": head["port"]},
             routes=gym_routes(global_config_dict),
         )
-        gym_env.run_command = _make_run_command(status, Path(spec["log_dir"]), forks)
+        started: _Started = {}
+        gym_env.run_command = _make_run_command(status, Path(spec["log_dir"]), forks, started)
         gym_env.sleep = _short_sleep
         gym_env.RunHelper().start(global_config_dict_parser_config=parser_config)
     except BaseException as exc:
@@ -276,8 +318,8 @@ def main(argv: list[str]) -> int:
         status.update(phase="failed", error=traceback.format_exc(), summary=summary)
         return 1
     status.update(phase="ready")
-    while True:
-        time.sleep(3600)
+    keep_servers_up(status, Path(spec["log_dir"]), started, int(spec.get("max_restarts", 0)))
+    return 0
 
 
 if __name__ == "__main__":

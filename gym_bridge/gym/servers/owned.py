@@ -34,7 +34,14 @@ import psutil
 from gym_bridge.boundary import UntrustedInputError
 from gym_bridge.boundary.files import make_dir, open_append, read_bytes, write_atomic
 from gym_bridge.boundary.json_io import dumps, loads_object
-from gym_bridge.failures import GymPortInUse, GymServerDied, GymServersError, GymStartupError
+from gym_bridge.failures import (
+    GymPortInUse,
+    GymServerCrashLoop,
+    GymServerDied,
+    GymServerRestarting,
+    GymServersError,
+    GymStartupError,
+)
 from gym_bridge.gym.protocol.token_capture import CAPTURE_KEY, with_capture_dir
 from gym_bridge.gym.servers._launcher import log_path_of
 from gym_bridge.gym.servers.gym_set import CaptureStore, GymSet
@@ -103,6 +110,8 @@ class OwnedGym(GymSet):
         self._private_dir: Path | None = None
         self._window: int | None = None
         self._procs: dict[str, psutil.Process] = {}
+        self.restarts: dict[str, int] = {}
+        """Restarts per server that answered again (counted in ``rollout/gym_server_restarts``)."""
         self._busy_port: int | None = None
         self._port_range = (0, -1)
 
@@ -181,14 +190,36 @@ class OwnedGym(GymSet):
         return self.head
 
     def poll(self) -> None:
-        """Raise :class:`GymServerDied` naming a server (or the head server) that is no longer running."""
+        """Check every server: one that exited and is being started again (or is not answering since) raises
+        :class:`GymServerRestarting`; one past its last restart :class:`GymServerCrashLoop`; the head server gone
+        (the launcher exited) :class:`GymServerDied`. Each names the server and its log in one line."""
         if self._launcher is None:
             raise GymServersError("GymServers is not started")
-        for name, proc in self._procs.items():
-            if not is_alive(proc):
-                raise GymServerDied(self._describe_failure(name, "is no longer running"))
         if not (self._launcher_proc and is_alive(self._launcher_proc)):
             raise GymServerDied(self._describe_failure("head_server", "is no longer running (launcher exited)"))
+        for name, proc in list(self._procs.items()):
+            if not is_alive(proc):
+                self._read_status(restarted=True)
+                proc = self._procs[name]
+            entry = self._status.get("servers", {}).get(name, {})
+            count = int(entry.get("restarts", 0))
+            if count == self.restarts.get(name, 0) and is_alive(proc):
+                continue
+            log = self.log_files.get(name, self.launcher_log)
+            code = entry.get("exit_code")
+            if entry.get("gave_up") or (not is_alive(proc) and count >= self.config.max_restarts):
+                raise GymServerCrashLoop(
+                    f"NeMo-Gym server {name!r} exited (code {code}) after its last allowed restart "
+                    f"({count} of {self.config.max_restarts}); its log: {log}"
+                )
+            if is_alive(proc) and answers(entry["host"], entry["port"]):
+                self.restarts[name] = count
+                logger.warning("NeMo-Gym server %r answers again after restart %d (log: %s)", name, count, log)
+                continue
+            raise GymServerRestarting(
+                f"NeMo-Gym server {name!r} exited (code {code}); restart {max(count, 1)} of "
+                f"{self.config.max_restarts} under way; its log: {log}"
+            )
 
     def stop(self) -> None:
         """Stop every process of this set: SIGTERM to the group, SIGKILL after ``shutdown_timeout_s``."""
@@ -246,6 +277,7 @@ class OwnedGym(GymSet):
         return merged
 
     def _spawn_launcher(self) -> None:
+        self.restarts = {}
         self._status, self._procs, self.head, self._busy_port = {}, {}, None, None  # a new attempt's
         make_dir(self.log_dir)
         self._private_dir = Path(tempfile.mkdtemp(prefix="gym-bridge-servers-"))
@@ -261,6 +293,7 @@ class OwnedGym(GymSet):
             "parent_pid": os.getpid(),
             "skip_load_from_dotenv": not self.config.load_env_yaml,
             "fork_servers": self.config.fork_servers,
+            "max_restarts": self.config.max_restarts,
         }
         spec_path = self._private_dir / "launch.json"  # holds the API key: mkdtemp's folder is the owner's alone
         write_atomic(spec_path, dumps(spec), root=self._private_dir, mode=0o600)
@@ -314,7 +347,9 @@ class OwnedGym(GymSet):
             (root / "env.yaml").symlink_to(here / "env.yaml")
         return root
 
-    def _read_status(self) -> None:
+    def _read_status(self, *, restarted: bool = False) -> None:
+        """The launcher's status file read again: the head's address and each server's process (``restarted``: a
+        server's new process after a restart replaces its old one; during start-up an exited one is an error)."""
         assert self._private_dir is not None
         try:
             status = read_bytes(self._private_dir / "status.json", _STATUS_MAX_BYTES)
@@ -325,11 +360,13 @@ class OwnedGym(GymSet):
         if head and self.head is None:
             self.head = HeadServerAddress(head["host"], int(head["port"]))
         for name, server in self._status.get("servers", {}).items():
-            if server.get("pid") and name not in self._procs:
+            known = self._procs.get(name)
+            if server.get("pid") and (known is None or (restarted and known.pid != server["pid"])):
                 try:
                     self._procs[name] = psutil.Process(server["pid"])
                 except psutil.NoSuchProcess:
-                    raise self._exited(name) from None
+                    if not restarted:
+                        raise self._exited(name) from None
 
     def _wait_until_ready(self, deadline: float) -> None:
         launcher_proc = self._launcher_proc

@@ -67,6 +67,9 @@ class GymServersConfig(BaseModel):
     startup_timeout_s: float = Field(120.0, gt=0)
     shutdown_timeout_s: float = Field(30.0, gt=0)
     """How long SIGTERM may take before SIGKILL."""
+    max_restarts: int = Field(3, ge=0, le=100)
+    """How often each server of a ready set is started again after it exits; one more exit stops the run
+    (:class:`~gym_bridge.failures.errors.GymServerCrashLoop`). 0: a dead server stops the run."""
     log_dir: Path | None = None
     """Per-server log files; default ``./gym-logs/<timestamp>-<pid>-<n>``."""
     ray_address: str | None = None

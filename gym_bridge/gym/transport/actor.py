@@ -63,10 +63,13 @@ from typing import Any
 import aiohttp
 
 from gym_bridge.failures import (
+    GymServerCrashLoop,
     GymServerDied,
+    GymServerRestarting,
     GymServersError,
     InvalidGymRow,
     NemoGymRestarted,
+    NemoGymServerRestarting,
     NemoGymUnavailable,
 )
 from gym_bridge.gym.protocol.episode import episode_request_body, episode_target
@@ -93,6 +96,8 @@ logger = logging.getLogger(__name__)
 _AGENT_SERVER_TYPE = "responses_api_agents"
 _PROGRESS_EVERY = 10
 _LOAD_TIMEOUT_S = 3.0
+_RESTART_WAIT_POLL_S = 0.25
+"""How often rows waiting to be sent check whether a restarting Gym server answers again."""
 """The bound on reading the model endpoints' ``/metrics`` for their load."""
 
 
@@ -290,7 +295,7 @@ class NemoGym:
         started = time.perf_counter()
         consumer_s = await_s = postprocess_s = 0.0
         pending = Counter(counted_as(row) for row in rows)
-        self._check_servers(servers, "before dispatch")
+        await self._await_restarts(servers)
         finished: asyncio.Queue[asyncio.Task[Any]] = asyncio.Queue()
         tasks: list[asyncio.Task[Any]] = [
             asyncio.create_task(poster.post(url, row)) for url, row in zip(urls, rows, strict=True)
@@ -340,10 +345,29 @@ class NemoGym:
 
     @staticmethod
     def _check_servers(servers: GymSet, when: str) -> None:
+        """A dead server as a failure of the rows in flight (re-sent by the retry policy); a server past its last
+        restart (:class:`GymServerCrashLoop`) as it is, which stops the run."""
         try:
             servers.poll()
+        except GymServerCrashLoop:
+            raise
+        except GymServerRestarting as exc:
+            raise NemoGymServerRestarting(f"{when}: {exc}") from None
         except GymServerDied as exc:
             raise NemoGymUnavailable(f"{when}: {exc}") from None
+
+    async def _await_restarts(self, servers: GymSet) -> None:
+        """Before rows are sent: wait while a server restarts (at most ``startup_timeout_s``), so rows re-sent after
+        a crash reach the new server instead of failing at the dead one."""
+        deadline = time.monotonic() + self.cfg.startup_timeout_s
+        while True:
+            try:
+                self._check_servers(servers, "before dispatch")
+                return
+            except NemoGymServerRestarting as exc:
+                if time.monotonic() >= deadline:
+                    raise NemoGymUnavailable(f"{exc}; not answering after {self.cfg.startup_timeout_s:g} s") from None
+            await asyncio.sleep(_RESTART_WAIT_POLL_S)
 
     async def _watch_servers(self, servers: GymSet) -> None:
         """Poll Gym's processes and the model endpoints while rows are in flight; a dead one fails the stream, named.

@@ -67,6 +67,9 @@ class NemoGymConfig(BaseModel):
     are in flight fails the stream (``EndpointUnavailable``)."""
     health_poll_s: float = Field(1.0, gt=0)
     """How often Gym's processes are checked while rows are in flight."""
+    max_gym_server_restarts: int = Field(3, ge=0, le=100)
+    """How often each Gym server this actor started is started again after it exits (the rows it held are re-sent
+    once it answers); one more exit stops the run naming the server and its log. 0: a dead server stops the run."""
     max_connections: int = Field(1024, gt=0)
     """Our client's connection pool towards the agent servers; rows beyond it wait for a free
     connection (under ``request_timeout_s``, not ``connect_timeout_s``)."""
@@ -193,6 +196,7 @@ class NemoGymConfig(BaseModel):
             "startup_timeout_s": self.startup_timeout_s,
             "shutdown_timeout_s": self.shutdown_timeout_s,
             "log_dir": self.log_dir,
+            "max_restarts": self.max_gym_server_restarts,
         }
         if self.gym_head is not None:
             return GymServersConfig(head_url=self.gym_head, **common)

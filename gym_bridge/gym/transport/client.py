@@ -32,6 +32,7 @@ import ray
 from gym_bridge.failures import (
     FailureClass,
     GymRowIndexError,
+    GymServerCrashLoop,
     GymTransportError,
     RolloutFailure,
     RolloutStats,
@@ -416,7 +417,7 @@ async def _unwrapped(ref: Any) -> Any:
     try:
         return await ref
     except ray.exceptions.RayTaskError as exc:
-        if isinstance(exc.cause, RolloutFailure):
+        if isinstance(exc.cause, RolloutFailure | GymServerCrashLoop):  # a crash loop stops the run, in one line
             raise exc.cause from None
         raise
 

@@ -1,7 +1,8 @@
 """End-to-end ``gym-bridge eval`` runs in subprocesses: real Ray, real Gym, the embedded scripted policy.
 
 One run is SIGKILLed after its first result, resumed and SIGINTed (each with its own Ray), then resumed to the
-end (joined to the evals' shared Ray, ``eval_ray_env``):
+end (joined to the evals' shared Ray, ``eval_ray_env``) while one of its Gym resources servers is SIGKILLed (Gym
+restarts it and every group still finishes):
 exactly one record per prompt group, exit code 130 and no process left on SIGINT, and a
 report whose PNG is a real image. A resume with a changed N is refused before anything starts.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -132,9 +134,17 @@ def test_kill_resume_interrupt_resume(dataset: Path, tmp_path: Path, eval_ray_en
 
     # 4. Resume to the end: exactly one record per prompt group, and the report. The killed and the interrupted
     # command started their own Ray (what they leave running is checked above); this one joins the evals' Ray.
+    # Its equivalence_rule resources server is SIGKILLed once results flow: Gym restarts it and the run goes on.
     log = tmp_path / "4.log"
     proc = start(eval_command(*args, "--resume"), log, eval_ray_env)
-    assert proc.wait(600) == 0, log.read_text()[-3000:]
+    server_log = run / "gym-logs" / "lc_equivalence_rule.log"
+    try:
+        wait_for_results(proc, run, log, interrupted_at + 1)
+        os.kill(int(re.findall(r"Started server process \[(\d+)\]", server_log.read_text())[-1]), signal.SIGKILL)
+        assert proc.wait(600) == 0, log.read_text()[-3000:]
+    finally:
+        proc.kill()
+    assert "lc_equivalence_rule exited with code -9; restarting it (1 of 3)" in server_log.read_text()
     print(f"finished after {time.monotonic() - t0:.0f}s")
     records = results(run)
     assert sorted(r["prompt_idx"] for r in records) == list(range(ROWS))

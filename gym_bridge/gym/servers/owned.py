@@ -36,9 +36,7 @@ from gym_bridge.boundary.files import make_dir, open_append, read_bytes, write_a
 from gym_bridge.boundary.json_io import dumps, loads_object
 from gym_bridge.failures import (
     GymPortInUse,
-    GymServerCrashLoop,
     GymServerDied,
-    GymServerRestarting,
     GymServersError,
     GymStartupError,
 )
@@ -55,6 +53,7 @@ from gym_bridge.gym.servers.reaper import (
     tail,
     wait_gone,
 )
+from gym_bridge.gym.servers.restarts import restart_seen
 from gym_bridge.gym.servers.running import read_global_config
 from gym_bridge.gym.servers.server_config import GymServersConfig, HeadServerAddress, deep_merge
 from gym_bridge.gym_versions import installed_gym
@@ -202,24 +201,11 @@ class OwnedGym(GymSet):
                 self._read_status(restarted=True)
                 proc = self._procs[name]
             entry = self._status.get("servers", {}).get(name, {})
-            count = int(entry.get("restarts", 0))
-            if count == self.restarts.get(name, 0) and is_alive(proc):
-                continue
             log = self.log_files.get(name, self.launcher_log)
-            code = entry.get("exit_code")
-            if entry.get("gave_up") or (not is_alive(proc) and count >= self.config.max_restarts):
-                raise GymServerCrashLoop(
-                    f"NeMo-Gym server {name!r} exited (code {code}) after its last allowed restart "
-                    f"({count} of {self.config.max_restarts}); its log: {log}"
-                )
-            if is_alive(proc) and answers(entry["host"], entry["port"]):
-                self.restarts[name] = count
-                logger.warning("NeMo-Gym server %r answers again after restart %d (log: %s)", name, count, log)
-                continue
-            raise GymServerRestarting(
-                f"NeMo-Gym server {name!r} exited (code {code}); restart {max(count, 1)} of "
-                f"{self.config.max_restarts} under way; its log: {log}"
-            )
+            seen = restart_seen(name, entry, is_alive(proc), self.restarts.get(name, 0), self.config.max_restarts, log)
+            if seen != self.restarts.get(name, 0):
+                self.restarts[name] = seen
+                logger.warning("NeMo-Gym server %r answers again after restart %d (log: %s)", name, seen, log)
 
     def stop(self) -> None:
         """Stop every process of this set: SIGTERM to the group, SIGKILL after ``shutdown_timeout_s``."""

@@ -1,6 +1,7 @@
 """``gym-bridge train`` as a user runs it, on a config whose only content is ``defaults:`` (the train-demo's YAML) and
 two keys: one real GRPO step of SmolLM2 through real Ray, real NeMo-Gym servers (math_with_judge) and our server,
-with TensorBoard, W&B and MLflow on. One run is made for the module; every test reads it: the scalars read back
+with TensorBoard, W&B and MLflow on, its Gym resources server SIGKILLed as the step's rollouts start (Gym restarts
+it). One run is made for the module; every test reads it: the scalars read back
 with each logger's own reader, no connection that left loopback, the training plots, and the checkpoint loaded with
 ``from_pretrained``, served, evaluated through real Gym beside the base model and compared with an interval.
 
@@ -13,11 +14,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import signal
 import socket
 import struct
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -102,6 +106,23 @@ def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 900) -> 
     return run_cli(*args, cwd=REPO, env=env or {**os.environ, "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0"}, timeout=timeout)
 
 
+GRADER_LOG = "gym-logs/math_with_judge.log"
+
+
+def kill_the_grader_after_validation(run: Path, timeout_s: float = 1200) -> None:
+    """SIGKILL the run's math_with_judge resources server once the first validation is written, as the step's
+    rollouts start: Gym restarts it and the step goes on (``test_the_killed_grader_was_restarted``)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        metrics, log = run / "metrics.jsonl", run / GRADER_LOG
+        if metrics.exists() and metrics.read_text().strip() and log.exists():
+            pids = re.findall(r"Started server process \[(\d+)\]", log.read_text())
+            if pids:
+                os.kill(int(pids[-1]), signal.SIGKILL)
+                return
+        time.sleep(0.1)
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> dict[str, object]:
     """One ``gym-bridge train`` step: the config file is ``defaults:`` plus two keys; the command line shrinks the
@@ -112,6 +133,8 @@ def trained(tmp_path_factory) -> dict[str, object]:
     env, guard_log = guarded_env(folder)
     run = folder / "run"
     started = time.perf_counter()
+    killer = threading.Thread(target=kill_the_grader_after_validation, args=(run,), daemon=True)
+    killer.start()
     done = cli(
         "train", str(config),
         "grpo.num_generations_per_prompt=8", "++grpo.batch_multiplier=2", f"grpo.max_val_samples={VAL_ROWS}",
@@ -120,6 +143,7 @@ def trained(tmp_path_factory) -> dict[str, object]:
         "--out", str(run), env=env, timeout=1500,
     )  # fmt: skip
     seconds = time.perf_counter() - started
+    killer.join(5)
     assert done.returncode == 0, done.stderr[-4000:]
     print(f"gym-bridge train, one step with validation at start and end: {seconds:.0f} s")
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -143,6 +167,14 @@ def test_a_config_of_defaults_and_two_keys_trains_one_step(trained: dict) -> Non
     assert f"checkpoint: {trained['run'] / 'checkpoint'}" in trained["done"].stdout
     logs = sorted(p.name for p in (trained["run"] / "gym-logs").rglob("*.log"))
     assert any(name.startswith("math_with_judge") for name in logs), f"Gym's logs are in the run folder: {logs}"
+
+
+def test_the_killed_grader_was_restarted(trained: dict) -> None:
+    """The resources server killed as the step's rollouts started was started again, and the step trained on
+    graded completions (``test_a_config_of_defaults_and_two_keys_trains_one_step`` reads the step)."""
+    log = (trained["run"] / GRADER_LOG).read_text()
+    assert "math_with_judge exited with code -9; restarting it (1 of 3)" in log, log[-3000:]
+    assert log.count("Started server process") == 2, "started once, restarted once"
 
 
 def test_a_config_without_policy_model_name_is_one_line_and_exit_2(tmp_path: Path) -> None:

@@ -56,7 +56,9 @@ _STARTUP_DISCOVERY_S = 60.0
 _CONTEXT_MARKERS = ("context length", "max_tokens")
 
 
-_ROLLOUT_PREFIX = re.compile(r"^/ng-rollout/[^/]+(?:/training-token-capture)?(?=/)")
+_ROLLOUT_PREFIX = re.compile(r"^/ng-rollout/(?P<rollout>[^/]+)(?:/training-token-capture)?(?=/)")
+_SESSION_TEXT = re.compile(r"[A-Za-z0-9._~:-]{1,128}")
+"""What a session key sent upstream in a header may hold: a rollout id or our hex cookie, never a peer's raw bytes."""
 
 
 def served_path(path: str) -> str:
@@ -91,6 +93,7 @@ class GymModelServer:
             max_connections=config.max_connections,
             request_timeout_s=config.request_timeout_s,
             retry_budget_s=config.retry_budget_s,
+            session_header=config.session_affinity_header,
         )
         self._ready: asyncio.Lock | None = None
         self._vocab_size: int | None = None
@@ -105,6 +108,9 @@ class GymModelServer:
             return
         path, method = scope["path"], scope["method"]
         cookie_session, headers = _session(scope)
+        rollout = _ROLLOUT_PREFIX.match(path)
+        if rollout is not None and _SESSION_TEXT.fullmatch(rollout["rollout"]):
+            cookie_session = rollout["rollout"]  # Gym 0.7 names the rollout: every call of it is one session
         try:
             if method == "GET" and path in ("/", "/health"):
                 await _reply(send, 200, b'{"status":"ok"}')
@@ -248,7 +254,7 @@ def _session(scope: Scope) -> tuple[str, list[tuple[bytes, bytes]]]:
         if name == b"cookie":
             for part in value.decode("latin-1").split(";"):
                 key, _, val = part.strip().partition("=")
-                if key == _COOKIE and val:
+                if key == _COOKIE and _SESSION_TEXT.fullmatch(val):
                     return val, list(_JSON)
     session = secrets.token_hex(8)
     return session, [*_JSON, (b"set-cookie", f"{_COOKIE}={session}; Path=/".encode())]

@@ -111,8 +111,11 @@ class CompletionsClient:
         request_timeout_s: float = 1800.0,
         retry_budget_s: float = 300.0,
         cooldown_s: float = 5.0,
+        session_header: str | None = None,
     ) -> None:
         self.base_urls = [u.rstrip("/") for u in base_urls]
+        self.session_header = session_header
+        """Sent with each call's session key (when it has one), for a session-aware router upstream."""
         self.model = model
         self.headers = {"Content-Type": "application/json"}
         key = api_key.get_secret_value() if isinstance(api_key, SecretStr) else api_key
@@ -162,7 +165,7 @@ class CompletionsClient:
             idx = self.router.acquire(session)
             url = self.base_urls[idx]
             try:
-                status, raw = await self._post(url, body)
+                status, raw = await self._post(url, body, session)
             except (aiohttp.ClientConnectionError, TimeoutError) as exc:
                 self.router.mark_unhealthy(idx)
                 problem, status = f"{url}/completions: {type(exc).__name__}: {exc}", 503
@@ -183,9 +186,12 @@ class CompletionsClient:
             logger.warning("attempt %d failed (%s); retrying", attempt, problem)
             await asyncio.sleep(pause)
 
-    async def _post(self, url: str, body: bytes) -> tuple[int, bytes]:
+    async def _post(self, url: str, body: bytes, session: Hashable | None) -> tuple[int, bytes]:
         assert self.session is not None
-        async with self.session.post(f"{url}/completions", data=body, headers=self.headers) as response:
+        headers = self.headers
+        if self.session_header is not None and session is not None:
+            headers = {**headers, self.session_header: str(session)}
+        async with self.session.post(f"{url}/completions", data=body, headers=headers) as response:
             return response.status, await _read(response, f"{url}/completions answer")
 
 

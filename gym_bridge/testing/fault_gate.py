@@ -13,7 +13,8 @@ misbehave:
 
 ``times`` limits a fault to the next N chat requests (then it passes through);
 ``stats()`` counts chat requests seen and faults applied, and shows the last
-``Authorization`` header (so a test knows a planted key really travelled).
+``Authorization`` header (so a test knows a planted key really travelled) and the ``X-Session-ID`` of every
+completions request, in order.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ from gym_bridge.json_types import JsonObject
 from gym_bridge.testing.process import ServiceProcess
 
 CHAT_PATH = "v1/chat/completions"
+COMPLETIONS_PATH = "v1/completions"
+SESSION_HEADER = "x-session-id"
+"""Recorded for each completions request (``stats()["sessions"]``): the session key a model server sent."""
 
 
 class FaultGate(ServiceProcess):
@@ -58,7 +62,7 @@ class FaultGate(ServiceProcess):
 
 def build_app(upstream_root: str) -> FastAPI:
     app = FastAPI()
-    state: JsonObject = {"mode": "pass", "times": None, "chat": 0, "faulted": 0, "auth": None}
+    state: JsonObject = {"mode": "pass", "times": None, "chat": 0, "faulted": 0, "auth": None, "sessions": []}
     client = httpx.AsyncClient(base_url=upstream_root, timeout=120.0, trust_env=False)
 
     @app.post("/admin/mode")
@@ -68,7 +72,12 @@ def build_app(upstream_root: str) -> FastAPI:
 
     @app.get("/admin/stats")
     async def stats() -> JsonObject:
-        return {"chat": state["chat"], "faulted": state["faulted"], "auth": state["auth"]}
+        return {
+            "chat": state["chat"],
+            "faulted": state["faulted"],
+            "auth": state["auth"],
+            "sessions": state["sessions"],
+        }
 
     def take_fault() -> str:
         if state["mode"] == "pass" or state["times"] == 0:
@@ -84,6 +93,8 @@ def build_app(upstream_root: str) -> FastAPI:
         if path == CHAT_PATH:
             state["chat"] += 1
             state["auth"] = request.headers.get("authorization")
+        if path == COMPLETIONS_PATH:
+            state["sessions"].append(request.headers.get(SESSION_HEADER))
         if mode == "status":
             error = {
                 "message": state.get("message", "injected fault"),

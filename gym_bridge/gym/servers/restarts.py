@@ -26,7 +26,7 @@ def restart_seen(name: str, entry: JsonObject, alive: bool, seen: int, max_resta
     if entry.get("gave_up") or (not alive and count >= max_restarts):
         raise GymServerCrashLoop(
             f"NeMo-Gym server {name!r} exited (code {code}) after its last allowed restart "
-            f"({count} of {max_restarts}); its log: {log}"
+            f"({count} of {max_restarts}); its log: {log}; the run stops here (--resume continues it)"
         )
     if alive and answers(str(entry["host"]), int(entry["port"])):
         return count

@@ -96,9 +96,9 @@ logger = logging.getLogger(__name__)
 _AGENT_SERVER_TYPE = "responses_api_agents"
 _PROGRESS_EVERY = 10
 _LOAD_TIMEOUT_S = 3.0
+"""The bound on reading the model endpoints' ``/metrics`` for their load."""
 _RESTART_WAIT_POLL_S = 0.25
 """How often rows waiting to be sent check whether a restarting Gym server answers again."""
-"""The bound on reading the model endpoints' ``/metrics`` for their load."""
 
 
 class NemoGym:

@@ -560,12 +560,22 @@ async def _kill_when_answering(fault_gym, name: str, pid: int, timeout_s: float 
     return await async_wait_until(restarted, timeout_s, f"{name} restarted and answering", poll_s=0.25)
 
 
-async def test_resources_server_killed_mid_run_is_restarted_and_its_rows_re_sent(fault_gym, gate, tiny_tokenizer):
-    """Fault: Gym's resources server is SIGKILLed while rows are in flight. Expected: the health watch fails the
-    stream within ~health_poll_s (NemoGymServerRestarting, counted as a re-dispatch of that reason), the launcher
-    starts the server again on its port, the re-sent rows wait before dispatch until it answers, and the group
-    commits with every completion graded by the verifier (reward 1.0, none faked)."""
-    name, pid = _resources_server(await fault_gym.server_info.remote())
+def _server_of_type(info: dict, server_type: str) -> tuple[str, int]:
+    names = sorted(n for n, t in info["server_types"].items() if t == server_type)
+    assert names, info["server_types"]
+    return names[0], info["server_pids"][names[0]]
+
+
+@pytest.mark.parametrize("server_type", ["resources_servers", "responses_api_agents", "responses_api_models"])
+async def test_a_gym_server_killed_mid_run_is_restarted_and_its_rows_re_sent(
+    fault_gym, gate, tiny_tokenizer, server_type
+):
+    """Fault: one Gym server of each kind (resources, agent, model) is SIGKILLed while rows are in flight.
+    Expected: the health watch fails the stream within ~health_poll_s (NemoGymServerRestarting, counted as a
+    re-dispatch of that reason), the launcher starts the server again on its port, the re-sent rows wait before
+    dispatch until it answers, and the group commits with every completion graded by the verifier (reward 1.0,
+    none faked)."""
+    name, pid = _server_of_type(await fault_gym.server_info.remote(), server_type)
     gate.set("delay", delay_s=2.0)
     manager = make_manager(fault_gym, tiny_tokenizer, max_infra_attempts=3, max_gym_row_attempts=1,
                            max_consecutive_dropped_prompts=0)  # fmt: skip

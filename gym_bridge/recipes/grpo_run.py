@@ -301,7 +301,7 @@ def start_grpo_run(
         url = server.start_in_thread()
         settings = settings.serving_at([url], address.model_name if address is not None else None)
         spec = settings.rollout.launch.with_manager_options(**result_logging(settings.rollout, out_dir))
-        if spec.gym.log_dir is None:  # Gym's logs in the run folder, as an eval's are
+        if spec.gym.log_dir is None and spec.gym.gym_head is None:  # an owned Gym logs in the run folder
             spec = replace(spec, gym=spec.gym.model_copy(update={"log_dir": gym_log_dir(out_dir)}))
         rollouts = start_nemo_gym(spec, engine.tokenizer)
     except BaseException:

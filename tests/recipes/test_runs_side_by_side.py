@@ -65,9 +65,10 @@ def test_two_evals_and_a_training_run_started_together_all_finish(tmp_path: Path
         assert lines and all(len(json.loads(line)["completions"]) == 2 for line in lines)
     steps = [json.loads(line) for line in (tmp_path / "train" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in steps if m["kind"] == "train"] == [0, 1]
-    # Each run wrote its own Gym logs (an eval in its run folder, training in its working directory), and no set
-    # had to start again for a taken port.
-    logs = {"eval-1": tmp_path / "eval-1", "eval-2": tmp_path / "eval-2", "train": tmp_path / "cwd-train"}
+    # Each run wrote its own Gym logs in its run folder, none in its working directory, and no set had to start
+    # again for a taken port.
+    logs = {name: tmp_path / name for name in ("eval-1", "eval-2", "train")}
     for name, folder in logs.items():
         assert list((folder / "gym-logs").glob("**/_launcher.log")), f"{name}: no Gym logs of its own in {folder}"
         assert "starting again on other ports" not in outputs[name][1], name
+    assert not (tmp_path / "cwd-train" / "gym-logs").exists(), "training's Gym logs are in its run folder"

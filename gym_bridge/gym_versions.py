@@ -75,6 +75,21 @@ class UnsupportedGymVersion(GymBridgeError, RuntimeError):
 
 
 @dataclass(frozen=True)
+class EvalRunFiles:
+    """What Gym's own eval collection writes beside its rollouts file, so gym-bridge's eval writes the same."""
+
+    aggregate_metrics: bool
+    """``<stem>_aggregate_metrics.json``: one entry per scoring server, from that server's ``/aggregate_metrics``
+    (0.4 and 0.5: each agent's, which asks its resources server; 0.7: each environment server's)."""
+    stamps_environment_server: bool
+    """0.7: every record and every metrics entry names the environment server that ran it (``_ng_environment_server``,
+    and ``_ng_result_type`` its implementation); metrics are asked of that server (a relay forwards to its agent)."""
+    tools: tuple[str, ...]
+    """Gym's commands that read such a folder: 0.4 ``aggregate`` and ``profile``, 0.5 adds ``reverify``, 0.7
+    ``compare``, ``health-check`` and ``export`` (read from each wheel's ``cli/main.py``)."""
+
+
+@dataclass(frozen=True)
 class GymVersion:
     """How one NeMo-Gym release starts its servers, what its rows and results hold.
 
@@ -132,6 +147,8 @@ class GymVersion:
     (``rollout_collection._episode_request_body`` / ``_episode_record``). Before, such rows are refused."""
     head_readiness_path: str
     """The head server's readiness route: ``/readyz`` (0.7, 200 once every server and endpoint answered) or ``/``."""
+    eval_run_files: EvalRunFiles
+    """What Gym's eval collection writes beside its rollouts (:mod:`gym_bridge.gym.protocol.eval_run`)."""
     global_config: JsonObject = field(default_factory=dict)
     """Keys set on every server set: Gym's own wait for the model endpoints is off, since preflight checks them
     and every rollout call has its own deadline (0.5 waits up to 600 s by default)."""
@@ -177,8 +194,21 @@ def gym_version(version: str | Version) -> GymVersion:
         cancels_on_disconnect=at_least("0.7"),
         episode_protocol=at_least("0.7"),
         head_readiness_path="/readyz" if at_least("0.7") else "/",
+        eval_run_files=_eval_run_files(v),
         global_config={"model_endpoint_readiness_timeout_seconds": 0} if at_least("0.5") else {},
     )
+
+
+def _eval_run_files(v: Version) -> EvalRunFiles:
+    if v >= Version("0.7"):
+        return EvalRunFiles(
+            aggregate_metrics=True,
+            stamps_environment_server=True,
+            tools=("gym eval compare", "gym eval aggregate", "gym eval health-check", "gym eval profile",
+                   "gym eval export", "gym eval reverify"),
+        )  # fmt: skip
+    tools = ("gym eval aggregate", "gym eval profile") + (("gym eval reverify",) if v >= Version("0.5") else ())
+    return EvalRunFiles(aggregate_metrics=True, stamps_environment_server=False, tools=tools)
 
 
 @functools.cache

@@ -73,7 +73,7 @@ def eval_run(args: argparse.Namespace) -> int:
 
 def _eval_policies(config: EvalConfig, args: argparse.Namespace) -> int:
     """``gym-bridge eval`` of a config with ``policies``: one line per policy, then the comparison."""
-    from gym_bridge.eval.runner import run_policies
+    from gym_bridge.eval.policies import run_policies
 
     done = run_policies(config, resume=args.resume, progress=not args.no_progress)
     failed = False

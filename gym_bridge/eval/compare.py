@@ -18,7 +18,7 @@ Runs with other rows (another dataset) or another grader config (``config_paths`
 ``pass_threshold``) are refused, except a run that ``gym-bridge rescore`` made from the other: there the
 grader change is the point, and the report states it. Everything is checked before anything is written.
 
-Each run is streamed through the run-folder reader (:func:`~gym_bridge.eval.runs.load_run`), which keeps per
+Each run is streamed through the run-folder reader (:func:`~gym_bridge.eval.gym_runs.load_eval_run`), which keeps per
 prompt only its numbers, its dataset line and a short prompt preview, never the line: two runs of 20,000 prompts
 of 29 KB lines are read in bounded memory, and, past :data:`PARALLEL_BYTES` of results, the runs after the first
 in processes of their own (one per other CPU) while this one reads the first: decoding the lines is most of the
@@ -55,11 +55,12 @@ from gym_bridge.eval.compare_render import (
     render_markdown,
     render_plot,
 )
+from gym_bridge.eval.gym_runs import load_eval_run
 from gym_bridge.eval.inert_text import json_out
 from gym_bridge.eval.output_files import write_files
 from gym_bridge.eval.passk import default_ks, pass_at_k
 from gym_bridge.eval.report import safe_mean
-from gym_bridge.eval.runs import RESULTS_FILE, LoadedRun, RunGroup, load_run
+from gym_bridge.eval.runs import RESULTS_FILE, LoadedRun, RunGroup
 from gym_bridge.failures import GymBridgeError
 from gym_bridge.json_types import JsonObject
 from gym_bridge.stats import (
@@ -172,7 +173,7 @@ def compare_runs(
 
 
 def load_runs(run_dirs: list[str | Path]) -> list[LoadedRun]:
-    """Each run folder read by :func:`~gym_bridge.eval.runs.load_run`, in order. When their results are larger
+    """Each run folder read by :func:`~gym_bridge.eval.gym_runs.load_eval_run`, in order. When their results are larger
     than :data:`PARALLEL_BYTES` together, the first is read here while the others are read in fresh processes
     (one per other CPU at most). The first run's error in order is the one raised, as when they are read one
     after the other.
@@ -182,11 +183,11 @@ def load_runs(run_dirs: list[str | Path]) -> list[LoadedRun]:
     """
     workers = min(len(run_dirs) - 1, (os.cpu_count() or 1) - 1)
     if workers < 1 or sum(_results_bytes(d) for d in run_dirs) <= PARALLEL_BYTES:
-        return [load_run(d) for d in run_dirs]
+        return [load_eval_run(d) for d in run_dirs]
     pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
     try:
-        others = [pool.submit(load_run, d) for d in run_dirs[1:]]
-        first = load_run(run_dirs[0])
+        others = [pool.submit(load_eval_run, d) for d in run_dirs[1:]]
+        first = load_eval_run(run_dirs[0])
         return [first, *(future.result() for future in others)]
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
@@ -230,6 +231,8 @@ def _check_comparable(base: LoadedRun, other: LoadedRun) -> JsonObject | None:
         CompareError: another grader config (not a rescore pair), or rows the other run lacks and the
             datasets differ.
     """
+    if base.run.get("gym_eval_run") or other.run.get("gym_eval_run"):
+        return None  # Gym records neither its grader config nor a dataset hash: the tasks both hold are paired
     a, b = _grader(base), _grader(other)
     changed = {key: {"a": a[key], "b": b[key]} for key in GRADER_KEYS if a[key] != b[key]}
     if changed and not (_is_rescore_of(other, base) or _is_rescore_of(base, other)):

@@ -1,5 +1,5 @@
 """``metrics.json``, ``report.md``, ``report.png`` and the trace viewer ``report.html`` of a run folder, from its
-files alone, read through :func:`~gym_bridge.eval.runs.load_run` (a malformed or hostile folder is one error
+files alone, read through :func:`~gym_bridge.eval.gym_runs.load_eval_run` (a malformed or hostile folder is one error
 line naming the file, line and field; the report of a run still being written, or killed mid-line, is built
 from the lines finished so far).
 
@@ -23,11 +23,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gym_bridge.eval.gym_runs import load_eval_run
 from gym_bridge.eval.inert_text import json_out, markdown_text, plot_label
 from gym_bridge.eval.output_files import write_files
 from gym_bridge.eval.passk import default_ks, pass_at_k
 from gym_bridge.eval.records import ResultLine
-from gym_bridge.eval.runs import LoadedRun, RunGroup, load_run
+from gym_bridge.eval.runs import LoadedRun, RunGroup
 from gym_bridge.eval.viewer import VIEWER_FILE, ViewerPage, page_bytes
 from gym_bridge.json_types import JsonObject
 
@@ -158,7 +159,7 @@ def read_for_report(run_dir: str | Path, tallies: _Tallies | None = None, page: 
         if page is not None:
             page.add_group(record, group.line)
 
-    run = load_run(run_dir, need_row_ids=False, finished=False, failures=True, visit=visit)
+    run = load_eval_run(run_dir, need_row_ids=False, finished=False, failures=True, visit=visit)
     if page is not None:
         for failure in run.failures:
             page.add_failure(failure.model_dump(by_alias=True))

@@ -8,10 +8,8 @@ no run folder behind. On SIGINT the in-flight groups are
 cancelled, finished results stay on disk, Gym and the embedded server are stopped, and
 :class:`EvalInterrupted` is raised (the CLI turns it into exit code 130).
 
-A config with ``policies`` runs through :func:`run_policies`: Ray starts once, then each policy in
-turn runs as an ordinary single-policy run (its own embedded server or endpoints and its own Gym
-server set) into ``<output_dir>/<name>``, and :func:`gym_bridge.eval.compare.compare_runs` writes
-``<output_dir>/compare.*`` over them, the first policy the baseline.
+A config with ``policies`` runs through :func:`gym_bridge.eval.policies.run_policies`, each policy as an ordinary
+single-policy run.
 """
 
 from __future__ import annotations
@@ -32,7 +30,6 @@ from typing import TYPE_CHECKING
 from tqdm import tqdm
 
 from gym_bridge.boundary import UntrustedInputError
-from gym_bridge.boundary.files import folder_under
 from gym_bridge.eval.config import EvalConfig, EvalConfigError
 from gym_bridge.eval.dataset import DatasetError, DatasetRow, file_sha256, load_dataset
 from gym_bridge.eval.gym_launch import check_agents, launch_spec, preflight_policy, routed
@@ -41,7 +38,7 @@ from gym_bridge.eval.report import build_report, describe_model
 from gym_bridge.eval.runs import RUN_FILE, ReadLimits, recorded_total
 from gym_bridge.eval.shutdown import sigint_deferred
 from gym_bridge.eval.sink import RunStoreSink
-from gym_bridge.eval.store import RunStore, not_empty
+from gym_bridge.eval.store import RunStore
 from gym_bridge.failures import RunConfigurationError
 from gym_bridge.gym.servers.log_folder import check_gym_logs
 from gym_bridge.json_types import JsonObject
@@ -50,7 +47,7 @@ from gym_bridge.preflight import PreflightError
 
 if TYPE_CHECKING:
     from gym_bridge.rollout.manager import RolloutManager
-    from gym_bridge.types import Tokenizer
+    from gym_bridge.types import ActorHandle, Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +113,8 @@ def run_eval(
     """Run (or continue) the evaluation described by ``config``; write the report at the end.
 
     ``before_start`` is called once pending groups are known to exist, before anything starts
-    (:func:`run_policies` starts its shared Ray there, so a run that stops none is left running).
+    (:func:`~gym_bridge.eval.policies.run_policies` starts its shared Ray there, so a run that stops none is left
+    running).
 
     Raises:
         DatasetError: a dataset line is malformed (nothing was started).
@@ -156,7 +154,7 @@ def run_eval(
         if pending:
             if before_start is not None:
                 before_start()
-            interrupted = _run_pending(config, pending, store, outcome, progress=progress, checked=fresh)
+            interrupted = _run_pending(config, pending, store, outcome, progress=progress, checked=fresh, every=rows)
             status = "interrupted" if interrupted else "finished"
             if interrupted:
                 raise EvalInterrupted(f"interrupted; {len(store.done)} of {len(rows)} prompt groups are in {store.dir}")
@@ -195,136 +193,6 @@ def _discard_new_folder(folder: Path, made_here: bool) -> None:
             entry.unlink(missing_ok=True)
 
 
-@dataclass
-class PoliciesOutcome:
-    """What :func:`run_policies` did: one :class:`EvalOutcome` per policy, in config order, and the comparison."""
-
-    output_dir: Path
-    policies: dict[str, EvalOutcome]
-    compare_dir: Path | None = None
-    """Where ``compare.md`` / ``.json`` / ``.png`` were written (None: one policy, or compare refused)."""
-    compare_error: str | None = None
-    """Why compare wrote nothing (e.g. no prompt that every policy finished)."""
-    ray_start_s: float | None = None
-    """Seconds the one Ray start took (None: nothing had to run, or Ray was already running)."""
-    seconds: float = 0.0
-
-
-class _SharedRay:
-    """Ray for several runs: started on first need (not at all when every run is finished), stopped at the
-    end when started here. ``start_nemo_gym`` finds it running, so no run stops it."""
-
-    def __init__(self) -> None:
-        self.started = False
-        self.start_s: float | None = None
-
-    def ensure(self) -> None:
-        import ray
-
-        from gym_bridge.ray_utils import init_ray
-
-        if ray.is_initialized():
-            return
-        t0 = time.perf_counter()
-        init_ray(num_cpus=os.cpu_count() or 2)
-        self.started, self.start_s = True, time.perf_counter() - t0
-
-    def stop(self) -> None:
-        if self.started:
-            import ray
-
-            with sigint_deferred("stopping Ray"):
-                ray.shutdown()
-            self.started = False
-
-
-def run_policies(config: EvalConfig, *, resume: bool = False, progress: bool = True) -> PoliciesOutcome:
-    """Run every policy of ``config.policies`` into ``<output_dir>/<name>``, then compare them with the first.
-
-    Ray starts once; each policy brings up its own policy endpoint and Gym server set in turn (Gym's model
-    server is configured with one policy endpoint when it starts, see docs/evaluation.md). Every run folder
-    is checked before anything starts. With ``resume`` each policy resumes on its own: a finished one runs
-    nothing, a partial one runs its pending groups, a missing one starts.
-
-    Raises:
-        RunDirError: ``output_dir`` is not empty without ``resume``, or a policy's config changed on resume.
-        EvalInterrupted: SIGINT; the finished policies and groups are kept, ``--resume`` continues.
-        PreflightError, DatasetError, RunConfigurationError: as :func:`run_eval`.
-    """
-    from gym_bridge.eval.store import RunDirError
-
-    policies = config.policy_configs()
-    if not policies:
-        raise EvalConfigError("policies: not set; run a single-policy config with run_eval")
-    out = config.output_dir
-    if not resume and not_empty(out):
-        raise RunDirError(
-            f"the output folder {out} is not empty: pass --resume to continue those runs, or choose another output_dir"
-        )
-    for _, cfg in policies:  # a policy's run folder planted as a link in a received folder is refused, not followed
-        if os.path.lexists(cfg.output_dir):
-            with folder_under(out, cfg.output_dir):
-                pass
-    rows = load_dataset(config.dataset, limit=config.limit, routing=config.routing)
-    _preflight_endpoints([cfg for _, cfg in policies if not cfg.embedded and not _finished(cfg, rows)], rows)
-    started = time.perf_counter()
-    ray = _SharedRay()
-    outcomes: dict[str, EvalOutcome] = {}
-    try:
-        for name, cfg in policies:
-            logger.info("policy %s: %s", name, describe_model(cfg.model_dump(mode="json")))
-            outcomes[name] = run_eval(cfg, resume=resume, progress=progress, before_start=ray.ensure)
-    finally:
-        ray.stop()
-    result = PoliciesOutcome(output_dir=out, policies=outcomes, ray_start_s=ray.start_s)
-    if len(policies) > 1:
-        from gym_bridge.eval.compare import CompareError, compare_runs
-        from gym_bridge.eval.runs import RunReadError
-
-        try:
-            compare_runs([cfg.output_dir for _, cfg in policies], out)
-            result.compare_dir = out
-        except (CompareError, RunReadError) as exc:
-            result.compare_error = str(exc)
-            logger.warning("compare: %s", exc)
-    result.seconds = time.perf_counter() - started
-    return result
-
-
-def _finished(config: EvalConfig, rows: list[DatasetRow]) -> bool:
-    """Whether ``config``'s run folder already holds a result for every row (its resume runs nothing)."""
-    from gym_bridge.eval.records import ResumeLine
-    from gym_bridge.eval.runs import RESULTS_FILE, read_result_lines
-
-    if not (config.output_dir / RUN_FILE).exists() or not (config.output_dir / RESULTS_FILE).exists():
-        return False
-    lines = read_result_lines(config.output_dir, ReadLimits.from_env(), ResumeLine, need_row_ids=False, finished=False)
-    done = {result.prompt_idx for _, _, result in lines}
-    return all(row.prompt_idx in done for row in rows)
-
-
-def _preflight_endpoints(configs: list[EvalConfig], rows: list[DatasetRow]) -> None:
-    """Check every endpoint policy that has work to do, before anything starts (embedded ones are checked
-    when their server is up)."""
-    from gym_bridge.preflight import rows_use_tools
-    from gym_bridge.recipes.gym_pre_start import preflight
-
-    tools = rows_use_tools([item.row for item in rows])
-    for cfg in configs:
-        try:
-            preflight(
-                cfg.base_urls,
-                cfg.model_name,
-                tools=tools,
-                timeout_s=cfg.preflight_timeout_s,
-                api_key=cfg.api_key(),
-                label=cfg.output_dir.name,
-            )
-        except PreflightError:
-            logger.error("policy %r: its endpoints failed preflight; nothing was started", cfg.output_dir.name)
-            raise
-
-
 def _run_pending(
     config: EvalConfig,
     pending: list[DatasetRow],
@@ -333,11 +201,13 @@ def _run_pending(
     *,
     progress: bool,
     checked: bool = False,
+    every: list[DatasetRow] | None = None,
 ) -> bool:
     """Start everything (the policy endpoint, Ray, Gym: :func:`gym_bridge.recipes.launch.start_nemo_gym`), run the
     pending groups, stop everything; True when SIGINT stopped it. Configured endpoints are checked before their
     tokenizer loads (a bad one stops the run in seconds, before torch is imported), unless ``checked`` (a new run's
-    were checked before its folder was made); the embedded server once it is up."""
+    were checked before its folder was made); the embedded server once it is up. Then, Gym still up, the folder's Gym
+    eval-run files over ``every`` row of the dataset (default: ``pending``)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if not config.embedded and not checked:
         preflight_policy(config, list(config.base_urls), pending)
@@ -364,10 +234,14 @@ def _run_pending(
             outcome.rollouts_started = time.time()
             gc.freeze()  # start-up's objects leave the collector's view: no long full-GC pauses mid-run
             try:
-                return asyncio.run(_dispatch_all(config, pending, store, rollouts.manager, tokenizer, state, outcome))
+                interrupted = asyncio.run(
+                    _dispatch_all(config, pending, store, rollouts.manager, tokenizer, state, outcome)
+                )
             finally:
                 bar.close()
                 store.update_run(rollout_stats=rollouts.manager.stats.as_metrics())
+            _write_gym_files(config.output_dir, rollouts.actor, {r.prompt_idx: r.row for r in every or pending})
+            return interrupted
         finally:
             with sigint_deferred("stopping NeMo-Gym"):
                 rollouts.shutdown(timeout_s=config.startup_timeout_s)
@@ -376,6 +250,20 @@ def _run_pending(
 
                 with sigint_deferred("stopping Ray"):
                     ray.shutdown()
+
+
+def _write_gym_files(run_dir: Path, actor: ActorHandle, rows: dict[int, JsonObject]) -> None:
+    """The folder's Gym eval-run files (:mod:`gym_bridge.eval.gym_run_files`), while Gym is up; a file that cannot
+    be written is one warning: the eval's own files are complete without it."""
+    from gym_bridge.eval.gym_run_files import write_gym_run_files
+
+    try:
+        files = write_gym_run_files(run_dir, actor, rows)
+    except UntrustedInputError as exc:
+        logger.warning("Gym's eval-run files not written: %s", exc)
+        return
+    logger.info("Gym eval-run files: %s (%d rollouts), %s", files.rollouts, files.rollouts_written,
+                files.aggregate_metrics or "no aggregate metrics")  # fmt: skip
 
 
 async def _dispatch_all(

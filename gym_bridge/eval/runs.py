@@ -5,33 +5,24 @@
 layer table keeps ``training/`` from importing this tool; ``tests/eval/test_hostile_reports.py`` holds the two equal).
 
 A run folder is data that people send each other, and model text in it is attacker-controlled, so reading one
-goes through the trust boundary (:mod:`gym_bridge.boundary`) and is bounded and typed:
-
-- only regular files are read (a FIFO, a device or a link to one is refused before anything blocks), each
-  under a size cap (:class:`ReadLimits`) with a message that says how to raise it
-  (:func:`~gym_bridge.boundary.files.open_regular`);
-- JSONL is streamed line by line (:func:`iter_lines`): never the whole file in memory, one line under
-  :attr:`ReadLimits.max_line_bytes`, split on ``\\n`` only (never ``str.splitlines()``, which also splits on
-  U+2028, U+2029 and U+0085 inside a valid row); a NUL byte (a sparse file, a file of zeros) is an error at the
-  line that holds it, never an empty run;
-- every line is decoded by :func:`~gym_bridge.boundary.json_io.loads_object` (orjson: finite numbers only;
-  nesting bounded at :data:`~gym_bridge.boundary.json_io.MAX_DEPTH`, counted on the bytes; every refusal is the
-  boundary's own line); each line is checked against the models of :mod:`gym_bridge.eval.records`;
-  ``run.json`` is typed too (a ``pass_threshold`` that is a string, a ``config`` that is not a mapping);
-- a ``prompt_idx`` given twice is refused, naming both lines, and one outside the dataset ``run.json`` records
-  (``prompts_total``), in ``failures.jsonl`` too; a ``row_id`` that could equal a reader's key for a repeated
-  row (``x#1``) is refused (:data:`~gym_bridge.eval.records.REPEAT_MARK`): no line is counted as a prompt that
-  is not there, or as another.
+goes through the trust boundary (:mod:`gym_bridge.boundary`) and is bounded and typed: only regular files are read
+(a FIFO, a device or a link to one is refused before anything blocks), each under a size cap (:class:`ReadLimits`,
+the message says how to raise it); JSONL is streamed line by line (:func:`iter_lines`), each line under
+:attr:`ReadLimits.max_line_bytes`, split on ``\\n`` only (never ``str.splitlines()``, which also splits on U+2028,
+U+2029 and U+0085 inside a valid row), a NUL byte an error at its line; every line is decoded by
+:func:`~gym_bridge.boundary.json_io.loads_object` (finite numbers, bounded nesting) and checked against the models
+of :mod:`gym_bridge.eval.records`, ``run.json`` too. A ``prompt_idx`` given twice is refused, naming both lines,
+and one outside the dataset ``run.json`` records (``prompts_total``); a ``row_id`` that could equal a reader's key
+for a repeated row (``x#1``) is refused (:data:`~gym_bridge.eval.records.REPEAT_MARK`): no line is counted as a
+prompt that is not there, or as another.
 
 What a reader keeps is bounded by what it uses, not by the file: :func:`load_run` keeps per prompt its numbers
-(key, lines, agent, rewards, a short prompt preview) and where its line is
-(:class:`~gym_bridge.eval.line_stream.LineRef`); the full line is read again when it is asked for
-(:attr:`RunGroup.record`). A caller that needs more of each line (the report's token counts, the trace viewer)
-sees each line once as it streams by (``visit``).
+and where its line is (:class:`~gym_bridge.eval.line_stream.LineRef`), read again when asked for
+(:attr:`RunGroup.record`); a caller that needs more of each line sees each once as it streams by (``visit``).
 
 Any problem is one :class:`RunReadError` line naming the folder, the file, the line and the field. A torn last
-line is an error for a finished run (it is a run killed mid-write; ``gym-bridge eval --resume`` repairs it), and
-a run still being written (its ``run.lock`` held: :mod:`gym_bridge.eval.run_lock`) is refused.
+line is an error for a finished run (``gym-bridge eval --resume`` repairs it); a run still being written (its
+``run.lock`` held: :mod:`gym_bridge.eval.run_lock`) is refused.
 """
 
 from __future__ import annotations
@@ -61,6 +52,7 @@ from gym_bridge.eval.line_stream import LineRef, collector_paused
 from gym_bridge.eval.line_text import field_problem, prompt_preview
 from gym_bridge.eval.records import NO_ROW_ID, REPEAT_MARK, ROW_ID_KEY, FailureLine, PromptLine, ResultLine, RunFile
 from gym_bridge.eval.run_lock import LOCK_FILE, writer_active
+from gym_bridge.gym.protocol.eval_run import ROLLOUTS_FILE
 from gym_bridge.json_types import JsonObject
 
 RUN_FILE = "run.json"
@@ -120,8 +112,9 @@ class ReadLimits(BaseModel):
 
 
 def run_folder_kind(run_dir: str | Path) -> Literal["eval", "training"]:
-    """Whether ``run_dir`` is an eval run folder (it has ``run.json``) or a training run folder (no ``run.json``,
-    a ``metrics.jsonl``). Anything at the name counts (a FIFO, a link): the reader then refuses it by name.
+    """Whether ``run_dir`` is an eval run folder (it has ``run.json``, or is one ``gym eval run`` wrote: a
+    ``rollouts.jsonl``) or a training run folder (no ``run.json``, a ``metrics.jsonl``). Anything at the name counts
+    (a FIFO, a link): the reader then refuses it by name.
 
     Raises:
         RunReadError: ``run_dir`` is not a folder, or is neither kind (both files named).
@@ -129,7 +122,7 @@ def run_folder_kind(run_dir: str | Path) -> Literal["eval", "training"]:
     folder = Path(run_dir)
     if not folder.is_dir():
         raise RunReadError(f"{shown(folder)}: no such run folder")
-    if os.path.lexists(folder / RUN_FILE):
+    if os.path.lexists(folder / RUN_FILE) or os.path.lexists(folder / ROLLOUTS_FILE):
         return "eval"
     if os.path.lexists(folder / TRAINING_METRICS_FILE):
         return "training"
@@ -336,6 +329,8 @@ class RunGroup:
     """The last user message of the row's prompt, on one line, cut to 160 characters (:func:`prompt_preview`)."""
     source: LineRef | None = None
     """Where the line is, to read it again (:attr:`record`)."""
+    held: JsonObject | None = None
+    """The record itself, for a group of a folder ``gym eval run`` wrote (:mod:`gym_bridge.eval.gym_runs`)."""
 
     @property
     def record(self) -> JsonObject:
@@ -345,6 +340,8 @@ class RunGroup:
         Raises:
             RunReadError: the line cannot be read again or changed since (named).
         """
+        if self.held is not None:
+            return self.held
         if self.source is None:
             raise RunReadError(f"results.jsonl:{self.line}: no longer available to read again")
         limits = ReadLimits.from_env()
@@ -403,7 +400,7 @@ def load_run(
 ) -> LoadedRun:
     """Read ``run.json`` and stream every ``results.jsonl`` line of ``run_dir``, in file order (and
     ``failures.jsonl`` when ``failures``), keeping of each line its :class:`RunGroup`; ``visit`` sees each line
-    as it passes.
+    as it passes. (A folder ``gym eval run`` wrote: :func:`gym_bridge.eval.gym_runs.load_eval_run`.)
 
     ``finished`` (``compare``, ``rescore``): the run is not being written, has no torn last line and holds at
     least one group. Without it (``report``), a torn last line is skipped and an empty run is read as empty.

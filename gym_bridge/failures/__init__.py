@@ -43,6 +43,7 @@ the package that defines it and, in brackets, the builtin it also subclasses (th
      ├── GymServersError              a Gym server set failed (gym/servers/server_set.py)
      │    ├── GymStartupError         a server died during start-up or did not answer in time
      │    │    └── GymPortInUse       a server's port was taken before it bound it (named)
+     │    ├── GymMetricsError         a server's /aggregate_metrics failed (gym/transport/aggregate_metrics.py)
      │    └── GymServerDied           a server of a started set is no longer running
      │         ├── GymServerRestarting  it exited and is being started again (rows in flight are re-sent)
      │         └── GymServerCrashLoop  it exited again after its last allowed restart: the run stops

@@ -11,6 +11,7 @@ __all__ = [
     "EnvironmentUnavailable",
     "GenerationUnavailable",
     "GymBridgeError",
+    "GymMetricsError",
     "GymPortInUse",
     "GymResultError",
     "GymRowIndexError",
@@ -242,6 +243,11 @@ class GymServerRestarting(GymServerDied):
 class GymServerCrashLoop(GymServerDied):
     """A server exited once more after its last allowed restart: the run stops, naming the server and its log
     (``--resume`` continues it from its last checkpoint or result)."""
+
+
+class GymMetricsError(GymServersError):
+    """A Gym server's ``/aggregate_metrics`` did not answer in time or answered other than Gym's metrics (the server
+    and the reason named): the eval-run files are left without the aggregate-metrics file."""
 
 
 class EngineShutDownError(GymBridgeError, RuntimeError):

@@ -408,7 +408,7 @@ def test_a_policies_run_checks_its_folders_with_the_same_reader(tmp_path: Path) 
     ``prompt_idx`` there is a :class:`RunReadError` naming the line, not a traceback."""
     from gym_bridge.eval.config import EvalConfig
     from gym_bridge.eval.dataset import DatasetRow
-    from gym_bridge.eval.runner import _finished
+    from gym_bridge.eval.policies import _finished
     from gym_bridge.eval.runs import RunReadError
 
     folder = write_run(tmp_path / "policy", lines=[{**result_line(0, [1.0]), "prompt_idx": "zero"}])

@@ -125,6 +125,9 @@ class GymRoutes:
     dispatch: Mapping[str, str] = field(default_factory=dict)
     """agent -> the server a row for it is posted to: the environment server in front of it, or itself."""
     dispatch_errors: Mapping[str, str] = field(default_factory=dict)
+    scorers: Mapping[str, str] = field(default_factory=dict)
+    """agent -> the server whose ``/aggregate_metrics`` scores its rollouts (the environment server in front of it,
+    a relay too, else the agent itself)."""
     task_sources: Mapping[str, str] | None = None
     """instance -> the agent its datasets' rows go to; None where the installed Gym cannot resolve them."""
     task_source_errors: Mapping[str, str] = field(default_factory=dict)
@@ -137,6 +140,7 @@ class GymRoutes:
             agents=tuple(sorted(data.get("agents") or agents)),
             dispatch=dict(data.get("dispatch") or {name: name for name in agents}),
             dispatch_errors=dict(data.get("dispatch_errors") or {}),
+            scorers=dict(data.get("scorers") or {name: name for name in agents}),
             task_sources=dict(sources) if isinstance(sources, dict) else None,
             task_source_errors=dict(data.get("task_source_errors") or {}),
         )

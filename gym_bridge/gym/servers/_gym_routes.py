@@ -25,27 +25,31 @@ RELAY_IMPL = "legacy_agent"
 
 
 def gym_routes(global_config_dict: DictConfig) -> JsonObject:
-    """``{agents, dispatch, dispatch_errors, task_sources, task_source_errors}`` of one merged Gym config.
+    """``{agents, dispatch, dispatch_errors, scorers, task_sources, task_source_errors}`` of one merged Gym config.
 
-    ``dispatch``: agent -> the server its rows are posted to; ``task_sources``: instance -> agent, or None
+    ``dispatch``: agent -> the server its rows are posted to; ``scorers``: agent -> the server whose
+    ``/aggregate_metrics`` scores its rollouts (the environment server in front of it, relay or not, as Gym's
+    collection groups them; else the agent itself); ``task_sources``: instance -> agent, or None
     when the installed Gym has no task_source resolution (0.4, 0.5)."""
     from omegaconf import DictConfig
 
     blocks = {str(name): block for name, block in global_config_dict.items() if isinstance(block, DictConfig)}
     agents = sorted(name for name, block in blocks.items() if _AGENT_TYPE in block)
-    dispatch, dispatch_errors = _dispatch(blocks, agents)
+    fronting = _fronting(blocks)
+    dispatch, dispatch_errors = _dispatch(fronting, agents)
     task_sources, task_source_errors = _task_sources(global_config_dict, blocks)
     return {
         "agents": agents,
         "dispatch": dispatch,
         "dispatch_errors": dispatch_errors,
+        "scorers": _scorers(fronting, agents),
         "task_sources": task_sources,
         "task_source_errors": task_source_errors,
     }
 
 
-def _dispatch(blocks: JsonObject, agents: list[str]) -> tuple[dict[str, str], dict[str, str]]:
-    """Each agent's entry point: its one working environment server, else the agent itself."""
+def _fronting(blocks: JsonObject) -> dict[str, list[tuple[str, str]]]:
+    """agent -> the environment servers in front of it, each as ``(name, impl)``."""
     fronting: dict[str, list[tuple[str, str]]] = {}
     for name, block in blocks.items():
         servers = block.get(_ENVIRONMENT_TYPE)
@@ -54,6 +58,21 @@ def _dispatch(blocks: JsonObject, agents: list[str]) -> tuple[dict[str, str], di
         for impl, server in servers.items():
             for agent in _environment_server_agents(server):
                 fronting.setdefault(agent, []).append((name, str(impl)))
+    return fronting
+
+
+def _scorers(fronting: dict[str, list[tuple[str, str]]], agents: list[str]) -> dict[str, str]:
+    """Each agent's scoring server: its one environment server, else itself (none when several front it)."""
+    scorers: dict[str, str] = {}
+    for agent in agents:
+        servers = fronting.get(agent, [])
+        if len(servers) <= 1:
+            scorers[agent] = servers[0][0] if servers else agent
+    return scorers
+
+
+def _dispatch(fronting: dict[str, list[tuple[str, str]]], agents: list[str]) -> tuple[dict[str, str], dict[str, str]]:
+    """Each agent's entry point: its one working environment server, else the agent itself."""
     dispatch: dict[str, str] = {}
     errors: dict[str, str] = {}
     for agent in agents:

@@ -82,6 +82,7 @@ from gym_bridge.gym.servers.gym_set import GymSet
 from gym_bridge.gym.servers.server_set import GymServers
 from gym_bridge.gym.transport.actor_config import NemoGymConfig
 from gym_bridge.gym.transport.admission import EndpointLoad
+from gym_bridge.gym.transport.aggregate_metrics import aggregate_metrics
 from gym_bridge.gym.transport.endpoint_load import read_endpoint_load
 from gym_bridge.gym.transport.health import EndpointWatch, SharedWatch
 from gym_bridge.gym.transport.row_convert import Conversion, counted_as
@@ -207,6 +208,12 @@ class NemoGym:
         """The model endpoints' waiting and running requests from their ``/metrics`` (vLLM's gauges), bounded."""
         return await read_endpoint_load(self.cfg.base_urls, _LOAD_TIMEOUT_S)
 
+    async def aggregate_metrics(self, groups: dict[str, list[JsonObject]], timeout_s: float) -> dict[str, JsonObject]:
+        """Each scoring server's ``/aggregate_metrics`` answer for the metrics rows of the rollouts it ran (server ->
+        answer; :mod:`gym_bridge.gym.transport.aggregate_metrics`)."""
+        servers = await self._ready()
+        return await aggregate_metrics(self._http_client(), servers.server_urls, groups, timeout_s)
+
     async def server_info(self) -> dict[str, Any]:
         """Gym's server URLs, process ids and log folder, for diagnostics and tests."""
         servers = self._servers
@@ -216,6 +223,7 @@ class NemoGym:
                 "pids": [],
                 "server_pids": {},
                 "server_types": {},
+                "server_impls": {},
                 "log_dir": None,
                 "head": None,
                 "attached": False,
@@ -225,6 +233,7 @@ class NemoGym:
             "pids": sorted(servers.pids()),
             "server_pids": servers.server_pids,
             "server_types": servers.server_types,
+            "server_impls": servers.server_impls,
             "log_dir": str(servers.log_dir),
             "head": servers.head.url if servers.head else None,
             "attached": servers.attached,

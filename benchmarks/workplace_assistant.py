@@ -11,9 +11,15 @@ after the run (work left behind by abandoned rows would show there).
     uv run python benchmarks/workplace_assistant.py                     # prefix caching on (the engine's default)
     uv run python benchmarks/workplace_assistant.py --no-prefix-cache   # the same run computing every prefix
     uv run python benchmarks/workplace_assistant.py --base-url http://127.0.0.1:18011/v1   # a running server
+    uv run python benchmarks/workplace_assistant.py --replicas 2                 # two servers, sessions kept on one
+    uv run python benchmarks/workplace_assistant.py --replicas 2 --no-affinity   # each model call to the least loaded
 
 With ``--base-url`` the rows go to a server already running SmolLM2 as ``smollm2`` (``benchmarks/engine_evals.py``
-passes ours and vLLM's CPU build in turn); the engine's own counters are then not read.
+passes ours and vLLM's CPU build in turn); the engine's own counters are then not read. With ``--replicas N`` the
+rows go through gym-bridge's Gym model server (``model_server: gym_bridge``) to N servers, each its own engine, and
+the prefix cache counters are summed over them: with session affinity (the default) every model call of a rollout
+goes to the replica that served its first call; ``--no-affinity`` sends each call to the least-loaded replica
+(``session_affinity: false``), as a router without sessions does (Gym #2570).
 """
 
 from __future__ import annotations
@@ -64,6 +70,12 @@ def parse_args() -> argparse.Namespace:
         "--no-seed", action="store_true", help="no per-request seeds (vLLM's CPU build crashes on them)"
     )
     parser.add_argument("--base-url", default=None, help="a running server's /v1 URL serving SmolLM2 as smollm2")
+    parser.add_argument(
+        "--replicas", type=int, default=1, help="servers, each its own engine (>1: gym-bridge's model server)"
+    )
+    parser.add_argument(
+        "--no-affinity", action="store_true", help="with --replicas: each model call to the least loaded"
+    )
     parser.add_argument("--output-dir", type=Path, default=None, help="the run folder (default: a temp folder)")
     return parser.parse_args()
 
@@ -80,10 +92,10 @@ def example_rows(limit: int) -> list[dict[str, Any]]:
 
 
 class BusyClock:
-    """Seconds the engine had a row decoding or queued, sampled every ``every_s`` from ``request_counts``."""
+    """Seconds an engine had a row decoding or queued, sampled every ``every_s`` from ``request_counts``."""
 
-    def __init__(self, generation: Any, every_s: float = 0.2) -> None:
-        self.generation = generation
+    def __init__(self, generations: list[Any], every_s: float = 0.2) -> None:
+        self.generations = generations
         self.every_s = every_s
         self.busy_s = 0.0
         self.peak_running = self.peak_waiting = 0
@@ -99,26 +111,29 @@ class BusyClock:
         self._thread.join(timeout=5)
 
     def _run(self) -> None:
-        if self.generation is None:  # a server elsewhere: nothing to sample
+        if not self.generations:  # a server elsewhere: nothing to sample
             return
         last = time.monotonic()
         while not self._stop.wait(self.every_s):
             now = time.monotonic()
-            counts = self.generation.request_counts()
-            self.peak_running = max(self.peak_running, counts.running)
-            self.peak_waiting = max(self.peak_waiting, counts.waiting)
-            if counts.running or counts.waiting:
+            counts = [generation.request_counts() for generation in self.generations]
+            running, waiting = sum(c.running for c in counts), sum(c.waiting for c in counts)
+            self.peak_running = max(self.peak_running, running)
+            self.peak_waiting = max(self.peak_waiting, waiting)
+            if running or waiting:
                 self.busy_s += now - last
             last = now
 
 
-def prefix_cache_counters(root_url: str) -> dict[str, float]:
-    """``vllm:prefix_cache_queries`` / ``hits`` and the request gauges from ``/metrics`` (empty when it has none)."""
-    with urllib.request.urlopen(f"{root_url}/metrics", timeout=10) as response:
-        text = response.read().decode()
+def prefix_cache_counters(root_urls: list[str]) -> dict[str, float]:
+    """``vllm:prefix_cache_queries`` / ``hits`` and the request gauges from each server's ``/metrics``, summed (empty
+    when they have none)."""
     counters: dict[str, float] = {}
-    for name, value in PREFIX_METRICS.findall(text):
-        counters[name] = counters.get(name, 0.0) + float(value)
+    for root_url in root_urls:
+        with urllib.request.urlopen(f"{root_url}/metrics", timeout=10) as response:
+            text = response.read().decode()
+        for name, value in PREFIX_METRICS.findall(text):
+            counters[name] = counters.get(name, 0.0) + float(value)
     return counters
 
 
@@ -142,21 +157,26 @@ def main() -> int:
         engine_options["enable_prefix_caching"] = not args.no_prefix_cache
     elif args.no_prefix_cache:
         print("this engine has no prefix caching: --no-prefix-cache changes nothing", file=sys.stderr)
-    generation = None if args.base_url else HFGeneration(HFGenerationConfig(**engine_options))
-    server = None
-    if generation is not None:
+    engines = 0 if args.base_url else args.replicas
+    generations = [HFGeneration(HFGenerationConfig(**engine_options)) for _ in range(engines)]
+    servers = []
+    for generation in generations:
         server = OpenAIServer(generation, generation.tokenizer, served_model_name=SERVED_NAME, model_path=str(model))
         server.start_in_thread()
+        servers.append(server)
     try:
-        base_url = args.base_url or (server.base_url if server else None)
-        assert base_url is not None
-        root_url = base_url.removesuffix("/").removesuffix("/v1")
+        base_urls = [args.base_url] if args.base_url else [server.base_url for server in servers]
+        root_urls = [url.removesuffix("/").removesuffix("/v1") for url in base_urls]
+        gym_model = {"session_affinity": not args.no_affinity}
+        overrides = {"policy_model": {"responses_api_models": {"gym_bridge_model": gym_model}}}
         config = EvalConfig(
             dataset=dataset,
             config_paths=CONFIG_PATHS,
             output_dir=output_dir,
-            base_urls=[base_url],
+            base_urls=base_urls,
             model_name=SERVED_NAME,
+            model_server="gym_bridge" if args.replicas > 1 else "vllm_model",
+            gym_overrides=overrides if args.replicas > 1 else {},
             tokenizer=str(model),
             num_generations_per_prompt=args.samples,
             concurrency=args.concurrency or args.prompts,
@@ -170,28 +190,32 @@ def main() -> int:
             seed=None if args.no_seed else 0,
             admission=AdmissionSettings(initial_limit=args.admission_limit),
         )
-        before = prefix_cache_counters(root_url)
+        before = prefix_cache_counters(root_urls)
         t0 = time.monotonic()
-        with BusyClock(generation) as busy:
+        with BusyClock(generations) as busy:
             outcome = run_eval(config, progress=False)
         elapsed = time.monotonic() - t0
         ended = time.time()
-        after = prefix_cache_counters(root_url)
-        work = generation.get_logger_metrics() if generation else None
+        after = prefix_cache_counters(root_urls)
+        works = [generation.get_logger_metrics() for generation in generations]
     finally:
-        if server is not None:
+        for server in servers:
             server.stop_thread()
-        if generation is not None:
+        for generation in generations:
             generation.shutdown()
     sending_s = ended - outcome.rollouts_started if outcome.rollouts_started else None
     report(args, outcome, elapsed, sending_s, before, after)
-    if work is None:
+    if not works:
         return 0 if outcome.failed_now == 0 else 1
+    counts = ("rows_generated", "tokens_generated", "forward_passes")
+    total = {f"hf_generation/{key}": sum(work[f"hf_generation/{key}"] for work in works) for key in counts}
     print(
         f"generation time: {busy.busy_s:.1f} s with a row decoding or queued (peak {busy.peak_running} running, "
-        f"{busy.peak_waiting} waiting); {work['hf_generation/rows_generated']} rows, "
-        f"{work['hf_generation/tokens_generated']} tokens, {work['hf_generation/forward_passes']} forward passes"
+        f"{busy.peak_waiting} waiting); {total['hf_generation/rows_generated']} rows, "
+        f"{total['hf_generation/tokens_generated']} tokens, {total['hf_generation/forward_passes']} forward passes"
     )
+    if len(works) > 1:
+        print("rows per replica: " + ", ".join(str(work["hf_generation/rows_generated"]) for work in works))
     return 0 if outcome.failed_now == 0 else 1
 
 
@@ -212,6 +236,9 @@ def report(
     )
     if args.base_url:
         print(f"engine: the server at {args.base_url}")
+    elif args.replicas > 1:
+        affinity = "off: each model call to the least-loaded replica" if args.no_affinity else "on"
+        print(f"replicas: {args.replicas} behind gym-bridge's Gym model server; session affinity {affinity}")
     else:
         print(f"prefix caching: {'off' if args.no_prefix_cache else 'on (engine default)'}")
     sending = f" ({sending_s:.1f} s from the first group sent to the end)" if sending_s is not None else ""

@@ -17,7 +17,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import (
     BaseModel,
@@ -147,6 +147,11 @@ class EvalConfig(BaseModel):
         "start`), as `gym eval run --no-serve` takes it: its servers and config are used, none is started or "
         "stopped. base_urls are the endpoints its model server calls (its policy_base_url); config_paths, "
         "gym_overrides and an embedded policy are refused with it.",
+    )
+    model_server: Literal["vllm_model", "gym_bridge"] = Field(
+        "vllm_model",
+        description="Gym's model server in front of base_urls: Gym's vllm_model, or gym-bridge's (token-faithful, "
+        "one hop, keeps each rollout on one of several base_urls: docs/nemo_gym.md).",
     )
     agent_name: str | None = Field(None, description="Route every row to this agent (Gym's +agent_name).")
     agent_map: dict[str, str] = Field(

@@ -41,6 +41,7 @@ def launch_spec(config: EvalConfig, base_urls: list[str], pending: list[DatasetR
         config_paths=config_paths,
         overrides=dict(config.gym_overrides),
         gym_head=config.gym_head,
+        model_server=config.model_server,
         startup_timeout_s=config.startup_timeout_s,
         request_timeout_s=config.request_timeout_s,
         log_dir=gym_log_dir(config.output_dir),

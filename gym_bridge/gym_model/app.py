@@ -94,6 +94,7 @@ class GymModelServer:
             request_timeout_s=config.request_timeout_s,
             retry_budget_s=config.retry_budget_s,
             session_header=config.session_affinity_header,
+            sticky=config.session_affinity,
         )
         self._ready: asyncio.Lock | None = None
         self._vocab_size: int | None = None

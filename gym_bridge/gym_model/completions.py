@@ -112,8 +112,11 @@ class CompletionsClient:
         retry_budget_s: float = 300.0,
         cooldown_s: float = 5.0,
         session_header: str | None = None,
+        sticky: bool = True,
     ) -> None:
         self.base_urls = [u.rstrip("/") for u in base_urls]
+        self.sticky = sticky
+        """Route each session to one URL while it is healthy (False: every call least-loaded)."""
         self.session_header = session_header
         """Sent with each call's session key (when it has one), for a session-aware router upstream."""
         self.model = model
@@ -162,7 +165,7 @@ class CompletionsClient:
         deadline = time.monotonic() + self.retry_budget_s
         attempt = 0
         while True:
-            idx = self.router.acquire(session)
+            idx = self.router.acquire(session if self.sticky else None)
             url = self.base_urls[idx]
             try:
                 status, raw = await self._post(url, body, session)

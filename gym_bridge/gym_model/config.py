@@ -52,10 +52,14 @@ class GymModelConfig(BaseModel):
     request_timeout_s: float = Field(1800.0, gt=0)
     retry_budget_s: float = Field(300.0, ge=0)
     """How long unreachable / overloaded upstreams are retried before the turn fails (Gym retries forever)."""
+    session_affinity: bool = True
+    """Keep every model call of one rollout on one ``base_url`` while it is healthy (its prefix cache stays warm);
+    False sends each call to the least-loaded one, as a router without sessions does (what
+    ``benchmarks/workplace_assistant.py --no-affinity`` measures)."""
     session_affinity_header: str | None = Field("X-Session-ID", pattern=r"^[A-Za-z0-9-]{1,64}$")
     """The header every model call of one rollout carries with the rollout's session key (Gym 0.7's rollout id, else
     this server's session cookie), as Gym #2570 proposes, so a router in front of several replicas keeps a rollout on
-    one; None sends none. This server's own routing over ``base_url`` keeps a session on one endpoint either way."""
+    one; None sends none. This server's own routing over ``base_url`` follows ``session_affinity`` either way."""
 
     @field_validator("base_url", mode="before")
     @classmethod

@@ -35,6 +35,7 @@ from gym_bridge.gym.protocol.eval_run import (
     metrics_row,
     rollout_order,
 )
+from gym_bridge.gym.protocol.rows import is_materialized
 from gym_bridge.gym_versions import installed_gym
 from gym_bridge.json_types import JsonObject
 
@@ -68,6 +69,9 @@ class _Stamps:
     """server -> its implementation folder (Gym 0.7's ``_ng_result_type``)."""
 
     def rollout(self, result: JsonObject, row: JsonObject, agent: str) -> JsonObject:
+        """A materialized row's record names its environment server already, and no agent (as Gym's does)."""
+        if is_materialized(row):
+            return gym_rollout(result, row, agent=None, server=None, result_type=None)
         gym = installed_gym()
         server = self.scorers.get(agent) if gym.eval_run_files.stamps_environment_server else None
         return gym_rollout(result, row, agent=agent, server=server, result_type=self.impls.get(server or ""))

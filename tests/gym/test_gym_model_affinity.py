@@ -77,6 +77,22 @@ async def test_no_header_is_sent_when_it_is_switched_off(replicas, tiny_tokenize
     assert replicas[0].stats()["sessions"] == [None]
 
 
+async def test_without_affinity_a_sessions_calls_go_to_the_least_loaded_replica(replicas, tiny_tokenizer) -> None:
+    """``session_affinity: false`` (what the benchmark compares against): calls made one after another alternate
+    between the idle replicas, so a session's turns are split; each still carries its key."""
+    urls = [g.base_url for g in replicas]
+    config = GymModelConfig(port=0, base_url=urls, model=SERVED_MODEL_NAME, session_affinity=False)
+    server = GymModelServer(config, tiny_tokenizer)
+    await server.start()
+    try:
+        for call in range(CALLS + 1):
+            await server.responses(body(call), "rollout-0")
+    finally:
+        await server.client.close()
+    seen = [gate.stats()["sessions"] for gate in replicas]
+    assert seen[0] == seen[1] == ["rollout-0"] * ((CALLS + 1) // 2), f"split evenly, key on every call: {seen}"
+
+
 @pytest.mark.parametrize("name", ["", "X Session", "X-Session-ID\r\nEvil: 1", "x" * 65])
 def test_a_header_name_that_is_not_a_token_is_refused(name: str) -> None:
     with pytest.raises(ValueError, match="session_affinity_header"):

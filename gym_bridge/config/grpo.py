@@ -61,8 +61,6 @@ from gym_bridge.types import GenerationSamplingParams
 
 _LOSS_VARIANTS_NOT_IMPLEMENTED = {
     "disable_ppo_ratio": False,
-    "token_level_loss": True,
-    "sequence_level_importance_ratios": False,
     "use_kl_in_reward": False,
     "use_on_policy_kl_approximation": False,
     "use_cispo": False,
@@ -71,7 +69,8 @@ _LOSS_VARIANTS_NOT_IMPLEMENTED = {
 _NULLABLE_LOSS_KEYS = ("kl_input_clamp_value", "kl_output_clamp_value")
 """Loss keys whose None means something (no clamp); for the others None means NeMo-RL's default."""
 _OUR_LOSS = (
-    "gym-bridge's ClippedPGLoss (token-level clipped PG with optional truncated importance sampling and a reference KL)"
+    "gym-bridge's ClippedPGLoss (clipped PG, token- or sequence-level with GSPO's sequence ratios, optional truncated "
+    "importance sampling and a reference KL)"
 )
 _NOT_IMPLEMENTED: dict[str, tuple[object, ...]] = {
     "grpo.val_start_at": (-1,),

@@ -30,7 +30,7 @@ from gym_bridge.training.fidelity import OnPolicyError, on_policy_error
 
 
 class ClippedPGLossConfig(BaseModel):
-    """NeMo-RL's ``loss_fn`` keys that this loss implements (token-level loss only)."""
+    """NeMo-RL's ``loss_fn`` keys that this loss implements."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -50,6 +50,20 @@ class ClippedPGLossConfig(BaseModel):
     force_on_policy_ratio: bool = False
     """The old policy is the training forward's own logprobs, detached (NeMo-RL's ``force_on_policy_ratio``): no
     ``prev_logprobs`` pass. Exact only when the batch takes one optimizer step."""
+    token_level_loss: bool = True
+    """False: each sample's loss is the mean over its tokens, and the batch's the mean over samples (NeMo-RL's
+    sequence-level loss)."""
+    sequence_level_importance_ratios: bool = False
+    """GSPO (with ``token_level_loss: false``): one PPO ratio per sample, ``exp`` of the mean token log-ratio, and
+    one importance weight per sample, ``exp`` of the summed ``prev - gen``."""
+
+    @model_validator(mode="after")
+    def _gspo_is_sequence_level(self) -> Self:
+        if self.sequence_level_importance_ratios and self.token_level_loss:
+            raise SettingError(
+                "sequence_level_importance_ratios (GSPO) needs token_level_loss: false (NeMo-RL refuses the pair)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _truncation_is_complete(self) -> Self:
@@ -95,6 +109,10 @@ def kl_estimate(
     return kl
 
 
+_EPS = 1e-8
+"""NeMo-RL's ``masked_mean`` adds it to a per-sample token count (a sample without valid tokens gives 0, not NaN)."""
+
+
 class ClippedPGLossMetrics(TypedDict):
     """One micro-batch's metrics: sums over its valid tokens, which :func:`loss_metrics` and
     :func:`sum_on_policy_errors` add up over the batch."""
@@ -134,29 +152,21 @@ class ClippedPGLoss:
         global_valid_seqs: torch.Tensor,
         global_valid_toks: torch.Tensor,
     ) -> tuple[torch.Tensor, ClippedPGLossMetrics]:
-        """The loss of one micro-batch, normalised by the global batch's valid tokens, and its metrics."""
+        """The loss of one micro-batch, normalised by the global batch's valid tokens (or, with
+        ``token_level_loss: false``, its valid samples), and its metrics."""
         cfg, device, dtype = self.cfg, token_logprobs.device, token_logprobs.dtype
-        mask = torch.as_tensor(data["token_mask"]).float().to(device)
+        tokens = torch.as_tensor(data["token_mask"]).float().to(device)
+        samples = torch.ones(tokens.shape[0], device=device)
         if data.get("sample_mask") is not None:
-            mask = mask * torch.as_tensor(data["sample_mask"]).float().to(device)[:, None]
+            samples = torch.as_tensor(data["sample_mask"]).float().to(device)
+        mask = tokens * samples[:, None]
         advantages = torch.as_tensor(data["advantages"], dtype=dtype, device=device)
         if advantages.ndim == 1:
             advantages = advantages[:, None]
         gen = torch.as_tensor(data["generation_logprobs"], dtype=dtype, device=device)
-        if cfg.force_on_policy_ratio:
-            prev = token_logprobs.detach()
-        elif data.get("prev_logprobs") is None:
-            raise KeyError(
-                "ClippedPGLoss needs data['prev_logprobs']: the trainer's logprobs of the batch before its update "
-                "(policy.get_logprobs), the old policy of the PPO ratio; or loss_fn.force_on_policy_ratio: true"
-            )
-        else:
-            prev = torch.as_tensor(data["prev_logprobs"], dtype=dtype, device=device)
-        if cfg.use_importance_sampling_correction:
-            weights, out_of_bounds = self.importance_weights(prev, gen)
-        else:
-            weights, out_of_bounds = torch.ones_like(gen), torch.zeros_like(gen, dtype=torch.bool)
-        ratio = torch.exp(token_logprobs - prev)
+        prev = self._old_policy(token_logprobs, data)
+        weights, out_of_bounds = self._weights(prev, gen, mask)
+        ratio = self._ratio(token_logprobs, prev, tokens)
         clamped = ratio.clamp(1 - cfg.ratio_clip_min, 1 + cfg.ratio_clip_max)
         per_token = torch.maximum(-advantages * ratio, -advantages * clamped)
         if cfg.ratio_clip_c is not None:
@@ -164,6 +174,7 @@ class ClippedPGLoss:
             per_token = torch.where(advantages < 0, dual, per_token)
         per_token = per_token * weights
         clipped = (-advantages * clamped > -advantages * ratio).float()
+        loss = self._reduce(per_token, tokens, samples, global_valid_seqs, global_valid_toks)
         kl_sum = 0.0
         if cfg.reference_policy_kl_penalty:
             reference = torch.as_tensor(data["reference_policy_logprobs"], dtype=dtype, device=device)
@@ -178,8 +189,9 @@ class ClippedPGLoss:
                 importance_weights=torch.exp(token_logprobs - token_logprobs.detach()),
             )
             kl_sum = float((per_token_kl.detach() * mask).sum())
-            per_token = per_token + cfg.reference_policy_kl_penalty * per_token_kl
-        loss = (per_token * mask).sum() / global_valid_toks.clamp(min=1)
+            loss = loss + cfg.reference_policy_kl_penalty * self._reduce(
+                per_token_kl, tokens, samples, global_valid_seqs, global_valid_toks
+            )
         error = on_policy_error(prev, gen, mask)
         return loss, {
             "loss": float(loss.detach()),
@@ -189,6 +201,51 @@ class ClippedPGLoss:
             "is_out_of_bounds_tokens": float((out_of_bounds.float() * mask).sum()),
             "kl_sum": kl_sum,
         }
+
+    def _old_policy(self, token_logprobs: torch.Tensor, data: BatchedDataDict[TrainBatchSpec]) -> torch.Tensor:
+        """The PPO ratio's old policy: ``prev_logprobs``, or the forward's own logprobs (``force_on_policy_ratio``)."""
+        if self.cfg.force_on_policy_ratio:
+            return token_logprobs.detach()
+        if data.get("prev_logprobs") is None:
+            raise KeyError(
+                "ClippedPGLoss needs data['prev_logprobs']: the trainer's logprobs of the batch before its update "
+                "(policy.get_logprobs), the old policy of the PPO ratio; or loss_fn.force_on_policy_ratio: true"
+            )
+        return torch.as_tensor(data["prev_logprobs"], dtype=token_logprobs.dtype, device=token_logprobs.device)
+
+    def _ratio(self, token_logprobs: torch.Tensor, prev: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Per token ``exp(curr - prev)``; GSPO: each sample's ``exp`` of its mean token log-ratio, on every token."""
+        log_ratio = token_logprobs - prev
+        if self.cfg.force_on_policy_ratio or not self.cfg.sequence_level_importance_ratios:
+            return torch.exp(log_ratio)
+        mean = (log_ratio * tokens).sum(dim=-1, keepdim=True) / (tokens.sum(dim=-1, keepdim=True) + _EPS)
+        return torch.exp(mean).expand_as(log_ratio)
+
+    def _weights(self, prev: torch.Tensor, gen: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The importance weights (ones without the correction) and where truncation cut them; GSPO: one weight per
+        sample, ``exp`` of its summed ``prev - gen``."""
+        if not self.cfg.use_importance_sampling_correction:
+            return torch.ones_like(gen), torch.zeros_like(gen, dtype=torch.bool)
+        if not self.cfg.sequence_level_importance_ratios:
+            return self.importance_weights(prev, gen)
+        summed = ((prev - gen) * mask).sum(dim=-1, keepdim=True)
+        weights, out = self.importance_weights(summed.detach(), torch.zeros_like(summed))
+        return weights, out.expand_as(gen)
+
+    def _reduce(
+        self,
+        per_token: torch.Tensor,
+        tokens: torch.Tensor,
+        samples: torch.Tensor,
+        global_valid_seqs: torch.Tensor,
+        global_valid_toks: torch.Tensor,
+    ) -> torch.Tensor:
+        """The micro-batch's share of the global batch's mean: over valid tokens, or (``token_level_loss: false``)
+        each sample's mean over its tokens, then over valid samples (NeMo-RL's ``masked_mean`` twice)."""
+        if self.cfg.token_level_loss:
+            return (per_token * tokens * samples[:, None]).sum() / global_valid_toks.clamp(min=1)
+        per_sample = (per_token * tokens).sum(dim=-1) / (tokens.sum(dim=-1) + _EPS)
+        return (per_sample * samples).sum() / global_valid_seqs.clamp(min=1)
 
 
 class LogprobRecorder:

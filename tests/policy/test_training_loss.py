@@ -135,8 +135,12 @@ def test_nemo_rl_loss_keys_are_read_and_unimplemented_variants_refused():
                                         "truncated_importance_sampling_type": "tis",
                                         "truncated_importance_sampling_ratio": 2.0, "kl_input_clamp_value": 20.0}})
     assert (cfg.ratio_clip_min, cfg.ratio_clip_max, cfg.truncated_importance_sampling_ratio) == (0.1, 0.28, 2.0)
-    with pytest.raises(TrainingConfigError, match=r"loss_fn.token_level_loss=False, loss_fn.use_cispo=True is not implemented"):
+    with pytest.raises(TrainingConfigError, match=r"loss_fn.use_cispo=True is not implemented"):
         loss_config_from({"loss_fn": {"use_cispo": True, "token_level_loss": False}})
+    gspo = loss_config_from({"loss_fn": {"token_level_loss": False, "sequence_level_importance_ratios": True}})
+    assert (gspo.token_level_loss, gspo.sequence_level_importance_ratios) == (False, True)
+    with pytest.raises(TrainingConfigError, match="sequence_level_importance_ratios"):
+        loss_config_from({"loss_fn": {"sequence_level_importance_ratios": True}})
 
 
 def test_the_sampling_temperature_reaches_the_policy():
@@ -226,3 +230,25 @@ def test_grpo_advantage_keys_are_read_and_the_estimator_and_reference_skip_are_c
     assert "policy.train_global_batch_size=8" in refused(policy={**config["policy"], "train_global_batch_size": 8})
     assert loop_config_from({**config, "grpo": {**config["grpo"], "skip_reference_policy_logprobs_calculation": True}},
                             settings)
+
+
+def test_gspo_is_one_ratio_and_one_weight_per_sample_and_a_mean_over_samples():
+    gspo = ClippedPGLossConfig(token_level_loss=False, sequence_level_importance_ratios=True)
+    current = [[-1.0, -0.8], [-2.0, -2.0]]  # log-ratios [0, 0.2] and [0, 0]: sample ratios exp(0.1) and 1
+    data = batch([[-1.0, -1.0], [-2.0, -2.0]], [[1.0], [1.0]], token_mask=torch.tensor([[1.0, 1.0], [1.0, 0.0]]))
+    ratio = math.exp(0.1)
+    # each sample's loss is its tokens' mean (-ratio, -1), the batch's the mean over 2 samples (global_valid_seqs)
+    current_t = torch.tensor(current, requires_grad=True)
+    seqs, toks = torch.tensor(2.0), torch.tensor(3.0)
+    loss, _ = ClippedPGLoss(gspo)(current_t, data, seqs, toks)
+    loss.backward()
+    assert math.isclose(float(loss), (-ratio - 1.0) / 2, rel_tol=1e-6)
+    # d exp(mean log-ratio) / d token = ratio / 2 tokens, halved again by the mean over samples
+    assert torch.allclose(current_t.grad[0], torch.tensor([-ratio / 4, -ratio / 4]))
+    assert math.isclose(float(current_t.grad[1, 0]), -0.5, rel_tol=1e-6) and float(current_t.grad[1, 1]) == 0.0
+    weighted = ClippedPGLossConfig(token_level_loss=False, sequence_level_importance_ratios=True,
+                                   use_importance_sampling_correction=True)  # fmt: skip
+    prev = torch.tensor([[-1.0, -1.0], [-2.0, -2.0]])
+    data = batch([[-1.5, -1.0], [-2.0, -2.0]], [[1.0], [1.0]], prev=prev.tolist())
+    weights, _ = ClippedPGLoss(weighted)._weights(prev, data["generation_logprobs"], torch.ones(2, 2))
+    assert torch.allclose(weights, torch.tensor([[math.exp(0.5)], [1.0]])), "exp of the sample's summed prev - gen"

@@ -322,8 +322,11 @@ def smoke_config(
 
 
 def _model(r: _Rewrite, model: str) -> None:
-    for key in _MODEL_KEYS:
-        if r.get(key) is not None:
+    """The smoke model in every model key the recipe sets, and in ``policy.model_name`` even when its launcher fills
+    it (``null``, or absent)."""
+    r.set(_MODEL_KEYS[0], model, "the smoke run's model (--model)", add=True)
+    for key in _MODEL_KEYS[1:]:
+        if r.get(key) not in (ABSENT, None):
             r.set(key, model, "the smoke run's model (--model)")
 
 

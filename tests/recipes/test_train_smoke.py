@@ -324,3 +324,10 @@ def test_the_early_checks_take_max_new_tokens_as_the_typed_settings_carry_it():
     assert max_new_tokens(grpo_run_keys(config)) == SMOKE_MAX_NEW_TOKENS
     del config["policy"]["generation"]["max_new_tokens"]
     assert max_new_tokens(grpo_run_keys(config)) is None
+
+
+def test_a_model_name_its_launcher_fills_is_replaced_like_any_other():
+    for overrides in (("policy.model_name=null",), ("~policy.model_name",)):
+        plan = smoke_config(recipe(*overrides), facts(validation_paths={"data.validation.data_path": None}))
+        assert plan.config["policy"]["model_name"] == "smollm2", overrides
+        assert changed(plan)["policy.model_name"][1] == "smollm2"

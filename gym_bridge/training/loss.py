@@ -61,7 +61,8 @@ class ClippedPGLossConfig(BaseModel):
     def _gspo_is_sequence_level(self) -> Self:
         if self.sequence_level_importance_ratios and self.token_level_loss:
             raise SettingError(
-                "sequence_level_importance_ratios (GSPO) needs token_level_loss: false (NeMo-RL refuses the pair)"
+                "loss_fn.sequence_level_importance_ratios (GSPO) needs loss_fn.token_level_loss: false (NeMo-RL "
+                "refuses the pair)"
             )
         return self
 

@@ -31,6 +31,7 @@ from gym_bridge.eval.runs import (
     RunReadError,
     iter_objects,
     load_run,
+    typed_line,
 )
 from gym_bridge.gym.protocol.eval_run import AGENT_REF_KEY, ROLLOUTS_FILE, materialized_inputs_name
 from gym_bridge.gym_versions import ROLLOUT_INDEX_KEY, TASK_INDEX_KEY
@@ -81,7 +82,7 @@ def load_gym_run(folder: str | Path, limits: ReadLimits, *, visit: LineVisitor |
     tasks: dict[int, list[tuple[int, JsonObject, int]]] = {}
     where_of = shown(path / ROLLOUTS_FILE)
     for number, record in _records(path / ROLLOUTS_FILE, limits):
-        rollout = _typed(record, f"{where_of}:{number}")
+        rollout = typed_line(_Rollout, record, f"{where_of}:{number}")
         tasks.setdefault(rollout.task, []).append((rollout.rollout, record, number))
     if not tasks:
         raise RunReadError(f"{where_of}: empty; the run has no rollout")
@@ -117,17 +118,6 @@ def load_gym_run(folder: str | Path, limits: ReadLimits, *, visit: LineVisitor |
 def _records(path: Path, limits: ReadLimits) -> Iterator[tuple[int, JsonObject]]:
     for number, _, _, record in iter_objects(path, limits, finished=True, skip_blank=True):
         yield number, record
-
-
-def _typed(record: JsonObject, where: str) -> _Rollout:
-    from pydantic import ValidationError
-
-    from gym_bridge.eval.line_text import field_problem
-
-    try:
-        return _Rollout.model_validate(record)
-    except ValidationError as exc:
-        raise RunReadError(f"{where}: {field_problem(exc)}") from None
 
 
 def _task_keys(folder: Path, limits: ReadLimits) -> dict[int, str]:

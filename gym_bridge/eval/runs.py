@@ -261,7 +261,7 @@ def _result_lines[L: PromptLine](
     first_line: dict[int, int] = {}
     for number, offset, raw, record in iter_objects(path, limits, finished=finished):
         where = f"{shown(path)}:{number}"
-        result = _typed(model, record, where)
+        result = typed_line(model, record, where)
         if need_row_ids and record.get(ROW_ID_KEY) is None:
             raise RunReadError(
                 f"{where}: field {ROW_ID_KEY!r} is missing (written before rows had identities); run the eval again"
@@ -276,7 +276,7 @@ def _result_lines[L: PromptLine](
         yield LineRef(path, number, offset, len(raw), zlib.crc32(raw)), record, result
 
 
-def _typed[M: BaseModel](model: type[M], record: JsonObject, where: str) -> M:
+def typed_line[M: BaseModel](model: type[M], record: JsonObject, where: str) -> M:
     try:
         return model.model_validate(record)
     except ValidationError as exc:
@@ -300,7 +300,7 @@ def read_failure_lines(folder: Path, limits: ReadLimits, prompts_total: int | No
     latest: dict[int, FailureLine] = {}
     for number, _, _, record in iter_objects(path, limits, finished=False):
         where = f"{shown(path)}:{number}"
-        failure = _typed(FailureLine, record, where)
+        failure = typed_line(FailureLine, record, where)
         _in_dataset(failure.prompt_idx, prompts_total, where)
         if len(failure.message) > MAX_FAILURE_MESSAGE:
             failure = failure.model_copy(update={"message": failure.message[:MAX_FAILURE_MESSAGE]})
@@ -352,7 +352,7 @@ class RunGroup:
     def result(self) -> ResultLine:
         """The line, typed (read again on first use, then kept)."""
         where = shown(self.source.path) if self.source else RESULTS_FILE
-        return _typed(ResultLine, self.record, f"{where}:{self.line}")
+        return typed_line(ResultLine, self.record, f"{where}:{self.line}")
 
 
 @dataclass

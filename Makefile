@@ -48,6 +48,7 @@ check-nemo-rl: setup
 	@test -n "$(NEMO_RL_SRC)" || { echo "make check-nemo-rl: set NEMO_RL_SRC to a NeMo-RL checkout (github NVIDIA-NeMo/RL)" >&2; exit 2; }
 	$(UV) run python scripts/check_nemo_rl.py --nemo-rl-src "$(NEMO_RL_SRC)"
 	$(UV) run python scripts/nemo_rl_check/losses.py --nemo-rl-src "$(NEMO_RL_SRC)"
+	$(UV) run python scripts/nemo_rl_check/advantages.py --nemo-rl-src "$(NEMO_RL_SRC)"
 
 # `gym-bridge train RECIPE --smoke` over every examples/nemo_gym/*.yaml of a NeMo-RL checkout (NEMO_RL_SRC=...): "ran a
 # step" or the one-line reason for each (~5 min a recipe that runs, on 2 cores). docs/training.md has the last table.

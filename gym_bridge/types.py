@@ -120,6 +120,9 @@ class Completion:
     agent: str | None = None
     """The Gym agent that ran the trajectory (its row's ``agent_ref.name`` once routed), kept beside Gym's result
     so per-agent metrics need not write into it; None on a path without agents."""
+    reward_components: dict[str, float] | None = None
+    """A multi-reward verifier's scores by name (Gym's ``reward_components``, checked finite): GDPO's
+    ``reward/<name>`` columns. Unshaped, like ``env_extras``; None for a single-reward environment."""
 
 
 @dataclass

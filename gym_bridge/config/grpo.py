@@ -10,7 +10,9 @@ Keys read (NeMo-RL's names where NeMo-RL has them):
   ``policy.freeze_embeddings`` (ours);
 - ``grpo.num_prompts_per_step``, ``grpo.num_generations_per_prompt``, ``grpo.max_num_steps``,
   ``grpo.normalize_rewards``, ``grpo.use_leave_one_out_baseline`` (``grpo.adv_estimator.*`` of the same names
-  when set: NeMo-RL's estimator reads those), ``grpo.seed``, ``grpo.overlong_filtering``,
+  when set: NeMo-RL's estimator reads those), ``grpo.adv_estimator.name`` (``grpo``, or ``gdpo`` over a
+  multi-reward environment's components, with ``grpo.adv_estimator.reward_weights``), ``grpo.seed``,
+  ``grpo.overlong_filtering``,
   ``grpo.masked_samples_in_baseline`` (ours; NeMo-RL's behaviour is true),
   ``grpo.invalid_tool_call_advantage``, ``grpo.malformed_thinking_advantage``, ``grpo.advantage_clip_low``,
   ``grpo.advantage_clip_high``, ``grpo.seq_logprob_error_threshold``, ``reward_penalties`` and
@@ -35,6 +37,7 @@ this trainer by nature are listed, with the reason, in :data:`gym_bridge.config.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,9 +105,11 @@ lacks: the GRPO loop (delayed validation, early stop, reward scaling and DAPO sh
 policy (Megatron, MTP drafts, MoE routing replay, VLMs, quantisation, HF config overrides, an
 optimizer other than torch AdamW with eps 1e-8, chat templates other than the tokenizer's own), distillation,
 the data plane, and NeMo-RL's data pipeline (datasets other than JSONL Gym rows, prompt files)."""
+logger = logging.getLogger(__name__)
 _ABSENT = object()
 _ADVANTAGE_ESTIMATORS = ("grpo", "gdpo", "opd", "reinforce_plus_plus")
-"""NeMo-RL 7ea279a's estimators (``_create_advantage_estimator``); ``grpo`` is its default and the one we have."""
+"""NeMo-RL 7ea279a's estimators (``_create_advantage_estimator``); ``grpo`` is its default."""
+_IMPLEMENTED_ESTIMATORS = ("grpo", "gdpo")
 _POLICY_KEYS = {
     "learning_rate": "policy.optimizer.kwargs.lr",
     "weight_decay": "policy.optimizer.kwargs.weight_decay",
@@ -123,6 +128,8 @@ _LOOP_KEYS = {
     "max_num_steps": "grpo.max_num_steps",
     "train_micro_batch_size": "policy.train_micro_batch_size",
     "checkpoint_every_steps": "checkpointing.save_period",
+    "adv_estimator": "grpo.adv_estimator.name",
+    "reward_weights": "grpo.adv_estimator.reward_weights",
 }
 
 
@@ -182,25 +189,27 @@ def _check_batch_size(config: JsonMapping, grpo: JsonMapping) -> None:
 
 
 def _advantage_key(grpo: JsonMapping, name: str) -> object:
-    """``grpo.adv_estimator.<name>`` (what NeMo-RL's estimator reads) or ``grpo.<name>``; both set and different
-    is an error naming both."""
+    """``grpo.adv_estimator.<name>`` (what NeMo-RL's estimator reads), else ``grpo.<name>`` (older NeMo-RL configs).
+    Both set and different: the estimator's value, as in NeMo-RL, with one warning (NeMo-RL reads ``grpo.<name>``
+    only for its dynamic-sampling filter and logged baseline; our filter reads the reward spread)."""
     estimator, top = config_section(grpo, "adv_estimator").get(name), grpo.get(name)
     if estimator is not None and top is not None and estimator != top:
-        raise TrainingConfigError(
-            f"grpo.adv_estimator.{name} ({estimator!r}) and grpo.{name} ({top!r}) differ; NeMo-RL's advantage "
-            f"estimator reads grpo.adv_estimator.{name}: set one value"
-        )
+        logger.warning(
+            "grpo.adv_estimator.%s=%r sets the advantages, as in NeMo-RL; grpo.%s=%r is not used for them", name,
+            estimator, name, top,
+        )  # fmt: skip
     return estimator if estimator is not None else top
 
 
-def _refuse_estimator(grpo: JsonMapping) -> None:
+def _estimator(grpo: JsonMapping) -> str:
+    """``grpo.adv_estimator.name``: ``grpo`` (NeMo-RL's default) or ``gdpo``; any other is refused by name."""
     name = config_section(grpo, "adv_estimator").get("name", "grpo")
-    if name == "grpo":
-        return
+    if name in _IMPLEMENTED_ESTIMATORS:
+        return str(name)
     known = f"NeMo-RL's {name!r} estimator" if name in _ADVANTAGE_ESTIMATORS else f"an unknown estimator {name!r}"
     raise TrainingConfigError(
         f"grpo.adv_estimator.name={name!r}: {known} is not implemented by gym-bridge's GRPO trainer, which has "
-        "NeMo-RL's default 'grpo' estimator only"
+        "NeMo-RL's 'grpo' and 'gdpo' estimators"
     )
 
 
@@ -210,7 +219,6 @@ def loop_config_from(config: JsonMapping, settings: NemoGymRolloutSettings) -> G
     ``async_rl.rollout_failure.min_step_batch_fraction``)."""
     grpo = config_section(config, "grpo")
     _refuse_not_implemented(config)
-    _refuse_estimator(grpo)
     _check_batch_size(config, grpo)
     loss = loss_config_from(config)
     if grpo.get("skip_reference_policy_logprobs_calculation") and loss.reference_policy_kl_penalty:
@@ -228,6 +236,8 @@ def loop_config_from(config: JsonMapping, settings: NemoGymRolloutSettings) -> G
         "num_prompts_per_step": grpo.get("num_prompts_per_step"),
         "max_num_steps": grpo.get("max_num_steps"),
         "max_num_epochs": grpo.get("max_num_epochs", 1),
+        "adv_estimator": _estimator(grpo),
+        "reward_weights": config_section(grpo, "adv_estimator").get("reward_weights"),
         "use_leave_one_out_baseline": _advantage_key(grpo, "use_leave_one_out_baseline"),
         "normalize_rewards": _advantage_key(grpo, "normalize_rewards"),
         "overlong_filtering": grpo.get("overlong_filtering"),

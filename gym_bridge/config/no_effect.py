@@ -61,10 +61,8 @@ NO_EFFECT_KEYS: dict[str, str] = {
     "grpo.reward_scaling": "read only with grpo.reward_scaling.enabled: true, which is refused",
     "grpo.reward_shaping": "read only with grpo.reward_shaping.enabled: true, which is refused",
     "grpo.adv_estimator.minus_baseline": (
-        "read only by NeMo-RL's reinforce_plus_plus estimator; grpo.adv_estimator.name other than 'grpo' is refused"
-    ),
-    "grpo.adv_estimator.reward_weights": (
-        "read only by NeMo-RL's gdpo estimator; grpo.adv_estimator.name other than 'grpo' is refused"
+        "read only by NeMo-RL's reinforce_plus_plus estimator; grpo.adv_estimator.name other than 'grpo' or "
+        "'gdpo' is refused"
     ),
     "grpo.skip_reference_policy_logprobs_calculation": (
         "the loop computes reference logprobs only when loss_fn.reference_policy_kl_penalty > 0, and true "

@@ -26,13 +26,14 @@ from pydantic import StrictBool, StrictInt
 from gym_bridge.boundary.files import make_dir, open_append
 from gym_bridge.boundary.json_io import dumps
 from gym_bridge.failures import RolloutRetryPolicy, RolloutStats, RolloutTimeouts, SettingError
-from gym_bridge.gym.protocol.convert import scalar_fields
 from gym_bridge.gym.protocol.result import GymRowResult
+from gym_bridge.gym.protocol.result_fields import scalar_fields
 from gym_bridge.gym.protocol.rows import build_rows, row_seed, validate_row
 from gym_bridge.gym.transport.admission import AdmissionSettings
 from gym_bridge.gym.transport.client import GymClient
 from gym_bridge.metrics import calculate_single_metric, pct, summarize, token_counts
 from gym_bridge.rollout.backend import BackendOptions, RolloutContext
+from gym_bridge.rollout.reward_components import component_columns
 from gym_bridge.rollout.truncation import gym_completion_truncated
 from gym_bridge.types import (
     ActorHandle,
@@ -298,6 +299,7 @@ def gym_completion(
         incomplete_reason=row.incomplete_reason,
         seed=seed if seed is not None else row_seed(row.full_result),
         agent=agent,
+        reward_components=row.reward_components,
     )
 
 
@@ -311,7 +313,9 @@ def group_metrics(
     ``<agent>/failure_kind/<kind>`` how many named each failure kind. Turns are the user messages of a
     log (one per model call). Per-agent metrics take every numeric or boolean field of the Gym results,
     summed over that agent's completions and divided by their count (NeMo-RL's rule): ``fields`` per
-    completion when the caller has them (:attr:`GymRowResult.metrics`), else read from ``env_extras``.
+    completion when the caller has them (:attr:`GymRowResult.metrics`), else read from ``env_extras``; and
+    each reward component of the agent's multi-reward results as ``<agent>/reward/<name>/*`` (0.0 where a result
+    lacks the name, as NeMo-RL's columns fill it).
     """
     n = len(completions)
     if len(agents) != n:
@@ -345,6 +349,7 @@ def group_metrics(
         for i in mine:
             for key, value in rows[i].items():
                 by_key.setdefault(key, []).append(value)
+        by_key.update(component_columns([completions[i].reward_components for i in mine]))
         for key, values in sorted(by_key.items()):
             metrics.update(calculate_single_metric(values, len(mine), f"{agent}/{key}"))
     metrics["mean_gen_tokens_per_sample"] = metrics["gen_tokens_per_sample/mean"]

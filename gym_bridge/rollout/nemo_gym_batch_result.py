@@ -9,7 +9,7 @@ from typing import NotRequired, TypedDict
 import torch
 
 from gym_bridge.batched import BatchedDataDict, batched_message_log_to_flat_message
-from gym_bridge.gym.protocol.convert import caller_fields
+from gym_bridge.gym.protocol.result_fields import caller_fields
 from gym_bridge.gym.transport.client import GymGroupResult
 from gym_bridge.json_types import JsonObject
 from gym_bridge.rollout.nemo_gym import (
@@ -19,12 +19,12 @@ from gym_bridge.rollout.nemo_gym import (
     gym_completion,
 )
 from gym_bridge.rollout.nemo_gym_batch_input import LossMultiplier, group_task_index
-from gym_bridge.rollout.reward_shaper import RewardShaper
-from gym_bridge.rollout.reward_shaping import (
+from gym_bridge.rollout.reward_components import (
     build_reward_component_columns,
     extract_reward_components,
     validate_reward_components_match_scalar,
 )
+from gym_bridge.rollout.reward_shaper import RewardShaper
 from gym_bridge.types import LLMMessageLogType, Tokenizer, padding_id
 
 POSTPROCESS_TIMERS = tuple(

@@ -11,7 +11,6 @@ scalar). Config keys, defaults, metric names and config errors follow NeMo-RL HE
 
 from __future__ import annotations
 
-import math
 import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -21,7 +20,7 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from gym_bridge.failures import GymResultError, SettingError
+from gym_bridge.failures import SettingError
 from gym_bridge.gym.protocol.convert import DEFAULT_THINKING_TAGS
 from gym_bridge.json_types import JsonMapping, JsonObject
 from gym_bridge.types import TokenIds, Tokenizer
@@ -391,37 +390,3 @@ def penalty_metrics(config: PenaltyConfig | None, counts: Mapping[str, int], n: 
     if not config or n == 0:
         return {}
     return {metric: counts[key] / n for key, (flag, metric) in PENALTY_FLAGS.items() if _value(config, flag)}
-
-
-# ---- reward components ----------------------------------------------------------------------------
-
-
-def extract_reward_components(full_result: JsonMapping) -> dict[str, float] | None:
-    """A multi-reward result's ``reward_components`` as ``{name: float}``; None for a single-reward result."""
-    components = full_result.get("reward_components")
-    if not components:
-        return None
-    return {str(name): float(score) for name, score in components.items()}
-
-
-def build_reward_component_columns(component_dicts: Sequence[Mapping[str, float] | None]) -> dict[str, torch.Tensor]:
-    """One ``reward/<name>`` column per component name any sample has (sorted); a sample without it gets 0.0."""
-    names = sorted({name for components in component_dicts if components for name in components})
-    return {
-        f"reward/{name}": torch.tensor([(components or {}).get(name, 0.0) for components in component_dicts])
-        for name in names
-    }
-
-
-def validate_reward_components_match_scalar(full_results: Sequence[JsonMapping]) -> None:
-    """Raise ``GymResultError`` for the first multi-reward result whose ``reward`` is not the sum of its components."""
-    for index, full_result in enumerate(full_results):
-        components = extract_reward_components(full_result)
-        if components is None:
-            continue
-        reward, total = float(full_result["reward"]), sum(components.values())
-        if not math.isclose(reward, total, rel_tol=1e-5, abs_tol=1e-6):
-            raise GymResultError(
-                f"NeMo-Gym result {index} has reward={reward} but its reward_components sum to {total} "
-                f"({components}); a multi-reward verifier must set reward = sum(reward_components.values())"
-            )

@@ -5,7 +5,9 @@ for groups of equal size (every sample valid): with the leave-one-out baseline, 
 sample's baseline and std are those of the *other* samples of its group (Bessel-corrected).
 ``grpo_advantages`` is ``reward - baseline``, divided by ``std + epsilon`` only where
 ``std > 0`` (NeMo-RL's ``normalize_advantages_with_epsilon``): a group whose rewards are
-all equal gets advantage 0, never a division by zero.
+all equal gets advantage 0, never a division by zero. ``gdpo_advantages`` is NeMo-RL's GDPO estimator over
+a multi-reward environment's components: the same per-group normalisation for each component, a weighted sum,
+then one normalisation over the batch.
 
 On the token-level advantages, in NeMo-RL's order: ``message_level_advantages`` overwrites the tokens of
 assistant messages NeMo-Gym flagged (``grpo.invalid_tool_call_advantage``, ``grpo.malformed_thinking_advantage``),
@@ -15,7 +17,7 @@ penalty values included.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -69,6 +71,54 @@ def grpo_advantages(
     if valid is not None:
         advantages = advantages * valid.to(advantages.dtype)
     return advantages
+
+
+def gdpo_advantages(
+    components: Mapping[str, torch.Tensor],
+    *,
+    weights: Sequence[float] | None = None,
+    leave_one_out: bool = True,
+    normalize: bool = True,
+    epsilon: float = 1e-6,
+    valid: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """NeMo-RL's GDPO advantages ``[groups, samples]`` from named reward components (each ``[groups, samples]``).
+
+    Each component gets its own group baseline and std (:func:`grpo_advantages`); the parts are summed with
+    ``weights`` in sorted name order (None: 1.0 each), then the sum is normalised over the whole batch,
+    ``(A - mean) / std`` (Bessel-corrected std; only ``A - mean`` when it is 0 or undefined). ``valid`` leaves
+    samples out of every statistic, as in :func:`grpo_advantages`; their advantage is 0. Fewer than two components
+    or a weight count that differs from theirs is a :class:`SettingError`, as NeMo-RL raises.
+    """
+    names = sorted(components)
+    if len(names) < 2:
+        raise SettingError(
+            f"GDPO needs two or more reward components (Gym's reward_components, NeMo-RL's reward/<name>); this "
+            f"batch has {len(names)}: {names}. Set grpo.adv_estimator.name: grpo for a single-reward environment"
+        )
+    if weights is None:
+        weights = [1.0] * len(names)
+    elif len(weights) != len(names):
+        raise SettingError(
+            f"grpo.adv_estimator.reward_weights has {len(weights)} entries but this batch has {len(names)} reward "
+            f"components {names}: give one weight per component, in the components' sorted name order"
+        )
+    combined = sum(
+        (
+            weight
+            * grpo_advantages(
+                components[name], leave_one_out=leave_one_out, normalize=normalize, epsilon=epsilon, valid=valid
+            )
+            for weight, name in zip(weights, names, strict=True)
+        ),
+        torch.zeros_like(components[names[0]], dtype=torch.float32),
+    )
+    keep = torch.ones_like(combined, dtype=torch.bool) if valid is None else valid.bool()
+    counted = combined[keep]
+    std = counted.std() if counted.numel() > 1 else torch.tensor(0.0)
+    centred = combined - (counted.mean() if counted.numel() else 0.0)
+    advantages = centred / std if std > 0 else centred
+    return advantages * keep.to(advantages.dtype)
 
 
 def message_level_advantages(

@@ -17,14 +17,20 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import NotRequired
+from typing import Literal, NotRequired
 
 import torch
 
 from gym_bridge.batched import BatchedDataDict, batched_message_log_to_flat_message
 from gym_bridge.failures.errors import SettingError
+from gym_bridge.rollout.reward_components import check_component_sum, component_columns
 from gym_bridge.rollout.sink import CommittedGroup
-from gym_bridge.training.advantages import clip_advantages, grpo_advantages, message_level_advantages
+from gym_bridge.training.advantages import (
+    clip_advantages,
+    gdpo_advantages,
+    grpo_advantages,
+    message_level_advantages,
+)
 from gym_bridge.types import GenerationDatumSpec, MessageEntry
 
 
@@ -68,6 +74,10 @@ class GroupStats:
 class AdvantageSettings:
     """NeMo-RL's ``grpo`` keys that shape the advantages and the loss multiplier."""
 
+    estimator: Literal["grpo", "gdpo"] = "grpo"
+    """``grpo.adv_estimator.name``: one group-normalised reward, or GDPO over the reward components."""
+    reward_weights: tuple[float, ...] | None = None
+    """GDPO's ``grpo.adv_estimator.reward_weights``, in the components' sorted name order; None: 1.0 each."""
     leave_one_out: bool = True
     normalize: bool = True
     overlong_filtering: bool = False
@@ -95,6 +105,38 @@ def _trainable_log(message_log: Sequence[MessageEntry], where: str) -> list[dict
             mask = torch.ones(len(token_ids))
         out.append({"token_ids": token_ids, "generation_logprobs": logprobs, "token_mask": mask})
     return out
+
+
+def _per_sample_advantages(
+    groups: Sequence[CommittedGroup], rewards: torch.Tensor, in_baseline: torch.Tensor, settings: AdvantageSettings
+) -> torch.Tensor:
+    """``[groups, samples]`` advantages of the configured estimator; a multi-reward result's components are first
+    checked to sum to its Gym reward (NeMo-RL checks every Gym batch that carries components)."""
+    completions = [c for group in groups for c in group.record.completions]
+    for group in groups:
+        for j, completion in enumerate(group.record.completions):
+            gym_reward = (completion.env_extras or {}).get("reward", completion.reward)
+            where = f"prompt_idx={group.record.prompt_idx} completion {j}"
+            check_component_sum(float(gym_reward), completion.reward_components, where)
+    if settings.estimator == "grpo":
+        return grpo_advantages(
+            rewards, leave_one_out=settings.leave_one_out, normalize=settings.normalize, valid=in_baseline
+        )
+    columns = component_columns([c.reward_components for c in completions])
+    if len(columns) < 2:
+        agents = sorted({c.agent or "(no agent)" for c in completions})
+        raise SettingError(
+            f"grpo.adv_estimator.name: gdpo needs two or more reward components (Gym's reward_components); this "
+            f"step's results from {', '.join(agents)} carry {len(columns)}: {sorted(columns)}. Point env.nemo_gym at a "
+            "multi-reward environment or set grpo.adv_estimator.name: grpo"
+        )
+    return gdpo_advantages(
+        {name: torch.tensor(values).view_as(rewards) for name, values in columns.items()},
+        weights=settings.reward_weights,
+        leave_one_out=settings.leave_one_out,
+        normalize=settings.normalize,
+        valid=in_baseline,
+    )
 
 
 def train_batch(
@@ -128,11 +170,8 @@ def train_batch(
     )
     reward_matrix = torch.tensor(rewards).view(len(groups), -1)
     in_baseline = [True] * len(valid) if settings.masked_in_baseline else valid
-    per_sample = grpo_advantages(
-        reward_matrix,
-        leave_one_out=settings.leave_one_out,
-        normalize=settings.normalize,
-        valid=torch.tensor(in_baseline).view(len(groups), -1),
+    per_sample = _per_sample_advantages(
+        groups, reward_matrix, torch.tensor(in_baseline).view(len(groups), -1), settings
     ).reshape(-1)
     advantages, penalty_metrics = message_level_advantages(
         per_sample[:, None].expand(flat["token_ids"].shape).clone(),

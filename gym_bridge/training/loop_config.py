@@ -37,6 +37,10 @@ class GRPOLoopConfig(BaseModel):
     max_num_epochs: int | None = Field(None, ge=1)
     """NeMo-RL's epoch bound: the run ends after ``max_num_epochs * (len(dataset) // num_prompts_per_step)`` steps
     when that is fewer than ``max_num_steps`` (NeMo-RL's dataloader drops the last partial batch); None: no bound."""
+    adv_estimator: Literal["grpo", "gdpo"] = "grpo"
+    """``grpo.adv_estimator.name``: NeMo-RL's GRPO estimator, or GDPO over a multi-reward environment's components."""
+    reward_weights: tuple[float, ...] | None = None
+    """GDPO's per-component weights (``grpo.adv_estimator.reward_weights``), in sorted component-name order."""
     use_leave_one_out_baseline: bool = True
     normalize_rewards: bool = True
     overlong_filtering: bool = False
@@ -98,6 +102,11 @@ class GRPOLoopConfig(BaseModel):
                 f"grpo.batch_multiplier={self.batch_multiplier} needs grpo.use_dynamic_sampling: true "
                 "(NeMo-RL asserts the same)"
             )
+        if self.reward_weights is not None and self.adv_estimator != "gdpo":
+            raise SettingError(
+                "grpo.adv_estimator.reward_weights weighs GDPO's reward components; it needs "
+                "grpo.adv_estimator.name: gdpo"
+            )
         if int(self.num_prompts_per_step * self.batch_multiplier) < 1:
             raise SettingError("grpo.batch_multiplier * num_prompts_per_step must draw at least one prompt")
         if not self.async_rollouts:
@@ -121,6 +130,8 @@ class GRPOLoopConfig(BaseModel):
     def advantage_settings(self) -> AdvantageSettings:
         """The keys that shape advantages and the loss multiplier, for :func:`train_batch`."""
         return AdvantageSettings(
+            estimator=self.adv_estimator,
+            reward_weights=self.reward_weights,
             leave_one_out=self.use_leave_one_out_baseline,
             normalize=self.normalize_rewards,
             overlong_filtering=self.overlong_filtering,

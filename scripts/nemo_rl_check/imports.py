@@ -13,12 +13,15 @@ Two things stand between NeMo-RL's rollout code and our environment, and both ar
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
+import json
 import sys
 import types
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -161,3 +164,14 @@ def _import_past_transformers_guard() -> None:
         importlib.import_module(TRANSFORMERS_GUARD_MODULE)
     finally:
         transformers.__version__ = real
+
+
+def comparison_main(description: str, compare: Callable[[Path], list[dict[str, Any]]], within: Callable[[dict[str, Any]], bool]) -> int:
+    """A comparison script's command line: ``--nemo-rl-src``, one JSON line per case of ``compare(root)``, and exit
+    status 0 only when every case is ``within`` its tolerance."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--nemo-rl-src", required=True, help="a NeMo-RL checkout (github NVIDIA-NeMo/RL)")
+    results = compare(check_checkout(parser.parse_args().nemo_rl_src))
+    for result in results:
+        print(json.dumps(result))
+    return 0 if all(within(r) for r in results) else 1

@@ -10,9 +10,7 @@ case differs by more than :data:`TOLERANCE`. NeMo-RL's tensors are ours with one
 
 from __future__ import annotations
 
-import argparse
 import importlib
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -148,13 +146,7 @@ def compare(root: Path, seeds: range = range(6)) -> list[dict[str, Any]]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--nemo-rl-src", required=True, help="a NeMo-RL checkout (github NVIDIA-NeMo/RL)")
-    root = imports.check_checkout(parser.parse_args().nemo_rl_src)
-    results = compare(root)
-    for result in results:
-        print(json.dumps(result))
-    return 0 if all(r["loss_diff"] <= TOLERANCE and r["grad_max_diff"] <= TOLERANCE for r in results) else 1
+    return imports.comparison_main(__doc__.splitlines()[0], compare, lambda r: r["loss_diff"] <= TOLERANCE and r["grad_max_diff"] <= TOLERANCE)
 
 
 if __name__ == "__main__":

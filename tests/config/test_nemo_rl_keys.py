@@ -159,7 +159,7 @@ def test_every_recipe_key_is_applied_refused_or_listed_without_effect():
         ("reward_penalties.penalize_empty_final_answer", "applied"),
         ("env.nemo_gym.effort_levels.low_weight", "applied"),
         ("loss_fn.kl_input_clamp_value", "applied"),
-        ("grpo.adv_estimator.name", "refused"),
+        ("grpo.adv_estimator.name", "applied"),
         ("policy.router_replay.enabled", "refused"),
         ("policy.megatron_cfg.enabled", "refused"),
         ("policy.train_global_batch_size", "refused"),

@@ -12,7 +12,7 @@ from gym_bridge.boundary import UntrustedInputError
 from gym_bridge.failures import GymResultError, RolloutDataFailure
 from gym_bridge.generation.completions_wire import parse_completion
 from gym_bridge.generation.upstream_answer import BodyReader
-from gym_bridge.gym.protocol.convert import gym_row_result
+from gym_bridge.gym.protocol.result_fields import gym_row_result
 
 CAP = 1 << 20
 

@@ -255,7 +255,7 @@ def test_numpy_round_trip_keeps_dtypes_values_and_the_shared_input_message():
     """A GymRowResult pickles (Ray's transport) its tensors as numpy arrays and unpickles the same tensors."""
     import numpy as np
 
-    from gym_bridge.gym.protocol.convert import gym_row_result
+    from gym_bridge.gym.protocol.result_fields import gym_row_result
 
     log = [
         {"role": "user", "content": "", "token_ids": torch.tensor([1, 2, 3], dtype=torch.int64)},

@@ -205,7 +205,7 @@ def test_every_result_carries_its_rows_identity_from_an_agent_that_echoes_none(g
 def test_identity_the_callers_row_carried_is_summarised_as_nemo_rl_summarises_it():
     """NeMo-RL summarises every numeric field of a result; its rows hold only what its caller stamped (the async
     collector's ``_ng_task_index``). The identity gym-bridge stamps itself stays out of the per-agent metrics."""
-    from gym_bridge.gym.protocol.convert import caller_fields, scalar_fields
+    from gym_bridge.gym.protocol.result_fields import caller_fields, scalar_fields
 
     result = {"reward": 1.0, "_ng_task_index": 3, "_ng_rollout_index": 1, "_ng_rollout_id": "3-1", "judge": True}
     metrics = scalar_fields(result)

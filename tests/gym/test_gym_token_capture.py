@@ -23,8 +23,8 @@ import pytest
 import torch
 
 from gym_bridge.failures import RolloutRetryPolicy, RunConfigurationError, SettingError, TokenCaptureMasked
-from gym_bridge.gym.protocol.convert import gym_row_result
 from gym_bridge.gym.protocol.result import GymRowBatch
+from gym_bridge.gym.protocol.result_fields import gym_row_result
 from gym_bridge.gym.protocol.routing import GymRoutes
 from gym_bridge.gym.protocol.rows import build_rows
 from gym_bridge.gym.protocol.token_capture import GYM_CAPTURE_KEYS, CaptureBuild, MaskFractionWatch, capture_block

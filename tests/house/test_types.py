@@ -27,7 +27,7 @@ def test_completion_and_record_fields_and_pickling():
     # NeMo-RL's four fields in its positional order, then ours (each with a default)
     assert [f.name for f in dataclasses.fields(T.Completion)] == [
         "message_log", "env_extras", "truncated", "reward", "token_drift", "masked", "failure_kind", "incomplete_reason",
-        "seed", "agent",
+        "seed", "agent", "reward_components",
     ]
     assert [f.name for f in dataclasses.fields(T.PromptGroupRecord)] == [
         "prompt_idx", "prompt", "extra_env_info", "metadata", "completions", "rollout_metrics"

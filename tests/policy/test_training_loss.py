@@ -195,7 +195,7 @@ def test_the_reference_kl_is_clamped_as_nemo_rls_by_default():
     assert (off.kl_input_clamp_value, off.kl_output_clamp_value) == (None, None)
 
 
-def test_grpo_advantage_keys_are_read_and_the_estimator_and_reference_skip_are_checked():
+def test_grpo_advantage_keys_are_read_and_the_estimator_and_reference_skip_are_checked(caplog):
     from gym_bridge.config.grpo import loop_config_from
     from gym_bridge.config.training import nemo_gym_rollout_settings
 
@@ -222,8 +222,17 @@ def test_grpo_advantage_keys_are_read_and_the_estimator_and_reference_skip_are_c
             loop_config_from({**config, "grpo": {**config["grpo"], **(grpo or {})}, **top}, settings)
         return str(raised.value)
 
-    assert "grpo.adv_estimator.name='gdpo'" in refused({"adv_estimator": {"name": "gdpo"}})
-    assert "grpo.adv_estimator.normalize_rewards" in refused({"normalize_rewards": True})
+    with caplog.at_level("WARNING", logger="gym_bridge.config.grpo"):
+        both = loop_config_from({**config, "grpo": {**config["grpo"], "normalize_rewards": True}}, settings)
+    assert not both.normalize_rewards, "NeMo-RL's estimator reads grpo.adv_estimator.normalize_rewards"
+    assert "grpo.adv_estimator.normalize_rewards=False sets the advantages" in caplog.text
+    assert "grpo.adv_estimator.name='opd'" in refused({"adv_estimator": {"name": "opd"}})
+    assert "grpo.adv_estimator.name='mine'" in refused({"adv_estimator": {"name": "mine"}})
+    assert "grpo.adv_estimator.reward_weights" in refused({"adv_estimator": {"reward_weights": [1.0, 2.0]}})
+    gdpo = loop_config_from({**config, "grpo": {**config["grpo"], "adv_estimator": {
+        "name": "gdpo", "reward_weights": [1.0, 0.5], "use_leave_one_out_baseline": False}}}, settings)
+    assert gdpo.advantage_settings.estimator == "gdpo" and gdpo.advantage_settings.reward_weights == (1.0, 0.5)
+    assert not gdpo.advantage_settings.leave_one_out
     assert "grpo.skip_reference_policy_logprobs_calculation" in refused(
         {"skip_reference_policy_logprobs_calculation": True}, loss_fn={"reference_policy_kl_penalty": 0.01})
     assert "policy.router_replay.enabled=True" in refused(policy={**config["policy"], "router_replay": {"enabled": True}})

@@ -22,8 +22,8 @@ from gym_bridge.failures import (
     RolloutTimeout,
     RolloutTimeouts,
 )
-from gym_bridge.gym.protocol.convert import gym_row_result
 from gym_bridge.gym.protocol.result import GymRowBatch, GymRowResult
+from gym_bridge.gym.protocol.result_fields import gym_row_result
 from gym_bridge.gym.protocol.routing import GymRoutes
 from gym_bridge.rollout.manager import RolloutManager
 from gym_bridge.rollout.nemo_gym import AsyncNemoGymRolloutImpl

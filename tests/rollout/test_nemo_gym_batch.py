@@ -10,8 +10,8 @@ import torch
 
 from gym_bridge import GymResultError, run_async_nemo_gym_rollout
 from gym_bridge.failures import SettingError
-from gym_bridge.gym.protocol.convert import gym_row_result
 from gym_bridge.gym.protocol.result import GymRowBatch
+from gym_bridge.gym.protocol.result_fields import gym_row_result
 from gym_bridge.gym.protocol.routing import GymRoutes
 from gym_bridge.types import GenerationSamplingParams, token_tensor
 

@@ -10,19 +10,21 @@ import pytest
 import torch
 
 from gym_bridge.failures import GymResultError, RolloutDataFailure, SettingError
+from gym_bridge.rollout.reward_components import (
+    build_reward_component_columns,
+    extract_reward_components,
+    validate_reward_components_match_scalar,
+)
 from gym_bridge.rollout.reward_shaping import (
     EffortLevelsConfig,
     EffortShaping,
     apply_effort_shaping,
     apply_reward_penalties,
-    build_reward_component_columns,
     effort_metrics,
-    extract_reward_components,
     get_nemo_gym_thinking_tags,
     penalty_metrics,
     resolve_reward_penalty_config,
     should_mask_flagged_samples,
-    validate_reward_components_match_scalar,
 )
 
 LOW = "{reasoning effort: low}"
@@ -471,7 +473,7 @@ def test_components_matching_the_scalar_pass_and_one_off_by_a_hair_more_does_not
     ]
     validate_reward_components_match_scalar(matching)
     off = [*matching, {"reward": 0.3, "reward_components": {"a": 0.1, "b": 0.2001}}]
-    with pytest.raises(GymResultError, match="result 3 has reward=0.3"):
+    with pytest.raises(GymResultError, match=r"result 3 has reward=0\.3"):
         validate_reward_components_match_scalar(off)
 
 

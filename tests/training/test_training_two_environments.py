@@ -1,6 +1,9 @@
-"""A real training run over two Gym environments logs each one's metrics (issue 50): ``train/<agent>/<field>/...``
-for math_with_judge's agent and example_single_tool_call's, each over its own samples, in ``metrics.jsonl`` and read
-back with TensorBoard's own reader (``EventAccumulator``), and ``validation/<agent>/...`` for a validation over both.
+"""A real training run over two Gym environments logs each one's metrics: ``train/<agent>/<field>/...`` for
+math_with_judge's agent and example_tool_call_multireward's, each over its own samples, its reward components as
+``train/<agent>/reward/<name>/...`` (Gym's ``reward_components``), in ``metrics.jsonl`` and read back with
+TensorBoard's own reader (``EventAccumulator``), and ``validation/<agent>/...`` for a validation over both. One
+prompt is sent to both environments, and stays two groups, one per environment (Gym #589: advantage groups must
+never merge environments that share a prompt).
 
 One GRPO step of the tiny model, in process, through the Gym servers the run starts itself (both environments'
 configs in ``env.nemo_gym.config_paths``, math_with_judge graded by math-verify only): two prompts per environment,
@@ -17,17 +20,19 @@ from typing import Any
 
 import pytest
 
-from gym_bridge.testing.gym_rows import TOOL_AGENT, tool_call_rows
+from gym_bridge.gym.servers.config_files import wheel_config_path
 
 REPO = Path(__file__).resolve().parents[2]
 MATH_AGENT = "math_with_judge_simple_agent"
+TOOL_AGENT = "example_tool_call_multireward_simple_agent"
+COMPONENTS = ("correctness", "format", "schema_valid")
 AGENTS = (MATH_AGENT, TOOL_AGENT)
 PROMPTS_PER_AGENT = 2
 GENERATIONS = 2
 GYM_CONFIGS = [
     "responses_api_models/vllm_model/configs/vllm_model_for_training.yaml",
     "resources_servers/math_with_judge/configs/math_with_judge.yaml",
-    "resources_servers/example_single_tool_call/configs/example_single_tool_call.yaml",
+    "resources_servers/example_tool_call_multireward/configs/example_tool_call_multireward.yaml",
 ]
 # examples/grpo_nemo_gym.yaml's math_with_judge: math-verify only (no judge model is called)
 MATH_OVERRIDES = {
@@ -55,6 +60,17 @@ def math_rows() -> list[dict[str, Any]]:
     lines = (REPO / "examples" / "data" / "arith_train.jsonl").read_text().splitlines()
     rows = [json.loads(line) for line in lines[: PROMPTS_PER_AGENT + 1]]
     assert all(row["agent_ref"]["name"] == MATH_AGENT for row in rows)
+    return rows
+
+
+def tool_call_rows() -> list[dict[str, Any]]:
+    """The wheel's example rows for example_tool_call_multireward (one get_weather call, three reward components),
+    routed to its agent; the first asks math_rows()'s first question instead (the prompt both environments get)."""
+    path = wheel_config_path("resources_servers/example_tool_call_multireward/data/example.jsonl")
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    for row in rows:
+        row["agent_ref"] = {"type": "responses_api_agents", "name": TOOL_AGENT}
+    rows[0]["responses_create_params"]["input"] = math_rows()[0]["responses_create_params"]["input"]
     return rows
 
 
@@ -146,6 +162,35 @@ def test_each_environment_has_its_own_metrics_in_the_step_line(trained: dict[str
     assert not set(mine[MATH_AGENT]) & set(mine[TOOL_AGENT]), "the two agents' keys differ"
     # each agent's own Gym result fields: math-verify's library_reward is math_with_judge's alone
     assert f"train/{MATH_AGENT}/library_reward/mean" in line and f"train/{TOOL_AGENT}/library_reward/mean" not in line
+    # the reward components are the multi-reward environment's alone
+    for component in COMPONENTS:
+        assert isinstance(line[f"train/{TOOL_AGENT}/reward/{component}/mean"], float), line
+        assert f"train/{MATH_AGENT}/reward/{component}/mean" not in line
+
+
+def test_a_prompt_both_environments_get_stays_two_groups(trained: dict[str, Any]) -> None:
+    """The shared prompt's samples are two groups (two prompt indices), each all from one environment, and each
+    environment's components or fields are its own; no group mixes agents."""
+    results = [json.loads(x) for x in (trained["run"] / "nemo_gym_full_results.jsonl").read_text().splitlines()]
+    by_group: dict[int, list[dict[str, Any]]] = {}
+    for result in results:
+        by_group.setdefault(result["prompt_idx"], []).append(result)
+    assert len(by_group) == 2 * PROMPTS_PER_AGENT and all(len(g) == GENERATIONS for g in by_group.values())
+    assert all(len({r["agent"] for r in group}) == 1 for group in by_group.values()), "a group mixes environments"
+
+    def conversation(messages: list[dict[str, Any]]) -> list[tuple[str, str]]:
+        return [(m["role"], m["content"]) for m in messages]  # Gym's echo adds its own message fields
+
+    shared = conversation(math_rows()[0]["responses_create_params"]["input"])
+    asked = {
+        idx: group[0]["agent"]
+        for idx, group in by_group.items()
+        if conversation(group[0]["full_result"]["responses_create_params"]["input"]) == shared
+    }
+    assert sorted(asked.values()) == sorted(AGENTS), asked
+    for group in by_group.values():
+        components = [("reward_components" in r["full_result"]) for r in group]
+        assert components == [group[0]["agent"] == TOOL_AGENT] * GENERATIONS, group[0]["agent"]
 
 
 def test_the_per_agent_samples_add_up_to_the_steps_samples(trained: dict[str, Any]) -> None:
@@ -198,6 +243,9 @@ def test_tensorboard_holds_the_same_per_agent_values_at_the_step(trained: dict[s
     tags = set(events.Tags()["scalars"])
     for agent in AGENTS:
         assert f"train/{agent}/reward/mean" in tags and f"validation/{agent}/reward/mean" in tags, sorted(tags)
+    for component in COMPONENTS:
+        assert f"train/{TOOL_AGENT}/reward/{component}/mean" in tags, sorted(tags)
+        assert f"validation/{TOOL_AGENT}/reward/{component}/mean" in tags, sorted(tags)
     for (name, step), value in expected.items():
         assert [(e.step, e.value) for e in events.Scalars(name) if e.step == step] == [
             (step, pytest.approx(value, rel=1e-6, abs=1e-9))

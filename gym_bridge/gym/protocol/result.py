@@ -48,6 +48,9 @@ class GymRowResult:
     """Gym's ``response.incomplete_details.reason`` (``max_output_tokens``, ...), if any."""
     metrics: dict[str, float] = field(default_factory=dict)
     """The numeric and boolean top-level fields of the result (``reward``, verifier scores)."""
+    reward_components: dict[str, float] | None = None
+    """A multi-reward verifier's ``reward_components`` (name -> finite score), what NeMo-RL's GDPO reads as
+    ``reward/<name>``; None for a single-reward result."""
     mask_sample: bool = False
     """The environment flagged the reward as no valid measurement: Gym 0.7's ``mask_sample``, or the older
     ``instance_config.mask_sample``. Such a sample stays out of the loss and of its group's baseline."""

@@ -90,7 +90,7 @@ _NOT_IMPLEMENTED: dict[str, tuple[object, ...]] = {
     "policy.optimizer.name": ("torch.optim.AdamW",),
     "policy.optimizer.kwargs.eps": (1e-8,),
     "policy.tokenizer.chat_template": (None,),
-    "policy.tokenizer.chat_template_kwargs": (None, {}),
+    "policy.generation.vllm_cfg.http_server_serving_chat_kwargs.chat_template": (None,),
     "on_policy_distillation.enabled": (False,),
     "data_plane.enabled": (False,),
     "data.use_multiple_dataloader": (False,),

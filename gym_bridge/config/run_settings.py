@@ -13,6 +13,7 @@ from typing import Self
 
 from pydantic import ValidationError
 
+from gym_bridge.config.chat_template import chat_template_kwargs
 from gym_bridge.config.grpo import (
     ValidationOptions,
     check_sampling,
@@ -28,7 +29,7 @@ from gym_bridge.config.run_data import RunData, run_data, train_rows, validation
 from gym_bridge.config.training import NemoGymRolloutSettings, nemo_gym_rollout_settings, run_seed
 from gym_bridge.generation.hf_config import HFGenerationConfig
 from gym_bridge.gym.protocol.rows import ValidGymRow
-from gym_bridge.json_types import JsonMapping
+from gym_bridge.json_types import JsonMapping, JsonObject
 from gym_bridge.models.registry import ModelNotFoundError, check_model_reference
 from gym_bridge.policy.hf import HFPolicyConfig
 from gym_bridge.training.loop_config import GRPOLoopConfig
@@ -73,6 +74,9 @@ class GRPORunKeys:
     validation: ValidationOptions
     save_checkpoints: bool
     """``checkpointing.enabled`` (absent: true): false writes no checkpoint, at the end either."""
+    chat_template_kwargs: JsonObject
+    """Every prompt renders with these (:func:`~gym_bridge.config.chat_template.chat_template_kwargs`): the run's
+    server, and the early check of prompt length."""
 
     def __post_init__(self) -> None:
         if self.engine.max_model_len != self.max_model_len:
@@ -183,4 +187,5 @@ def grpo_run_keys(config: JsonMapping) -> GRPORunKeys:
         data=run_data(config),
         validation=validation_options(config),
         save_checkpoints=checkpointing_enabled(config),
+        chat_template_kwargs=chat_template_kwargs(config),
     )

@@ -13,9 +13,10 @@ engine's copies of it with it, ``max_new_tokens`` to :data:`SMOKE_MAX_NEW_TOKENS
 leaves), validation shrunk (:data:`SMOKE_VAL_SAMPLES` rows, one generation each; a missing validation file replaced
 by the training rows), a missing training file replaced by the example rows Gym ships for the recipe's agent, rows
 without an agent routed to the agent that declares their file, the Gym configs of environments the rows do not use
-left out, no checkpoint, the experiment logs in the run folder, and every GPU feature off (:data:`GPU_KEYS`: Megatron,
-DTensor, colocation, ``precision: float32``, parallel sizes 1, GPU monitoring, ...). A key the command line set
-(``pinned``) is never changed.
+left out, no checkpoint, the experiment logs in the run folder, a chat template of the recipe's own left out (the
+smoke model renders with its own), and every GPU feature off (:data:`GPU_KEYS`: Megatron, DTensor, colocation,
+``precision: float32``, parallel sizes 1, GPU monitoring, ...). A key the command line set (``pinned``) is never
+changed.
 
 :func:`gpu_only_keys` lists the GPU-only keys a config sets that a CPU run ignores: a run without ``--smoke`` names
 them once (``gym_bridge.recipes.train``) instead of ignoring them silently.
@@ -29,6 +30,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from gym_bridge.config.chat_template import TEMPLATE_KEYS
 from gym_bridge.config.keys import config_value
 from gym_bridge.config.training import CONTEXT_LENGTH_KEY, ENGINE_CONTEXT_KEYS
 from gym_bridge.json_types import JsonMapping, JsonObject
@@ -328,6 +330,9 @@ def _model(r: _Rewrite, model: str) -> None:
     for key in _MODEL_KEYS[1:]:
         if r.get(key) not in (ABSENT, None):
             r.set(key, model, "the smoke run's model (--model)")
+    for key in TEMPLATE_KEYS:
+        if r.get(key) not in (ABSENT, None):
+            r.remove(key, f"a chat template for the recipe's model; {model} renders with its own")
 
 
 def _data(r: _Rewrite, facts: SmokeFacts) -> None:

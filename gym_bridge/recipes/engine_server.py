@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from gym_bridge.generation.hf import HFGeneration
     from gym_bridge.generation.hf_config import HFGenerationConfig
     from gym_bridge.interfaces import GenerationInterface
+    from gym_bridge.json_types import JsonMapping
     from gym_bridge.serving.server import OpenAIServer
     from gym_bridge.serving.state import ServerFeatures, ServerLimits
 
@@ -51,6 +52,8 @@ class ServeOptions:
     features: ServerFeatures | None = None
     limits: ServerLimits | None = None
     api_key: SecretStr | None = None
+    chat_template_kwargs: JsonMapping | None = None
+    """Every chat renders with these, a request's own over them (the server's ``default_chat_template_kwargs``)."""
 
 
 @dataclass
@@ -156,6 +159,7 @@ def _server(
         features=options.features,
         api_key=options.api_key,
         sock=sock,
+        default_chat_template_kwargs=options.chat_template_kwargs,
     )
 
 

@@ -272,6 +272,7 @@ def _engine_and_server(settings: GRPORunSettings, address: PolicyAddress | None)
         sock=claim_policy_address(address) if address is not None else None,
         max_model_len=settings.max_model_len,
         features=ServerFeatures(clamp_max_tokens=True),
+        chat_template_kwargs=settings.chat_template_kwargs,
     )
     served = build_engine_server(settings.engine, options)
     return served.generation, served.server

@@ -32,6 +32,7 @@ from gym_bridge.config.training import CONTEXT_LENGTH_KEY
 from gym_bridge.gym.protocol.routing import TASK_SOURCE_KEY, RowRouting, row_agent
 from gym_bridge.gym.protocol.row_file import read_row_text
 from gym_bridge.gym.servers.config_files import GymConfigs, routing_agents, unknown_agents
+from gym_bridge.json_types import JsonMapping
 from gym_bridge.recipes.prompt_length import ModelFacts, longest_prompt, model_facts
 from gym_bridge.training.loop_config import GRPOLoopConfig
 
@@ -104,7 +105,11 @@ def check_batch(loop: GRPOLoopConfig, train: RowFile | None) -> list[str]:
 
 
 def check_context(
-    context: int, max_new_tokens: int | None, files: list[RowFile], model: ModelFacts | None
+    context: int,
+    max_new_tokens: int | None,
+    files: list[RowFile],
+    model: ModelFacts | None,
+    template_kwargs: JsonMapping | None = None,
 ) -> tuple[list[str], list[str]]:
     """The longest first prompt plus ``max_new_tokens`` (``policy.generation.max_new_tokens``; None: not set) against
     the run's ``context`` length (problems), and the context against the model's own (a warning): (problems,
@@ -117,7 +122,7 @@ def check_context(
             f"{CONTEXT_LENGTH_KEY}={context} is over {model.name}'s own context ({model.context}, "
             "max_position_embeddings): positions past it are untrained"
         )
-    longest = longest_prompt(files, model.tokenizer)
+    longest = longest_prompt(files, model.tokenizer, template_kwargs=template_kwargs)
     if longest is None:
         return [], warnings
     budget = max_new_tokens if max_new_tokens is not None and max_new_tokens > 0 else None
@@ -207,7 +212,9 @@ def check_before_start(settings: GRPORunKeys) -> EarlyReport:
     train = next((f for f in files if f.key == settings.data.train.key), None)
     problems = check_batch(settings.loop, train)
     model = model_facts(settings.served_model_name)
-    context_problems, warnings = check_context(settings.max_model_len, max_new_tokens(settings), files, model)
+    context_problems, warnings = check_context(
+        settings.max_model_len, max_new_tokens(settings), files, model, settings.chat_template_kwargs
+    )
     problems += context_problems
     if not settings.gym_head:
         # a running Gym's agents are its own: the rows are routed against it once the run attaches (routed_rows)

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Protocol
 
+from gym_bridge.json_types import JsonMapping
+
 logger = logging.getLogger(__name__)
 
 RENDERED_ROWS = 32
@@ -51,9 +53,10 @@ def model_facts(name: str) -> ModelFacts | None:
     return ModelFacts(name, tokenizer, context)
 
 
-def first_prompt_tokens(row: object, tokenizer: Any) -> int | None:
+def first_prompt_tokens(row: object, tokenizer: Any, template_kwargs: JsonMapping | None = None) -> int | None:
     """The tokens of a row's first model call: its Responses input as Gym's ``vllm_model`` turns it into a chat,
-    rendered with the tokenizer's chat template and the row's tools; None for a row that does not render."""
+    rendered with the tokenizer's chat template, the row's tools and the run's ``template_kwargs`` (the row's own
+    over them, as the server merges them); None for a row that does not render."""
     from gym_bridge.gym_model.translate import responses_to_chat
     from gym_bridge.serving.chat import build_chat_prompt
 
@@ -62,9 +65,8 @@ def first_prompt_tokens(row: object, tokenizer: Any) -> int | None:
         return None
     try:
         turn = responses_to_chat(params, uses_reasoning_parser=False)
-        prompt = build_chat_prompt(
-            tokenizer, turn.messages, tools=turn.tools, chat_template_kwargs=turn.chat_template_kwargs or None
-        )
+        kwargs = {**(template_kwargs or {}), **turn.chat_template_kwargs}
+        prompt = build_chat_prompt(tokenizer, turn.messages, tools=turn.tools, chat_template_kwargs=kwargs or None)
     except Exception as exc:  # a row the template cannot render is named by the rollout that sends it
         logger.debug("early checks: a row does not render (%s)", exc)
         return None
@@ -96,7 +98,11 @@ def _chars(row: object) -> int:
 
 
 def longest_prompt(
-    files: Iterable[NamedRows], tokenizer: Any, *, rendered: int = RENDERED_ROWS
+    files: Iterable[NamedRows],
+    tokenizer: Any,
+    *,
+    rendered: int = RENDERED_ROWS,
+    template_kwargs: JsonMapping | None = None,
 ) -> LongestPrompt | None:
     """The longest first prompt of ``files`` in tokens: each file's ``rendered`` longest rows by characters rendered
     through the chat template (every row when a file has no more)."""
@@ -104,7 +110,7 @@ def longest_prompt(
     for file in files:
         ranked = sorted(range(len(file.rows)), key=lambda i: -_chars(file.rows[i]))[:rendered]
         for i in sorted(ranked):
-            tokens = first_prompt_tokens(file.rows[i], tokenizer)
+            tokens = first_prompt_tokens(file.rows[i], tokenizer, template_kwargs)
             if tokens is not None and (best is None or tokens > best.tokens):
                 best = LongestPrompt(tokens, f"{file.where} row {i}")
     return best

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from gym_bridge.config.chat_template import chat_template_kwargs
 from gym_bridge.config.data_files import GYM_SECTION, TRAIN_KEY, data_paths, is_train_key, recipe_gym_configs
 from gym_bridge.config.grpo import row_routing
 from gym_bridge.config.keys import config_section
@@ -51,7 +52,8 @@ def smoke_facts(config: JsonMapping, model: str, *, pinned: Iterable[str] = ()) 
         route_to = declared or (agents[0] if len(agents) == 1 else None)
     config_paths, unused = _needed_configs(config, gym, files, route_to)
     facts = model_facts(model)
-    longest = longest_prompt(files, facts.tokenizer) if facts is not None else None
+    kwargs = chat_template_kwargs(config)
+    longest = longest_prompt(files, facts.tokenizer, template_kwargs=kwargs) if facts is not None else None
     return SmokeFacts(
         train_path=train_path,
         train_rows=len(train.rows) if train is not None else None,

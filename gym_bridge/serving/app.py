@@ -278,7 +278,7 @@ def _render_chat(
         messages,
         tools=req.tools,
         add_generation_prompt=add_generation_prompt,
-        chat_template_kwargs=req.chat_template_kwargs,
+        chat_template_kwargs={**state.default_chat_template_kwargs, **(req.chat_template_kwargs or {})},
         required_prefix_token_ids=req.required_prefix_token_ids,
         vocab_size=state.vocab_size,
         splice=state.token_id_correction,

@@ -30,7 +30,7 @@ if TYPE_CHECKING:  # gym_bridge.types imports torch, which the Gym model server 
 
 logger = logging.getLogger(__name__)
 
-_RESERVED_TEMPLATE_KWARGS = frozenset(
+RESERVED_TEMPLATE_KWARGS = frozenset(
     {"conversation", "messages", "tools", "tokenize", "add_generation_prompt", "return_dict", "continue_final_message"}
 )
 
@@ -156,7 +156,7 @@ def render_ids(
     every time, and OpenAI clients retry a 5xx, which would run the runaway template again for each retry.
     """
     kwargs = dict(chat_template_kwargs or {})
-    bad = sorted(_RESERVED_TEMPLATE_KWARGS & kwargs.keys())
+    bad = sorted(RESERVED_TEMPLATE_KWARGS & kwargs.keys())
     if bad:
         raise ServingError(f"chat_template_kwargs may not set {bad}", param="chat_template_kwargs")
     try:

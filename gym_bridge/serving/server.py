@@ -26,6 +26,7 @@ from pydantic import SecretStr
 
 from gym_bridge.failures import GymBridgeError
 from gym_bridge.interfaces import GenerationInterface
+from gym_bridge.json_types import JsonMapping
 from gym_bridge.models.vocab import vocab_size_of
 from gym_bridge.serving.app import build_app
 from gym_bridge.serving.auth import ApiKeyMiddleware, open_port_warning
@@ -99,13 +100,15 @@ class OpenAIServer:
         features: ServerFeatures | None = None,
         api_key: SecretStr | str | None = None,
         sock: socket.socket | None = None,
+        default_chat_template_kwargs: JsonMapping | None = None,
     ) -> None:
         """``token_id_correction=False`` ignores carried token ids and re-tokenises the history,
         as stock vLLM does (drift is still measured: ``/metrics``); ``features`` turns off what a
         misconfigured vLLM lacks (tools, logprobs, token ids). ``api_key`` (None or empty: none)
         is required as a ``Bearer`` token on ``/v1/*``, as vLLM's ``--api-key`` is
         (:class:`~gym_bridge.serving.auth.ApiKeyMiddleware`). ``sock``: a socket from :func:`listening_socket` on
-        ``host``, bound before the engine was built (a busy port fails at once), served on instead of binding."""
+        ``host``, bound before the engine was built (a busy port fails at once), served on instead of binding.
+        ``default_chat_template_kwargs``: every chat renders with them, a request's own over them (vLLM's setting)."""
         if isinstance(api_key, str):
             api_key = SecretStr(api_key)
         self.api_key = api_key if api_key is not None and api_key.get_secret_value() else None
@@ -123,6 +126,7 @@ class OpenAIServer:
             vocab_size=int(getattr(generation, "vocab_size", None) or vocab_size_of(tokenizer)),
             token_id_correction=token_id_correction,
             features=features or ServerFeatures(),
+            default_chat_template_kwargs=dict(default_chat_template_kwargs or {}),
         )
         self.fastapi = build_app(self.state)
         self.app: ASGIApp = self.fastapi if self.api_key is None else ApiKeyMiddleware(self.fastapi, self.api_key)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from fastapi import Request
 
 from gym_bridge.interfaces import GenerationInterface
+from gym_bridge.json_types import JsonObject
 from gym_bridge.serving.drift import DriftCounter
 from gym_bridge.serving.engine import EngineProfile
 from gym_bridge.types import Tokenizer
@@ -74,6 +75,9 @@ class ServingState:
     vocab_size: int
     token_id_correction: bool = True
     features: ServerFeatures = field(default_factory=ServerFeatures)
+    default_chat_template_kwargs: JsonObject = field(default_factory=dict)
+    """Every chat renders with these, a request's own ``chat_template_kwargs`` over them (vLLM's
+    ``default_chat_template_kwargs``; NeMo-RL's ``http_server_serving_chat_kwargs``)."""
     drift: DriftCounter = field(default_factory=DriftCounter)
     rows_generating: int = 0
     """Rows the routes are generating now (changed on the event loop only): the running gauge of ``/metrics``

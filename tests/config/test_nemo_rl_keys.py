@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
+from gym_bridge.config.chat_template import chat_template_kwargs
 from gym_bridge.config.grpo import (
     engine_batch_size,
     loop_config_from,
@@ -77,7 +78,8 @@ def built(config: dict[str, Any]) -> str:
     data = (run_data(config), config.get("data", {}).get("validation"), validation_options(config))
     policy = policy_config(config, "weights", loop)
     logging = logger_settings(config)
-    return repr((settings, loop, loss_config_from(config), policy, engine_batch_size(config), data, logging))
+    template = chat_template_kwargs(config)
+    return repr((settings, loop, loss_config_from(config), policy, engine_batch_size(config), data, logging, template))
 
 
 def changed(value: Any) -> Any:

@@ -3,7 +3,9 @@ math_with_judge's agent and example_tool_call_multireward's, each over its own s
 ``train/<agent>/reward/<name>/...`` (Gym's ``reward_components``), in ``metrics.jsonl`` and read back with
 TensorBoard's own reader (``EventAccumulator``), and ``validation/<agent>/...`` for a validation over both. One
 prompt is sent to both environments, and stays two groups, one per environment (Gym #589: advantage groups must
-never merge environments that share a prompt).
+never merge environments that share a prompt). The model's chat template branches on ``enable_thinking``, which
+``policy.tokenizer.chat_template_kwargs`` sets: every prompt Gym's model calls rendered (the ids the trainer
+scores) opens the thinking block.
 
 One GRPO step of the tiny model, in process, through the Gym servers the run starts itself (both environments'
 configs in ``env.nemo_gym.config_paths``, math_with_judge graded by math-verify only): two prompts per environment,
@@ -19,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from thinking_model import thinking_model
 
 from gym_bridge.gym.servers.config_files import wheel_config_path
 
@@ -85,6 +88,7 @@ def trained(ray_session, tiny_model_dir: Path, tmp_path_factory: pytest.TempPath
     from gym_bridge.recipes.train import train
 
     folder = tmp_path_factory.mktemp("two-environments")
+    model = thinking_model(tiny_model_dir, folder / "thinking-model")
     maths, tools = math_rows(), tool_call_rows()
     pairs = zip(maths[:PROMPTS_PER_AGENT], tools[:PROMPTS_PER_AGENT], strict=True)
     train_rows = [row for pair in pairs for row in pair]  # the environments interleaved
@@ -99,7 +103,8 @@ def trained(ray_session, tiny_model_dir: Path, tmp_path_factory: pytest.TempPath
             "val_num_generations_per_prompt": 1,
         },
         "policy": {
-            "model_name": str(tiny_model_dir),
+            "model_name": str(model),
+            "tokenizer": {"chat_template_kwargs": {"enable_thinking": True}},
             "max_total_sequence_length": 2048,
             "generation": {"max_new_tokens": 8, "temperature": 1.0, "top_p": 1.0},
         },
@@ -166,6 +171,17 @@ def test_each_environment_has_its_own_metrics_in_the_step_line(trained: dict[str
     for component in COMPONENTS:
         assert isinstance(line[f"train/{TOOL_AGENT}/reward/{component}/mean"], float), line
         assert f"train/{MATH_AGENT}/reward/{component}/mean" not in line
+
+
+def test_every_prompt_rendered_with_the_recipes_template_arguments(trained: dict[str, Any]) -> None:
+    """Each model call's prompt (``prompt_str``: the decoded ids the trainer scores) ends in the thinking block the
+    template opens only with ``enable_thinking``."""
+    results = [json.loads(x) for x in (trained["run"] / "nemo_gym_full_results.jsonl").read_text().splitlines()]
+    prompts = [item["prompt_str"] for r in results for item in r["full_result"]["response"]["output"]
+               if "prompt_str" in item]  # fmt: skip
+    assert len(prompts) >= len(results) and all(p.endswith("<|im_start|>assistant\n<think>\n") for p in prompts), [
+        p[-60:] for p in prompts
+    ]
 
 
 def test_a_prompt_both_environments_get_stays_two_groups(trained: dict[str, Any]) -> None:

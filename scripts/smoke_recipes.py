@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -37,6 +38,9 @@ class Result:
 def reason(stdout: str, stderr: str, returncode: int) -> str:
     """The command's one-line reason: its error line (``gym-bridge train: ...``), else the last line of a traceback."""
     errors = [line.removeprefix(PREFIX) for line in stderr.splitlines() if line.startswith(PREFIX)]
+    raised = [line.strip() for line in errors if re.match(r"\s*[\w.]+(Error|Exception): ", line)]
+    if errors and raised:  # a server's traceback quoted from its log: its first line and the exception it ends in
+        return f"{errors[0]} ... {raised[-1]}"
     if errors:
         return " / ".join(errors[:3])
     lines = [line for line in (stderr or stdout).splitlines() if line.strip()]

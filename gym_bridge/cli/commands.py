@@ -7,6 +7,7 @@ import argparse
 import logging
 import sys
 from dataclasses import fields
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gym_bridge.boundary.text import shown
@@ -112,20 +113,27 @@ def train(args: argparse.Namespace) -> int:
         raise SettingError("--resume needs --out, the run folder to continue")
     from gym_bridge.recipes.train import smoke_recipe, train as train_run
 
+    stem = args.config.rstrip("/").split("/")[-1].rsplit(".", 1)[0] + ("-smoke" if args.smoke else "")
+    out = args.out or f"runs/{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
     if args.smoke:
         from gym_bridge.config.overrides import override_keys
         from gym_bridge.config.smoke import SMOKE_MODEL
 
-        plan = smoke_recipe(config, model=args.model or SMOKE_MODEL, pinned=override_keys(args.overrides))
+        pinned = override_keys(args.overrides)
+        plan = smoke_recipe(config, model=args.model or SMOKE_MODEL, pinned=pinned, run_dir=Path(out))
         print(plan.table(), flush=True)
         config = plan.config
-    stem = args.config.rstrip("/").split("/")[-1].rsplit(".", 1)[0] + ("-smoke" if args.smoke else "")
-    out = args.out or f"runs/{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
     try:
         outcome = train_run(
             config, out, resume=args.resume, progress=not args.no_progress, list_gpu_keys=not args.smoke
         )
-    except KeyboardInterrupt:
+    except BaseException as exc:
+        if args.smoke:
+            from gym_bridge.recipes.smoke_rows import remove_unstarted_copies
+
+            remove_unstarted_copies(Path(out))
+        if not isinstance(exc, KeyboardInterrupt):
+            raise
         print(f"gym-bridge train: interrupted; continue with --resume --out {shown(out)}", file=sys.stderr)
         return 130
     print(f"run: {shown(outcome.run_dir)}")

@@ -194,6 +194,8 @@ class SmokeFacts:
     """The recipe's ``env.nemo_gym.config_paths`` the rows need (None: unknown, all are kept)."""
     unused_instances: tuple[str, ...] = ()
     """``env.nemo_gym`` sections that configure servers of the Gym configs left out."""
+    fitted: Mapping[str, tuple[str, int, int, int]] = field(default_factory=dict)
+    """Data key -> (a copy without its rows past the smoke context, rows left out, rows, the context)."""
 
 
 @dataclass(frozen=True)
@@ -344,6 +346,8 @@ def _data(r: _Rewrite, facts: SmokeFacts) -> None:
             else "the smoke run's training rows"
         )
         r.set(key, facts.train_path, why, add=True)
+    for fit_key, (fit_path, out, total, context) in facts.fitted.items():
+        r.set(fit_key, fit_path, f"{out} of {total} rows render past the {context}-token context: left out of a copy")
     for val_key, path in facts.validation_paths.items():
         if path is not None or r.get(val_key) is ABSENT:
             continue

@@ -90,7 +90,8 @@ class NamedRows(Protocol):
     def rows(self) -> Sequence[object]: ...
 
 
-def _chars(row: object) -> int:
+def prompt_chars(row: object) -> int:
+    """The characters of a row's first prompt as JSON (input, tools, instructions): an upper bound on its text."""
     params = row.get("responses_create_params") if isinstance(row, Mapping) else None
     if not isinstance(params, Mapping):
         return 0
@@ -108,7 +109,7 @@ def longest_prompt(
     through the chat template (every row when a file has no more)."""
     best: LongestPrompt | None = None
     for file in files:
-        ranked = sorted(range(len(file.rows)), key=lambda i: -_chars(file.rows[i]))[:rendered]
+        ranked = sorted(range(len(file.rows)), key=lambda i: -prompt_chars(file.rows[i]))[:rendered]
         for i in sorted(ranked):
             tokens = first_prompt_tokens(file.rows[i], tokenizer, template_kwargs)
             if tokens is not None and (best is None or tokens > best.tokens):

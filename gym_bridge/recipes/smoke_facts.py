@@ -5,23 +5,31 @@ validation rows, the Gym configs they use, and the smoke model's tokenizer and c
 from __future__ import annotations
 
 from collections.abc import Iterable
+from pathlib import Path
 
 from gym_bridge.config.chat_template import chat_template_kwargs
 from gym_bridge.config.data_files import GYM_SECTION, TRAIN_KEY, data_paths, is_train_key, recipe_gym_configs
 from gym_bridge.config.grpo import row_routing
-from gym_bridge.config.keys import config_section
+from gym_bridge.config.keys import config_section, config_value
 from gym_bridge.config.smoke import SmokeFacts
+from gym_bridge.config.training import CONTEXT_LENGTH_KEY
+from gym_bridge.gym.protocol.routing import RowRouting
 from gym_bridge.gym.servers.config_files import GymConfigs
 from gym_bridge.json_types import JsonMapping
 from gym_bridge.recipes.pre_start import RowFile, read_rows
-from gym_bridge.recipes.prompt_length import longest_prompt, model_facts
+from gym_bridge.recipes.prompt_length import ModelFacts, longest_prompt, model_facts
+from gym_bridge.recipes.smoke_rows import fitted_paths, fitted_rows
 
 
-def smoke_facts(config: JsonMapping, model: str, *, pinned: Iterable[str] = ()) -> SmokeFacts:
+def smoke_facts(
+    config: JsonMapping, model: str, *, pinned: Iterable[str] = (), run_dir: Path | None = None
+) -> SmokeFacts:
     """What :func:`~gym_bridge.config.smoke.smoke_config` needs for ``config`` and the smoke ``model``: the training
     rows (the recipe's file, or when it is missing and the command line did not name it, the example rows Gym ships
     for the recipe's first agent that has them), which validation files exist, the longest prompt under ``model``'s
-    template, the model's own context, the agent for rows that name none, and the Gym configs those rows use."""
+    template, the model's own context, the agent for rows that name none, and the Gym configs those rows use. With
+    ``run_dir``, each data file with rows past the smoke context is copied without them into it
+    (:mod:`gym_bridge.recipes.smoke_rows`)."""
     pinned = tuple(pinned)
     gym = recipe_gym_configs(config)
     routing = row_routing(config)
@@ -53,6 +61,9 @@ def smoke_facts(config: JsonMapping, model: str, *, pinned: Iterable[str] = ()) 
     config_paths, unused = _needed_configs(config, gym, files, route_to)
     facts = model_facts(model)
     kwargs = chat_template_kwargs(config)
+    fitted: dict[str, tuple[str, int, int, int]] = {}
+    if facts is not None and run_dir is not None:
+        files, fitted = _fitted(files, facts, _smoke_context(config, facts), kwargs, routing, run_dir)
     longest = longest_prompt(files, facts.tokenizer, template_kwargs=kwargs) if facts is not None else None
     return SmokeFacts(
         train_path=train_path,
@@ -64,7 +75,36 @@ def smoke_facts(config: JsonMapping, model: str, *, pinned: Iterable[str] = ()) 
         example_agent=example_agent,
         config_paths=config_paths,
         unused_instances=unused,
+        fitted=fitted,
     )
+
+
+def _smoke_context(config: JsonMapping, facts: ModelFacts) -> int | None:
+    """The context a smoke run has: the recipe's, cut to the smoke model's own."""
+    context = config_value(config, CONTEXT_LENGTH_KEY, None)
+    if isinstance(context, bool) or not isinstance(context, int):
+        return None
+    return min(context, facts.context) if facts.context is not None else context
+
+
+def _fitted(
+    files: list[RowFile],
+    facts: ModelFacts,
+    context: int | None,
+    kwargs: JsonMapping,
+    routing: RowRouting,
+    run_dir: Path,
+) -> tuple[list[RowFile], dict[str, tuple[str, int, int, int]]]:
+    """``files`` with each one that has rows past ``context`` replaced by its fitted copy in ``run_dir``, and the
+    copies (key -> path, rows left out, rows, context)."""
+    if context is None:
+        return files, {}
+    fits = {
+        f.key: fit for f in files if (fit := fitted_rows(f.key, f.path, facts.tokenizer, context, kwargs)) is not None
+    }
+    written = fitted_paths(fits, run_dir)
+    kept = [read_rows(f.key, written[f.key][0], routing) if f.key in written else f for f in files]
+    return [f for f in kept if f is not None], written
 
 
 def _needed_configs(

@@ -133,14 +133,18 @@ def _make_run_folder(run_dir: Path, plan: LoggerPlan) -> None:
         make_dir(plan.log_dir, root=inside)
 
 
-def smoke_recipe(config: JsonObject, *, model: str = SMOKE_MODEL, pinned: Sequence[str] = ()) -> SmokePlan:
+def smoke_recipe(
+    config: JsonObject, *, model: str = SMOKE_MODEL, pinned: Sequence[str] = (), run_dir: Path | None = None
+) -> SmokePlan:
     """``--smoke``: ``config`` rewritten into a short CPU run of its Gym environments on ``model``
     (:func:`~gym_bridge.config.smoke.smoke_config` over what :func:`~gym_bridge.recipes.smoke_facts.smoke_facts`
     reads: the data, the Gym configs, the model's tokenizer and context). ``pinned``: the keys the command line set,
-    left as they are (a ``policy.model_name`` set there is the model the facts are read for)."""
+    left as they are (a ``policy.model_name`` set there is the model the facts are read for). ``run_dir``: where the
+    copies of data files without their rows past the smoke context go (None: no copies; such rows stay)."""
     if "policy.model_name" in pinned:
         model = str(config_value(config, "policy.model_name"))
-    return smoke_config(config, smoke_facts(config, model, pinned=pinned), model=model, pinned=pinned)
+    facts = smoke_facts(config, model, pinned=pinned, run_dir=run_dir)
+    return smoke_config(config, facts, model=model, pinned=pinned)
 
 
 def gpu_keys_table(config: JsonObject) -> str | None:

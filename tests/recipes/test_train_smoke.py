@@ -179,6 +179,29 @@ def test_a_training_file_named_on_the_command_line_is_not_replaced():
     assert found.train_path is None and found.example_agent is None
 
 
+def test_rows_past_the_smoke_context_are_left_out_of_a_copy_in_the_run_folder_and_counted(tmp_path):
+    """The tiny model's context is 2,048 tokens: two rows of ~3,000 words do not fit; a copy of the file without them
+    goes in the run folder, the smoke table counts them, and the rewritten recipe passes every early check."""
+    data = tmp_path / "rows.jsonl"
+    agent = {"type": "responses_api_agents", "name": "math_with_judge_simple_agent"}
+    source = [{**json.loads(line), "agent_ref": agent} for line in MATH_ROWS.read_text().splitlines()]
+    long = {**source[0], "responses_create_params": {"input": [{"role": "user", "content": "count " * 3000}]}}
+    lines = [json.dumps(r) for r in (source[0], long, source[1], long, source[2])]
+    data.write_text("\n".join(lines) + "\n")
+    run = tmp_path / "run"
+    config = recipe(f"data.train.data_path={data}", f"data.validation.data_path={data}")
+    found = smoke_facts(config, "tiny", run_dir=run)
+    copy = run / "smoke-data" / "data.train.data_path.jsonl"
+    assert found.fitted["data.train.data_path"] == (str(copy), 2, 5, 2048)
+    assert copy.read_text().splitlines() == [lines[0], lines[2], lines[4]], "the rows that fit, as they were written"
+    assert found.train_rows == 5 and found.longest_prompt is not None and found.longest_prompt < 2048
+    plan = smoke_config(config, found, model="tiny")
+    assert changed(plan)["data.train.data_path"] == (str(data), str(copy))
+    assert "2 of 5 rows render past the 2048-token context" in plan.table()
+    check_before_start(grpo_run_keys(plan.config))
+    assert smoke_facts(config, "tiny").fitted == {}, "without a run folder nothing is copied"
+
+
 # ------------------------------------------------------------------------------------------- checks before Ray starts
 
 

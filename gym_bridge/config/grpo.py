@@ -48,6 +48,7 @@ from pydantic import ValidationError
 
 from gym_bridge.boundary import UntrustedInputError
 from gym_bridge.boundary.text import shown
+from gym_bridge.config.distillation import distillation_config
 from gym_bridge.config.keys import TrainingConfigError, config_section, config_value
 from gym_bridge.config.training import NemoGymRolloutSettings, run_seed
 from gym_bridge.config.values import count
@@ -262,6 +263,7 @@ def loop_config_from(config: JsonMapping, settings: NemoGymRolloutSettings) -> G
         "stall_interval_s": settings.async_rl.stall_watchdog.interval_s,
         "min_step_batch_fraction": settings.min_step_batch_fraction,
         "loss": loss,
+        "distillation": distillation_config(config),
         "train_micro_batch_size": config_section(config, "policy").get("train_micro_batch_size"),
         "checkpoint_every_steps": checkpointing.get("save_period") if checkpointing.get("enabled", True) else None,
     }

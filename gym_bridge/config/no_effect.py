@@ -26,10 +26,12 @@ NO_EFFECT_KEYS: dict[str, str] = {
     "sif_dir": "a container image folder for sandboxed environments; no effect on the trainer",
     "_teachers": "YAML anchors of the on-policy-distillation recipes (on_policy_distillation.enabled is refused)",
     "teacher": (
-        "the distillation teacher model (on_policy_distillation.enabled and distillation runs are not this trainer)"
+        "in a GRPO config, the teacher of NeMo-RL's on-policy-distillation variant (refused); a distillation config "
+        "(a distillation section and no grpo one: gym_bridge.config.distillation) reads teacher.model_name"
     ),
     "distillation": (
-        "NeMo-RL's distillation loop; only distillation.num_generations_per_prompt is read (as N when grpo has none)"
+        "in a GRPO config, NeMo-RL's distillation loop's section (only num_generations_per_prompt is read, as N when "
+        "grpo has none); a distillation config (no grpo section) reads it as its loop and loss"
     ),
     "on_policy_distillation": "read only with on_policy_distillation.enabled: true, which is refused",
     "data_plane": "read only with data_plane.enabled: true, which is refused",
@@ -110,9 +112,9 @@ NO_EFFECT_KEYS: dict[str, str] = {
     "grpo.dynamic_sampling_oversample_ratio": (
         "NeMo-RL 7ea279a reads this key nowhere (its GRPOConfig allows extra keys), so it has no effect there either"
     ),
-    "loss_fn.kl_type": "a distillation loss key; NeMo-RL's ClippedPGLossFn does not read it",
-    "loss_fn.mixed_kl_weight": "a distillation loss key; NeMo-RL's ClippedPGLossFn does not read it",
-    "loss_fn.zero_outside_topk": "a distillation loss key; NeMo-RL's ClippedPGLossFn does not read it",
+    "loss_fn.kl_type": "a distillation loss key (a distillation config reads it); ClippedPGLossFn does not",
+    "loss_fn.mixed_kl_weight": "a distillation loss key (a distillation config reads it); ClippedPGLossFn does not",
+    "loss_fn.zero_outside_topk": "a distillation loss key (a distillation config reads it); ClippedPGLossFn does not",
     "policy.dtensor_cfg": (
         "DTensor parallelism, CPU offload and activation checkpointing: how NeMo-RL's GPU workers shard the "
         "same computation; HFPolicy runs it in one process"

@@ -160,6 +160,11 @@ def grpo_run_keys(config: JsonMapping) -> GRPORunKeys:
             "Use `gym-bridge eval` to roll out a dataset and keep every result"
         )
     loop = loop_config_from(config, rollout)
+    if loop.distillation is not None:
+        try:
+            check_model_reference(loop.distillation.teacher_model)
+        except ModelNotFoundError as exc:
+            raise TrainingConfigError(f"teacher.model_name: {exc}") from None
     engine_keys: dict[str, object] = {"model": model_name, "max_model_len": rollout.launch.max_seq_len, "seed": seed}
     batch_size = engine_batch_size(config)
     if batch_size is not None:

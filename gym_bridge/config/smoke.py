@@ -167,7 +167,7 @@ GPU_KEYS: tuple[GpuKey, ...] = (
 )
 """The GPU-only keys of NeMo-RL's Gym recipes that a smoke run turns off or a CPU run ignores."""
 
-_MODEL_KEYS = ("policy.model_name", "policy.tokenizer.name", "policy.generation.model_name")
+_MODEL_KEYS = ("policy.model_name", "policy.tokenizer.name", "policy.generation.model_name", "teacher.model_name")
 
 
 @dataclass(frozen=True)
@@ -340,19 +340,16 @@ def _model(r: _Rewrite, model: str) -> None:
 def _data(r: _Rewrite, facts: SmokeFacts) -> None:
     key = "data.train.data_path" if r.get("data.train.data_path") not in (ABSENT, None) else "data.path"
     if facts.train_path is not None and r.get(key) != facts.train_path:
-        why = (
-            f"the recipe's file is missing: Gym's example rows of {facts.example_agent}"
-            if facts.example_agent
-            else "the smoke run's training rows"
-        )
-        r.set(key, facts.train_path, why, add=True)
+        example = f"the recipe's file is missing: Gym's example rows of {facts.example_agent}"
+        r.set(key, facts.train_path, example if facts.example_agent else "the smoke run's training rows", add=True)
     for fit_key, (fit_path, out, total, context) in facts.fitted.items():
         r.set(fit_key, fit_path, f"{out} of {total} rows render past the {context}-token context: left out of a copy")
     for val_key, path in facts.validation_paths.items():
         if path is not None or r.get(val_key) is ABSENT:
             continue
-        if val_key == "data.validation.data_path" and facts.train_path is not None:
-            r.set(val_key, facts.train_path, "the recipe's file is missing: the smoke run's training rows")
+        train = facts.fitted.get(key, (facts.train_path,))[0]  # its copy without the rows past the context
+        if val_key == "data.validation.data_path" and train is not None:
+            r.set(val_key, train, "the recipe's file is missing: the smoke run's training rows")
         else:
             r.remove(val_key, "the recipe's file is missing")
 

@@ -43,6 +43,7 @@ from gym_bridge.failures.errors import CheckpointError, GymBridgeError, SettingE
 from gym_bridge.interfaces import PolicyInterface
 from gym_bridge.json_types import JsonMapping, JsonObject
 from gym_bridge.models.loading import causal_lm_on_device
+from gym_bridge.policy.logits import next_token_logits, topk_next_token_logits
 from gym_bridge.policy.loss import (
     LossFunction,
     TokenBatchSpec,
@@ -236,19 +237,16 @@ class HFPolicy(PolicyInterface):
         timer: object = None,
     ) -> BatchedDataDict[TopkLogitsOutputSpec]:
         """Top-``k`` of ``logits / T`` at positions ``0 .. S-2`` (each predicts the next token): ``[B, S-1, k]``."""
-        input_ids = torch.as_tensor(data["input_ids"]).to(torch.int64)
-        lengths = torch.as_tensor(data["input_lengths"]).to(torch.int64).reshape(-1)
-        step = micro_batch_size or self.cfg.logprob_batch_size
-        values, indices = [], []
-        with torch.no_grad():
-            for s in range(0, input_ids.shape[0], step):
-                ids, lens = input_ids[s : s + step].to(self.device), lengths[s : s + step].to(self.device)
-                attention = length_mask(lens, ids.shape[1]).long()
-                logits = self.model(input_ids=ids, attention_mask=attention, use_cache=False).logits[:, :-1]
-                top = torch.topk(logits.float() / self.cfg.temperature, k, dim=-1)
-                values.append(top.values.cpu())
-                indices.append(top.indices.cpu())
-        return BatchedDataDict({"topk_logits": torch.cat(values), "topk_indices": torch.cat(indices)})
+        values, indices = topk_next_token_logits(
+            self.model,
+            torch.as_tensor(data["input_ids"]).to(torch.int64),
+            torch.as_tensor(data["input_lengths"]).to(torch.int64).reshape(-1),
+            self.cfg.temperature,
+            self.device,
+            k=k,
+            batch_size=micro_batch_size or self.cfg.logprob_batch_size,
+        )
+        return BatchedDataDict({"topk_logits": values, "topk_indices": indices})
 
     # ------------------------------------------------------------------ training
 
@@ -329,13 +327,14 @@ class HFPolicy(PolicyInterface):
         for m in range(0, gbs, mbs):
             micro = global_batch.slice(m, m + mbs)
             trained = mask[m : m + mbs].any(dim=0).nonzero()
+            ids = torch.as_tensor(micro["input_ids"]).to(torch.int64)
+            lengths = torch.as_tensor(micro["input_lengths"]).to(torch.int64)
             with torch.set_grad_enabled(not eval_mode):
-                logprobs = self._token_logprobs(
-                    self.model,
-                    torch.as_tensor(micro["input_ids"]).to(torch.int64),
-                    torch.as_tensor(micro["input_lengths"]).to(torch.int64),
-                    first=int(trained[0]) if len(trained) else 1,
-                )
+                if getattr(loss_fn, "reads_logits", False):  # a distillation loss: the next-token logits
+                    logprobs = next_token_logits(self.model, ids, lengths, self.cfg.temperature, self.device)
+                else:
+                    first = int(trained[0]) if len(trained) else 1
+                    logprobs = self._token_logprobs(self.model, ids, lengths, first=first)
                 loss, mb_metrics = loss_fn(
                     logprobs, micro, valid_seqs.to(logprobs.device), valid_toks.to(logprobs.device)
                 )

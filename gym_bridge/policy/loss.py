@@ -29,7 +29,8 @@ class PolicyGradientBatchSpec(TokenBatchSpec):
 class LossFunction[SpecT: TokenBatchSpec](Protocol):
     """``(token_logprobs [b, S], micro_batch, global_valid_seqs, global_valid_toks) -> (loss, metrics)``.
 
-    ``SpecT`` names the batch the loss reads: the token batch plus the loss's own keys."""
+    ``SpecT`` names the batch the loss reads: the token batch plus the loss's own keys. A loss with a true
+    ``reads_logits`` attribute (distillation's) gets the next-token logits ``[b, S-1, V]`` instead."""
 
     def __call__(
         self,

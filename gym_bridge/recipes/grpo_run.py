@@ -39,6 +39,7 @@ from gym_bridge.gym.transport.admission import AdmissionControl
 from gym_bridge.gym.transport.client import GymClient
 from gym_bridge.json_types import JsonMapping
 from gym_bridge.models.loading import check_safetensors_weights
+from gym_bridge.models.vocab import vocab_size_of
 from gym_bridge.policy.hf import HFPolicy
 from gym_bridge.policy.optimizer_file import check_optimizer_file
 from gym_bridge.recipes.engine_server import ServeOptions, build_engine_server
@@ -278,6 +279,24 @@ def _engine_and_server(settings: GRPORunSettings, address: PolicyAddress | None)
     return served.generation, served.server
 
 
+def distillation_teacher(settings: GRPORunSettings, student: HFPolicy) -> HFPolicy | None:
+    """With ``settings.loop.distillation``: the teacher (``teacher.model_name``), which must share the student's
+    vocabulary (its top-k token ids index the student's logits); None for a GRPO run."""
+    distillation = settings.loop.distillation
+    if distillation is None:
+        return None
+    teacher = HFPolicy(settings.policy.model_copy(update={"model": distillation.teacher_model,
+                                                          "keep_reference_model": False}))  # fmt: skip
+    sizes = vocab_size_of(teacher.tokenizer), vocab_size_of(student.tokenizer)
+    if sizes[0] != sizes[1]:
+        teacher.shutdown()
+        raise TrainingConfigError(
+            f"teacher.model_name={distillation.teacher_model}'s vocabulary ({sizes[0]} tokens) is not the student's "
+            f"({sizes[1]}): distillation through top-k logits needs one tokenizer"
+        )
+    return teacher
+
+
 def start_grpo_run(
     settings: GRPORunSettings, out_dir: str | Path, *, resume: bool = True, save_checkpoints: bool = True
 ) -> GRPORun:
@@ -311,6 +330,7 @@ def start_grpo_run(
         raise
     try:
         policy = HFPolicy(settings.policy)
+        teacher = distillation_teacher(settings, policy)
         deterministic_before = torch.are_deterministic_algorithms_enabled()
         if policy.device.type == "cpu" and engine.device.type == "cpu":
             # CPU kernels are deterministic already, so this costs nothing; on a GPU it would need
@@ -329,6 +349,7 @@ def start_grpo_run(
             out_dir=out_dir,
             state=state,
             save_checkpoints=save_checkpoints,
+            teacher=teacher,
             validator=validator_from(
                 settings,
                 rollouts.actors,

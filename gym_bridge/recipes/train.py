@@ -34,6 +34,7 @@ import yaml
 from gym_bridge.boundary.errors import UntrustedInputError
 from gym_bridge.boundary.files import file_kind, make_dir, write_atomic
 from gym_bridge.boundary.text import shown
+from gym_bridge.config.distillation import with_grpo_keys
 from gym_bridge.config.keys import config_value
 from gym_bridge.config.loading import without_env_values
 from gym_bridge.config.logger import logger_settings
@@ -141,6 +142,7 @@ def smoke_recipe(
     reads: the data, the Gym configs, the model's tokenizer and context). ``pinned``: the keys the command line set,
     left as they are (a ``policy.model_name`` set there is the model the facts are read for). ``run_dir``: where the
     copies of data files without their rows past the smoke context go (None: no copies; such rows stay)."""
+    config = with_grpo_keys(config)
     if "policy.model_name" in pinned:
         model = str(config_value(config, "policy.model_name"))
     facts = smoke_facts(config, model, pinned=pinned, run_dir=run_dir)
@@ -184,6 +186,7 @@ def train(
 
     run_dir = Path(run_dir)
     _check_out(run_dir)  # a file in the way: one line now, before the checks below take their seconds
+    config = with_grpo_keys(config)  # a distillation config in the trainer's keys (NeMo-RL's key space)
     keys = grpo_run_keys(config)  # every key read and checked once, into typed settings, before anything starts
     check_before_start(keys)  # the data, the context and the agents: seconds, before Ray, Gym or a model start
     settings = with_rows(keys)  # the rows read and validated

@@ -59,7 +59,7 @@ from gym_bridge.training.refit import RefitTarget, check_refit, refit
 from gym_bridge.training.staleness import StalenessBuffer
 from gym_bridge.training.step_rollouts import RolloutCollector, RolloutPhase
 from gym_bridge.training.trainer_state import STATE_FILE, TrainerState
-from gym_bridge.training.update import TrainablePolicy, UpdatePhase, update_metrics
+from gym_bridge.training.update import TeacherPolicy, TrainablePolicy, UpdatePhase, update_metrics
 from gym_bridge.training.validation import Validator
 from gym_bridge.types import (
     DatumSpec,
@@ -105,8 +105,11 @@ class GRPOTrainer(RolloutPhase, UpdatePhase):
         validator: Validator | None = None,
         metric_sinks: Sequence[Callable[[MetricsLine], object]] = (),
         save_checkpoints: bool = True,
+        teacher: TeacherPolicy | None = None,
     ) -> None:
         self.cfg = cfg
+        self.teacher = teacher
+        """With ``cfg.distillation``: the teacher whose top-k logits each step distils."""
         self.save_checkpoints = save_checkpoints
         """False (NeMo-RL's ``checkpointing.enabled: false``): :meth:`run` writes no checkpoint, at the end either."""
         self.manager, self.policy, self.engine = manager, policy, engine
@@ -244,7 +247,7 @@ class GRPOTrainer(RolloutPhase, UpdatePhase):
         in which no sample passed, and warns at every ``ALL_WRONG_ALARM_STEPS`` of them: while every reward is a
         fail, no group has a reward spread, so no step updates the policy."""
         trained = torch.as_tensor(batch["token_mask"]) * torch.as_tensor(batch["sample_mask"])[:, None]
-        skip = not bool((torch.as_tensor(batch["advantages"]) * trained).ne(0).any())
+        skip = not bool((torch.as_tensor(batch["advantages"]) * trained).ne(0).any()) and self.cfg.distillation is None
         self.all_wrong_in_a_row = self.all_wrong_in_a_row + 1 if skip and stats.pass_rate == 0.0 else 0
         if self.all_wrong_in_a_row and self.all_wrong_in_a_row % ALL_WRONG_ALARM_STEPS == 0:
             logger.warning(

@@ -16,6 +16,7 @@ from gym_bridge.json_types import JsonObject
 from gym_bridge.rollout.reward_shaping import EffortLevelsConfig
 from gym_bridge.rollout.sink import CommittedGroup
 from gym_bridge.training.batch import AdvantageSettings, TrainBatchSpec
+from gym_bridge.training.distillation import DistillationConfig
 from gym_bridge.training.loss import (
     ClippedPGLossConfig,
 )
@@ -66,6 +67,9 @@ class GRPOLoopConfig(BaseModel):
     thinking_tags: tuple[str, ...] | None = None
     """``env.nemo_gym.thinking_tags`` for the malformed-think-tag penalty; None: ``<think>``, ``</think>``."""
     loss: ClippedPGLossConfig = Field(default_factory=ClippedPGLossConfig)
+    distillation: DistillationConfig | None = None
+    """On-policy distillation (NeMo-RL's ``distillation`` / ``teacher`` config): every step trains on the
+    distillation loss over the teacher's top-k logits instead of the policy-gradient loss."""
     seed: int = 0
     shuffle_data: bool = True
     async_rollouts: bool = False

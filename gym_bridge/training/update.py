@@ -7,12 +7,15 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, cast, runtime_checkable
 
 import torch
 
 from gym_bridge.batched import BatchedDataDict
+from gym_bridge.failures.errors import SettingError
 from gym_bridge.json_types import JsonObject
+from gym_bridge.policy.loss import LossFunction, TokenBatchSpec
+from gym_bridge.training.distillation import DistillationBatchSpec, DistillationConfig, DistillationLoss
 from gym_bridge.training.fidelity import logprob_gap, seq_logprob_error_mask
 from gym_bridge.training.loop_config import GRPOLoopConfig, TrainBatch, step_seed
 from gym_bridge.training.loss import (
@@ -28,6 +31,7 @@ from gym_bridge.types import (
     LogprobOutputSpec,
     ReferenceLogprobOutputSpec,
     Tokenizer,
+    TopkLogitsOutputSpec,
 )
 
 
@@ -44,11 +48,17 @@ class TrainablePolicy(RefitSource, Protocol):
         self, data: TrainBatch, micro_batch_size: int | None = None
     ) -> BatchedDataDict[ReferenceLogprobOutputSpec]: ...
 
-    def train(
-        self, data: TrainBatch, loss_fn: ClippedPGLoss | LogprobRecorder, *, mbs: int | None = None
+    def train[SpecT: TokenBatchSpec](
+        self, data: BatchedDataDict[SpecT], loss_fn: LossFunction[SpecT], *, mbs: int | None = None
     ) -> JsonObject: ...
 
     def save_checkpoint(self, path: Path) -> None: ...
+
+
+class TeacherPolicy(Protocol):
+    """A distillation teacher: the top-k of its next-token logits over a batch (``HFPolicy.get_topk_logits``)."""
+
+    def get_topk_logits(self, data: TrainBatch, k: int) -> BatchedDataDict[TopkLogitsOutputSpec]: ...
 
 
 @runtime_checkable
@@ -82,9 +92,16 @@ def update_metrics(outcome: TrainOutcome, refit_engine: bool) -> MetricsLine:
         "train/grad_norm": result["grad_norm"],
         **({"train/lr": result["lr"]} if "lr" in result else {}),
         "train/refit": refit_engine,
-        **sum_on_policy_errors(result["all_mb_metrics"]).as_metrics(),
-        **loss_metrics(result["all_mb_metrics"]),
+        **_loss_rates(result["all_mb_metrics"]),
     }
+
+
+def _loss_rates(mb_metrics: list[Any]) -> MetricsLine:
+    """The policy-gradient loss's on-policy error and ``loss/*`` rates; none for the distillation loss, whose
+    micro-batches report only ``loss`` and ``num_valid_samples``."""
+    if not mb_metrics or any("on_policy" not in m for m in mb_metrics):
+        return {}
+    return {**sum_on_policy_errors(mb_metrics).as_metrics(), **loss_metrics(mb_metrics)}
 
 
 class UpdatePhase:
@@ -95,6 +112,7 @@ class UpdatePhase:
     state: TrainerState
     loss: ClippedPGLoss
     weight_snapshots: dict[int, Mapping[str, torch.Tensor]]
+    teacher: TeacherPolicy | None
 
     def _train(self, batch: TrainBatch, versions: Sequence[int], step: int) -> TrainOutcome:
         """One optimizer step under the step's torch seed (:func:`step_seed`).
@@ -110,7 +128,10 @@ class UpdatePhase:
             torch.manual_seed(step_seed(self.cfg.seed, step))
             self._keep_weight_snapshot()
             self._add_reference_logprobs(batch)
-            if self.cfg.loss.force_on_policy_ratio and self.cfg.seq_logprob_error_threshold is None:
+            if self.cfg.distillation is not None:
+                prev, seq_metrics = self._old_policy_logprobs(batch), dict[str, float]()
+                result = self._distil(batch, self.cfg.distillation)
+            elif self.cfg.loss.force_on_policy_ratio and self.cfg.seq_logprob_error_threshold is None:
                 recorder = LogprobRecorder(self.loss)
                 result = dict(self.policy.train(batch, recorder, mbs=self.cfg.train_micro_batch_size))
                 prev, seq_metrics = recorder.logprobs(len(versions)), {}
@@ -124,6 +145,15 @@ class UpdatePhase:
         gen = torch.as_tensor(batch["generation_logprobs"]).float()
         movement = self._policy_movement(gen, prev, at_sampling, after, scored)
         return TrainOutcome(result, seq_metrics, movement)
+
+    def _distil(self, batch: TrainBatch, cfg: DistillationConfig) -> dict[str, Any]:
+        """One distillation update: the teacher's top-k logits of the student's batch, then the distillation loss."""
+        if self.teacher is None:
+            raise SettingError("a distillation run needs its teacher: this GRPOTrainer was built with teacher=None")
+        top = self.teacher.get_topk_logits(batch, cfg.topk_logits_k)
+        data = cast(BatchedDataDict[DistillationBatchSpec], batch)
+        data["teacher_topk_logits"], data["teacher_topk_indices"] = top["topk_logits"], top["topk_indices"]
+        return dict(self.policy.train(data, DistillationLoss(cfg), mbs=self.cfg.train_micro_batch_size))
 
     def _old_policy_logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """The trainer's logprobs of the batch before the update, set as its ``prev_logprobs``."""

@@ -49,6 +49,7 @@ check-nemo-rl: setup
 	$(UV) run python scripts/check_nemo_rl.py --nemo-rl-src "$(NEMO_RL_SRC)"
 	$(UV) run python scripts/nemo_rl_check/losses.py --nemo-rl-src "$(NEMO_RL_SRC)"
 	$(UV) run python scripts/nemo_rl_check/advantages.py --nemo-rl-src "$(NEMO_RL_SRC)"
+	$(UV) run python scripts/nemo_rl_check/distillation.py --nemo-rl-src "$(NEMO_RL_SRC)"
 
 # `gym-bridge train RECIPE --smoke` over every examples/nemo_gym/*.yaml of a NeMo-RL checkout (NEMO_RL_SRC=...): "ran a
 # step" or the one-line reason for each (~5 min a recipe that runs, on 2 cores). docs/training.md has the last table.

@@ -5,7 +5,9 @@ is imported from a checkout as ``make check-nemo-rl`` imports it):
   sequence-level loss and GSPO (sequence-level ratios and importance weights), each with the dual clip, truncated
   importance sampling and the reference KL, loss and gradient;
 - ``scripts/nemo_rl_check/advantages.py``: ``GRPOAdvantageEstimator`` and ``GDPOAdvantageEstimator`` against our
-  GRPO and GDPO advantages on the same reward components.
+  GRPO and GDPO advantages on the same reward components;
+- ``scripts/nemo_rl_check/distillation.py``: ``DistillationLossFn`` (with its top-k logprob function) against our
+  DistillationLoss, each KL type with and without ``zero_outside_topk``, loss and gradient.
 """
 
 from __future__ import annotations
@@ -51,3 +53,10 @@ def test_our_advantages_equal_nemo_rls_on_the_same_rewards() -> None:
     assert {"grpo", "gdpo", "gdpo weighted", "gdpo not normalized"} <= {r["name"] for r in results}
     worst = max(results, key=lambda r: r["max_diff"])
     assert worst["max_diff"] <= 1e-5, worst
+
+
+def test_our_distillation_loss_equals_nemo_rls_on_the_same_logits() -> None:
+    results = check("distillation.py")
+    assert {"forward", "reverse", "mixed", "reverse zero outside top-k"} <= {r["name"] for r in results}
+    worst = max(results, key=lambda r: max(r["loss_diff"], r["grad_max_diff"]))
+    assert worst["loss_diff"] <= 1e-5 and worst["grad_max_diff"] <= 1e-5, worst

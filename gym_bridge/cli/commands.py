@@ -108,19 +108,27 @@ def train(args: argparse.Namespace) -> int:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     if args.model is not None and not args.smoke:
         raise SettingError(f"--model goes with --smoke; without it set policy.model_name={args.model}")
-    config = load_with_overrides(args.config, args.overrides)  # an unreadable config or bad key: before torch loads
     if args.out is None and args.resume:
         raise SettingError("--resume needs --out, the run folder to continue")
-    from gym_bridge.recipes.train import smoke_recipe, train as train_run
-
     stem = args.config.rstrip("/").split("/")[-1].rsplit(".", 1)[0] + ("-smoke" if args.smoke else "")
     out = args.out or f"runs/{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+    if args.smoke:  # the launcher's unset variables get scratch values: before torch loads, as any config error
+        from gym_bridge.recipes.smoke_env import load_with_scratch_env
+
+        config, scratch = load_with_scratch_env(args.config, args.overrides, Path(out))
+    else:
+        config = load_with_overrides(args.config, args.overrides)  # an unreadable config or bad key: before torch
+    from gym_bridge.recipes.train import smoke_recipe, train as train_run
+
     if args.smoke:
+        from dataclasses import replace
+
         from gym_bridge.config.overrides import override_keys
         from gym_bridge.config.smoke import SMOKE_MODEL
 
         pinned = override_keys(args.overrides)
         plan = smoke_recipe(config, model=args.model or SMOKE_MODEL, pinned=pinned, run_dir=Path(out))
+        plan = replace(plan, changes=(*scratch, *plan.changes))
         print(plan.table(), flush=True)
         config = plan.config
     try:

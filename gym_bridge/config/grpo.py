@@ -202,6 +202,11 @@ def _advantage_key(grpo: JsonMapping, name: str) -> object:
     return estimator if estimator is not None else top
 
 
+def _val_period(value: object) -> object:
+    """``grpo.val_period``: a negative period is no periodic validation, as NeMo-RL reads it (``val_period > 0``)."""
+    return 0 if isinstance(value, int) and not isinstance(value, bool) and value < 0 else value
+
+
 def _estimator(grpo: JsonMapping) -> str:
     """``grpo.adv_estimator.name``: ``grpo`` (NeMo-RL's default) or ``gdpo``; any other is refused by name."""
     name = config_section(grpo, "adv_estimator").get("name", "grpo")
@@ -231,7 +236,7 @@ def loop_config_from(config: JsonMapping, settings: NemoGymRolloutSettings) -> G
     values: dict[str, object] = {
         "seed": run_seed(config),
         "shuffle_data": config_section(config, "data").get("shuffle"),
-        "val_period": grpo.get("val_period"),
+        "val_period": _val_period(grpo.get("val_period")),
         "val_at_start": grpo.get("val_at_start"),
         "val_at_end": grpo.get("val_at_end"),
         "num_prompts_per_step": grpo.get("num_prompts_per_step"),

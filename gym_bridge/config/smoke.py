@@ -418,6 +418,7 @@ def _gym(r: _Rewrite, facts: SmokeFacts) -> None:
         )
     for name in facts.unused_instances:
         r.remove(f"env.nemo_gym.{name}", "configures a server of a Gym config left out")
+    r.remove("env.nemo_gym.uv_venv_dir", "a cluster's per-server venvs; a smoke run's servers run in this environment")
 
 
 def _run(r: _Rewrite) -> None:

@@ -93,10 +93,13 @@ def fitted_paths(fits: Mapping[str, FittedRows], run_dir: Path) -> dict[str, tup
 
 
 def remove_unstarted_copies(run_dir: Path) -> None:
-    """The fitted copies of a smoke run that did not start (no ``metrics.jsonl``) removed, and ``run_dir`` with them
-    when nothing else is in it: a smoke run refused before it starts leaves no run folder."""
-    if (run_dir / "metrics.jsonl").exists() or not (run_dir / SMOKE_DATA).is_dir():
+    """The fitted copies and scratch folders (``smoke-env``) of a smoke run that did not start (no
+    ``metrics.jsonl``) removed, and ``run_dir`` with them when nothing else is in it: a smoke run refused before it
+    starts leaves no run folder."""
+    if (run_dir / "metrics.jsonl").exists():
         return
-    shutil.rmtree(run_dir / SMOKE_DATA, ignore_errors=True)
+    for name in (SMOKE_DATA, "smoke-env"):
+        if (run_dir / name).is_dir() and not (run_dir / name).is_symlink():
+            shutil.rmtree(run_dir / name, ignore_errors=True)
     with contextlib.suppress(OSError):
         run_dir.rmdir()  # only an empty folder

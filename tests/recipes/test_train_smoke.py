@@ -354,3 +354,29 @@ def test_a_model_name_its_launcher_fills_is_replaced_like_any_other():
         plan = smoke_config(recipe(*overrides), facts(validation_paths={"data.validation.data_path": None}))
         assert plan.config["policy"]["model_name"] == "smollm2", overrides
         assert changed(plan)["policy.model_name"][1] == "smollm2"
+
+
+def test_unset_launcher_variables_get_scratch_folders_in_the_run_folder(tmp_path, monkeypatch):
+    from gym_bridge.recipes.smoke_env import load_with_scratch_env
+
+    name = "GYM_BRIDGE_TEST_UNSET_CACHE"
+    monkeypatch.delenv(name, raising=False)
+    child = tmp_path / "child.yaml"
+    child.write_text(f"defaults: {RECIPE}\nenv:\n  nemo_gym:\n    uv_venv_dir: ${{oc.env:{name}}}/gym_venvs\n")
+    with pytest.raises(TrainingConfigError, match=name):
+        load_with_overrides(child, [])
+    run = tmp_path / "run"
+    config, changes = load_with_scratch_env(child, [], run)
+    scratch = run / "smoke-env" / name
+    assert config["env"]["nemo_gym"]["uv_venv_dir"] == f"{scratch}/gym_venvs" and scratch.is_dir()
+    assert [(c.key, c.smoke) for c in changes] == [(f"${{oc.env:{name}}}", str(scratch))]
+    monkeypatch.setenv(name, "/set/by/launcher")  # a variable that is set keeps its value
+    kept, none = load_with_scratch_env(child, [], tmp_path / "other")
+    assert kept["env"]["nemo_gym"]["uv_venv_dir"] == "/set/by/launcher/gym_venvs" and none == []
+    plan = smoke_config(config, facts(), model="tiny")
+    assert changed(plan)["env.nemo_gym.uv_venv_dir"] == (f"{scratch}/gym_venvs", REMOVED)
+
+
+def test_a_negative_val_period_is_no_periodic_validation_as_in_nemo_rl():
+    config = recipe("grpo.val_period=-1")
+    assert grpo_run_keys(smoke_config(config, facts(), model="tiny").config).loop.val_period == 0

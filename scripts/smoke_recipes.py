@@ -33,6 +33,14 @@ class Result:
     recipe: str
     outcome: str
     seconds: float
+    changed: str = ""
+    """What ``--smoke`` changed: its table's title counts (``19 key(s) changed, 4 GPU-only key(s) ignored``)."""
+
+
+def smoke_counts(stdout: str) -> str:
+    """The counts of the smoke table the command printed, or "" when it printed none."""
+    title = next((line for line in stdout.splitlines() if line.startswith("--smoke: ")), "")
+    return title.removeprefix("--smoke: ").split(";", 1)[0]
 
 
 def reason(stdout: str, stderr: str, returncode: int) -> str:
@@ -62,6 +70,7 @@ def run_recipe(recipe: Path, timeout: float, keep: Path | None) -> Result:
         if keep is not None:
             keep.mkdir(parents=True, exist_ok=True)
             (keep / f"{recipe.stem}.log").write_text(done.stdout + "\n--- stderr ---\n" + done.stderr)
+        changed = smoke_counts(done.stdout)
         metrics = run_dir / "metrics.jsonl"
         lines = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
         trained = [line for line in lines if line.get("kind") == "train"]
@@ -77,8 +86,9 @@ def run_recipe(recipe: Path, timeout: float, keep: Path | None) -> Result:
                 f"ran a step ({first.get('train/samples', '?')} samples, reward "
                 f"{first.get('train/mean_reward', 0.0):.3f}, {update})",
                 seconds,
+                changed,
             )
-        return Result(recipe.name, reason(done.stdout, done.stderr, done.returncode), seconds)
+        return Result(recipe.name, reason(done.stdout, done.stderr, done.returncode), seconds, changed)
 
 
 REPO = Path(__file__).resolve().parents[1]
@@ -87,11 +97,11 @@ REPO = Path(__file__).resolve().parents[1]
 def table(results: list[Result], source: str) -> str:
     """The results as a markdown table (paths inside this checkout, such as the venv's Gym rows, made relative)."""
     rows = [
-        f"| `{r.recipe}` | {r.outcome.replace(f'{REPO}/', '').replace('|', '/')} | {r.seconds:.0f} |" for r in results
+        f"| `{r.recipe}` | {r.outcome.replace(f'{REPO}/', '').replace('|', '/')} | {r.changed} | {r.seconds:.0f} |"
+        for r in results
     ]
-    return "\n".join(
-        [f"`gym-bridge train RECIPE --smoke` over {source}:", "", "| recipe | result | s |", "|---|---|---|", *rows]
-    )
+    header = ["| recipe | result | --smoke changed | s |", "|---|---|---|---|"]
+    return "\n".join([f"`gym-bridge train RECIPE --smoke` over {source}:", "", *header, *rows])
 
 
 def main(argv: list[str] | None = None) -> int:

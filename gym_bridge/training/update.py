@@ -122,7 +122,8 @@ class UpdatePhase:
         ``seq_logprob_error_threshold`` (which needs them first), the update's own forward, recorded
         (:class:`LogprobRecorder`). Reference logprobs come first when the loss has a KL penalty; afterwards the
         logprobs at the new weights. ``versions``: each sample's sampling weight version, for
-        :meth:`_policy_movement`.
+        :meth:`_policy_movement`. With ``cfg.distillation`` the update is the distillation loss over the teacher's
+        top-k logits (:meth:`_distil`), the old policy's logprobs taken first for the same metrics.
         """
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(step_seed(self.cfg.seed, step))

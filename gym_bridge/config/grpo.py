@@ -48,6 +48,7 @@ from pydantic import ValidationError
 
 from gym_bridge.boundary import UntrustedInputError
 from gym_bridge.boundary.text import shown
+from gym_bridge.config.chat_template import TEMPLATE_KEYS
 from gym_bridge.config.distillation import distillation_config
 from gym_bridge.config.keys import TrainingConfigError, config_section, config_value
 from gym_bridge.config.training import NemoGymRolloutSettings, run_seed
@@ -90,8 +91,7 @@ _NOT_IMPLEMENTED: dict[str, tuple[object, ...]] = {
     "policy.hf_config_overrides": (None, {}),
     "policy.optimizer.name": ("torch.optim.AdamW",),
     "policy.optimizer.kwargs.eps": (1e-8,),
-    "policy.tokenizer.chat_template": (None,),
-    "policy.generation.vllm_cfg.http_server_serving_chat_kwargs.chat_template": (None,),
+    **dict.fromkeys(TEMPLATE_KEYS, (None,)),
     "on_policy_distillation.enabled": (False,),
     "data_plane.enabled": (False,),
     "data.use_multiple_dataloader": (False,),

@@ -15,10 +15,8 @@ from gym_bridge.config.keys import TrainingConfigError
 from gym_bridge.config.overrides import load_with_overrides
 from gym_bridge.config.smoke import ABSENT, KeyChange
 from gym_bridge.json_types import JsonObject
-from gym_bridge.recipes.smoke_rows import remove_unstarted_copies
+from gym_bridge.recipes.smoke_rows import SMOKE_ENV, remove_unstarted_copies
 
-SMOKE_ENV = "smoke-env"
-"""The run folder's subfolder of scratch folders, one per variable."""
 MAX_VARIABLES = 32
 _MISSING = re.compile(r"Environment variable '([A-Za-z_][A-Za-z0-9_]*)' not found")
 

@@ -26,6 +26,9 @@ from gym_bridge.recipes.prompt_length import first_prompt_tokens, prompt_chars
 
 SMOKE_DATA = "smoke-data"
 """The run folder's subfolder for the fitted copies."""
+SMOKE_ENV = "smoke-env"
+"""The run folder's subfolder of scratch folders for a launcher's unset variables
+(:mod:`~gym_bridge.recipes.smoke_env`)."""
 _TEMPLATE_ALLOWANCE = 256
 """Tokens a chat template adds around a prompt's text at most (roles, tool preamble): a line shorter than the
 context by this many characters is not rendered."""
@@ -98,7 +101,7 @@ def remove_unstarted_copies(run_dir: Path) -> None:
     starts leaves no run folder."""
     if (run_dir / "metrics.jsonl").exists():
         return
-    for name in (SMOKE_DATA, "smoke-env"):
+    for name in (SMOKE_DATA, SMOKE_ENV):
         if (run_dir / name).is_dir() and not (run_dir / name).is_symlink():
             shutil.rmtree(run_dir / name, ignore_errors=True)
     with contextlib.suppress(OSError):

@@ -2,7 +2,7 @@
 contract that a result's ``reward`` is the sum of its components (NeMo-RL's ``nemo_gym.py`` helpers).
 
 The components are parsed once, where a Gym result is converted
-(:func:`gym_bridge.gym.protocol.convert.reward_components`: names as text, scores finite numbers); these helpers
+(:func:`gym_bridge.gym.protocol.result_fields.reward_components`: names as text, scores finite numbers); these helpers
 read that parse, so a malformed mapping is a :class:`~gym_bridge.failures.GymResultError` naming the field.
 """
 

@@ -81,6 +81,7 @@ def gdpo_advantages(
     normalize: bool = True,
     epsilon: float = 1e-6,
     valid: torch.Tensor | None = None,
+    source: str = "this batch has",
 ) -> torch.Tensor:
     """NeMo-RL's GDPO advantages ``[groups, samples]`` from named reward components (each ``[groups, samples]``).
 
@@ -88,13 +89,15 @@ def gdpo_advantages(
     ``weights`` in sorted name order (None: 1.0 each), then the sum is normalised over the whole batch,
     ``(A - mean) / std`` (Bessel-corrected std; only ``A - mean`` when it is 0 or undefined). ``valid`` leaves
     samples out of every statistic, as in :func:`grpo_advantages`; their advantage is 0. Fewer than two components
-    or a weight count that differs from theirs is a :class:`SettingError`, as NeMo-RL raises.
+    or a weight count that differs from theirs is a :class:`SettingError`, as NeMo-RL raises; ``source`` says
+    whose components the message counts.
     """
     names = sorted(components)
     if len(names) < 2:
         raise SettingError(
-            f"GDPO needs two or more reward components (Gym's reward_components, NeMo-RL's reward/<name>); this "
-            f"batch has {len(names)}: {names}. Set grpo.adv_estimator.name: grpo for a single-reward environment"
+            f"grpo.adv_estimator.name: gdpo needs two or more reward components (Gym's reward_components, NeMo-RL's "
+            f"reward/<name>); {source} {len(names)}: {names}. Point env.nemo_gym at a multi-reward environment or "
+            "set grpo.adv_estimator.name: grpo"
         )
     if weights is None:
         weights = [1.0] * len(names)

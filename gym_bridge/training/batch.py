@@ -123,19 +123,14 @@ def _per_sample_advantages(
             rewards, leave_one_out=settings.leave_one_out, normalize=settings.normalize, valid=in_baseline
         )
     columns = component_columns([c.reward_components for c in completions])
-    if len(columns) < 2:
-        agents = sorted({c.agent or "(no agent)" for c in completions})
-        raise SettingError(
-            f"grpo.adv_estimator.name: gdpo needs two or more reward components (Gym's reward_components); this "
-            f"step's results from {', '.join(agents)} carry {len(columns)}: {sorted(columns)}. Point env.nemo_gym at a "
-            "multi-reward environment or set grpo.adv_estimator.name: grpo"
-        )
+    agents = sorted({c.agent or "(no agent)" for c in completions})
     return gdpo_advantages(
         {name: torch.tensor(values).view_as(rewards) for name, values in columns.items()},
         weights=settings.reward_weights,
         leave_one_out=settings.leave_one_out,
         normalize=settings.normalize,
         valid=in_baseline,
+        source=f"this step's results from {', '.join(agents)} carry",
     )
 
 

@@ -98,11 +98,15 @@ def fitted_paths(fits: Mapping[str, FittedRows], run_dir: Path) -> dict[str, tup
 def remove_unstarted_copies(run_dir: Path) -> None:
     """The fitted copies and scratch folders (``smoke-env``) of a smoke run that did not start (no
     ``metrics.jsonl``) removed, and ``run_dir`` with them when nothing else is in it: a smoke run refused before it
-    starts leaves no run folder."""
+    starts leaves no run folder. A folder that held none of them is left as it is (an empty ``--out`` made
+    beforehand stays)."""
     if (run_dir / "metrics.jsonl").exists():
         return
-    for name in (SMOKE_DATA, SMOKE_ENV):
-        if (run_dir / name).is_dir() and not (run_dir / name).is_symlink():
-            shutil.rmtree(run_dir / name, ignore_errors=True)
+    ours = [run_dir / name for name in (SMOKE_DATA, SMOKE_ENV)]
+    ours = [folder for folder in ours if folder.is_dir() and not folder.is_symlink()]
+    if not ours:
+        return
+    for folder in ours:
+        shutil.rmtree(folder, ignore_errors=True)
     with contextlib.suppress(OSError):
         run_dir.rmdir()  # only an empty folder

@@ -380,3 +380,22 @@ def test_unset_launcher_variables_get_scratch_folders_in_the_run_folder(tmp_path
 def test_a_negative_val_period_is_no_periodic_validation_as_in_nemo_rl():
     config = recipe("grpo.val_period=-1")
     assert grpo_run_keys(smoke_config(config, facts(), model="tiny").config).loop.val_period == 0
+
+
+def test_a_refused_smoke_run_removes_only_what_it_made(tmp_path):
+    from gym_bridge.recipes.smoke_rows import remove_unstarted_copies
+
+    made = tmp_path / "made"
+    (made / "smoke-data").mkdir(parents=True)
+    (made / "smoke-env" / "X").mkdir(parents=True)
+    remove_unstarted_copies(made)
+    assert not made.exists(), "the copies and the folder they were made in are gone"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    remove_unstarted_copies(empty)
+    assert empty.is_dir(), "an empty --out made beforehand stays"
+    kept = tmp_path / "kept"
+    (kept / "smoke-data").mkdir(parents=True)
+    (kept / "notes.txt").write_text("mine")
+    remove_unstarted_copies(kept)
+    assert (kept / "notes.txt").exists() and not (kept / "smoke-data").exists()

@@ -3,7 +3,7 @@
     make smoke-recipes NEMO_RL_SRC=/path/to/NeMo-RL
     uv run python scripts/smoke_recipes.py --nemo-rl-src /path/to/NeMo-RL [--only grpo_nanov3] [--timeout 1500]
 
-Each ``examples/nemo_gym/*.yaml`` of the checkout runs as a user would run it: ``gym-bridge train RECIPE --smoke``
+Each ``examples/nemo_gym/**/*.yaml`` of the checkout (the subfolders' recipes too) runs as a user would run it: ``gym-bridge train RECIPE --smoke``
 with no other override, in a temporary working directory (nothing is written into the checkout), one recipe after
 another. A recipe whose training file is missing here gets the example rows the installed nemo-gym ships for its
 first agent (the smoke table says so). The result is "ran a step" (the run's first training line was written), or
@@ -55,7 +55,7 @@ def reason(stdout: str, stderr: str, returncode: int) -> str:
     return lines[-1].strip() if lines else f"exit status {returncode}, no output"
 
 
-def run_recipe(recipe: Path, timeout: float, keep: Path | None) -> Result:
+def run_recipe(recipe: Path, name: str, timeout: float, keep: Path | None) -> Result:
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="smoke-recipe-") as work:
         run_dir = Path(work) / "run"
@@ -65,11 +65,13 @@ def run_recipe(recipe: Path, timeout: float, keep: Path | None) -> Result:
                 [*command, "--no-progress"], cwd=work, capture_output=True, text=True, timeout=timeout, check=False
             )
         except subprocess.TimeoutExpired:
-            return Result(recipe.name, f"did not finish in {timeout:.0f} s", time.monotonic() - started)
+            return Result(name, f"did not finish in {timeout:.0f} s", time.monotonic() - started)
         seconds = time.monotonic() - started
         if keep is not None:
             keep.mkdir(parents=True, exist_ok=True)
-            (keep / f"{recipe.stem}.log").write_text(done.stdout + "\n--- stderr ---\n" + done.stderr)
+            (keep / f"{name.replace('/', '--').removesuffix('.yaml')}.log").write_text(
+                done.stdout + "\n--- stderr ---\n" + done.stderr
+            )
         changed = smoke_counts(done.stdout)
         metrics = run_dir / "metrics.jsonl"
         lines = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
@@ -82,13 +84,13 @@ def run_recipe(recipe: Path, timeout: float, keep: Path | None) -> Result:
                 else f"loss {first.get('train/loss', float('nan')):.3g}"
             )
             return Result(
-                recipe.name,
+                name,
                 f"ran a step ({first.get('train/samples', '?')} samples, reward "
                 f"{first.get('train/mean_reward', 0.0):.3f}, {update})",
                 seconds,
                 changed,
             )
-        return Result(recipe.name, reason(done.stdout, done.stderr, done.returncode), seconds, changed)
+        return Result(name, reason(done.stdout, done.stderr, done.returncode), seconds, changed)
 
 
 REPO = Path(__file__).resolve().parents[1]
@@ -107,16 +109,20 @@ def table(results: list[Result], source: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nemo-rl-src", required=True, type=Path, help="a NeMo-RL checkout")
-    parser.add_argument("--only", default="", help="comma-separated recipe stems (default: every one)")
+    parser.add_argument(
+        "--only",
+        default="",
+        help="comma-separated recipe stems or paths under examples/nemo_gym without .yaml (default: every one)",
+    )
     parser.add_argument("--timeout", type=float, default=1500.0, help="seconds for each recipe")
     parser.add_argument("--report", type=Path, default=None, help="also write the markdown table here")
     parser.add_argument("--logs", type=Path, default=None, help="keep each run's output in this folder")
     args = parser.parse_args(argv)
     folder = args.nemo_rl_src / "examples" / "nemo_gym"
-    recipes = sorted(folder.glob("*.yaml"))
+    recipes = sorted(folder.rglob("*.yaml"), key=lambda r: (len(r.relative_to(folder).parts), str(r)))
     if args.only:
         wanted = set(args.only.split(","))
-        recipes = [r for r in recipes if r.stem in wanted]
+        recipes = [r for r in recipes if r.stem in wanted or str(r.relative_to(folder).with_suffix("")) in wanted]
     if not recipes:
         print(f"smoke-recipes: no recipes in {folder}", file=sys.stderr)
         return 2
@@ -125,8 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     results = []
     for recipe in recipes:
-        print(f"{recipe.name} ...", file=sys.stderr, flush=True)
-        result = run_recipe(recipe.resolve(), args.timeout, args.logs)
+        name = str(recipe.relative_to(folder))
+        print(f"{name} ...", file=sys.stderr, flush=True)
+        result = run_recipe(recipe.resolve(), name, args.timeout, args.logs)
         print(f"  {result.outcome} ({result.seconds:.0f} s)", file=sys.stderr, flush=True)
         results.append(result)
     commit = subprocess.run(
@@ -135,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         text=True,
         check=False,
     ).stdout.strip()
-    text = table(results, f"NeMo-RL {commit or args.nemo_rl_src} `examples/nemo_gym/*.yaml`")
+    text = table(results, f"NeMo-RL {commit or args.nemo_rl_src} `examples/nemo_gym/**/*.yaml`")
     print(text)
     if args.report is not None:
         args.report.write_text(text + "\n")

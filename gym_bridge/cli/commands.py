@@ -120,18 +120,18 @@ def train(args: argparse.Namespace) -> int:
         config = load_with_overrides(args.config, args.overrides)  # an unreadable config or bad key: before torch
     from gym_bridge.recipes.train import smoke_recipe, train as train_run
 
-    if args.smoke:
-        from dataclasses import replace
-
-        from gym_bridge.config.overrides import override_keys
-        from gym_bridge.config.smoke import SMOKE_MODEL
-
-        pinned = override_keys(args.overrides)
-        plan = smoke_recipe(config, model=args.model or SMOKE_MODEL, pinned=pinned, run_dir=Path(out))
-        plan = replace(plan, changes=(*scratch, *plan.changes))
-        print(plan.table(), flush=True)
-        config = plan.config
     try:
+        if args.smoke:
+            from dataclasses import replace
+
+            from gym_bridge.config.overrides import override_keys
+            from gym_bridge.config.smoke import SMOKE_MODEL
+
+            pinned = override_keys(args.overrides)
+            plan = smoke_recipe(config, model=args.model or SMOKE_MODEL, pinned=pinned, run_dir=Path(out))
+            plan = replace(plan, changes=(*scratch, *plan.changes))
+            print(plan.table(), flush=True)
+            config = plan.config
         outcome = train_run(
             config, out, resume=args.resume, progress=not args.no_progress, list_gpu_keys=not args.smoke
         )

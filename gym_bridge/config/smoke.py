@@ -18,21 +18,23 @@ smoke model renders with its own), and every GPU feature off (:data:`GPU_KEYS`: 
 ``precision: float32``, parallel sizes 1, GPU monitoring, ...). A key the command line set (``pinned``) is never
 changed.
 
-:func:`gpu_only_keys` lists the GPU-only keys a config sets that a CPU run ignores: a run without ``--smoke`` names
-them once (``gym_bridge.recipes.train``) instead of ignoring them silently.
+:func:`~gym_bridge.config.gpu_keys.gpu_only_keys` lists the GPU-only keys a config sets that a CPU run ignores: a run
+without ``--smoke`` names them once (``gym_bridge.recipes.train``) instead of ignoring them silently.
 """
 
 from __future__ import annotations
 
 import copy
-import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from gym_bridge.config.chat_template import TEMPLATE_KEYS
+from gym_bridge.config.gpu_keys import GPU_KEYS, is_active
 from gym_bridge.config.keys import config_value
+from gym_bridge.config.smoke_table import ABSENT, REMOVED, IgnoredKey, KeyChange, format_table, shown_value
 from gym_bridge.config.training import CONTEXT_LENGTH_KEY, ENGINE_CONTEXT_KEYS
+from gym_bridge.gym.servers.config_files import VllmSwap
 from gym_bridge.json_types import JsonMapping, JsonObject
 
 SMOKE_MODEL = "smollm2"
@@ -47,125 +49,6 @@ SMOKE_VAL_SAMPLES = 2
 """The most rows of each validation set (``grpo.max_val_samples``)."""
 SMOKE_STEPS = 1
 
-
-class _Absent:
-    """A key the config does not have (shown as ``(absent)``), or one the rewrite removes (``(removed)``)."""
-
-    def __init__(self, shown: str) -> None:
-        self.shown = shown
-
-    def __repr__(self) -> str:
-        return self.shown
-
-
-ABSENT = _Absent("(absent)")
-REMOVED = _Absent("(removed)")
-
-
-@dataclass(frozen=True)
-class KeyChange:
-    """One key the smoke rewrite changed."""
-
-    key: str
-    recipe: object
-    """The recipe's value (:data:`ABSENT` when it had none)."""
-    smoke: object
-    """The smoke run's value (:data:`REMOVED` when the key is taken out)."""
-    why: str
-
-
-@dataclass(frozen=True)
-class IgnoredKey:
-    """A GPU-only key a CPU run leaves as it is: nothing here reads it."""
-
-    key: str
-    value: object
-    why: str
-
-
-@dataclass(frozen=True)
-class GpuKey:
-    """A key that asks for something only NeMo-RL's GPU workers do.
-
-    ``inert``: the values that ask for nothing (not listed). ``off``: what ``--smoke`` sets it to (:data:`ABSENT`:
-    nothing to set, so it is listed as ignored). ``refused``: gym-bridge refuses an active value when it reads the
-    config, so without ``--smoke`` it is not listed as ignored."""
-
-    key: str
-    why: str
-    inert: tuple[object, ...] = (None,)
-    off: object = ABSENT
-    refused: bool = False
-
-
-GPU_KEYS: tuple[GpuKey, ...] = (
-    GpuKey(
-        "policy.megatron_cfg.enabled",
-        "Megatron-Core training workers (refused by gym-bridge: HFPolicy trains in one process)",
-        (False, None),
-        False,
-        refused=True,
-    ),
-    GpuKey(
-        "policy.dtensor_cfg.enabled",
-        "DTensor (FSDP2) training workers; HFPolicy trains in one process",
-        (False, None),
-        False,
-    ),
-    GpuKey(
-        "policy.precision",
-        "the GPU workers' dtype; HFPolicy trains in float32 on the CPU",
-        ("float32", None),
-        "float32",
-    ),
-    GpuKey(
-        "policy.generation.vllm_cfg.precision",
-        "vLLM's dtype; the engine (HFGeneration) generates in float32 on the CPU",
-        ("float32", None),
-        "float32",
-    ),
-    GpuKey(
-        "policy.generation.colocated.enabled",
-        "generation on the training GPUs; here the engine is its own HFGeneration in this process",
-        (False, None),
-        False,
-    ),
-    GpuKey("policy.generation.vllm_cfg.tensor_parallel_size", "vLLM's GPUs per replica", (1, None), 1),
-    GpuKey("policy.generation.vllm_cfg.pipeline_parallel_size", "vLLM's pipeline stages", (1, None), 1),
-    GpuKey("policy.generation.vllm_cfg.expert_parallel_size", "vLLM's expert-parallel GPUs", (1, None), 1),
-    GpuKey("policy.sequence_packing.enabled", "packs sequences for GPU throughput", (False, None), False),
-    GpuKey("policy.dynamic_batching.enabled", "packs micro-batches by tokens for GPU throughput", (False, None), False),
-    GpuKey("cluster.gpus_per_node", "the Ray cluster's GPUs; the run is one process and a local Ray", (0, None), 0),
-    GpuKey("cluster.num_nodes", "the Ray cluster's nodes; the run is one process and a local Ray", (1, None), 1),
-    GpuKey("logger.monitor_gpus", "NeMo-RL's GPU monitoring (Prometheus scrapes of GPU nodes)", (False, None), False),
-    GpuKey(
-        "grpo.calculate_advantages_on_gpu", "where advantages are computed, not what they are", (False, None), False
-    ),
-    GpuKey("policy.generation.vllm_cfg.gpu_memory_utilization", "vLLM's share of GPU memory"),
-    GpuKey("policy.generation.vllm_cfg.kv_cache_dtype", "vLLM's KV-cache dtype", ("auto", None)),
-    GpuKey("policy.generation.vllm_cfg.use_deep_gemm", "DeepGEMM FP8 kernels", (False, None)),
-    GpuKey("policy.generation.vllm_cfg.num_last_layers_in_bf16", "vLLM FP8 layer exceptions", (0, None)),
-    GpuKey("policy.generation.vllm_cfg.num_first_layers_in_bf16", "vLLM FP8 layer exceptions", (0, None)),
-    GpuKey(
-        "policy.generation.vllm_cfg.http_server_serving_chat_kwargs.tool_parser",
-        "vLLM's tool-call parser; gym-bridge's server parses Hermes <tool_call> blocks (the built-in models' template)",
-        ("hermes", None),
-    ),
-    GpuKey(
-        "policy.generation.vllm_cfg.http_server_serving_chat_kwargs.reasoning_parser",
-        "vLLM's reasoning parser; gym-bridge's server parses <think> blocks",
-    ),
-    GpuKey("policy.generation.vllm_cfg.tool_parser_plugin", "a vLLM tool-parser plugin file"),
-    GpuKey("policy.generation.vllm_cfg.reasoning_parser_plugin", "a vLLM reasoning-parser plugin file"),
-    GpuKey(
-        "policy.generation.vllm_kwargs.compilation_config", "vLLM's torch.compile and CUDA-graph settings", (None, {})
-    ),
-    GpuKey("policy.generation.vllm_kwargs.mamba_ssm_cache_dtype", "vLLM's Mamba state dtype (Nemotron-H models)"),
-    GpuKey("policy.logprob_chunk_size", "chunks the vocabulary in the logprob kernel to save GPU memory"),
-    GpuKey("policy.refit_buffer_size_gb", "the GPU buffer that carries weights to vLLM"),
-    GpuKey("policy.offload_optimizer_for_logprob", "moves optimizer state off the GPU", (False, None)),
-)
-"""The GPU-only keys of NeMo-RL's Gym recipes that a smoke run turns off or a CPU run ignores."""
 
 _MODEL_KEYS = ("policy.model_name", "policy.tokenizer.name", "policy.generation.model_name", "teacher.model_name")
 
@@ -196,6 +79,14 @@ class SmokeFacts:
     """``env.nemo_gym`` sections that configure servers of the Gym configs left out."""
     fitted: Mapping[str, tuple[str, int, int, int]] = field(default_factory=dict)
     """Data key -> (a copy without its rows past the smoke context, rows left out, rows, the context)."""
+    vllm_swaps: tuple[VllmSwap, ...] = ()
+    """The kept Gym servers that start vLLM: each replaced by a ``vllm_model`` block to the run's endpoint when a
+    kept server calls it, left out when none does."""
+    config_copies: Mapping[str, str] = field(default_factory=dict)
+    """Config path -> its copy without the vLLM servers it defines (``config_paths`` names the copies)."""
+    served_file: str | None = None
+    """The Gym config file that defines each called vLLM server again as a ``vllm_model`` to the run's endpoint
+    (``config_paths`` names it)."""
 
 
 @dataclass(frozen=True)
@@ -215,32 +106,6 @@ class SmokePlan:
         if self.pinned:
             title += f"; kept as the command line set them: {', '.join(self.pinned)}"
         return format_table(title, ("key", "recipe", "smoke", "why"), rows)
-
-
-def shown_value(value: object, limit: int = 48) -> str:
-    """A config value on one short line (JSON for containers), cut in the middle to ``limit`` characters (a path
-    keeps its file name)."""
-    if isinstance(value, _Absent):
-        return value.shown
-    if isinstance(value, list) and value and all(isinstance(v, str) and "/" in v for v in value):
-        value = ", ".join(v.rsplit("/", 1)[-1].rsplit(".", 1)[0] for v in value)  # config paths: their file names
-    text = value if isinstance(value, str) else json.dumps(value, default=str)
-    text = " ".join(text.split())
-    if len(text) <= limit:
-        return text
-    tail = (limit - 3) * 2 // 3
-    return text[: limit - 3 - tail] + "..." + text[-tail:]
-
-
-def format_table(title: str, header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """``rows`` under ``header`` in aligned columns (the last column as it is), with ``title`` above."""
-    widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header) - 1)]
-
-    def line(cells: Sequence[str]) -> str:
-        return "  ".join([*(str(c).ljust(w) for c, w in zip(cells, widths, strict=False)), str(cells[-1])]).rstrip()
-
-    rule = "  ".join("-" * w for w in widths) + "  ---"
-    return "\n".join([title, line(header), rule, *(line(row) for row in rows)])
 
 
 class _Rewrite:
@@ -292,20 +157,6 @@ class _Rewrite:
             self.set(key, most, why)
         after = self.get(key)
         return after if isinstance(after, int) else None
-
-
-def _is_active(spec: GpuKey, value: object) -> bool:
-    return value is not ABSENT and not any(value == inert and type(value) is type(inert) for inert in spec.inert)
-
-
-def gpu_only_keys(config: JsonMapping) -> list[IgnoredKey]:
-    """The GPU-only keys ``config`` sets to a value that asks for something (:data:`GPU_KEYS`) and that a CPU run
-    ignores: what a run without ``--smoke`` names once. Keys gym-bridge refuses when set are not listed here."""
-    return [
-        IgnoredKey(spec.key, config_value(config, spec.key, ABSENT), spec.why)
-        for spec in GPU_KEYS
-        if not spec.refused and _is_active(spec, config_value(config, spec.key, ABSENT))
-    ]
 
 
 def smoke_config(
@@ -411,14 +262,35 @@ def _gym(r: _Rewrite, facts: SmokeFacts) -> None:
             add=True,
         )
     if facts.config_paths is not None:
-        r.set(
-            "env.nemo_gym.config_paths",
-            list(facts.config_paths),
-            "only the Gym configs the rows use (the model server, their agents and what those call)",
-        )
+        why = "only the Gym configs the rows use (the model server, their agents and what those call)"
+        if facts.config_copies:
+            why += f"; {len(facts.config_copies)} copied into the run folder without their vLLM servers"
+        if facts.served_file:
+            why += "; vllm_servers.yaml: those a kept server calls, served by the smoke model"
+        r.set("env.nemo_gym.config_paths", list(facts.config_paths), why)
     for name in facts.unused_instances:
         r.remove(f"env.nemo_gym.{name}", "configures a server of a Gym config left out")
+    for swap in facts.vllm_swaps:
+        _swap_vllm_server(r, swap)
     r.remove("env.nemo_gym.uv_venv_dir", "a cluster's per-server venvs; a smoke run's servers run in this environment")
+
+
+def _swap_vllm_server(r: _Rewrite, swap: VllmSwap) -> None:
+    """A server that starts vLLM: out of the recipe's blocks, and one row saying what answers for it instead."""
+    key = f"env.nemo_gym.{swap.name}"
+    if r.is_pinned(key):
+        return
+    recipe = r.get(key)
+    if recipe is not ABSENT:
+        del r.config["env"]["nemo_gym"][swap.name]
+    else:
+        recipe = f"{swap.folder} in {swap.config_path.rsplit('/', 1)[-1]}"
+    vllm = f"{swap.folder} starts vLLM on GPUs"
+    if swap.callers:
+        why = f"{vllm}: the smoke model answers {', '.join(swap.callers)} on the run's own endpoint (vllm_servers.yaml)"
+        r.changes.append(KeyChange(key, recipe, "vllm_model: the run's endpoint", why))
+    else:
+        r.changes.append(KeyChange(key, recipe, REMOVED, f"{vllm}, and no server of the smoke run calls it"))
 
 
 def _run(r: _Rewrite) -> None:
@@ -439,7 +311,7 @@ def _gpu(r: _Rewrite) -> list[IgnoredKey]:
     ignored = []
     for spec in GPU_KEYS:
         value = r.get(spec.key)
-        if not _is_active(spec, value):
+        if not is_active(spec, value):
             continue
         if spec.off is ABSENT or r.is_pinned(spec.key):
             ignored.append(IgnoredKey(spec.key, value, spec.why))

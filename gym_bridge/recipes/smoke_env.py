@@ -13,7 +13,7 @@ from pathlib import Path
 from gym_bridge.boundary.files import make_dir
 from gym_bridge.config.keys import TrainingConfigError
 from gym_bridge.config.overrides import load_with_overrides
-from gym_bridge.config.smoke import ABSENT, KeyChange
+from gym_bridge.config.smoke_table import ABSENT, KeyChange
 from gym_bridge.json_types import JsonObject
 from gym_bridge.recipes.smoke_rows import SMOKE_ENV, remove_unstarted_copies
 

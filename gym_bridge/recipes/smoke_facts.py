@@ -10,7 +10,7 @@ from pathlib import Path
 from gym_bridge.config.chat_template import chat_template_kwargs
 from gym_bridge.config.data_files import GYM_SECTION, TRAIN_KEY, data_paths, is_train_key, recipe_gym_configs
 from gym_bridge.config.grpo import row_routing
-from gym_bridge.config.keys import config_section, config_value
+from gym_bridge.config.keys import TrainingConfigError, config_section, config_value
 from gym_bridge.config.smoke import SmokeFacts
 from gym_bridge.config.training import CONTEXT_LENGTH_KEY
 from gym_bridge.gym.protocol.routing import RowRouting
@@ -19,6 +19,7 @@ from gym_bridge.json_types import JsonMapping
 from gym_bridge.recipes.pre_start import RowFile, read_rows
 from gym_bridge.recipes.prompt_length import ModelFacts, longest_prompt, model_facts
 from gym_bridge.recipes.smoke_rows import fitted_paths, fitted_rows
+from gym_bridge.recipes.smoke_servers import copies_without_vllm, served_by_policy
 
 
 def smoke_facts(
@@ -59,6 +60,13 @@ def smoke_facts(
         declared = gym.agent_declaring(train.path) if train is not None else None
         route_to = declared or (agents[0] if len(agents) == 1 else None)
     config_paths, unused = _needed_configs(config, gym, files, route_to)
+    _refuse_containers(gym, files, route_to)
+    swaps = gym.vllm_swaps(config_paths if config_paths is not None else gym.config_paths, GYM_SECTION)
+    copies = copies_without_vllm(gym, swaps, run_dir) if run_dir is not None else {}
+    served = served_by_policy(swaps, run_dir) if run_dir is not None else None
+    if copies or served:
+        kept = [copies.get(p, p) for p in (config_paths or gym.config_paths)]
+        config_paths = (*kept, *([served] if served else []))
     facts = model_facts(model)
     kwargs = chat_template_kwargs(config)
     fitted: dict[str, tuple[str, int, int, int]] = {}
@@ -75,6 +83,9 @@ def smoke_facts(
         example_agent=example_agent,
         config_paths=config_paths,
         unused_instances=unused,
+        vllm_swaps=swaps,
+        config_copies=copies,
+        served_file=served,
         fitted=fitted,
     )
 
@@ -105,6 +116,22 @@ def _fitted(
     written = fitted_paths(fits, run_dir)
     kept = [read_rows(f.key, written[f.key][0], routing) if f.key in written else f for f in files]
     return [f for f in kept if f is not None], written
+
+
+def _refuse_containers(gym: GymConfigs, files: list[RowFile], route_to: str | None) -> None:
+    """One line when every agent the rows use runs its rollouts in a container image (nothing is left to run).
+
+    Raises:
+        TrainingConfigError: naming each agent and the container keys it sets.
+    """
+    used = set().union(*(f.agents() for f in files)) | ({route_to} if route_to is not None else set())
+    containers = gym.container_agents(sorted(a for a in used if a is not None))
+    if used and containers and set(containers) >= used:
+        named = "; ".join(f"{agent} ({', '.join(keys)})" for agent, keys in containers.items())
+        raise TrainingConfigError(
+            f"--smoke: every agent the rows use runs each rollout in a container image, which a CPU run does not "
+            f"start: {named}. Point the data at an environment without containers"
+        )
 
 
 def _needed_configs(

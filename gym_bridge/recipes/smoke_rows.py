@@ -26,6 +26,9 @@ from gym_bridge.recipes.prompt_length import first_prompt_tokens, prompt_chars
 
 SMOKE_DATA = "smoke-data"
 """The run folder's subfolder for the fitted copies."""
+SMOKE_GYM = "smoke-gym"
+"""The run folder's subfolder for Gym config files copied without their vLLM servers
+(:mod:`~gym_bridge.recipes.smoke_servers`)."""
 SMOKE_ENV = "smoke-env"
 """The run folder's subfolder of scratch folders for a launcher's unset variables
 (:mod:`~gym_bridge.recipes.smoke_env`)."""
@@ -96,13 +99,13 @@ def fitted_paths(fits: Mapping[str, FittedRows], run_dir: Path) -> dict[str, tup
 
 
 def remove_unstarted_copies(run_dir: Path) -> None:
-    """The fitted copies and scratch folders (``smoke-env``) of a smoke run that did not start (no
-    ``metrics.jsonl``) removed, and ``run_dir`` with them when nothing else is in it: a smoke run refused before it
-    starts leaves no run folder. A folder that held none of them is left as it is (an empty ``--out`` made
-    beforehand stays)."""
+    """The fitted copies, the Gym config copies (``smoke-gym``) and the scratch folders (``smoke-env``) of a smoke
+    run that did not start (no ``metrics.jsonl``) removed, and ``run_dir`` with them when nothing else is in it: a
+    smoke run refused before it starts leaves no run folder. A folder that held none of them is left as it is (an
+    empty ``--out`` made beforehand stays)."""
     if (run_dir / "metrics.jsonl").exists():
         return
-    ours = [run_dir / name for name in (SMOKE_DATA, SMOKE_ENV)]
+    ours = [run_dir / name for name in (SMOKE_DATA, SMOKE_GYM, SMOKE_ENV)]
     ours = [folder for folder in ours if folder.is_dir() and not folder.is_symlink()]
     if not ours:
         return

@@ -35,10 +35,12 @@ from gym_bridge.boundary.errors import UntrustedInputError
 from gym_bridge.boundary.files import file_kind, make_dir, write_atomic
 from gym_bridge.boundary.text import shown
 from gym_bridge.config.distillation import with_grpo_keys
+from gym_bridge.config.gpu_keys import gpu_only_keys
 from gym_bridge.config.keys import config_value
 from gym_bridge.config.loading import without_env_values
 from gym_bridge.config.logger import logger_settings
-from gym_bridge.config.smoke import SMOKE_MODEL, SmokePlan, format_table, gpu_only_keys, shown_value, smoke_config
+from gym_bridge.config.smoke import SMOKE_MODEL, SmokePlan, smoke_config
+from gym_bridge.config.smoke_table import format_table, shown_value
 from gym_bridge.failures import GymBridgeError
 from gym_bridge.json_types import JsonObject
 from gym_bridge.recipes.pre_start import check_before_start

@@ -25,13 +25,9 @@ from gym_bridge.config.grpo import row_routing
 from gym_bridge.config.keys import TrainingConfigError
 from gym_bridge.config.overrides import load_with_overrides, override_keys
 from gym_bridge.config.run_settings import grpo_run_keys, grpo_run_settings
-from gym_bridge.config.smoke import (
-    REMOVED,
-    SMOKE_MAX_NEW_TOKENS,
-    SmokeFacts,
-    gpu_only_keys,
-    smoke_config,
-)
+from gym_bridge.config.gpu_keys import gpu_only_keys
+from gym_bridge.config.smoke import SMOKE_MAX_NEW_TOKENS, SmokeFacts, smoke_config
+from gym_bridge.config.smoke_table import REMOVED
 from gym_bridge.config.training import context_length
 from gym_bridge.gym.servers.config_files import gym_root
 from gym_bridge.recipes.pre_start import RowFile, check_agents, check_batch, check_before_start, check_context

@@ -27,6 +27,12 @@ from gym_bridge.json_types import JsonObject
 SERVER_TYPES = ("responses_api_models", "resources_servers", "responses_api_agents", "environment_servers")
 """Gym's server types: a top-level key of a Gym config whose value has one of these is a server instance."""
 AGENT_TYPE = "responses_api_agents"
+MODEL_TYPE = "responses_api_models"
+LOCAL_VLLM_FOLDERS = frozenset({"local_vllm_model", "genrm_model"})
+"""Gym's model servers that start vLLM in their own process on the GPUs (any model server configured with
+``vllm_serve_kwargs`` is counted with them)."""
+CONTAINER_KEYS = ("container_formatter", "container_image", "container_folder_path", "apptainer_memory_limit_mb")
+"""Server keys of Gym's environments that run each rollout in a container image (Apptainer, SWE-bench's images)."""
 ROUTING_KEYS = ("agent_name", "agent_map", "fan_out")
 """Gym's collection keys (``RolloutCollectionConfig``): which agent each row goes to (:func:`routing_from`)."""
 
@@ -142,6 +148,31 @@ class GymInstance:
     server_type: str
     body: JsonObject
 
+    def server(self) -> tuple[str, JsonObject] | None:
+        """Its one server: (the folder it runs, e.g. ``vllm_model``, and that server's keys)."""
+        servers = self.body.get(self.server_type)
+        if not isinstance(servers, Mapping) or len(servers) != 1:
+            return None
+        folder, keys = next(iter(servers.items()))
+        return (str(folder), dict(keys)) if isinstance(keys, Mapping) else None
+
+    @property
+    def starts_vllm(self) -> bool:
+        """A model server that starts vLLM itself (:data:`LOCAL_VLLM_FOLDERS`): it needs GPUs and the ``vllm``
+        package."""
+        found = self.server()
+        if self.server_type != MODEL_TYPE or found is None:
+            return False
+        folder, keys = found
+        return folder in LOCAL_VLLM_FOLDERS or "vllm_serve_kwargs" in keys
+
+    def container_keys(self) -> list[str]:
+        """The :data:`CONTAINER_KEYS` it sets: each rollout runs in a container image, which a laptop does not
+        have."""
+        found = self.server()
+        keys = found[1] if found is not None else {}
+        return [key for key in CONTAINER_KEYS if keys.get(key) is not None]
+
     def refs(self) -> set[str]:
         """The instances it calls (every ``{type, name}`` reference inside it)."""
         found: set[str] = set()
@@ -167,6 +198,20 @@ class GymInstance:
                     if path is not None:
                         found.append((str(dataset.get("type")), path))
         return found
+
+
+@dataclass(frozen=True)
+class VllmSwap:
+    """A kept server that starts vLLM (:attr:`GymInstance.starts_vllm`) and what answers for it on a CPU."""
+
+    name: str
+    config_path: str
+    folder: str
+    """The Gym folder it runs (``genrm_model``)."""
+    callers: tuple[str, ...]
+    """The kept servers that call it (none: it can be left out)."""
+    block: JsonObject
+    """The ``vllm_model`` block to the policy endpoint that answers for it (:func:`policy_endpoint_block`)."""
 
 
 def _server_type(body: Mapping[str, object]) -> str | None:
@@ -210,10 +255,11 @@ class GymConfigs:
         return None
 
     def needed(self, agents: Iterable[str]) -> tuple[list[str], list[str]]:
-        """The config paths ``agents`` need (every model server's, the agents', what they call, and the environment
-        servers in front of them) and the instances of the other paths: (paths kept, instances left out)."""
+        """The config paths ``agents`` need (every model server's but those that start vLLM, the agents', what they
+        call, and the environment servers in front of them) and the instances of the other paths: (paths kept,
+        instances left out)."""
         named = self.by_name()
-        keep = {i.name for i in self.instances if i.server_type == "responses_api_models"}
+        keep = {i.name for i in self.instances if i.server_type == MODEL_TYPE and not i.starts_vllm}
         todo = [a for a in agents if a in named]
         while todo:
             name = todo.pop()
@@ -231,6 +277,54 @@ class GymConfigs:
         """:func:`unknown_agents` against the agents these configs define."""
         return unknown_agents(named, self.agents())
 
+    def vllm_swaps(self, kept_paths: Iterable[str], inline_name: str) -> tuple[VllmSwap, ...]:
+        """Each server of ``kept_paths`` (and of the recipe's own blocks, recorded under ``inline_name``) that starts
+        vLLM, with the other kept servers that call it and the block that answers for it."""
+        kept = set(kept_paths) | {inline_name}
+        instances = [i for i in self.instances if i.config_path in kept]
+        swaps = []
+        for server in (i for i in instances if i.starts_vllm):
+            callers = tuple(i.name for i in instances if not i.starts_vllm and server.name in i.refs())
+            folder, keys = server.server() or ("?", {})
+            swaps.append(VllmSwap(server.name, server.config_path, folder, callers, policy_endpoint_block(keys)))
+        return tuple(swaps)
+
+    def container_agents(self, agents: Iterable[str]) -> dict[str, list[str]]:
+        """Each of ``agents`` whose rollouts run in a container image: the agent -> the container keys it, or a
+        server it calls, sets (``swe_agents_train.container_formatter``)."""
+        named = self.by_name()
+        found: dict[str, list[str]] = {}
+        for agent in agents:
+            seen: set[str] = set()
+            todo = [agent]
+            while todo:
+                name = todo.pop()
+                if name in seen or name not in named:
+                    continue
+                seen.add(name)
+                found.setdefault(agent, []).extend(f"{name}.{key}" for key in named[name].container_keys())
+                todo += sorted(named[name].refs())
+        return {agent: keys for agent, keys in found.items() if keys}
+
+
+def policy_endpoint_block(server: Mapping[str, object]) -> JsonObject:
+    """A ``vllm_model`` instance that sends its callers' requests to the policy endpoint, under Gym's own
+    interpolations (``${policy_base_url}``, as ``vllm_model_for_training.yaml`` writes them): what answers for a
+    model ``server`` that would start vLLM (a judge, a GenRM) where the policy's endpoint is the one model there
+    is. It keeps the server's ``uses_reasoning_parser``; token ids are not asked for (nothing trains on a judge)."""
+    return {
+        MODEL_TYPE: {
+            "vllm_model": {
+                "entrypoint": "app.py",
+                "base_url": "${policy_base_url}",
+                "api_key": "${policy_api_key}",
+                "model": "${policy_model_name}",
+                "return_token_id_information": False,
+                "uses_reasoning_parser": server.get("uses_reasoning_parser") is True,
+            }
+        }
+    }
+
 
 def unknown_agents(named: Iterable[tuple[str, str | None]], agents: Iterable[str]) -> dict[str, list[str]]:
     """The agents check: each agent of ``named`` (where it is named, and the agent or None) that is not one of
@@ -247,8 +341,9 @@ def read_gym_configs(
     config_paths: Iterable[str], inline: Mapping[str, object] | None = None, *, inline_name: str = "inline"
 ) -> GymConfigs:
     """The instances ``config_paths`` define (each resolved by :func:`find_config_path`; one that is missing or not
-    readable is listed in ``missing``), then the instances ``inline`` defines beside them (a recipe's own server
-    blocks, counted when their server names an ``entrypoint``, recorded under ``inline_name``)."""
+    readable is listed in ``missing``), each with ``inline``'s block of its name merged over it as Gym merges its
+    global config, then the instances ``inline`` defines beside them (a recipe's own server blocks, counted when
+    their server names an ``entrypoint``, recorded under ``inline_name``)."""
     paths = [str(p) for p in config_paths]
     instances: list[GymInstance] = []
     missing: list[str] = []
@@ -264,7 +359,9 @@ def read_gym_configs(
             continue
         for name, body in document.items():
             if isinstance(body, Mapping) and (kind := _server_type(body)) is not None:
-                instances.append(GymInstance(str(name), relative, kind, dict(body)))
+                over = (inline or {}).get(name)
+                merged = deep_merge(dict(body), dict(over)) if isinstance(over, Mapping) else dict(body)
+                instances.append(GymInstance(str(name), relative, kind, merged))
     for name, body in (inline or {}).items():
         if isinstance(body, Mapping) and name not in {i.name for i in instances}:
             kind = _server_type(body)

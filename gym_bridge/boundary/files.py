@@ -11,6 +11,7 @@ import contextlib
 import errno
 import os
 import stat
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
@@ -296,3 +297,15 @@ def _not_a_folder(path: Path, exc: OSError, dir_fd: int, name: str) -> Untrusted
 
 def _unwritable(path: Path, exc: OSError) -> UntrustedInputError:
     return UntrustedInputError(f"{shown(path)}: cannot be written ({exc.strerror or exc})")
+
+
+def stdin_from_devnull() -> None:
+    """This process's file descriptor 0 open on ``/dev/null`` and ``sys.stdin`` reading it, as under a shell's
+    ``stdin=DEVNULL``. Multiprocessing closes fd 0 in its children, and a server that starts workers (uvicorn's
+    ``workers > 1``, Gym's ``num_workers``) hands ``sys.stdin.fileno()`` to each, which fails to reopen it and dies
+    at start, over and over."""
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    if devnull != 0:
+        os.dup2(devnull, 0)
+        os.close(devnull)
+    sys.stdin = open(0, closefd=False)  # noqa: SIM115 - the process's own stdin, open as long as it runs

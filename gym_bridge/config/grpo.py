@@ -67,7 +67,6 @@ from gym_bridge.types import GenerationSamplingParams
 _LOSS_VARIANTS_NOT_IMPLEMENTED = {
     "disable_ppo_ratio": False,
     "use_kl_in_reward": False,
-    "use_on_policy_kl_approximation": False,
     "use_cispo": False,
     "positive_example_nll_weight": 0.0,
 }
@@ -75,7 +74,7 @@ _NULLABLE_LOSS_KEYS = ("kl_input_clamp_value", "kl_output_clamp_value")
 """Loss keys whose None means something (no clamp); for the others None means NeMo-RL's default."""
 _OUR_LOSS = (
     "gym-bridge's ClippedPGLoss (clipped PG, token- or sequence-level with GSPO's sequence ratios, optional truncated "
-    "importance sampling and a reference KL)"
+    "importance sampling and a reference KL, on-policy weighted or not)"
 )
 _NOT_IMPLEMENTED: dict[str, tuple[object, ...]] = {
     "grpo.val_start_at": (-1,),

@@ -297,13 +297,6 @@ def _run(r: _Rewrite) -> None:
     r.set("checkpointing.enabled", False, "no checkpoint (the weights, tokenizer and optimizer of a smoke step)")
     if r.get("logger.log_dir") not in (ABSENT, None):
         r.remove("logger.log_dir", "the experiment logs go in the run folder (<run>/logs)")
-    kl_penalty = r.get("loss_fn.reference_policy_kl_penalty")
-    if r.get("loss_fn.use_on_policy_kl_approximation") is True and kl_penalty in (0, 0.0, ABSENT, None):
-        r.set(
-            "loss_fn.use_on_policy_kl_approximation",
-            False,
-            "weights only the reference KL, which reference_policy_kl_penalty 0 turns off (gym-bridge refuses it)",
-        )
 
 
 def _gpu(r: _Rewrite) -> list[IgnoredKey]:

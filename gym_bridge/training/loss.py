@@ -43,6 +43,9 @@ class ClippedPGLossConfig(BaseModel):
     """The reference log-ratio is clamped to +-this before the KL estimate (NeMo-RL's default 20); None: no clamp."""
     kl_output_clamp_value: float | None = Field(10.0, gt=0.0)
     """The per-token KL estimate is clamped to +-this (NeMo-RL's default 10); None: no clamp."""
+    use_on_policy_kl_approximation: bool = False
+    """The reference KL's per-token weight is ``exp(curr - gen)``, the importance weight of the sampling policy,
+    instead of ``exp(curr - curr.detach())`` (NeMo-RL's on-policy KL approximation)."""
     use_importance_sampling_correction: bool = False
     truncated_importance_sampling_type: Literal["tis", "icepop"] | None = None
     truncated_importance_sampling_ratio: float | None = Field(None, gt=0.0)
@@ -180,14 +183,18 @@ class ClippedPGLoss:
         if cfg.reference_policy_kl_penalty:
             reference = torch.as_tensor(data["reference_policy_logprobs"], dtype=dtype, device=device)
             # NeMo-RL's weight exp(curr - curr.detach()): 1 in value, and it adds the score-function term
-            # kl * grad(logprob), since the tokens were sampled from the policy being optimised.
+            # kl * grad(logprob), since the tokens were sampled from the policy being optimised; with the on-policy
+            # approximation, exp(curr - gen) also reweights tokens sampled by the generation policy.
+            sampler = gen if cfg.use_on_policy_kl_approximation else token_logprobs.detach()
             per_token_kl = kl_estimate(
                 token_logprobs,
                 reference,
                 cfg.reference_policy_kl_type,
                 cfg.kl_input_clamp_value,
                 cfg.kl_output_clamp_value,
-                importance_weights=torch.exp(token_logprobs - token_logprobs.detach()),
+                importance_weights=torch.nan_to_num(
+                    torch.exp(token_logprobs - sampler), nan=0.0, posinf=0.0, neginf=0.0
+                ),
             )
             kl_sum = float((per_token_kl.detach() * mask).sum())
             loss = loss + cfg.reference_policy_kl_penalty * self._reduce(

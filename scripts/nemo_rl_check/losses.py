@@ -50,6 +50,13 @@ CASES: dict[str, dict[str, Any]] = {
         "truncated_importance_sampling_ratio": 1.2,
     },
     "gspo kl k3": {**GSPO, "reference_policy_kl_penalty": 0.05},
+    "on-policy kl approximation": {"reference_policy_kl_penalty": 0.05, "use_on_policy_kl_approximation": True},
+    "sequence-level on-policy kl approximation k2": {
+        "token_level_loss": False,
+        "reference_policy_kl_penalty": 0.1,
+        "reference_policy_kl_type": "k2",
+        "use_on_policy_kl_approximation": True,
+    },
 }
 
 

@@ -77,6 +77,8 @@ print(json.dumps({
     "cwd": os.getcwd(), "path_before_gym": path_before, "path_after_gym": real(sys.path), "file": __file__,
     "argv": sys.argv, "variable": os.environ["NEMO_GYM_CONFIG_PATH"], "pwd": os.environ["PWD"],
     "virtual_env": os.environ["VIRTUAL_ENV"], "nemo_gym_working_dir": str(nemo_gym.WORKING_DIR),
+    # uvicorn's workers reopen sys.stdin.fileno(): it must be fd 0 on /dev/null, as the launcher's shell gives it
+    "stdin_fd": sys.stdin.fileno(), "stdin_is_devnull": os.path.samestat(os.fstat(0), os.stat(os.devnull)),
 }), flush=True)
 sys.exit(3)
 """
@@ -118,7 +120,8 @@ def test_a_forked_server_sees_what_python_app_py_would(tmp_path, shape):
         log = tmp_path / f"{how}.log"
         if how == "shell":
             with open(log, "wb") as out:
-                done = subprocess.run(["bash", "-c", command], env=env, stdout=out, stderr=subprocess.STDOUT, timeout=180)
+                done = subprocess.run(["bash", "-c", command], env=env, stdin=subprocess.DEVNULL, stdout=out,
+                                      stderr=subprocess.STDOUT, timeout=180)
             assert done.returncode == 3, log.read_text()[-3000:]
         else:
             done = subprocess.run(
@@ -138,4 +141,5 @@ def test_a_forked_server_sees_what_python_app_py_would(tmp_path, shape):
         facts[how] = json.loads(json.dumps(found).replace(str(tmp_path / how), "<server root>"))
     assert facts["fork"] == facts["shell"]
     assert facts["fork"]["start_method"] == "fork"  # the platform default, not the fork server's
+    assert (facts["fork"]["stdin_fd"], facts["fork"]["stdin_is_devnull"]) == (0, True)
     assert facts["fork"]["nemo_gym_working_dir"] == "<server root>/resources_servers/probe"

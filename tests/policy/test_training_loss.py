@@ -118,6 +118,19 @@ def test_reference_kl_adds_its_penalty_and_reports_the_mean():
     assert grad[0].tolist() == pytest.approx([0.1 * 0.5 / 2, 0.0])
 
 
+def test_the_on_policy_kl_approximation_weighs_each_tokens_kl_by_curr_over_gen():
+    current, reference, gen = [[-1.0, -2.0]], torch.tensor([[-1.5, -2.5]]), [[-1.0, -3.0]]
+    cfg = ClippedPGLossConfig(reference_policy_kl_penalty=0.1, use_on_policy_kl_approximation=True)
+    loss, _, _ = loss_and_grad(ClippedPGLoss(cfg), current, batch(gen, [0.0], reference_policy_logprobs=reference))
+    k3 = math.exp(-0.5) - 1 + 0.5
+    assert loss == pytest.approx(0.1 * (k3 * 1.0 + k3 * math.exp(1.0)) / 2), "weights exp(curr - gen): 1 and e"
+    plain = ClippedPGLoss(ClippedPGLossConfig(reference_policy_kl_penalty=0.1))
+    assert loss_and_grad(plain, current, batch(gen, [0.0], reference_policy_logprobs=reference))[0] == pytest.approx(
+        0.1 * k3
+    ), "without it the weight is 1 in value"
+    assert loss_config_from({"loss_fn": {"use_on_policy_kl_approximation": True}}).use_on_policy_kl_approximation
+
+
 def test_incomplete_truncation_settings_are_refused():
     with pytest.raises(ValueError, match="needs use_importance_sampling_correction"):
         ClippedPGLossConfig(truncated_importance_sampling_type="tis", truncated_importance_sampling_ratio=2.0)

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import psutil
 
-from gym_bridge.boundary.files import open_nofollow
+from gym_bridge.boundary.files import open_nofollow, stdin_from_devnull
 
 
 @dataclass(frozen=True)
@@ -117,6 +117,7 @@ def redirect_output(log_path: str | Path, log_dir: str | Path | None = None) -> 
 def _run_server(server: ServerCommand, env: dict[str, str], log_path: str, log_dir: str | None = None) -> None:
     """In the forked child: become ``cd DIR && K=V python ENTRYPOINT`` and run it."""
     redirect_output(log_path, log_dir)
+    stdin_from_devnull()  # multiprocessing closed fd 0; a server that starts workers hands it to each
     if not server.cwd.is_dir():
         raise SystemExit(f"cd: {server.cwd}: No such file or directory")  # what the shell said
     os.environ.clear()

@@ -84,6 +84,9 @@ class SmokeFacts:
     kept server calls it, left out when none does."""
     config_copies: Mapping[str, str] = field(default_factory=dict)
     """Config path -> its copy without the vLLM servers it defines (``config_paths`` names the copies)."""
+    cohort_servers: tuple[str, ...] = ()
+    """Kept servers that score a prompt's samples together, as ``<instance>.<type>.<folder>``: their
+    ``num_rollouts_per_prompt`` follows the smoke's ``grpo.num_generations_per_prompt``."""
     served_file: str | None = None
     """The Gym config file that defines each called vLLM server again as a ``vllm_model`` to the run's endpoint
     (``config_paths`` names it)."""
@@ -211,6 +214,9 @@ def _batch(r: _Rewrite, facts: SmokeFacts) -> None:
     generations = r.cut("grpo.num_generations_per_prompt", SMOKE_GENERATIONS, f"{SMOKE_GENERATIONS} samples a prompt")
     if prompts is not None and generations is not None:
         r.set("policy.train_global_batch_size", prompts * generations, "one step's samples (prompts x generations)")
+    for server in facts.cohort_servers if generations is not None else ():
+        key = f"env.nemo_gym.{server}.num_rollouts_per_prompt"
+        r.set(key, generations, "a cohort it scores together is one prompt's samples", add=True)
     r.cut("grpo.max_num_steps", SMOKE_STEPS, "one step")
     if r.get("grpo.use_dynamic_sampling") is True:
         r.set(
@@ -273,6 +279,7 @@ def _gym(r: _Rewrite, facts: SmokeFacts) -> None:
     for swap in facts.vllm_swaps:
         _swap_vllm_server(r, swap)
     r.remove("env.nemo_gym.uv_venv_dir", "a cluster's per-server venvs; a smoke run's servers run in this environment")
+    r.set("env.nemo_gym.skip_venv_if_present", True, "no per-server venv is made: the servers run in this environment")
 
 
 def _swap_vllm_server(r: _Rewrite, swap: VllmSwap) -> None:

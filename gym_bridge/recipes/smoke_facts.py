@@ -61,7 +61,8 @@ def smoke_facts(
         route_to = declared or (agents[0] if len(agents) == 1 else None)
     config_paths, unused = _needed_configs(config, gym, files, route_to)
     _refuse_containers(gym, files, route_to)
-    swaps = gym.vllm_swaps(config_paths if config_paths is not None else gym.config_paths, GYM_SECTION)
+    kept_paths = config_paths if config_paths is not None else gym.config_paths
+    swaps = gym.vllm_swaps(kept_paths, GYM_SECTION)
     copies = copies_without_vllm(gym, swaps, run_dir) if run_dir is not None else {}
     served = served_by_policy(swaps, run_dir) if run_dir is not None else None
     if copies or served:
@@ -84,6 +85,7 @@ def smoke_facts(
         config_paths=config_paths,
         unused_instances=unused,
         vllm_swaps=swaps,
+        cohort_servers=tuple(gym.cohort_servers(kept_paths, GYM_SECTION)),
         config_copies=copies,
         served_file=served,
         fitted=fitted,

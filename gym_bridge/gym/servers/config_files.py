@@ -31,6 +31,9 @@ MODEL_TYPE = "responses_api_models"
 LOCAL_VLLM_FOLDERS = frozenset({"local_vllm_model", "genrm_model"})
 """Gym's model servers that start vLLM in their own process on the GPUs (any model server configured with
 ``vllm_serve_kwargs`` is counted with them)."""
+COHORT_KEY = "num_rollouts_per_prompt"
+"""A resources server's count of one prompt's samples it scores together (``genrm_compare``): it must equal
+``grpo.num_generations_per_prompt``."""
 CONTAINER_KEYS = ("container_formatter", "container_image", "container_folder_path", "apptainer_memory_limit_mb")
 """Server keys of Gym's environments that run each rollout in a container image (Apptainer, SWE-bench's images)."""
 ROUTING_KEYS = ("agent_name", "agent_map", "fan_out")
@@ -289,6 +292,18 @@ class GymConfigs:
             swaps.append(VllmSwap(server.name, server.config_path, folder, callers, policy_endpoint_block(keys)))
         return tuple(swaps)
 
+    def cohort_servers(self, kept_paths: Iterable[str], inline_name: str) -> list[str]:
+        """The kept servers that score a prompt's samples together (:data:`COHORT_KEY`, GenRM's pairwise comparison),
+        each as ``<instance>.<type>.<folder>``: their cohort must be the samples a prompt gets, or they wait for
+        samples that never come."""
+        kept = set(kept_paths) | {inline_name}
+        found = []
+        for instance in self.instances:
+            server = instance.server()
+            if instance.config_path in kept and server is not None and COHORT_KEY in server[1]:
+                found.append(f"{instance.name}.{instance.server_type}.{server[0]}")
+        return found
+
     def container_agents(self, agents: Iterable[str]) -> dict[str, list[str]]:
         """Each of ``agents`` whose rollouts run in a container image: the agent -> the container keys it, or a
         server it calls, sets (``swe_agents_train.container_formatter``)."""
@@ -362,6 +377,7 @@ def read_gym_configs(
                 over = (inline or {}).get(name)
                 merged = deep_merge(dict(body), dict(over)) if isinstance(over, Mapping) else dict(body)
                 instances.append(GymInstance(str(name), relative, kind, merged))
+    instances += _derived(instances, inline or {})
     for name, body in (inline or {}).items():
         if isinstance(body, Mapping) and name not in {i.name for i in instances}:
             kind = _server_type(body)
@@ -370,6 +386,28 @@ def read_gym_configs(
             if kind is not None and isinstance(server, Mapping) and server.get("entrypoint"):
                 instances.append(GymInstance(str(name), inline_name, kind, dict(body)))
     return GymConfigs(tuple(paths), tuple(instances), tuple(missing))
+
+
+DERIVE_KEYS = ("_inherit_from", "_copy")
+"""Gym's directives that make a block from another instance (``rdkit_chemistry_agent: {_inherit_from:
+litmus_agent_agent}``: the source's block with the section's keys merged over it)."""
+
+
+def _derived(instances: list[GymInstance], inline: Mapping[str, object]) -> list[GymInstance]:
+    """The recipe's sections that derive from a known instance (:data:`DERIVE_KEYS`): each an instance of the
+    source's type and config path (it is needed, and left out, with the source's config), its body the source's
+    with the section merged over it."""
+    named = {i.name: i for i in instances}
+    derived = []
+    for name, body in inline.items():
+        if not isinstance(body, Mapping) or name in named:
+            continue
+        source = next((body[k] for k in DERIVE_KEYS if isinstance(body.get(k), str) and body[k] in named), None)
+        if source is not None:
+            rest = {k: v for k, v in body.items() if k not in DERIVE_KEYS}
+            base = named[source]
+            derived.append(GymInstance(str(name), base.config_path, base.server_type, deep_merge(base.body, rest)))
+    return derived
 
 
 def defined_agents(config_paths: Iterable[str], overrides: Mapping[str, object]) -> set[str] | None:

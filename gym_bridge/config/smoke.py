@@ -87,6 +87,8 @@ class SmokeFacts:
     cohort_servers: tuple[str, ...] = ()
     """Kept servers that score a prompt's samples together, as ``<instance>.<type>.<folder>``: their
     ``num_rollouts_per_prompt`` follows the smoke's ``grpo.num_generations_per_prompt``."""
+    judge_budgets: Mapping[str, int] = field(default_factory=dict)
+    """Kept servers' own generation budgets (a judge's ``max_output_tokens``), by key under ``env.nemo_gym``."""
     served_file: str | None = None
     """The Gym config file that defines each called vLLM server again as a ``vllm_model`` to the run's endpoint
     (``config_paths`` names it)."""
@@ -172,6 +174,7 @@ def smoke_config(
     _data(r, facts)
     _batch(r, facts)
     _lengths(r, facts, model)
+    _judge_budgets(r, facts)
     _validation(r)
     _gym(r, facts)
     _run(r)
@@ -247,6 +250,14 @@ def _lengths(r: _Rewrite, facts: SmokeFacts, model: str) -> None:
         if room < most:
             most, why = room, f"the room the longest prompt ({facts.longest_prompt} tokens) leaves in the context"
     r.cut(key, most, why)
+
+
+def _judge_budgets(r: _Rewrite, facts: SmokeFacts) -> None:
+    """A judge's own generation budget cut as the policy's is: the smoke model answers for the judges too."""
+    for judge, tokens in facts.judge_budgets.items():
+        if tokens > SMOKE_MAX_NEW_TOKENS:
+            why = f"at most {SMOKE_MAX_NEW_TOKENS} tokens a judge's turn (the smoke model judges)"
+            r.set(f"env.nemo_gym.{judge}", SMOKE_MAX_NEW_TOKENS, why, add=True)
 
 
 def _validation(r: _Rewrite) -> None:

@@ -86,6 +86,7 @@ def smoke_facts(
         unused_instances=unused,
         vllm_swaps=swaps,
         cohort_servers=tuple(gym.cohort_servers(kept_paths, GYM_SECTION)),
+        judge_budgets=gym.judge_budgets(kept_paths, GYM_SECTION),
         config_copies=copies,
         served_file=served,
         fitted=fitted,

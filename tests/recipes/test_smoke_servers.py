@@ -7,6 +7,7 @@ served judge answering a real Gym run is in ``test_smoke_judge_gym.py``)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from pathlib import Path
 
@@ -57,6 +58,8 @@ def test_a_called_judge_is_served_by_the_smoke_model_and_an_uncalled_one_left_ou
         "entrypoint": "app.py", "base_url": "${policy_base_url}", "api_key": "${policy_api_key}",
         "model": "${policy_model_name}", "return_token_id_information": False, "uses_reasoning_parser": False}}}}
     assert "the smoke model answers math_with_judge" in plan.table()
+    budget = "env.nemo_gym.math_with_judge.resources_servers.math_with_judge.judge_responses_create_params"
+    assert c[f"{budget}.max_output_tokens"] == (8192, 64), "the smoke model judges in at most 64 tokens a turn"
     check_before_start(grpo_run_keys(plan.config))  # the served file is a Gym config the early checks read
     remove_unstarted_copies(run)
     assert not run.exists(), "a smoke run refused before it starts leaves none of the copies"
@@ -75,6 +78,18 @@ def test_a_config_file_that_defines_a_vllm_server_is_copied_without_it(tmp_path)
     again = read_gym_configs([str(copied)])
     assert {i.name for i in again.instances} == set(original) - {"genrm_model"}
     assert not any(i.starts_vllm for i in again.instances)
+
+
+def test_a_server_that_scores_a_prompts_samples_together_gets_the_smokes_samples_a_prompt():
+    gym = read_gym_configs([GENRM])
+    cohort = "genrm_compare_resources_server.resources_servers.genrm_compare"
+    assert gym.cohort_servers([GENRM], "env.nemo_gym") == [cohort]
+    config = load_with_overrides(RECIPE, [])
+    plan = smoke_config(config, smoke_facts(config, "tiny"), model="tiny")
+    assert f"env.nemo_gym.{cohort}.num_rollouts_per_prompt" not in changed(plan), "genrm_compare is not kept here"
+    facts = dataclasses.replace(smoke_facts(config, "tiny"), cohort_servers=(cohort,))
+    c = changed(smoke_config(config, facts, model="tiny"))
+    assert c[f"env.nemo_gym.{cohort}.num_rollouts_per_prompt"][1] == 2, "grpo.num_generations_per_prompt's smoke value"
 
 
 def test_the_gym_config_readers_agree_with_gyms_merge_and_derive_directives():

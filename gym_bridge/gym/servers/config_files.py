@@ -304,6 +304,22 @@ class GymConfigs:
                 found.append(f"{instance.name}.{instance.server_type}.{server[0]}")
         return found
 
+    def judge_budgets(self, kept_paths: Iterable[str], inline_name: str) -> dict[str, int]:
+        """The kept servers' own generation budgets (``judge_responses_create_params.max_output_tokens``,
+        ``genrm_responses_create_params...``: what a judge may write), as ``<instance>.<type>.<folder>.<key>`` -> its
+        value."""
+        kept = set(kept_paths) | {inline_name}
+        found = {}
+        for instance in self.instances:
+            server = instance.server()
+            if instance.config_path not in kept or server is None:
+                continue
+            for key, params in server[1].items():
+                budget = params.get("max_output_tokens") if isinstance(params, Mapping) else None
+                if str(key).endswith("_responses_create_params") and isinstance(budget, int):
+                    found[f"{instance.name}.{instance.server_type}.{server[0]}.{key}.max_output_tokens"] = budget
+        return found
+
     def container_agents(self, agents: Iterable[str]) -> dict[str, list[str]]:
         """Each of ``agents`` whose rollouts run in a container image: the agent -> the container keys it, or a
         server it calls, sets (``swe_agents_train.container_formatter``)."""

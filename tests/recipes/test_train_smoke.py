@@ -330,7 +330,10 @@ def test_the_recipe_runs_one_step_with_smoke_and_no_other_override(tmp_path):
     assert [m["kind"] for m in lines] == ["val", "train"], "validation at start (the recipe's), one step"
     assert not (run / "checkpoint").exists(), "checkpointing.enabled: false"
     written = yaml.safe_load((run / "config.yaml").read_text())
-    assert written["env"]["nemo_gym"]["config_paths"] == [MODEL_CONFIG, MATH_CONFIG]
+    served = run / "smoke-gym" / "vllm_servers.yaml"
+    assert written["env"]["nemo_gym"]["config_paths"] == [MODEL_CONFIG, MATH_CONFIG, str(served)]
+    logs = {p.stem for p in (run / "gym-logs").glob("*.log")}
+    assert "math_judge_model" in logs and "safety_judge_model" not in logs, "the called judge served, the other out"
     assert not (tmp_path / "logs").exists(), "the logs stay in the run folder"
 
 

@@ -45,6 +45,9 @@ SMOKE_GENERATIONS = 2
 """The most samples per prompt (``grpo.num_generations_per_prompt``): two, so a group can have a reward spread."""
 SMOKE_MAX_NEW_TOKENS = 64
 """The most tokens a smoke turn generates (``policy.generation.max_new_tokens``)."""
+SMOKE_JUDGE_MAX_TOKENS = 512
+"""The most tokens a judge's turn generates (a server's ``*_responses_create_params.max_output_tokens``): room for the
+smoke model to finish an answer, since a judge cut by its budget counts as failed (GenRM's ``judge_failed``)."""
 SMOKE_VAL_SAMPLES = 2
 """The most rows of each validation set (``grpo.max_val_samples``)."""
 SMOKE_STEPS = 1
@@ -255,9 +258,9 @@ def _lengths(r: _Rewrite, facts: SmokeFacts, model: str) -> None:
 def _judge_budgets(r: _Rewrite, facts: SmokeFacts) -> None:
     """A judge's own generation budget cut as the policy's is: the smoke model answers for the judges too."""
     for judge, tokens in facts.judge_budgets.items():
-        if tokens > SMOKE_MAX_NEW_TOKENS:
-            why = f"at most {SMOKE_MAX_NEW_TOKENS} tokens a judge's turn (the smoke model judges)"
-            r.set(f"env.nemo_gym.{judge}", SMOKE_MAX_NEW_TOKENS, why, add=True)
+        if tokens > SMOKE_JUDGE_MAX_TOKENS:
+            why = f"at most {SMOKE_JUDGE_MAX_TOKENS} tokens a judge's turn (the smoke model judges)"
+            r.set(f"env.nemo_gym.{judge}", SMOKE_JUDGE_MAX_TOKENS, why, add=True)
 
 
 def _validation(r: _Rewrite) -> None:

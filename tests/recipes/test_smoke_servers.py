@@ -59,7 +59,7 @@ def test_a_called_judge_is_served_by_the_smoke_model_and_an_uncalled_one_left_ou
         "model": "${policy_model_name}", "return_token_id_information": False, "uses_reasoning_parser": False}}}}
     assert "the smoke model answers math_with_judge" in plan.table()
     budget = "env.nemo_gym.math_with_judge.resources_servers.math_with_judge.judge_responses_create_params"
-    assert c[f"{budget}.max_output_tokens"] == (8192, 64), "the smoke model judges in at most 64 tokens a turn"
+    assert c[f"{budget}.max_output_tokens"] == (8192, 512), "the smoke model judges in at most 512 tokens a turn"
     check_before_start(grpo_run_keys(plan.config))  # the served file is a Gym config the early checks read
     remove_unstarted_copies(run)
     assert not run.exists(), "a smoke run refused before it starts leaves none of the copies"

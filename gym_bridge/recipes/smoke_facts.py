@@ -66,7 +66,7 @@ def smoke_facts(
     copies = copies_without_vllm(gym, swaps, run_dir) if run_dir is not None else {}
     served = served_by_policy(swaps, run_dir) if run_dir is not None else None
     if copies or served:
-        kept = [copies.get(p, p) for p in (config_paths or gym.config_paths)]
+        kept = [copies.get(p, p) for p in kept_paths]
         config_paths = (*kept, *([served] if served else []))
     facts = model_facts(model)
     kwargs = chat_template_kwargs(config)

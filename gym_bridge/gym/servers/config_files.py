@@ -280,11 +280,15 @@ class GymConfigs:
         """:func:`unknown_agents` against the agents these configs define."""
         return unknown_agents(named, self.agents())
 
+    def kept(self, kept_paths: Iterable[str], inline_name: str) -> list[GymInstance]:
+        """The instances of ``kept_paths`` and of the recipe's own blocks (recorded under ``inline_name``)."""
+        kept = set(kept_paths) | {inline_name}
+        return [i for i in self.instances if i.config_path in kept]
+
     def vllm_swaps(self, kept_paths: Iterable[str], inline_name: str) -> tuple[VllmSwap, ...]:
         """Each server of ``kept_paths`` (and of the recipe's own blocks, recorded under ``inline_name``) that starts
         vLLM, with the other kept servers that call it and the block that answers for it."""
-        kept = set(kept_paths) | {inline_name}
-        instances = [i for i in self.instances if i.config_path in kept]
+        instances = self.kept(kept_paths, inline_name)
         swaps = []
         for server in (i for i in instances if i.starts_vllm):
             callers = tuple(i.name for i in instances if not i.starts_vllm and server.name in i.refs())
@@ -296,11 +300,10 @@ class GymConfigs:
         """The kept servers that score a prompt's samples together (:data:`COHORT_KEY`, GenRM's pairwise comparison),
         each as ``<instance>.<type>.<folder>``: their cohort must be the samples a prompt gets, or they wait for
         samples that never come."""
-        kept = set(kept_paths) | {inline_name}
         found = []
-        for instance in self.instances:
+        for instance in self.kept(kept_paths, inline_name):
             server = instance.server()
-            if instance.config_path in kept and server is not None and COHORT_KEY in server[1]:
+            if server is not None and COHORT_KEY in server[1]:
                 found.append(f"{instance.name}.{instance.server_type}.{server[0]}")
         return found
 
@@ -308,11 +311,10 @@ class GymConfigs:
         """The kept servers' own generation budgets (``judge_responses_create_params.max_output_tokens``,
         ``genrm_responses_create_params...``: what a judge may write), as ``<instance>.<type>.<folder>.<key>`` -> its
         value."""
-        kept = set(kept_paths) | {inline_name}
         found = {}
-        for instance in self.instances:
+        for instance in self.kept(kept_paths, inline_name):
             server = instance.server()
-            if instance.config_path not in kept or server is None:
+            if server is None:
                 continue
             for key, params in server[1].items():
                 budget = params.get("max_output_tokens") if isinstance(params, Mapping) else None
